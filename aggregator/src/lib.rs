@@ -1,0 +1,1 @@
+//! fedfleet-aggregator: see the issue tracker; built in later slices.

@@ -1,0 +1,1 @@
+//! fedfleet-agent: see the issue tracker; built in later slices.

@@ -1,0 +1,1 @@
+//! fedfleet-registry: see the issue tracker; built in later slices.
