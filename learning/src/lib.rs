@@ -1,1 +1,48 @@
-//! Learning.
+//! fedfleet learning: burn models, datasets and loaders, partitioners, local training,
+//! evaluation, inference, and conversion between burn modules and tensor bundles.
+//!
+//! Everything runs on burn's pure-Rust CPU backend (`Device::flex()`; single-threaded in this
+//! build, which is what makes training bit-for-bit reproducible from a seed). See the crate
+//! README for an API tour and the tensor naming of the safetensors files.
+//!
+//! ```no_run
+//! use fedfleet_learning::{ModelSpec, Dataset, TrainConfig, train_local, evaluate};
+//! let spec = ModelSpec::digits_mlp();
+//! let (train, test) = Dataset::digits_split().unwrap();
+//! let global = spec.init(7).to_bundle().unwrap();
+//! let out = train_local(&spec, &global, &train, &TrainConfig::default(), 1).unwrap();
+//! let local = fedfleet_learning::sim::apply_delta(&global, &out.delta, 1.0).unwrap();
+//! let report = evaluate(&spec, &local, &test).unwrap();
+//! println!("accuracy {:.3}", report.accuracy);
+//! ```
+
+pub mod data;
+pub mod error;
+pub mod eval;
+pub mod model;
+pub mod partition;
+pub mod rng;
+pub mod sim;
+pub mod spec;
+pub mod train;
+
+pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};
+pub use error::{DataError, LearningError};
+pub use eval::{evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
+pub use model::Model;
+pub use partition::Partition;
+pub use spec::ModelSpec;
+pub use train::{
+    train_local, train_local_scaffold, OptimizerConfig, ScaffoldOutcome, ScaffoldState,
+    TrainConfig, TrainMetrics, TrainOutcome,
+};
+
+/// The plain CPU device every inference and evaluation path uses (`Device::flex()`).
+pub fn cpu_device() -> burn::tensor::Device {
+    burn::tensor::Device::flex()
+}
+
+/// The autodiff-enabled CPU device local training uses (`Device::flex().autodiff()`).
+pub fn train_device() -> burn::tensor::Device {
+    burn::tensor::Device::flex().autodiff()
+}

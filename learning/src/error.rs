@@ -1,0 +1,91 @@
+//! Error types. Every rejection carries a named reason.
+
+use fedfleet_protocol::bundle::BundleError;
+use std::path::PathBuf;
+
+/// Errors from the dataset loaders. Row-level problems carry the 1-based line number.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// Reading a file failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The gzip stream is corrupt or truncated.
+    #[error("{what}: gzip stream is corrupt: {source}")]
+    Gzip {
+        /// Which input.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A CSV row is malformed.
+    #[error("{what}: line {line}: {reason}")]
+    Csv {
+        /// Which input (file name or "digits.csv.gz").
+        what: String,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An IDX file is malformed.
+    #[error("{what}: IDX byte offset {offset}: {reason}")]
+    Idx {
+        /// Which input.
+        what: String,
+        /// Byte offset (in the uncompressed stream) where the problem was found.
+        offset: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The inputs are individually valid but do not fit together (e.g. image/label counts).
+    #[error("{0}")]
+    Mismatch(String),
+    /// The data set has no rows.
+    #[error("{0}: no examples")]
+    Empty(String),
+}
+
+/// Errors from models, conversion, training and evaluation.
+#[derive(Debug, thiserror::Error)]
+pub enum LearningError {
+    /// The model spec is not usable (zero sizes, unknown shapes...).
+    #[error("invalid model spec: {0}")]
+    InvalidSpec(String),
+    /// A tensor bundle does not have the parameter layout the spec requires.
+    #[error("bundle does not match the model layout: {0}")]
+    Layout(String),
+    /// Bundle codec error.
+    #[error("tensor bundle: {0}")]
+    Bundle(#[from] BundleError),
+    /// Data loading error.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// File I/O error.
+    #[error("cannot access {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The data does not fit the model.
+    #[error("data does not fit the model: {0}")]
+    InputMismatch(String),
+    /// Training produced NaN/Inf.
+    #[error("training diverged: non-finite loss at step {step}")]
+    NonFinite {
+        /// Optimizer step at which it happened.
+        step: usize,
+    },
+    /// Bad training configuration.
+    #[error("invalid training config: {0}")]
+    InvalidConfig(String),
+    /// Reading a tensor back from burn failed.
+    #[error("tensor read failed: {0}")]
+    Tensor(String),
+}
