@@ -1,1 +1,46 @@
-//! fedfleet-registry: see the issue tracker; built in later slices.
+//! fedfleet-registry: where model versions live and how they reach the fleet.
+//!
+//! Three cores, each usable without the others, and none of them doing network I/O:
+//!
+//! - [`store`]: a versioned, content-addressed store on sled. Artifacts are split into fixed-size
+//!   chunks keyed by their BLAKE3 digest, so a device that holds chunks of an earlier version
+//!   fetches only what differs ([`Store::missing_chunks`]). Model versions are numbered per model
+//!   name and carry a manifest (opaque spec, length, digest, parent, metrics, publisher);
+//!   aliases (`stable`, `canary`, any name) point at versions. Publishing is atomic: a crash
+//!   never leaves a half-visible version. A damaged database is refused on open, never replaced
+//!   by an empty one.
+//! - [`tuf`]: signed metadata in the spirit of TUF (root, targets, timestamp roles; Ed25519 with
+//!   thresholds; domain-separated signatures) and the pure client-side [`Verifier`] that agents
+//!   use to reject forged, under-signed, expired, rolled-back or mismatching metadata and
+//!   artifacts, each with a named [`TufError`].
+//! - [`rollout`]: the sans-IO rollout engine. It moves an alias to a new version in phases
+//!   (deterministic percentages of the fleet or named cohorts) with soak times, pause, resume,
+//!   abort, roll back, and an automatic abort when a phase's failure rate passes a threshold.
+//!   Time is passed in; events are polled; the state serializes for the shell to persist.
+//!
+//! The QUIC download service and the operator CLI sit on top: the service answers
+//! [`Store::manifest`], [`Store::missing_chunks`] and [`Store::chunk`] requests and serves the
+//! signed metadata; the shell feeds device reports to [`Rollout::handle_report`], calls
+//! [`Rollout::handle_timeout`] at [`Rollout::poll_timeout`], applies [`rollout::Event::SetAlias`]
+//! with [`Store::set_alias`], and persists rollouts with [`Store::put_rollout`].
+//!
+//! **Architecture invariant:** no sockets, no clock reads and no async in this crate's cores;
+//! `now` is always a parameter (unix milliseconds).
+
+pub mod rollout;
+mod serde_hex;
+pub mod store;
+pub mod tuf;
+
+#[cfg(test)]
+mod tests;
+
+pub use fedfleet_protocol::{Digest, ModelVersion};
+pub use rollout::{
+    Assignment, Audience, DeviceState, Event as RolloutEvent, Phase, Reason, Rollout,
+    RolloutError, RolloutPlan, Status as RolloutStatus,
+};
+pub use store::{
+    Artifact, ChunkRef, Manifest, NewVersion, Store, StoreConfig, StoreError, VersionRecord,
+};
+pub use tuf::{Root, Signed, TargetInfo, Targets, Timestamp, TufError, Verifier};

@@ -1,0 +1,533 @@
+//! The rollout engine: moves an alias of a model to a new version in phases. Sans-IO.
+//!
+//! The engine reads no clock and touches no disk or socket: every input carries `now` (unix ms),
+//! outputs are polled ([`Rollout::poll_event`], [`Rollout::poll_timeout`]), and the whole state
+//! serializes (the shell stores it in sled with [`crate::Store::put_rollout`] after each input).
+//!
+//! # Audience
+//! A plan is a list of [`Phase`]s. Phase *k*'s audience is the **union of the audiences of phases
+//! 0..=k**, so a device that is in the rollout stays in it as phases advance (monotonic). An
+//! audience is either a percentage of the fleet or a named cohort (an explicit device list):
+//! - percentage `p`: the device is in iff `bucket(rollout_id, device_id) < p`, where `bucket`
+//!   maps the first 8 bytes of `blake3(rollout_id || 0x00 || device_id)` (big endian) uniformly
+//!   onto `[0, 100)` in steps of 10⁻⁴ %. Deterministic, independent per rollout, and no device
+//!   list is needed; the `0x00` separator keeps `("ab","c")` and `("a","bc")` apart.
+//! - cohort: the device id is in the cohort's set.
+//!
+//! # Progress and failure
+//! Each phase soaks for at least `soak_ms` of *running* time (time spent paused does not count),
+//! and, if `min_healthy` is set, until that many devices of the audience report the target
+//! healthy or active. After the last phase the rollout completes and asks the shell to point the
+//! alias at the target ([`Event::SetAlias`]); until then the alias keeps the previous version and
+//! only the audience is told to run the target.
+//!
+//! Device reports ([`DeviceState`]) drive the failure rate: among audience devices that reported
+//! an *outcome* for the target (healthy, active, failed, rolled back), the share that failed or
+//! rolled back. Downloads and verifications are recorded but are not outcomes. When at least
+//! `min_sample` devices reported an outcome and the share exceeds `failure_threshold`, the rollout
+//! aborts itself ([`Event::AutoAborted`]).
+//!
+//! # What a device should run ([`Rollout::assignment`])
+//! | state                | in audience, healthy | in audience, failed | not in audience |
+//! |----------------------|----------------------|---------------------|-----------------|
+//! | running / paused     | target               | previous            | previous        |
+//! | completed            | target               | target              | target          |
+//! | aborted              | target if it reported healthy/active, else previous           |||
+//! | rolled back          | previous             | previous            | previous        |
+//!
+//! Pausing freezes the phase (no new devices); aborting stops all new assignments of the target;
+//! rolling back sends everyone to the previous version (and moves the alias back if the rollout
+//! had completed).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use fedfleet_protocol::{DeviceId, ModelVersion};
+use serde::{Deserialize, Serialize};
+
+/// Resolution of percentages: 1 unit = 10⁻⁴ %.
+const BUCKETS: u64 = 1_000_000;
+
+/// Who a phase adds to the rollout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Audience {
+    /// A deterministic pseudo-random share of the fleet, in percent (0, 100].
+    Percent(f64),
+    /// A named, explicit set of devices.
+    Cohort { name: String, devices: BTreeSet<DeviceId> },
+}
+
+/// One phase of a rollout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Phase {
+    pub audience: Audience,
+    /// Minimum running time in this phase before the next one starts, in ms.
+    pub soak_ms: u64,
+    /// Devices of the audience that must report the target healthy/active before advancing.
+    #[serde(default)]
+    pub min_healthy: u32,
+}
+
+impl Phase {
+    pub fn percent(p: f64, soak_ms: u64) -> Self {
+        Phase { audience: Audience::Percent(p), soak_ms, min_healthy: 0 }
+    }
+
+    pub fn cohort(name: &str, devices: impl IntoIterator<Item = DeviceId>, soak_ms: u64) -> Self {
+        Phase {
+            audience: Audience::Cohort { name: name.to_owned(), devices: devices.into_iter().collect() },
+            soak_ms,
+            min_healthy: 0,
+        }
+    }
+}
+
+/// What the operator asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutPlan {
+    /// Unique id; also salts the percentage buckets.
+    pub id: String,
+    pub model: String,
+    /// The alias being moved, e.g. `stable`.
+    pub alias: String,
+    pub target: ModelVersion,
+    /// Where the alias pointed before (what devices outside the audience run); `None` if nothing.
+    pub previous: Option<ModelVersion>,
+    pub phases: Vec<Phase>,
+    /// Auto-abort when failed / reporting exceeds this share, in [0, 1].
+    pub failure_threshold: f64,
+    /// Outcomes needed before the failure rate is judged.
+    pub min_sample: u32,
+}
+
+impl RolloutPlan {
+    fn validate(&self) -> Result<(), RolloutError> {
+        let bad = |s: String| Err(RolloutError::InvalidPlan(s));
+        if self.id.is_empty() {
+            return bad("empty rollout id".into());
+        }
+        if self.phases.is_empty() {
+            return bad("no phases".into());
+        }
+        for (i, p) in self.phases.iter().enumerate() {
+            if let Audience::Percent(x) = p.audience
+                && !(x > 0.0 && x <= 100.0)
+            {
+                return bad(format!("phase {i}: percentage {x} outside (0, 100]"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.failure_threshold) {
+            return bad(format!("failure threshold {} outside [0, 1]", self.failure_threshold));
+        }
+        if Some(self.target) == self.previous {
+            return bad("target equals the previous version".into());
+        }
+        Ok(())
+    }
+}
+
+/// Where the rollout stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Running,
+    Paused,
+    Completed,
+    Aborted,
+    RolledBack,
+}
+
+/// A device's report about one version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceState {
+    Downloaded,
+    Verified,
+    Healthy,
+    Active,
+    RolledBack { reason: String },
+    Failed { reason: String },
+}
+
+impl DeviceState {
+    /// `Some(true)` for a success outcome, `Some(false)` for a failure, `None` while in progress.
+    pub fn outcome(&self) -> Option<bool> {
+        match self {
+            DeviceState::Downloaded | DeviceState::Verified => None,
+            DeviceState::Healthy | DeviceState::Active => Some(true),
+            DeviceState::RolledBack { .. } | DeviceState::Failed { .. } => Some(false),
+        }
+    }
+}
+
+/// The latest report of one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    pub version: ModelVersion,
+    pub state: DeviceState,
+    pub at: u64,
+    /// First phase whose audience includes the device (`None`: in no phase). Cached at report.
+    pub first_phase: Option<usize>,
+}
+
+/// Why a device got its assignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// In the audience of the current phase.
+    InRollout { phase: usize },
+    /// Not (yet) in the audience: stay on the previous version.
+    NotInAudience { phase: usize },
+    /// In the audience but reported a failure for the target: stay on the previous version.
+    DeviceFailed,
+    /// The rollout completed: the alias points at the target.
+    Completed,
+    /// Aborted; this device already runs the target healthily and keeps it.
+    AbortedKeep,
+    /// Aborted; no new device gets the target.
+    Aborted,
+    /// Rolled back: everyone returns to the previous version.
+    RolledBack,
+}
+
+/// Answer to "what should I run?" (the shell signs it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment {
+    pub model: String,
+    /// `None`: no version of this model (there was none before a first rollout).
+    pub version: Option<ModelVersion>,
+    pub reason: Reason,
+}
+
+/// Things the shell must act on or log, polled in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    Started { phase: usize },
+    PhaseAdvanced { phase: usize, at: u64 },
+    Paused { phase: usize },
+    Resumed { phase: usize },
+    Completed { at: u64 },
+    /// Point `alias` of `model` at `version` (`None`: remove the alias).
+    SetAlias { model: String, alias: String, version: Option<ModelVersion> },
+    Aborted { phase: usize, reason: String },
+    AutoAborted { phase: usize, failure_rate: f64, failed: u32, reporting: u32 },
+    RolledBack { to: Option<ModelVersion> },
+}
+
+/// An operator command that does not apply in the current state.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RolloutError {
+    #[error("invalid rollout plan: {0}")]
+    InvalidPlan(String),
+    #[error("cannot {action} a rollout that is {from:?}")]
+    InvalidTransition { from: Status, action: &'static str },
+}
+
+/// Counts for status displays.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub status: Status,
+    pub phase: usize,
+    pub phases: usize,
+    /// Outcomes of audience devices for the target.
+    pub healthy: u32,
+    pub failed: u32,
+    /// Audience devices that reported progress but no outcome yet.
+    pub in_progress: u32,
+    pub failure_rate: Option<f64>,
+}
+
+/// One rollout's state machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rollout {
+    plan: RolloutPlan,
+    status: Status,
+    phase: usize,
+    /// Running time already soaked in this phase before `running_since`.
+    soaked_ms: u64,
+    running_since: u64,
+    started_at: u64,
+    ended_at: Option<u64>,
+    alias_moved: bool,
+    devices: BTreeMap<DeviceId, DeviceRecord>,
+    events: VecDeque<Event>,
+}
+
+/// The bucket of `device` in rollout `rollout_id`, in [0, 1_000_000) (units of 10⁻⁴ %).
+pub fn bucket(rollout_id: &str, device: &DeviceId) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(rollout_id.as_bytes());
+    h.update(&[0]);
+    h.update(device.as_str().as_bytes());
+    let x = u64::from_be_bytes(h.finalize().as_bytes()[..8].try_into().unwrap());
+    ((x as u128 * BUCKETS as u128) >> 64) as u64
+}
+
+/// Whether `device` is in the first `percent` % of rollout `rollout_id`.
+pub fn in_percent(rollout_id: &str, device: &DeviceId, percent: f64) -> bool {
+    bucket(rollout_id, device) < percent_limit(percent)
+}
+
+fn percent_limit(percent: f64) -> u64 {
+    (percent.clamp(0.0, 100.0) * (BUCKETS as f64 / 100.0)).round() as u64
+}
+
+impl Rollout {
+    /// Starts a rollout at `now` in phase 0.
+    pub fn start(plan: RolloutPlan, now: u64) -> Result<Self, RolloutError> {
+        plan.validate()?;
+        let mut r = Rollout {
+            plan,
+            status: Status::Running,
+            phase: 0,
+            soaked_ms: 0,
+            running_since: now,
+            started_at: now,
+            ended_at: None,
+            alias_moved: false,
+            devices: BTreeMap::new(),
+            events: VecDeque::new(),
+        };
+        r.events.push_back(Event::Started { phase: 0 });
+        Ok(r)
+    }
+
+    pub fn id(&self) -> &str {
+        &self.plan.id
+    }
+
+    pub fn plan(&self) -> &RolloutPlan {
+        &self.plan
+    }
+
+    pub fn status(&self) -> Status {
+        self.status
+    }
+
+    /// Index of the current phase (the last one reached, once finished).
+    pub fn phase(&self) -> usize {
+        self.phase
+    }
+
+    pub fn started_at(&self) -> u64 {
+        self.started_at
+    }
+
+    pub fn ended_at(&self) -> Option<u64> {
+        self.ended_at
+    }
+
+    /// Latest report of every device that reported.
+    pub fn devices(&self) -> &BTreeMap<DeviceId, DeviceRecord> {
+        &self.devices
+    }
+
+    /// The first phase whose audience includes `device`, if any.
+    pub fn first_phase(&self, device: &DeviceId) -> Option<usize> {
+        let b = bucket(&self.plan.id, device);
+        self.plan.phases.iter().position(|p| match &p.audience {
+            Audience::Percent(x) => b < percent_limit(*x),
+            Audience::Cohort { devices, .. } => devices.contains(device),
+        })
+    }
+
+    /// Whether `device` is in the audience of phases 0..=`phase`.
+    pub fn in_audience(&self, device: &DeviceId, phase: usize) -> bool {
+        self.first_phase(device).is_some_and(|f| f <= phase)
+    }
+
+    fn active(&self) -> bool {
+        matches!(self.status, Status::Running | Status::Paused)
+    }
+
+    /// (healthy, failed, in progress) among audience devices' reports for the target.
+    fn counts(&self) -> (u32, u32, u32) {
+        let (mut ok, mut failed, mut progress) = (0, 0, 0);
+        for rec in self.devices.values() {
+            if rec.version != self.plan.target || !rec.first_phase.is_some_and(|f| f <= self.phase) {
+                continue;
+            }
+            match rec.state.outcome() {
+                Some(true) => ok += 1,
+                Some(false) => failed += 1,
+                None => progress += 1,
+            }
+        }
+        (ok, failed, progress)
+    }
+
+    pub fn summary(&self) -> Summary {
+        let (healthy, failed, in_progress) = self.counts();
+        let reporting = healthy + failed;
+        Summary {
+            status: self.status,
+            phase: self.phase,
+            phases: self.plan.phases.len(),
+            healthy,
+            failed,
+            in_progress,
+            failure_rate: (reporting > 0).then(|| failed as f64 / reporting as f64),
+        }
+    }
+
+    fn check_failures(&mut self, now: u64) {
+        if !self.active() {
+            return;
+        }
+        let (ok, failed, _) = self.counts();
+        let reporting = ok + failed;
+        if reporting == 0 || reporting < self.plan.min_sample {
+            return;
+        }
+        let rate = failed as f64 / reporting as f64;
+        if rate > self.plan.failure_threshold {
+            self.status = Status::Aborted;
+            self.ended_at = Some(now);
+            tracing::warn!(rollout = %self.plan.id, phase = self.phase, rate, "auto-abort");
+            self.events.push_back(Event::AutoAborted {
+                phase: self.phase,
+                failure_rate: rate,
+                failed,
+                reporting,
+            });
+        }
+    }
+
+    /// A device's report. Recorded in every state; judged only while running or paused.
+    pub fn handle_report(&mut self, now: u64, device: DeviceId, version: ModelVersion, state: DeviceState) {
+        let first_phase = self.first_phase(&device);
+        self.devices.insert(device, DeviceRecord { version, state, at: now, first_phase });
+        self.check_failures(now);
+    }
+
+    /// Advances phases whose soak has elapsed.
+    pub fn handle_timeout(&mut self, now: u64) {
+        while self.status == Status::Running {
+            let phase = &self.plan.phases[self.phase];
+            let soaked = self.soaked_ms + now.saturating_sub(self.running_since);
+            if soaked < phase.soak_ms {
+                return;
+            }
+            if phase.min_healthy > 0 && self.counts().0 < phase.min_healthy {
+                return;
+            }
+            if self.phase + 1 == self.plan.phases.len() {
+                self.status = Status::Completed;
+                self.ended_at = Some(now);
+                self.alias_moved = true;
+                self.events.push_back(Event::Completed { at: now });
+                self.events.push_back(Event::SetAlias {
+                    model: self.plan.model.clone(),
+                    alias: self.plan.alias.clone(),
+                    version: Some(self.plan.target),
+                });
+                return;
+            }
+            self.phase += 1;
+            self.soaked_ms = 0;
+            self.running_since = now;
+            self.events.push_back(Event::PhaseAdvanced { phase: self.phase, at: now });
+        }
+    }
+
+    /// When [`Rollout::handle_timeout`] should next be called (unix ms), if anything is pending
+    /// on time. A phase waiting for `min_healthy` reports also advances on a later timeout.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if self.status != Status::Running {
+            return None;
+        }
+        let soak = self.plan.phases[self.phase].soak_ms;
+        Some(self.running_since + soak.saturating_sub(self.soaked_ms))
+    }
+
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Freezes the current phase: no new devices, no advancing.
+    pub fn pause(&mut self, now: u64) -> Result<(), RolloutError> {
+        if self.status != Status::Running {
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "pause" });
+        }
+        self.soaked_ms += now.saturating_sub(self.running_since);
+        self.status = Status::Paused;
+        self.events.push_back(Event::Paused { phase: self.phase });
+        Ok(())
+    }
+
+    /// Continues a paused rollout; the remaining soak time continues from where it stopped.
+    pub fn resume(&mut self, now: u64) -> Result<(), RolloutError> {
+        if self.status != Status::Paused {
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "resume" });
+        }
+        self.status = Status::Running;
+        self.running_since = now;
+        self.events.push_back(Event::Resumed { phase: self.phase });
+        self.handle_timeout(now);
+        Ok(())
+    }
+
+    /// Stops the rollout: no device newly gets the target.
+    pub fn abort(&mut self, now: u64, reason: &str) -> Result<(), RolloutError> {
+        if !self.active() {
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "abort" });
+        }
+        self.status = Status::Aborted;
+        self.ended_at = Some(now);
+        self.events.push_back(Event::Aborted { phase: self.phase, reason: reason.to_owned() });
+        Ok(())
+    }
+
+    /// Sends every device back to the previous version (and the alias, if it had moved).
+    pub fn rollback(&mut self, now: u64) -> Result<(), RolloutError> {
+        if self.status == Status::RolledBack {
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "roll back" });
+        }
+        self.status = Status::RolledBack;
+        self.ended_at.get_or_insert(now);
+        self.events.push_back(Event::RolledBack { to: self.plan.previous });
+        if self.alias_moved {
+            self.alias_moved = false;
+            self.events.push_back(Event::SetAlias {
+                model: self.plan.model.clone(),
+                alias: self.plan.alias.clone(),
+                version: self.plan.previous,
+            });
+        }
+        Ok(())
+    }
+
+    /// What `device` should run now. Applies due timeouts first, so the answer is current.
+    pub fn assignment(&mut self, device: &DeviceId, now: u64) -> Assignment {
+        self.handle_timeout(now);
+        let target = Some(self.plan.target);
+        let previous = self.plan.previous;
+        let failed_here = self
+            .devices
+            .get(device)
+            .is_some_and(|r| r.version == self.plan.target && r.state.outcome() == Some(false));
+        let healthy_here = self
+            .devices
+            .get(device)
+            .is_some_and(|r| r.version == self.plan.target && r.state.outcome() == Some(true));
+        let (version, reason) = match self.status {
+            Status::Running | Status::Paused => {
+                if !self.in_audience(device, self.phase) {
+                    (previous, Reason::NotInAudience { phase: self.phase })
+                } else if failed_here {
+                    (previous, Reason::DeviceFailed)
+                } else {
+                    (target, Reason::InRollout { phase: self.phase })
+                }
+            }
+            Status::Completed => (target, Reason::Completed),
+            Status::Aborted if healthy_here && self.in_audience(device, self.phase) => {
+                (target, Reason::AbortedKeep)
+            }
+            Status::Aborted => (previous, Reason::Aborted),
+            Status::RolledBack => (previous, Reason::RolledBack),
+        };
+        Assignment { model: self.plan.model.clone(), version, reason }
+    }
+}
