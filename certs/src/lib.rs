@@ -1,1 +1,83 @@
-//! Fleet PKI.
+//! fedfleet's private CA: the fleet PKI directory, server and device identities, enrollment, the
+//! signed revocation list, and the rustls configurations for fleet mTLS.
+//!
+//! **API boundary:** no other fedfleet crate reads PEM or builds a rustls verifier; they load
+//! identities and configs from here.
+//!
+//! **Architecture invariant:** ring is the only crypto provider; every rustls config is built with
+//! `builder_with_provider(ring)`, never from the process default.
+//!
+//! PKI directory layout:
+//! ```text
+//! ca.crt  ca.key (0600)        fleet CA, ed25519
+//! servers/<name>.crt|.key      server identities (EKU serverAuth + clientAuth)
+//! devices/<id>.crt|.key        device identities (CN = device id, EKU clientAuth)
+//! devices.json                 allow-list: id -> public key, serial, enrolled_at[, revoked_at]
+//! revoked.json                 revocation list signed by the CA key
+//! ```
+
+mod allowlist;
+mod error;
+mod fsutil;
+mod identity;
+pub mod inspect;
+mod keys;
+pub mod layout;
+mod pki;
+mod revocation;
+pub mod tls;
+mod x509;
+
+#[cfg(test)]
+mod tests;
+
+pub use allowlist::{AllowEntry, AllowList, AllowListFile, DeviceStatus};
+pub use error::CertError;
+pub use fsutil::SECRET_MODE;
+pub use identity::{CaCert, DeviceIdentity, ServerIdentity};
+pub use keys::{load_signing_key, parse_public_key_hex};
+pub use pki::{CA_DAYS, EnrolledDevice, IssuedServer, LEAF_DAYS, Pki, Revocation};
+pub use revocation::{REVOCATION_DOMAIN, RevocationEntry, RevocationList, RevocationWatcher};
+
+use fedfleet_protocol::DeviceId;
+use rustls_pki_types::CertificateDer;
+
+/// ALPN of fleet protocol version 1, on every QUIC connection.
+pub const ALPN_V1: &[u8] = b"fedfleet/1";
+
+/// Who is on the other end of a verified connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerIdentity {
+    /// A device certificate (OU=device); the id is the CN.
+    Device(DeviceId),
+    /// A service certificate (OU=service); the name is the CN.
+    Service(String),
+}
+
+/// Classifies a peer's end-entity certificate (the first of `certs`) by its subject.
+pub fn peer_identity(certs: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertError> {
+    let first = certs.first().ok_or(CertError::NoPeerCertificate)?;
+    let cert = x509::parse(first)?;
+    let subject = cert.subject();
+    let cn = x509::common_name(subject)
+        .ok_or_else(|| CertError::BadCertificate("subject has no CN".into()))?;
+    match x509::org_unit(subject) {
+        Some(x509::OU_DEVICE) => DeviceId::new(cn)
+            .map(PeerIdentity::Device)
+            .map_err(|reason| CertError::InvalidId {
+                id: cn.to_string(),
+                reason,
+            }),
+        Some(x509::OU_SERVICE) => Ok(PeerIdentity::Service(cn.to_string())),
+        _ => Err(CertError::NotADevice(subject.to_string())),
+    }
+}
+
+/// The device id of a peer: the CN of its end-entity certificate, which must be a device
+/// certificate. Use on `quinn::Connection::peer_identity()` downcast to `Vec<CertificateDer>`.
+pub fn device_id_from_peer(certs: &[CertificateDer<'_>]) -> Result<DeviceId, CertError> {
+    match peer_identity(certs)? {
+        PeerIdentity::Device(id) => Ok(id),
+        PeerIdentity::Service(name) => Err(CertError::NotADevice(format!("service {name}"))),
+    }
+}

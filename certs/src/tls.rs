@@ -1,0 +1,175 @@
+//! rustls configurations for fleet mTLS, built on the ring provider only (never the process
+//! default, so a second provider elsewhere in the tree changes nothing).
+
+use std::sync::Arc;
+
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, ServerConfig,
+    SignatureScheme,
+};
+use rustls_pki_types::{CertificateDer, UnixTime};
+
+use crate::error::CertError;
+use crate::identity::{CaCert, DeviceIdentity, ServerIdentity};
+use crate::revocation::RevocationWatcher;
+use crate::{PeerIdentity, peer_identity};
+
+/// The ring crypto provider every fleet TLS config uses.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls_err(e: impl std::fmt::Display) -> CertError {
+    CertError::Tls(e.to_string())
+}
+
+fn alpn_vec(alpn: &[&[u8]]) -> Vec<Vec<u8>> {
+    alpn.iter().map(|p| p.to_vec()).collect()
+}
+
+/// Client certificate verifier: the webpki checks (chain to the fleet CA, validity, EKU
+/// clientAuth, handshake signature), then refuses device certificates on the revocation list.
+#[derive(Debug)]
+pub struct RevocationCheckingVerifier {
+    inner: Arc<dyn ClientCertVerifier>,
+    revocation: Arc<RevocationWatcher>,
+}
+
+impl RevocationCheckingVerifier {
+    pub fn new(ca: &CaCert, revocation: Arc<RevocationWatcher>) -> Result<Self, CertError> {
+        let inner =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store()?), provider())
+                .build()
+                .map_err(tls_err)?;
+        Ok(RevocationCheckingVerifier { inner, revocation })
+    }
+}
+
+impl ClientCertVerifier for RevocationCheckingVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        match peer_identity(std::slice::from_ref(end_entity)) {
+            Ok(PeerIdentity::Device(id)) => {
+                if self.revocation.is_revoked(&id) {
+                    tracing::info!(device = %id, "refused revoked device certificate");
+                    return Err(rustls::Error::InvalidCertificate(CertificateError::Revoked));
+                }
+                Ok(verified)
+            }
+            // Service certificates are not on the device revocation list.
+            Ok(PeerIdentity::Service(_)) => Ok(verified),
+            Err(e) => {
+                tracing::info!(error = %e, "refused client certificate without a fleet identity");
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::BadEncoding,
+                ))
+            }
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// Server side of fleet mTLS: client certificates are required, must chain to `ca`, and device
+/// certificates on the revocation list are refused (checked on every handshake).
+pub fn server_config(
+    ca: &CaCert,
+    identity: &ServerIdentity,
+    revocation: Arc<RevocationWatcher>,
+    alpn: &[&[u8]],
+) -> Result<ServerConfig, CertError> {
+    let verifier = Arc::new(RevocationCheckingVerifier::new(ca, revocation)?);
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(identity.cert_chain().to_vec(), identity.private_key_der()?)
+        .map_err(tls_err)?;
+    config.alpn_protocols = alpn_vec(alpn);
+    Ok(config)
+}
+
+fn client_builder(
+    ca: &CaCert,
+) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .with_root_certificates(ca.root_store()?))
+}
+
+/// Device side of fleet mTLS: trusts only `ca`, presents the device certificate.
+pub fn client_config(
+    ca: &CaCert,
+    device: &DeviceIdentity,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, CertError> {
+    let mut config = client_builder(ca)?
+        .with_client_auth_cert(vec![device.cert().clone()], device.private_key_der()?)
+        .map_err(tls_err)?;
+    config.alpn_protocols = alpn_vec(alpn);
+    Ok(config)
+}
+
+/// A service (e.g. the aggregator publishing to the registry) connecting to another service,
+/// presenting its own server certificate (which carries EKU clientAuth too).
+pub fn service_client_config(
+    ca: &CaCert,
+    service: &ServerIdentity,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, CertError> {
+    let mut config = client_builder(ca)?
+        .with_client_auth_cert(service.cert_chain().to_vec(), service.private_key_der()?)
+        .map_err(tls_err)?;
+    config.alpn_protocols = alpn_vec(alpn);
+    Ok(config)
+}
+
+/// Verifies the server against `ca` and presents no client certificate (operator tools, tests).
+/// Fleet servers built with [`server_config`] refuse such clients.
+pub fn anonymous_client_config(ca: &CaCert, alpn: &[&[u8]]) -> Result<ClientConfig, CertError> {
+    let mut config = client_builder(ca)?.with_no_client_auth();
+    config.alpn_protocols = alpn_vec(alpn);
+    Ok(config)
+}
