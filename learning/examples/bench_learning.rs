@@ -60,7 +60,11 @@ fn bench(name: &str, spec: &ModelSpec, train: &Dataset, test: &Dataset, epochs: 
 
 fn main() {
     let t = Instant::now();
-    println!("command: cargo run --release -p fedfleet-learning --example bench_learning");
+    if cfg!(debug_assertions) {
+        println!("command: cargo run -p fedfleet-learning --example bench_learning   (dev profile: this crate opt-level 1, deps opt-level 2)");
+    } else {
+        println!("command: cargo run --release -p fedfleet-learning --example bench_learning");
+    }
     println!("backend: burn 0.22.1 flex (pure-Rust CPU, single thread), f32");
     let (train, test) = Dataset::digits_split().unwrap();
     bench("digits MLP 64-64-10", &ModelSpec::digits_mlp(), &train, &test, 5);

@@ -266,10 +266,10 @@ impl Dataset {
                     if !(v >= 0.0 && v.fract() == 0.0 && v < u32::MAX as f64) {
                         return Err(err(line_no, format!("column {}: label {f:?} is not a non-negative integer", c + 1)));
                     }
-                    if let Some(k) = options.num_classes {
-                        if v as usize >= k {
-                            return Err(err(line_no, format!("column {}: label {v} is not below {k} classes", c + 1)));
-                        }
+                    if let Some(k) = options.num_classes
+                        && v as usize >= k
+                    {
+                        return Err(err(line_no, format!("column {}: label {v} is not below {k} classes", c + 1)));
                     }
                     labels.push(v as u32);
                 } else {

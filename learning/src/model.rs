@@ -170,17 +170,17 @@ impl Net {
         if let Net::Cnn(c) = self {
             for (i, conv) in c.convs.iter().enumerate() {
                 let shape = conv.weight.dims().to_vec();
-                bundle.insert_f32(&format!("conv{}.weight", i + 1), shape, read(conv.weight.val())?)?;
+                bundle.insert_f32(format!("conv{}.weight", i + 1), shape, read(conv.weight.val())?)?;
                 let b = conv.bias.as_ref().expect("bias").val();
-                bundle.insert_f32(&format!("conv{}.bias", i + 1), b.dims().to_vec(), read(b)?)?;
+                bundle.insert_f32(format!("conv{}.bias", i + 1), b.dims().to_vec(), read(b)?)?;
             }
         }
         for (i, l) in self.linears().iter().enumerate() {
             let [din, dout] = l.weight.dims();
             let w = read(l.weight.val())?;
-            bundle.insert_f32(&format!("fc{}.weight", i + 1), vec![dout, din], transpose(&w, din, dout))?;
+            bundle.insert_f32(format!("fc{}.weight", i + 1), vec![dout, din], transpose(&w, din, dout))?;
             let b = l.bias.as_ref().expect("bias").val();
-            bundle.insert_f32(&format!("fc{}.bias", i + 1), vec![dout], read(b)?)?;
+            bundle.insert_f32(format!("fc{}.bias", i + 1), vec![dout], read(b)?)?;
         }
         Ok(bundle)
     }

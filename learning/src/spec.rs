@@ -24,9 +24,9 @@ pub enum ModelSpec {
         /// Number of classes (output logits).
         classes: usize,
     },
-    /// Small CNN over `[C, H, W]` images: per entry of `channels` a 3x3 convolution (padding
-    /// 1) + ReLU + 2x2 max-pool (skipped once a side is below 2), then flatten, `hidden` ReLU
-    /// linear layers and a linear output layer. Parameters `conv1..convN`, `fc1..fcM`.
+    /// Small CNN over `[C, H, W]` images: per entry of `channels` a 3x3 convolution
+    /// (padding 1), ReLU and 2x2 max-pool (skipped once a side is below 2), then flatten,
+    /// `hidden` ReLU linear layers and a linear output layer. Parameters `conv1..convN`, `fc1..fcM`.
     Cnn {
         /// `[channels, height, width]` of one example.
         input: Vec<usize>,

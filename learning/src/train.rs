@@ -99,10 +99,10 @@ impl TrainConfig {
         if !(self.prox_mu.is_finite() && self.prox_mu >= 0.0) {
             return bad("prox_mu must be finite and >= 0");
         }
-        if let OptimizerConfig::Sgd { momentum } = self.optimizer {
-            if !(0.0..1.0).contains(&momentum) {
-                return bad("momentum must be in [0, 1)");
-            }
+        if let OptimizerConfig::Sgd { momentum } = self.optimizer
+            && !(0.0..1.0).contains(&momentum)
+        {
+            return bad("momentum must be in [0, 1)");
         }
         Ok(())
     }
