@@ -1,0 +1,133 @@
+//! The thin QUIC shell every fedfleet service and the agent share: endpoints built from the
+//! certs crate's rustls configs, and framed streams speaking `fedfleet_protocol::framing`.
+//!
+//! **Architecture invariant:** no protocol decisions here. This crate moves frames; what a frame
+//! means is decided by the protocol crate and by the service cores.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fedfleet_protocol::framing::{FrameDecoder, FrameError, FrameKind, encode_frame};
+pub use fedfleet_protocol::framing::Frame;
+
+/// Bytes asked of the stream per read.
+const READ_CHUNK: usize = 64 * 1024;
+/// A connection with no traffic for this long is closed (long local training holds no connection).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("QUIC/TLS config: {0}")]
+    Config(String),
+    #[error("cannot bind {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: SocketAddr, source: quinn::ConnectError },
+    #[error("connection lost: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("write failed: {0}")]
+    Write(#[from] quinn::WriteError),
+    #[error("read failed: {0}")]
+    Read(#[from] quinn::ReadError),
+    #[error("bad frame: {0}")]
+    Frame(#[from] FrameError),
+    #[error("peer closed the stream")]
+    Closed,
+}
+
+fn transport() -> Arc<quinn::TransportConfig> {
+    let mut transport = quinn::TransportConfig::default();
+    transport.max_idle_timeout(Some(IDLE_TIMEOUT.try_into().expect("30 s is a valid idle timeout")));
+    transport.keep_alive_interval(Some(IDLE_TIMEOUT / 3));
+    Arc::new(transport)
+}
+
+/// A server endpoint on `addr` using an mTLS config from `fedfleet_certs::tls::server_config`.
+pub fn server_endpoint(addr: SocketAddr, tls: rustls::ServerConfig) -> Result<quinn::Endpoint, NetError> {
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    config.transport_config(transport());
+    quinn::Endpoint::server(config, addr).map_err(|source| NetError::Bind { addr, source })
+}
+
+/// A client endpoint on an ephemeral local port, for configs from `fedfleet_certs::tls::client_config`.
+pub fn client_endpoint(tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(transport());
+    let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
+    let mut endpoint = quinn::Endpoint::client(addr).map_err(|source| NetError::Bind { addr, source })?;
+    endpoint.set_default_client_config(config);
+    Ok(endpoint)
+}
+
+/// Connects and completes the handshake. A server that refuses our certificate may still let
+/// this succeed: the refusal then surfaces on the first stream.
+pub async fn connect(endpoint: &quinn::Endpoint, addr: SocketAddr, server_name: &str) -> Result<quinn::Connection, NetError> {
+    let connecting = endpoint.connect(addr, server_name).map_err(|source| NetError::Connect { addr, source })?;
+    Ok(connecting.await?)
+}
+
+/// One bidirectional stream carrying length-prefixed frames.
+pub struct FramedStream {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    decoder: FrameDecoder,
+    buf: Vec<u8>,
+    bytes_read: u64,
+}
+
+impl FramedStream {
+    pub fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
+        FramedStream { send, recv, decoder: FrameDecoder::new(), buf: vec![0; READ_CHUNK], bytes_read: 0 }
+    }
+
+    /// Opens a stream on `conn`.
+    pub async fn open(conn: &quinn::Connection) -> Result<Self, NetError> {
+        let (send, recv) = conn.open_bi().await?;
+        Ok(Self::new(send, recv))
+    }
+
+    /// Sends one frame.
+    pub async fn send(&mut self, kind: FrameKind, body: &[u8]) -> Result<(), NetError> {
+        let frame = encode_frame(kind, body)?;
+        self.send.write_all(&frame).await?;
+        Ok(())
+    }
+
+    /// Says we will send nothing more.
+    pub fn finish(&mut self) {
+        // Already finished or reset: nothing left to say.
+        let _ = self.send.finish();
+    }
+
+    /// The next frame; `Ok(None)` when the peer finished its side cleanly between frames.
+    pub async fn recv(&mut self) -> Result<Option<Frame>, NetError> {
+        loop {
+            if let Some(frame) = self.decoder.poll()? {
+                return Ok(Some(frame));
+            }
+            match self.recv.read(&mut self.buf).await? {
+                Some(n) => {
+                    self.bytes_read += n as u64;
+                    self.decoder.push(&self.buf[..n]);
+                }
+                None => {
+                    self.decoder.finish()?;
+                    return Ok(None);
+                }
+            }
+        }
+    }
+
+    /// The next frame, refusing the end of the stream.
+    pub async fn expect(&mut self) -> Result<Frame, NetError> {
+        self.recv().await?.ok_or(NetError::Closed)
+    }
+
+    /// Bytes received so far on this stream, frame prefixes included.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+}
