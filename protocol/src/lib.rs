@@ -1,8 +1,35 @@
 //! fedfleet wire protocol: ids, signed envelopes, tensor bundles, messages and framing.
 //!
-//! **Architecture invariant:** no I/O, no clock reads, no burn. Every decoder returns a typed
-//! error with a named reason and never panics, whatever the input.
+//! **Architecture invariant:** no I/O, no clock reads, no burn. Every decoder checks its size
+//! limits before allocating, returns a typed error with a named [`RejectReason`], and never
+//! panics, whatever the input.
+//!
+//! - [`ids`]: device, fleet, round and model ids; the BLAKE3 [`Digest`].
+//! - [`envelope`]: domain-separated ed25519 signatures over canonical bytes ([`SignedUpdate`],
+//!   [`verify_batch`], [`verify_payload`]).
+//! - [`bundle`]: named tensors as safetensors, with f16/bf16/int8 quantization.
+//! - [`messages`]: postcard control messages (rounds, receipts, manifests, rollouts, status).
+//! - [`framing`]: length-prefixed frames for QUIC streams and a sans-IO [`FrameDecoder`].
+//! - [`limits`]: every size limit.
+//! - [`reject`]: the named rejection reasons shared by every service.
 
+pub mod bundle;
+pub mod envelope;
+pub mod framing;
 pub mod ids;
+pub mod limits;
+pub mod messages;
+pub mod reject;
 
-pub use ids::{Digest, DeviceId, FleetId, Hasher, IdError, ModelVersion, RoundId};
+pub use bundle::{BundleError, BundleLimits, DType, Layout, Tensor, TensorBundle, TensorData};
+pub use envelope::{
+    EnvelopeError, Kind, PayloadCheck, RelayHeader, Signable, Signed, SignedRelay, SignedUpdate,
+    UpdateHeader, random_nonce, verify_batch, verify_payload,
+};
+pub use framing::{Frame, FrameDecoder, FrameError, FrameKind, encode_frame};
+pub use ids::{DeviceId, Digest, FleetId, Hasher, IdError, ModelVersion, RoundId};
+pub use messages::{
+    DeviceState, DeviceStatus, Message, MessageError, ModelManifest, ModelRef, Receipt, Rejection,
+    RolloutAction, RolloutNotice, RoundAnnouncement, RoundConfig, Selection,
+};
+pub use reject::RejectReason;

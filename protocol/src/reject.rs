@@ -1,0 +1,104 @@
+//! Named reasons for refusing anything a peer sent.
+//!
+//! The aggregator, the registry and the agent answer every refusal with one of these, and count
+//! it in metrics under [`RejectReason::as_str`]. The names are part of the wire and of dashboards:
+//! add variants, never rename.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+macro_rules! reasons {
+    ($($(#[$doc:meta])* $variant:ident => $name:literal,)*) => {
+        /// Why an update, envelope, bundle or message was refused.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[non_exhaustive]
+        pub enum RejectReason {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl RejectReason {
+            /// Every reason, for registering metric labels up front.
+            pub const ALL: &'static [RejectReason] = &[$(RejectReason::$variant,)*];
+
+            /// Stable snake_case name, used as a metric label and in logs.
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $(RejectReason::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    /// The sender's id is not enrolled in this fleet.
+    UnknownDevice => "unknown_device",
+    /// The sender's certificate or key has been revoked.
+    Revoked => "revoked",
+    /// The sender's key is a weak (small-order) ed25519 key.
+    WeakKey => "weak_key",
+    /// The round is over or older than the current one.
+    StaleRound => "stale_round",
+    /// The round id is not known (not yet announced, or from the future).
+    UnknownRound => "unknown_round",
+    /// The device was not selected for this round.
+    NotSelected => "not_selected",
+    /// The round deadline has passed.
+    DeadlinePassed => "deadline_passed",
+    /// The (device, round, nonce) triple was seen before.
+    Replay => "replay",
+    /// The device already has an accepted update in this round.
+    Duplicate => "duplicate",
+    /// The signature does not verify against the enrolled key.
+    BadSignature => "bad_signature",
+    /// The bytes do not hash to the signed digest.
+    DigestMismatch => "digest_mismatch",
+    /// The payload length differs from the signed length.
+    LengthMismatch => "length_mismatch",
+    /// Tensor names or shapes differ from the round's base model.
+    ShapeMismatch => "shape_mismatch",
+    /// The payload dtype is not the one the round asked for, or not supported.
+    WrongDtype => "wrong_dtype",
+    /// A tensor holds NaN or infinity.
+    NonFinite => "non_finite",
+    /// Something is over a size limit.
+    TooLarge => "too_large",
+    /// The header names another fleet.
+    WrongFleet => "wrong_fleet",
+    /// The update was trained from another base model.
+    WrongBaseModel => "wrong_base_model",
+    /// The sample count is zero or above the round's cap.
+    BadSampleCount => "bad_sample_count",
+    /// The bytes do not parse (truncated, trailing bytes, unknown tag, bad id).
+    Malformed => "malformed",
+    /// The sender is over its rate or the server is over capacity.
+    Overloaded => "overloaded",
+    /// A failure on our side; the sender may retry.
+    Internal => "internal",
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_snake_case() {
+        let mut seen = std::collections::BTreeSet::new();
+        for reason in RejectReason::ALL {
+            let name = reason.as_str();
+            assert!(
+                name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{name}"
+            );
+            assert!(seen.insert(name), "duplicate {name}");
+        }
+        assert_eq!(RejectReason::DigestMismatch.to_string(), "digest_mismatch");
+    }
+}
