@@ -37,8 +37,8 @@ mod tests;
 
 pub use fedfleet_protocol::{Digest, ModelVersion};
 pub use rollout::{
-    Assignment, Audience, DeviceState, Event as RolloutEvent, Phase, Reason, Rollout,
-    RolloutError, RolloutPlan, Status as RolloutStatus,
+    Assignment, Audience, DeviceState, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError,
+    RolloutPlan, Status as RolloutStatus,
 };
 pub use store::{
     Artifact, ChunkRef, Manifest, NewVersion, Store, StoreConfig, StoreError, VersionRecord,

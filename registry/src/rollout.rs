@@ -54,7 +54,10 @@ pub enum Audience {
     /// A deterministic pseudo-random share of the fleet, in percent (0, 100].
     Percent(f64),
     /// A named, explicit set of devices.
-    Cohort { name: String, devices: BTreeSet<DeviceId> },
+    Cohort {
+        name: String,
+        devices: BTreeSet<DeviceId>,
+    },
 }
 
 /// One phase of a rollout.
@@ -70,12 +73,19 @@ pub struct Phase {
 
 impl Phase {
     pub fn percent(p: f64, soak_ms: u64) -> Self {
-        Phase { audience: Audience::Percent(p), soak_ms, min_healthy: 0 }
+        Phase {
+            audience: Audience::Percent(p),
+            soak_ms,
+            min_healthy: 0,
+        }
     }
 
     pub fn cohort(name: &str, devices: impl IntoIterator<Item = DeviceId>, soak_ms: u64) -> Self {
         Phase {
-            audience: Audience::Cohort { name: name.to_owned(), devices: devices.into_iter().collect() },
+            audience: Audience::Cohort {
+                name: name.to_owned(),
+                devices: devices.into_iter().collect(),
+            },
             soak_ms,
             min_healthy: 0,
         }
@@ -117,7 +127,10 @@ impl RolloutPlan {
             }
         }
         if !(0.0..=1.0).contains(&self.failure_threshold) {
-            return bad(format!("failure threshold {} outside [0, 1]", self.failure_threshold));
+            return bad(format!(
+                "failure threshold {} outside [0, 1]",
+                self.failure_threshold
+            ));
         }
         if Some(self.target) == self.previous {
             return bad("target equals the previous version".into());
@@ -203,16 +216,41 @@ pub struct Assignment {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Event {
-    Started { phase: usize },
-    PhaseAdvanced { phase: usize, at: u64 },
-    Paused { phase: usize },
-    Resumed { phase: usize },
-    Completed { at: u64 },
+    Started {
+        phase: usize,
+    },
+    PhaseAdvanced {
+        phase: usize,
+        at: u64,
+    },
+    Paused {
+        phase: usize,
+    },
+    Resumed {
+        phase: usize,
+    },
+    Completed {
+        at: u64,
+    },
     /// Point `alias` of `model` at `version` (`None`: remove the alias).
-    SetAlias { model: String, alias: String, version: Option<ModelVersion> },
-    Aborted { phase: usize, reason: String },
-    AutoAborted { phase: usize, failure_rate: f64, failed: u32, reporting: u32 },
-    RolledBack { to: Option<ModelVersion> },
+    SetAlias {
+        model: String,
+        alias: String,
+        version: Option<ModelVersion>,
+    },
+    Aborted {
+        phase: usize,
+        reason: String,
+    },
+    AutoAborted {
+        phase: usize,
+        failure_rate: f64,
+        failed: u32,
+        reporting: u32,
+    },
+    RolledBack {
+        to: Option<ModelVersion>,
+    },
 }
 
 /// An operator command that does not apply in the current state.
@@ -345,7 +383,7 @@ impl Rollout {
     fn counts(&self) -> (u32, u32, u32) {
         let (mut ok, mut failed, mut progress) = (0, 0, 0);
         for rec in self.devices.values() {
-            if rec.version != self.plan.target || !rec.first_phase.is_some_and(|f| f <= self.phase) {
+            if rec.version != self.plan.target || rec.first_phase.is_none_or(|f| f > self.phase) {
                 continue;
             }
             match rec.state.outcome() {
@@ -395,9 +433,23 @@ impl Rollout {
     }
 
     /// A device's report. Recorded in every state; judged only while running or paused.
-    pub fn handle_report(&mut self, now: u64, device: DeviceId, version: ModelVersion, state: DeviceState) {
+    pub fn handle_report(
+        &mut self,
+        now: u64,
+        device: DeviceId,
+        version: ModelVersion,
+        state: DeviceState,
+    ) {
         let first_phase = self.first_phase(&device);
-        self.devices.insert(device, DeviceRecord { version, state, at: now, first_phase });
+        self.devices.insert(
+            device,
+            DeviceRecord {
+                version,
+                state,
+                at: now,
+                first_phase,
+            },
+        );
         self.check_failures(now);
     }
 
@@ -427,7 +479,10 @@ impl Rollout {
             self.phase += 1;
             self.soaked_ms = 0;
             self.running_since = now;
-            self.events.push_back(Event::PhaseAdvanced { phase: self.phase, at: now });
+            self.events.push_back(Event::PhaseAdvanced {
+                phase: self.phase,
+                at: now,
+            });
         }
     }
 
@@ -448,7 +503,10 @@ impl Rollout {
     /// Freezes the current phase: no new devices, no advancing.
     pub fn pause(&mut self, now: u64) -> Result<(), RolloutError> {
         if self.status != Status::Running {
-            return Err(RolloutError::InvalidTransition { from: self.status, action: "pause" });
+            return Err(RolloutError::InvalidTransition {
+                from: self.status,
+                action: "pause",
+            });
         }
         self.soaked_ms += now.saturating_sub(self.running_since);
         self.status = Status::Paused;
@@ -459,7 +517,10 @@ impl Rollout {
     /// Continues a paused rollout; the remaining soak time continues from where it stopped.
     pub fn resume(&mut self, now: u64) -> Result<(), RolloutError> {
         if self.status != Status::Paused {
-            return Err(RolloutError::InvalidTransition { from: self.status, action: "resume" });
+            return Err(RolloutError::InvalidTransition {
+                from: self.status,
+                action: "resume",
+            });
         }
         self.status = Status::Running;
         self.running_since = now;
@@ -471,22 +532,33 @@ impl Rollout {
     /// Stops the rollout: no device newly gets the target.
     pub fn abort(&mut self, now: u64, reason: &str) -> Result<(), RolloutError> {
         if !self.active() {
-            return Err(RolloutError::InvalidTransition { from: self.status, action: "abort" });
+            return Err(RolloutError::InvalidTransition {
+                from: self.status,
+                action: "abort",
+            });
         }
         self.status = Status::Aborted;
         self.ended_at = Some(now);
-        self.events.push_back(Event::Aborted { phase: self.phase, reason: reason.to_owned() });
+        self.events.push_back(Event::Aborted {
+            phase: self.phase,
+            reason: reason.to_owned(),
+        });
         Ok(())
     }
 
     /// Sends every device back to the previous version (and the alias, if it had moved).
     pub fn rollback(&mut self, now: u64) -> Result<(), RolloutError> {
         if self.status == Status::RolledBack {
-            return Err(RolloutError::InvalidTransition { from: self.status, action: "roll back" });
+            return Err(RolloutError::InvalidTransition {
+                from: self.status,
+                action: "roll back",
+            });
         }
         self.status = Status::RolledBack;
         self.ended_at.get_or_insert(now);
-        self.events.push_back(Event::RolledBack { to: self.plan.previous });
+        self.events.push_back(Event::RolledBack {
+            to: self.plan.previous,
+        });
         if self.alias_moved {
             self.alias_moved = false;
             self.events.push_back(Event::SetAlias {
@@ -528,6 +600,10 @@ impl Rollout {
             Status::Aborted => (previous, Reason::Aborted),
             Status::RolledBack => (previous, Reason::RolledBack),
         };
-        Assignment { model: self.plan.model.clone(), version, reason }
+        Assignment {
+            model: self.plan.model.clone(),
+            version,
+            reason,
+        }
     }
 }

@@ -46,4 +46,3 @@ pub(crate) mod bytes64 {
         Ok(out)
     }
 }
-

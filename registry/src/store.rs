@@ -78,12 +78,18 @@ pub enum StoreError {
     Inconsistent { path: PathBuf, detail: String },
     #[error("registry database at {path} was written as {found:?}, this build reads {FORMAT:?}")]
     WrongFormat { path: PathBuf, found: String },
+    #[error("registry database at {path} is in use by another process (one process per database)")]
+    Locked { path: PathBuf },
     #[error("sled: {0}")]
     Sled(#[source] sled::Error),
     #[error("reading the artifact: {0}")]
     Io(#[source] std::io::Error),
     #[error("invalid {what} name {name:?}: {reason}")]
-    InvalidName { what: &'static str, name: String, reason: &'static str },
+    InvalidName {
+        what: &'static str,
+        name: String,
+        reason: &'static str,
+    },
     #[error("chunk size {0} is outside 1..={MAX_CHUNK_SIZE}")]
     InvalidChunkSize(u32),
     #[error("metric {0:?} is not a finite number")]
@@ -125,7 +131,10 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { chunk_size: DEFAULT_CHUNK_SIZE, deep_check_on_open: false }
+        Self {
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            deep_check_on_open: false,
+        }
     }
 }
 
@@ -251,7 +260,10 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("path", &self.path).field("config", &self.config).finish()
+        f.debug_struct("Store")
+            .field("path", &self.path)
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -272,15 +284,49 @@ fn map_open_err(path: &Path, e: sled::Error) -> StoreError {
     }
 }
 
+fn is_lock_error(e: &sled::Error) -> bool {
+    matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
+}
+
+/// Opens sled, waiting up to ~2 s for the file lock: a handle dropped in this process releases
+/// it only when sled's background flusher exits, shortly after the drop.
+fn open_sled(path: &Path) -> Result<sled::Db> {
+    let mut tries = 0;
+    loop {
+        match sled::Config::new().path(path).open() {
+            Ok(db) => return Ok(db),
+            Err(e) if is_lock_error(&e) && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) if is_lock_error(&e) => {
+                return Err(StoreError::Locked {
+                    path: path.to_owned(),
+                });
+            }
+            Err(e) => return Err(map_open_err(path, e)),
+        }
+    }
+}
+
 pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
-    let bad = |reason| Err(StoreError::InvalidName { what, name: name.to_owned(), reason });
+    let bad = |reason| {
+        Err(StoreError::InvalidName {
+            what,
+            name: name.to_owned(),
+            reason,
+        })
+    };
     if name.is_empty() {
         return bad("empty");
     }
     if name.len() > MAX_NAME_LEN {
         return bad("longer than 128 bytes");
     }
-    if !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')) {
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
         return bad("only ASCII letters, digits, '.', '_' and '-' are allowed");
     }
     Ok(())
@@ -318,7 +364,11 @@ fn be_u64(key: &[u8], v: &[u8]) -> Result<u64> {
 
 fn decode<T: serde::de::DeserializeOwned>(key: &[u8], v: &[u8]) -> Result<T> {
     serde_json::from_slice(v).map_err(|e| StoreError::BadRecord {
-        key: if key.len() == 32 { hex::encode(key) } else { String::from_utf8_lossy(key).into_owned() },
+        key: if key.len() == 32 {
+            hex::encode(key)
+        } else {
+            String::from_utf8_lossy(key).into_owned()
+        },
         detail: e.to_string(),
     })
 }
@@ -327,7 +377,9 @@ fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("registry records serialize")
 }
 
-fn bump_seq(m: &sled::transaction::TransactionalTree) -> std::result::Result<u64, ConflictableTransactionError<StoreError>> {
+fn bump_seq(
+    m: &sled::transaction::TransactionalTree,
+) -> std::result::Result<u64, ConflictableTransactionError<StoreError>> {
     let seq = match m.get("seq")? {
         Some(b) => be_u64(b"seq", &b).map_err(ConflictableTransactionError::Abort)?,
         None => 0,
@@ -395,7 +447,7 @@ impl Store {
         }
         let existed = path.join("db").exists() || path.join("conf").exists();
         let marker = read_marker(&path)?;
-        let db = sled::Config::new().path(&path).open().map_err(|e| map_open_err(&path, e))?;
+        let db = open_sled(&path)?;
         let tree = |n: &str| db.open_tree(n).map_err(|e| map_open_err(&path, e));
         let meta = tree("meta")?;
         let mut store = Store {
@@ -414,7 +466,10 @@ impl Store {
             #[cfg(test)]
             fault: None,
         };
-        match meta.get("format").map_err(|e| map_open_err(&store.path, e))? {
+        match meta
+            .get("format")
+            .map_err(|e| map_open_err(&store.path, e))?
+        {
             Some(f) if f.as_ref() == FORMAT.as_bytes() => {}
             Some(f) => {
                 return Err(StoreError::WrongFormat {
@@ -448,11 +503,16 @@ impl Store {
             });
         }
         *store.marker.get_mut().unwrap() = marker;
-        store.check(config.deep_check_on_open).map_err(|e| match e {
-            StoreError::Sled(e) => map_open_err(&store.path, e),
-            StoreError::Inconsistent { .. } | StoreError::Corrupt { .. } => e,
-            other => StoreError::Inconsistent { path: store.path.clone(), detail: other.to_string() },
-        })?;
+        store
+            .check(config.deep_check_on_open)
+            .map_err(|e| match e {
+                StoreError::Sled(e) => map_open_err(&store.path, e),
+                StoreError::Inconsistent { .. } | StoreError::Corrupt { .. } => e,
+                other => StoreError::Inconsistent {
+                    path: store.path.clone(),
+                    detail: other.to_string(),
+                },
+            })?;
         Ok(store)
     }
 
@@ -497,7 +557,10 @@ impl Store {
             if !self.chunks.contains_key(digest.0)? {
                 self.chunks.insert(digest.0, data)?;
             }
-            chunks.push(ChunkRef { digest, len: n as u32 });
+            chunks.push(ChunkRef {
+                digest,
+                len: n as u32,
+            });
             #[cfg(test)]
             if let Some(f) = self.fault {
                 f(chunks.len());
@@ -517,41 +580,52 @@ impl Store {
         }
 
         // 2. artifact + version + head in one transaction.
-        let artifact = Artifact { digest, length, chunk_size: cs, chunks };
+        let artifact = Artifact {
+            digest,
+            length,
+            chunk_size: cs,
+            chunks,
+        };
         let art_bytes = encode(&artifact);
         let name = meta.name.clone();
-        let res = (&self.artifacts, &self.versions, &self.heads, &self.meta).transaction(|(a, v, h, m)| {
-            let head = match h.get(name.as_bytes())? {
-                Some(b) => be_u64(name.as_bytes(), &b).map_err(ConflictableTransactionError::Abort)?,
-                None => 0,
-            };
-            if let Some(p) = meta.parent
-                && v.get(version_key(&name, p))?.is_none()
-            {
-                return Err(ConflictableTransactionError::Abort(StoreError::UnknownParent {
+        let res = (&self.artifacts, &self.versions, &self.heads, &self.meta).transaction(
+            |(a, v, h, m)| {
+                let head = match h.get(name.as_bytes())? {
+                    Some(b) => {
+                        be_u64(name.as_bytes(), &b).map_err(ConflictableTransactionError::Abort)?
+                    }
+                    None => 0,
+                };
+                if let Some(p) = meta.parent
+                    && v.get(version_key(&name, p))?.is_none()
+                {
+                    return Err(ConflictableTransactionError::Abort(
+                        StoreError::UnknownParent {
+                            name: name.clone(),
+                            version: p,
+                        },
+                    ));
+                }
+                let version = ModelVersion(head + 1);
+                let rec = VersionRecord {
                     name: name.clone(),
-                    version: p,
-                }));
-            }
-            let version = ModelVersion(head + 1);
-            let rec = VersionRecord {
-                name: name.clone(),
-                version,
-                spec: meta.spec.clone(),
-                length,
-                digest,
-                parent: meta.parent,
-                metrics: meta.metrics.clone(),
-                created_at: meta.created_at,
-                publisher: meta.publisher.clone(),
-            };
-            if a.get(digest.0)?.is_none() {
-                a.insert(&digest.0, art_bytes.as_slice())?;
-            }
-            v.insert(version_key(&name, version), encode(&rec))?;
-            h.insert(name.as_bytes(), &version.0.to_be_bytes())?;
-            Ok((rec, bump_seq(m)?))
-        });
+                    version,
+                    spec: meta.spec.clone(),
+                    length,
+                    digest,
+                    parent: meta.parent,
+                    metrics: meta.metrics.clone(),
+                    created_at: meta.created_at,
+                    publisher: meta.publisher.clone(),
+                };
+                if a.get(digest.0)?.is_none() {
+                    a.insert(&digest.0, art_bytes.as_slice())?;
+                }
+                v.insert(version_key(&name, version), encode(&rec))?;
+                h.insert(name.as_bytes(), &version.0.to_be_bytes())?;
+                Ok((rec, bump_seq(m)?))
+            },
+        );
         let (rec, seq) = tx_result(res)?;
         self.commit(seq)?;
         // An existing artifact with the same bytes but another chunk size stays as it was.
@@ -573,7 +647,10 @@ impl Store {
         let key = version_key(name, version);
         match self.versions.get(&key)? {
             Some(b) => decode(&key, &b),
-            None => Err(StoreError::UnknownVersion { name: name.to_owned(), version }),
+            None => Err(StoreError::UnknownVersion {
+                name: name.to_owned(),
+                version,
+            }),
         }
     }
 
@@ -586,10 +663,16 @@ impl Store {
 
     /// A chunk's bytes, re-hashed: a chunk whose bytes changed on disk is an error, never served.
     pub fn chunk(&self, digest: &Digest) -> Result<Vec<u8>> {
-        let b = self.chunks.get(digest.0)?.ok_or(StoreError::MissingChunk(*digest))?;
+        let b = self
+            .chunks
+            .get(digest.0)?
+            .ok_or(StoreError::MissingChunk(*digest))?;
         let actual = Digest::of(&b);
         if actual != *digest {
-            return Err(StoreError::CorruptChunk { expected: *digest, actual });
+            return Err(StoreError::CorruptChunk {
+                expected: *digest,
+                actual,
+            });
         }
         Ok(b.to_vec())
     }
@@ -609,7 +692,10 @@ impl Store {
     ) -> Result<Vec<ChunkRef>> {
         let m = self.manifest(name, version)?;
         let mut seen: HashSet<Digest> = have.iter().copied().collect();
-        Ok(m.chunks.into_iter().filter(|c| seen.insert(c.digest)).collect())
+        Ok(m.chunks
+            .into_iter()
+            .filter(|c| seen.insert(c.digest))
+            .collect())
     }
 
     /// Reassembles a whole artifact in memory, verifying every chunk and the total digest.
@@ -621,7 +707,10 @@ impl Store {
         }
         let actual = Digest::of(&out);
         if actual != *digest {
-            return Err(StoreError::CorruptArtifact { expected: *digest, actual });
+            return Err(StoreError::CorruptArtifact {
+                expected: *digest,
+                actual,
+            });
         }
         Ok(out)
     }
@@ -669,10 +758,12 @@ impl Store {
         let akey = alias_key(name, alias);
         let res = (&self.versions, &self.aliases, &self.meta).transaction(|(v, a, m)| {
             if v.get(&vkey)?.is_none() {
-                return Err(ConflictableTransactionError::Abort(StoreError::UnknownVersion {
-                    name: name.to_owned(),
-                    version,
-                }));
+                return Err(ConflictableTransactionError::Abort(
+                    StoreError::UnknownVersion {
+                        name: name.to_owned(),
+                        version,
+                    },
+                ));
             }
             let prev = a.insert(akey.as_slice(), &version.0.to_be_bytes())?;
             let prev = match prev {
@@ -696,13 +787,17 @@ impl Store {
             .transaction(|(a, m)| Ok((a.remove(akey.as_slice())?, bump_seq(m)?)));
         let (prev, seq) = tx_result(res)?;
         self.commit(seq)?;
-        prev.map(|b| Ok(ModelVersion(be_u64(&akey, &b)?))).transpose()
+        prev.map(|b| Ok(ModelVersion(be_u64(&akey, &b)?)))
+            .transpose()
     }
 
     /// Where `alias` of `name` points.
     pub fn alias(&self, name: &str, alias: &str) -> Result<Option<ModelVersion>> {
         let akey = alias_key(name, alias);
-        self.aliases.get(&akey)?.map(|b| Ok(ModelVersion(be_u64(&akey, &b)?))).transpose()
+        self.aliases
+            .get(&akey)?
+            .map(|b| Ok(ModelVersion(be_u64(&akey, &b)?)))
+            .transpose()
     }
 
     /// All aliases of `name`.
@@ -712,7 +807,10 @@ impl Store {
             .scan_prefix(&p)
             .map(|kv| {
                 let (k, v) = kv?;
-                Ok((String::from_utf8_lossy(&k[p.len()..]).into_owned(), ModelVersion(be_u64(&k, &v)?)))
+                Ok((
+                    String::from_utf8_lossy(&k[p.len()..]).into_owned(),
+                    ModelVersion(be_u64(&k, &v)?),
+                ))
             })
             .collect()
     }
@@ -730,7 +828,10 @@ impl Store {
 
     /// A persisted rollout.
     pub fn rollout(&self, id: &str) -> Result<Option<crate::rollout::Rollout>> {
-        self.rollouts.get(id.as_bytes())?.map(|b| decode(id.as_bytes(), &b)).transpose()
+        self.rollouts
+            .get(id.as_bytes())?
+            .map(|b| decode(id.as_bytes(), &b))
+            .transpose()
     }
 
     /// All persisted rollouts, by id.
@@ -746,14 +847,20 @@ impl Store {
 
     /// Checks referential integrity; with `deep`, also re-hashes every chunk. Returns counts.
     pub fn check(&self, deep: bool) -> Result<CheckReport> {
-        let bad = |detail: String| StoreError::Inconsistent { path: self.path.clone(), detail };
+        let bad = |detail: String| StoreError::Inconsistent {
+            path: self.path.clone(),
+            detail,
+        };
         let mut rep = CheckReport::default();
         let mut heads: BTreeMap<String, u64> = BTreeMap::new();
         for kv in self.versions.iter() {
             let (k, v) = kv?;
             let rec: VersionRecord = decode(&k, &v).map_err(|e| bad(e.to_string()))?;
             if k.as_ref() != version_key(&rec.name, rec.version).as_slice() {
-                return Err(bad(format!("version record {} v{} under a wrong key", rec.name, rec.version)));
+                return Err(bad(format!(
+                    "version record {} v{} under a wrong key",
+                    rec.name, rec.version
+                )));
             }
             if !self.artifacts.contains_key(rec.digest.0)? {
                 return Err(bad(format!(
@@ -770,7 +877,9 @@ impl Store {
             let name = String::from_utf8_lossy(&k).into_owned();
             let head = be_u64(&k, &v).map_err(|e| bad(e.to_string()))?;
             if heads.remove(&name) != Some(head) {
-                return Err(bad(format!("head of {name} says v{head}, which is not its latest version")));
+                return Err(bad(format!(
+                    "head of {name} says v{head}, which is not its latest version"
+                )));
             }
         }
         if let Some((name, _)) = heads.into_iter().next() {
@@ -783,12 +892,18 @@ impl Store {
             let mut total = 0u64;
             for c in &art.chunks {
                 if referenced.insert(c.digest) && !self.chunks.contains_key(c.digest.0)? {
-                    return Err(bad(format!("artifact {} lacks chunk {}", art.digest, c.digest)));
+                    return Err(bad(format!(
+                        "artifact {} lacks chunk {}",
+                        art.digest, c.digest
+                    )));
                 }
                 total += c.len as u64;
             }
             if total != art.length || k.as_ref() != art.digest.0 {
-                return Err(bad(format!("artifact {} record does not add up", art.digest)));
+                return Err(bad(format!(
+                    "artifact {} record does not add up",
+                    art.digest
+                )));
             }
             rep.artifacts += 1;
         }
@@ -809,7 +924,11 @@ impl Store {
         for kv in self.chunks.iter() {
             let (k, v) = kv?;
             rep.chunks += 1;
-            let d = Digest(k.as_ref().try_into().map_err(|_| bad("chunk key is not 32 bytes".into()))?);
+            let d = Digest(
+                k.as_ref()
+                    .try_into()
+                    .map_err(|_| bad("chunk key is not 32 bytes".into()))?,
+            );
             if !referenced.contains(&d) {
                 rep.orphan_chunks += 1;
             }

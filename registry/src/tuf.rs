@@ -111,7 +111,10 @@ pub struct PublicKey {
 
 impl PublicKey {
     pub fn ed25519(key: &VerifyingKey) -> Self {
-        PublicKey { scheme: "ed25519".into(), public: key.to_bytes() }
+        PublicKey {
+            scheme: "ed25519".into(),
+            public: key.to_bytes(),
+        }
     }
 
     pub fn key_id(&self) -> KeyId {
@@ -128,7 +131,10 @@ pub struct RoleKeys {
 
 impl RoleKeys {
     pub fn new(keys: &[&VerifyingKey], threshold: u32) -> Self {
-        RoleKeys { keyids: keys.iter().map(|k| KeyId::of(k)).collect(), threshold }
+        RoleKeys {
+            keyids: keys.iter().map(|k| KeyId::of(k)).collect(),
+            threshold,
+        }
     }
 }
 
@@ -146,7 +152,13 @@ pub struct Root {
 
 impl Root {
     /// A root listing exactly the keys of the three roles.
-    pub fn new(version: u64, expires: u64, root: (&[&VerifyingKey], u32), targets: (&[&VerifyingKey], u32), timestamp: (&[&VerifyingKey], u32)) -> Self {
+    pub fn new(
+        version: u64,
+        expires: u64,
+        root: (&[&VerifyingKey], u32),
+        targets: (&[&VerifyingKey], u32),
+        timestamp: (&[&VerifyingKey], u32),
+    ) -> Self {
         let mut keys = BTreeMap::new();
         for k in root.0.iter().chain(targets.0).chain(timestamp.0) {
             keys.insert(KeyId::of(k), PublicKey::ed25519(k));
@@ -195,7 +207,9 @@ impl Root {
                 ));
             }
             if let Some(id) = rk.keyids.iter().find(|id| !self.keys.contains_key(*id)) {
-                return bad(format!("{role} names key {id} which the root does not list"));
+                return bad(format!(
+                    "{role} names key {id} which the root does not list"
+                ));
             }
         }
         Ok(())
@@ -229,7 +243,11 @@ impl TargetInfo {
             version: m.version,
             length: m.length,
             digest: m.digest,
-            custom: TargetCustom { spec: m.spec.clone(), metrics: m.metrics.clone(), parent: m.parent },
+            custom: TargetCustom {
+                spec: m.spec.clone(),
+                metrics: m.metrics.clone(),
+                parent: m.parent,
+            },
         }
     }
 }
@@ -244,7 +262,9 @@ pub struct Targets {
 
 impl Targets {
     pub fn get(&self, name: &str, version: ModelVersion) -> Option<&TargetInfo> {
-        self.targets.iter().find(|t| t.name == name && t.version == version)
+        self.targets
+            .iter()
+            .find(|t| t.name == name && t.version == version)
     }
 }
 
@@ -267,7 +287,11 @@ pub struct Timestamp {
 
 impl Timestamp {
     /// A timestamp pointing at `targets`.
-    pub fn for_targets(version: u64, expires: u64, targets: &Signed<Targets>) -> Result<Self, TufError> {
+    pub fn for_targets(
+        version: u64,
+        expires: u64,
+        targets: &Signed<Targets>,
+    ) -> Result<Self, TufError> {
         let body = targets.body_unverified()?;
         Ok(Timestamp {
             version,
@@ -371,8 +395,10 @@ impl<T: Metadata> Signed<T> {
 
     /// Parses the body **without** checking signatures (for signers and tools).
     pub fn body_unverified(&self) -> Result<T, TufError> {
-        serde_json::from_str(&self.signed)
-            .map_err(|e| TufError::Malformed { role: T::ROLE, detail: e.to_string() })
+        serde_json::from_str(&self.signed).map_err(|e| TufError::Malformed {
+            role: T::ROLE,
+            detail: e.to_string(),
+        })
     }
 
     /// Counts valid signatures by distinct keys of `role` listed in `root`. Signatures from keys
@@ -390,7 +416,8 @@ impl<T: Metadata> Signed<T> {
                 .get(&s.keyid)
                 .and_then(|k| VerifyingKey::from_bytes(&k.public).ok())
                 .is_some_and(|vk| {
-                    vk.verify_strict(&msg, &ed25519_dalek::Signature::from_bytes(&s.sig)).is_ok()
+                    vk.verify_strict(&msg, &ed25519_dalek::Signature::from_bytes(&s.sig))
+                        .is_ok()
                 });
             if ok {
                 valid.insert(s.keyid.clone());
@@ -398,7 +425,11 @@ impl<T: Metadata> Signed<T> {
                 bad = Some(s.keyid.clone());
             }
         }
-        SigCount { valid: valid.len() as u32, threshold: role.threshold, bad }
+        SigCount {
+            valid: valid.len() as u32,
+            threshold: role.threshold,
+            bad,
+        }
     }
 }
 
@@ -415,7 +446,11 @@ impl SigCount {
         }
         match self.bad {
             Some(keyid) => Err(TufError::BadSignature { role, keyid }),
-            None => Err(TufError::UnderThreshold { role, valid: self.valid, threshold: self.threshold }),
+            None => Err(TufError::UnderThreshold {
+                role,
+                valid: self.valid,
+                threshold: self.threshold,
+            }),
         }
     }
 }
@@ -431,7 +466,11 @@ pub enum TufError {
     #[error("bad signature on {role} metadata by key {keyid}")]
     BadSignature { role: Role, keyid: KeyId },
     #[error("{role} metadata has {valid} valid signature(s), {threshold} required")]
-    UnderThreshold { role: Role, valid: u32, threshold: u32 },
+    UnderThreshold {
+        role: Role,
+        valid: u32,
+        threshold: u32,
+    },
     #[error("new root is not signed by the trusted root's threshold ({valid} of {threshold})")]
     RootNotSignedByOldRoot { valid: u32, threshold: u32 },
     #[error("new root is not signed by its own root threshold ({valid} of {threshold})")]
@@ -513,7 +552,10 @@ impl Verifier {
                 return Ok(false);
             }
             if body.version == self.root.version {
-                return Err(TufError::VersionReused { role: Role::Root, version: body.version });
+                return Err(TufError::VersionReused {
+                    role: Role::Root,
+                    version: body.version,
+                });
             }
             return Err(TufError::Rollback {
                 role: Role::Root,
@@ -522,16 +564,25 @@ impl Verifier {
             });
         }
         if body.version != self.root.version + 1 {
-            return Err(TufError::RootVersionSkipped { trusted: self.root.version, got: body.version });
+            return Err(TufError::RootVersionSkipped {
+                trusted: self.root.version,
+                got: body.version,
+            });
         }
         let old = new.check(&self.root, &self.root.root);
         if old.valid < old.threshold {
-            return Err(TufError::RootNotSignedByOldRoot { valid: old.valid, threshold: old.threshold });
+            return Err(TufError::RootNotSignedByOldRoot {
+                valid: old.valid,
+                threshold: old.threshold,
+            });
         }
         body.validate()?;
         let own = new.check(&body, &body.root);
         if own.valid < own.threshold {
-            return Err(TufError::RootNotSignedByNewRoot { valid: own.valid, threshold: own.threshold });
+            return Err(TufError::RootNotSignedByNewRoot {
+                valid: own.valid,
+                threshold: own.threshold,
+            });
         }
         if body.timestamp != self.root.timestamp {
             self.timestamp = None;
@@ -553,9 +604,14 @@ impl Verifier {
     }
 
     /// Accepts a new timestamp. Returns `false` when it is the trusted one again.
-    pub fn update_timestamp(&mut self, new: &Signed<Timestamp>, now: u64) -> Result<bool, TufError> {
+    pub fn update_timestamp(
+        &mut self,
+        new: &Signed<Timestamp>,
+        now: u64,
+    ) -> Result<bool, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
-        new.check(&self.root, &self.root.timestamp).into_result(Role::Timestamp)?;
+        new.check(&self.root, &self.root.timestamp)
+            .into_result(Role::Timestamp)?;
         let body = new.body_unverified()?;
         if body.version < self.timestamp_floor {
             return Err(TufError::Rollback {
@@ -568,7 +624,10 @@ impl Verifier {
             && body.version == t.version
         {
             if &body != t {
-                return Err(TufError::VersionReused { role: Role::Timestamp, version: body.version });
+                return Err(TufError::VersionReused {
+                    role: Role::Timestamp,
+                    version: body.version,
+                });
             }
             Self::fresh(Role::Timestamp, body.expires, now)?;
             return Ok(false);
@@ -583,7 +642,11 @@ impl Verifier {
         Self::fresh(Role::Timestamp, body.expires, now)?;
         self.timestamp_floor = body.version;
         // Targets the new timestamp no longer names are no longer current.
-        if self.targets.as_ref().is_some_and(|t| t.version != body.targets.version) {
+        if self
+            .targets
+            .as_ref()
+            .is_some_and(|t| t.version != body.targets.version)
+        {
             self.targets = None;
         }
         self.timestamp = Some(body);
@@ -594,12 +657,18 @@ impl Verifier {
     /// trusted ones again.
     pub fn update_targets(&mut self, new: &Signed<Targets>, now: u64) -> Result<bool, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
-        let ts = self.timestamp.as_ref().ok_or(TufError::Missing { role: Role::Timestamp })?;
+        let ts = self.timestamp.as_ref().ok_or(TufError::Missing {
+            role: Role::Timestamp,
+        })?;
         Self::fresh(Role::Timestamp, ts.expires, now)?;
         let want = ts.targets;
         if new.signed.len() as u64 != want.length {
             return Err(TufError::TargetsMismatchTimestamp {
-                detail: format!("length {} but timestamp says {}", new.signed.len(), want.length),
+                detail: format!(
+                    "length {} but timestamp says {}",
+                    new.signed.len(),
+                    want.length
+                ),
             });
         }
         let got = Digest::of(new.signed.as_bytes());
@@ -608,11 +677,15 @@ impl Verifier {
                 detail: format!("digest {got} but timestamp says {}", want.digest),
             });
         }
-        new.check(&self.root, &self.root.targets).into_result(Role::Targets)?;
+        new.check(&self.root, &self.root.targets)
+            .into_result(Role::Targets)?;
         let body = new.body_unverified()?;
         if body.version != want.version {
             return Err(TufError::TargetsMismatchTimestamp {
-                detail: format!("version {} but timestamp says {}", body.version, want.version),
+                detail: format!(
+                    "version {} but timestamp says {}",
+                    body.version, want.version
+                ),
             });
         }
         if body.version < self.targets_floor {
@@ -631,34 +704,68 @@ impl Verifier {
 
     /// The trusted target `name`/`version`, if all trusted metadata is still fresh at `now`.
     /// Use its `length` to cap a download (endless-data attack).
-    pub fn target(&self, name: &str, version: ModelVersion, now: u64) -> Result<&TargetInfo, TufError> {
+    pub fn target(
+        &self,
+        name: &str,
+        version: ModelVersion,
+        now: u64,
+    ) -> Result<&TargetInfo, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
-        let ts = self.timestamp.as_ref().ok_or(TufError::Missing { role: Role::Timestamp })?;
+        let ts = self.timestamp.as_ref().ok_or(TufError::Missing {
+            role: Role::Timestamp,
+        })?;
         Self::fresh(Role::Timestamp, ts.expires, now)?;
-        let tg = self.targets.as_ref().ok_or(TufError::Missing { role: Role::Targets })?;
+        let tg = self.targets.as_ref().ok_or(TufError::Missing {
+            role: Role::Targets,
+        })?;
         Self::fresh(Role::Targets, tg.expires, now)?;
         tg.get(name, version)
-            .ok_or_else(|| TufError::UnknownTarget { name: name.to_owned(), version })
+            .ok_or_else(|| TufError::UnknownTarget {
+                name: name.to_owned(),
+                version,
+            })
     }
 
     /// Checks a downloaded artifact against the trusted targets.
-    pub fn verify_artifact(&self, name: &str, version: ModelVersion, bytes: &[u8], now: u64) -> Result<&TargetInfo, TufError> {
+    pub fn verify_artifact(
+        &self,
+        name: &str,
+        version: ModelVersion,
+        bytes: &[u8],
+        now: u64,
+    ) -> Result<&TargetInfo, TufError> {
         let t = self.target(name, version, now)?;
         if bytes.len() as u64 != t.length {
-            return Err(TufError::LengthMismatch { expected: t.length, got: bytes.len() as u64 });
+            return Err(TufError::LengthMismatch {
+                expected: t.length,
+                got: bytes.len() as u64,
+            });
         }
         self.verify_artifact_digest(name, version, t.length, Digest::of(bytes), now)
     }
 
     /// Checks an artifact's length and digest (computed while streaming) against the trusted
     /// targets.
-    pub fn verify_artifact_digest(&self, name: &str, version: ModelVersion, length: u64, digest: Digest, now: u64) -> Result<&TargetInfo, TufError> {
+    pub fn verify_artifact_digest(
+        &self,
+        name: &str,
+        version: ModelVersion,
+        length: u64,
+        digest: Digest,
+        now: u64,
+    ) -> Result<&TargetInfo, TufError> {
         let t = self.target(name, version, now)?;
         if length != t.length {
-            return Err(TufError::LengthMismatch { expected: t.length, got: length });
+            return Err(TufError::LengthMismatch {
+                expected: t.length,
+                got: length,
+            });
         }
         if digest != t.digest {
-            return Err(TufError::DigestMismatch { expected: t.digest, got: digest });
+            return Err(TufError::DigestMismatch {
+                expected: t.digest,
+                got: digest,
+            });
         }
         Ok(t)
     }
