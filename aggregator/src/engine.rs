@@ -1,0 +1,942 @@
+//! The round engine: a sans-IO state machine for training campaigns.
+//!
+//! Shaped like `quinn_proto::Connection`: the caller passes the current time (`now`, unix
+//! milliseconds) into every input, and polls outputs.
+//!
+//! * **Inputs:** [`RoundEngine::start_campaign`], [`RoundEngine::check_update`] /
+//!   [`RoundEngine::handle_update`], [`RoundEngine::handle_timeout`],
+//!   [`RoundEngine::model_ready`], [`RoundEngine::abort_round`], [`RoundEngine::stop_campaign`],
+//!   [`RoundEngine::revoke`] / [`RoundEngine::reinstate`].
+//! * **Outputs:** [`RoundEngine::poll_event`] (a queue of [`EngineEvent`]s) and
+//!   [`RoundEngine::poll_timeout`] (when to call `handle_timeout` next).
+//!
+//! # Lifecycle
+//!
+//! A campaign runs `rounds` successful rounds. Each round (a fresh [`RoundId`], increasing across
+//! campaigns) is announced with [`EngineEvent::RoundOpened`] and accepts updates until either
+//! `target_count` updates were accepted (it closes early) or the deadline passes. At the deadline,
+//! with at least `min_quorum` updates it closes; without, it is extended once by `extension_ms`
+//! (if non-zero), and if the quorum is still missing at the new deadline it fails with
+//! [`FailReason::QuorumNotMet`]. A round never waits longer than `duration_ms + extension_ms`.
+//!
+//! After [`EngineEvent::RoundClosed`] the engine waits for the shell to finalize the strategy and
+//! publish the new model, then [`RoundEngine::model_ready`] opens the next round on that model
+//! (or finishes the campaign). After [`EngineEvent::RoundFailed`] the global model is unchanged
+//! and the next round opens at once on the same base, unless `max_consecutive_failures` failures
+//! in a row end the campaign ([`CampaignOutcome::TooManyFailures`]).
+//!
+//! # Admission of an update (in this order)
+//!
+//! wrong fleet → `wrong_fleet`; revoked device → `revoked`; (device, nonce) seen before in any
+//! retained round → `replay`; round older than the open one, or closed/failed → `stale_round`;
+//! round not yet announced → `unknown_round`; other base model → `wrong_base_model`; device not
+//! selected → `not_selected`; second update of the device in this round → `duplicate`; zero or
+//! too many samples → `bad_sample_count`. Timeouts due at `now` are processed first, so an update
+//! arriving after the deadline is `stale_round` even if the shell has not called
+//! `handle_timeout` yet.
+//!
+//! Only accepted updates record their nonce: a device whose update was refused (say, for
+//! overload) may resend it unchanged. Nonces are retained for `nonce_retention_rounds` rounds
+//! (older rounds are `stale_round` anyway, and the signed header binds the round id).
+//!
+//! # Revocation policy
+//!
+//! [`RoundEngine::revoke`] takes effect at once: every later update of the device is refused with
+//! `revoked`. An update it already had **accepted** in the open round stays in the round — it was
+//! verified against a then-valid certificate, and the exact-integer fold could only be undone
+//! with the payload at hand. The engine reports it in [`EngineEvent::DeviceRevoked`]
+//! (`contributed_to`); if the revocation means the key was compromised, the operator or shell
+//! calls [`RoundEngine::abort_round`], which fails the round and discards all its updates.
+//!
+//! # Weights
+//!
+//! An accepted update's weight is its sample count clamped to
+//! [`MAX_WEIGHT`] (2²⁴), so one device cannot dominate by
+//! claiming more, and weighted products stay exact (see [`crate::strategy::fixed`]).
+//!
+//! # Persistence
+//!
+//! The whole engine, pending events included, is `serde` serializable
+//! ([`RoundEngine::to_bytes`] / [`RoundEngine::from_bytes`] use postcard). The shell stores it at
+//! each commit point (after each accepted update, with the strategy's partial sum), and after a
+//! crash restores the last snapshot and replays updates it is unsure about: already-accepted ones
+//! come back as `replay` (their nonce is in the snapshot), the rest are admitted as before, so
+//! the result is the same. Pending events are delivered at least once; acting on them must be
+//! idempotent.
+//!
+//! **Architecture invariant:** no I/O, no clock reads, no randomness: the campaign seed comes in
+//! with the [`CampaignSpec`].
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+use fedfleet_protocol::messages::PPM;
+use fedfleet_protocol::{
+    DeviceId, Digest, FleetId, ModelVersion, RoundId, Selection as WireSelection,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::reject::RejectReason;
+use crate::strategy::ClientConfig;
+use crate::strategy::fixed::MAX_WEIGHT;
+
+/// Unix time in milliseconds, as passed in by the shell.
+pub type Millis = u64;
+
+/// A device's per-update nonce (random, chosen by the device, bound by the signed header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Nonce(pub [u8; 16]);
+
+/// A training campaign, chosen by the operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct CampaignId(pub u64);
+
+impl fmt::Display for CampaignId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Which devices a round invites.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// Each device is selected independently with probability `rate × over_selection` (capped at
+    /// 1, in parts per million), decided by the wire protocol's
+    /// [`Selection::Sample`](WireSelection::Sample) hash of the round's seed ([`round_seed`]) and
+    /// the device id, so devices check their own selection from the announcement and agree with
+    /// the engine.
+    Rate { rate: f64 },
+    /// Exactly these devices (`over_selection` does not apply).
+    Explicit { devices: BTreeSet<DeviceId> },
+}
+
+/// Counts and times of every round of a campaign.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundPolicy {
+    /// The round closes as soon as this many updates are accepted.
+    pub target_count: u32,
+    /// At the deadline, the round closes if it has at least this many updates.
+    pub min_quorum: u32,
+    /// Rate selection invites `rate × over_selection` of the fleet, expecting drop-outs (≥ 1).
+    pub over_selection: f64,
+    /// From opening to the deadline.
+    pub duration_ms: u64,
+    /// One extension of the deadline when the quorum is not met; 0 = fail at once.
+    pub extension_ms: u64,
+    /// Updates claiming more samples than this are refused (`bad_sample_count`).
+    pub max_sample_count: u64,
+}
+
+impl Default for RoundPolicy {
+    fn default() -> Self {
+        RoundPolicy {
+            target_count: 10,
+            min_quorum: 2,
+            over_selection: 1.3,
+            duration_ms: 10 * 60_000,
+            extension_ms: 5 * 60_000,
+            max_sample_count: 1 << 32,
+        }
+    }
+}
+
+/// Everything needed to run a campaign.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CampaignSpec {
+    pub id: CampaignId,
+    /// Successful rounds to run.
+    pub rounds: u32,
+    /// The model the first round trains from.
+    pub base_version: ModelVersion,
+    pub base_digest: Digest,
+    /// What clients do each round (from `Strategy::configure`).
+    pub client: ClientConfig,
+    pub selection: Selection,
+    pub policy: RoundPolicy,
+    /// Seed of every round's sampling (see [`round_seed`]). Chosen
+    /// by the shell (randomly, or fixed for reproducible runs).
+    pub seed: [u8; 32],
+    /// Failed rounds in a row after which the campaign gives up (≥ 1).
+    pub max_consecutive_failures: u32,
+}
+
+/// What the shell broadcasts when a round opens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundAnnouncement {
+    pub fleet: FleetId,
+    pub campaign: CampaignId,
+    pub round: RoundId,
+    pub base_version: ModelVersion,
+    pub base_digest: Digest,
+    pub client: ClientConfig,
+    /// Who is invited, in wire form (`Sample { rate_ppm, seed }` or `Devices`): a device is in
+    /// iff `selection.selects(device)`.
+    pub selection: WireSelection,
+    pub opened_at: Millis,
+    pub deadline: Millis,
+    pub target_count: u32,
+    pub max_sample_count: u64,
+}
+
+/// The signed header of an update, as far as the engine cares. The shell has already verified
+/// the signature; the engine decides admission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateMeta {
+    pub fleet: FleetId,
+    pub device: DeviceId,
+    pub round: RoundId,
+    pub base_digest: Digest,
+    pub nonce: Nonce,
+    pub num_examples: u64,
+    pub payload_digest: Digest,
+}
+
+impl From<&fedfleet_protocol::UpdateHeader> for UpdateMeta {
+    /// The admission-relevant fields of a verified, signed update header.
+    fn from(h: &fedfleet_protocol::UpdateHeader) -> Self {
+        UpdateMeta {
+            fleet: h.fleet.clone(),
+            device: h.device.clone(),
+            round: h.round,
+            base_digest: h.base_model,
+            nonce: Nonce(h.nonce),
+            num_examples: h.sample_count,
+            payload_digest: h.payload_digest,
+        }
+    }
+}
+
+/// One accepted update, as recorded in the round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Contribution {
+    pub device: DeviceId,
+    pub nonce: Nonce,
+    pub num_examples: u64,
+    /// `num_examples` clamped to `MAX_WEIGHT`: pass this to `Strategy::fold`.
+    pub weight: u64,
+    pub payload_digest: Digest,
+    pub accepted_at: Millis,
+}
+
+/// Answer to an admitted update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accepted {
+    pub round: RoundId,
+    /// The weight to fold the update with.
+    pub weight: u64,
+    /// Updates accepted in the round, this one included.
+    pub accepted: u32,
+    pub target: u32,
+    /// This update reached the target: the round closed.
+    pub closed_round: bool,
+}
+
+/// A refused update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("update refused: {reason}")]
+pub struct Reject {
+    pub reason: RejectReason,
+    /// The round currently open, if any (lets a device resynchronise).
+    pub current_round: Option<RoundId>,
+}
+
+/// Why a round closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CloseCause {
+    TargetReached,
+    Deadline,
+}
+
+/// Why a round failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailReason {
+    /// Fewer than `min_quorum` updates by the (extended) deadline.
+    QuorumNotMet { accepted: u32, quorum: u32 },
+    /// [`RoundEngine::abort_round`] (operator, compromised key, finalize error…).
+    Aborted { detail: String },
+    /// [`RoundEngine::stop_campaign`].
+    CampaignStopped,
+}
+
+impl FailReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FailReason::QuorumNotMet { .. } => "quorum_not_met",
+            FailReason::Aborted { .. } => "aborted",
+            FailReason::CampaignStopped => "campaign_stopped",
+        }
+    }
+}
+
+/// How a campaign ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CampaignOutcome {
+    Completed,
+    TooManyFailures,
+    Stopped,
+}
+
+impl CampaignOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CampaignOutcome::Completed => "completed",
+            CampaignOutcome::TooManyFailures => "too_many_failures",
+            CampaignOutcome::Stopped => "stopped",
+        }
+    }
+}
+
+/// Something the shell must act on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineEvent {
+    /// Broadcast the announcement.
+    RoundOpened(RoundAnnouncement),
+    /// The quorum was missing at the deadline; the deadline moved once.
+    RoundExtended {
+        round: RoundId,
+        deadline: Millis,
+        accepted: u32,
+    },
+    /// Finalize the strategy on `base_*`, publish, then call [`RoundEngine::model_ready`].
+    /// `contributions` are sorted by device id.
+    RoundClosed {
+        round: RoundId,
+        cause: CloseCause,
+        base_version: ModelVersion,
+        base_digest: Digest,
+        contributions: Vec<Contribution>,
+    },
+    /// Discard the round's folded updates (`Strategy::abort_round`).
+    RoundFailed { round: RoundId, reason: FailReason },
+    /// A device was revoked; `contributed_to` names the open round if it had an accepted update
+    /// in it (kept, see the module docs).
+    DeviceRevoked {
+        device: DeviceId,
+        contributed_to: Option<RoundId>,
+    },
+    CampaignFinished {
+        campaign: CampaignId,
+        outcome: CampaignOutcome,
+        rounds_completed: u32,
+    },
+}
+
+/// Misuse of the engine's API (as opposed to a refused update).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    #[error("campaign {0} is still running")]
+    CampaignRunning(CampaignId),
+    #[error("no campaign is running")]
+    NoCampaign,
+    #[error("invalid campaign spec: {0}")]
+    InvalidSpec(String),
+    #[error("round {0} is not waiting for a model")]
+    NotAwaitingModel(RoundId),
+    #[error("round {0} is not the current round")]
+    NotCurrentRound(RoundId),
+    #[error("snapshot does not decode: {0}")]
+    Snapshot(String),
+}
+
+/// Engine-wide settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Rounds for which accepted (device, nonce) pairs are remembered.
+    pub nonce_retention_rounds: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            nonce_retention_rounds: 1024,
+        }
+    }
+}
+
+/// A read-only view of the open round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundStatus {
+    pub round: RoundId,
+    pub opened_at: Millis,
+    pub deadline: Millis,
+    pub extended: bool,
+    pub accepted: u32,
+    pub target: u32,
+    pub quorum: u32,
+}
+
+/// Where the current campaign stands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+enum Phase {
+    Open(OpenRound),
+    /// Closed; waiting for the shell to finalize and publish.
+    AwaitingModel {
+        round: RoundId,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct OpenRound {
+    id: RoundId,
+    /// The announced selection (for `Rate` campaigns; explicit lists are checked on the spec).
+    selection: WireSelection,
+    opened_at: Millis,
+    deadline: Millis,
+    extended: bool,
+    contributions: BTreeMap<DeviceId, Contribution>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Campaign {
+    spec: CampaignSpec,
+    base_version: ModelVersion,
+    base_digest: Digest,
+    completed: u32,
+    consecutive_failures: u32,
+    phase: Phase,
+}
+
+/// The round engine. See the module docs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundEngine {
+    fleet: FleetId,
+    config: EngineConfig,
+    /// The id the next round will get; every id below it has been used.
+    next_round: RoundId,
+    campaign: Option<Campaign>,
+    revoked: BTreeSet<DeviceId>,
+    seen_nonces: BTreeSet<(DeviceId, Nonce)>,
+    nonce_log: VecDeque<(RoundId, DeviceId, Nonce)>,
+    events: VecDeque<EngineEvent>,
+}
+
+/// The sampling seed of a round: the first 8 bytes (little-endian) of
+/// `blake3(campaign_seed ‖ round_id as u64 LE)`.
+pub fn round_seed(campaign_seed: &[u8; 32], round: RoundId) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(campaign_seed);
+    h.update(&round.0.to_le_bytes());
+    u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// A rate in `[0, 1]` as parts per million, rounded to nearest.
+pub fn rate_to_ppm(rate: f64) -> u32 {
+    (rate.clamp(0.0, 1.0) * PPM as f64).round() as u32
+}
+
+impl RoundEngine {
+    /// A fresh engine; the first round will be `first_round` (resume numbering from the registry
+    /// or sled when starting over an existing fleet).
+    pub fn new(fleet: FleetId, config: EngineConfig, first_round: RoundId) -> Self {
+        RoundEngine {
+            fleet,
+            config,
+            next_round: first_round,
+            campaign: None,
+            revoked: BTreeSet::new(),
+            seen_nonces: BTreeSet::new(),
+            nonce_log: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    // ----- getters -----
+
+    pub fn fleet(&self) -> &FleetId {
+        &self.fleet
+    }
+    /// The running campaign, if any.
+    pub fn campaign_id(&self) -> Option<CampaignId> {
+        self.campaign.as_ref().map(|c| c.spec.id)
+    }
+    /// Successful rounds of the running campaign.
+    pub fn rounds_completed(&self) -> Option<u32> {
+        self.campaign.as_ref().map(|c| c.completed)
+    }
+    /// The open round, if any.
+    pub fn round_status(&self) -> Option<RoundStatus> {
+        let c = self.campaign.as_ref()?;
+        match &c.phase {
+            Phase::Open(r) => Some(RoundStatus {
+                round: r.id,
+                opened_at: r.opened_at,
+                deadline: r.deadline,
+                extended: r.extended,
+                accepted: r.contributions.len() as u32,
+                target: c.spec.policy.target_count,
+                quorum: c.spec.policy.min_quorum,
+            }),
+            Phase::AwaitingModel { .. } => None,
+        }
+    }
+    /// The closed round waiting for [`model_ready`](Self::model_ready), if any.
+    pub fn awaiting_model(&self) -> Option<RoundId> {
+        match &self.campaign.as_ref()?.phase {
+            Phase::AwaitingModel { round } => Some(*round),
+            Phase::Open(_) => None,
+        }
+    }
+    /// Accepted updates of the open round, by device.
+    pub fn contributions(&self) -> impl Iterator<Item = &Contribution> {
+        let open = match self.campaign.as_ref().map(|c| &c.phase) {
+            Some(Phase::Open(r)) => Some(r.contributions.values()),
+            _ => None,
+        };
+        open.into_iter().flatten()
+    }
+    /// Whether `device` is invited to the open round.
+    pub fn is_selected(&self, device: &DeviceId) -> bool {
+        match &self.campaign {
+            Some(c) => match &c.phase {
+                Phase::Open(r) => selected(&c.spec, &r.selection, device),
+                _ => false,
+            },
+            None => false,
+        }
+    }
+    pub fn is_revoked(&self, device: &DeviceId) -> bool {
+        self.revoked.contains(device)
+    }
+
+    // ----- inputs -----
+
+    /// Starts a campaign and opens its first round.
+    pub fn start_campaign(&mut self, now: Millis, spec: CampaignSpec) -> Result<(), EngineError> {
+        if let Some(c) = &self.campaign {
+            return Err(EngineError::CampaignRunning(c.spec.id));
+        }
+        validate(&spec)?;
+        self.campaign = Some(Campaign {
+            base_version: spec.base_version,
+            base_digest: spec.base_digest,
+            spec,
+            completed: 0,
+            consecutive_failures: 0,
+            phase: Phase::AwaitingModel { round: RoundId(0) }, // replaced at once
+        });
+        self.open_round(now);
+        Ok(())
+    }
+
+    /// Admission check without recording anything (timeouts due at `now` are processed). Call it
+    /// before receiving a payload, then fold, then [`handle_update`](Self::handle_update) with
+    /// the same `now` and no engine call in between: it will accept.
+    pub fn check_update(&mut self, now: Millis, meta: &UpdateMeta) -> Result<Accepted, Reject> {
+        self.handle_timeout(now);
+        self.admit(meta)
+    }
+
+    /// Admits and records an update whose payload has been verified and folded.
+    pub fn handle_update(&mut self, now: Millis, meta: UpdateMeta) -> Result<Accepted, Reject> {
+        self.handle_timeout(now);
+        let accepted = self.admit(&meta)?;
+        let c = self.campaign.as_mut().expect("admitted ⇒ campaign");
+        let Phase::Open(r) = &mut c.phase else {
+            unreachable!("admitted ⇒ open round")
+        };
+        self.seen_nonces.insert((meta.device.clone(), meta.nonce));
+        self.nonce_log
+            .push_back((r.id, meta.device.clone(), meta.nonce));
+        r.contributions.insert(
+            meta.device.clone(),
+            Contribution {
+                device: meta.device,
+                nonce: meta.nonce,
+                num_examples: meta.num_examples,
+                weight: accepted.weight,
+                payload_digest: meta.payload_digest,
+                accepted_at: now,
+            },
+        );
+        if accepted.closed_round {
+            self.close_round(CloseCause::TargetReached);
+        }
+        Ok(accepted)
+    }
+
+    /// Processes every deadline due at `now`. Idempotent; call it when
+    /// [`poll_timeout`](Self::poll_timeout) says, or whenever.
+    pub fn handle_timeout(&mut self, now: Millis) {
+        loop {
+            let Some(c) = self.campaign.as_mut() else {
+                return;
+            };
+            let Phase::Open(r) = &mut c.phase else { return };
+            if now < r.deadline {
+                return;
+            }
+            let accepted = r.contributions.len() as u32;
+            let policy = &c.spec.policy;
+            if accepted >= policy.min_quorum {
+                self.close_round(CloseCause::Deadline);
+            } else if !r.extended && policy.extension_ms > 0 {
+                r.extended = true;
+                r.deadline = r.deadline.saturating_add(policy.extension_ms);
+                let ev = EngineEvent::RoundExtended {
+                    round: r.id,
+                    deadline: r.deadline,
+                    accepted,
+                };
+                self.events.push_back(ev);
+                // Loop: a shell that wakes up late may already be past the new deadline.
+            } else {
+                let quorum = policy.min_quorum;
+                self.fail_round(now, FailReason::QuorumNotMet { accepted, quorum });
+            }
+        }
+    }
+
+    /// The closed round `round` has been finalized and published as `version`/`digest`: open the
+    /// next round on it, or finish the campaign.
+    pub fn model_ready(
+        &mut self,
+        now: Millis,
+        round: RoundId,
+        version: ModelVersion,
+        digest: Digest,
+    ) -> Result<(), EngineError> {
+        let c = self.campaign.as_mut().ok_or(EngineError::NoCampaign)?;
+        match c.phase {
+            Phase::AwaitingModel { round: r } if r == round => {}
+            _ => return Err(EngineError::NotAwaitingModel(round)),
+        }
+        c.base_version = version;
+        c.base_digest = digest;
+        c.completed += 1;
+        c.consecutive_failures = 0;
+        if c.completed >= c.spec.rounds {
+            self.finish(CampaignOutcome::Completed);
+        } else {
+            self.open_round(now);
+        }
+        Ok(())
+    }
+
+    /// Fails the current round — open, or closed and awaiting its model (e.g. finalize failed) —
+    /// discarding its updates; the campaign goes on as after any failed round.
+    pub fn abort_round(
+        &mut self,
+        now: Millis,
+        round: RoundId,
+        detail: impl Into<String>,
+    ) -> Result<(), EngineError> {
+        let c = self.campaign.as_ref().ok_or(EngineError::NoCampaign)?;
+        let current = match &c.phase {
+            Phase::Open(r) => r.id,
+            Phase::AwaitingModel { round } => *round,
+        };
+        if current != round {
+            return Err(EngineError::NotCurrentRound(round));
+        }
+        self.fail_round(
+            now,
+            FailReason::Aborted {
+                detail: detail.into(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Stops the campaign; an open or closed-but-unpublished round fails.
+    pub fn stop_campaign(&mut self, _now: Millis) -> Result<(), EngineError> {
+        let c = self.campaign.as_ref().ok_or(EngineError::NoCampaign)?;
+        let round = match &c.phase {
+            Phase::Open(r) => r.id,
+            Phase::AwaitingModel { round } => *round,
+        };
+        self.events.push_back(EngineEvent::RoundFailed {
+            round,
+            reason: FailReason::CampaignStopped,
+        });
+        self.finish(CampaignOutcome::Stopped);
+        Ok(())
+    }
+
+    /// Revokes a device: its later updates are refused with `revoked`. See the module docs for
+    /// what happens to an update it already had accepted.
+    pub fn revoke(&mut self, device: DeviceId) {
+        if !self.revoked.insert(device.clone()) {
+            return;
+        }
+        let contributed_to = match self.campaign.as_ref().map(|c| &c.phase) {
+            Some(Phase::Open(r)) if r.contributions.contains_key(&device) => Some(r.id),
+            _ => None,
+        };
+        self.events.push_back(EngineEvent::DeviceRevoked {
+            device,
+            contributed_to,
+        });
+    }
+
+    /// Undoes [`revoke`](Self::revoke) (a re-enrolled device).
+    pub fn reinstate(&mut self, device: &DeviceId) {
+        self.revoked.remove(device);
+    }
+
+    // ----- outputs -----
+
+    /// Next event for the shell.
+    pub fn poll_event(&mut self) -> Option<EngineEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) should next be called.
+    pub fn poll_timeout(&self) -> Option<Millis> {
+        match &self.campaign.as_ref()?.phase {
+            Phase::Open(r) => Some(r.deadline),
+            Phase::AwaitingModel { .. } => None,
+        }
+    }
+
+    // ----- persistence -----
+
+    /// The whole engine as postcard bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        postcard::to_stdvec(self).expect("engine state serializes")
+    }
+
+    /// Restores an engine from [`to_bytes`](Self::to_bytes).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, EngineError> {
+        postcard::from_bytes(bytes).map_err(|e| EngineError::Snapshot(e.to_string()))
+    }
+
+    // ----- internals -----
+
+    fn reject(&self, reason: RejectReason) -> Reject {
+        let current_round = match self.campaign.as_ref().map(|c| &c.phase) {
+            Some(Phase::Open(r)) => Some(r.id),
+            _ => None,
+        };
+        Reject {
+            reason,
+            current_round,
+        }
+    }
+
+    fn admit(&self, meta: &UpdateMeta) -> Result<Accepted, Reject> {
+        if meta.fleet != self.fleet {
+            return Err(self.reject(RejectReason::WrongFleet));
+        }
+        if self.revoked.contains(&meta.device) {
+            return Err(self.reject(RejectReason::Revoked));
+        }
+        if self
+            .seen_nonces
+            .contains(&(meta.device.clone(), meta.nonce))
+        {
+            return Err(self.reject(RejectReason::Replay));
+        }
+        let Some(c) = self.campaign.as_ref() else {
+            let reason = if meta.round < self.next_round {
+                RejectReason::StaleRound
+            } else {
+                RejectReason::UnknownRound
+            };
+            return Err(self.reject(reason));
+        };
+        let r = match &c.phase {
+            Phase::Open(r) if r.id == meta.round => r,
+            _ if meta.round >= self.next_round => {
+                return Err(self.reject(RejectReason::UnknownRound));
+            }
+            _ => return Err(self.reject(RejectReason::StaleRound)),
+        };
+        if meta.base_digest != c.base_digest {
+            return Err(self.reject(RejectReason::WrongBaseModel));
+        }
+        if !selected(&c.spec, &r.selection, &meta.device) {
+            return Err(self.reject(RejectReason::NotSelected));
+        }
+        if r.contributions.contains_key(&meta.device) {
+            return Err(self.reject(RejectReason::Duplicate));
+        }
+        let policy = &c.spec.policy;
+        if meta.num_examples == 0 || meta.num_examples > policy.max_sample_count {
+            return Err(self.reject(RejectReason::BadSampleCount));
+        }
+        let accepted = r.contributions.len() as u32 + 1;
+        Ok(Accepted {
+            round: r.id,
+            weight: meta.num_examples.min(MAX_WEIGHT),
+            accepted,
+            target: policy.target_count,
+            closed_round: accepted >= policy.target_count,
+        })
+    }
+
+    fn open_round(&mut self, now: Millis) {
+        let id = self.next_round;
+        self.next_round = RoundId(id.0 + 1);
+        // Forget nonces of rounds that left the retention window.
+        let keep_from = id.0.saturating_sub(self.config.nonce_retention_rounds);
+        while let Some((r, _, _)) = self.nonce_log.front() {
+            if r.0 >= keep_from {
+                break;
+            }
+            let (_, d, n) = self.nonce_log.pop_front().expect("front exists");
+            self.seen_nonces.remove(&(d, n));
+        }
+        let c = self.campaign.as_mut().expect("open_round needs a campaign");
+        let policy = &c.spec.policy;
+        let deadline = now.saturating_add(policy.duration_ms);
+        let selection = match &c.spec.selection {
+            Selection::Rate { rate } => WireSelection::Sample {
+                rate_ppm: effective_ppm(*rate, policy),
+                seed: round_seed(&c.spec.seed, id),
+            },
+            Selection::Explicit { devices } => {
+                WireSelection::Devices(devices.iter().cloned().collect())
+            }
+        };
+        let announcement = RoundAnnouncement {
+            fleet: self.fleet.clone(),
+            campaign: c.spec.id,
+            round: id,
+            base_version: c.base_version,
+            base_digest: c.base_digest,
+            client: c.spec.client.clone(),
+            selection: selection.clone(),
+            opened_at: now,
+            deadline,
+            target_count: policy.target_count,
+            max_sample_count: policy.max_sample_count,
+        };
+        c.phase = Phase::Open(OpenRound {
+            id,
+            selection: match selection {
+                WireSelection::Devices(_) => WireSelection::All, // checked on the spec's set
+                other => other,
+            },
+            opened_at: now,
+            deadline,
+            extended: false,
+            contributions: BTreeMap::new(),
+        });
+        self.events
+            .push_back(EngineEvent::RoundOpened(announcement));
+    }
+
+    fn close_round(&mut self, cause: CloseCause) {
+        let c = self
+            .campaign
+            .as_mut()
+            .expect("close_round needs a campaign");
+        let Phase::Open(r) = &mut c.phase else { return };
+        let round = r.id;
+        let contributions = std::mem::take(&mut r.contributions).into_values().collect();
+        c.phase = Phase::AwaitingModel { round };
+        self.events.push_back(EngineEvent::RoundClosed {
+            round,
+            cause,
+            base_version: c.base_version,
+            base_digest: c.base_digest,
+            contributions,
+        });
+    }
+
+    fn fail_round(&mut self, now: Millis, reason: FailReason) {
+        let c = self.campaign.as_mut().expect("fail_round needs a campaign");
+        let round = match &c.phase {
+            Phase::Open(r) => r.id,
+            Phase::AwaitingModel { round } => *round,
+        };
+        c.consecutive_failures += 1;
+        let give_up = c.consecutive_failures >= c.spec.max_consecutive_failures;
+        self.events
+            .push_back(EngineEvent::RoundFailed { round, reason });
+        if give_up {
+            self.finish(CampaignOutcome::TooManyFailures);
+        } else {
+            self.open_round(now);
+        }
+    }
+
+    fn finish(&mut self, outcome: CampaignOutcome) {
+        let c = self.campaign.take().expect("finish needs a campaign");
+        self.events.push_back(EngineEvent::CampaignFinished {
+            campaign: c.spec.id,
+            outcome,
+            rounds_completed: c.completed,
+        });
+    }
+}
+
+fn effective_ppm(rate: f64, policy: &RoundPolicy) -> u32 {
+    rate_to_ppm(rate * policy.over_selection)
+}
+
+fn selected(spec: &CampaignSpec, announced: &WireSelection, device: &DeviceId) -> bool {
+    match &spec.selection {
+        Selection::Rate { .. } => announced.selects(device),
+        Selection::Explicit { devices } => devices.contains(device),
+    }
+}
+
+fn validate(spec: &CampaignSpec) -> Result<(), EngineError> {
+    let p = &spec.policy;
+    let bad = |m: String| Err(EngineError::InvalidSpec(m));
+    if spec.rounds == 0 {
+        return bad("rounds must be >= 1".into());
+    }
+    if p.target_count == 0 || p.min_quorum == 0 || p.min_quorum > p.target_count {
+        return bad(format!(
+            "need 1 <= min_quorum ({}) <= target_count ({})",
+            p.min_quorum, p.target_count
+        ));
+    }
+    if !(p.over_selection.is_finite() && p.over_selection >= 1.0) {
+        return bad(format!(
+            "over_selection must be >= 1, got {}",
+            p.over_selection
+        ));
+    }
+    if p.duration_ms == 0 {
+        return bad("duration_ms must be > 0".into());
+    }
+    if p.max_sample_count == 0 {
+        return bad("max_sample_count must be > 0".into());
+    }
+    if spec.max_consecutive_failures == 0 {
+        return bad("max_consecutive_failures must be >= 1".into());
+    }
+    match &spec.selection {
+        Selection::Rate { rate } if !(*rate > 0.0 && *rate <= 1.0) || rate_to_ppm(*rate) == 0 => {
+            bad(format!("rate must be in [1e-6, 1], got {rate}"))
+        }
+        Selection::Explicit { devices } if (devices.len() as u64) < p.min_quorum as u64 => {
+            bad(format!(
+                "{} explicit devices can never reach min_quorum {}",
+                devices.len(),
+                p.min_quorum
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_seeds_and_rates() {
+        assert_ne!(
+            round_seed(&[7; 32], RoundId(1)),
+            round_seed(&[7; 32], RoundId(2))
+        );
+        assert_eq!(
+            round_seed(&[7; 32], RoundId(1)),
+            round_seed(&[7; 32], RoundId(1))
+        );
+        assert_eq!(rate_to_ppm(0.25), 250_000);
+        assert_eq!(rate_to_ppm(3.0), PPM);
+        assert_eq!(rate_to_ppm(f64::NAN), 0);
+    }
+}
