@@ -1,0 +1,383 @@
+//! The async shell around one [`Lifecycle`]: executes its actions with the service clients,
+//! the store and `fedfleet-learning`, and feeds the results back. Used by the daemon (real
+//! clock) and by simulation and tests (fake clock): the same code path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ed25519_dalek::SigningKey;
+use fedfleet_learning::{Dataset, Predictor};
+use fedfleet_protocol::{Digest, ModelRef};
+use rand::RngCore;
+
+use crate::clients::{Aggregator, Registry, UploadReply};
+use crate::lifecycle::{Action, Input, Lifecycle, LifecycleError, Millis, SlotModel, UploadOutcome};
+use crate::ml;
+use crate::store::write_atomic;
+
+/// Where the shell gets the time from.
+pub trait Clock: Send + Sync {
+    fn now_ms(&self) -> Millis;
+}
+
+/// The system clock.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> Millis {
+        SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    }
+}
+
+/// A clock tests move by hand.
+#[derive(Debug, Default)]
+pub struct FakeClock(AtomicU64);
+
+impl FakeClock {
+    pub fn new(start: Millis) -> Self {
+        FakeClock(AtomicU64::new(start))
+    }
+    pub fn set(&self, t: Millis) {
+        self.0.store(t, Ordering::SeqCst);
+    }
+    pub fn advance(&self, ms: u64) {
+        self.0.fetch_add(ms, Ordering::SeqCst);
+    }
+}
+
+impl Clock for FakeClock {
+    fn now_ms(&self) -> Millis {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The model serving inference.
+#[derive(Clone)]
+pub struct Served {
+    pub model: ModelRef,
+    pub predictor: Arc<Predictor>,
+}
+
+/// Shared handle to the serving model, swapped atomically on activation.
+#[derive(Clone, Default)]
+pub struct Serving(Arc<RwLock<Option<Served>>>);
+
+impl Serving {
+    pub fn get(&self) -> Option<Served> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    pub fn set(&self, s: Served) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Some(s);
+    }
+}
+
+/// The device's local data.
+#[derive(Debug, Clone)]
+pub struct LocalData {
+    pub train: Dataset,
+    pub holdout: Dataset,
+}
+
+/// Shell settings.
+#[derive(Debug, Clone)]
+pub struct ShellConfig {
+    /// Bytes per download request.
+    pub download_chunk: u32,
+    /// Examples timed in a health check.
+    pub latency_samples: usize,
+    /// Where `status.json` is written on every report (read by `fedfleet-agent status`).
+    pub status_file: Option<std::path::PathBuf>,
+    /// JSON file the device writes with its conditions (`{"idle":..,"charging":..,
+    /// "fresh_samples":..}`), read at every control poll.
+    pub conditions_file: Option<std::path::PathBuf>,
+}
+
+impl Default for ShellConfig {
+    fn default() -> Self {
+        ShellConfig { download_chunk: 256 * 1024, latency_samples: 64, status_file: None, conditions_file: None }
+    }
+}
+
+/// One agent: lifecycle core + clients + data + serving handle.
+pub struct Agent<A, R> {
+    core: Lifecycle,
+    agg: Arc<A>,
+    reg: Arc<R>,
+    key: SigningKey,
+    data: Arc<LocalData>,
+    serving: Serving,
+    clock: Arc<dyn Clock>,
+    cfg: ShellConfig,
+}
+
+/// Errors that stop an agent (persistence); everything else is retried or reported.
+pub type AgentError = LifecycleError;
+
+impl<A: Aggregator, R: Registry> Agent<A, R> {
+    pub fn new(
+        core: Lifecycle,
+        agg: Arc<A>,
+        reg: Arc<R>,
+        key: SigningKey,
+        data: LocalData,
+        clock: Arc<dyn Clock>,
+        cfg: ShellConfig,
+    ) -> Self {
+        Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg }
+    }
+
+    pub fn core(&self) -> &Lifecycle {
+        &self.core
+    }
+    pub fn core_mut(&mut self) -> &mut Lifecycle {
+        &mut self.core
+    }
+    pub fn serving(&self) -> Serving {
+        self.serving.clone()
+    }
+    pub fn data(&self) -> &LocalData {
+        &self.data
+    }
+    fn now(&self) -> Millis {
+        self.clock.now_ms()
+    }
+
+    /// Feeds one input at the current time.
+    pub fn input(&mut self, input: Input) -> Result<(), AgentError> {
+        let now = self.now();
+        self.core.handle(now, input)
+    }
+
+    /// Asks the services for the open round and this device's assignment.
+    pub async fn poll_control(&mut self) -> Result<(), AgentError> {
+        if let Some(path) = &self.cfg.conditions_file {
+            match std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
+                Ok(c) => self.input(Input::Conditions(c))?,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "conditions file unreadable; not training");
+                    self.input(Input::Conditions(crate::lifecycle::Conditions { idle: false, charging: false, fresh_samples: 0 }))?;
+                }
+            }
+        }
+        let fleet = self.core.state().fleet.clone();
+        match self.agg.current_round(&fleet).await {
+            Ok(Some(r)) => self.input(Input::RoundAnnounced(r))?,
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "round poll failed"),
+        }
+        let device = self.core.state().device.clone();
+        match self.reg.assignment(&device).await {
+            Ok(Some(n)) => self.input(Input::Assignment(n))?,
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "assignment poll failed"),
+        }
+        Ok(())
+    }
+
+    /// Fires due timers, then executes queued actions until none are left. Returns how many
+    /// actions ran.
+    pub async fn drive(&mut self) -> Result<usize, AgentError> {
+        let mut n = 0;
+        loop {
+            let now = self.now();
+            if self.core.poll_timeout().is_some_and(|t| t <= now) {
+                self.core.handle_timeout(now);
+            }
+            let Some(action) = self.core.poll_action() else { return Ok(n) };
+            n += 1;
+            self.execute(action).await?;
+        }
+    }
+
+    async fn execute(&mut self, action: Action) -> Result<(), AgentError> {
+        tracing::debug!(?action, "action");
+        match action {
+            Action::Serve { slot, model } => match self.load_blob(&model) {
+                Ok(bytes) => match ml::predictor(&model.spec, &bytes) {
+                    Ok(p) => {
+                        tracing::info!(?slot, name = %model.model.name, version = %model.model.version, "serving model");
+                        self.serving.set(Served { model: model.model, predictor: Arc::new(p) });
+                    }
+                    Err(e) => tracing::error!(error = %e, "active model does not load; inference unavailable"),
+                },
+                Err(e) => tracing::error!(error = %e, "active model blob missing; inference unavailable"),
+            },
+            Action::Train(a) => {
+                let round = a.round;
+                let input = match self.base_model(&a.base_model).await {
+                    Err(reason) => Input::TrainingFailed { round, reason },
+                    Ok((spec, bytes)) => {
+                        let data = self.data.clone();
+                        let key = self.key.clone();
+                        let device = self.core.state().device.clone();
+                        let mut nonce = [0u8; 16];
+                        rand::rngs::OsRng.fill_bytes(&mut nonce);
+                        let res = tokio::task::spawn_blocking(move || {
+                            ml::train_update(&a, &spec, &bytes, &data.train, &device, &key, nonce)
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(format!("training task panicked: {e}")));
+                        match res {
+                            Ok(u) => {
+                                tracing::info!(%round, examples = u.num_examples, loss = ?u.final_loss, bytes = u.payload.len(), "trained");
+                                Input::TrainingDone { round, header: u.header, payload: u.payload }
+                            }
+                            Err(reason) => Input::TrainingFailed { round, reason },
+                        }
+                    }
+                };
+                self.input(input)?;
+            }
+            Action::Upload { outbox_id } => {
+                let Some(e) = self.core.store().outbox_entry(outbox_id)? else { return Ok(()) };
+                let outcome = match self.agg.upload(&e.header, &e.payload).await {
+                    Ok(UploadReply::Receipt(r)) => UploadOutcome::Receipt(r),
+                    Ok(UploadReply::Rejected(r)) => UploadOutcome::Rejected(r),
+                    Err(t) => UploadOutcome::TransportError(t.0),
+                };
+                self.input(Input::UploadResult { outbox_id, outcome })?;
+            }
+            Action::FetchMetadata { model, root_version } => {
+                let result = self.reg.metadata(root_version).await.map_err(|e| e.to_string());
+                self.input(Input::Metadata { model, result })?;
+            }
+            Action::Download { model, length } => {
+                let input = match self.download(&model, length).await {
+                    Ok((length, digest)) => Input::DownloadDone { model, length, digest },
+                    Err(reason) => Input::DownloadFailed { model, reason },
+                };
+                self.input(input)?;
+            }
+            Action::Discard { digest } => {
+                let st = self.core.state();
+                let keep = [&st.active, &st.previous, &st.staged].iter().any(|m| m.as_ref().is_some_and(|m| m.model.digest == digest));
+                if !keep {
+                    self.core.store().remove_blob(&digest);
+                }
+            }
+            Action::HealthCheck { candidate, active, .. } => {
+                let model = candidate.model.clone();
+                let cand = self.load_blob(&candidate);
+                let act = active.as_ref().map(|a| self.load_blob(a).map(|b| (a.spec.clone(), b)));
+                let data = self.data.clone();
+                let samples = self.cfg.latency_samples;
+                let result = match cand {
+                    Err(e) => Err(format!("does not load: {e}")),
+                    Ok(cb) => tokio::task::spawn_blocking(move || {
+                        let act = act.and_then(|r| r.ok());
+                        ml::health_check(
+                            (&candidate.spec, &cb),
+                            act.as_ref().map(|(s, b)| (s.as_str(), b.as_slice())),
+                            &data.holdout,
+                            samples,
+                        )
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("health check panicked: {e}"))),
+                };
+                self.input(Input::HealthResult { model, result })?;
+            }
+            Action::Rollback { model, reason } => {
+                tracing::warn!(name = %model.name, version = %model.version, %reason, "candidate rolled back; active model keeps serving");
+            }
+            Action::Report(status) => {
+                if let Some(path) = &self.cfg.status_file
+                    && let Ok(json) = serde_json::to_vec_pretty(&status)
+                    && let Err(e) = write_atomic(path, &json)
+                {
+                    tracing::warn!(error = %e, "cannot write status file");
+                }
+                if let Err(e) = self.reg.report(&status).await {
+                    tracing::debug!(error = %e, "status report not delivered");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn load_blob(&self, m: &SlotModel) -> Result<Vec<u8>, String> {
+        self.core
+            .store()
+            .get_blob(&m.model.digest)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("blob {} not in the store", m.model.digest))
+    }
+
+    /// The base model of a round: from the cache by digest, else from the aggregator.
+    async fn base_model(&self, m: &ModelRef) -> Result<(String, Vec<u8>), String> {
+        let store = self.core.store();
+        let spec_path = store.blob_path(&m.digest).with_extension("spec.json");
+        if let (Ok(Some(bytes)), Ok(spec)) = (store.get_blob(&m.digest), std::fs::read_to_string(&spec_path)) {
+            return Ok((spec, bytes));
+        }
+        let base = self.agg.fetch_base_model(m).await.map_err(|e| format!("base model: {e}"))?;
+        let got = Digest::of(&base.bytes);
+        if got != m.digest {
+            return Err(format!("base model digest {got} differs from the round's {}", m.digest));
+        }
+        store.put_blob(&base.bytes).map_err(|e| e.to_string())?;
+        write_atomic(&spec_path, base.spec.as_bytes()).map_err(|e| e.to_string())?;
+        Ok((base.spec, base.bytes))
+    }
+
+    /// Resumable download into the partial file; returns the length and digest of what is there
+    /// once `length` bytes are in. The blob is moved into the store only if its digest is the
+    /// expected one (the core still verifies it against the signed targets).
+    async fn download(&self, model: &ModelRef, length: u64) -> Result<(u64, Digest), String> {
+        use std::io::Write;
+        let store = self.core.store();
+        if let Ok(Some(b)) = store.get_blob(&model.digest) {
+            return Ok((b.len() as u64, model.digest));
+        }
+        let path = store.partial_path(&model.digest);
+        let mut have = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        if have > length {
+            let _ = std::fs::remove_file(&path);
+            have = 0;
+        }
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| e.to_string())?;
+        while have < length {
+            let want = (length - have).min(self.cfg.download_chunk as u64) as u32;
+            let chunk = self.reg.download(&model.name, model.version, have, want).await.map_err(|e| e.to_string())?;
+            if chunk.is_empty() {
+                return Err(format!("registry sent nothing at offset {have} of {length}"));
+            }
+            let take = chunk.len().min((length - have) as usize);
+            f.write_all(&chunk[..take]).map_err(|e| e.to_string())?;
+            f.sync_data().map_err(|e| e.to_string())?;
+            have += take as u64;
+        }
+        drop(f);
+        let bytes = std::fs::read(&path).map_err(|e| e.to_string())?;
+        let digest = Digest::of(&bytes);
+        if digest == model.digest {
+            store.promote_partial(&digest).map_err(|e| e.to_string())?;
+        }
+        Ok((bytes.len() as u64, digest))
+    }
+}
+
+/// Runs an agent until `shutdown` resolves: polls the control plane every `poll`, drives the
+/// core, and sleeps until the next timer or poll.
+pub async fn run_agent<A: Aggregator, R: Registry>(
+    agent: &mut Agent<A, R>,
+    poll: Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    tokio::pin!(shutdown);
+    loop {
+        agent.poll_control().await?;
+        agent.drive().await?;
+        let now = agent.now();
+        let mut wait = poll;
+        if let Some(t) = agent.core.poll_timeout() {
+            wait = wait.min(Duration::from_millis(t.saturating_sub(now)));
+        }
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}

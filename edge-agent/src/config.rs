@@ -1,0 +1,199 @@
+//! `agent.toml`.
+//!
+//! ```toml
+//! fleet = "default"
+//! state_dir = "/var/lib/fedfleet-agent"   # store, blobs, identity/, status.json, agent.sock
+//! poll_interval_ms = 10000
+//! # cohort = "canary"
+//!
+//! [identity]        # defaults: <state_dir>/identity/{device.crt,device.key,ca.crt,root.json}
+//! # cert = "..."; key = "..."; ca = "..."; registry_root = "..."
+//!
+//! [data]            # one of csv / digits_partition
+//! csv = "/var/lib/fedfleet-agent/data.csv"     # label in the last column, no header
+//! # csv_scale = 0.0625
+//! # digits_partition = { clients = 10, index = 0, seed = 1 }
+//! holdout_fraction = 0.2
+//!
+//! [participation]   # require_idle = true, require_charging = false, min_fresh_samples = 0
+//! # status_file = "/run/device/status.json"   # {"idle":true,"charging":false,"fresh_samples":120}
+//!
+//! [health]          # max_latency_ms = 50.0, accuracy_margin = 0.02
+//! [backoff]         # base_ms = 1000, max_ms = 300000
+//!
+//! [initial_model]   # optional factory model for the active slot
+//! # spec = "spec.json"; weights = "model.safetensors"; name = "digits"; version = 0
+//!
+//! [inference]
+//! # socket = "<state_dir>/agent.sock"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::lifecycle::{Backoff, HealthPolicy, ParticipationPolicy};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub fleet: String,
+    pub state_dir: PathBuf,
+    #[serde(default = "default_poll")]
+    pub poll_interval_ms: u64,
+    #[serde(default)]
+    pub cohort: Option<String>,
+    #[serde(default)]
+    pub identity: IdentityFiles,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub participation: Participation,
+    #[serde(default)]
+    pub health: HealthPolicy,
+    #[serde(default)]
+    pub backoff: Backoff,
+    #[serde(default)]
+    pub initial_model: Option<InitialModel>,
+    #[serde(default)]
+    pub inference: InferenceConfig,
+}
+
+fn default_poll() -> u64 {
+    10_000
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityFiles {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+    pub registry_root: Option<PathBuf>,
+}
+
+/// Resolved identity paths.
+#[derive(Debug, Clone)]
+pub struct IdentityPaths {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+    pub registry_root: PathBuf,
+}
+
+impl IdentityPaths {
+    /// The layout `enroll` installs into.
+    pub fn in_dir(dir: &Path) -> Self {
+        IdentityPaths {
+            cert: dir.join("device.crt"),
+            key: dir.join("device.key"),
+            ca: dir.join("ca.crt"),
+            registry_root: dir.join("root.json"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub csv: Option<PathBuf>,
+    /// Feature scaling for the CSV (e.g. 0.0625 for 0..16 pixel values).
+    pub csv_scale: Option<f32>,
+    pub digits_partition: Option<DigitsPartition>,
+    #[serde(default = "default_holdout")]
+    pub holdout_fraction: f64,
+}
+
+fn default_holdout() -> f64 {
+    0.2
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DigitsPartition {
+    pub clients: usize,
+    pub index: usize,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Participation {
+    #[serde(flatten)]
+    pub policy: ParticipationPolicy,
+    pub status_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitialModel {
+    pub spec: PathBuf,
+    pub weights: PathBuf,
+    #[serde(default = "default_name")]
+    pub name: String,
+    #[serde(default)]
+    pub version: u64,
+}
+
+fn default_name() -> String {
+    "model".into()
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferenceConfig {
+    pub socket: Option<PathBuf>,
+}
+
+/// Why a config could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path} is invalid: {detail}")]
+    Invalid { path: PathBuf, detail: String },
+}
+
+impl AgentConfig {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text).map_err(|detail| ConfigError::Invalid { path: path.to_owned(), detail })
+    }
+
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let c: AgentConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        match (&c.data.csv, &c.data.digits_partition) {
+            (Some(_), Some(_)) => return Err("[data]: set one of csv and digits_partition, not both".into()),
+            (None, None) => return Err("[data]: set csv or digits_partition".into()),
+            _ => {}
+        }
+        if let Some(p) = c.data.digits_partition
+            && (p.clients == 0 || p.index >= p.clients)
+        {
+            return Err(format!("[data] digits_partition: index {} not below clients {}", p.index, p.clients));
+        }
+        if !(0.0..1.0).contains(&c.data.holdout_fraction) {
+            return Err("[data] holdout_fraction must be in [0, 1)".into());
+        }
+        fedfleet_protocol::FleetId::new(&c.fleet).map_err(|e| format!("fleet {:?}: {e}", c.fleet))?;
+        Ok(c)
+    }
+
+    pub fn identity_paths(&self) -> IdentityPaths {
+        let d = IdentityPaths::in_dir(&self.state_dir.join("identity"));
+        IdentityPaths {
+            cert: self.identity.cert.clone().unwrap_or(d.cert),
+            key: self.identity.key.clone().unwrap_or(d.key),
+            ca: self.identity.ca.clone().unwrap_or(d.ca),
+            registry_root: self.identity.registry_root.clone().unwrap_or(d.registry_root),
+        }
+    }
+    pub fn socket_path(&self) -> PathBuf {
+        self.inference.socket.clone().unwrap_or_else(|| self.state_dir.join("agent.sock"))
+    }
+    pub fn status_path(&self) -> PathBuf {
+        self.state_dir.join("status.json")
+    }
+    pub fn store_dir(&self) -> PathBuf {
+        self.state_dir.join("store")
+    }
+}

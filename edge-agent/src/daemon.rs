@@ -1,0 +1,200 @@
+//! The daemon and the CLI commands' logic (`run`, `status`, `enroll`, `infer`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use fedfleet_certs::DeviceIdentity;
+use fedfleet_learning::{CsvOptions, Dataset, Normalization, Partition};
+use fedfleet_protocol::{Digest, FleetId, ModelRef, ModelVersion};
+use fedfleet_registry::tuf::{Root, Signed};
+use fedfleet_registry::Verifier;
+use rand::RngCore;
+
+use crate::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock, run_agent};
+use crate::clients::{Aggregator, Registry, Unlinked};
+use crate::config::{AgentConfig, IdentityPaths};
+use crate::inference;
+use crate::lifecycle::{CoreConfig, Lifecycle, SlotModel};
+use crate::store::{AgentStore, write_atomic};
+
+/// Loads the local data set and splits off the holdout.
+pub fn load_data(cfg: &AgentConfig) -> Result<LocalData> {
+    let d = &cfg.data;
+    let all = if let Some(p) = d.digits_partition {
+        let (train, _) = Dataset::digits_split().context("embedded digits data")?;
+        Partition::Iid.split_dataset(&train, p.clients, p.seed).swap_remove(p.index)
+    } else {
+        let path = d.csv.as_ref().expect("validated: csv or partition");
+        let mut opts = CsvOptions::default();
+        if let Some(s) = d.csv_scale {
+            opts.normalization = Normalization::Scale(s);
+        }
+        Dataset::load_csv(path, &opts).with_context(|| format!("cannot load data set {}", path.display()))?
+    };
+    if d.holdout_fraction <= 0.0 {
+        return Ok(LocalData { holdout: all.subset(&[]), train: all });
+    }
+    let (train, holdout) = all.split(d.holdout_fraction, 7);
+    Ok(LocalData { train, holdout })
+}
+
+/// Reads the pinned registry root.
+pub fn read_root(path: &Path) -> Result<Signed<Root>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read pinned registry root {} (run `fedfleet-agent enroll`)", path.display()))?;
+    let root: Signed<Root> = serde_json::from_str(&text).with_context(|| format!("{} is not a signed root", path.display()))?;
+    Verifier::new(root.clone()).with_context(|| format!("pinned registry root {} refused", path.display()))?;
+    Ok(root)
+}
+
+/// Loads the device identity with an error that names the files.
+pub fn load_identity(p: &IdentityPaths) -> Result<DeviceIdentity> {
+    for (what, f) in [("certificate", &p.cert), ("private key", &p.key), ("CA certificate", &p.ca)] {
+        if !f.exists() {
+            bail!("device {what} {} is missing: produce it with `fedfleet-certs enroll-device` and install it with `fedfleet-agent enroll`", f.display());
+        }
+    }
+    DeviceIdentity::from_files(&p.cert, &p.key, &p.ca).with_context(|| {
+        format!("device identity ({}, {}, {}) is not valid", p.cert.display(), p.key.display(), p.ca.display())
+    })
+}
+
+/// Builds the agent of a config with the given clients.
+pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>, clock: Arc<dyn Clock>) -> Result<Agent<A, R>> {
+    let ids = cfg.identity_paths();
+    let identity = load_identity(&ids)?;
+    let data = load_data(cfg)?;
+    let store = AgentStore::open(cfg.store_dir())?;
+    let fleet = FleetId::new(&cfg.fleet).map_err(|e| anyhow::anyhow!("fleet: {e}"))?;
+    let mut core_cfg = CoreConfig::new(identity.device_id().clone(), fleet);
+    core_cfg.cohort = cfg.cohort.clone();
+    core_cfg.local_samples = data.train.len() as u64;
+    core_cfg.participation = cfg.participation.policy;
+    core_cfg.health = cfg.health;
+    core_cfg.backoff = cfg.backoff;
+    core_cfg.rng_seed = rand::rngs::OsRng.next_u64();
+    let fresh = store.load_state_raw()?.is_none();
+    let (root, initial) = if fresh {
+        let root = read_root(&ids.registry_root)?;
+        let initial = match &cfg.initial_model {
+            None => None,
+            Some(m) => {
+                let spec = std::fs::read_to_string(&m.spec).with_context(|| format!("initial model spec {}", m.spec.display()))?;
+                let bytes = std::fs::read(&m.weights).with_context(|| format!("initial model weights {}", m.weights.display()))?;
+                crate::ml::predictor(&spec, &bytes).map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
+                let digest = store.put_blob(&bytes)?;
+                Some(SlotModel { model: ModelRef { name: m.name.clone(), version: ModelVersion(m.version), digest }, spec })
+            }
+        };
+        (Some(root), initial)
+    } else {
+        (None, None)
+    };
+    let core = Lifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
+    let shell = ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
+    Ok(Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell))
+}
+
+/// `fedfleet-agent run`.
+pub async fn run(config: &Path) -> Result<()> {
+    let cfg = AgentConfig::load(config)?;
+    // The QUIC clients of the aggregator and registry plug in here once their modules land.
+    let mut agent = build_agent(&cfg, Arc::new(Unlinked), Arc::new(Unlinked), Arc::new(SystemClock))?;
+    tracing::info!(device = %agent.core().state().device, fleet = %cfg.fleet, pending = agent.core().pending_uploads().len(), "agent started");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let socket = cfg.socket_path();
+    let serving = agent.serving();
+    let mut rx1 = stop_rx.clone();
+    let server = tokio::spawn(async move { inference::serve_unix(&socket, serving, async move { let _ = rx1.changed().await; }).await });
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let mut rx2 = stop_rx.clone();
+    run_agent(&mut agent, Duration::from_millis(cfg.poll_interval_ms), async move { let _ = rx2.changed().await; }).await?;
+    tracing::info!("shutting down");
+    server.await??;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! { _ = tokio::signal::ctrl_c() => {}, _ = term.recv() => {} }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// `fedfleet-agent status`: the last status the daemon wrote.
+pub fn status(config: &Path) -> Result<String> {
+    let cfg = AgentConfig::load(config)?;
+    let path = cfg.status_path();
+    match std::fs::read_to_string(&path) {
+        Ok(s) => Ok(s),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(format!("no status yet: {} does not exist (the daemon has not reported)", path.display()))
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+}
+
+/// `fedfleet-agent enroll`: checks and installs identity files and the pinned registry root.
+pub fn enroll(cert: &Path, key: &Path, ca: &Path, root: &Path, state_dir: &Path, force: bool) -> Result<String> {
+    let id = DeviceIdentity::from_files(cert, key, ca)
+        .with_context(|| format!("identity files {}, {}, {} are not a valid device identity", cert.display(), key.display(), ca.display()))?;
+    read_root(root)?;
+    let dir = state_dir.join("identity");
+    let dst = IdentityPaths::in_dir(&dir);
+    if dst.key.exists() && !force {
+        bail!("{} already holds an identity; pass --force to replace it", dir.display());
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    for (src, to) in [(cert, &dst.cert), (ca, &dst.ca), (root, &dst.registry_root), (key, &dst.key)] {
+        let bytes = std::fs::read(src).with_context(|| format!("cannot read {}", src.display()))?;
+        write_atomic(to, &bytes)?;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dst.key, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(format!("enrolled device {} into {}\n", id.device_id(), dir.display()))
+}
+
+/// `fedfleet-agent infer`: through the running daemon's socket, or (no daemon) from the store.
+pub async fn infer(config: &Path, input: &Path) -> Result<String> {
+    let cfg = AgentConfig::load(config)?;
+    let text = std::fs::read_to_string(input).with_context(|| format!("cannot read {}", input.display()))?;
+    let rows = inference::parse_csv_rows(&text).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
+    let req = inference::Request { inputs: rows };
+    let resp = match inference::query(&cfg.socket_path(), &req).await {
+        Ok(r) => r,
+        Err(_) => {
+            let served = load_active_offline(&cfg.store_dir())?;
+            inference::answer(Some(served), &req)
+        }
+    };
+    if let Some(e) = resp.error {
+        bail!("inference failed: {e}");
+    }
+    let mut out = String::new();
+    for p in &resp.predictions {
+        out += &format!("{},{:.6}\n", p.label, p.probs.get(p.label).copied().unwrap_or(0.0));
+    }
+    Ok(out)
+}
+
+fn load_active_offline(store_dir: &PathBuf) -> Result<crate::agent::Served> {
+    let store = AgentStore::open(store_dir).context("no daemon answering and the store cannot be opened")?;
+    let raw = store.load_state_raw()?.context("agent has no state yet")?;
+    let st: crate::lifecycle::PersistedState = serde_json::from_slice(&raw)?;
+    let m = st.active.context("agent has no active model")?;
+    let bytes = store.get_blob(&m.model.digest)?.with_context(|| format!("active model blob {} missing", m.model.digest))?;
+    let _: Digest = m.model.digest;
+    let p = crate::ml::predictor(&m.spec, &bytes).map_err(|e| anyhow::anyhow!(e))?;
+    Ok(crate::agent::Served { model: m.model, predictor: Arc::new(p) })
+}

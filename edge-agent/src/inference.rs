@@ -1,0 +1,131 @@
+//! The local inference endpoint: a unix socket speaking line-delimited JSON.
+//!
+//! Request (one line): `{"inputs": [[f32, ...], ...]}` — one row per example, `input_len`
+//! values each (a row with one extra value, e.g. a CSV label, has it ignored).
+//! Response (one line): `{"model": {"name":..,"version":..,"digest":..}, "predictions":
+//! [{"label": 3, "probs": [...]}, ...], "latency_us": 812}` or `{"error": "..."}`.
+//! Any number of requests per connection. The model is read from [`Serving`] per request, so
+//! activations during updates take effect on the next request without dropping connections.
+
+use std::path::Path;
+
+use fedfleet_learning::Prediction;
+use fedfleet_protocol::ModelRef;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::agent::{Served, Serving};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Request {
+    pub inputs: Vec<Vec<f32>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Response {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelRef>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub predictions: Vec<Prediction>,
+    #[serde(default)]
+    pub latency_us: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Response {
+    fn error(e: impl Into<String>) -> Self {
+        Response { model: None, predictions: Vec::new(), latency_us: 0, error: Some(e.into()) }
+    }
+}
+
+/// Answers one request with the served model (blocking).
+pub fn answer(served: Option<Served>, req: &Request) -> Response {
+    let Some(s) = served else { return Response::error("no active model") };
+    let n_in = s.predictor.model().spec().input_len();
+    let mut flat = Vec::with_capacity(req.inputs.len() * n_in);
+    for (i, row) in req.inputs.iter().enumerate() {
+        if row.len() != n_in && row.len() != n_in + 1 {
+            return Response::error(format!("row {i} has {} values, the model takes {n_in}", row.len()));
+        }
+        flat.extend_from_slice(&row[..n_in]);
+    }
+    match s.predictor.predict_batch(&flat, req.inputs.len()) {
+        Ok(b) => Response { model: Some(s.model), predictions: b.predictions, latency_us: b.latency.as_micros() as u64, error: None },
+        Err(e) => Response::error(e.to_string()),
+    }
+}
+
+/// Serves `serving` on a unix socket at `path` until `shutdown` resolves.
+pub async fn serve_unix(path: &Path, serving: Serving, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path)?;
+    tracing::info!(socket = %path.display(), "inference endpoint listening");
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            r = listener.accept() => {
+                let (stream, _) = r?;
+                let serving = serving.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = handle(stream, serving).await {
+                        tracing::debug!(error = %e, "inference connection ended");
+                    }
+                });
+            }
+        }
+    }
+    let _ = std::fs::remove_file(path);
+    Ok(())
+}
+
+async fn handle(stream: UnixStream, serving: Serving) -> std::io::Result<()> {
+    let (r, mut w) = stream.into_split();
+    let mut lines = BufReader::new(r).lines();
+    while let Some(line) = lines.next_line().await? {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let resp = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => {
+                let served = serving.get();
+                tokio::task::spawn_blocking(move || answer(served, &req))
+                    .await
+                    .unwrap_or_else(|e| Response::error(format!("inference panicked: {e}")))
+            }
+            Err(e) => Response::error(format!("bad request: {e}")),
+        };
+        let mut out = serde_json::to_vec(&resp).expect("response serializes");
+        out.push(b'\n');
+        w.write_all(&out).await?;
+    }
+    Ok(())
+}
+
+/// A client: sends one request and reads the answer.
+pub async fn query(path: &Path, req: &Request) -> std::io::Result<Response> {
+    let stream = UnixStream::connect(path).await?;
+    let (r, mut w) = stream.into_split();
+    let mut line = serde_json::to_vec(req).expect("request serializes");
+    line.push(b'\n');
+    w.write_all(&line).await?;
+    let mut lines = BufReader::new(r).lines();
+    let resp = lines.next_line().await?.ok_or_else(|| std::io::Error::other("endpoint closed without answering"))?;
+    serde_json::from_str(&resp).map_err(std::io::Error::other)
+}
+
+/// Parses CSV rows of numbers (no header; blank lines skipped).
+pub fn parse_csv_rows(text: &str) -> Result<Vec<Vec<f32>>, String> {
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let row: Result<Vec<f32>, _> = line.split(',').map(|v| v.trim().parse::<f32>()).collect();
+        rows.push(row.map_err(|e| format!("line {}: {e}", i + 1))?);
+    }
+    Ok(rows)
+}

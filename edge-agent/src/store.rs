@@ -1,0 +1,216 @@
+//! The agent's durable state: one sled database with a `state` tree (the lifecycle's
+//! [`PersistedState`](crate::lifecycle::PersistedState), JSON) and an `outbox` tree (signed updates
+//! not yet acknowledged), plus content-addressed model blobs as files (`blobs/<digest>`), written
+//! temp file + fsync + rename. Every write that is a commit point is flushed before it returns.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use fedfleet_protocol::{Digest, RoundId};
+use serde::{Deserialize, Serialize};
+
+/// Why the store refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    #[error(
+        "agent store at {path} cannot be opened ({detail}); if it is damaged, move it aside and \
+         re-enroll: unacknowledged updates in its outbox would be lost"
+    )]
+    Open { path: PathBuf, detail: String },
+    #[error("agent store: {0}")]
+    Sled(#[from] sled::Error),
+    #[error("agent store record {key} does not decode: {detail} (the store may be damaged)")]
+    Corrupt { key: String, detail: String },
+    #[error("blob {digest} on disk does not match its digest (damaged); it will be fetched again")]
+    BlobCorrupt { digest: Digest },
+    #[error("agent store I/O on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl StoreError {
+    fn io(path: &Path, source: std::io::Error) -> Self {
+        StoreError::Io { path: path.to_owned(), source }
+    }
+}
+
+/// A signed update waiting for the aggregator's receipt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutboxEntry {
+    pub id: u64,
+    pub round: RoundId,
+    pub nonce: [u8; 16],
+    pub payload_digest: Digest,
+    /// The encoded `SignedUpdate` envelope, exactly as signed.
+    pub header: Vec<u8>,
+    /// The safetensors payload.
+    pub payload: Vec<u8>,
+    pub created_at_ms: u64,
+}
+
+const STATE_KEY: &[u8] = b"state";
+const NEXT_OUTBOX_KEY: &[u8] = b"next_outbox_id";
+
+/// Durable store of one agent. One process per store (sled locks the directory).
+pub struct AgentStore {
+    dir: PathBuf,
+    db: sled::Db,
+    state: sled::Tree,
+    outbox: sled::Tree,
+}
+
+impl AgentStore {
+    /// Opens (creating if needed) the store in `dir`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let dir = dir.as_ref().to_owned();
+        fs::create_dir_all(dir.join("blobs")).map_err(|e| StoreError::io(&dir, e))?;
+        fs::create_dir_all(dir.join("partial")).map_err(|e| StoreError::io(&dir, e))?;
+        let db_path = dir.join("db");
+        let db = sled::open(&db_path).map_err(|e| StoreError::Open { path: db_path.clone(), detail: e.to_string() })?;
+        let state = db.open_tree("state")?;
+        let outbox = db.open_tree("outbox")?;
+        Ok(AgentStore { dir, db, state, outbox })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The raw persisted state (JSON), if any.
+    pub fn load_state_raw(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.state.get(STATE_KEY)?.map(|v| v.to_vec()))
+    }
+
+    /// Writes the state and flushes (a commit point).
+    pub fn save_state_raw(&self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.state.insert(STATE_KEY, bytes)?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    /// Allocates the next outbox id (persisted, so ids are never reused).
+    pub fn next_outbox_id(&self) -> Result<u64, StoreError> {
+        let id = self
+            .state
+            .get(NEXT_OUTBOX_KEY)?
+            .map(|v| {
+                <[u8; 8]>::try_from(v.as_ref())
+                    .map(u64::from_be_bytes)
+                    .map_err(|_| StoreError::Corrupt { key: "next_outbox_id".into(), detail: "not 8 bytes".into() })
+            })
+            .transpose()?
+            .unwrap_or(1);
+        self.state.insert(NEXT_OUTBOX_KEY, &(id + 1).to_be_bytes())?;
+        Ok(id)
+    }
+
+    /// Adds an entry and flushes.
+    pub fn put_outbox(&self, e: &OutboxEntry) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(e).expect("outbox entry serializes");
+        self.outbox.insert(e.id.to_be_bytes(), bytes)?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    /// Removes an entry and flushes.
+    pub fn remove_outbox(&self, id: u64) -> Result<(), StoreError> {
+        self.outbox.remove(id.to_be_bytes())?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    pub fn outbox_entry(&self, id: u64) -> Result<Option<OutboxEntry>, StoreError> {
+        self.outbox.get(id.to_be_bytes())?.map(|v| decode_entry(id, &v)).transpose()
+    }
+
+    /// Every pending entry, oldest first.
+    pub fn outbox(&self) -> Result<Vec<OutboxEntry>, StoreError> {
+        let mut out = Vec::new();
+        for kv in self.outbox.iter() {
+            let (k, v) = kv?;
+            let id = <[u8; 8]>::try_from(k.as_ref()).map(u64::from_be_bytes).unwrap_or(0);
+            out.push(decode_entry(id, &v)?);
+        }
+        Ok(out)
+    }
+
+    pub fn blob_path(&self, digest: &Digest) -> PathBuf {
+        self.dir.join("blobs").join(digest.to_hex())
+    }
+
+    /// Where a resumable download of `digest` accumulates.
+    pub fn partial_path(&self, digest: &Digest) -> PathBuf {
+        self.dir.join("partial").join(format!("{}.part", digest.to_hex()))
+    }
+
+    pub fn has_blob(&self, digest: &Digest) -> bool {
+        self.blob_path(digest).is_file()
+    }
+
+    /// Stores a blob under its digest: temp file, fsync, rename, fsync of the directory.
+    pub fn put_blob(&self, bytes: &[u8]) -> Result<Digest, StoreError> {
+        let digest = Digest::of(bytes);
+        let path = self.blob_path(&digest);
+        if path.is_file() {
+            return Ok(digest);
+        }
+        write_atomic(&path, bytes)?;
+        Ok(digest)
+    }
+
+    /// Moves a completed partial download into the blob store (after its digest was checked).
+    pub fn promote_partial(&self, digest: &Digest) -> Result<(), StoreError> {
+        let from = self.partial_path(digest);
+        let to = self.blob_path(digest);
+        fs::rename(&from, &to).map_err(|e| StoreError::io(&from, e))?;
+        sync_dir(&to)
+    }
+
+    /// Reads a blob and checks its digest.
+    pub fn get_blob(&self, digest: &Digest) -> Result<Option<Vec<u8>>, StoreError> {
+        let path = self.blob_path(digest);
+        match fs::read(&path) {
+            Ok(b) if Digest::of(&b) == *digest => Ok(Some(b)),
+            Ok(_) => {
+                let _ = fs::remove_file(&path);
+                Err(StoreError::BlobCorrupt { digest: *digest })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(&path, e)),
+        }
+    }
+
+    pub fn remove_blob(&self, digest: &Digest) {
+        let _ = fs::remove_file(self.blob_path(digest));
+        let _ = fs::remove_file(self.partial_path(digest));
+    }
+}
+
+fn decode_entry(id: u64, v: &[u8]) -> Result<OutboxEntry, StoreError> {
+    serde_json::from_slice(v).map_err(|e| StoreError::Corrupt { key: format!("outbox/{id}"), detail: e.to_string() })
+}
+
+/// Writes `path` atomically: `path.tmp`, fsync, rename, fsync of the parent directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = fs::File::create(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
+    f.write_all(bytes).map_err(|e| StoreError::io(&tmp, e))?;
+    f.sync_all().map_err(|e| StoreError::io(&tmp, e))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(|e| StoreError::io(path, e))?;
+    sync_dir(path)
+}
+
+fn sync_dir(path: &Path) -> Result<(), StoreError> {
+    if let Some(parent) = path.parent()
+        && let Ok(d) = fs::File::open(parent)
+    {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
