@@ -1,0 +1,82 @@
+//! The tokio shell with real training on digits partitions and the in-memory services.
+
+use fedfleet_agent::fakes::UploadFault;
+use fedfleet_agent::inference::{self, Request};
+use fedfleet_agent::sim::SimFleet;
+use fedfleet_learning::evaluate;
+use fedfleet_protocol::{DType, RoundConfig};
+
+fn round_config() -> RoundConfig {
+    RoundConfig { local_epochs: 2, batch_size: 16, learning_rate: 0.1, quantization: DType::F16, ..Default::default() }
+}
+
+#[tokio::test]
+async fn fleet_trains_uploads_aggregates_and_rolls_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 2, 3).unwrap();
+    let before = evaluate(&fleet.spec, &fleet.global, &fleet.test).unwrap().accuracy;
+    let s = fleet.run_round(1, round_config()).await.unwrap();
+    assert_eq!(s.updates, 2, "{s:?}");
+    assert_eq!(s.activated, 2, "{s:?}");
+    assert!(s.test_accuracy > before, "accuracy {before} -> {}", s.test_accuracy);
+    for a in &fleet.agents {
+        assert_eq!(a.core().active().unwrap().model, s.model);
+        assert!(a.core().store().outbox().unwrap().is_empty());
+    }
+
+    // The local endpoint serves the newly active model.
+    let sock = dir.path().join("agent.sock");
+    let serving = fleet.agents[0].serving();
+    assert_eq!(serving.get().unwrap().model, s.model);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let path = sock.clone();
+    let server = tokio::spawn(async move { inference::serve_unix(&path, serving, async { let _ = rx.await; }).await });
+    let rows: Vec<Vec<f32>> = (0..3).map(|i| fleet.test.example(i).to_vec()).collect();
+    let mut resp = None;
+    for _ in 0..100 {
+        match inference::query(&sock, &Request { inputs: rows.clone() }).await {
+            Ok(r) => {
+                resp = Some(r);
+                break;
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+        }
+    }
+    let resp = resp.expect("endpoint answers");
+    assert_eq!(resp.error, None);
+    assert_eq!(resp.predictions.len(), 3);
+    assert_eq!(resp.model.unwrap(), s.model);
+    let bad = inference::query(&sock, &Request { inputs: vec![vec![1.0; 3]] }).await.unwrap();
+    assert!(bad.error.unwrap().contains("model takes 64"));
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn lost_receipts_and_resets_still_deliver_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 1, 5).unwrap();
+    fleet.agg.push_fault(UploadFault::Transport);
+    fleet.agg.push_fault(UploadFault::LoseReceipt);
+    fleet.agg.set_round(Some(fedfleet_protocol::RoundAnnouncement {
+        fleet: fleet.fleet.clone(),
+        round: fedfleet_protocol::RoundId(1),
+        base_model: fleet.global_ref.clone(),
+        config: RoundConfig { quantization: DType::I8, ..round_config() },
+        deadline_unix_ms: u64::MAX,
+        selection: fedfleet_protocol::Selection::All,
+    }));
+    fleet.agg.add_base_model(&fleet.spec.to_json(), fleet.global.encode());
+    fleet.step().await.unwrap();
+    assert_eq!(fleet.agents[0].core().store().outbox().unwrap().len(), 1, "kept until acknowledged");
+    for _ in 0..5 {
+        let Some(t) = fleet.agents[0].core().poll_timeout() else { break };
+        fleet.clock.set(t);
+        fleet.agents[0].drive().await.unwrap();
+    }
+    assert!(fleet.agents[0].core().store().outbox().unwrap().is_empty());
+    assert_eq!(fleet.agg.attempts(), 3, "reset, lost receipt, replay");
+    let acc = fleet.agg.accepted();
+    assert_eq!(acc.len(), 1, "accepted exactly once");
+    assert_eq!(acc[0].0.body().payload_dtype, DType::I8);
+}
