@@ -147,7 +147,7 @@ pub struct InferenceConfig {
 /// Why a config could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config {path}: {source}")]
+    #[error("cannot read config {path}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("config {path} is invalid: {detail}")]
     Invalid { path: PathBuf, detail: String },

@@ -136,7 +136,7 @@ pub fn status(config: &Path) -> Result<String> {
     match std::fs::read_to_string(&path) {
         Ok(s) => Ok(s),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            Ok(format!("no status yet: {} does not exist (the daemon has not reported)", path.display()))
+            Ok(format!("no status yet: {} does not exist (the daemon has not reported)\n", path.display()))
         }
         Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
     }
