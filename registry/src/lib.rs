@@ -24,13 +24,31 @@
 //! [`Rollout::handle_timeout`] at [`Rollout::poll_timeout`], applies [`rollout::Event::SetAlias`]
 //! with [`Store::set_alias`], and persists rollouts with [`Store::put_rollout`].
 //!
+//! The shell around them:
+//!
+//! - [`wire`]: the registry's request/response protocol over QUIC streams, and the signed
+//!   "what should I run?" [`wire::SignedAssignment`].
+//! - [`ops`]: [`ops::Registry`], one handle over the store, live rollouts and the
+//!   [`metadata::MetadataSigner`]; every service and operator operation.
+//! - [`server`]: the tokio/quinn service shell (mTLS, per-stream handlers, rollout timer,
+//!   timestamp re-signing, graceful shutdown), [`metrics`] for Prometheus.
+//! - [`client`]: [`client::RegistryClient`] for agents and operators: metadata, manifests,
+//!   resumable delta downloads into a [`client::ChunkCache`], assignments, reports, admin.
+//!
 //! **Architecture invariant:** no sockets, no clock reads and no async in this crate's cores;
 //! `now` is always a parameter (unix milliseconds).
 
+pub mod client;
+pub mod config;
+pub mod metadata;
+pub mod metrics;
+pub mod ops;
 pub mod rollout;
 mod serde_hex;
+pub mod server;
 pub mod store;
 pub mod tuf;
+pub mod wire;
 
 #[cfg(test)]
 mod tests;
@@ -44,3 +62,43 @@ pub use store::{
     Artifact, ChunkRef, Manifest, NewVersion, Store, StoreConfig, StoreError, VersionRecord,
 };
 pub use tuf::{Root, Signed, TargetInfo, Targets, Timestamp, TufError, Verifier};
+
+/// Errors of the service shell, the operator commands and the metadata signer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Tuf(#[from] TufError),
+    #[error(transparent)]
+    Rollout(#[from] RolloutError),
+    #[error("{path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("key {path}: {detail}")]
+    Key {
+        path: std::path::PathBuf,
+        detail: String,
+    },
+    #[error("{0}")]
+    Config(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("invalid command: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Cert(#[from] fedfleet_certs::CertError),
+    #[error(transparent)]
+    Net(#[from] fedfleet_net::NetError),
+}
+
+/// Wall-clock unix milliseconds (shell only; the cores take `now` as a parameter).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -12,6 +12,7 @@
 //! | `heads`     | `name`                               | latest version (u64 BE)                |
 //! | `aliases`   | `name \0 alias`                      | version (u64 BE)                       |
 //! | `rollouts`  | rollout id                           | serialized [`crate::rollout::Rollout`] |
+//! | `devices`   | device id                            | last status report (JSON, opaque here) |
 //! | `meta`      | `format`, `seq`                      | [`FORMAT`]; commit sequence (u64 BE)   |
 //!
 //! Beside sled's files, the directory holds `COMMIT` ([`COMMIT_FILE`]): the last acknowledged
@@ -249,6 +250,7 @@ pub struct Store {
     heads: sled::Tree,
     aliases: sled::Tree,
     rollouts: sled::Tree,
+    devices: sled::Tree,
     meta: sled::Tree,
     /// Last sequence written to the `COMMIT` file.
     marker: Mutex<u64>,
@@ -457,6 +459,7 @@ impl Store {
             heads: tree("heads")?,
             aliases: tree("aliases")?,
             rollouts: tree("rollouts")?,
+            devices: tree("devices")?,
             meta: meta.clone(),
             marker: Mutex::new(0),
             db,
@@ -841,6 +844,30 @@ impl Store {
             .map(|kv| {
                 let (k, v) = kv?;
                 decode(&k, &v)
+            })
+            .collect()
+    }
+
+    /// Records a device's latest status report (JSON bytes chosen by the caller). Not a commit
+    /// point: reports are frequent and re-sent, so this is not flushed (sled flushes within
+    /// ~500 ms) and does not bump the commit sequence.
+    pub fn put_device_status(&self, device: &str, record: &[u8]) -> Result<()> {
+        self.devices.insert(device.as_bytes(), record)?;
+        Ok(())
+    }
+
+    /// A device's latest status record, as stored by [`Store::put_device_status`].
+    pub fn device_status(&self, device: &str) -> Result<Option<Vec<u8>>> {
+        Ok(self.devices.get(device.as_bytes())?.map(|v| v.to_vec()))
+    }
+
+    /// Every device's latest status record, by device id.
+    pub fn device_statuses(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        self.devices
+            .iter()
+            .map(|kv| {
+                let (k, v) = kv?;
+                Ok((String::from_utf8_lossy(&k).into_owned(), v.to_vec()))
             })
             .collect()
     }

@@ -1,0 +1,98 @@
+//! `registry.toml`: the service's configuration (every field has a default).
+//!
+//! ```toml
+//! listen = "0.0.0.0:7443"          # QUIC (mTLS) address
+//! data_dir = "/var/lib/fedfleet-registry"
+//! pki_dir = "/etc/fedfleet/pki"    # from `fedfleet-certs init`
+//! server_identity = "registry"     # pki servers/<name>.crt|.key (`fedfleet-certs issue-server`)
+//! server_name = "localhost"        # TLS name the CLI connects with (a SAN of the server cert)
+//! metrics = "127.0.0.1:9464"       # Prometheus; loopback unless metrics_public = true
+//! chunk_size = 1048576             # bytes per chunk for new publishes
+//! operators = ["operator"]         # service certs allowed to send operator commands
+//! operator_identity = "operator"   # the cert the CLI presents while `serve` holds the store
+//! timestamp_ttl_secs = 3600        # timestamp and assignment lifetime
+//! targets_ttl_days = 7
+//! root_days = 365                  # validity of a root made by init-keys / first serve
+//! max_connections = 4096
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::RegistryError;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub pki_dir: PathBuf,
+    pub server_identity: String,
+    pub server_name: String,
+    pub metrics: Option<SocketAddr>,
+    pub metrics_public: bool,
+    pub chunk_size: u32,
+    pub operators: Vec<String>,
+    pub operator_identity: String,
+    pub timestamp_ttl_secs: u64,
+    pub targets_ttl_days: u64,
+    pub root_days: u32,
+    pub max_connections: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: ([0, 0, 0, 0], 7443).into(),
+            data_dir: PathBuf::from("registry-data"),
+            pki_dir: PathBuf::from("pki"),
+            server_identity: "registry".into(),
+            server_name: "localhost".into(),
+            metrics: Some(([127, 0, 0, 1], 9464).into()),
+            metrics_public: false,
+            chunk_size: crate::store::DEFAULT_CHUNK_SIZE,
+            operators: vec!["operator".into()],
+            operator_identity: "operator".into(),
+            timestamp_ttl_secs: 3600,
+            targets_ttl_days: 7,
+            root_days: 365,
+            max_connections: 4096,
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`; relative directories are taken relative to the file's directory.
+    pub fn load(path: &Path) -> Result<Self, RegistryError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RegistryError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut c: Config = toml::from_str(&text)
+            .map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for d in [&mut c.data_dir, &mut c.pki_dir] {
+            if d.is_relative() {
+                *d = base.join(&*d);
+            }
+        }
+        Ok(c)
+    }
+
+    pub fn store_dir(&self) -> PathBuf {
+        self.data_dir.join("store")
+    }
+
+    pub fn spool_dir(&self) -> PathBuf {
+        self.data_dir.join("incoming")
+    }
+
+    pub fn lifetimes(&self) -> crate::metadata::Lifetimes {
+        crate::metadata::Lifetimes {
+            targets_ms: self.targets_ttl_days.max(1) * 24 * 3600 * 1000,
+            timestamp_ms: self.timestamp_ttl_secs.max(10) * 1000,
+        }
+    }
+}

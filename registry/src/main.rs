@@ -1,0 +1,496 @@
+//! `fedfleet-registry`: the registry service and its operator CLI.
+//!
+//! Operator commands open the store directly when no `serve` process holds it (sled allows one
+//! process per database); while `serve` runs they go to it over QUIC, presenting the operator
+//! service certificate (`operator_identity` in the config, issued with
+//! `fedfleet-certs issue-server --name operator`). Either way the same code runs them
+//! (`ops::Registry::admin`).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use fedfleet_protocol::{DeviceId, FleetId, ModelVersion};
+use fedfleet_registry::client::RegistryClient;
+use fedfleet_registry::config::Config;
+use fedfleet_registry::metadata::{self, MetadataSigner};
+use fedfleet_registry::metrics::{self, Metrics};
+use fedfleet_registry::ops::Registry;
+use fedfleet_registry::rollout::Phase;
+use fedfleet_registry::server::{self, ServerOptions};
+use fedfleet_registry::store::{NewVersion, Store, StoreConfig, StoreError};
+use fedfleet_registry::wire::{AdminRequest, RolloutCommand, RolloutStart};
+use fedfleet_registry::{RegistryError, unix_ms};
+
+#[derive(Parser, Debug)]
+#[command(name = "fedfleet-registry", version, about = "fedfleet model registry: versioned store, signed metadata, rollouts, QUIC download service")]
+struct Cli {
+    /// Configuration file (TOML). Missing file: built-in defaults.
+    #[arg(long, short, global = true, env = "FEDFLEET_REGISTRY_CONFIG", default_value = "registry.toml")]
+    config: PathBuf,
+    /// Print machine-readable JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the QUIC download service (creates the signing keys on first start).
+    Serve,
+    /// Create the root, targets and timestamp keys and root.json (pin it on devices).
+    InitKeys {
+        /// Replace existing keys (devices pinned to the old root will refuse everything).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Publish FILE as the next version of a model.
+    Publish {
+        file: PathBuf,
+        #[arg(long)]
+        model: String,
+        /// Model spec (architecture, input shape) as a JSON file.
+        #[arg(long)]
+        spec: Option<PathBuf>,
+        /// The version this one was trained from.
+        #[arg(long)]
+        parent: Option<u64>,
+        /// Evaluation metric, repeatable: --metrics accuracy=0.97
+        #[arg(long = "metrics", value_parser = parse_kv)]
+        metrics: Vec<(String, f64)>,
+        /// Publisher name recorded with the version (default: operator / $USER).
+        #[arg(long)]
+        publisher: Option<String>,
+    },
+    /// List models, versions and aliases.
+    List,
+    /// Show one version (default: the latest).
+    Show {
+        name: String,
+        #[arg(long)]
+        version: Option<u64>,
+    },
+    /// Manage aliases.
+    Alias {
+        #[command(subcommand)]
+        cmd: AliasCmd,
+    },
+    /// Start and steer phased rollouts.
+    Rollout {
+        #[command(subcommand)]
+        cmd: RolloutCmd,
+    },
+    /// Per-device status reports.
+    Device {
+        #[command(subcommand)]
+        cmd: DeviceCmd,
+    },
+    /// Check the store's integrity (offline only).
+    Check {
+        /// Re-hash every chunk.
+        #[arg(long)]
+        deep: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum AliasCmd {
+    /// Point ALIAS of model NAME at VERSION.
+    Set { name: String, alias: String, version: u64 },
+}
+
+#[derive(Subcommand, Debug)]
+enum RolloutCmd {
+    /// Start moving an alias to a version in phases.
+    Start(StartArgs),
+    /// Freeze the current phase.
+    Pause { id: String },
+    /// Continue a paused rollout.
+    Resume { id: String },
+    /// Stop: no new device gets the target (healthy ones keep it).
+    Abort {
+        id: String,
+        #[arg(long, default_value = "operator abort")]
+        reason: String,
+    },
+    /// Send every device back to the previous version (and the alias, if it moved).
+    Rollback { id: String },
+    /// One rollout's status, or all.
+    Status { id: Option<String> },
+}
+
+#[derive(Args, Debug)]
+struct StartArgs {
+    /// Model name.
+    #[arg(long)]
+    model: String,
+    /// Target version.
+    #[arg(long)]
+    version: u64,
+    #[arg(long, default_value = "stable")]
+    alias: String,
+    /// Fleet percentages of the phases, comma separated.
+    #[arg(long, default_value = "1,10,100", value_delimiter = ',')]
+    phases: Vec<f64>,
+    /// A named cohort as the first phase: NAME=dev1,dev2,...
+    #[arg(long)]
+    cohort: Option<String>,
+    /// Minimum soak time per phase: 30s, 10m, 2h, 500ms.
+    #[arg(long, default_value = "10m", value_parser = parse_duration_ms)]
+    soak: u64,
+    /// Devices that must report healthy before a phase advances.
+    #[arg(long, default_value_t = 0)]
+    min_healthy: u32,
+    /// Auto-abort when failed/reporting exceeds this share.
+    #[arg(long, default_value_t = 0.2)]
+    failure_threshold: f64,
+    /// Outcomes needed before the failure rate is judged.
+    #[arg(long, default_value_t = 5)]
+    min_sample: u32,
+    /// Rollout id (default: MODEL-ALIAS-vN-<ms>).
+    #[arg(long)]
+    id: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum DeviceCmd {
+    /// The latest report of one device, or of all.
+    Status { id: Option<String> },
+}
+
+fn parse_kv(s: &str) -> Result<(String, f64), String> {
+    let (k, v) = s.split_once('=').ok_or("expected KEY=VALUE")?;
+    let v: f64 = v.parse().map_err(|e| format!("{v:?}: {e}"))?;
+    Ok((k.to_owned(), v))
+}
+
+fn parse_duration_ms(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected e.g. 30s, 10m, 2h"))?;
+    let mul = match unit {
+        "ms" => 1,
+        "" | "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?}")),
+    };
+    Ok(n * mul)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fedfleet-registry: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+fn load_config(path: &Path) -> anyhow::Result<Config> {
+    if path.exists() {
+        Ok(Config::load(path)?)
+    } else {
+        Ok(Config::default())
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let cfg = load_config(&cli.config)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.cmd {
+        Cmd::Serve => {
+            init_tracing();
+            rt.block_on(serve(cfg))
+        }
+        Cmd::InitKeys { force } => {
+            let root = metadata::init_keys(&cfg.data_dir, cfg.root_days, force)?;
+            let body = root.body_unverified()?;
+            println!(
+                "created keys in {} and root v{} (expires {}); pin {} on devices. Move {} offline.",
+                cfg.data_dir.join("keys").display(),
+                body.version,
+                body.expires,
+                cfg.data_dir.join(metadata::ROOT_JSON).display(),
+                cfg.data_dir.join(metadata::ROOT_KEY).display()
+            );
+            Ok(())
+        }
+        Cmd::Check { deep } => {
+            let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
+            let r = store.check(deep)?;
+            println!(
+                "ok: {} versions, {} artifacts, {} chunks ({} unreferenced)",
+                r.versions, r.artifacts, r.chunks, r.orphan_chunks
+            );
+            Ok(())
+        }
+        Cmd::Publish {
+            file,
+            model,
+            spec,
+            parent,
+            metrics,
+            publisher,
+        } => {
+            let spec_json = match spec {
+                Some(p) => std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?,
+                None => "{}".to_owned(),
+            };
+            serde_json::from_str::<serde_json::Value>(&spec_json).context("the spec is not JSON")?;
+            let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
+            let publisher = publisher
+                .or_else(|| std::env::var("USER").ok())
+                .unwrap_or_else(|| "operator".into());
+            let req = AdminRequest::Publish {
+                name: model,
+                spec_json,
+                parent: parent.map(ModelVersion),
+                metrics: metrics.into_iter().collect(),
+                publisher,
+            };
+            let out = rt.block_on(admin(&cfg, req, Some(f)))?;
+            print_out(&out, cli.json, |v| {
+                format!(
+                    "published {} v{} ({} bytes, {} chunks, digest {})",
+                    v["name"].as_str().unwrap_or("?"),
+                    v["version"],
+                    v["length"],
+                    v["chunks"],
+                    v["digest"].as_str().unwrap_or("?")
+                )
+            });
+            Ok(())
+        }
+        Cmd::List => {
+            let out = rt.block_on(admin(&cfg, AdminRequest::List, None))?;
+            print_out(&out, cli.json, render_list);
+            Ok(())
+        }
+        Cmd::Show { name, version } => {
+            let out = rt.block_on(admin(&cfg, AdminRequest::Show { name, version: version.map(ModelVersion) }, None))?;
+            print_out(&out, true, |_| String::new());
+            Ok(())
+        }
+        Cmd::Alias { cmd: AliasCmd::Set { name, alias, version } } => {
+            let out = rt.block_on(admin(&cfg, AdminRequest::AliasSet { name, alias, version: ModelVersion(version) }, None))?;
+            print_out(&out, cli.json, |v| {
+                format!("{} {} -> v{} (was {})", v["name"].as_str().unwrap_or("?"), v["alias"].as_str().unwrap_or("?"), v["version"], match &v["previous"] {
+                    serde_json::Value::Null => "unset".to_string(),
+                    p => format!("v{p}"),
+                })
+            });
+            Ok(())
+        }
+        Cmd::Rollout { cmd } => {
+            let req = match cmd {
+                RolloutCmd::Start(a) => AdminRequest::RolloutStart(start_request(a)?),
+                RolloutCmd::Pause { id } => AdminRequest::Rollout { id, command: RolloutCommand::Pause },
+                RolloutCmd::Resume { id } => AdminRequest::Rollout { id, command: RolloutCommand::Resume },
+                RolloutCmd::Abort { id, reason } => AdminRequest::Rollout { id, command: RolloutCommand::Abort { reason } },
+                RolloutCmd::Rollback { id } => AdminRequest::Rollout { id, command: RolloutCommand::Rollback },
+                RolloutCmd::Status { id } => AdminRequest::RolloutStatus { id },
+            };
+            let out = rt.block_on(admin(&cfg, req, None))?;
+            print_out(&out, true, |_| String::new());
+            Ok(())
+        }
+        Cmd::Device { cmd: DeviceCmd::Status { id } } => {
+            let out = rt.block_on(admin(&cfg, AdminRequest::DeviceStatus { device: id }, None))?;
+            print_out(&out, true, |_| String::new());
+            Ok(())
+        }
+    }
+}
+
+fn start_request(a: StartArgs) -> anyhow::Result<RolloutStart> {
+    let mut phases = Vec::new();
+    if let Some(c) = &a.cohort {
+        let (name, devs) = c.split_once('=').context("--cohort expects NAME=dev1,dev2")?;
+        let devices = devs
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(DeviceId::new)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("--cohort: {e}"))?;
+        let mut p = Phase::cohort(name, devices, a.soak);
+        p.min_healthy = a.min_healthy;
+        phases.push(p);
+    }
+    for pct in &a.phases {
+        let mut p = Phase::percent(*pct, a.soak);
+        p.min_healthy = a.min_healthy;
+        phases.push(p);
+    }
+    if phases.is_empty() {
+        bail!("a rollout needs at least one phase");
+    }
+    Ok(RolloutStart {
+        id: a.id,
+        model: a.model,
+        alias: a.alias,
+        target: ModelVersion(a.version),
+        phases,
+        failure_threshold: a.failure_threshold,
+        min_sample: a.min_sample,
+    })
+}
+
+fn print_out(v: &serde_json::Value, json: bool, human: impl Fn(&serde_json::Value) -> String) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    } else {
+        println!("{}", human(v));
+    }
+}
+
+fn render_list(v: &serde_json::Value) -> String {
+    let mut out = String::new();
+    let models = v["models"].as_array().cloned().unwrap_or_default();
+    if models.is_empty() {
+        return "no models published".into();
+    }
+    for m in models {
+        let aliases: BTreeMap<String, u64> = serde_json::from_value(m["aliases"].clone()).unwrap_or_default();
+        out.push_str(&format!("{}\n", m["name"].as_str().unwrap_or("?")));
+        for ver in m["versions"].as_array().cloned().unwrap_or_default() {
+            let n = ver["version"].as_u64().unwrap_or(0);
+            let tags: Vec<&str> = aliases.iter().filter(|(_, t)| **t == n).map(|(a, _)| a.as_str()).collect();
+            out.push_str(&format!(
+                "  v{n:<4} {:>12} bytes  {}  {}{}\n",
+                ver["length"],
+                &ver["digest"].as_str().unwrap_or("")[..16.min(ver["digest"].as_str().unwrap_or("").len())],
+                ver["publisher"].as_str().unwrap_or(""),
+                if tags.is_empty() { String::new() } else { format!("  [{}]", tags.join(", ")) }
+            ));
+        }
+    }
+    out.trim_end().to_owned()
+}
+
+fn store_config(cfg: &Config) -> StoreConfig {
+    StoreConfig {
+        chunk_size: cfg.chunk_size,
+        ..StoreConfig::default()
+    }
+}
+
+fn fleet_of(cfg: &Config) -> FleetId {
+    fedfleet_certs::Pki::open(&cfg.pki_dir)
+        .map(|p| p.fleet().clone())
+        .unwrap_or_else(|_| FleetId::new("unknown").expect("valid id"))
+}
+
+/// Runs an operator command: directly on the store if no server holds it, else over QUIC.
+async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>) -> anyhow::Result<serde_json::Value> {
+    match Store::open(cfg.store_dir(), store_config(cfg)) {
+        Ok(store) => {
+            let signer = if metadata::keys_exist(&cfg.data_dir) {
+                Some(MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?)
+            } else {
+                None
+            };
+            let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()))?;
+            let now = unix_ms();
+            let out = match req {
+                AdminRequest::Publish { name, spec_json, parent, metrics, publisher } => {
+                    let m = reg.publish(
+                        NewVersion {
+                            name,
+                            spec: serde_json::from_str(&spec_json)?,
+                            parent,
+                            metrics,
+                            created_at: now,
+                            publisher,
+                        },
+                        std::io::BufReader::with_capacity(1 << 20, artifact.context("no artifact")?),
+                    )?;
+                    serde_json::json!({"name": m.name, "version": m.version.0, "length": m.length,
+                                       "digest": m.digest.to_hex(), "chunks": m.chunks.len()})
+                }
+                req => reg.admin(req, now)?,
+            };
+            reg.drive(now)?;
+            reg.store().flush()?;
+            Ok(out)
+        }
+        Err(StoreError::Locked { .. }) => {
+            let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).context("opening the PKI directory for the operator certificate")?;
+            let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.operator_identity).with_context(|| {
+                format!(
+                    "the registry is running; operator commands go through it and need the operator certificate \
+                     (fedfleet-certs issue-server --name {})",
+                    cfg.operator_identity
+                )
+            })?;
+            let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
+            let mut addr = cfg.listen;
+            if addr.ip().is_unspecified() {
+                addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
+            }
+            let client = RegistryClient::connect(addr, &cfg.server_name, tls).await.context("connecting to the running registry")?;
+            let out = match artifact {
+                Some(f) => client.publish(req, f).await,
+                None => client.admin(req).await,
+            };
+            client.close().await;
+            Ok(out?)
+        }
+        Err(e) => Err(RegistryError::from(e).into()),
+    }
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    if !metadata::keys_exist(&cfg.data_dir) {
+        metadata::init_keys(&cfg.data_dir, cfg.root_days, false)?;
+        tracing::info!(root = %cfg.data_dir.join(metadata::ROOT_JSON).display(), "created signing keys and root; pin root.json on devices");
+    }
+    let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).with_context(|| format!("opening PKI {}", cfg.pki_dir.display()))?;
+    let identity = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)
+        .with_context(|| format!("loading server identity {:?} (fedfleet-certs issue-server --name {})", cfg.server_identity, cfg.server_identity))?;
+    let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
+    let tls = fedfleet_certs::tls::server_config(pki.ca(), &identity, revocation, &[fedfleet_certs::ALPN_V1])?;
+    let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
+    let signer = MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?;
+    let metrics = Arc::new(Metrics::default());
+    let reg = Arc::new(Registry::new(store, pki.fleet().clone(), Some(signer), metrics.clone())?);
+    let endpoint = fedfleet_net::server_endpoint(cfg.listen, tls)?;
+    if let Some(maddr) = cfg.metrics {
+        let l = metrics::bind(maddr, cfg.metrics_public).await.with_context(|| format!("metrics on {maddr}"))?;
+        tracing::info!(addr = %maddr, "metrics on /metrics");
+        tokio::spawn(metrics::serve(l, metrics.clone()));
+    }
+    let mut opts = ServerOptions::new(cfg.spool_dir());
+    opts.operators = cfg.operators.clone();
+    opts.max_connections = cfg.max_connections;
+    server::run(endpoint, reg, opts, shutdown_signal()).await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,550 @@
+//! The QUIC service shell (mini-redis shape): [`run`] `select!`s the accept loop against a
+//! shutdown future; each connection's peer identity comes from its mTLS certificate; each
+//! stream is one request ([`crate::wire`]). A background task drives rollout timers and
+//! re-signs the timestamp. On shutdown the endpoint closes, handlers get a few seconds to
+//! finish, and the store is flushed.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use fedfleet_certs::PeerIdentity;
+use fedfleet_net::{FramedStream, NetError};
+use fedfleet_protocol::{FrameKind, RejectReason};
+use tokio::sync::watch;
+
+use crate::RegistryError;
+use crate::ops::{Registry, resolve_version};
+use crate::store::{NewVersion, StoreError};
+use crate::wire::{self, AdminRequest, FRAME_DATA, Request, Response, WireManifest};
+
+/// How long a stream may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Test-only fault injection (hidden from docs; all off by default).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Faults {
+    /// Close the connection after this many more chunk-payload bytes (one shot; `u64::MAX` off).
+    pub cut_after_bytes: AtomicU64,
+    /// Flip one byte in each of the next this-many chunks served.
+    pub corrupt_chunks: AtomicU32,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Faults {
+            cut_after_bytes: AtomicU64::new(u64::MAX),
+            corrupt_chunks: AtomicU32::new(0),
+        }
+    }
+}
+
+/// Service options beside the registry itself.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Service certificate names (CN) allowed to send operator commands.
+    pub operators: Vec<String>,
+    /// Concurrent connections; more are refused until one ends.
+    pub max_connections: usize,
+    /// Directory for incoming publishes (spooled to disk, then published).
+    pub spool_dir: std::path::PathBuf,
+    #[doc(hidden)]
+    pub faults: Arc<Faults>,
+}
+
+impl ServerOptions {
+    pub fn new(spool_dir: impl Into<std::path::PathBuf>) -> Self {
+        ServerOptions {
+            operators: vec!["operator".into()],
+            max_connections: 4096,
+            spool_dir: spool_dir.into(),
+            faults: Arc::new(Faults::default()),
+        }
+    }
+}
+
+struct Ctx {
+    reg: Arc<Registry>,
+    opts: ServerOptions,
+    conns: Arc<tokio::sync::Semaphore>,
+}
+
+/// Serves `endpoint` until `shutdown` resolves.
+pub async fn run(
+    endpoint: quinn::Endpoint,
+    reg: Arc<Registry>,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) {
+    let ctx = Arc::new(Ctx {
+        conns: Arc::new(tokio::sync::Semaphore::new(opts.max_connections)),
+        reg: reg.clone(),
+        opts,
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let timer = tokio::spawn(timer_loop(reg.clone(), stop_rx));
+    let mut handlers = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    tracing::info!(addr = ?endpoint.local_addr().ok(), "registry serving");
+    loop {
+        tokio::select! {
+            incoming = endpoint.accept() => {
+                let Some(incoming) = incoming else { break };
+                while handlers.try_join_next().is_some() {}
+                match ctx.conns.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        let ctx = ctx.clone();
+                        handlers.spawn(async move {
+                            connection(incoming, ctx).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => {
+                        ctx.reg.metrics().rejection(RejectReason::Overloaded);
+                        incoming.refuse();
+                    }
+                }
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    tracing::info!("registry shutting down");
+    let _ = stop_tx.send(true);
+    endpoint.close(0u32.into(), b"shutting down");
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while handlers.join_next().await.is_some() {}
+    })
+    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+    let _ = timer.await;
+    if let Err(e) = reg.store().flush() {
+        tracing::error!(error = %e, "flush on shutdown failed");
+    }
+}
+
+async fn timer_loop(reg: Arc<Registry>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let now = crate::unix_ms();
+        let next = {
+            let reg = reg.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = reg.refresh_timestamp_if_due(now) {
+                    tracing::error!(error = %e, "re-signing the timestamp failed");
+                }
+                match reg.drive(now) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::error!(error = %e, "driving rollouts failed");
+                        None
+                    }
+                }
+            })
+            .await
+            .unwrap_or(None)
+        };
+        let wait = next
+            .map(|t| t.saturating_sub(now))
+            .unwrap_or(1000)
+            .clamp(50, 1000);
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+fn peer_of(conn: &quinn::Connection) -> Result<PeerIdentity, String> {
+    let any = conn.peer_identity().ok_or("no client certificate")?;
+    let certs = any
+        .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+        .map_err(|_| "unexpected peer identity type".to_string())?;
+    fedfleet_certs::peer_identity(&certs).map_err(|e| e.to_string())
+}
+
+async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
+    let remote = incoming.remote_address();
+    let conn = match incoming.await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(%remote, error = %e, "handshake failed");
+            ctx.reg.metrics().rejection_named("handshake");
+            return;
+        }
+    };
+    let peer = match peer_of(&conn) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(%remote, error = %e, "refusing peer");
+            ctx.reg.metrics().rejection_named("denied");
+            conn.close(1u32.into(), b"certificate refused");
+            return;
+        }
+    };
+    ctx.reg.metrics().connections.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(%remote, ?peer, "connection");
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        let (ctx, conn, peer) = (ctx.clone(), conn.clone(), peer.clone());
+        tokio::spawn(async move {
+            let mut s = FramedStream::new(send, recv);
+            if let Err(e) = stream(&ctx, &conn, &peer, &mut s).await {
+                tracing::debug!(%remote, error = %e, "stream ended with an error");
+            }
+            s.finish();
+        });
+    }
+}
+
+async fn send(s: &mut FramedStream, r: &Response) -> Result<(), NetError> {
+    let bytes = wire::encode(r).unwrap_or_else(|e| {
+        wire::encode(&wire::rejected(RejectReason::Internal, e.to_string())).expect("encodes")
+    });
+    s.send(FrameKind::Message, &bytes).await
+}
+
+/// Turns an error into the response the client sees, counting it.
+fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
+    let m = ctx.reg.metrics();
+    match e {
+        RegistryError::NotFound(d) => {
+            m.rejection_named("not_found");
+            Response::NotFound(d)
+        }
+        RegistryError::Store(e @ (StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_))) => {
+            m.rejection_named("not_found");
+            Response::NotFound(e.to_string())
+        }
+        RegistryError::Store(
+            e @ (StoreError::InvalidName { .. }
+            | StoreError::InvalidMetric(_)
+            | StoreError::EmptyArtifact
+            | StoreError::UnknownParent { .. }),
+        ) => {
+            m.rejection_named("invalid_command");
+            Response::Invalid(e.to_string())
+        }
+        e @ (RegistryError::Rollout(_) | RegistryError::Invalid(_)) => {
+            m.rejection_named("invalid_command");
+            Response::Invalid(e.to_string())
+        }
+        e => {
+            tracing::error!(error = %e, "request failed");
+            m.rejection(RejectReason::Internal);
+            wire::rejected(RejectReason::Internal, e.to_string())
+        }
+    }
+}
+
+fn denied(ctx: &Ctx, why: String) -> Response {
+    ctx.reg.metrics().rejection_named("denied");
+    Response::Denied(why)
+}
+
+fn request_kind(r: &Request) -> &'static str {
+    match r {
+        Request::Metadata { .. } => "metadata",
+        Request::Manifest { .. } => "manifest",
+        Request::Chunks { .. } => "chunks",
+        Request::Range { .. } => "range",
+        Request::Assignment { .. } => "assignment",
+        Request::Report(_) => "report",
+        Request::Admin(AdminRequest::Publish { .. }) => "admin_publish",
+        Request::Admin(_) => "admin",
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, RegistryError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RegistryError::Invalid(format!("task failed: {e}")))?
+}
+
+async fn stream(
+    ctx: &Arc<Ctx>,
+    conn: &quinn::Connection,
+    peer: &PeerIdentity,
+    s: &mut FramedStream,
+) -> Result<(), NetError> {
+    let frame = match tokio::time::timeout(REQUEST_TIMEOUT, s.expect()).await {
+        Ok(f) => f?,
+        Err(_) => return Ok(()),
+    };
+    let m = ctx.reg.metrics();
+    if frame.kind != FrameKind::Message {
+        m.rejection(RejectReason::Malformed);
+        return send(s, &wire::rejected(RejectReason::Malformed, "expected a request message")).await;
+    }
+    let req: Request = match wire::decode(&frame.body) {
+        Ok(r) => r,
+        Err(e) => {
+            m.rejection(e.reason());
+            return send(s, &wire::rejected(e.reason(), e.to_string())).await;
+        }
+    };
+    m.request(request_kind(&req));
+    let reg = ctx.reg.clone();
+    let now = crate::unix_ms();
+    let resp = match req {
+        Request::Metadata { have_root_version } => match reg.metadata(have_root_version) {
+            Some(md) => Response::Metadata(md),
+            None => wire::rejected(RejectReason::Internal, "no signed metadata (no keys loaded)"),
+        },
+        Request::Manifest { name, version } => {
+            match resolve_version(reg.store(), &name, &version)
+                .and_then(|v| Ok(reg.store().manifest(&name, v)?))
+            {
+                Ok(man) => Response::Manifest(WireManifest::from_store(&man)),
+                Err(e) => error_response(ctx, e),
+            }
+        }
+        Request::Chunks {
+            name,
+            version,
+            indices,
+        } => return serve_chunks(ctx, conn, s, &name, version, &indices).await,
+        Request::Range {
+            name,
+            version,
+            offset,
+            max_len,
+        } => return serve_range(ctx, conn, s, &name, version, offset, max_len).await,
+        Request::Assignment { model } => match peer {
+            PeerIdentity::Device(id) => {
+                let id = id.clone();
+                match blocking(move || reg.signed_assignment(&id, &model, now)).await {
+                    Ok(a) => Response::Assignment(a),
+                    Err(e) => error_response(ctx, e),
+                }
+            }
+            PeerIdentity::Service(n) => denied(ctx, format!("service {n} has no assignment")),
+        },
+        Request::Report(status) => match peer {
+            PeerIdentity::Device(id) if *id != status.device => {
+                m.rejection(RejectReason::UnknownDevice);
+                wire::rejected(
+                    RejectReason::UnknownDevice,
+                    format!("report names {} but the certificate is {id}", status.device),
+                )
+            }
+            PeerIdentity::Device(_) if status.fleet != *reg.fleet() => {
+                m.rejection(RejectReason::WrongFleet);
+                wire::rejected(RejectReason::WrongFleet, format!("this is fleet {}", reg.fleet()))
+            }
+            PeerIdentity::Device(_) => match blocking(move || reg.report(&status, now)).await {
+                Ok(()) => Response::Ok,
+                Err(e) => error_response(ctx, e),
+            },
+            PeerIdentity::Service(n) => denied(ctx, format!("service {n} cannot report device status")),
+        },
+        Request::Admin(req) => match peer {
+            PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => {
+                match req {
+                    AdminRequest::Publish {
+                        name,
+                        spec_json,
+                        parent,
+                        metrics,
+                        publisher,
+                    } => match publish(ctx, s, name, spec_json, parent, metrics, publisher, n).await {
+                        Ok(r) => r,
+                        Err(e) => error_response(ctx, e),
+                    },
+                    req => match blocking(move || reg.admin(req, now)).await {
+                        Ok(v) => Response::Admin(v.to_string()),
+                        Err(e) => error_response(ctx, e),
+                    },
+                }
+            }
+            PeerIdentity::Service(n) => denied(ctx, format!("service {n} is not an operator")),
+            PeerIdentity::Device(d) => denied(ctx, format!("device {d} cannot send operator commands")),
+        },
+    };
+    send(s, &resp).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn publish(
+    ctx: &Arc<Ctx>,
+    s: &mut FramedStream,
+    name: String,
+    spec_json: String,
+    parent: Option<fedfleet_protocol::ModelVersion>,
+    metrics: std::collections::BTreeMap<String, f64>,
+    publisher: String,
+    peer_name: &str,
+) -> Result<Response, RegistryError> {
+    use tokio::io::AsyncWriteExt;
+    let spec: serde_json::Value = serde_json::from_str(&spec_json)
+        .map_err(|e| RegistryError::Invalid(format!("spec is not JSON: {e}")))?;
+    let dir = &ctx.opts.spool_dir;
+    let io = |p: &std::path::Path| {
+        let p = p.to_owned();
+        move |source| RegistryError::Io { path: p, source }
+    };
+    tokio::fs::create_dir_all(dir).await.map_err(io(dir))?;
+    let mut nonce = [0u8; 8];
+    rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut nonce);
+    let path = dir.join(format!("{}.part", hex::encode(nonce)));
+    let mut f = tokio::fs::File::create(&path).await.map_err(io(&path))?;
+    let mut total = 0u64;
+    let res = async {
+        loop {
+            let fr = s.expect().await.map_err(|e| RegistryError::Invalid(format!("upload broke off: {e}")))?;
+            match fr.kind {
+                FrameKind::Chunk => {
+                    total += fr.body.len() as u64;
+                    if total > fedfleet_protocol::limits::MAX_BUNDLE_BYTES as u64 {
+                        return Err(RegistryError::Invalid("artifact over the size limit".into()));
+                    }
+                    f.write_all(&fr.body).await.map_err(io(&path))?;
+                }
+                FrameKind::End => break,
+                _ => return Err(RegistryError::Invalid("expected Chunk or End frames".into())),
+            }
+        }
+        f.flush().await.map_err(io(&path))?;
+        drop(f);
+        let reg = ctx.reg.clone();
+        let p = path.clone();
+        let publisher = if publisher.is_empty() { peer_name.to_owned() } else { publisher };
+        blocking(move || {
+            let file = std::fs::File::open(&p).map_err(|source| RegistryError::Io { path: p.clone(), source })?;
+            reg.publish(
+                NewVersion {
+                    name,
+                    spec,
+                    parent,
+                    metrics,
+                    created_at: crate::unix_ms(),
+                    publisher,
+                },
+                std::io::BufReader::with_capacity(1 << 20, file),
+            )
+        })
+        .await
+    }
+    .await;
+    let _ = tokio::fs::remove_file(&path).await;
+    let m = res?;
+    Ok(Response::Admin(
+        serde_json::json!({"name": m.name, "version": m.version.0, "length": m.length,
+                           "digest": m.digest.to_hex(), "chunks": m.chunks.len()})
+        .to_string(),
+    ))
+}
+
+/// Sends `bytes` as Chunk frames, honouring the cut fault. Returns false if the connection was
+/// cut.
+async fn send_data(
+    ctx: &Ctx,
+    conn: &quinn::Connection,
+    s: &mut FramedStream,
+    bytes: &[u8],
+) -> Result<bool, NetError> {
+    let f = &ctx.opts.faults;
+    let budget = f.cut_after_bytes.load(Ordering::Relaxed);
+    if budget != u64::MAX {
+        if budget < bytes.len() as u64 {
+            f.cut_after_bytes.store(u64::MAX, Ordering::Relaxed);
+            for piece in bytes[..budget as usize].chunks(FRAME_DATA) {
+                s.send(FrameKind::Chunk, piece).await?;
+            }
+            tracing::warn!("fault injection: cutting the connection");
+            conn.close(2u32.into(), b"fault injection: cut");
+            return Ok(false);
+        }
+        f.cut_after_bytes.store(budget - bytes.len() as u64, Ordering::Relaxed);
+    }
+    for piece in bytes.chunks(FRAME_DATA) {
+        s.send(FrameKind::Chunk, piece).await?;
+    }
+    let m = ctx.reg.metrics();
+    m.bytes_served.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    Ok(true)
+}
+
+async fn serve_chunks(
+    ctx: &Arc<Ctx>,
+    conn: &quinn::Connection,
+    s: &mut FramedStream,
+    name: &str,
+    version: fedfleet_protocol::ModelVersion,
+    indices: &[u32],
+) -> Result<(), NetError> {
+    let man = match ctx.reg.store().manifest(name, version) {
+        Ok(m) => m,
+        Err(e) => return send(s, &error_response(ctx, e.into())).await,
+    };
+    if indices.len() > wire::MAX_CHUNKS_PER_REQUEST {
+        ctx.reg.metrics().rejection(RejectReason::TooLarge);
+        return send(s, &wire::rejected(RejectReason::TooLarge, "too many chunks in one request")).await;
+    }
+    if let Some(i) = indices.iter().find(|&&i| i as usize >= man.chunks.len()) {
+        ctx.reg.metrics().rejection(RejectReason::Malformed);
+        return send(s, &wire::rejected(RejectReason::Malformed, format!("no chunk {i}"))).await;
+    }
+    send(s, &Response::Chunks { count: indices.len() as u32 }).await?;
+    for &i in indices {
+        let c = man.chunks[i as usize];
+        let mut bytes = match ctx.reg.store().chunk(&c.digest) {
+            Ok(b) => b,
+            Err(e) => return send(s, &error_response(ctx, e.into())).await,
+        };
+        if ctx
+            .opts
+            .faults
+            .corrupt_chunks
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            tracing::warn!(chunk = i, "fault injection: corrupting a chunk");
+            bytes[0] ^= 0xff;
+        }
+        if !send_data(ctx, conn, s, &bytes).await? {
+            return Ok(());
+        }
+        ctx.reg.metrics().chunks_served.fetch_add(1, Ordering::Relaxed);
+    }
+    s.send(FrameKind::End, &[]).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve_range(
+    ctx: &Arc<Ctx>,
+    conn: &quinn::Connection,
+    s: &mut FramedStream,
+    name: &str,
+    version: fedfleet_protocol::ModelVersion,
+    offset: u64,
+    max_len: u32,
+) -> Result<(), NetError> {
+    let man = match ctx.reg.store().manifest(name, version) {
+        Ok(m) => m,
+        Err(e) => return send(s, &error_response(ctx, e.into())).await,
+    };
+    let end = man
+        .length
+        .min(offset.saturating_add(max_len.min(wire::MAX_RANGE_LEN) as u64));
+    let len = end.saturating_sub(offset) as u32;
+    send(s, &Response::Range { len }).await?;
+    let cs = man.chunk_size as u64;
+    let mut pos = offset;
+    while pos < end {
+        let i = (pos / cs) as usize;
+        let c = man.chunks[i];
+        let bytes = match ctx.reg.store().chunk(&c.digest) {
+            Ok(b) => b,
+            Err(e) => return send(s, &error_response(ctx, e.into())).await,
+        };
+        let start = (pos - i as u64 * cs) as usize;
+        let stop = ((end - i as u64 * cs) as usize).min(bytes.len());
+        if !send_data(ctx, conn, s, &bytes[start..stop]).await? {
+            return Ok(());
+        }
+        pos += (stop - start) as u64;
+    }
+    s.send(FrameKind::End, &[]).await
+}

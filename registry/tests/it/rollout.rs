@@ -1,0 +1,119 @@
+use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, ModelRef};
+use fedfleet_registry::rollout::{Phase, Reason};
+use fedfleet_registry::unix_ms;
+use fedfleet_registry::wire::{AdminRequest, AssignmentError, AssignmentSource, RolloutCommand, RolloutStart};
+
+use crate::support::{Harness, bytes, deadline, v};
+
+fn status(dev: &str, state: DeviceState, staged: Option<ModelRef>) -> DeviceStatus {
+    DeviceStatus {
+        fleet: FleetId::new("test-fleet").unwrap(),
+        device: DeviceId::new(dev).unwrap(),
+        reported_at_unix_ms: unix_ms(),
+        state,
+        active: None,
+        staged,
+        rollout_id: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_assignments_follow_the_rollout() {
+    deadline(60, async {
+        let h = Harness::start().await;
+        let m1 = h.publish("m", &bytes(10, 100_000));
+        let m2 = h.publish("m", &bytes(11, 100_000));
+        let root = h.root();
+        let op = h.client(h.service_tls("operator"));
+        let a = h.device("dev-a");
+        let b = h.device("dev-b");
+        let (ida, idb) = (DeviceId::new("dev-a").unwrap(), DeviceId::new("dev-b").unwrap());
+
+        // Nothing aliased yet.
+        let s = a.assignment("m").await.unwrap();
+        let body = s.verify(&root, &ida, unix_ms()).unwrap();
+        assert_eq!((body.target, body.source), (None, AssignmentSource::Nothing));
+
+        op.admin(AdminRequest::AliasSet { name: "m".into(), alias: "stable".into(), version: v(1) })
+            .await
+            .unwrap();
+        let body = a.assignment("m").await.unwrap().verify(&root, &ida, unix_ms()).unwrap();
+        assert_eq!(body.target.as_ref().map(|t| t.version), Some(v(1)));
+        assert_eq!(body.target.as_ref().unwrap().digest, m1.digest);
+        assert_eq!(body.length, Some(100_000));
+        let notice = body.to_notice().unwrap();
+        assert_eq!(notice.model.version, v(1));
+
+        // A rollout: cohort [dev-a] first (soaks an hour), then everyone.
+        let out = op
+            .admin(AdminRequest::RolloutStart(RolloutStart {
+                id: Some("r1".into()),
+                model: "m".into(),
+                alias: "stable".into(),
+                target: v(2),
+                phases: vec![Phase::cohort("canary", [ida.clone()], 3_600_000), Phase::percent(100.0, 0)],
+                failure_threshold: 0.0,
+                min_sample: 1,
+            }))
+            .await
+            .unwrap();
+        assert_eq!(out["status"], "running");
+        let sa = a.assignment("m").await.unwrap();
+        let body = sa.verify(&root, &ida, unix_ms()).unwrap();
+        assert_eq!(body.target.as_ref().map(|t| (t.version, t.digest)), Some((v(2), m2.digest)));
+        assert_eq!(body.source, AssignmentSource::Rollout { id: "r1".into(), reason: Reason::InRollout { phase: 0 } });
+        let bb = b.assignment("m").await.unwrap().verify(&root, &idb, unix_ms()).unwrap();
+        assert_eq!(bb.target.map(|t| t.version), Some(v(1)));
+
+        // Signed for dev-a only, by the timestamp key, and it expires.
+        assert!(matches!(sa.verify(&root, &idb, unix_ms()), Err(AssignmentError::WrongDevice { .. })));
+        assert!(matches!(sa.verify(&root, &ida, body.expires_unix_ms), Err(AssignmentError::Expired { .. })));
+        let mut forged = sa.clone();
+        let n = forged.body.len();
+        forged.body[n - 3] ^= 1;
+        assert!(matches!(forged.verify(&root, &ida, unix_ms()), Err(AssignmentError::UnderThreshold { .. })));
+
+        // dev-a fails the health check: the failure rate (1/1) passes the threshold → auto-abort.
+        let r2 = ModelRef { name: "m".into(), version: v(2), digest: m2.digest };
+        a.report(&status("dev-a", DeviceState::Downloaded, Some(r2.clone()))).await.unwrap();
+        a.report(&status("dev-a", DeviceState::Failed { reason: "nan in outputs".into() }, Some(r2.clone())))
+            .await
+            .unwrap();
+        let st = op.admin(AdminRequest::RolloutStatus { id: Some("r1".into()) }).await.unwrap();
+        assert_eq!(st["status"], "aborted", "{st}");
+        assert_eq!(st["failed"], 1);
+        let body = a.assignment("m").await.unwrap().verify(&root, &ida, unix_ms()).unwrap();
+        assert_eq!(body.target.map(|t| t.version), Some(v(1)));
+        assert_eq!(h.reg.metrics().get("fedfleet_registry_rollout_events_total", "auto_aborted"), 1);
+
+        // Operator views.
+        let dev = op.admin(AdminRequest::DeviceStatus { device: Some("dev-a".into()) }).await.unwrap();
+        assert_eq!(dev["state"], "failed");
+        assert_eq!(dev["reason"], "nan in outputs");
+        let e = op
+            .admin(AdminRequest::Rollout { id: "r1".into(), command: RolloutCommand::Pause })
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("cannot pause"), "{e}");
+
+        // A second rollout that completes moves the alias; rollback moves it back.
+        op.admin(AdminRequest::RolloutStart(RolloutStart {
+            id: Some("r2".into()),
+            model: "m".into(),
+            alias: "stable".into(),
+            target: v(2),
+            phases: vec![Phase::percent(100.0, 0)],
+            failure_threshold: 0.5,
+            min_sample: 5,
+        }))
+        .await
+        .unwrap();
+        assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(2)));
+        let bb = b.assignment("m").await.unwrap().verify(&root, &idb, unix_ms()).unwrap();
+        assert_eq!(bb.target.map(|t| t.version), Some(v(2)));
+        op.admin(AdminRequest::Rollout { id: "r2".into(), command: RolloutCommand::Rollback }).await.unwrap();
+        assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(1)));
+        h.stop().await;
+    })
+    .await;
+}
