@@ -81,6 +81,34 @@ impl<S: Strategy> Coordinator<S> {
             .expect("admission is deterministic"))
     }
 
+    /// Admission check only (see [`RoundEngine::check_update`]): call before reading a payload.
+    pub fn check_update(&mut self, now: Millis, meta: &UpdateMeta) -> Result<Accepted, Reject> {
+        self.engine.check_update(now, meta)
+    }
+
+    /// Refolds an update the engine already accepted into `round` (restart after a crash: the
+    /// strategy was restored from the last round boundary and the round's accepted payloads are
+    /// folded again; the exact fold makes the result bit-identical).
+    pub fn resume_fold(
+        &mut self,
+        round: RoundId,
+        delta: &[f32],
+        weight: u64,
+    ) -> Result<(), StrategyError> {
+        if self.folding != Some(round) {
+            if self.strategy.folded() > 0 {
+                self.strategy.abort_round();
+            }
+            self.folding = Some(round);
+        }
+        self.strategy.fold(delta, weight)
+    }
+
+    /// The round whose updates the strategy currently holds.
+    pub fn folding(&self) -> Option<RoundId> {
+        self.folding
+    }
+
     pub fn handle_timeout(&mut self, now: Millis) {
         self.engine.handle_timeout(now)
     }

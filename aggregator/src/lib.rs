@@ -1,7 +1,15 @@
-//! fedfleet-aggregator: the sans-IO core of the aggregator — the round engine and the
-//! aggregation strategies. (The QUIC ingest, sled state and service shell are built around it.)
+//! fedfleet-aggregator: the round engine and aggregation strategies (a sans-IO core), and the
+//! service shell around them: QUIC ingest, sled state, publishing, metrics, the CLI.
 //!
 //! # Code map
+//!
+//! Shell (I/O): [`service`] ([`service::Aggregator`]: accept loop, ingest, round driver,
+//! campaigns), [`wire`] (the QUIC protocol), [`client`] (its client, for agents and the CLI),
+//! [`persist`] (sled state and commit points; crash recovery by exact refold), [`publish`]
+//! ([`publish::Publisher`], [`publish::DirPublisher`]), [`config`] (`aggregator.toml`),
+//! [`keys`] (the receipt key), [`metrics`] (Prometheus text).
+//!
+//! Core (no I/O):
 //!
 //! * [`engine`] — [`RoundEngine`], a deterministic state machine for campaigns and rounds:
 //!   selection, quorum, deadline and one extension, straggler/duplicate/replay/revocation
@@ -43,10 +51,18 @@
 //! }
 //! ```
 
+pub mod client;
+pub mod config;
 pub mod coordinator;
 pub mod engine;
+pub mod keys;
+pub mod metrics;
+pub mod persist;
+pub mod publish;
 pub mod reject;
+pub mod service;
 pub mod strategy;
+pub mod wire;
 
 pub use coordinator::{Coordinator, FinalizeError};
 pub use engine::{

@@ -35,7 +35,7 @@
 //! coordinate (4 read, 16 read + 16 written), so it is memory-bound well below `memcpy`. Seen on
 //! the 2-core dev VM: about 1 GB/s of `f32` input in the dev profile and 1.3–1.5 GB/s for the
 //! kernel alone at `opt-level` 2–3, against about 10 GB/s for `memcpy`
-//! (`cargo test -p fedfleet-aggregator --test strategies -- --ignored --nocapture fold_throughput`).
+//! (`cargo test -p fedfleet-aggregator --test service -- --ignored --nocapture fold_throughput`).
 
 use serde::{Deserialize, Serialize};
 

@@ -1,0 +1,140 @@
+//! Aggregation benchmark: fold throughput beside `memcpy`, end-to-end ingest throughput
+//! (signature verify + payload digest + safetensors decode/check + flatten + fold), and peak RSS.
+//!
+//! ```text
+//! cargo run --release -p fedfleet-aggregator --example bench_aggregate -- [--params 1000000,10000000] [--updates 10,100,1000] [--e2e-max 1000]
+//! ```
+//!
+//! Deltas are generated on the fly from a seeded xorshift into one reused buffer, so memory stays
+//! flat whatever N is; the end-to-end part cycles through 4 pre-encoded, signed payloads (the
+//! same bytes each time would be no cheaper: every step is done again). Peak RSS is the process's
+//! VmHWM after each row: with FedAvg it must not grow with N (it grows with P: the i128 partial
+//! sum is 16 B per parameter). Figures are printed, never asserted.
+
+use std::time::Instant;
+
+use ed25519_dalek::SigningKey;
+use fedfleet_aggregator::service::decode_update;
+use fedfleet_aggregator::strategy::{ClientConfig, FedAvg, Strategy};
+use fedfleet_protocol::{
+    BundleLimits, DType, DeviceId, Digest, FleetId, PayloadCheck, RoundId, Signed, TensorBundle, UpdateHeader,
+};
+
+fn fill(buf: &mut [f32], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for v in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *v = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02;
+    }
+}
+
+fn arg(name: &str, default: &str) -> Vec<usize> {
+    let args: Vec<String> = std::env::args().collect();
+    let v = args
+        .iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_owned());
+    v.split(',').map(|s| s.trim().parse().expect("a number")).collect()
+}
+
+fn gbps(bytes: f64, secs: f64) -> f64 {
+    bytes / secs / 1e9
+}
+
+fn main() {
+    let params = arg("--params", "1000000,10000000");
+    let updates = arg("--updates", "10,100,1000");
+    let e2e_max = arg("--e2e-max", "1000")[0];
+    println!(
+        "command: cargo run --release -p fedfleet-aggregator --example bench_aggregate -- --params {} --updates {} --e2e-max {e2e_max}",
+        params.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+        updates.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+    );
+    println!("profile: {}", if cfg!(debug_assertions) { "debug" } else { "release" });
+    println!(
+        "{:>10} {:>6} {:>12} {:>12} {:>14} {:>12}",
+        "P", "N", "fold GB/s", "memcpy GB/s", "ingest GB/s", "peak RSS MB"
+    );
+    let key = SigningKey::from_bytes(&[7; 32]);
+    let vk = key.verifying_key();
+    for &p in &params {
+        let mut delta = vec![0f32; p];
+        let mut dst = vec![0f32; p];
+        // The model layout: one big tensor, as a flat 2-D weight.
+        let mut layout = fedfleet_protocol::Layout::new();
+        layout.insert("w".to_owned(), vec![p / 1000, 1000]);
+        assert_eq!(p % 1000, 0, "P must be a multiple of 1000");
+        // 4 signed, encoded updates for the end-to-end path.
+        let pool: Vec<(Vec<u8>, Vec<u8>)> = (0..4)
+            .map(|k| {
+                fill(&mut delta, 1000 + k);
+                let mut b = TensorBundle::new();
+                b.insert_f32("w", vec![p / 1000, 1000], delta.clone()).unwrap();
+                let payload = b.encode();
+                let h = UpdateHeader {
+                    device: DeviceId::new(format!("dev-{k}")).unwrap(),
+                    fleet: FleetId::new("bench").unwrap(),
+                    round: RoundId(1),
+                    base_model: Digest::of(b"base"),
+                    nonce: [k as u8; 16],
+                    sample_count: 10,
+                    payload_len: payload.len() as u64,
+                    payload_digest: Digest::of(&payload),
+                    payload_dtype: DType::F32,
+                };
+                (Signed::sign(h, &key).encode(), payload)
+            })
+            .collect();
+        let limits = BundleLimits { max_bytes: p * 4 + 65536, max_tensors: 1, max_params: p };
+        for &n in &updates {
+            // Fold: FedAvg over N generated deltas (generation not timed).
+            let mut s = FedAvg::new(p, ClientConfig::default());
+            let mut fold_secs = 0.0;
+            let mut copy_secs = 0.0;
+            for i in 0..n {
+                fill(&mut delta, i as u64);
+                let t = Instant::now();
+                s.fold(&delta, 1 + (i as u64 % 50)).unwrap();
+                fold_secs += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                dst.copy_from_slice(&delta);
+                std::hint::black_box(&mut dst);
+                copy_secs += t.elapsed().as_secs_f64();
+            }
+            let bytes = (n * p * 4) as f64;
+            // End-to-end: verify + digest + decode/check + flatten + fold.
+            let e2e = if n <= e2e_max {
+                let mut s = FedAvg::new(p, ClientConfig::default());
+                let t = Instant::now();
+                for i in 0..n {
+                    let (hdr, payload) = &pool[i % pool.len()];
+                    let signed = fedfleet_protocol::SignedUpdate::decode(hdr).unwrap();
+                    signed.verify(&vk).unwrap();
+                    let mut check = PayloadCheck::new(signed.body());
+                    for c in payload.chunks(1 << 20) {
+                        check.update(c).unwrap();
+                    }
+                    check.finish().unwrap();
+                    let flat = decode_update(payload, &layout, &limits, DType::F32, p).unwrap();
+                    s.fold(&flat, 10).unwrap();
+                }
+                format!("{:.2}", gbps(bytes, t.elapsed().as_secs_f64()))
+            } else {
+                "skipped".to_owned()
+            };
+            let (_, hwm) = fedfleet_aggregator::metrics::memory();
+            println!(
+                "{:>10} {:>6} {:>12.2} {:>12.2} {:>14} {:>12.0}",
+                p,
+                n,
+                gbps(bytes, fold_secs),
+                gbps(bytes, copy_secs),
+                e2e,
+                hwm as f64 / 1e6
+            );
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The aggregator's QUIC client, for agents, the operator CLI and tests. See [`crate::wire`] for
+//! the protocol.
+//!
+//! ```no_run
+//! # async fn demo(tls: rustls::ClientConfig, update: fedfleet_protocol::SignedUpdate, payload: Vec<u8>)
+//! # -> Result<(), fedfleet_aggregator::client::ClientError> {
+//! use fedfleet_aggregator::client::{AggregatorClient, UploadOutcome};
+//! let client = AggregatorClient::connect("127.0.0.1:7400".parse().unwrap(), "localhost", tls).await?;
+//! let round = client.current_round().await?;              // Option<Signed<RoundAnnouncement>>
+//! if let Some(ann) = round.announcement {
+//!     let a = ann.verify(&round.receipt_key).expect("signed by the aggregator");
+//!     let (_spec, _base) = client.fetch_model(&a.base_model.digest).await?;
+//!     // ... train, build the signed update ...
+//! }
+//! match client.upload(&update, &payload).await? {
+//!     UploadOutcome::Accepted(receipt) => { receipt.verify(&round.receipt_key).unwrap(); }
+//!     UploadOutcome::Rejected(r) => eprintln!("refused: {} ({})", r.reason, r.detail),
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! The client holds one QUIC connection and reconnects on the next call when it was closed (idle
+//! timeout, server restart). Every call opens its own stream. A `ClientError` means the outcome is
+//! unknown (e.g. the connection broke before the receipt): resend the same bytes; the aggregator
+//! answers a resend of an accepted update with the same receipt.
+
+use std::net::SocketAddr;
+
+use ed25519_dalek::VerifyingKey;
+use fedfleet_net::{FramedStream, NetError};
+use fedfleet_protocol::framing::FrameKind;
+use fedfleet_protocol::messages;
+use fedfleet_protocol::{
+    Digest, Message, Receipt, Rejection, RoundAnnouncement, Signed, SignedUpdate,
+};
+use tokio::sync::Mutex;
+
+use crate::wire::{CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
+
+/// What happened to an upload.
+#[derive(Debug, Clone, PartialEq)]
+pub enum UploadOutcome {
+    /// Accepted, folded and persisted; the receipt is signed with the aggregator's receipt key.
+    Accepted(Signed<Receipt>),
+    /// Refused with a named reason.
+    Rejected(Rejection),
+}
+
+/// The open round, as served by `GetRound`.
+#[derive(Debug, Clone)]
+pub struct RoundInfo {
+    /// `None` when no round is open. Verify it with `receipt_key`.
+    pub announcement: Option<Signed<RoundAnnouncement>>,
+    /// The aggregator's receipt key (pin it on first contact).
+    pub receipt_key: VerifyingKey,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("refused: {} ({})", .0.reason, .0.detail)]
+    Refused(Rejection),
+}
+
+fn proto(e: impl std::fmt::Display) -> ClientError {
+    ClientError::Protocol(e.to_string())
+}
+
+/// A client of one aggregator.
+pub struct AggregatorClient {
+    endpoint: quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: String,
+    conn: Mutex<Option<quinn::Connection>>,
+}
+
+impl AggregatorClient {
+    /// Connects with a device (`fedfleet_certs::tls::client_config`) or operator
+    /// (`service_client_config`) TLS config whose ALPN is `fedfleet/1`.
+    pub async fn connect(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
+        let endpoint = fedfleet_net::client_endpoint(tls)?;
+        let conn = fedfleet_net::connect(&endpoint, addr, server_name).await?;
+        Ok(AggregatorClient {
+            endpoint,
+            addr,
+            server_name: server_name.to_owned(),
+            conn: Mutex::new(Some(conn)),
+        })
+    }
+
+    async fn open(&self) -> Result<FramedStream, ClientError> {
+        let mut guard = self.conn.lock().await;
+        if let Some(c) = guard.as_ref()
+            && c.close_reason().is_none()
+        {
+            return Ok(FramedStream::open(c).await?);
+        }
+        let c = fedfleet_net::connect(&self.endpoint, self.addr, &self.server_name).await?;
+        let s = FramedStream::open(&c).await?;
+        *guard = Some(c);
+        Ok(s)
+    }
+
+    async fn call(&self, req: &Request) -> Result<(Response, FramedStream), ClientError> {
+        let mut s = self.open().await?;
+        let body = messages::encode(req, MAX_WIRE_MESSAGE).map_err(proto)?;
+        s.send(FrameKind::Message, &body).await?;
+        s.finish();
+        let f = s.expect().await?;
+        if f.kind != FrameKind::Message {
+            return Err(proto(format!("unexpected {:?} frame", f.kind)));
+        }
+        let resp: Response = messages::decode(&f.body, MAX_WIRE_MESSAGE).map_err(proto)?;
+        if let Response::Error(r) = resp {
+            return Err(ClientError::Refused(r));
+        }
+        Ok((resp, s))
+    }
+
+    /// The open round's signed announcement (if any) and the aggregator's receipt key.
+    pub async fn current_round(&self) -> Result<RoundInfo, ClientError> {
+        match self.call(&Request::GetRound).await?.0 {
+            Response::Round { announcement, receipt_key } => Ok(RoundInfo {
+                announcement: announcement
+                    .map(|b| Signed::<RoundAnnouncement>::decode(&b))
+                    .transpose()
+                    .map_err(proto)?,
+                receipt_key: VerifyingKey::from_bytes(&receipt_key).map_err(proto)?,
+            }),
+            other => Err(proto(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// A model the aggregator holds (a round's base model), checked against `digest`:
+    /// `(spec JSON, safetensors bytes)`.
+    pub async fn fetch_model(&self, digest: &Digest) -> Result<(String, Vec<u8>), ClientError> {
+        let (resp, mut s) = self.call(&Request::GetModel { digest: *digest }).await?;
+        let Response::Model { spec, length } = resp else {
+            return Err(proto(format!("unexpected answer {resp:?}")));
+        };
+        if length > fedfleet_protocol::limits::MAX_BUNDLE_BYTES as u64 {
+            return Err(proto(format!("model of {length} bytes is over the bundle limit")));
+        }
+        let mut bytes = Vec::with_capacity(length as usize);
+        loop {
+            let f = s.expect().await?;
+            match f.kind {
+                FrameKind::Chunk if bytes.len() as u64 + f.body.len() as u64 <= length => {
+                    bytes.extend_from_slice(&f.body)
+                }
+                FrameKind::End => break,
+                k => return Err(proto(format!("unexpected {k:?} frame or too many bytes"))),
+            }
+        }
+        if bytes.len() as u64 != length || Digest::of(&bytes) != *digest {
+            return Err(proto("model bytes do not match the requested digest"));
+        }
+        Ok((spec, bytes))
+    }
+
+    /// Uploads one signed update and its payload (the delta bundle's safetensors bytes).
+    pub async fn upload(&self, update: &SignedUpdate, payload: &[u8]) -> Result<UploadOutcome, ClientError> {
+        self.upload_encoded(&update.encode(), payload).await
+    }
+
+    /// Same as [`upload`](Self::upload) with the header already encoded (what an agent's outbox
+    /// stores). The bytes are sent as given.
+    pub async fn upload_encoded(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadOutcome, ClientError> {
+        let mut s = self.open().await?;
+        // The server may answer and stop reading early (a refusal before the payload): a write
+        // error is then expected, and the answer is still read.
+        let sent: Result<(), NetError> = async {
+            s.send(FrameKind::Signed, signed_header).await?;
+            for chunk in payload.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
+                s.send(FrameKind::Chunk, chunk).await?;
+            }
+            s.send(FrameKind::End, &[]).await?;
+            Ok(())
+        }
+        .await;
+        s.finish();
+        let answer = match s.recv().await {
+            Ok(Some(f)) => f,
+            Ok(None) => return Err(sent.err().map(ClientError::from).unwrap_or_else(|| proto("no answer"))),
+            Err(e) => return Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(e))),
+        };
+        match answer.kind {
+            FrameKind::Signed => Ok(UploadOutcome::Accepted(
+                Signed::<Receipt>::decode(&answer.body).map_err(proto)?,
+            )),
+            FrameKind::Message => match Message::decode(&answer.body).map_err(proto)? {
+                Message::Rejection(r) => Ok(UploadOutcome::Rejected(r)),
+                other => Err(proto(format!("unexpected message {other:?}"))),
+            },
+            k => Err(proto(format!("unexpected {k:?} frame"))),
+        }
+    }
+
+    /// Operator: start, status or stop (needs an operator service certificate).
+    pub async fn campaign(&self, req: Request) -> Result<CampaignStatus, ClientError> {
+        match self.call(&req).await?.0 {
+            Response::Status(s) => Ok(s),
+            other => Err(proto(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Closes the connection.
+    pub async fn close(&self) {
+        if let Some(c) = self.conn.lock().await.take() {
+            c.close(0u32.into(), b"bye");
+        }
+        self.endpoint.wait_idle().await;
+    }
+}

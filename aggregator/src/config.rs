@@ -1,0 +1,281 @@
+//! `aggregator.toml`: the service configuration.
+//!
+//! ```toml
+//! listen = "0.0.0.0:7400"            # QUIC (mTLS, ALPN fedfleet/1)
+//! pki_dir = "/etc/fedfleet/pki"      # fedfleet-certs directory (ca.crt, devices.json, revoked.json, servers/)
+//! server_name = "aggregator"         # servers/<server_name>.crt|.key: this service's identity
+//! data_dir = "/var/lib/fedfleet-aggregator"
+//! metrics_addr = "127.0.0.1:9464"    # Prometheus /metrics (optional; loopback recommended)
+//! operators = ["operator"]           # service certificates allowed to run `campaign ...`
+//! publish_dir = "/var/lib/fedfleet-aggregator/published"  # DirPublisher target (default: data_dir/published)
+//!
+//! [model]
+//! name = "digits"
+//! spec = { arch = "mlp", input = [64], hidden = [64], classes = 10 }
+//! initial = "initial.safetensors"    # written by `fedfleet-aggregator init-model`
+//! validation = "digits"              # server-side evaluation: "digits" (test split) or absent
+//!
+//! [campaign]                         # defaults of `campaign start`
+//! rounds = 5
+//! strategy = "fedavg"                # fedavg fedprox clipped_fedavg fedadam fedyogi fedadagrad median trimmed_mean krum
+//! target = 10
+//! quorum = 2
+//! deadline_secs = 600
+//! extension_secs = 300
+//! sampling_rate = 1.0
+//! local_epochs = 1
+//! batch_size = 32
+//! lr = 0.1
+//! mu = 0.0                           # FedProx
+//! quantization = "f32"               # f32 f16 bf16 i8
+//! ```
+//! Relative paths are resolved against the config file's directory.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use fedfleet_protocol::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::strategy::{ClientConfig, FedOptParams, StrategyConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {detail}")]
+    Parse { path: PathBuf, detail: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub pki_dir: PathBuf,
+    #[serde(default = "default_server_name")]
+    pub server_name: String,
+    pub data_dir: PathBuf,
+    #[serde(default)]
+    pub metrics_addr: Option<SocketAddr>,
+    #[serde(default = "default_operators")]
+    pub operators: Vec<String>,
+    #[serde(default)]
+    pub publish_dir: Option<PathBuf>,
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub campaign: CampaignDefaults,
+}
+
+fn default_server_name() -> String {
+    "aggregator".into()
+}
+fn default_operators() -> Vec<String> {
+    vec!["operator".into()]
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    pub spec: fedfleet_learning::ModelSpec,
+    pub initial: PathBuf,
+    #[serde(default)]
+    pub validation: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CampaignDefaults {
+    pub rounds: u32,
+    pub strategy: String,
+    pub target: u32,
+    pub quorum: u32,
+    pub deadline_secs: u64,
+    pub extension_secs: u64,
+    pub sampling_rate: f64,
+    pub over_selection: f64,
+    pub max_sample_count: u64,
+    pub local_epochs: u32,
+    pub batch_size: u32,
+    pub lr: f32,
+    pub mu: f32,
+    pub quantization: String,
+    /// FedOpt server learning rate (η); other FedOpt parameters take Flower's defaults.
+    pub server_lr: Option<f64>,
+    pub clip_norm: f64,
+    pub trim_fraction: f64,
+    pub byzantine: usize,
+    /// Robust strategies keep every update of a round in memory: at most this many.
+    pub max_updates: usize,
+    pub max_consecutive_failures: u32,
+}
+
+impl Default for CampaignDefaults {
+    fn default() -> Self {
+        CampaignDefaults {
+            rounds: 5,
+            strategy: "fedavg".into(),
+            target: 10,
+            quorum: 2,
+            deadline_secs: 600,
+            extension_secs: 300,
+            sampling_rate: 1.0,
+            over_selection: 1.0,
+            max_sample_count: 1 << 32,
+            local_epochs: 1,
+            batch_size: 32,
+            lr: 0.1,
+            mu: 0.0,
+            quantization: "f32".into(),
+            server_lr: None,
+            clip_norm: 10.0,
+            trim_fraction: 0.1,
+            byzantine: 1,
+            max_updates: 256,
+            max_consecutive_failures: 3,
+        }
+    }
+}
+
+impl CampaignDefaults {
+    pub fn client(&self) -> ClientConfig {
+        ClientConfig {
+            local_epochs: self.local_epochs,
+            batch_size: self.batch_size,
+            lr: self.lr,
+            proximal_mu: self.mu,
+        }
+    }
+
+    pub fn dtype(&self) -> Result<DType, ConfigError> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.as_str() == self.quantization)
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "campaign.quantization {:?}: expected one of f32, f16, bf16, i8",
+                    self.quantization
+                ))
+            })
+    }
+
+    pub fn strategy_config(&self) -> Result<StrategyConfig, ConfigError> {
+        let client = self.client();
+        let opt = |mut p: FedOptParams| {
+            if let Some(eta) = self.server_lr {
+                p.eta = eta;
+            }
+            p.eta_l = self.lr as f64;
+            p
+        };
+        Ok(match self.strategy.as_str() {
+            "fedavg" => StrategyConfig::FedAvg { client },
+            "fedprox" => StrategyConfig::FedProx {
+                client,
+                mu: self.mu,
+            },
+            "clipped_fedavg" => StrategyConfig::ClippedFedAvg {
+                client,
+                clip_norm: self.clip_norm,
+            },
+            "fedadam" => StrategyConfig::FedAdam {
+                client,
+                params: opt(FedOptParams::adam()),
+            },
+            "fedyogi" => StrategyConfig::FedYogi {
+                client,
+                params: opt(FedOptParams::yogi()),
+            },
+            "fedadagrad" => StrategyConfig::FedAdagrad {
+                client,
+                params: opt(FedOptParams::adagrad()),
+            },
+            "median" => StrategyConfig::Median {
+                client,
+                max_updates: self.max_updates,
+            },
+            "trimmed_mean" => StrategyConfig::TrimmedMean {
+                client,
+                trim_fraction: self.trim_fraction,
+                max_updates: self.max_updates,
+            },
+            "krum" => StrategyConfig::Krum {
+                client,
+                byzantine: self.byzantine,
+                select: 1,
+                max_updates: self.max_updates,
+            },
+            other => {
+                return Err(ConfigError::Invalid(format!(
+                    "campaign.strategy {other:?}: expected fedavg, fedprox, clipped_fedavg, \
+                     fedadam, fedyogi, fedadagrad, median, trimmed_mean or krum"
+                )));
+            }
+        })
+    }
+}
+
+impl Config {
+    /// Reads and checks `path`; relative paths inside are resolved against its directory.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut cfg: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            detail: e.message().to_owned(),
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        cfg.resolve(base);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn resolve(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.pki_dir);
+        fix(&mut self.data_dir);
+        fix(&mut self.model.initial);
+        if let Some(p) = &mut self.publish_dir {
+            fix(p);
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model
+            .spec
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
+        self.campaign.strategy_config()?;
+        self.campaign.dtype()?;
+        if let Some(v) = &self.model.validation
+            && v != "digits"
+        {
+            return Err(ConfigError::Invalid(format!(
+                "model.validation {v:?}: only \"digits\" (the digits test split) is built in"
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn publish_dir(&self) -> PathBuf {
+        self.publish_dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("published"))
+    }
+
+    /// The model spec as JSON text (what manifests carry).
+    pub fn spec_json(&self) -> String {
+        serde_json::to_string(&self.model.spec).expect("spec serializes")
+    }
+}

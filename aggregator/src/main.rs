@@ -1,0 +1,243 @@
+//! `fedfleet-aggregator`: the aggregator service and its operator commands.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Parser, Subcommand};
+use fedfleet_aggregator::client::AggregatorClient;
+use fedfleet_aggregator::config::Config;
+use fedfleet_aggregator::publish::DirPublisher;
+use fedfleet_aggregator::service::Aggregator;
+use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request};
+
+/// Federated-learning aggregator: ingests signed updates over QUIC (mTLS), aggregates them with
+/// a configurable strategy, persists round state in sled and publishes each new global model.
+#[derive(Parser)]
+#[command(name = "fedfleet-aggregator", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the service (QUIC ingest, round driver, Prometheus metrics) until SIGTERM/Ctrl-C.
+    Serve {
+        /// The service configuration (see `aggregator.toml` in the crate for every key).
+        #[arg(long, short, env = "FEDFLEET_AGGREGATOR_CONFIG")]
+        config: PathBuf,
+        /// Override `listen` (e.g. 127.0.0.1:0 in tests; the bound address is printed).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
+    /// Start, inspect or stop a training campaign on a running service (over QUIC, with an
+    /// operator service certificate: `fedfleet-certs issue-server --name operator`).
+    Campaign {
+        #[command(subcommand)]
+        action: CampaignCmd,
+    },
+    /// Write a seeded initial model (safetensors) for `model.spec` of the config.
+    InitModel {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Initialization seed.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Output path (default: the config's `model.initial`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args)]
+struct Conn {
+    /// The service configuration (for the address, the PKI directory and the server name).
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Operator certificate name in the PKI's servers/ directory.
+    #[arg(long, default_value = "operator")]
+    operator: String,
+    /// Aggregator address (default: the config's `listen`, with 0.0.0.0 read as 127.0.0.1).
+    #[arg(long)]
+    addr: Option<std::net::SocketAddr>,
+    /// TLS server name to expect.
+    #[arg(long, default_value = "localhost")]
+    server_name: String,
+}
+
+#[derive(Subcommand)]
+enum CampaignCmd {
+    /// Start a campaign; unset options take the config's `[campaign]` defaults.
+    Start {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        rounds: Option<u32>,
+        /// Updates that close a round.
+        #[arg(long)]
+        target: Option<u32>,
+        /// Updates needed at the deadline.
+        #[arg(long)]
+        quorum: Option<u32>,
+        #[arg(long)]
+        deadline_secs: Option<u64>,
+        /// Sampling seed (random if unset).
+        #[arg(long)]
+        seed: Option<u64>,
+    },
+    /// Show the running campaign and the current global model.
+    Status {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Stop the running campaign (its open round fails; published models stay).
+    Stop {
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fedfleet-aggregator: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fedfleet-aggregator: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Serve { config, listen } => serve(config, listen).await,
+        Cmd::InitModel { config, seed, out } => {
+            let cfg = Config::load(&config)?;
+            let out = out.unwrap_or(cfg.model.initial.clone());
+            let bundle = fedfleet_learning::model::init_bundle(&cfg.model.spec, seed)
+                .map_err(|e| anyhow!("model.spec: {e}"))?;
+            fedfleet_aggregator::persist::write_atomic(&out, &bundle.encode())
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("wrote {} ({} parameters, seed {seed})", out.display(), bundle.num_params());
+            Ok(())
+        }
+        Cmd::Campaign { action } => {
+            let (conn, req) = match action {
+                CampaignCmd::Start { conn, rounds, target, quorum, deadline_secs, seed } => (
+                    conn,
+                    Request::CampaignStart(CampaignOverrides {
+                        rounds,
+                        target_count: target,
+                        min_quorum: quorum,
+                        deadline_secs,
+                        seed,
+                    }),
+                ),
+                CampaignCmd::Status { conn } => (conn, Request::CampaignStatus),
+                CampaignCmd::Stop { conn } => (conn, Request::CampaignStop),
+            };
+            let status = operator_call(&conn, req).await?;
+            print_status(&status);
+            Ok(())
+        }
+    }
+}
+
+async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<()> {
+    let cfg = Config::load(&config)?;
+    let addr = listen.unwrap_or(cfg.listen);
+    std::fs::create_dir_all(&cfg.data_dir)
+        .with_context(|| format!("data_dir {}", cfg.data_dir.display()))?;
+    let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir)
+        .with_context(|| format!("receipt key in {}", cfg.data_dir.display()))?;
+    let publisher = DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_name));
+    let metrics_addr = cfg.metrics_addr;
+    let agg = Aggregator::open(cfg, Box::new(publisher))?;
+    let endpoint = agg.bind(addr)?;
+    let bound = endpoint.local_addr()?;
+    if let Some(m) = metrics_addr {
+        let listener = fedfleet_aggregator::metrics::bind(m)
+            .await
+            .with_context(|| format!("metrics_addr {m}"))?;
+        tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
+        tokio::spawn(fedfleet_aggregator::metrics::serve(listener, agg.metrics()));
+    }
+    tracing::info!(%bound, "listening");
+    // Tests and scripts read this line to find an ephemeral port.
+    println!("listening on {bound}");
+    agg.run(endpoint, shutdown_signal()).await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
+    let cfg = Config::load(&conn.config)?;
+    let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
+    let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator).with_context(|| {
+        format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator)
+    })?;
+    let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])?;
+    let mut addr = conn.addr.unwrap_or(cfg.listen);
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let client = AggregatorClient::connect(addr, &conn.server_name, tls)
+        .await
+        .with_context(|| format!("connecting to the aggregator at {addr}"))?;
+    let status = client.campaign(req).await?;
+    client.close().await;
+    Ok(status)
+}
+
+fn print_status(s: &CampaignStatus) {
+    match s.campaign {
+        Some(c) => {
+            println!("campaign {c} running ({})", s.strategy.as_deref().unwrap_or("?"));
+            println!("rounds completed: {}", s.rounds_completed.unwrap_or(0));
+            match s.open_round {
+                Some(r) => println!(
+                    "open round {r}: {}/{} updates, deadline {} ms",
+                    s.accepted,
+                    s.target,
+                    s.deadline_unix_ms.unwrap_or(0)
+                ),
+                None => println!("no open round (finalizing)"),
+            }
+        }
+        None => println!(
+            "no campaign running{}",
+            s.last_outcome.as_deref().map(|o| format!(" (last: {o})")).unwrap_or_default()
+        ),
+    }
+    if let Some((v, d)) = &s.global {
+        println!("global model: version {v}, digest {d}");
+    }
+}
+

@@ -1,0 +1,484 @@
+//! The aggregator's durable state: sled for records, content-addressed files for big blobs.
+//!
+//! ```text
+//! data_dir/
+//!   db/                 sled (one process per database)
+//!   COMMIT              last acknowledged commit sequence (temp file + fsync + rename)
+//!   updates/<digest>    accepted update payloads of recent rounds (safetensors, as received)
+//!   models/<digest>     global models (safetensors), indexed by the `models` tree
+//!   receipt.key|.pub    the receipt-signing key (see `keys`)
+//! ```
+//!
+//! | tree       | key                      | value (postcard)                                    |
+//! |------------|--------------------------|-----------------------------------------------------|
+//! | `meta`     | `format`                 | [`FORMAT`]                                          |
+//! |            | `seq`                    | commit sequence (u64 BE)                            |
+//! |            | `engine`                 | `RoundEngine::to_bytes` (small)                     |
+//! |            | `strategy`               | `ServerStrategy` at the last round boundary         |
+//! |            | `global`                 | [`GlobalRef`]: the current global model             |
+//! |            | `campaign`               | [`CampaignMeta`]: strategy name, dtype, last outcome |
+//! | `accepted` | device `\0` nonce        | [`AcceptedRecord`]: round, payload digest, weight, signed receipt |
+//! | `models`   | digest                   | [`ModelRecord`]                                     |
+//!
+//! # Commit points
+//!
+//! * **Accepted update**: the payload file is written and fsynced first (content-addressed, so a
+//!   retry rewrites the same bytes); then one sled transaction stores the engine snapshot and
+//!   the accepted record and bumps `seq`; then `flush()`, then the `COMMIT` file; only then does
+//!   the device get its receipt.
+//! * **Round boundary** (campaign start, model published, round failed, campaign stopped): one
+//!   transaction stores the engine, the strategy (its partial sum is empty then; optimizer state
+//!   such as Adam moments is in it) and the global model reference.
+//!
+//! The partial sum is **not** written per update (for 10 M parameters its i128 sums are 160 MB).
+//! On restart the strategy is restored from the last boundary and the open (or closed but
+//! unpublished) round's accepted payloads are **refolded** from `updates/`. The fold is exact
+//! integer arithmetic, so the refolded sum — and the next global model — is bit-identical to the
+//! one an uncrashed run computes. An update is never lost (its record is flushed before the
+//! receipt) and never counted twice (the refold starts from the boundary's empty sum, and the
+//! engine snapshot holds its nonce, so a resend is a replay).
+//!
+//! # Corruption
+//!
+//! As in the registry's store (same idea, separate code): sled 0.34 can silently truncate a
+//! damaged log, so every commit bumps `seq` inside its transaction and the `COMMIT` file outside
+//! sled records the last flushed one. On open, sled behind the marker, a missing format marker,
+//! an undecodable snapshot or a missing payload/model file is refused with
+//! [`StoreError::Corrupt`], saying what to do; the service never silently starts empty.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use fedfleet_protocol::{DeviceId, Digest, ModelVersion, RoundId};
+use serde::{Deserialize, Serialize};
+use sled::Transactional;
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+
+/// Value of `meta/format`.
+pub const FORMAT: &str = "fedfleet-aggregator-state/1";
+/// The commit marker file.
+pub const COMMIT_FILE: &str = "COMMIT";
+const MARKER_PREFIX: &str = "fedfleet-aggregator-commit ";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "aggregator state in {path} is damaged: {detail}. Acknowledged updates may be lost; restore \
+         the data directory from a backup, or move it aside to start over (devices' updates of the \
+         open round will be refused as stale)"
+    )]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("aggregator state in {path} is locked by another process (one aggregator per data dir)")]
+    Locked { path: PathBuf },
+    #[error("sled: {0}")]
+    Sled(#[from] sled::Error),
+    #[error("I/O on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+/// The current global model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobalRef {
+    pub version: ModelVersion,
+    pub digest: Digest,
+}
+
+/// Campaign-level facts the engine does not keep.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CampaignMeta {
+    pub strategy: Option<String>,
+    /// `DType::code()` of the round's payloads.
+    pub dtype: u8,
+    pub last_outcome: Option<String>,
+    /// Id of the last campaign started.
+    pub last_campaign: u64,
+    /// The open round's encoded `Signed<RoundAnnouncement>`.
+    pub announcement: Option<Vec<u8>>,
+}
+
+/// One accepted update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AcceptedRecord {
+    pub round: RoundId,
+    pub device: DeviceId,
+    pub payload_digest: Digest,
+    pub weight: u64,
+    /// The encoded `Signed<Receipt>` sent to the device (sent again on a resend).
+    pub receipt: Vec<u8>,
+}
+
+/// A global model held by the aggregator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRecord {
+    pub name: String,
+    pub version: ModelVersion,
+    pub length: u64,
+    pub spec: String,
+    pub parent: Option<ModelVersion>,
+    pub metrics: Vec<(String, f64)>,
+}
+
+/// What a round boundary writes.
+pub struct Boundary<'a> {
+    pub engine: &'a [u8],
+    pub strategy: Option<&'a [u8]>,
+    pub global: Option<GlobalRef>,
+    pub campaign: Option<&'a CampaignMeta>,
+}
+
+pub struct Store {
+    dir: PathBuf,
+    db: sled::Db,
+    meta: sled::Tree,
+    accepted: sled::Tree,
+    models: sled::Tree,
+    marker: Mutex<u64>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn corrupt(dir: &Path, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        path: dir.to_owned(),
+        detail: detail.into(),
+    }
+}
+
+/// Writes `bytes` to `path` atomically and durably: temp file, fsync, rename, fsync of the dir.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file")
+    ));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+fn accepted_key(device: &DeviceId, nonce: &[u8; 16]) -> Vec<u8> {
+    let mut k = device.as_str().as_bytes().to_vec();
+    k.push(0);
+    k.extend_from_slice(nonce);
+    k
+}
+
+fn enc<T: Serialize>(v: &T) -> Vec<u8> {
+    postcard::to_stdvec(v).expect("state serializes")
+}
+
+fn bump_seq(meta: &sled::transaction::TransactionalTree) -> std::result::Result<u64, ConflictableTransactionError<StoreError>> {
+    let seq = match meta.get("seq")? {
+        Some(b) if b.len() == 8 => u64::from_be_bytes(b.as_ref().try_into().expect("8 bytes")),
+        _ => 0,
+    } + 1;
+    meta.insert("seq", &seq.to_be_bytes())?;
+    Ok(seq)
+}
+
+impl Store {
+    /// Opens (or creates) the state in `dir`, refusing a damaged database.
+    pub fn open(dir: &Path) -> Result<Store> {
+        for sub in ["updates", "models"] {
+            std::fs::create_dir_all(dir.join(sub)).map_err(io(dir))?;
+        }
+        let marker = read_marker(dir)?;
+        let db_path = dir.join("db");
+        let existed = db_path.exists();
+        let db = sled::Config::new().path(&db_path).open().map_err(|e| match e {
+            sled::Error::Io(ref ioe) if ioe.kind() == std::io::ErrorKind::WouldBlock => {
+                StoreError::Locked { path: dir.to_owned() }
+            }
+            sled::Error::Io(ref ioe) if ioe.to_string().contains("lock") => {
+                StoreError::Locked { path: dir.to_owned() }
+            }
+            sled::Error::Corruption { .. } => corrupt(dir, format!("sled reports corruption: {e}")),
+            other => StoreError::Sled(other),
+        })?;
+        let store = Store {
+            meta: db.open_tree("meta")?,
+            accepted: db.open_tree("accepted")?,
+            models: db.open_tree("models")?,
+            db,
+            dir: dir.to_owned(),
+            marker: Mutex::new(marker),
+        };
+        match store.meta.get("format")? {
+            Some(f) if f.as_ref() == FORMAT.as_bytes() => {}
+            Some(f) => {
+                return Err(corrupt(
+                    dir,
+                    format!("unknown format {:?}", String::from_utf8_lossy(&f)),
+                ));
+            }
+            None => {
+                if marker > 0 || (existed && !store.accepted.is_empty()) {
+                    return Err(corrupt(dir, "the format marker is missing"));
+                }
+                store.meta.insert("format", FORMAT)?;
+                store.db.flush()?;
+            }
+        }
+        let seq = store.seq()?;
+        if seq < marker {
+            return Err(corrupt(
+                dir,
+                format!(
+                    "sled recovered commit {seq}, but commit {marker} was acknowledged \
+                     ({COMMIT_FILE} file)"
+                ),
+            ));
+        }
+        Ok(store)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn seq(&self) -> Result<u64> {
+        Ok(match self.meta.get("seq")? {
+            Some(b) if b.len() == 8 => u64::from_be_bytes(b.as_ref().try_into().expect("8 bytes")),
+            Some(_) => return Err(corrupt(&self.dir, "meta/seq is not 8 bytes")),
+            None => 0,
+        })
+    }
+
+    fn get<T: for<'de> Deserialize<'de>>(&self, key: &str) -> Result<Option<T>> {
+        match self.meta.get(key)? {
+            None => Ok(None),
+            Some(b) => postcard::from_bytes(&b)
+                .map(Some)
+                .map_err(|e| corrupt(&self.dir, format!("meta/{key} does not decode: {e}"))),
+        }
+    }
+
+    pub fn engine(&self) -> Result<Option<Vec<u8>>> {
+        Ok(self.meta.get("engine")?.map(|b| b.to_vec()))
+    }
+    pub fn strategy(&self) -> Result<Option<Vec<u8>>> {
+        Ok(self.meta.get("strategy")?.map(|b| b.to_vec()))
+    }
+    pub fn global(&self) -> Result<Option<GlobalRef>> {
+        self.get("global")
+    }
+    pub fn campaign_meta(&self) -> Result<CampaignMeta> {
+        Ok(self.get("campaign")?.unwrap_or_default())
+    }
+
+    /// The record of an accepted (device, nonce), if any.
+    pub fn accepted(&self, device: &DeviceId, nonce: &[u8; 16]) -> Result<Option<AcceptedRecord>> {
+        match self.accepted.get(accepted_key(device, nonce))? {
+            None => Ok(None),
+            Some(b) => postcard::from_bytes(&b)
+                .map(Some)
+                .map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}"))),
+        }
+    }
+
+    /// Every accepted record of `round`, in key order.
+    pub fn accepted_in(&self, round: RoundId) -> Result<Vec<AcceptedRecord>> {
+        let mut out = Vec::new();
+        for kv in self.accepted.iter() {
+            let (_, v) = kv?;
+            let rec: AcceptedRecord = postcard::from_bytes(&v)
+                .map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}")))?;
+            if rec.round == round {
+                out.push(rec);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Path of an update payload file.
+    pub fn update_path(&self, digest: &Digest) -> PathBuf {
+        self.dir.join("updates").join(digest.to_hex())
+    }
+
+    /// Durably stores an update payload (before its commit).
+    pub fn put_update(&self, digest: &Digest, bytes: &[u8]) -> Result<()> {
+        let p = self.update_path(digest);
+        write_atomic(&p, bytes).map_err(io(&p))
+    }
+
+    pub fn read_update(&self, digest: &Digest) -> Result<Vec<u8>> {
+        let p = self.update_path(digest);
+        let bytes = std::fs::read(&p)
+            .map_err(|e| corrupt(&self.dir, format!("accepted update payload {}: {e}", p.display())))?;
+        if Digest::of(&bytes) != *digest {
+            return Err(corrupt(&self.dir, format!("{} does not hash to its name", p.display())));
+        }
+        Ok(bytes)
+    }
+
+    /// Commit point of an accepted update (see the module docs). The payload must be stored.
+    pub fn commit_update(&self, engine: &[u8], nonce: &[u8; 16], rec: &AcceptedRecord) -> Result<()> {
+        let key = accepted_key(&rec.device, nonce);
+        let value = enc(rec);
+        let res = (&self.meta, &self.accepted).transaction(|(m, a)| {
+            m.insert("engine", engine)?;
+            a.insert(key.as_slice(), value.as_slice())?;
+            bump_seq(m)
+        });
+        let seq = tx(res)?;
+        self.commit(seq)
+    }
+
+    /// Commit point of a round boundary.
+    pub fn commit_boundary(&self, b: Boundary<'_>) -> Result<()> {
+        let global = b.global.map(|g| enc(&g));
+        let campaign = b.campaign.map(enc);
+        let res = self.meta.transaction(|m| {
+            m.insert("engine", b.engine)?;
+            if let Some(s) = b.strategy {
+                m.insert("strategy", s)?;
+            }
+            if let Some(g) = &global {
+                m.insert("global", g.as_slice())?;
+            }
+            if let Some(c) = &campaign {
+                m.insert("campaign", c.as_slice())?;
+            }
+            bump_seq(m)
+        });
+        let seq = match res {
+            Ok(s) => s,
+            Err(TransactionError::Abort(e)) => return Err(e),
+            Err(TransactionError::Storage(e)) => return Err(e.into()),
+        };
+        self.commit(seq)
+    }
+
+    /// Deletes payload files of rounds before `keep_from` (folded into a published model or
+    /// discarded with a failed round); their accepted records stay (replays, receipts). With
+    /// `startup` (no upload in flight), also files no record names (written, then refused).
+    pub fn gc_updates(&self, keep_from: RoundId, startup: bool) -> Result<usize> {
+        let mut keep = std::collections::HashSet::new();
+        let mut old = std::collections::HashSet::new();
+        for kv in self.accepted.iter() {
+            let (_, v) = kv?;
+            if let Ok(rec) = postcard::from_bytes::<AcceptedRecord>(&v) {
+                if rec.round >= keep_from {
+                    keep.insert(rec.payload_digest.to_hex());
+                } else {
+                    old.insert(rec.payload_digest.to_hex());
+                }
+            }
+        }
+        let dir = self.dir.join("updates");
+        let mut removed = 0;
+        for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
+            let entry = entry.map_err(io(&dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !keep.contains(&name) && (startup || old.contains(&name)) {
+                let _ = std::fs::remove_file(entry.path());
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    // ----- models -----
+
+    pub fn model_path(&self, digest: &Digest) -> PathBuf {
+        self.dir.join("models").join(format!("{}.safetensors", digest.to_hex()))
+    }
+
+    /// Stores a global model file and its record (durably).
+    pub fn put_model(&self, digest: &Digest, bytes: &[u8], rec: &ModelRecord) -> Result<()> {
+        let p = self.model_path(digest);
+        write_atomic(&p, bytes).map_err(io(&p))?;
+        self.models.insert(digest.0, enc(rec))?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    pub fn model_record(&self, digest: &Digest) -> Result<Option<ModelRecord>> {
+        match self.models.get(digest.0)? {
+            None => Ok(None),
+            Some(b) => postcard::from_bytes(&b)
+                .map(Some)
+                .map_err(|e| corrupt(&self.dir, format!("model record does not decode: {e}"))),
+        }
+    }
+
+    /// The bytes of a held model, checked against its digest.
+    pub fn read_model(&self, digest: &Digest) -> Result<Vec<u8>> {
+        let p = self.model_path(digest);
+        let bytes = std::fs::read(&p)
+            .map_err(|e| corrupt(&self.dir, format!("model {}: {e}", p.display())))?;
+        if Digest::of(&bytes) != *digest {
+            return Err(corrupt(&self.dir, format!("{} does not hash to its name", p.display())));
+        }
+        Ok(bytes)
+    }
+
+    /// flush, then record `seq` in the `COMMIT` file.
+    fn commit(&self, seq: u64) -> Result<()> {
+        self.db.flush()?;
+        let mut last = self.marker.lock().unwrap_or_else(|p| p.into_inner());
+        if seq > *last {
+            let p = self.dir.join(COMMIT_FILE);
+            write_atomic(&p, format!("{MARKER_PREFIX}{seq}\n").as_bytes()).map_err(io(&p))?;
+            *last = seq;
+        }
+        Ok(())
+    }
+}
+
+fn tx<T>(res: std::result::Result<T, TransactionError<StoreError>>) -> Result<T> {
+    match res {
+        Ok(t) => Ok(t),
+        Err(TransactionError::Abort(e)) => Err(e),
+        Err(TransactionError::Storage(e)) => Err(e.into()),
+    }
+}
+
+fn read_marker(dir: &Path) -> Result<u64> {
+    let p = dir.join(COMMIT_FILE);
+    let text = match std::fs::read_to_string(&p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(io(&p)(e)),
+    };
+    text.strip_prefix(MARKER_PREFIX)
+        .and_then(|s| s.trim_end().parse().ok())
+        .ok_or_else(|| corrupt(dir, format!("{} does not parse", p.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_a_database_behind_its_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = Store::open(dir.path()).unwrap();
+            s.commit_boundary(Boundary { engine: b"e", strategy: None, global: None, campaign: None })
+                .unwrap();
+            assert_eq!(s.seq().unwrap(), 1);
+        }
+        std::fs::write(dir.path().join(COMMIT_FILE), format!("{MARKER_PREFIX}5\n")).unwrap();
+        let err = Store::open(dir.path()).err().expect("refused");
+        assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+        assert!(err.to_string().contains("commit 5 was acknowledged"), "{err}");
+        // An empty database next to a non-zero marker is refused too.
+        std::fs::remove_dir_all(dir.path().join("db")).unwrap();
+        assert!(matches!(Store::open(dir.path()), Err(StoreError::Corrupt { .. })));
+    }
+}

@@ -1,0 +1,1014 @@
+//! The service shell: QUIC ingest, the round driver, sled state and publishing around the
+//! sans-IO [`Coordinator`].
+//!
+//! Shaped like mini-redis: [`Aggregator::run`] `select!`s the accept loop against a shutdown
+//! future; every connection and stream handler holds a clone of a completion sender, and
+//! shutdown stops accepting, lets in-flight requests finish (each commit point is atomic, so a
+//! cut-off upload simply gets no receipt), then flushes.
+//!
+//! One lock ([`Core`], a `std` mutex never held across an `.await`) guards the coordinator. An
+//! upload does every check it can without it (identity, signature, size, digest, decoding,
+//! layout, finite values) and takes it for admission + fold + commit, so the engine sees
+//! updates one at a time. CPU-heavy work runs in `spawn_blocking`.
+//!
+//! See [`crate::wire`] for the protocol and [`crate::persist`] for the commit points.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ed25519_dalek::SigningKey;
+use fedfleet_certs::{AllowList, DeviceStatus, PeerIdentity};
+use fedfleet_learning::{Dataset, ModelSpec};
+use fedfleet_net::FramedStream;
+use fedfleet_protocol::framing::{Frame, FrameKind};
+use fedfleet_protocol::messages::{self, ModelRef, RoundConfig};
+use fedfleet_protocol::{
+    BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
+    Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
+};
+use tokio::sync::{Notify, mpsc};
+
+use crate::config::Config;
+use crate::engine::{
+    CampaignId, CampaignSpec, EngineConfig, EngineEvent, Millis, RoundEngine, RoundPolicy,
+    Selection, UpdateMeta,
+};
+use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, ModelRecord, Store};
+use crate::publish::{PublishRequest, Publisher};
+use crate::strategy::{ServerStrategy, Strategy};
+use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
+use crate::{Coordinator, metrics::Metrics};
+
+/// Connections served at once.
+const MAX_CONNECTIONS: usize = 1024;
+/// Safetensors header slack allowed above `4 × params` in an update payload.
+const HEADER_SLACK: u64 = 64 * 1024;
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Store(#[from] crate::persist::StoreError),
+    #[error(transparent)]
+    Certs(#[from] fedfleet_certs::CertError),
+    #[error(transparent)]
+    Net(#[from] fedfleet_net::NetError),
+    #[error("{0}")]
+    Other(String),
+}
+
+fn other(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Other(e.to_string())
+}
+
+pub fn now_ms() -> Millis {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The base model of the open round, decoded.
+#[derive(Clone)]
+struct Base {
+    digest: Digest,
+    version: ModelVersion,
+    layout: Layout,
+    values: Arc<Vec<f32>>,
+}
+
+impl Base {
+    fn dim(&self) -> usize {
+        self.values.len()
+    }
+    fn max_payload(&self) -> u64 {
+        self.dim() as u64 * 4 + HEADER_SLACK + self.layout.len() as u64 * 512
+    }
+    fn limits(&self) -> BundleLimits {
+        BundleLimits {
+            max_bytes: self.max_payload() as usize,
+            max_tensors: self.layout.len(),
+            max_params: self.dim(),
+        }
+    }
+}
+
+struct Core {
+    coord: Coordinator<ServerStrategy>,
+    base: Option<Base>,
+    global: Option<GlobalRef>,
+    campaign: CampaignMeta,
+    /// A closed round waiting for the driver to finalize and publish it.
+    closing: Option<RoundId>,
+}
+
+struct Shared {
+    cfg: Config,
+    spec: ModelSpec,
+    spec_json: String,
+    store: Store,
+    key: SigningKey,
+    allow: AllowList,
+    metrics: Arc<Metrics>,
+    publisher: Box<dyn Publisher>,
+    validation: Option<Dataset>,
+    core: Mutex<Core>,
+    wake: Notify,
+}
+
+/// The aggregator service. Cheap to clone.
+#[derive(Clone)]
+pub struct Aggregator {
+    shared: Arc<Shared>,
+}
+
+/// A refusal: counted under its reason and sent to the peer.
+fn reject(reason: RejectReason, detail: impl Into<String>) -> Rejection {
+    Rejection::new(reason, detail)
+}
+
+/// Flattens a delta bundle in canonical (sorted-name) order, dequantizing to f32.
+pub fn flatten(bundle: &TensorBundle, dim: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(dim);
+    for (_, t) in bundle.iter() {
+        match &t.data {
+            fedfleet_protocol::TensorData::F32(v) => out.extend_from_slice(v),
+            _ => out.extend(t.to_f32_vec()),
+        }
+    }
+    out
+}
+
+/// Splits a flat model into a bundle with `layout` (sorted-name order).
+pub fn unflatten(layout: &Layout, values: &[f32]) -> TensorBundle {
+    let mut b = TensorBundle::new();
+    let mut off = 0;
+    for (name, shape) in layout {
+        let n: usize = shape.iter().product();
+        b.insert_f32(name, shape.clone(), values[off..off + n].to_vec())
+            .expect("layout from a valid bundle");
+        off += n;
+    }
+    b
+}
+
+/// Decodes and checks an update payload against the base model: limits, layout, dtype, finite.
+pub fn decode_update(
+    payload: &[u8],
+    base_layout: &Layout,
+    limits: &BundleLimits,
+    dtype: DType,
+    dim: usize,
+) -> Result<Vec<f32>, Rejection> {
+    let bundle = TensorBundle::decode(payload, limits).map_err(|e| reject(e.reason(), e.to_string()))?;
+    bundle
+        .check_layout(base_layout)
+        .map_err(|e| reject(e.reason(), e.to_string()))?;
+    if let Some((name, t)) = bundle.iter().find(|(_, t)| t.dtype() != dtype) {
+        return Err(reject(
+            RejectReason::WrongDtype,
+            format!("tensor {name:?} is {}, the header signs {}", t.dtype().as_str(), dtype.as_str()),
+        ));
+    }
+    bundle
+        .check_finite()
+        .map_err(|e| reject(e.reason(), e.to_string()))?;
+    Ok(flatten(&bundle, dim))
+}
+
+fn decode_base(bytes: &[u8]) -> Result<(Layout, Vec<f32>), String> {
+    let b = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
+    b.check_finite().map_err(|e| e.to_string())?;
+    let layout = b.layout();
+    let dim = b.num_params();
+    Ok((layout, flatten(&b, dim)))
+}
+
+impl Aggregator {
+    /// Opens the data directory (refusing damaged state), loads identities, restores the
+    /// coordinator and refolds the current round's accepted updates.
+    pub fn open(cfg: Config, publisher: Box<dyn Publisher>) -> Result<Aggregator, ServiceError> {
+        let store = Store::open(&cfg.data_dir)?;
+        let key = crate::keys::load_or_create(&cfg.data_dir)
+            .map_err(|e| other(format!("receipt key in {}: {e}", cfg.data_dir.display())))?;
+        let allow = AllowList::load(fedfleet_certs::layout::allow_list(&cfg.pki_dir))?;
+        let fleet = allow.fleet();
+        let spec = cfg.model.spec.clone();
+        let spec_json = cfg.spec_json();
+        let validation = match cfg.model.validation.as_deref() {
+            Some("digits") => Some(
+                Dataset::digits_split()
+                    .map_err(|e| other(format!("validation split: {e}")))?
+                    .1,
+            ),
+            _ => None,
+        };
+        let engine = match store.engine()? {
+            Some(b) => RoundEngine::from_bytes(&b).map_err(|e| {
+                other(format!("{}: engine snapshot: {e}", cfg.data_dir.display()))
+            })?,
+            None => RoundEngine::new(
+                fleet,
+                EngineConfig {
+                    nonce_retention_rounds: 8,
+                },
+                RoundId(1),
+            ),
+        };
+        let strategy = match store.strategy()? {
+            Some(b) => postcard::from_bytes(&b).map_err(|e| {
+                other(format!("{}: strategy snapshot: {e}", cfg.data_dir.display()))
+            })?,
+            None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, spec.num_params())
+                .map_err(other)?,
+        };
+        let global = store.global()?;
+        let campaign = store.campaign_meta()?;
+        let mut core = Core {
+            coord: Coordinator::new(engine, strategy),
+            base: None,
+            global,
+            campaign,
+            closing: None,
+        };
+        if let Some(g) = global {
+            let bytes = store.read_model(&g.digest)?;
+            let (layout, values) = decode_base(&bytes).map_err(other)?;
+            core.base = Some(Base {
+                digest: g.digest,
+                version: g.version,
+                layout,
+                values: Arc::new(values),
+            });
+        }
+        // Refold the current round (open, or closed and not yet published).
+        let current = core
+            .coord
+            .engine()
+            .round_status()
+            .map(|s| s.round)
+            .or_else(|| core.coord.engine().awaiting_model());
+        if let Some(round) = current {
+            let base = core.base.clone().ok_or_else(|| other("a round is open but no global model is recorded"))?;
+            let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
+            let records = store.accepted_in(round)?;
+            for rec in &records {
+                let bytes = store.read_update(&rec.payload_digest)?;
+                let delta = decode_update(&bytes, &base.layout, &base.limits(), dtype, base.dim())
+                    .map_err(|r| other(format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail)))?;
+                core.coord
+                    .resume_fold(round, &delta, rec.weight)
+                    .map_err(|e| other(format!("refold of {}: {e}", rec.payload_digest)))?;
+            }
+            if !records.is_empty() {
+                tracing::info!(round = %round, updates = records.len(), "refolded the current round after restart");
+            }
+            core.closing = core.coord.engine().awaiting_model();
+        }
+        let _ = store.gc_updates(current.unwrap_or(RoundId(u64::MAX)), true);
+        let metrics = Arc::new(Metrics::default());
+        if let Some(s) = core.coord.engine().round_status() {
+            metrics.open_round.store(s.round.0, Relaxed);
+            metrics.round_accepted.store(s.accepted as u64, Relaxed);
+        }
+        let agg = Aggregator {
+            shared: Arc::new(Shared {
+                cfg,
+                spec,
+                spec_json,
+                store,
+                key,
+                allow,
+                metrics,
+                publisher,
+                validation,
+                core: Mutex::new(core),
+                wake: Notify::new(),
+            }),
+        };
+        {
+            let mut core = agg.lock();
+            agg.drain(&mut core, now_ms());
+        }
+        Ok(agg)
+    }
+
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.shared.metrics.clone()
+    }
+
+    pub fn receipt_key(&self) -> ed25519_dalek::VerifyingKey {
+        self.shared.key.verifying_key()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.shared.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Binds the QUIC endpoint of the config.
+    pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
+        let cfg = &self.shared.cfg;
+        let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
+        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_name)?;
+        let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
+        let tls = fedfleet_certs::tls::server_config(&ca, &id, revocation, &[fedfleet_certs::ALPN_V1])?;
+        Ok(fedfleet_net::server_endpoint(addr, tls)?)
+    }
+
+    /// Serves `endpoint` until `shutdown` resolves, then lets in-flight requests finish.
+    pub async fn run(self, endpoint: quinn::Endpoint, shutdown: impl std::future::Future<Output = ()>) {
+        let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+        let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+        let driver = {
+            let me = self.clone();
+            let mut stop = stop_tx.subscribe();
+            let done = done_tx.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = me.drive() => {}
+                    _ = stop.recv() => {}
+                }
+                drop(done);
+            })
+        };
+        let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let accept = async {
+            while let Some(incoming) = endpoint.accept().await {
+                let Ok(permit) = limit.clone().acquire_owned().await else { break };
+                let me = self.clone();
+                let done = done_tx.clone();
+                let stop = stop_tx.subscribe();
+                tokio::spawn(async move {
+                    me.connection(incoming, stop, done).await;
+                    drop(permit);
+                });
+            }
+        };
+        tokio::select! {
+            _ = accept => {}
+            _ = shutdown => tracing::info!("shutting down: no new connections"),
+        }
+        let _ = stop_tx.send(());
+        drop(stop_tx);
+        drop(done_tx);
+        // Every handler holds a `done` sender; wait for them, but not forever.
+        let _ = tokio::time::timeout(Duration::from_secs(20), done_rx.recv()).await;
+        let _ = driver.await;
+        endpoint.close(0u32.into(), b"shutting down");
+        let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+        tracing::info!("stopped");
+    }
+
+    async fn connection(
+        &self,
+        incoming: quinn::Incoming,
+        mut stop: tokio::sync::broadcast::Receiver<()>,
+        done: mpsc::Sender<()>,
+    ) {
+        let conn = match incoming.await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "handshake failed");
+                return;
+            }
+        };
+        let peer = conn
+            .peer_identity()
+            .and_then(|any| any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
+            .and_then(|certs| fedfleet_certs::peer_identity(&certs).ok());
+        let Some(peer) = peer else {
+            conn.close(1u32.into(), b"no fleet identity");
+            return;
+        };
+        loop {
+            let (send, recv) = tokio::select! {
+                r = conn.accept_bi() => match r {
+                    Ok(s) => s,
+                    Err(_) => break,
+                },
+                _ = stop.recv() => break,
+            };
+            let me = self.clone();
+            let peer = peer.clone();
+            let done = done.clone();
+            tokio::spawn(async move {
+                let mut stream = FramedStream::new(send, recv);
+                me.stream(&peer, &mut stream).await;
+                drop(done);
+            });
+        }
+    }
+
+    async fn stream(&self, peer: &PeerIdentity, stream: &mut FramedStream) {
+        let first = match stream.recv().await {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "bad first frame");
+                self.shared.metrics.rejected(RejectReason::Malformed);
+                return;
+            }
+        };
+        match first.kind {
+            FrameKind::Signed => {
+                let answer = self.upload(peer, &first.body, stream).await;
+                let sent = match answer {
+                    Ok(receipt) => stream.send(FrameKind::Signed, &receipt).await,
+                    Err(r) => {
+                        self.shared.metrics.rejected(r.reason);
+                        tracing::info!(peer = ?peer, reason = %r.reason, detail = %r.detail, "update refused");
+                        let body = Message::Rejection(r).encode().expect("rejection encodes");
+                        stream.send(FrameKind::Message, &body).await
+                    }
+                };
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, "answer not delivered");
+                }
+                stream.finish();
+            }
+            FrameKind::Message => {
+                let resp = match messages::decode::<Request>(&first.body, MAX_WIRE_MESSAGE) {
+                    Ok(req) => self.request(peer, req, stream).await,
+                    Err(e) => Some(Response::Error(reject(e.reason(), e.to_string()))),
+                };
+                if let Some(resp) = resp {
+                    if let Response::Error(r) = &resp {
+                        self.shared.metrics.rejected(r.reason);
+                    }
+                    let body = messages::encode(&resp, MAX_WIRE_MESSAGE).expect("response encodes");
+                    let _ = stream.send(FrameKind::Message, &body).await;
+                }
+                stream.finish();
+            }
+            _ => {
+                self.shared.metrics.rejected(RejectReason::Malformed);
+                let r = reject(RejectReason::Malformed, "a stream starts with a Signed or Message frame");
+                let _ = stream.send(FrameKind::Message, &Message::Rejection(r).encode().expect("encodes")).await;
+                stream.finish();
+            }
+        }
+    }
+
+    /// Handles a non-upload request. `None` when the answer was already sent (a model).
+    async fn request(&self, peer: &PeerIdentity, req: Request, stream: &mut FramedStream) -> Option<Response> {
+        let is_operator = matches!(peer, PeerIdentity::Service(n) if self.shared.cfg.operators.contains(n));
+        match req {
+            Request::GetRound => {
+                let core = self.lock();
+                Some(Response::Round {
+                    announcement: core.campaign.announcement.clone(),
+                    receipt_key: self.shared.key.verifying_key().to_bytes(),
+                })
+            }
+            Request::GetModel { digest } => {
+                let known = self.shared.store.model_record(&digest).ok().flatten();
+                let Some(rec) = known else {
+                    return Some(Response::Error(reject(RejectReason::UnknownRound, format!("no model {digest}"))));
+                };
+                let store_bytes = {
+                    let me = self.clone();
+                    tokio::task::spawn_blocking(move || me.shared.store.read_model(&digest)).await
+                };
+                let bytes = match store_bytes {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(e)) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
+                    Err(e) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
+                };
+                let head = Response::Model { spec: rec.spec, length: bytes.len() as u64 };
+                let body = messages::encode(&head, MAX_WIRE_MESSAGE).expect("encodes");
+                if stream.send(FrameKind::Message, &body).await.is_err() {
+                    return None;
+                }
+                for chunk in bytes.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
+                    if stream.send(FrameKind::Chunk, chunk).await.is_err() {
+                        return None;
+                    }
+                }
+                let _ = stream.send(FrameKind::End, &[]).await;
+                None
+            }
+            Request::CampaignStart(_) | Request::CampaignStatus | Request::CampaignStop if !is_operator => {
+                Some(Response::Error(reject(
+                    RejectReason::UnknownDevice,
+                    "campaign requests need an operator service certificate",
+                )))
+            }
+            Request::CampaignStart(o) => Some(match self.start_campaign(o).await {
+                Ok(s) => Response::Status(s),
+                Err(e) => Response::Error(reject(RejectReason::Internal, e)),
+            }),
+            Request::CampaignStatus => Some(Response::Status(self.status())),
+            Request::CampaignStop => {
+                let mut core = self.lock();
+                let r = core.coord.engine_mut().stop_campaign(now_ms());
+                self.drain(&mut core, now_ms());
+                drop(core);
+                Some(match r {
+                    Ok(()) => Response::Status(self.status()),
+                    Err(e) => Response::Error(reject(RejectReason::Internal, e.to_string())),
+                })
+            }
+        }
+    }
+
+    /// Where the campaign stands.
+    pub fn status(&self) -> CampaignStatus {
+        let core = self.lock();
+        let e = core.coord.engine();
+        let rs = e.round_status();
+        CampaignStatus {
+            campaign: e.campaign_id().map(|c| c.0),
+            strategy: e.campaign_id().map(|_| core.coord.strategy().name().to_owned()),
+            rounds_completed: e.rounds_completed(),
+            open_round: rs.as_ref().map(|s| s.round),
+            accepted: rs.as_ref().map(|s| s.accepted).unwrap_or(0),
+            target: rs.as_ref().map(|s| s.target).unwrap_or(0),
+            deadline_unix_ms: rs.as_ref().map(|s| s.deadline),
+            global: core.global.map(|g| (g.version, g.digest)),
+            last_outcome: core.campaign.last_outcome.clone(),
+        }
+    }
+
+    /// The current global model's digest and bytes, if any.
+    pub fn global_model(&self) -> Option<(GlobalRef, Vec<u8>)> {
+        let g = self.lock().global?;
+        self.shared.store.read_model(&g.digest).ok().map(|b| (g, b))
+    }
+
+    // ----- ingest -----
+
+    /// Checks, folds and commits one upload; the answer is the encoded signed receipt.
+    async fn upload(&self, peer: &PeerIdentity, signed: &[u8], stream: &mut FramedStream) -> Result<Vec<u8>, Rejection> {
+        let sh = &self.shared;
+        let update = SignedUpdate::decode(signed).map_err(|e| reject(e.reason(), e.to_string()))?;
+        let h = update.body().clone();
+        // 1. The connection's certificate must be the header's device.
+        match peer {
+            PeerIdentity::Device(id) if *id == h.device => {}
+            PeerIdentity::Device(id) => {
+                return Err(reject(
+                    RejectReason::UnknownDevice,
+                    format!("certificate is for device {id}, the header names {}", h.device),
+                ));
+            }
+            PeerIdentity::Service(n) => {
+                return Err(reject(RejectReason::UnknownDevice, format!("service {n} cannot upload updates")));
+            }
+        }
+        // 2. Enrollment and revocation (the allow-list is re-read when it changes).
+        let key = match sh.allow.status(&h.device) {
+            DeviceStatus::Unknown => return Err(reject(RejectReason::UnknownDevice, format!("{} is not enrolled", h.device))),
+            DeviceStatus::Revoked => {
+                self.lock().coord.engine_mut().revoke(h.device.clone());
+                return Err(reject(RejectReason::Revoked, format!("{} is revoked", h.device)));
+            }
+            DeviceStatus::Enrolled(k) => k,
+        };
+        // 3. Signature.
+        update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
+        // 4. A resend of an accepted update gets its receipt again.
+        if let Ok(Some(rec)) = sh.store.accepted(&h.device, &h.nonce)
+            && rec.payload_digest == h.payload_digest
+            && rec.round == h.round
+        {
+            return Ok(rec.receipt);
+        }
+        // 5. Round, replay, duplicate, selection, sample count; size.
+        let meta = UpdateMeta::from(&h);
+        let (base, dtype) = {
+            let mut core = self.lock();
+            let now = now_ms();
+            let r = core.coord.check_update(now, &meta);
+            self.drain(&mut core, now);
+            r.map_err(|r| reject(r.reason, format!("round {}: {}", h.round, r.reason)))?;
+            let base = core.base.clone().ok_or_else(|| reject(RejectReason::Internal, "no base model"))?;
+            (base, DType::from_code(core.campaign.dtype).unwrap_or(DType::F32))
+        };
+        if h.payload_dtype != dtype {
+            return Err(reject(
+                RejectReason::WrongDtype,
+                format!("the round asks for {}, the header signs {}", dtype.as_str(), h.payload_dtype.as_str()),
+            ));
+        }
+        if h.payload_len > base.max_payload() {
+            return Err(reject(
+                RejectReason::TooLarge,
+                format!("payload of {} bytes; the limit for this model is {}", h.payload_len, base.max_payload()),
+            ));
+        }
+        // 6. Stream the payload through the digest/length check.
+        let mut check = PayloadCheck::new(&h);
+        let mut payload = Vec::with_capacity(h.payload_len as usize);
+        loop {
+            match stream.recv().await {
+                Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
+                    sh.metrics.update_bytes.fetch_add(body.len() as u64, Relaxed);
+                    check.update(&body).map_err(|e| reject(e.reason(), e.to_string()))?;
+                    payload.extend_from_slice(&body);
+                }
+                Ok(Some(Frame { kind: FrameKind::End, .. })) => break,
+                Ok(Some(f)) => return Err(reject(RejectReason::Malformed, format!("unexpected {:?} frame in a payload", f.kind))),
+                Ok(None) => return Err(reject(RejectReason::Malformed, "stream ended before the End frame")),
+                Err(e) => return Err(reject(RejectReason::Malformed, e.to_string())),
+            }
+        }
+        check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
+        // 7. Decode, check, fold and commit, off the async threads.
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.fold_and_commit(h, meta, payload, base, dtype))
+            .await
+            .map_err(|e| reject(RejectReason::Internal, e.to_string()))?
+    }
+
+    fn fold_and_commit(
+        &self,
+        h: fedfleet_protocol::UpdateHeader,
+        meta: UpdateMeta,
+        payload: Vec<u8>,
+        base: Base,
+        dtype: DType,
+    ) -> Result<Vec<u8>, Rejection> {
+        let sh = &self.shared;
+        let delta = decode_update(&payload, &base.layout, &base.limits(), dtype, base.dim())?;
+        sh.store
+            .put_update(&h.payload_digest, &payload)
+            .map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
+        drop(payload);
+        let mut core = self.lock();
+        if core.base.as_ref().map(|b| b.digest) != Some(base.digest) {
+            return Err(reject(RejectReason::StaleRound, "the round changed while the payload streamed"));
+        }
+        let now = now_ms();
+        let t = Instant::now();
+        let accepted = core.coord.handle_update(now, meta, &delta);
+        let accepted = match accepted {
+            Ok(a) => a,
+            Err(r) => {
+                self.drain(&mut core, now);
+                return Err(reject(r.reason, format!("round {}: {}", h.round, r.reason)));
+            }
+        };
+        sh.metrics.folded(delta.len() as u64 * 4, t.elapsed());
+        let receipt = Signed::sign(
+            Receipt {
+                fleet: h.fleet.clone(),
+                device: h.device.clone(),
+                round: h.round,
+                nonce: h.nonce,
+                payload_digest: h.payload_digest,
+                accepted_at_unix_ms: now,
+            },
+            &sh.key,
+        )
+        .encode();
+        let rec = AcceptedRecord {
+            round: accepted.round,
+            device: h.device.clone(),
+            payload_digest: h.payload_digest,
+            weight: accepted.weight,
+            receipt: receipt.clone(),
+        };
+        if let Err(e) = sh.store.commit_update(&core.coord.engine().to_bytes(), &h.nonce, &rec) {
+            // Memory is ahead of disk: the only safe move is to stop and restart from disk.
+            tracing::error!(error = %e, "cannot commit an accepted update; aborting so a restart resumes from disk");
+            std::process::abort();
+        }
+        sh.metrics.accepted.fetch_add(1, Relaxed);
+        sh.metrics.round_accepted.store(accepted.accepted as u64, Relaxed);
+        tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
+            target = accepted.target, "update accepted");
+        self.drain(&mut core, now);
+        Ok(receipt)
+    }
+
+    // ----- events, rounds, campaigns -----
+
+    /// Processes engine events; commits a round boundary when one happened.
+    fn drain(&self, core: &mut Core, now: Millis) {
+        let sh = &self.shared;
+        let mut boundary = false;
+        while let Some(ev) = core.coord.poll_event() {
+            match ev {
+                EngineEvent::RoundOpened(a) => {
+                    tracing::info!(round = %a.round, deadline = a.deadline, "round opened");
+                    sh.metrics.round("opened");
+                    sh.metrics.open_round.store(a.round.0, Relaxed);
+                    sh.metrics.round_accepted.store(0, Relaxed);
+                    let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
+                    let ann = fedfleet_protocol::RoundAnnouncement {
+                        fleet: a.fleet,
+                        round: a.round,
+                        base_model: ModelRef {
+                            name: sh.cfg.model.name.clone(),
+                            version: a.base_version,
+                            digest: a.base_digest,
+                        },
+                        config: RoundConfig {
+                            local_epochs: a.client.local_epochs,
+                            batch_size: a.client.batch_size,
+                            learning_rate: a.client.lr,
+                            optimizer: "sgd".into(),
+                            fedprox_mu: a.client.proximal_mu,
+                            quantization: dtype,
+                            min_samples: 1,
+                            max_samples: Some(a.max_sample_count),
+                            seed: a.round.0,
+                        },
+                        deadline_unix_ms: a.deadline,
+                        selection: a.selection,
+                    };
+                    core.campaign.announcement = Some(Signed::sign(ann, &sh.key).encode());
+                    boundary = true;
+                }
+                EngineEvent::RoundClosed { round, cause, contributions, .. } => {
+                    tracing::info!(round = %round, ?cause, updates = contributions.len(), "round closed");
+                    sh.metrics.round("closed");
+                    sh.metrics.open_round.store(0, Relaxed);
+                    core.campaign.announcement = None;
+                    core.closing = Some(round);
+                    sh.wake.notify_one();
+                }
+                EngineEvent::RoundFailed { round, reason } => {
+                    tracing::warn!(round = %round, reason = reason.as_str(), "round failed");
+                    sh.metrics.round("failed");
+                    sh.metrics.open_round.store(0, Relaxed);
+                    core.coord.strategy_mut().abort_round();
+                    core.campaign.announcement = None;
+                    if core.closing == Some(round) {
+                        core.closing = None;
+                    }
+                    boundary = true;
+                }
+                EngineEvent::CampaignFinished { campaign, outcome, rounds_completed } => {
+                    tracing::info!(campaign = %campaign, outcome = outcome.as_str(), rounds_completed, "campaign finished");
+                    core.campaign.last_outcome = Some(outcome.as_str().to_owned());
+                    core.campaign.announcement = None;
+                    boundary = true;
+                }
+                EngineEvent::RoundExtended { round, deadline, accepted } => {
+                    tracing::info!(round = %round, deadline, accepted, "quorum not met: deadline extended once");
+                }
+                EngineEvent::DeviceRevoked { device, contributed_to } => {
+                    tracing::warn!(device = %device, ?contributed_to, "device revoked");
+                }
+            }
+        }
+        if boundary {
+            self.commit_boundary(core, now);
+        }
+    }
+
+    fn commit_boundary(&self, core: &mut Core, _now: Millis) {
+        let sh = &self.shared;
+        let strategy = (core.coord.strategy().folded() == 0)
+            .then(|| postcard::to_stdvec(core.coord.strategy()).expect("strategy serializes"));
+        let engine = core.coord.engine().to_bytes();
+        let r = sh.store.commit_boundary(Boundary {
+            engine: &engine,
+            strategy: strategy.as_deref(),
+            global: core.global,
+            campaign: Some(&core.campaign),
+        });
+        if let Err(e) = r {
+            tracing::error!(error = %e, "cannot commit a round boundary; aborting so a restart resumes from disk");
+            std::process::abort();
+        }
+        let keep = core
+            .coord
+            .engine()
+            .round_status()
+            .map(|s| s.round)
+            .unwrap_or(RoundId(u64::MAX));
+        let _ = sh.store.gc_updates(keep, false);
+    }
+
+    /// The round driver: deadlines and finalize/publish of closed rounds.
+    async fn drive(&self) {
+        loop {
+            let closing = self.lock().closing;
+            if let Some(round) = closing {
+                if let Err(e) = self.finalize(round).await {
+                    tracing::error!(round = %round, error = %e, "publishing failed; retrying in 5 s");
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+                continue;
+            }
+            let next = self.lock().coord.poll_timeout();
+            let sleep = match next {
+                Some(t) => Duration::from_millis(t.saturating_sub(now_ms()).max(1)),
+                None => Duration::from_secs(3600),
+            };
+            tokio::select! {
+                _ = self.shared.wake.notified() => {}
+                _ = tokio::time::sleep(sleep) => {
+                    let mut core = self.lock();
+                    let now = now_ms();
+                    core.coord.handle_timeout(now);
+                    self.drain(&mut core, now);
+                }
+            }
+        }
+    }
+
+    /// Finalizes the closed `round`, evaluates, publishes, records, and opens the next round.
+    async fn finalize(&self, round: RoundId) -> Result<(), String> {
+        let sh = self.shared.clone();
+        let me = self.clone();
+        // Finalize under the lock (CPU), off the async threads.
+        let out = tokio::task::spawn_blocking(move || {
+            let mut core = me.lock();
+            if core.closing != Some(round) {
+                return Ok(None);
+            }
+            let base = core.base.clone().ok_or("no base model")?;
+            match core.coord.finalize(now_ms(), round, &base.values) {
+                Ok(model) => Ok(Some((model, base))),
+                Err(e) => {
+                    core.closing = None;
+                    me.drain(&mut core, now_ms());
+                    Err(format!("finalize failed, round aborted: {e}"))
+                }
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        let Some((model, base)) = out else { return Ok(()) };
+        // Evaluate and encode (CPU).
+        let spec = sh.spec.clone();
+        let sh2 = sh.clone();
+        let layout = base.layout.clone();
+        let (bytes, metrics, model) = tokio::task::spawn_blocking(move || {
+            let bundle = unflatten(&layout, &model);
+            let mut metrics = BTreeMap::new();
+            if let Some(v) = &sh2.validation {
+                match fedfleet_learning::evaluate(&spec, &bundle, v) {
+                    Ok(r) => {
+                        metrics.insert("accuracy".to_owned(), r.accuracy);
+                        metrics.insert("loss".to_owned(), r.loss);
+                        metrics.insert("eval_examples".to_owned(), r.num_examples as f64);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "server-side evaluation failed"),
+                }
+            }
+            (bundle.encode(), metrics, model)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let digest = Digest::of(&bytes);
+        let req = PublishRequest {
+            name: sh.cfg.model.name.clone(),
+            bundle: bytes,
+            spec: sh.spec_json.clone(),
+            parent: Some(base.version),
+            metrics: metrics.clone(),
+            created_at_unix_ms: now_ms(),
+        };
+        let (version, published) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
+        if published != digest {
+            return Err(format!("publisher returned digest {published}, expected {digest}"));
+        }
+        let rec = ModelRecord {
+            name: req.name.clone(),
+            version,
+            length: req.bundle.len() as u64,
+            spec: req.spec.clone(),
+            parent: req.parent,
+            metrics: metrics.into_iter().collect(),
+        };
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            me.shared.store.put_model(&digest, &req.bundle, &rec).map_err(|e| e.to_string())?;
+            let mut core = me.lock();
+            if core.closing != Some(round) {
+                return Ok(());
+            }
+            core.closing = None;
+            core.global = Some(GlobalRef { version, digest });
+            core.base = Some(Base { digest, version, layout: base.layout.clone(), values: Arc::new(model) });
+            me.shared.metrics.round("published");
+            tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
+            let now = now_ms();
+            core.coord
+                .model_ready(now, round, version, digest)
+                .map_err(|e| e.to_string())?;
+            me.drain(&mut core, now);
+            Ok::<(), String>(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// Imports the configured initial model as the first global version (once).
+    async fn ensure_global(&self) -> Result<(), String> {
+        if self.lock().global.is_some() {
+            return Ok(());
+        }
+        let sh = &self.shared;
+        let path = &sh.cfg.model.initial;
+        let bytes = std::fs::read(path).map_err(|e| {
+            format!("initial model {}: {e} (create it with `fedfleet-aggregator init-model`)", path.display())
+        })?;
+        let (layout, values) = decode_base(&bytes).map_err(|e| format!("initial model {}: {e}", path.display()))?;
+        let expected: Layout = sh.spec.params().into_iter().map(|p| (p.name, p.shape)).collect();
+        if layout != expected {
+            return Err(format!("initial model {} does not match model.spec", path.display()));
+        }
+        let mut metrics = BTreeMap::new();
+        if let Some(v) = &sh.validation {
+            let b = TensorBundle::decode(&bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
+            if let Ok(r) = fedfleet_learning::evaluate(&sh.spec, &b, v) {
+                metrics.insert("accuracy".to_owned(), r.accuracy);
+                metrics.insert("loss".to_owned(), r.loss);
+            }
+        }
+        let req = PublishRequest {
+            name: sh.cfg.model.name.clone(),
+            bundle: bytes,
+            spec: sh.spec_json.clone(),
+            parent: None,
+            metrics: metrics.clone(),
+            created_at_unix_ms: now_ms(),
+        };
+        let (version, digest) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
+        let rec = ModelRecord {
+            name: req.name.clone(),
+            version,
+            length: req.bundle.len() as u64,
+            spec: req.spec.clone(),
+            parent: None,
+            metrics: metrics.into_iter().collect(),
+        };
+        sh.store.put_model(&digest, &req.bundle, &rec).map_err(|e| e.to_string())?;
+        let mut core = self.lock();
+        if core.global.is_none() {
+            core.global = Some(GlobalRef { version, digest });
+            core.base = Some(Base { digest, version, layout, values: Arc::new(values) });
+        }
+        Ok(())
+    }
+
+    /// Starts a campaign from the config defaults and `o`.
+    pub async fn start_campaign(&self, o: CampaignOverrides) -> Result<CampaignStatus, String> {
+        if let Some(c) = self.lock().coord.engine().campaign_id() {
+            return Err(format!("campaign {c} is still running"));
+        }
+        self.ensure_global().await?;
+        let sh = &self.shared;
+        let d = &sh.cfg.campaign;
+        let strategy_cfg = d.strategy_config().map_err(|e| e.to_string())?;
+        let dtype = d.dtype().map_err(|e| e.to_string())?;
+        let mut core = self.lock();
+        if let Some(c) = core.coord.engine().campaign_id() {
+            return Err(format!("campaign {c} is still running"));
+        }
+        let base = core.base.clone().ok_or("no global model")?;
+        let strategy = ServerStrategy::new(&strategy_cfg, base.dim()).map_err(|e| e.to_string())?;
+        let seed = o.seed.unwrap_or_else(|| rand_core::RngCore::next_u64(&mut rand_core::OsRng));
+        let mut seed32 = [0u8; 32];
+        seed32[..8].copy_from_slice(&seed.to_le_bytes());
+        let id = CampaignId(core.campaign.last_campaign + 1);
+        let target = o.target_count.unwrap_or(d.target);
+        let spec = CampaignSpec {
+            id,
+            rounds: o.rounds.unwrap_or(d.rounds),
+            base_version: base.version,
+            base_digest: base.digest,
+            client: strategy.configure(RoundId(0)),
+            selection: Selection::Rate { rate: d.sampling_rate },
+            policy: RoundPolicy {
+                target_count: target,
+                min_quorum: o.min_quorum.unwrap_or(d.quorum).min(target),
+                over_selection: d.over_selection,
+                duration_ms: o.deadline_secs.unwrap_or(d.deadline_secs) * 1000,
+                extension_ms: d.extension_secs * 1000,
+                max_sample_count: d.max_sample_count,
+            },
+            seed: seed32,
+            max_consecutive_failures: d.max_consecutive_failures,
+        };
+        let name = strategy.name().to_owned();
+        let old = std::mem::replace(core.coord.strategy_mut(), strategy);
+        core.campaign.strategy = Some(name.clone());
+        core.campaign.dtype = dtype.code();
+        core.campaign.last_campaign = id.0;
+        core.campaign.last_outcome = None;
+        let now = now_ms();
+        if let Err(e) = core.coord.engine_mut().start_campaign(now, spec) {
+            *core.coord.strategy_mut() = old;
+            return Err(e.to_string());
+        }
+        tracing::info!(campaign = %id, strategy = %name, "campaign started");
+        self.drain(&mut core, now);
+        drop(core);
+        Ok(self.status())
+    }
+}
+
+impl std::fmt::Debug for Aggregator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Aggregator").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,100 @@
+//! The aggregator's QUIC protocol (ALPN `fedfleet/1`), on top of `fedfleet_protocol::framing`.
+//!
+//! One request per bidirectional stream; the first frame says what the stream is:
+//!
+//! | first frame (client → server)            | rest of the request         | answer (server → client)                                   |
+//! |------------------------------------------|-----------------------------|------------------------------------------------------------|
+//! | `Signed` = encoded [`SignedUpdate`]       | `Chunk`* (payload), `End`   | `Signed` = encoded `Signed<Receipt>`, or `Message` = `Message::Rejection` |
+//! | `Message` = postcard [`Request`]          | —                           | `Message` = postcard [`Response`] (+ `Chunk`*, `End` for a model) |
+//!
+//! **Upload.** The payload is the safetensors bundle of the update's *delta* (`local − base`),
+//! in the round's dtype, with exactly the base model's tensor names and shapes. The server checks
+//! cheap things before reading any payload byte (peer certificate = header device, allow-list
+//! enrollment and revocation, signature, size, round/replay/duplicate admission) and may answer
+//! and stop the stream early; a client whose write fails must still read the answer. The payload
+//! is hashed as it streams (the first byte past the signed length is refused), then decoded and
+//! checked (layout, dtype, finite values), folded and persisted (sled flush) — only then is the
+//! receipt sent. Resending an accepted update (same device, nonce and payload digest) returns the
+//! same receipt again, so an agent that lost the receipt can retry safely.
+//!
+//! **Receipts** are signed with the aggregator's *receipt key*, an ed25519 key kept in the data
+//! directory (`receipt.key`, 0600; public half in `receipt.pub`, hex) — not the TLS key. Agents
+//! pin the public key (or take it from [`Response::Round`]'s `receipt_key` on first contact).
+//!
+//! **Base models** are fetched here ([`Request::GetModel`]), by digest: the one documented path
+//! for base models in this slice (the registry serves published versions for rollout).
+//!
+//! **Admin** requests ([`Request::CampaignStart`] / [`Request::CampaignStatus`] /
+//! [`Request::CampaignStop`]) are only served to a *service* certificate whose name is in the
+//! config's `operators` list (`fedfleet-certs issue-server --name operator`).
+//!
+//! postcard is positional: append variants and fields at the end only.
+
+use fedfleet_protocol::{Digest, ModelVersion, Rejection, RoundId};
+use serde::{Deserialize, Serialize};
+
+#[allow(unused_imports)] // doc links
+use fedfleet_protocol::SignedUpdate;
+
+/// Largest postcard [`Request`]/[`Response`] frame.
+pub const MAX_WIRE_MESSAGE: usize = fedfleet_protocol::limits::MAX_MESSAGE_BYTES;
+
+/// A non-upload request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// The open round's announcement, signed with the receipt key.
+    GetRound,
+    /// The bytes of a model the aggregator holds (a round's base model), by digest.
+    GetModel { digest: Digest },
+    /// Operator: start a campaign; `None` fields take the config's `[campaign]` defaults.
+    CampaignStart(CampaignOverrides),
+    /// Operator: where the running campaign stands.
+    CampaignStatus,
+    /// Operator: stop the running campaign (its open round fails).
+    CampaignStop,
+}
+
+/// Per-campaign overrides of the config defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CampaignOverrides {
+    pub rounds: Option<u32>,
+    pub target_count: Option<u32>,
+    pub min_quorum: Option<u32>,
+    pub deadline_secs: Option<u64>,
+    /// Campaign seed (round sampling); random when `None`.
+    pub seed: Option<u64>,
+}
+
+/// The answer to a [`Request`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Response {
+    /// `announcement`: an encoded `Signed<fedfleet_protocol::RoundAnnouncement>` (kind
+    /// `Round`), `None` when no round is open. `receipt_key`: the key that signs it and receipts.
+    Round {
+        announcement: Option<Vec<u8>>,
+        receipt_key: [u8; 32],
+    },
+    /// The model follows as `Chunk` frames and an `End` frame; `length` bytes hashing to the
+    /// requested digest. `spec` is the model spec JSON.
+    Model { spec: String, length: u64 },
+    /// Campaign status (also the answer to start and stop).
+    Status(CampaignStatus),
+    /// The request was refused.
+    Error(Rejection),
+}
+
+/// What `campaign status` prints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CampaignStatus {
+    pub campaign: Option<u64>,
+    pub strategy: Option<String>,
+    pub rounds_completed: Option<u32>,
+    pub open_round: Option<RoundId>,
+    pub accepted: u32,
+    pub target: u32,
+    pub deadline_unix_ms: Option<u64>,
+    /// The current global model (base of the open round, or the last published one).
+    pub global: Option<(ModelVersion, Digest)>,
+    /// The last campaign's outcome, once it finished.
+    pub last_outcome: Option<String>,
+}

@@ -1,0 +1,136 @@
+//! Crash/restart: a child `fedfleet-aggregator serve` is killed with SIGKILL after k of n
+//! updates (and right after a round's last update, while it finalizes), restarted, and the
+//! campaign completes; the published global model equals, bit for bit, the one of a run without
+//! a crash.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fedfleet_aggregator::client::{AggregatorClient, UploadOutcome};
+use fedfleet_aggregator::wire::{CampaignOverrides, Request};
+use fedfleet_protocol::{DType, RoundId};
+
+use crate::support::*;
+
+const N: usize = 6;
+const ROUNDS: u32 = 2;
+
+struct Child_ {
+    child: Child,
+    addr: SocketAddr,
+}
+
+fn spawn(toml: &std::path::Path, log: &std::path::Path) -> Child_ {
+    let stderr = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
+        .args(["serve", "--config"])
+        .arg(toml)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("child did not start: {line:?}\n{}", std::fs::read_to_string(log).unwrap_or_default()))
+        .parse()
+        .unwrap();
+    Child_ { child, addr }
+}
+
+async fn wait_round(c: &AggregatorClient, round: RoundId) -> fedfleet_protocol::Digest {
+    let t0 = Instant::now();
+    loop {
+        let info = c.current_round().await.unwrap();
+        if let Some(a) = info.announcement {
+            let a = a.verify(&info.receipt_key).unwrap();
+            if a.round == round {
+                return a.base_model.digest;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "round {round} did not open");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs a 2-round campaign of N updates per round; `crashes` lists (round index, update index)
+/// before which the child is SIGKILLed and restarted. Returns the final published model bytes.
+async fn campaign(fleet: &Fleet, data: &str, crashes: &[(u32, usize)]) -> Vec<u8> {
+    let cfg = fleet.config(data, N as u32, ROUNDS);
+    let toml = fleet.write_toml(&cfg);
+    let log = cfg.data_dir.with_extension("log");
+    let mut child = spawn(&toml, &log);
+    let op = fleet.operator(child.addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(42), ..Default::default() }))
+        .await
+        .unwrap();
+    let mut last: Option<(usize, fedfleet_protocol::SignedUpdate, Vec<u8>)> = None;
+    for r in 0..ROUNDS {
+        let round = RoundId(1 + r as u64);
+        let mut dev0 = fleet.device_client(0, child.addr).await;
+        let base = wait_round(&dev0, round).await;
+        for i in 0..N {
+            if crashes.contains(&(r, i)) {
+                child.child.kill().unwrap(); // SIGKILL
+                child.child.wait().unwrap();
+                child = spawn(&toml, &log);
+                dev0 = fleet.device_client(0, child.addr).await;
+                // The round survived the crash, with the same base model.
+                assert_eq!(wait_round(&dev0, round).await, base);
+                // A resend of the last acknowledged update is answered with its receipt and
+                // not counted again.
+                if let Some((j, h, p)) = last.take() {
+                    let c = fleet.device_client(j, child.addr).await;
+                    assert!(matches!(c.upload(&h, &p).await.unwrap(), UploadOutcome::Accepted(_)));
+                }
+            }
+            let payload = delta(1000 * r as u64 + i as u64).encode();
+            let h = header(&dev(i), round, base, nonce(i, r as u64), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
+            let c = fleet.device_client(i, child.addr).await;
+            match c.upload(&h, &payload).await.unwrap() {
+                UploadOutcome::Accepted(_) => {}
+                UploadOutcome::Rejected(rej) => panic!("round {round} update {i}: {rej:?}"),
+            }
+            last = Some((i, h, payload));
+        }
+        last = None;
+        if crashes.contains(&(r, N)) {
+            // Killed right after the round's last update: while finalizing/publishing.
+            child.child.kill().unwrap();
+            child.child.wait().unwrap();
+            child = spawn(&toml, &log);
+        }
+    }
+    // Wait for the campaign to complete.
+    let op = fleet.operator(child.addr).await;
+    let t0 = Instant::now();
+    loop {
+        let st = op.campaign(Request::CampaignStatus).await.unwrap();
+        if st.last_outcome.as_deref() == Some("completed") {
+            assert_eq!(st.global.unwrap().0, fedfleet_protocol::ModelVersion(1 + ROUNDS as u64));
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "campaign did not complete: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Graceful shutdown on SIGTERM.
+    let status = Command::new("kill").args(["-TERM", &child.child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let exit = child.child.wait().unwrap();
+    assert!(exit.success(), "exit {exit:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    read_published(&cfg.publish_dir(), "tiny")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_and_restart_give_the_bit_identical_model() {
+    let fleet = Fleet::new(N);
+    let clean = campaign(&fleet, "clean", &[]).await;
+    let crashed = campaign(&fleet, "crashed", &[(0, 3), (0, N), (1, 2)]).await;
+    assert!(!clean.is_empty());
+    assert!(clean == crashed, "the crashed run published a different model");
+}

@@ -1,0 +1,183 @@
+//! Ingest over loopback QUIC: a valid update gets a verified receipt; each bad input of the trust
+//! model is refused with its named reason, counted, and the service keeps serving.
+
+use fedfleet_aggregator::client::{ClientError, UploadOutcome};
+use fedfleet_aggregator::wire::{CampaignOverrides, Request};
+use fedfleet_protocol::{DType, RejectReason, RoundAnnouncement, RoundId, Signed};
+
+use crate::support::*;
+
+fn rejected(o: UploadOutcome) -> RejectReason {
+    match o {
+        UploadOutcome::Rejected(r) => r.reason,
+        UploadOutcome::Accepted(_) => panic!("accepted, expected a rejection"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_serving() {
+    let fleet = Fleet::new(12);
+    let cfg = fleet.config("agg", 100, 1);
+    let svc = start(cfg);
+    let addr = svc.addr;
+
+    // A device cannot start campaigns; the operator can.
+    let d0 = fleet.device_client(0, addr).await;
+    match d0.campaign(Request::CampaignStart(CampaignOverrides::default())).await {
+        Err(ClientError::Refused(r)) => assert_eq!(r.reason, RejectReason::UnknownDevice),
+        other => panic!("{other:?}"),
+    }
+    let op = fleet.operator(addr).await;
+    let st = op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    assert_eq!(st.open_round, Some(RoundId(1)));
+
+    let info = d0.current_round().await.unwrap();
+    let ann: RoundAnnouncement = info.announcement.expect("open round").verify(&info.receipt_key).unwrap().clone();
+    let (round, base) = (ann.round, ann.base_model.digest);
+    // The base model is served by digest.
+    let (spec_json, bytes) = d0.fetch_model(&base).await.unwrap();
+    assert!(spec_json.contains("mlp"));
+    assert_eq!(fedfleet_protocol::Digest::of(&bytes), base);
+
+    let f32 = DType::F32;
+    let good = |i: usize, k: u64| {
+        let payload = delta(i as u64 * 100 + k).encode();
+        let h = header(&dev(i), round, base, nonce(i, k), 10, &payload, f32, &fleet.device_key(i));
+        (h, payload)
+    };
+
+    // Valid → receipt, verified with the announced receipt key.
+    let (h0, p0) = good(0, 1);
+    let receipt = match d0.upload(&h0, &p0).await.unwrap() {
+        UploadOutcome::Accepted(r) => r,
+        UploadOutcome::Rejected(r) => panic!("{r:?}"),
+    };
+    let r = receipt.verify(&info.receipt_key).unwrap();
+    assert_eq!((r.device.clone(), r.round, r.nonce, r.payload_digest), (dev(0), round, nonce(0, 1), h0.body().payload_digest));
+    // A resend (lost receipt) gets the same receipt; it is not counted twice.
+    assert_eq!(d0.upload(&h0, &p0).await.unwrap(), UploadOutcome::Accepted(receipt));
+    assert_eq!(svc.agg.status().accepted, 1);
+
+    let mut expect: Vec<RejectReason> = Vec::new();
+    let mut check = |got: RejectReason, want: RejectReason| {
+        assert_eq!(got, want);
+        expect.push(want);
+    };
+
+    // Duplicate: a second update of the same device in the round.
+    let (h, p) = good(0, 2);
+    check(rejected(d0.upload(&h, &p).await.unwrap()), RejectReason::Duplicate);
+    // Replay: an accepted nonce with other bytes.
+    let p = delta(999).encode();
+    let h = header(&dev(0), round, base, nonce(0, 1), 10, &p, f32, &fleet.device_key(0));
+    check(rejected(d0.upload(&h, &p).await.unwrap()), RejectReason::Replay);
+
+    let d1 = fleet.device_client(1, addr).await;
+    // Header of another device on dev-1's connection (signed by that device's own key).
+    let (h, p) = good(2, 1);
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::UnknownDevice);
+    // Bad signature: dev-1's header signed with dev-2's key.
+    let p = delta(11).encode();
+    let h = header(&dev(1), round, base, nonce(1, 1), 10, &p, f32, &fleet.device_key(2));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::BadSignature);
+    // Digest mismatch: one byte flipped at the end (tensor data), same length.
+    let (h, mut p) = good(1, 2);
+    *p.last_mut().unwrap() ^= 1;
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::DigestMismatch);
+    // Length mismatch: more bytes than signed.
+    let (h, mut p) = good(1, 3);
+    p.extend_from_slice(&[0; 16]);
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::LengthMismatch);
+    // Stale and unknown rounds.
+    let p = delta(12).encode();
+    let h = header(&dev(1), RoundId(0), base, nonce(1, 4), 10, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::StaleRound);
+    let h = header(&dev(1), RoundId(round.0 + 5), base, nonce(1, 5), 10, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::UnknownRound);
+    // Wrong base model.
+    let h = header(&dev(1), round, fedfleet_protocol::Digest::of(b"other"), nonce(1, 6), 10, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::WrongBaseModel);
+    // Wrong shapes: one tensor transposed.
+    let mut bad = fedfleet_protocol::TensorBundle::new();
+    for (name, t) in delta(13).iter() {
+        let mut shape = t.shape.clone();
+        shape.reverse();
+        bad.insert_f32(name, shape, t.to_f32_vec()).unwrap();
+    }
+    let p = bad.encode();
+    let h = header(&dev(1), round, base, nonce(1, 7), 10, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::ShapeMismatch);
+    // NaN.
+    let mut nan = fedfleet_protocol::TensorBundle::new();
+    for (i, (name, t)) in delta(14).iter().enumerate() {
+        let mut v = t.to_f32_vec();
+        if i == 1 {
+            v[0] = f32::NAN;
+        }
+        nan.insert_f32(name, t.shape.clone(), v).unwrap();
+    }
+    let p = nan.encode();
+    let h = header(&dev(1), round, base, nonce(1, 8), 10, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::NonFinite);
+    // Wrong dtype: f16 payload in an f32 round.
+    let p = delta(15).quantize(DType::F16).encode();
+    let h = header(&dev(1), round, base, nonce(1, 9), 10, &p, DType::F16, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::WrongDtype);
+    // Oversize: a header claiming far more than the model can take (refused before any payload).
+    let p = vec![0u8; 300_000];
+    let h = header(&dev(1), round, base, nonce(1, 10), 10, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::TooLarge);
+    // Zero samples.
+    let p = delta(16).encode();
+    let h = header(&dev(1), round, base, nonce(1, 11), 0, &p, f32, &fleet.device_key(1));
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::BadSampleCount);
+
+    // Unknown device: a CA-signed certificate whose device is not in the allow-list.
+    let allow = fleet.pki.allow_list_path();
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&allow).unwrap()).unwrap();
+    json["devices"].as_object_mut().unwrap().remove(dev(11).as_str()).unwrap();
+    std::fs::write(&allow, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+    let d11 = fleet.device_client(11, addr).await;
+    let (h, p) = good(11, 1);
+    check(rejected(d11.upload(&h, &p).await.unwrap()), RejectReason::UnknownDevice);
+
+    // Revoked: effective at the next ingest on an open connection, and at the next handshake.
+    let d5 = fleet.device_client(5, addr).await;
+    d5.current_round().await.unwrap(); // connection established before the revocation
+    fleet.pki.revoke(&dev(5), "lost").unwrap();
+    let (h, p) = good(5, 1);
+    check(rejected(d5.upload(&h, &p).await.unwrap()), RejectReason::Revoked);
+    let ca = fedfleet_certs::CaCert::load(fleet.pki.ca_cert_path()).unwrap();
+    let id = fedfleet_certs::DeviceIdentity::load(fleet.pki.dir(), &dev(5)).unwrap();
+    let tls = fedfleet_certs::tls::client_config(&ca, &id, &[fedfleet_certs::ALPN_V1]).unwrap();
+    match fedfleet_aggregator::client::AggregatorClient::connect(addr, "localhost", tls).await {
+        Err(_) => {}
+        Ok(c) => assert!(c.current_round().await.is_err(), "revoked certificate must be refused"),
+    }
+
+    // Still serving: more valid updates are accepted, each with a receipt.
+    for i in [1usize, 2, 3] {
+        let c = fleet.device_client(i, addr).await;
+        let (h, p) = good(i, 20);
+        assert!(matches!(c.upload(&h, &p).await.unwrap(), UploadOutcome::Accepted(_)), "device {i}");
+    }
+    let st = op.campaign(Request::CampaignStatus).await.unwrap();
+    assert_eq!(st.accepted, 4);
+
+    // Every refusal was counted under its reason.
+    let m = svc.agg.metrics();
+    for r in RejectReason::ALL {
+        let want = expect.iter().filter(|x| *x == r).count() as u64;
+        // Service certificates asking for campaigns: the device's refused start above.
+        let extra = u64::from(*r == RejectReason::UnknownDevice);
+        assert_eq!(m.rejected_count(*r), want + extra, "{r}");
+    }
+    let text = m.render();
+    assert!(text.contains("fedfleet_aggregator_updates_rejected_total{reason=\"non_finite\"} 1"), "{text}");
+    assert!(text.contains("fedfleet_aggregator_updates_accepted_total 4"), "{text}");
+
+    // The announcement is a protocol `Signed<RoundAnnouncement>`.
+    let _: Option<Signed<RoundAnnouncement>> = None;
+    op.campaign(Request::CampaignStop).await.unwrap();
+    svc.shutdown().await;
+}

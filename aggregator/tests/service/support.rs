@@ -1,0 +1,177 @@
+//! Fixtures: a fleet PKI in a tempdir, configs, in-process services, devices and updates.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use ed25519_dalek::SigningKey;
+use fedfleet_aggregator::client::AggregatorClient;
+use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig};
+use fedfleet_aggregator::publish::DirPublisher;
+use fedfleet_aggregator::service::Aggregator;
+use fedfleet_certs::{ALPN_V1, CaCert, DeviceIdentity, Pki, ServerIdentity};
+use fedfleet_learning::ModelSpec;
+use fedfleet_protocol::{DType, DeviceId, Digest, FleetId, RoundId, Signed, SignedUpdate, TensorBundle, UpdateHeader};
+use rand::{Rng, SeedableRng};
+
+pub fn spec() -> ModelSpec {
+    ModelSpec::Mlp { input: vec![8], hidden: vec![4], classes: 3 }
+}
+
+pub fn dev(i: usize) -> DeviceId {
+    DeviceId::new(format!("dev-{i:03}")).unwrap()
+}
+
+pub struct Fleet {
+    pub dir: tempfile::TempDir,
+    pub pki: Pki,
+}
+
+impl Fleet {
+    /// A PKI with the `aggregator` and `operator` service identities and `n` devices.
+    pub fn new(n: usize) -> Fleet {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = Pki::init(dir.path().join("pki"), &FleetId::new("fleet-t").unwrap(), 30, false).unwrap();
+        pki.issue_server("aggregator", &[], 30, false).unwrap();
+        pki.issue_server("operator", &[], 30, false).unwrap();
+        for i in 0..n {
+            pki.enroll_device(&dev(i), 30, false).unwrap();
+        }
+        let initial = dir.path().join("initial.safetensors");
+        let bundle = fedfleet_learning::model::init_bundle(&spec(), 7).unwrap();
+        std::fs::write(&initial, bundle.encode()).unwrap();
+        Fleet { dir, pki }
+    }
+
+    pub fn pki_dir(&self) -> PathBuf {
+        self.pki.dir().to_owned()
+    }
+
+    pub fn config(&self, data: &str, target: u32, rounds: u32) -> Config {
+        Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            pki_dir: self.pki_dir(),
+            server_name: "aggregator".into(),
+            data_dir: self.dir.path().join(data),
+            metrics_addr: None,
+            operators: vec!["operator".into()],
+            publish_dir: None,
+            model: ModelConfig {
+                name: "tiny".into(),
+                spec: spec(),
+                initial: self.dir.path().join("initial.safetensors"),
+                validation: None,
+            },
+            campaign: CampaignDefaults { rounds, target, quorum: 1, deadline_secs: 600, ..Default::default() },
+        }
+    }
+
+    /// The same config as TOML, for a child process.
+    pub fn write_toml(&self, cfg: &Config) -> PathBuf {
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\npki_dir = {:?}\ndata_dir = {:?}\n\n[model]\nname = \"tiny\"\n\
+             spec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\ninitial = {:?}\n\n\
+             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\n",
+            cfg.pki_dir, cfg.data_dir, cfg.model.initial, cfg.campaign.rounds, cfg.campaign.target
+        );
+        let p = cfg.data_dir.with_extension("toml");
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    pub fn device_key(&self, i: usize) -> SigningKey {
+        DeviceIdentity::load(self.pki.dir(), &dev(i)).unwrap().signing_key()
+    }
+
+    pub async fn device_client(&self, i: usize, addr: SocketAddr) -> AggregatorClient {
+        let ca = CaCert::load(self.pki.ca_cert_path()).unwrap();
+        let id = DeviceIdentity::load(self.pki.dir(), &dev(i)).unwrap();
+        let tls = fedfleet_certs::tls::client_config(&ca, &id, &[ALPN_V1]).unwrap();
+        AggregatorClient::connect(addr, "localhost", tls).await.unwrap()
+    }
+
+    pub async fn operator(&self, addr: SocketAddr) -> AggregatorClient {
+        let ca = CaCert::load(self.pki.ca_cert_path()).unwrap();
+        let id = ServerIdentity::load(self.pki.dir(), "operator").unwrap();
+        let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[ALPN_V1]).unwrap();
+        AggregatorClient::connect(addr, "localhost", tls).await.unwrap()
+    }
+}
+
+/// An in-process service on 127.0.0.1:0; dropping `stop` shuts it down.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub agg: Aggregator,
+    pub stop: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+pub fn start(cfg: Config) -> Running {
+    let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir).unwrap();
+    let publisher = DirPublisher::new(cfg.publish_dir(), key, "test");
+    let agg = Aggregator::open(cfg, Box::new(publisher)).unwrap();
+    let endpoint = agg.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = endpoint.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(agg.clone().run(endpoint, async move {
+        let _ = rx.await;
+    }));
+    Running { addr, agg, stop: Some(tx), task }
+}
+
+impl Running {
+    pub async fn shutdown(mut self) {
+        drop(self.stop.take());
+        self.task.await.unwrap();
+    }
+}
+
+/// A delta bundle for `spec()` from a seed (values in ±0.01).
+pub fn delta(seed: u64) -> TensorBundle {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut b = TensorBundle::new();
+    for p in spec().params() {
+        let n: usize = p.shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-0.01f32..0.01)).collect();
+        b.insert_f32(&p.name, p.shape.clone(), v).unwrap();
+    }
+    b
+}
+
+pub fn nonce(device: usize, k: u64) -> [u8; 16] {
+    let mut n = [0u8; 16];
+    n[..8].copy_from_slice(&(device as u64).to_le_bytes());
+    n[8..].copy_from_slice(&k.to_le_bytes());
+    n
+}
+
+/// A signed header binding `payload`.
+pub fn header(
+    device: &DeviceId,
+    round: RoundId,
+    base: Digest,
+    nonce: [u8; 16],
+    samples: u64,
+    payload: &[u8],
+    dtype: DType,
+    key: &SigningKey,
+) -> SignedUpdate {
+    Signed::sign(
+        UpdateHeader {
+            device: device.clone(),
+            fleet: FleetId::new("fleet-t").unwrap(),
+            round,
+            base_model: base,
+            nonce,
+            sample_count: samples,
+            payload_len: payload.len() as u64,
+            payload_digest: Digest::of(payload),
+            payload_dtype: dtype,
+        },
+        key,
+    )
+}
+
+pub fn read_published(dir: &Path, name: &str) -> Vec<u8> {
+    let m = DirPublisher::latest(dir, name).unwrap().expect("a published version");
+    std::fs::read(DirPublisher::model_path(dir, name, m.version)).unwrap()
+}
