@@ -233,7 +233,11 @@ impl RegistryClient {
     /// A client for the registry at `addr` (TLS name `server_name`), with a config from
     /// `fedfleet_certs::tls::client_config` (devices) or `service_client_config` (operators).
     /// Connects lazily; must be called inside a tokio runtime.
-    pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
+    pub fn new(
+        addr: SocketAddr,
+        server_name: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, ClientError> {
         Ok(RegistryClient {
             endpoint: fedfleet_net::client_endpoint(tls)?,
             addr,
@@ -246,7 +250,11 @@ impl RegistryClient {
 
     /// [`RegistryClient::new`] plus the handshake (fails fast if the registry is unreachable).
     /// A refused client certificate surfaces on the first request, not here.
-    pub async fn connect(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
+    pub async fn connect(
+        addr: SocketAddr,
+        server_name: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, ClientError> {
         let c = Self::new(addr, server_name, tls)?;
         c.connection().await?;
         Ok(c)
@@ -296,7 +304,10 @@ impl RegistryClient {
     async fn read_response(&self, s: &mut FramedStream) -> Result<Response, ClientError> {
         let f = s.expect().await?;
         if f.kind != FrameKind::Message {
-            return Err(ClientError::Protocol(format!("expected a response, got {:?}", f.kind)));
+            return Err(ClientError::Protocol(format!(
+                "expected a response, got {:?}",
+                f.kind
+            )));
         }
         wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))
     }
@@ -335,7 +346,11 @@ impl RegistryClient {
     }
 
     /// A version's manifest (by number, alias or latest).
-    pub async fn manifest(&self, name: &str, version: impl Into<VersionSel>) -> Result<WireManifest, ClientError> {
+    pub async fn manifest(
+        &self,
+        name: &str,
+        version: impl Into<VersionSel>,
+    ) -> Result<WireManifest, ClientError> {
         let req = Request::Manifest {
             name: name.to_owned(),
             version: version.into(),
@@ -352,7 +367,12 @@ impl RegistryClient {
     /// "What should I run of `model`?", signed with the registry's timestamp key: check it with
     /// [`SignedAssignment::verify`] against the pinned root before acting on it.
     pub async fn assignment(&self, model: &str) -> Result<SignedAssignment, ClientError> {
-        match self.call(&Request::Assignment { model: model.to_owned() }).await? {
+        match self
+            .call(&Request::Assignment {
+                model: model.to_owned(),
+            })
+            .await?
+        {
             Response::Assignment(a) => Ok(a),
             r => Err(response_error(r)),
         }
@@ -369,7 +389,13 @@ impl RegistryClient {
 
     /// Up to `max_len` bytes of an artifact from `offset` (for byte-range resumers; unverified:
     /// check the whole against the trusted target).
-    pub async fn read_range(&self, name: &str, version: ModelVersion, offset: u64, max_len: u32) -> Result<Vec<u8>, ClientError> {
+    pub async fn read_range(
+        &self,
+        name: &str,
+        version: ModelVersion,
+        offset: u64,
+        max_len: u32,
+    ) -> Result<Vec<u8>, ClientError> {
         let req = Request::Range {
             name: name.to_owned(),
             version,
@@ -405,24 +431,43 @@ impl RegistryClient {
         loop {
             let f = s.expect().await?;
             match f.kind {
-                FrameKind::Chunk if out.len() + f.body.len() <= len => out.extend_from_slice(&f.body),
+                FrameKind::Chunk if out.len() + f.body.len() <= len => {
+                    out.extend_from_slice(&f.body)
+                }
                 FrameKind::End if out.len() == len => return Ok(out),
                 FrameKind::Message => {
-                    return Err(response_error(wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))?));
+                    return Err(response_error(
+                        wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))?,
+                    ));
                 }
-                k => return Err(ClientError::Protocol(format!("unexpected {k:?} frame in a range"))),
+                k => {
+                    return Err(ClientError::Protocol(format!(
+                        "unexpected {k:?} frame in a range"
+                    )));
+                }
             }
         }
     }
 
     /// Downloads `name`/`version` into `dest`. See the module docs.
-    pub async fn download<C: ChunkCache>(&self, name: &str, version: ModelVersion, cache: &mut C, dest: &Path) -> Result<DownloadReport, ClientError> {
+    pub async fn download<C: ChunkCache>(
+        &self,
+        name: &str,
+        version: ModelVersion,
+        cache: &mut C,
+        dest: &Path,
+    ) -> Result<DownloadReport, ClientError> {
         let m = self.manifest(name, version).await?;
         self.download_manifest(&m, cache, dest).await
     }
 
     /// Downloads a trusted TUF target: the manifest must agree with its length and digest.
-    pub async fn download_target<C: ChunkCache>(&self, target: &TargetInfo, cache: &mut C, dest: &Path) -> Result<DownloadReport, ClientError> {
+    pub async fn download_target<C: ChunkCache>(
+        &self,
+        target: &TargetInfo,
+        cache: &mut C,
+        dest: &Path,
+    ) -> Result<DownloadReport, ClientError> {
         let m = self.manifest(&target.name, target.version).await?;
         if m.manifest.length != target.length || m.manifest.digest != target.digest {
             return Err(ClientError::TargetMismatch {
@@ -438,7 +483,12 @@ impl RegistryClient {
     }
 
     /// Fetches what the cache lacks, then assembles `dest`; refetches chunks found corrupt.
-    pub async fn download_manifest<C: ChunkCache>(&self, m: &WireManifest, cache: &mut C, dest: &Path) -> Result<DownloadReport, ClientError> {
+    pub async fn download_manifest<C: ChunkCache>(
+        &self,
+        m: &WireManifest,
+        cache: &mut C,
+        dest: &Path,
+    ) -> Result<DownloadReport, ClientError> {
         let mut report = DownloadReport::default();
         for round in 0.. {
             self.fetch_missing(m, cache, &mut report).await?;
@@ -459,7 +509,12 @@ impl RegistryClient {
 
     /// Fetches every chunk of `m` that `cache` lacks, verifying each on arrival. Resumes across
     /// lost connections; gives up after `max_retries` consecutive attempts without progress.
-    pub async fn fetch_missing<C: ChunkCache>(&self, m: &WireManifest, cache: &mut C, report: &mut DownloadReport) -> Result<(), ClientError> {
+    pub async fn fetch_missing<C: ChunkCache>(
+        &self,
+        m: &WireManifest,
+        cache: &mut C,
+        report: &mut DownloadReport,
+    ) -> Result<(), ClientError> {
         m.validate().map_err(ClientError::Protocol)?;
         let mut first = true;
         let mut failures = 0u32;
@@ -581,20 +636,31 @@ impl RegistryClient {
 
     async fn admin_reply(&self, s: &mut FramedStream) -> Result<serde_json::Value, ClientError> {
         match self.read_response(s).await? {
-            Response::Admin(json) => serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string())),
+            Response::Admin(json) => {
+                serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string()))
+            }
             r => Err(response_error(r)),
         }
     }
 
     /// Publishes an artifact read from `r` (an `AdminRequest::Publish` carrying the metadata).
-    pub async fn publish(&self, req: AdminRequest, mut r: impl std::io::Read) -> Result<serde_json::Value, ClientError> {
+    pub async fn publish(
+        &self,
+        req: AdminRequest,
+        mut r: impl std::io::Read,
+    ) -> Result<serde_json::Value, ClientError> {
         if !matches!(req, AdminRequest::Publish { .. }) {
-            return Err(ClientError::Protocol("publish needs AdminRequest::Publish".into()));
+            return Err(ClientError::Protocol(
+                "publish needs AdminRequest::Publish".into(),
+            ));
         }
         let mut s = self.start(&Request::Admin(req), true).await?;
         let mut buf = vec![0u8; wire::FRAME_DATA];
         loop {
-            let n = r.read(&mut buf).map_err(|source| ClientError::Io { path: PathBuf::from("<artifact>"), source })?;
+            let n = r.read(&mut buf).map_err(|source| ClientError::Io {
+                path: PathBuf::from("<artifact>"),
+                source,
+            })?;
             if n == 0 {
                 break;
             }
@@ -617,7 +683,11 @@ impl RegistryClient {
 /// Writes the artifact of `m` from `cache` to `dest` (temp file + fsync + rename), re-hashing
 /// every chunk and the whole. Returns how many cached chunks were missing or corrupt (they are
 /// removed from the cache and `dest` is not written); 0 means `dest` now holds the artifact.
-pub fn assemble<C: ChunkCache>(m: &WireManifest, cache: &mut C, dest: &Path) -> Result<u64, ClientError> {
+pub fn assemble<C: ChunkCache>(
+    m: &WireManifest,
+    cache: &mut C,
+    dest: &Path,
+) -> Result<u64, ClientError> {
     let io = |source| ClientError::Io {
         path: dest.to_owned(),
         source,

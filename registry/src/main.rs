@@ -27,10 +27,20 @@ use fedfleet_registry::wire::{AdminRequest, RolloutCommand, RolloutStart};
 use fedfleet_registry::{RegistryError, unix_ms};
 
 #[derive(Parser, Debug)]
-#[command(name = "fedfleet-registry", version, about = "fedfleet model registry: versioned store, signed metadata, rollouts, QUIC download service")]
+#[command(
+    name = "fedfleet-registry",
+    version,
+    about = "fedfleet model registry: versioned store, signed metadata, rollouts, QUIC download service"
+)]
 struct Cli {
     /// Configuration file (TOML). Missing file: built-in defaults.
-    #[arg(long, short, global = true, env = "FEDFLEET_REGISTRY_CONFIG", default_value = "registry.toml")]
+    #[arg(
+        long,
+        short,
+        global = true,
+        env = "FEDFLEET_REGISTRY_CONFIG",
+        default_value = "registry.toml"
+    )]
     config: PathBuf,
     /// Print machine-readable JSON.
     #[arg(long, global = true)]
@@ -101,7 +111,11 @@ enum Cmd {
 #[derive(Subcommand, Debug)]
 enum AliasCmd {
     /// Point ALIAS of model NAME at VERSION.
-    Set { name: String, alias: String, version: u64 },
+    Set {
+        name: String,
+        alias: String,
+        version: u64,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -173,7 +187,9 @@ fn parse_duration_ms(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
-    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected e.g. 30s, 10m, 2h"))?;
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?}: expected e.g. 30s, 10m, 2h"))?;
     let mul = match unit {
         "ms" => 1,
         "" | "s" => 1000,
@@ -199,7 +215,10 @@ fn main() -> ExitCode {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn load_config(path: &Path) -> anyhow::Result<Config> {
@@ -212,7 +231,9 @@ fn load_config(path: &Path) -> anyhow::Result<Config> {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let cfg = load_config(&cli.config)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     match cli.cmd {
         Cmd::Serve => {
             init_tracing();
@@ -249,11 +270,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             publisher,
         } => {
             let spec_json = match spec {
-                Some(p) => std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?,
+                Some(p) => std::fs::read_to_string(&p)
+                    .with_context(|| format!("reading {}", p.display()))?,
                 None => "{}".to_owned(),
             };
-            serde_json::from_str::<serde_json::Value>(&spec_json).context("the spec is not JSON")?;
-            let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
+            serde_json::from_str::<serde_json::Value>(&spec_json)
+                .context("the spec is not JSON")?;
+            let f = std::fs::File::open(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
             let publisher = publisher
                 .or_else(|| std::env::var("USER").ok())
                 .unwrap_or_else(|| "operator".into());
@@ -283,34 +307,76 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Show { name, version } => {
-            let out = rt.block_on(admin(&cfg, AdminRequest::Show { name, version: version.map(ModelVersion) }, None))?;
+            let out = rt.block_on(admin(
+                &cfg,
+                AdminRequest::Show {
+                    name,
+                    version: version.map(ModelVersion),
+                },
+                None,
+            ))?;
             print_out(&out, true, |_| String::new());
             Ok(())
         }
-        Cmd::Alias { cmd: AliasCmd::Set { name, alias, version } } => {
-            let out = rt.block_on(admin(&cfg, AdminRequest::AliasSet { name, alias, version: ModelVersion(version) }, None))?;
+        Cmd::Alias {
+            cmd:
+                AliasCmd::Set {
+                    name,
+                    alias,
+                    version,
+                },
+        } => {
+            let out = rt.block_on(admin(
+                &cfg,
+                AdminRequest::AliasSet {
+                    name,
+                    alias,
+                    version: ModelVersion(version),
+                },
+                None,
+            ))?;
             print_out(&out, cli.json, |v| {
-                format!("{} {} -> v{} (was {})", v["name"].as_str().unwrap_or("?"), v["alias"].as_str().unwrap_or("?"), v["version"], match &v["previous"] {
-                    serde_json::Value::Null => "unset".to_string(),
-                    p => format!("v{p}"),
-                })
+                format!(
+                    "{} {} -> v{} (was {})",
+                    v["name"].as_str().unwrap_or("?"),
+                    v["alias"].as_str().unwrap_or("?"),
+                    v["version"],
+                    match &v["previous"] {
+                        serde_json::Value::Null => "unset".to_string(),
+                        p => format!("v{p}"),
+                    }
+                )
             });
             Ok(())
         }
         Cmd::Rollout { cmd } => {
             let req = match cmd {
                 RolloutCmd::Start(a) => AdminRequest::RolloutStart(start_request(a)?),
-                RolloutCmd::Pause { id } => AdminRequest::Rollout { id, command: RolloutCommand::Pause },
-                RolloutCmd::Resume { id } => AdminRequest::Rollout { id, command: RolloutCommand::Resume },
-                RolloutCmd::Abort { id, reason } => AdminRequest::Rollout { id, command: RolloutCommand::Abort { reason } },
-                RolloutCmd::Rollback { id } => AdminRequest::Rollout { id, command: RolloutCommand::Rollback },
+                RolloutCmd::Pause { id } => AdminRequest::Rollout {
+                    id,
+                    command: RolloutCommand::Pause,
+                },
+                RolloutCmd::Resume { id } => AdminRequest::Rollout {
+                    id,
+                    command: RolloutCommand::Resume,
+                },
+                RolloutCmd::Abort { id, reason } => AdminRequest::Rollout {
+                    id,
+                    command: RolloutCommand::Abort { reason },
+                },
+                RolloutCmd::Rollback { id } => AdminRequest::Rollout {
+                    id,
+                    command: RolloutCommand::Rollback,
+                },
                 RolloutCmd::Status { id } => AdminRequest::RolloutStatus { id },
             };
             let out = rt.block_on(admin(&cfg, req, None))?;
             print_out(&out, true, |_| String::new());
             Ok(())
         }
-        Cmd::Device { cmd: DeviceCmd::Status { id } } => {
+        Cmd::Device {
+            cmd: DeviceCmd::Status { id },
+        } => {
             let out = rt.block_on(admin(&cfg, AdminRequest::DeviceStatus { device: id }, None))?;
             print_out(&out, true, |_| String::new());
             Ok(())
@@ -321,7 +387,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn start_request(a: StartArgs) -> anyhow::Result<RolloutStart> {
     let mut phases = Vec::new();
     if let Some(c) = &a.cohort {
-        let (name, devs) = c.split_once('=').context("--cohort expects NAME=dev1,dev2")?;
+        let (name, devs) = c
+            .split_once('=')
+            .context("--cohort expects NAME=dev1,dev2")?;
         let devices = devs
             .split(',')
             .filter(|s| !s.is_empty())
@@ -366,17 +434,27 @@ fn render_list(v: &serde_json::Value) -> String {
         return "no models published".into();
     }
     for m in models {
-        let aliases: BTreeMap<String, u64> = serde_json::from_value(m["aliases"].clone()).unwrap_or_default();
+        let aliases: BTreeMap<String, u64> =
+            serde_json::from_value(m["aliases"].clone()).unwrap_or_default();
         out.push_str(&format!("{}\n", m["name"].as_str().unwrap_or("?")));
         for ver in m["versions"].as_array().cloned().unwrap_or_default() {
             let n = ver["version"].as_u64().unwrap_or(0);
-            let tags: Vec<&str> = aliases.iter().filter(|(_, t)| **t == n).map(|(a, _)| a.as_str()).collect();
+            let tags: Vec<&str> = aliases
+                .iter()
+                .filter(|(_, t)| **t == n)
+                .map(|(a, _)| a.as_str())
+                .collect();
             out.push_str(&format!(
                 "  v{n:<4} {:>12} bytes  {}  {}{}\n",
                 ver["length"],
-                &ver["digest"].as_str().unwrap_or("")[..16.min(ver["digest"].as_str().unwrap_or("").len())],
+                &ver["digest"].as_str().unwrap_or("")
+                    [..16.min(ver["digest"].as_str().unwrap_or("").len())],
                 ver["publisher"].as_str().unwrap_or(""),
-                if tags.is_empty() { String::new() } else { format!("  [{}]", tags.join(", ")) }
+                if tags.is_empty() {
+                    String::new()
+                } else {
+                    format!("  [{}]", tags.join(", "))
+                }
             ));
         }
     }
@@ -397,7 +475,11 @@ fn fleet_of(cfg: &Config) -> FleetId {
 }
 
 /// Runs an operator command: directly on the store if no server holds it, else over QUIC.
-async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>) -> anyhow::Result<serde_json::Value> {
+async fn admin(
+    cfg: &Config,
+    req: AdminRequest,
+    artifact: Option<std::fs::File>,
+) -> anyhow::Result<serde_json::Value> {
     match Store::open(cfg.store_dir(), store_config(cfg)) {
         Ok(store) => {
             let signer = if metadata::keys_exist(&cfg.data_dir) {
@@ -408,7 +490,13 @@ async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>)
             let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()))?;
             let now = unix_ms();
             let out = match req {
-                AdminRequest::Publish { name, spec_json, parent, metrics, publisher } => {
+                AdminRequest::Publish {
+                    name,
+                    spec_json,
+                    parent,
+                    metrics,
+                    publisher,
+                } => {
                     let m = reg.publish(
                         NewVersion {
                             name,
@@ -418,7 +506,10 @@ async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>)
                             created_at: now,
                             publisher,
                         },
-                        std::io::BufReader::with_capacity(1 << 20, artifact.context("no artifact")?),
+                        std::io::BufReader::with_capacity(
+                            1 << 20,
+                            artifact.context("no artifact")?,
+                        ),
                     )?;
                     serde_json::json!({"name": m.name, "version": m.version.0, "length": m.length,
                                        "digest": m.digest.to_hex(), "chunks": m.chunks.len()})
@@ -430,7 +521,8 @@ async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>)
             Ok(out)
         }
         Err(StoreError::Locked { .. }) => {
-            let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).context("opening the PKI directory for the operator certificate")?;
+            let pki = fedfleet_certs::Pki::open(&cfg.pki_dir)
+                .context("opening the PKI directory for the operator certificate")?;
             let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.operator_identity).with_context(|| {
                 format!(
                     "the registry is running; operator commands go through it and need the operator certificate \
@@ -438,12 +530,18 @@ async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>)
                     cfg.operator_identity
                 )
             })?;
-            let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
+            let tls = fedfleet_certs::tls::service_client_config(
+                pki.ca(),
+                &id,
+                &[fedfleet_certs::ALPN_V1],
+            )?;
             let mut addr = cfg.listen;
             if addr.ip().is_unspecified() {
                 addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
             }
-            let client = RegistryClient::connect(addr, &cfg.server_name, tls).await.context("connecting to the running registry")?;
+            let client = RegistryClient::connect(addr, &cfg.server_name, tls)
+                .await
+                .context("connecting to the running registry")?;
             let out = match artifact {
                 Some(f) => client.publish(req, f).await,
                 None => client.admin(req).await,
@@ -460,18 +558,36 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         metadata::init_keys(&cfg.data_dir, cfg.root_days, false)?;
         tracing::info!(root = %cfg.data_dir.join(metadata::ROOT_JSON).display(), "created signing keys and root; pin root.json on devices");
     }
-    let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).with_context(|| format!("opening PKI {}", cfg.pki_dir.display()))?;
+    let pki = fedfleet_certs::Pki::open(&cfg.pki_dir)
+        .with_context(|| format!("opening PKI {}", cfg.pki_dir.display()))?;
     let identity = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)
-        .with_context(|| format!("loading server identity {:?} (fedfleet-certs issue-server --name {})", cfg.server_identity, cfg.server_identity))?;
+        .with_context(|| {
+            format!(
+                "loading server identity {:?} (fedfleet-certs issue-server --name {})",
+                cfg.server_identity, cfg.server_identity
+            )
+        })?;
     let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
-    let tls = fedfleet_certs::tls::server_config(pki.ca(), &identity, revocation, &[fedfleet_certs::ALPN_V1])?;
+    let tls = fedfleet_certs::tls::server_config(
+        pki.ca(),
+        &identity,
+        revocation,
+        &[fedfleet_certs::ALPN_V1],
+    )?;
     let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
     let signer = MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?;
     let metrics = Arc::new(Metrics::default());
-    let reg = Arc::new(Registry::new(store, pki.fleet().clone(), Some(signer), metrics.clone())?);
+    let reg = Arc::new(Registry::new(
+        store,
+        pki.fleet().clone(),
+        Some(signer),
+        metrics.clone(),
+    )?);
     let endpoint = fedfleet_net::server_endpoint(cfg.listen, tls)?;
     if let Some(maddr) = cfg.metrics {
-        let l = metrics::bind(maddr, cfg.metrics_public).await.with_context(|| format!("metrics on {maddr}"))?;
+        let l = metrics::bind(maddr, cfg.metrics_public)
+            .await
+            .with_context(|| format!("metrics on {maddr}"))?;
         tracing::info!(addr = %maddr, "metrics on /metrics");
         tokio::spawn(metrics::serve(l, metrics.clone()));
     }
@@ -485,7 +601,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

@@ -116,7 +116,11 @@ pub fn keys_exist(data_dir: &Path) -> bool {
 /// Creates the root, targets and timestamp keys and a root (version 1, valid `root_days`) in
 /// `data_dir`. Refuses to overwrite existing keys unless `force` (devices pinned to the old root
 /// would then refuse everything). Returns the signed root.
-pub fn init_keys(data_dir: &Path, root_days: u32, force: bool) -> Result<Signed<Root>, RegistryError> {
+pub fn init_keys(
+    data_dir: &Path,
+    root_days: u32,
+    force: bool,
+) -> Result<Signed<Root>, RegistryError> {
     for f in [ROOT_KEY, TARGETS_KEY, TIMESTAMP_KEY, ROOT_JSON] {
         let p = data_dir.join(f);
         if p.exists() && !force {
@@ -180,7 +184,9 @@ pub struct MetadataSigner {
 
 impl std::fmt::Debug for MetadataSigner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetadataSigner").field("dir", &self.dir).finish()
+        f.debug_struct("MetadataSigner")
+            .field("dir", &self.dir)
+            .finish()
     }
 }
 
@@ -192,7 +198,9 @@ impl MetadataSigner {
         let current_root = read_root(data_dir)?;
         let mut roots = Vec::new();
         let mut v = 1;
-        while let Some(r) = read_json::<Signed<Root>>(&data_dir.join(ROOTS_DIR).join(format!("{v}.json")))? {
+        while let Some(r) =
+            read_json::<Signed<Root>>(&data_dir.join(ROOTS_DIR).join(format!("{v}.json")))?
+        {
             roots.push(r);
             v += 1;
         }
@@ -270,7 +278,8 @@ impl MetadataSigner {
                 (c.targets_body.clone(), c.targets.clone())
             }
         };
-        let ts_body = Timestamp::for_targets(sv + 1, now + self.lifetimes.timestamp_ms, &signed_targets)?;
+        let ts_body =
+            Timestamp::for_targets(sv + 1, now + self.lifetimes.timestamp_ms, &signed_targets)?;
         let ts = Signed::sign(&ts_body, &[&self.timestamp_key]);
         write_atomic(
             &self.dir.join(TIMESTAMP_JSON),
@@ -304,8 +313,10 @@ impl MetadataSigner {
     pub fn timestamp_due(&self, now: u64) -> bool {
         let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         match cur.as_ref() {
-            Some(c) => now + self.lifetimes.timestamp_ms / 4 * 3 >= c.ts_body.expires
-                || now + self.lifetimes.targets_ms / 2 >= c.targets_body.expires,
+            Some(c) => {
+                now + self.lifetimes.timestamp_ms / 4 * 3 >= c.ts_body.expires
+                    || now + self.lifetimes.targets_ms / 2 >= c.targets_body.expires
+            }
             None => true,
         }
     }
@@ -319,7 +330,10 @@ impl MetadataSigner {
             roots: self
                 .roots
                 .iter()
-                .filter(|r| r.body_unverified().is_ok_and(|b| b.version > have_root_version))
+                .filter(|r| {
+                    r.body_unverified()
+                        .is_ok_and(|b| b.version > have_root_version)
+                })
                 .cloned()
                 .collect(),
             timestamp: c.timestamp.clone(),

@@ -40,7 +40,11 @@ impl Metrics {
     }
 
     pub fn rejection(&self, reason: fedfleet_protocol::RejectReason) {
-        self.inc("fedfleet_registry_rejections_total", "reason", reason.as_str());
+        self.inc(
+            "fedfleet_registry_rejections_total",
+            "reason",
+            reason.as_str(),
+        );
     }
 
     /// A refusal that is not a protocol `RejectReason`: `not_found`, `denied`, `invalid_command`.
@@ -69,7 +73,9 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
         let mut plain = |name: &str, help: &str, v: u64| {
-            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"));
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"
+            ));
         };
         plain(
             "fedfleet_registry_bytes_served_total",
@@ -110,7 +116,8 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Me
         tokio::spawn(async move {
             let mut buf = [0u8; 1024];
             // Read the request head (ignored beyond the first read).
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await;
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await;
             let body = metrics.render();
             let resp = format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -123,7 +130,10 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Me
 }
 
 /// Binds the metrics listener; refuses a non-loopback address unless `allow_public`.
-pub async fn bind(addr: SocketAddr, allow_public: bool) -> std::io::Result<tokio::net::TcpListener> {
+pub async fn bind(
+    addr: SocketAddr,
+    allow_public: bool,
+) -> std::io::Result<tokio::net::TcpListener> {
     if !addr.ip().is_loopback() && !allow_public {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,

@@ -41,7 +41,9 @@ pub struct Registry {
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry").field("store", &self.store).finish()
+        f.debug_struct("Registry")
+            .field("store", &self.store)
+            .finish()
     }
 }
 
@@ -257,7 +259,12 @@ impl Registry {
                 .filter(|r| r.plan().model == model)
                 .max_by_key(|r| r.started_at())
             {
-                Some(r) if matches!(r.status(), Status::Running | Status::Paused | Status::Aborted) => {
+                Some(r)
+                    if matches!(
+                        r.status(),
+                        Status::Running | Status::Paused | Status::Aborted
+                    ) =>
+                {
                     let a = r.assignment(device, now);
                     self.pump(r, false)?;
                     (
@@ -293,7 +300,10 @@ impl Registry {
             }
             None => (None, None),
         };
-        let ttl = self.signer.as_ref().map_or(3_600_000, |s| s.assignment_ttl_ms());
+        let ttl = self
+            .signer
+            .as_ref()
+            .map_or(3_600_000, |s| s.assignment_ttl_ms());
         Ok(AssignmentBody {
             fleet: self.fleet.clone(),
             device: device.clone(),
@@ -410,7 +420,9 @@ impl Registry {
                         .get(&id)
                         .map(rollout_json)
                         .ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}"))),
-                    None => Ok(json!({"rollouts": rollouts.values().map(rollout_json).collect::<Vec<_>>()})),
+                    None => Ok(
+                        json!({"rollouts": rollouts.values().map(rollout_json).collect::<Vec<_>>()}),
+                    ),
                 }
             }
             AdminRequest::DeviceStatus { device } => {
@@ -420,8 +432,12 @@ impl Registry {
                         .store
                         .device_status(&d)?
                         .map(|b| parse(&b))
-                        .ok_or_else(|| RegistryError::NotFound(format!("no report from device {d:?}"))),
-                    None => Ok(json!({"devices": self.store.device_statuses()?.iter().map(|(_, b)| parse(b)).collect::<Vec<_>>()})),
+                        .ok_or_else(|| {
+                            RegistryError::NotFound(format!("no report from device {d:?}"))
+                        }),
+                    None => Ok(
+                        json!({"devices": self.store.device_statuses()?.iter().map(|(_, b)| parse(b)).collect::<Vec<_>>()}),
+                    ),
                 }
             }
         }
@@ -430,9 +446,8 @@ impl Registry {
     fn rollout_start(&self, s: RolloutStart, now: u64) -> Result<Value, RegistryError> {
         self.store.version(&s.model, s.target)?;
         let previous = self.store.alias(&s.model, &s.alias)?;
-        let id = s
-            .id
-            .unwrap_or_else(|| format!("{}-{}-v{}-{now}", s.model, s.alias, s.target));
+        let id =
+            s.id.unwrap_or_else(|| format!("{}-{}-v{}-{now}", s.model, s.alias, s.target));
         let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
         if rollouts.contains_key(&id) {
             return Err(RegistryError::Invalid(format!("rollout {id:?} exists")));

@@ -182,7 +182,10 @@ async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
             return;
         }
     };
-    ctx.reg.metrics().connections.fetch_add(1, Ordering::Relaxed);
+    ctx.reg
+        .metrics()
+        .connections
+        .fetch_add(1, Ordering::Relaxed);
     tracing::debug!(%remote, ?peer, "connection");
     while let Ok((send, recv)) = conn.accept_bi().await {
         let (ctx, conn, peer) = (ctx.clone(), conn.clone(), peer.clone());
@@ -211,7 +214,9 @@ fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
             m.rejection_named("not_found");
             Response::NotFound(d)
         }
-        RegistryError::Store(e @ (StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_))) => {
+        RegistryError::Store(
+            e @ (StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_)),
+        ) => {
             m.rejection_named("not_found");
             Response::NotFound(e.to_string())
         }
@@ -275,7 +280,11 @@ async fn stream(
     let m = ctx.reg.metrics();
     if frame.kind != FrameKind::Message {
         m.rejection(RejectReason::Malformed);
-        return send(s, &wire::rejected(RejectReason::Malformed, "expected a request message")).await;
+        return send(
+            s,
+            &wire::rejected(RejectReason::Malformed, "expected a request message"),
+        )
+        .await;
     }
     let req: Request = match wire::decode(&frame.body) {
         Ok(r) => r,
@@ -290,7 +299,10 @@ async fn stream(
     let resp = match req {
         Request::Metadata { have_root_version } => match reg.metadata(have_root_version) {
             Some(md) => Response::Metadata(md),
-            None => wire::rejected(RejectReason::Internal, "no signed metadata (no keys loaded)"),
+            None => wire::rejected(
+                RejectReason::Internal,
+                "no signed metadata (no keys loaded)",
+            ),
         },
         Request::Manifest { name, version } => {
             match resolve_version(reg.store(), &name, &version)
@@ -331,35 +343,40 @@ async fn stream(
             }
             PeerIdentity::Device(_) if status.fleet != *reg.fleet() => {
                 m.rejection(RejectReason::WrongFleet);
-                wire::rejected(RejectReason::WrongFleet, format!("this is fleet {}", reg.fleet()))
+                wire::rejected(
+                    RejectReason::WrongFleet,
+                    format!("this is fleet {}", reg.fleet()),
+                )
             }
             PeerIdentity::Device(_) => match blocking(move || reg.report(&status, now)).await {
                 Ok(()) => Response::Ok,
                 Err(e) => error_response(ctx, e),
             },
-            PeerIdentity::Service(n) => denied(ctx, format!("service {n} cannot report device status")),
+            PeerIdentity::Service(n) => {
+                denied(ctx, format!("service {n} cannot report device status"))
+            }
         },
         Request::Admin(req) => match peer {
-            PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => {
-                match req {
-                    AdminRequest::Publish {
-                        name,
-                        spec_json,
-                        parent,
-                        metrics,
-                        publisher,
-                    } => match publish(ctx, s, name, spec_json, parent, metrics, publisher, n).await {
-                        Ok(r) => r,
-                        Err(e) => error_response(ctx, e),
-                    },
-                    req => match blocking(move || reg.admin(req, now)).await {
-                        Ok(v) => Response::Admin(v.to_string()),
-                        Err(e) => error_response(ctx, e),
-                    },
-                }
-            }
+            PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => match req {
+                AdminRequest::Publish {
+                    name,
+                    spec_json,
+                    parent,
+                    metrics,
+                    publisher,
+                } => match publish(ctx, s, name, spec_json, parent, metrics, publisher, n).await {
+                    Ok(r) => r,
+                    Err(e) => error_response(ctx, e),
+                },
+                req => match blocking(move || reg.admin(req, now)).await {
+                    Ok(v) => Response::Admin(v.to_string()),
+                    Err(e) => error_response(ctx, e),
+                },
+            },
             PeerIdentity::Service(n) => denied(ctx, format!("service {n} is not an operator")),
-            PeerIdentity::Device(d) => denied(ctx, format!("device {d} cannot send operator commands")),
+            PeerIdentity::Device(d) => {
+                denied(ctx, format!("device {d} cannot send operator commands"))
+            }
         },
     };
     send(s, &resp).await
@@ -392,26 +409,42 @@ async fn publish(
     let mut total = 0u64;
     let res = async {
         loop {
-            let fr = s.expect().await.map_err(|e| RegistryError::Invalid(format!("upload broke off: {e}")))?;
+            let fr = s
+                .expect()
+                .await
+                .map_err(|e| RegistryError::Invalid(format!("upload broke off: {e}")))?;
             match fr.kind {
                 FrameKind::Chunk => {
                     total += fr.body.len() as u64;
                     if total > fedfleet_protocol::limits::MAX_BUNDLE_BYTES as u64 {
-                        return Err(RegistryError::Invalid("artifact over the size limit".into()));
+                        return Err(RegistryError::Invalid(
+                            "artifact over the size limit".into(),
+                        ));
                     }
                     f.write_all(&fr.body).await.map_err(io(&path))?;
                 }
                 FrameKind::End => break,
-                _ => return Err(RegistryError::Invalid("expected Chunk or End frames".into())),
+                _ => {
+                    return Err(RegistryError::Invalid(
+                        "expected Chunk or End frames".into(),
+                    ));
+                }
             }
         }
         f.flush().await.map_err(io(&path))?;
         drop(f);
         let reg = ctx.reg.clone();
         let p = path.clone();
-        let publisher = if publisher.is_empty() { peer_name.to_owned() } else { publisher };
+        let publisher = if publisher.is_empty() {
+            peer_name.to_owned()
+        } else {
+            publisher
+        };
         blocking(move || {
-            let file = std::fs::File::open(&p).map_err(|source| RegistryError::Io { path: p.clone(), source })?;
+            let file = std::fs::File::open(&p).map_err(|source| RegistryError::Io {
+                path: p.clone(),
+                source,
+            })?;
             reg.publish(
                 NewVersion {
                     name,
@@ -456,13 +489,15 @@ async fn send_data(
             conn.close(2u32.into(), b"fault injection: cut");
             return Ok(false);
         }
-        f.cut_after_bytes.store(budget - bytes.len() as u64, Ordering::Relaxed);
+        f.cut_after_bytes
+            .store(budget - bytes.len() as u64, Ordering::Relaxed);
     }
     for piece in bytes.chunks(FRAME_DATA) {
         s.send(FrameKind::Chunk, piece).await?;
     }
     let m = ctx.reg.metrics();
-    m.bytes_served.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    m.bytes_served
+        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
     Ok(true)
 }
 
@@ -480,13 +515,27 @@ async fn serve_chunks(
     };
     if indices.len() > wire::MAX_CHUNKS_PER_REQUEST {
         ctx.reg.metrics().rejection(RejectReason::TooLarge);
-        return send(s, &wire::rejected(RejectReason::TooLarge, "too many chunks in one request")).await;
+        return send(
+            s,
+            &wire::rejected(RejectReason::TooLarge, "too many chunks in one request"),
+        )
+        .await;
     }
     if let Some(i) = indices.iter().find(|&&i| i as usize >= man.chunks.len()) {
         ctx.reg.metrics().rejection(RejectReason::Malformed);
-        return send(s, &wire::rejected(RejectReason::Malformed, format!("no chunk {i}"))).await;
+        return send(
+            s,
+            &wire::rejected(RejectReason::Malformed, format!("no chunk {i}")),
+        )
+        .await;
     }
-    send(s, &Response::Chunks { count: indices.len() as u32 }).await?;
+    send(
+        s,
+        &Response::Chunks {
+            count: indices.len() as u32,
+        },
+    )
+    .await?;
     for &i in indices {
         let c = man.chunks[i as usize];
         let mut bytes = match ctx.reg.store().chunk(&c.digest) {
@@ -506,7 +555,10 @@ async fn serve_chunks(
         if !send_data(ctx, conn, s, &bytes).await? {
             return Ok(());
         }
-        ctx.reg.metrics().chunks_served.fetch_add(1, Ordering::Relaxed);
+        ctx.reg
+            .metrics()
+            .chunks_served
+            .fetch_add(1, Ordering::Relaxed);
     }
     s.send(FrameKind::End, &[]).await
 }

@@ -108,9 +108,13 @@ pub enum Response {
     Metadata(MetadataSet),
     Manifest(WireManifest),
     /// `count` chunks follow as `Chunk` frames, then `End`.
-    Chunks { count: u32 },
+    Chunks {
+        count: u32,
+    },
     /// `len` bytes follow as `Chunk` frames, then `End`.
-    Range { len: u32 },
+    Range {
+        len: u32,
+    },
     Assignment(SignedAssignment),
     Ok,
     /// An operator command's result, as JSON text.
@@ -219,9 +223,16 @@ pub enum AdminRequest {
         version: ModelVersion,
     },
     RolloutStart(RolloutStart),
-    Rollout { id: String, command: RolloutCommand },
-    RolloutStatus { id: Option<String> },
-    DeviceStatus { device: Option<String> },
+    Rollout {
+        id: String,
+        command: RolloutCommand,
+    },
+    RolloutStatus {
+        id: Option<String>,
+    },
+    DeviceStatus {
+        device: Option<String>,
+    },
 }
 
 /// What `rollout start` asks for; the registry fills in the previous version from the alias.
@@ -279,7 +290,11 @@ impl AssignmentBody {
         let model = self.target.clone()?;
         let (rollout_id, phase, alias) = match &self.source {
             AssignmentSource::Rollout { id, reason } => (
-                u64::from_be_bytes(blake3::hash(id.as_bytes()).as_bytes()[..8].try_into().ok()?),
+                u64::from_be_bytes(
+                    blake3::hash(id.as_bytes()).as_bytes()[..8]
+                        .try_into()
+                        .ok()?,
+                ),
                 match reason {
                     Reason::InRollout { phase } | Reason::NotInAudience { phase } => *phase as u32,
                     _ => 0,

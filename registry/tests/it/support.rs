@@ -54,7 +54,9 @@ impl Harness {
         )
         .unwrap();
         let signer = MetadataSigner::load(&data, Lifetimes::default()).unwrap();
-        let reg = Arc::new(Registry::new(store, fleet, Some(signer), Arc::new(Metrics::default())).unwrap());
+        let reg = Arc::new(
+            Registry::new(store, fleet, Some(signer), Arc::new(Metrics::default())).unwrap(),
+        );
         let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
         let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
         let tls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1]).unwrap();
