@@ -279,3 +279,34 @@ impl Config {
         serde_json::to_string(&self.model.spec).expect("spec serializes")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_example_parses() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("aggregator.toml");
+        let cfg = Config::load(&p).unwrap();
+        assert_eq!(cfg.campaign.strategy_config().unwrap(), StrategyConfig::FedAvg { client: cfg.campaign.client() });
+        assert_eq!(cfg.model.spec, fedfleet_learning::ModelSpec::digits_mlp());
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.toml");
+        std::fs::write(
+            &p,
+            "listen = \"127.0.0.1:1\"\npki_dir = \"p\"\ndata_dir = \"d\"\n[model]\nname = \"m\"\n\
+             spec = { arch = \"mlp\", input = [4], hidden = [4], classes = 2 }\ninitial = \"i\"\n\
+             [campaign]\nstrategy = \"fedmagic\"\n",
+        )
+        .unwrap();
+        let e = Config::load(&p).unwrap_err().to_string();
+        assert!(e.contains("campaign.strategy \"fedmagic\""), "{e}");
+        std::fs::write(&p, "listen = 3\n").unwrap();
+        let e = Config::load(&p).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}:", p.display())), "{e}");
+    }
+}

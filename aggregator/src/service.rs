@@ -735,7 +735,11 @@ impl Aggregator {
                     tracing::warn!(round = %round, reason = reason.as_str(), "round failed");
                     sh.metrics.round("failed");
                     sh.metrics.open_round.store(0, Relaxed);
-                    core.coord.strategy_mut().abort_round();
+                    // Only the failed round's own updates are discarded (after a restart the
+                    // strategy may already hold the refolded updates of a later round).
+                    if core.coord.folding() == Some(round) || core.coord.folding().is_none() {
+                        core.coord.strategy_mut().abort_round();
+                    }
                     core.campaign.announcement = None;
                     if core.closing == Some(round) {
                         core.closing = None;

@@ -2,6 +2,7 @@
 //! `strategies`), ingest over loopback QUIC (`ingest`), and crash/restart of a child process
 //! (`crash`).
 
+mod cli;
 mod crash;
 mod engine;
 mod ingest;
