@@ -51,6 +51,7 @@
 //! }
 //! ```
 
+pub mod accel;
 pub mod client;
 pub mod config;
 pub mod coordinator;
