@@ -2,17 +2,17 @@
 //! write goes through a temporary file in the same directory and a rename, so readers (the
 //! revocation and allow-list watchers) never see half a file.
 
-use std::fs::{self, DirBuilder, OpenOptions};
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::fs::{self, DirBuilder};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::Path;
 use std::time::SystemTime;
+
+use fedfleet_durable::Mode;
 
 use crate::error::CertError;
 
 /// Mode of private key files.
 pub const SECRET_MODE: u32 = 0o600;
-const PUBLIC_MODE: u32 = 0o644;
 
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>, CertError> {
     fs::read(path).map_err(|e| CertError::io(path, e))
@@ -46,39 +46,11 @@ pub(crate) fn refuse_existing(paths: &[&Path], force: bool) -> Result<(), CertEr
     Ok(())
 }
 
-/// Writes `bytes` to `path` atomically (temp file + fsync + rename). `secret` files get mode 0600
-/// from creation on; the temp file is created with `create_new`, so it never reuses a file.
+/// Writes `bytes` to `path` atomically and durably (see `fedfleet_durable::write_atomic`);
+/// `secret` files are 0600 from creation on.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8], secret: bool) -> Result<(), CertError> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let mut nonce = [0u8; 6];
-    rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut nonce);
-    let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", hex::encode(nonce)));
-    let mode = if secret { SECRET_MODE } else { PUBLIC_MODE };
-    let result = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(CertError::io(path, e));
-    }
-    if let Ok(d) = fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
+    let mode = if secret { Mode::Secret } else { Mode::Public };
+    fedfleet_durable::write_atomic(path, bytes, mode).map_err(|e| CertError::io(path, e))
 }
 
 /// What a cheap `stat` says about a file; a change means "read it again".

@@ -1,0 +1,128 @@
+//! Crash-safe file writes shared by every fedfleet store.
+//!
+//! - [`write_atomic`]: a file is either its old bytes or its new bytes after any crash
+//!   (temp file, fsync, rename, fsync of the directory).
+//! - [`CommitMarker`]: the last acknowledged commit sequence, kept in a file beside a sled
+//!   database. sled 0.34 can reopen a damaged log as a shorter, valid-looking database; a store
+//!   whose own sequence is behind its marker has lost acknowledged commits and must refuse to open.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Who may read a file written by [`write_atomic`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// 0644.
+    Public,
+    /// 0600 from creation on: private keys.
+    Secret,
+}
+
+impl Mode {
+    fn bits(self) -> u32 {
+        match self {
+            Mode::Public => 0o644,
+            Mode::Secret => 0o600,
+        }
+    }
+}
+
+/// Writes `bytes` to `path` atomically and durably: a fresh temp file in the same directory,
+/// fsync, rename over `path`, fsync of the directory. The temp file is removed on failure.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: Mode) -> io::Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    // Unique per process and call, so concurrent writers never share a temp file.
+    let tmp: PathBuf =
+        dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+    let written = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(mode.bits()).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    File::open(dir)?.sync_all()
+}
+
+/// The commit marker file: one line, `<prefix> <seq>`.
+#[derive(Debug, Clone)]
+pub struct CommitMarker {
+    path: PathBuf,
+    prefix: &'static str,
+}
+
+impl CommitMarker {
+    /// The marker at `dir/COMMIT`, tagged with `prefix` (e.g. `fedfleet-registry-commit`).
+    pub fn new(dir: &Path, prefix: &'static str) -> Self {
+        CommitMarker { path: dir.join("COMMIT"), prefix }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The recorded sequence; 0 when there is no marker yet. A marker that does not parse is an
+    /// `InvalidData` error: the caller must treat the store as damaged, not as new.
+    pub fn read(&self) -> io::Result<u64> {
+        let text = match fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        text.strip_prefix(self.prefix)
+            .and_then(|rest| rest.trim().parse().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("{} does not parse", self.path.display())))
+    }
+
+    /// Records `seq` durably. Call only after the database itself has been flushed.
+    pub fn write(&self, seq: u64) -> io::Result<()> {
+        write_atomic(&self.path, format!("{} {seq}\n", self.prefix).as_bytes(), Mode::Public)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn atomic_write_replaces_and_sets_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("key.pem");
+        write_atomic(&p, b"one", Mode::Secret).unwrap();
+        write_atomic(&p, b"two", Mode::Secret).unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"two");
+        assert_eq!(fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1, "no temp file left behind");
+    }
+
+    #[test]
+    fn failed_write_leaves_old_bytes_and_no_temp() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("sub");
+        fs::create_dir(&target).unwrap();
+        // Renaming a file over a non-empty directory fails.
+        fs::write(target.join("x"), b"x").unwrap();
+        assert!(write_atomic(&target, b"new", Mode::Public).is_err());
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn marker_round_trips_and_refuses_garbage() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CommitMarker::new(dir.path(), "fedfleet-test-commit");
+        assert_eq!(m.read().unwrap(), 0);
+        m.write(42).unwrap();
+        assert_eq!(m.read().unwrap(), 42);
+        fs::write(m.path(), "garbage").unwrap();
+        assert_eq!(m.read().unwrap_err().kind(), io::ErrorKind::InvalidData);
+    }
+}
