@@ -1,15 +1,136 @@
-//! `fedfleet`: the umbrella CLI. The fleet demo lands with the end-to-end issue.
-use clap::Parser;
+//! `fedfleet`: the umbrella CLI. `fedfleet demo` runs a whole fleet on loopback.
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use fedfleet::demo::{self, DemoOptions};
 
 #[derive(Parser)]
 #[command(name = "fedfleet", version, about = "fedfleet umbrella CLI")]
 enum Cli {
-    /// Run the one-command fleet demo (coming: see the end-to-end issue).
-    Demo,
+    /// A throwaway PKI, a registry, an aggregator and N agents on loopback: federated training
+    /// of the digits model, then a canary 10 % -> 100 % rollout of the result.
+    Demo(DemoArgs),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse() {
-        Cli::Demo => anyhow::bail!("the fleet demo is not built yet; see README.md"),
+#[derive(Clone, Copy, ValueEnum)]
+enum Strategy {
+    Fedavg,
+    Fedprox,
+    Fedadam,
+    Fedyogi,
+    Fedadagrad,
+    Clipped,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Quantization {
+    F32,
+    F16,
+    Bf16,
+    Int8,
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    /// Number of agents.
+    #[arg(long, default_value_t = 20)]
+    agents: usize,
+    /// Training rounds.
+    #[arg(long, default_value_t = DemoOptions::default().rounds)]
+    rounds: u32,
+    /// Aggregation strategy.
+    #[arg(long, value_enum, default_value = "fedavg")]
+    strategy: Strategy,
+    /// Encoding of the weight updates agents send.
+    #[arg(long, value_enum, default_value = "f32")]
+    quantization: Quantization,
+    /// Seed of the initial model, the data partition and round sampling.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Dirichlet concentration of the per-agent label skew.
+    #[arg(long, default_value_t = 0.5)]
+    alpha: f64,
+    /// Local learning rate (SGD on the agents).
+    #[arg(long, default_value_t = DemoOptions::default().lr)]
+    lr: f32,
+    /// Local epochs per round.
+    #[arg(long, default_value_t = DemoOptions::default().local_epochs)]
+    local_epochs: u32,
+    /// Server learning rate for fedadam/fedyogi/fedadagrad.
+    #[arg(long)]
+    server_lr: Option<f64>,
+    /// Work directory (must be empty or absent); default: a temporary directory.
+    #[arg(long)]
+    workdir: Option<PathBuf>,
+    /// Keep the work directory (PKI, stores, agents' state) afterwards.
+    #[arg(long)]
+    keep: bool,
+    /// Fail unless the final held-out accuracy reaches this.
+    #[arg(long, default_value_t = 0.92)]
+    min_accuracy: f64,
+    /// Soak time of each rollout phase, in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    soak_secs: f64,
+    /// Plain lines instead of progress bars (the default when stderr is not a terminal).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn main() -> ExitCode {
+    let Cli::Demo(a) = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let d = DemoOptions::default();
+    let o = DemoOptions {
+        agents: a.agents,
+        rounds: a.rounds,
+        strategy: match a.strategy {
+            Strategy::Fedavg => "fedavg",
+            Strategy::Fedprox => "fedprox",
+            Strategy::Fedadam => "fedadam",
+            Strategy::Fedyogi => "fedyogi",
+            Strategy::Fedadagrad => "fedadagrad",
+            Strategy::Clipped => "clipped",
+        }
+        .into(),
+        quantization: match a.quantization {
+            Quantization::F32 => "f32",
+            Quantization::F16 => "f16",
+            Quantization::Bf16 => "bf16",
+            Quantization::Int8 => "int8",
+        }
+        .into(),
+        seed: a.seed,
+        alpha: a.alpha,
+        lr: a.lr,
+        local_epochs: a.local_epochs,
+        server_lr: a.server_lr,
+        workdir: a.workdir,
+        keep: a.keep,
+        min_accuracy: a.min_accuracy,
+        soak: Duration::from_secs_f64(a.soak_secs.max(0.0)),
+        progress: d.progress && !a.no_progress,
+        ..d
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fedfleet: tokio runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match rt.block_on(demo::run(&o)) {
+        Ok(r) if r.ok() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("fedfleet demo: {e:#}");
+            ExitCode::from(2)
+        }
     }
 }

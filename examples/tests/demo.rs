@@ -1,0 +1,28 @@
+//! The demo end to end, in process, on a small fleet: PKI, registry, aggregator, agents over
+//! QUIC on loopback, a campaign, the centralized baseline, and the canary -> 100 % rollout.
+
+use std::time::Duration;
+
+use fedfleet::demo::{DemoOptions, run};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_fleet_trains_and_rolls_out() {
+    let o = DemoOptions {
+        agents: 6,
+        rounds: 8,
+        min_accuracy: 0.85,
+        soak: Duration::from_millis(300),
+        progress: false,
+        baseline_epochs: 5,
+        ..DemoOptions::default()
+    };
+    let r = run(&o).await.expect("demo setup");
+    assert!(r.ok(), "demo failures: {:?}\nreport: {r:#?}", r.failures);
+    assert_eq!(r.rounds.len(), 8);
+    assert!(r.rounds.iter().all(|x| x.version.is_some() && x.participants > 0 && x.bytes_up > 0));
+    assert!(r.final_accuracy >= 0.85, "final accuracy {}", r.final_accuracy);
+    assert_eq!(r.rollout_status.as_deref(), Some("completed"));
+    assert_eq!(r.agents_on_final, 6);
+    let v0 = r.initial.as_ref().unwrap().version.0;
+    assert_eq!(r.final_model.as_ref().unwrap().version.0, v0 + 8);
+}
