@@ -91,6 +91,17 @@ impl AggregatorClient {
         })
     }
 
+    /// Like [`connect`](Self::connect) but without the handshake: the first call connects (an
+    /// agent can start while the aggregator is down). Must be called inside a tokio runtime.
+    pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
+        Ok(AggregatorClient {
+            endpoint: fedfleet_net::client_endpoint(tls)?,
+            addr,
+            server_name: server_name.to_owned(),
+            conn: Mutex::new(None),
+        })
+    }
+
     async fn open(&self) -> Result<FramedStream, ClientError> {
         let mut guard = self.conn.lock().await;
         if let Some(c) = guard.as_ref()

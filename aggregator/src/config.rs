@@ -9,6 +9,10 @@
 //! operators = ["operator"]           # service certificates allowed to run `campaign ...`
 //! publish_dir = "/var/lib/fedfleet-aggregator/published"  # DirPublisher target (default: data_dir/published)
 //!
+//! [publish]                          # optional: publish into a registry instead of publish_dir
+//! registry = "127.0.0.1:7443"        # the registry's QUIC address; its `operators` must name
+//! server_name = "localhost"          #   this service's certificate (server_name above)
+//!
 //! [model]
 //! name = "digits"
 //! spec = { arch = "mlp", input = [64], hidden = [64], classes = 10 }
@@ -66,6 +70,9 @@ pub struct Config {
     pub operators: Vec<String>,
     #[serde(default)]
     pub publish_dir: Option<PathBuf>,
+    /// `[publish] registry = ...`: publish into a registry (else into `publish_dir`).
+    #[serde(default)]
+    pub publish: Option<PublishConfig>,
     pub model: ModelConfig,
     #[serde(default)]
     pub campaign: CampaignDefaults,
@@ -76,6 +83,21 @@ fn default_server_name() -> String {
 }
 fn default_operators() -> Vec<String> {
     vec!["operator".into()]
+}
+
+/// `[publish]`: where finalized models go when not into a directory.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishConfig {
+    /// The registry's QUIC address.
+    pub registry: SocketAddr,
+    /// The TLS name in the registry's certificate.
+    #[serde(default = "default_registry_name")]
+    pub server_name: String,
+}
+
+fn default_registry_name() -> String {
+    "localhost".into()
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, anyhow};
 use clap::{Parser, Subcommand};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::Config;
-use fedfleet_aggregator::publish::DirPublisher;
+use fedfleet_aggregator::publish::{DirPublisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request};
 
@@ -166,9 +166,18 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
         .with_context(|| format!("data_dir {}", cfg.data_dir.display()))?;
     let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir)
         .with_context(|| format!("receipt key in {}", cfg.data_dir.display()))?;
-    let publisher = DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_name));
+    let publisher: Box<dyn fedfleet_aggregator::publish::Publisher> = match &cfg.publish {
+        Some(p) => {
+            tracing::info!(registry = %p.registry, "publishing into the registry");
+            Box::new(
+                RegistryPublisher::connect_lazy(&cfg.pki_dir, &cfg.server_name, p.registry, &p.server_name)
+                    .with_context(|| format!("[publish] registry = {}", p.registry))?,
+            )
+        }
+        None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_name))),
+    };
     let metrics_addr = cfg.metrics_addr;
-    let agg = Aggregator::open(cfg, Box::new(publisher))?;
+    let agg = Aggregator::open(cfg, publisher)?;
     let endpoint = agg.bind(addr)?;
     let bound = endpoint.local_addr()?;
     if let Some(m) = metrics_addr {

@@ -14,10 +14,12 @@
 //! between publishing and recording it, the aggregator finalizes the round again (bit-identical)
 //! and gets the same version back instead of a duplicate.
 //!
-//! A registry publisher over QUIC needs from the registry service: a `Publish` request carrying
-//! name, spec, parent, metrics and the artifact (chunked, digest-checked), authorized for the
-//! aggregator's service certificate, answered with the new `ModelManifest`, and idempotent on
-//! `(name, parent, digest)` for the same reason.
+//! [`RegistryPublisher`] publishes into a running `fedfleet-registry` over QUIC (mTLS with the
+//! aggregator's **service** certificate, which the registry's `operators` list must name): an
+//! `AdminRequest::Publish` carrying name, spec, parent, metrics and the publisher name, then the
+//! artifact. The registry answers with the version; it is idempotent on `(name, parent, digest)`
+//! against the head version (same crash-retry reason as above), and the digest it reports is
+//! checked against the bytes sent.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -142,6 +144,76 @@ impl Publisher for DirPublisher {
         Box::pin(async move {
             self.publish_sync(req)
                 .map_err(|e| PublishError(format!("{}: {e}", self.dir.display())))
+        })
+    }
+}
+
+/// Versions in a running registry (see the module docs).
+pub struct RegistryPublisher {
+    client: fedfleet_registry::client::RegistryClient,
+    publisher: String,
+}
+
+impl RegistryPublisher {
+    /// Wraps a client built with `fedfleet_certs::tls::service_client_config` for this
+    /// aggregator's service identity. `publisher` is recorded with every version.
+    pub fn new(client: fedfleet_registry::client::RegistryClient, publisher: impl Into<String>) -> Self {
+        RegistryPublisher { client, publisher: publisher.into() }
+    }
+
+    /// A client for the registry at `addr` (TLS name `server_name`) with the service identity
+    /// `service_name` of `pki_dir` (`servers/<service_name>.crt|.key`). Connects lazily; must
+    /// be called inside a tokio runtime.
+    pub fn connect_lazy(
+        pki_dir: &Path,
+        service_name: &str,
+        addr: std::net::SocketAddr,
+        server_name: &str,
+    ) -> Result<Self, PublishError> {
+        let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(pki_dir))
+            .map_err(|e| PublishError(format!("CA of {}: {e}", pki_dir.display())))?;
+        let id = fedfleet_certs::ServerIdentity::load(pki_dir, service_name)
+            .map_err(|e| PublishError(format!("service identity {service_name} in {}: {e}", pki_dir.display())))?;
+        let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])
+            .map_err(|e| PublishError(format!("TLS config: {e}")))?;
+        let client = fedfleet_registry::client::RegistryClient::new(addr, server_name, tls)
+            .map_err(|e| PublishError(format!("registry client for {addr}: {e}")))?;
+        Ok(Self::new(client, format!("fedfleet-aggregator/{service_name}")))
+    }
+
+    pub fn client(&self) -> &fedfleet_registry::client::RegistryClient {
+        &self.client
+    }
+}
+
+impl Publisher for RegistryPublisher {
+    fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a> {
+        Box::pin(async move {
+            let admin = fedfleet_registry::wire::AdminRequest::Publish {
+                name: req.name.clone(),
+                spec_json: req.spec.clone(),
+                parent: req.parent,
+                metrics: req.metrics.clone(),
+                publisher: self.publisher.clone(),
+            };
+            let v = self
+                .client
+                .publish(admin, req.bundle.as_slice())
+                .await
+                .map_err(|e| PublishError(format!("registry: {e}")))?;
+            let version = v
+                .get("version")
+                .and_then(|x| x.as_u64())
+                .ok_or_else(|| PublishError(format!("registry answered without a version: {v}")))?;
+            let digest = v
+                .get("digest")
+                .and_then(|x| x.as_str())
+                .and_then(|h| h.parse::<Digest>().ok())
+                .ok_or_else(|| PublishError(format!("registry answered without a digest: {v}")))?;
+            if digest != Digest::of(&req.bundle) {
+                return Err(PublishError(format!("registry stored digest {digest}, not the one sent")));
+            }
+            Ok((ModelVersion(version), digest))
         })
     }
 }

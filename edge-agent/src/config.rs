@@ -26,6 +26,16 @@
 //!
 //! [inference]
 //! # socket = "<state_dir>/agent.sock"
+//!
+//! [aggregator]      # QUIC + mTLS with the device identity; absent: no training
+//! addr = "10.0.0.5:7400"
+//! server_name = "localhost"                    # name in the aggregator's certificate
+//! receipt_key = "/etc/fedfleet/receipt.pub"    # the aggregator's data_dir/receipt.pub (pinned)
+//!
+//! [registry]        # absent: no installs
+//! addr = "10.0.0.5:7443"
+//! server_name = "localhost"
+//! model = "digits"                             # the model whose assignments this device follows
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -56,6 +66,37 @@ pub struct AgentConfig {
     pub initial_model: Option<InitialModel>,
     #[serde(default)]
     pub inference: InferenceConfig,
+    /// The aggregator to train with (absent: the agent does not train).
+    #[serde(default)]
+    pub aggregator: Option<AggregatorEndpoint>,
+    /// The registry to install from (absent: the agent keeps its active model).
+    #[serde(default)]
+    pub registry: Option<RegistryEndpoint>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AggregatorEndpoint {
+    pub addr: std::net::SocketAddr,
+    #[serde(default = "default_server_name")]
+    pub server_name: String,
+    /// The aggregator's `receipt.pub` (hex ed25519 public key): announcements and receipts
+    /// signed with another key are refused.
+    pub receipt_key: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryEndpoint {
+    pub addr: std::net::SocketAddr,
+    #[serde(default = "default_server_name")]
+    pub server_name: String,
+    /// The model name whose assignments this device follows.
+    pub model: String,
+}
+
+fn default_server_name() -> String {
+    "localhost".into()
 }
 
 fn default_poll() -> u64 {

@@ -14,6 +14,9 @@ use rand::RngCore;
 
 use crate::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock, run_agent};
 use crate::clients::{Aggregator, Registry, Unlinked};
+use crate::remote::{RemoteAggregator, RemoteRegistry};
+use fedfleet_aggregator::client::AggregatorClient;
+use fedfleet_registry::client::RegistryClient;
 use crate::config::{AgentConfig, IdentityPaths};
 use crate::inference;
 use crate::lifecycle::{CoreConfig, Lifecycle, SlotModel};
@@ -100,8 +103,61 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
 /// `fedfleet-agent run`.
 pub async fn run(config: &Path) -> Result<()> {
     let cfg = AgentConfig::load(config)?;
-    // The QUIC clients of the aggregator and registry plug in here once their modules land.
-    let mut agent = build_agent(&cfg, Arc::new(Unlinked), Arc::new(Unlinked), Arc::new(SystemClock))?;
+    let ids = cfg.identity_paths();
+    let agg = match &cfg.aggregator {
+        Some(a) => Some(Arc::new(remote_aggregator(&ids, a)?)),
+        None => {
+            tracing::warn!("no [aggregator] in the config: this agent will not train");
+            None
+        }
+    };
+    let reg = match &cfg.registry {
+        Some(r) => Some(Arc::new(remote_registry(&ids, r)?)),
+        None => {
+            tracing::warn!("no [registry] in the config: this agent will not install new models");
+            None
+        }
+    };
+    match (agg, reg) {
+        (Some(a), Some(r)) => run_with(&cfg, a, r).await,
+        (Some(a), None) => run_with(&cfg, a, Arc::new(Unlinked)).await,
+        (None, Some(r)) => run_with(&cfg, Arc::new(Unlinked), r).await,
+        (None, None) => run_with(&cfg, Arc::new(Unlinked), Arc::new(Unlinked)).await,
+    }
+}
+
+/// The device's mTLS client config (ALPN `fedfleet/1`).
+pub fn device_tls(ids: &IdentityPaths) -> Result<rustls::ClientConfig> {
+    let identity = load_identity(ids)?;
+    fedfleet_certs::tls::client_config(identity.ca(), &identity, &[fedfleet_certs::ALPN_V1])
+        .with_context(|| format!("TLS client config from {}", ids.cert.display()))
+}
+
+/// Reads a pinned `receipt.pub` (hex ed25519 public key).
+pub fn read_receipt_key(path: &Path) -> Result<ed25519_dalek::VerifyingKey> {
+    fedfleet_aggregator::keys::read_public(path).with_context(|| {
+        format!("cannot read the aggregator's receipt key {} (copy the aggregator's data_dir/receipt.pub)", path.display())
+    })
+}
+
+/// The aggregator client of `[aggregator]` (connects lazily).
+pub fn remote_aggregator(ids: &IdentityPaths, a: &crate::config::AggregatorEndpoint) -> Result<RemoteAggregator> {
+    let key = read_receipt_key(&a.receipt_key)?;
+    let client = AggregatorClient::new(a.addr, &a.server_name, device_tls(ids)?)
+        .with_context(|| format!("[aggregator] client for {}", a.addr))?;
+    Ok(RemoteAggregator::new(client, key))
+}
+
+/// The registry client of `[registry]` (connects lazily).
+pub fn remote_registry(ids: &IdentityPaths, r: &crate::config::RegistryEndpoint) -> Result<RemoteRegistry> {
+    let root = read_root(&ids.registry_root)?;
+    let client = RegistryClient::new(r.addr, &r.server_name, device_tls(ids)?)
+        .with_context(|| format!("[registry] client for {}", r.addr))?;
+    Ok(RemoteRegistry::new(client, r.model.clone(), root))
+}
+
+async fn run_with<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>) -> Result<()> {
+    let mut agent = build_agent(cfg, agg, reg, Arc::new(SystemClock))?;
     tracing::info!(device = %agent.core().state().device, fleet = %cfg.fleet, pending = agent.core().pending_uploads().len(), "agent started");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let socket = cfg.socket_path();

@@ -17,6 +17,7 @@ pub mod daemon;
 pub mod fakes;
 pub mod inference;
 pub mod lifecycle;
+pub mod remote;
 pub mod ml;
 pub mod sim;
 pub mod store;

@@ -10,6 +10,7 @@ use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, ModelSpec, Partition, evaluate, model::init_bundle, sim as fsim};
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, RoundAnnouncement, RoundConfig, RoundId, Selection, TensorBundle};
 
+
 use crate::agent::{Agent, FakeClock, LocalData, ShellConfig};
 use crate::fakes::{FakeAggregator, FakeRegistry};
 use crate::lifecycle::{CoreConfig, HealthPolicy, Lifecycle, LifecycleError, SlotModel};
@@ -113,5 +114,178 @@ impl SimFleet {
         let test_accuracy = evaluate(&self.spec, &self.global, &self.test).map(|r| r.accuracy).unwrap_or(0.0);
         let activated = self.agents.iter().filter(|a| a.core().active().is_some_and(|m| m.model == self.global_ref)).count();
         Ok(RoundSummary { round: now, updates: updates.len(), test_accuracy, activated, model: self.global_ref.clone() })
+    }
+}
+
+// ----- a fleet over the real services -----
+
+/// What [`RemoteFleet::start`] needs. Every device must already be enrolled in `pki_dir`
+/// (`Pki::enroll_device`) and in the aggregator's allow list.
+#[derive(Clone)]
+pub struct FleetOptions {
+    /// The fleet PKI directory (`ca.crt`, `devices/<id>.crt|.key`).
+    pub pki_dir: std::path::PathBuf,
+    /// The fleet id (as in the PKI's allow list: announcements for other fleets are ignored).
+    pub fleet: FleetId,
+    pub devices: Vec<DeviceId>,
+    /// How the digits training split is dealt to the devices (20 % of each share is its holdout).
+    pub partition: Partition,
+    pub partition_seed: u64,
+    pub aggregator_addr: std::net::SocketAddr,
+    pub aggregator_server_name: String,
+    pub registry_addr: std::net::SocketAddr,
+    pub registry_server_name: String,
+    /// The aggregator's receipt key (`data_dir/receipt.pub`), pinned by every agent.
+    pub receipt_key: ed25519_dalek::VerifyingKey,
+    /// The registry's root of trust, pinned by every agent.
+    pub pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+    /// The model whose registry assignments the agents follow.
+    pub model_name: String,
+    /// Each agent's store lives in `data_dir/<device id>/`.
+    pub data_dir: std::path::PathBuf,
+    /// Upload/install retry backoff (short in tests).
+    pub backoff: crate::lifecycle::Backoff,
+    /// Time limit of each aggregator call (an unreachable aggregator is noticed after this).
+    pub call_timeout: std::time::Duration,
+}
+
+impl FleetOptions {
+    /// Defaults: IID partition (seed 1), TLS names `localhost`, backoff 200 ms..2 s, 2 s call limit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        pki_dir: impl Into<std::path::PathBuf>,
+        fleet: FleetId,
+        devices: Vec<DeviceId>,
+        aggregator_addr: std::net::SocketAddr,
+        registry_addr: std::net::SocketAddr,
+        receipt_key: ed25519_dalek::VerifyingKey,
+        pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+        model_name: impl Into<String>,
+        data_dir: impl Into<std::path::PathBuf>,
+    ) -> Self {
+        FleetOptions {
+            pki_dir: pki_dir.into(),
+            fleet,
+            devices,
+            partition: Partition::Iid,
+            partition_seed: 1,
+            aggregator_addr,
+            aggregator_server_name: "localhost".into(),
+            registry_addr,
+            registry_server_name: "localhost".into(),
+            receipt_key,
+            pinned_root,
+            model_name: model_name.into(),
+            data_dir: data_dir.into(),
+            backoff: crate::lifecycle::Backoff { base_ms: 200, max_ms: 2_000 },
+            call_timeout: std::time::Duration::from_secs(2),
+        }
+    }
+}
+
+/// One agent's state, for display and assertions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentStatus {
+    pub device: DeviceId,
+    /// The model serving inference.
+    pub active: Option<ModelRef>,
+    /// Updates waiting for an acknowledgement.
+    pub outbox: usize,
+    /// The last round this agent trained in.
+    pub last_round: Option<RoundId>,
+    /// Uploads acknowledged so far (receipts and `Replay`/`Duplicate` answers).
+    pub acknowledged: usize,
+}
+
+/// Agents with their own enrolled identity, sled store and data share, each talking to the
+/// real aggregator and registry over QUIC + mTLS, on the system clock (same [`Agent`] shell as
+/// the daemon). Drive it with [`RemoteFleet::step`] or [`RemoteFleet::run_until`].
+pub struct RemoteFleet {
+    pub agents: Vec<Agent<crate::remote::RemoteAggregator, crate::remote::RemoteRegistry>>,
+    aggs: Vec<Arc<crate::remote::RemoteAggregator>>,
+}
+
+impl RemoteFleet {
+    /// Opens every agent (no handshake yet: clients connect on first use). Must be called inside
+    /// a tokio runtime.
+    pub fn start(o: FleetOptions) -> anyhow::Result<RemoteFleet> {
+        use anyhow::Context;
+        let (train, _) = Dataset::digits_split().context("embedded digits data")?;
+        let parts = o.partition.split_dataset(&train, o.devices.len(), o.partition_seed);
+        let clock: Arc<dyn crate::agent::Clock> = Arc::new(crate::agent::SystemClock);
+        let mut agents = Vec::with_capacity(o.devices.len());
+        let mut aggs = Vec::with_capacity(o.devices.len());
+        for (i, (device, part)) in o.devices.iter().zip(parts).enumerate() {
+            let id = fedfleet_certs::DeviceIdentity::load(&o.pki_dir, device)
+                .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
+            let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
+            let agg_client = fedfleet_aggregator::client::AggregatorClient::new(o.aggregator_addr, &o.aggregator_server_name, tls.clone())
+                .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
+            let agg = Arc::new(crate::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
+            let reg_client = fedfleet_registry::client::RegistryClient::new(o.registry_addr, &o.registry_server_name, tls)
+                .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
+            let reg = Arc::new(crate::remote::RemoteRegistry::with_clock(reg_client, o.model_name.clone(), o.pinned_root.clone(), clock.clone()));
+            let store = AgentStore::open(o.data_dir.join(device.as_str()))?;
+            let (tr, holdout) = part.split(0.2, o.partition_seed);
+            let mut cfg = CoreConfig::new(device.clone(), o.fleet.clone());
+            cfg.local_samples = tr.len() as u64;
+            cfg.rng_seed = o.partition_seed ^ i as u64;
+            cfg.backoff = o.backoff;
+            cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
+            let core = Lifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
+            let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+            aggs.push(agg.clone());
+            agents.push(Agent::new(core, agg, reg, id.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell));
+        }
+        Ok(RemoteFleet { agents, aggs })
+    }
+
+    /// Polls the services and drives every agent once (in turn).
+    pub async fn step(&mut self) -> Result<(), LifecycleError> {
+        for a in &mut self.agents {
+            a.poll_control().await?;
+            a.drive().await?;
+        }
+        Ok(())
+    }
+
+    /// Steps (every 50 ms) until `cond` holds or `timeout` passes; returns whether it held.
+    pub async fn run_until(&mut self, mut cond: impl FnMut(&RemoteFleet) -> bool, timeout: std::time::Duration) -> Result<bool, LifecycleError> {
+        let end = tokio::time::Instant::now() + timeout;
+        loop {
+            if cond(self) {
+                return Ok(true);
+            }
+            if tokio::time::Instant::now() >= end {
+                return Ok(false);
+            }
+            self.step().await?;
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Per-agent status.
+    pub fn status(&self) -> Vec<AgentStatus> {
+        self.agents
+            .iter()
+            .zip(&self.aggs)
+            .map(|(a, g)| AgentStatus {
+                device: a.core().state().device.clone(),
+                active: a.core().active().map(|m| m.model.clone()),
+                outbox: a.core().store().outbox().map(|o| o.len()).unwrap_or(0),
+                last_round: a.core().state().last_round,
+                acknowledged: g.acks().len(),
+            })
+            .collect()
+    }
+
+    /// Every acknowledged upload of every agent (see [`crate::remote::Ack`]).
+    pub fn acks(&self) -> Vec<crate::remote::Ack> {
+        self.aggs.iter().flat_map(|g| g.acks()).collect()
+    }
+
+    /// Total outbox entries still waiting.
+    pub fn pending(&self) -> usize {
+        self.status().iter().map(|s| s.outbox).sum()
     }
 }

@@ -533,7 +533,8 @@ impl Store {
     }
 
     /// Publishes the artifact read from `r` as the next version of `meta.name` (memory: one
-    /// chunk). Atomic: the version is visible after the returned `Ok`, and a crash at any point
+    /// chunk). Idempotent: if the latest version has the same digest and parent, that version
+    /// is returned and nothing new is published. Atomic: the version is visible after the returned `Ok`, and a crash at any point
     /// leaves either the whole version or nothing visible.
     pub fn publish_reader(&self, meta: NewVersion, mut r: impl Read) -> Result<Manifest> {
         validate_name("model", &meta.name)?;
@@ -609,6 +610,17 @@ impl Store {
                         },
                     ));
                 }
+                // Idempotent on (parent, digest) against the head: a publisher that crashed
+                // between publishing and recording the answer gets the same version back.
+                if head > 0
+                    && let Some(b) = v.get(version_key(&name, ModelVersion(head)))?
+                {
+                    let last: VersionRecord = decode(&version_key(&name, ModelVersion(head)), &b)
+                        .map_err(ConflictableTransactionError::Abort)?;
+                    if last.digest == digest && last.parent == meta.parent {
+                        return Ok((last, None));
+                    }
+                }
                 let version = ModelVersion(head + 1);
                 let rec = VersionRecord {
                     name: name.clone(),
@@ -626,11 +638,17 @@ impl Store {
                 }
                 v.insert(version_key(&name, version), encode(&rec))?;
                 h.insert(name.as_bytes(), &version.0.to_be_bytes())?;
-                Ok((rec, bump_seq(m)?))
+                Ok((rec, Some(bump_seq(m)?)))
             },
         );
         let (rec, seq) = tx_result(res)?;
-        self.commit(seq)?;
+        if let Some(seq) = seq {
+            self.commit(seq)?;
+        } else {
+            tracing::info!(model = %rec.name, version = %rec.version, %digest, "publish repeated (same parent and digest): existing version");
+            let art = self.artifact(&digest)?;
+            return Ok(Manifest::new(rec, art));
+        }
         // An existing artifact with the same bytes but another chunk size stays as it was.
         let art = self.artifact(&digest)?;
         tracing::info!(model = %rec.name, version = %rec.version, %digest, length, "published");

@@ -55,6 +55,7 @@ impl Fleet {
             metrics_addr: None,
             operators: vec!["operator".into()],
             publish_dir: None,
+            publish: None,
             model: ModelConfig {
                 name: "tiny".into(),
                 spec: spec(),
