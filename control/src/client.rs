@@ -1,0 +1,630 @@
+//! [`ControlClient`]: one MQTT connection (rumqttc, TLS with a fleet certificate) that publishes
+//! typed, signed messages and turns what arrives into verified [`ControlEvent`]s.
+//!
+//! The connection is driven by a tokio task. When it drops, the task polls again after a backoff
+//! (doubling from `backoff_initial` to `backoff_max`, with jitter), and on every (re)connect it
+//! subscribes again and republishes the retained messages this client published last (so a
+//! broker that restarted empty gets the current round and rollout back). MQTT sessions are
+//! clean: whatever was queued while the connection was down may be lost, so callers repeat what
+//! must arrive until it is acknowledged (a device re-uploads until it has a receipt).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::VerifyingKey;
+use fedfleet_protocol::{
+    DeviceId, DeviceStatus, FleetId, Receipt, RejectReason, RolloutNotice, RoundAnnouncement,
+    RoundId, Signed, SignedUpdate,
+};
+use rumqttc::{
+    AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS, Request, TlsConfiguration, Transport,
+};
+use tokio::sync::{mpsc, watch};
+
+use crate::topics::{self, Topic};
+use crate::upload::{self, Assembled, AssemblerLimits, UpdateAssembler, VerifiedUpload};
+use crate::verify::{self, DeviceKeys, Rejected};
+
+/// Where the broker is and how to behave on the connection.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Broker host name or IP address; must match the broker certificate's SAN.
+    pub host: String,
+    pub port: u16,
+    /// MQTT client id; unique per connection (the broker drops an older connection with the
+    /// same id). Use the device id for devices, the service name for services.
+    pub client_id: String,
+    pub fleet: FleetId,
+    pub keep_alive: Duration,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// Largest MQTT packet sent or accepted.
+    pub max_packet_bytes: usize,
+    /// Payload bytes per upload chunk frame.
+    pub chunk_bytes: usize,
+}
+
+impl ClientOptions {
+    pub fn new(
+        host: impl Into<String>,
+        port: u16,
+        client_id: impl Into<String>,
+        fleet: FleetId,
+    ) -> Self {
+        ClientOptions {
+            host: host.into(),
+            port,
+            client_id: client_id.into(),
+            fleet,
+            keep_alive: Duration::from_secs(15),
+            backoff_initial: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            max_packet_bytes: 2 * 1024 * 1024,
+            chunk_bytes: upload::DEFAULT_CHUNK_BYTES,
+        }
+    }
+}
+
+/// What this client is, which decides what it subscribes to and how it verifies.
+pub enum Role {
+    /// An edge device: hears round announcements (signed by the pinned aggregator key), rollout
+    /// notices (signed by the pinned registry key, if given) and its own receipts.
+    Device {
+        id: DeviceId,
+        aggregator_key: VerifyingKey,
+        registry_key: Option<VerifyingKey>,
+    },
+    /// A fleet service (aggregator, registry): hears device status and/or device uploads,
+    /// verified against the allow-list key of the device named in the topic and in the body.
+    Service {
+        keys: Arc<dyn DeviceKeys>,
+        status: bool,
+        updates: bool,
+        limits: AssemblerLimits,
+    },
+}
+
+/// Something verified that arrived, or a change of connection.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlEvent {
+    /// Connected (again) and subscribed. `count` starts at 1.
+    Connected { count: u64 },
+    /// The connection dropped; the client reconnects by itself.
+    Disconnected { error: String },
+    /// A round announcement (new, or changed for the same round).
+    Announcement(Signed<RoundAnnouncement>),
+    /// A rollout notice (new or changed).
+    Rollout(Signed<RolloutNotice>),
+    /// A receipt for this device's update.
+    Receipt(Signed<Receipt>),
+    /// A device's status or heartbeat.
+    Status(Signed<DeviceStatus>),
+    /// A complete update over the MQTT upload path.
+    Update(VerifiedUpload),
+    /// Something refused, with its reason.
+    Rejected(Rejected),
+}
+
+/// Counters of one client, for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ControlStats {
+    pub connects: u64,
+    pub disconnects: u64,
+    /// Verified messages delivered as events.
+    pub accepted: u64,
+    /// Verified repeats dropped (retained redelivery, QoS 1 duplicates).
+    pub duplicates: u64,
+    pub rejected: BTreeMap<RejectReason, u64>,
+}
+
+impl ControlStats {
+    pub fn rejected(&self, reason: RejectReason) -> u64 {
+        self.rejected.get(&reason).copied().unwrap_or(0)
+    }
+}
+
+/// Why a publish was not queued.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("TLS configuration: {0}")]
+    Certs(#[from] fedfleet_certs::CertError),
+    #[error("the control client has stopped")]
+    Closed,
+    #[error("this client's role cannot {0}")]
+    Role(&'static str),
+    #[error("the message names fleet {found}; this client serves {expected}")]
+    WrongFleet { expected: FleetId, found: FleetId },
+    #[error("the update header names device {found}; this client is {expected}")]
+    WrongDevice { expected: DeviceId, found: DeviceId },
+    #[error("update payload of {len} bytes does not match its signed length {signed}")]
+    PayloadLength { len: u64, signed: u64 },
+}
+
+/// The receiving end of a client's events. Read it promptly: the connection task waits while
+/// it is full (so nothing verified is dropped), and a stalled connection misses its pings.
+pub struct ControlEvents {
+    rx: mpsc::Receiver<ControlEvent>,
+}
+
+impl ControlEvents {
+    /// The next event; `None` once the client has shut down.
+    pub async fn recv(&mut self) -> Option<ControlEvent> {
+        self.rx.recv().await
+    }
+}
+
+#[derive(Default)]
+struct Sticky {
+    round: Option<Vec<u8>>,
+    rollout: Option<Vec<u8>>,
+    status: Option<(String, Vec<u8>)>,
+}
+
+struct Shared {
+    stats: Mutex<ControlStats>,
+    sticky: Mutex<Sticky>,
+}
+
+/// A connected (or reconnecting) control-plane client. Cheap to clone.
+#[derive(Clone)]
+pub struct ControlClient {
+    mqtt: AsyncClient,
+    fleet: FleetId,
+    device: Option<DeviceId>,
+    chunk_bytes: usize,
+    shared: Arc<Shared>,
+    stop: Arc<watch::Sender<bool>>,
+}
+
+/// TLS for a device: its certificate and key, trusting only the fleet CA.
+pub fn device_tls(
+    identity: &fedfleet_certs::DeviceIdentity,
+) -> Result<Arc<rustls::ClientConfig>, ControlError> {
+    Ok(Arc::new(fedfleet_certs::tls::client_config(
+        identity.ca(),
+        identity,
+        &[],
+    )?))
+}
+
+/// TLS for a service (aggregator, registry): its server certificate, which carries clientAuth.
+pub fn service_tls(
+    ca: &fedfleet_certs::CaCert,
+    identity: &fedfleet_certs::ServerIdentity,
+) -> Result<Arc<rustls::ClientConfig>, ControlError> {
+    Ok(Arc::new(fedfleet_certs::tls::service_client_config(
+        ca,
+        identity,
+        &[],
+    )?))
+}
+
+impl ControlClient {
+    /// Starts the connection task on the current tokio runtime. Connecting happens in the
+    /// background: the first event is [`ControlEvent::Connected`] once the broker has answered.
+    pub fn start(
+        options: ClientOptions,
+        tls: Arc<rustls::ClientConfig>,
+        role: Role,
+    ) -> (ControlClient, ControlEvents) {
+        let mut mqtt = MqttOptions::new(
+            options.client_id.clone(),
+            options.host.clone(),
+            options.port,
+        );
+        mqtt.set_keep_alive(options.keep_alive)
+            .set_clean_session(true)
+            .set_max_packet_size(options.max_packet_bytes, options.max_packet_bytes)
+            .set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(tls)));
+        let (client, eventloop) = AsyncClient::new(mqtt, 256);
+        let (events_tx, rx) = mpsc::channel(1024);
+        let (stop, stopped) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            stats: Mutex::new(ControlStats::default()),
+            sticky: Mutex::new(Sticky::default()),
+        });
+        let device = match &role {
+            Role::Device { id, .. } => Some(id.clone()),
+            Role::Service { .. } => None,
+        };
+        let driver = Driver {
+            options: options.clone(),
+            role,
+            events: events_tx,
+            shared: shared.clone(),
+            assembler: None,
+            last_round: None,
+            last_rollout: None,
+        };
+        tokio::spawn(driver.run(eventloop, stopped));
+        (
+            ControlClient {
+                mqtt: client,
+                fleet: options.fleet,
+                device,
+                chunk_bytes: options.chunk_bytes,
+                shared,
+                stop: Arc::new(stop),
+            },
+            ControlEvents { rx },
+        )
+    }
+
+    fn check_fleet(&self, fleet: &FleetId) -> Result<(), ControlError> {
+        if fleet != &self.fleet {
+            return Err(ControlError::WrongFleet {
+                expected: self.fleet.clone(),
+                found: fleet.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Publishes the current round (QoS 1, retained), and republishes it after every reconnect.
+    pub async fn publish_announcement(
+        &self,
+        signed: &Signed<RoundAnnouncement>,
+    ) -> Result<(), ControlError> {
+        self.check_fleet(&signed.body().fleet)?;
+        let bytes = signed.encode();
+        self.shared.sticky.lock().unwrap().round = Some(bytes.clone());
+        self.publish_raw(&topics::rounds(&self.fleet), bytes, QoS::AtLeastOnce, true)
+            .await
+    }
+
+    /// Publishes the current rollout notice (QoS 1, retained), and republishes it after every
+    /// reconnect.
+    pub async fn publish_rollout(
+        &self,
+        signed: &Signed<RolloutNotice>,
+    ) -> Result<(), ControlError> {
+        self.check_fleet(&signed.body().fleet)?;
+        let bytes = signed.encode();
+        self.shared.sticky.lock().unwrap().rollout = Some(bytes.clone());
+        self.publish_raw(
+            &topics::rollouts(&self.fleet),
+            bytes,
+            QoS::AtLeastOnce,
+            true,
+        )
+        .await
+    }
+
+    /// Publishes this device's status or heartbeat on its own status topic (QoS 1, retained),
+    /// and the last one again after every reconnect.
+    pub async fn publish_status(&self, signed: &Signed<DeviceStatus>) -> Result<(), ControlError> {
+        self.check_fleet(&signed.body().fleet)?;
+        let topic = topics::status(&self.fleet, &signed.body().device);
+        let bytes = signed.encode();
+        self.shared.sticky.lock().unwrap().status = Some((topic.clone(), bytes.clone()));
+        self.publish_raw(&topic, bytes, QoS::AtLeastOnce, true)
+            .await
+    }
+
+    /// Publishes a receipt to the device it names (QoS 1, not retained).
+    pub async fn publish_receipt(&self, signed: &Signed<Receipt>) -> Result<(), ControlError> {
+        self.check_fleet(&signed.body().fleet)?;
+        let topic = topics::receipts(&self.fleet, &signed.body().device);
+        self.publish_raw(&topic, signed.encode(), QoS::AtLeastOnce, false)
+            .await
+    }
+
+    /// Sends an update over the MQTT upload path: the signed header, then the payload in
+    /// chunks, on this device's updates topic (QoS 1). Queued, not confirmed: wait for the
+    /// [`ControlEvent::Receipt`] and send again (same signed header) if none comes.
+    pub async fn upload_update(
+        &self,
+        signed: &SignedUpdate,
+        payload: &[u8],
+    ) -> Result<(), ControlError> {
+        let Some(device) = &self.device else {
+            return Err(ControlError::Role("upload updates (not a device)"));
+        };
+        let h = signed.body();
+        self.check_fleet(&h.fleet)?;
+        if &h.device != device {
+            return Err(ControlError::WrongDevice {
+                expected: device.clone(),
+                found: h.device.clone(),
+            });
+        }
+        if h.payload_len != payload.len() as u64 {
+            return Err(ControlError::PayloadLength {
+                len: payload.len() as u64,
+                signed: h.payload_len,
+            });
+        }
+        let topic = topics::updates(&self.fleet, device);
+        for frame in upload::encode_frames(signed, payload, self.chunk_bytes) {
+            self.publish_raw(&topic, frame, QoS::AtLeastOnce, false)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes arbitrary bytes on any topic. For tools and tests (the broker enforces no
+    /// topic access, which is why receivers verify everything).
+    pub async fn publish_raw(
+        &self,
+        topic: &str,
+        bytes: Vec<u8>,
+        qos: QoS,
+        retain: bool,
+    ) -> Result<(), ControlError> {
+        self.mqtt
+            .publish(topic, qos, retain, bytes)
+            .await
+            .map_err(|_| ControlError::Closed)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> ControlStats {
+        self.shared.stats.lock().unwrap().clone()
+    }
+
+    /// Disconnects and stops the connection task; the event stream ends.
+    pub async fn shutdown(&self) {
+        let _ = self.mqtt.try_disconnect();
+        let _ = self.stop.send(true);
+    }
+}
+
+struct Driver {
+    options: ClientOptions,
+    role: Role,
+    events: mpsc::Sender<ControlEvent>,
+    shared: Arc<Shared>,
+    assembler: Option<UpdateAssembler>,
+    last_round: Option<(RoundId, Vec<u8>)>,
+    last_rollout: Option<(u64, Vec<u8>)>,
+}
+
+fn jitter(d: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.subsec_nanos())
+        .unwrap_or(0);
+    // 75 %..125 % of d.
+    d.mul_f64(0.75 + f64::from(nanos % 1000) / 2000.0)
+}
+
+impl Driver {
+    fn subscriptions(&self) -> Vec<rumqttc::SubscribeFilter> {
+        let f = &self.options.fleet;
+        let mut subs = Vec::new();
+        let mut add =
+            |path: String| subs.push(rumqttc::SubscribeFilter::new(path, QoS::AtLeastOnce));
+        match &self.role {
+            Role::Device {
+                id, registry_key, ..
+            } => {
+                add(topics::rounds(f));
+                if registry_key.is_some() {
+                    add(topics::rollouts(f));
+                }
+                add(topics::receipts(f, id));
+            }
+            Role::Service {
+                status, updates, ..
+            } => {
+                if *status {
+                    add(topics::all_status(f));
+                }
+                if *updates {
+                    add(topics::all_updates(f));
+                }
+            }
+        }
+        subs
+    }
+
+    async fn emit(&self, event: ControlEvent) {
+        {
+            let mut s = self.shared.stats.lock().unwrap();
+            match &event {
+                ControlEvent::Connected { .. } => s.connects += 1,
+                ControlEvent::Disconnected { .. } => s.disconnects += 1,
+                ControlEvent::Rejected(r) => *s.rejected.entry(r.reason).or_default() += 1,
+                _ => s.accepted += 1,
+            }
+        }
+        if let ControlEvent::Rejected(r) = &event {
+            tracing::info!(reason = %r.reason, topic = %r.topic, detail = %r.detail, "control message rejected");
+        }
+        let _ = self.events.send(event).await;
+    }
+
+    fn duplicate(&self) {
+        self.shared.stats.lock().unwrap().duplicates += 1;
+    }
+
+    async fn run(mut self, mut eventloop: EventLoop, mut stopped: watch::Receiver<bool>) {
+        if let Role::Service {
+            updates: true,
+            limits,
+            ..
+        } = &self.role
+        {
+            self.assembler = Some(UpdateAssembler::new(
+                self.options.fleet.clone(),
+                limits.clone(),
+            ));
+        }
+        let mut backoff = self.options.backoff_initial;
+        let mut connected = false;
+        loop {
+            let polled = tokio::select! {
+                _ = stopped.changed() => break,
+                p = eventloop.poll() => p,
+            };
+            match polled {
+                Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                    connected = true;
+                    backoff = self.options.backoff_initial;
+                    self.on_connect(&mut eventloop).await;
+                }
+                Ok(Event::Incoming(Packet::Publish(p))) => {
+                    self.on_publish(&p.topic, &p.payload).await
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    if connected {
+                        connected = false;
+                        self.emit(ControlEvent::Disconnected {
+                            error: e.to_string(),
+                        })
+                        .await;
+                    }
+                    tracing::debug!(error = %e, ?backoff, "MQTT connection failed; retrying");
+                    tokio::select! {
+                        _ = stopped.changed() => break,
+                        _ = tokio::time::sleep(jitter(backoff)) => {}
+                    }
+                    backoff = (backoff * 2).min(self.options.backoff_max);
+                }
+            }
+            if *stopped.borrow() {
+                break;
+            }
+        }
+    }
+
+    /// Subscriptions and retained republishes for a fresh connection. They go to the front of
+    /// the event loop's queue (never through the request channel, which this task drains and
+    /// so must not wait on).
+    async fn on_connect(&mut self, eventloop: &mut EventLoop) {
+        let subs = self.subscriptions();
+        let mut requests = Vec::new();
+        if !subs.is_empty() {
+            requests.push(Request::Subscribe(rumqttc::Subscribe::new_many(subs)));
+        }
+        {
+            let s = self.shared.sticky.lock().unwrap();
+            let f = &self.options.fleet;
+            let sticky = s
+                .round
+                .iter()
+                .map(|b| (topics::rounds(f), b.clone()))
+                .chain(s.rollout.iter().map(|b| (topics::rollouts(f), b.clone())))
+                .chain(s.status.iter().cloned());
+            for (topic, bytes) in sticky {
+                let mut p = rumqttc::Publish::new(topic, QoS::AtLeastOnce, bytes);
+                p.retain = true;
+                requests.push(Request::Publish(p));
+            }
+        }
+        for r in requests.into_iter().rev() {
+            eventloop.pending.push_front(r);
+        }
+        let count = self.shared.stats.lock().unwrap().connects + 1;
+        self.emit(ControlEvent::Connected { count }).await;
+    }
+
+    async fn on_publish(&mut self, topic_str: &str, payload: &[u8]) {
+        let fleet = self.options.fleet.clone();
+        let topic = match topics::parse(topic_str) {
+            Ok(t) => t,
+            Err(e) => {
+                let r = Rejected::new(topic_str, None, RejectReason::Malformed, e.to_string());
+                return self.emit(ControlEvent::Rejected(r)).await;
+            }
+        };
+        if topic.fleet() != &fleet {
+            let r = Rejected::new(
+                topic_str,
+                topic.device(),
+                RejectReason::WrongFleet,
+                "topic of another fleet",
+            );
+            return self.emit(ControlEvent::Rejected(r)).await;
+        }
+        if payload.is_empty() {
+            // A cleared retained message: nothing to verify, nothing to report.
+            return;
+        }
+        let result = match (&self.role, &topic) {
+            (Role::Device { aggregator_key, .. }, Topic::Rounds { .. }) => {
+                verify::announcement(topic_str, payload, &fleet, aggregator_key).and_then(|s| {
+                    let round = s.body().round;
+                    match &self.last_round {
+                        Some((r, bytes)) if *r == round && bytes == s.body_bytes() => Ok(None),
+                        Some((r, _)) if *r > round => Err(Rejected::new(
+                            topic_str,
+                            None,
+                            RejectReason::StaleRound,
+                            format!("round {round} announced after round {r}"),
+                        )),
+                        _ => {
+                            self.last_round = Some((round, s.body_bytes().to_vec()));
+                            Ok(Some(ControlEvent::Announcement(s)))
+                        }
+                    }
+                })
+            }
+            (
+                Role::Device {
+                    registry_key: Some(key),
+                    ..
+                },
+                Topic::Rollouts { .. },
+            ) => verify::rollout(topic_str, payload, &fleet, key).and_then(|s| {
+                let issued = s.body().issued_at_unix_ms;
+                match &self.last_rollout {
+                    Some((t, bytes)) if *t == issued && bytes == s.body_bytes() => Ok(None),
+                    Some((t, _)) if *t > issued => Err(Rejected::new(
+                        topic_str,
+                        None,
+                        RejectReason::Replay,
+                        "rollout notice older than the last one seen",
+                    )),
+                    _ => {
+                        self.last_rollout = Some((issued, s.body_bytes().to_vec()));
+                        Ok(Some(ControlEvent::Rollout(s)))
+                    }
+                }
+            }),
+            (
+                Role::Device {
+                    id, aggregator_key, ..
+                },
+                Topic::Receipts { device, .. },
+            ) if device == id => verify::receipt(topic_str, payload, &fleet, id, aggregator_key)
+                .map(|s| Some(ControlEvent::Receipt(s))),
+            (
+                Role::Service {
+                    keys, status: true, ..
+                },
+                Topic::Status { device, .. },
+            ) => verify::status(topic_str, payload, &fleet, device, keys.as_ref())
+                .map(|s| Some(ControlEvent::Status(s))),
+            (
+                Role::Service {
+                    keys,
+                    updates: true,
+                    ..
+                },
+                Topic::Updates { device, .. },
+            ) => {
+                let keys = keys.clone();
+                let asm = self
+                    .assembler
+                    .as_mut()
+                    .expect("assembler exists for update subscribers");
+                match asm.push(topic_str, device, keys.as_ref(), payload, Instant::now()) {
+                    Ok(Assembled::Complete(v)) => Ok(Some(ControlEvent::Update(v))),
+                    Ok(Assembled::Pending) => return,
+                    Ok(Assembled::Ignored) => Ok(None),
+                    Err(r) => Err(r),
+                }
+            }
+            // Something we did not subscribe to (another client's echo, a broker quirk).
+            _ => return,
+        };
+        match result {
+            Ok(Some(event)) => self.emit(event).await,
+            Ok(None) => self.duplicate(),
+            Err(r) => self.emit(ControlEvent::Rejected(r)).await,
+        }
+    }
+}

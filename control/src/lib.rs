@@ -1,0 +1,33 @@
+//! fedfleet's control plane over MQTT: what a fleet needs to hear about (round announcements,
+//! rollout notices, device status and heartbeats) and a fallback upload path for networks where
+//! UDP (QUIC) is blocked. Bulk data stays on QUIC.
+//!
+//! - [`topics`]: the versioned topic schema and the QoS of each topic.
+//! - [`broker`]: the embedded rumqttd broker (TLS, client certificates required).
+//! - [`client`]: [`ControlClient`], typed signed publishing and verified [`ControlEvent`]s, with
+//!   reconnect and backoff.
+//! - [`upload`]: chunked update frames and the aggregator-side [`UpdateAssembler`].
+//! - [`verify`]: the checks every received message goes through; the broker is not trusted.
+//! - [`presence`]: devices online and last seen, from verified status.
+//!
+//! **Crypto provider:** ring only. rumqttc is built with `use-rustls-no-provider` and gets its
+//! rustls config from `fedfleet-certs` (built with the ring provider); rumqttd brings its own
+//! rustls 0.22 on ring.
+
+pub mod broker;
+pub mod client;
+pub mod presence;
+pub mod topics;
+pub mod upload;
+pub mod verify;
+
+pub use broker::{BrokerConfig, BrokerError, EmbeddedBroker, export_key_pkcs8_v1};
+pub use client::{
+    ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Role,
+    device_tls, service_tls,
+};
+pub use presence::Presence;
+pub use rumqttc::QoS;
+pub use topics::Topic;
+pub use upload::{Assembled, AssemblerLimits, UpdateAssembler, VerifiedUpload, encode_frames};
+pub use verify::{DeviceKeys, Rejected};

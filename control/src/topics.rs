@@ -1,0 +1,213 @@
+//! The versioned MQTT topic schema and the QoS of each topic.
+//!
+//! ```text
+//! fedfleet/v1/<fleet>/rounds                   Signed<RoundAnnouncement>  aggregator -> devices  QoS1 retained
+//! fedfleet/v1/<fleet>/rollouts                 Signed<RolloutNotice>      registry   -> devices  QoS1 retained
+//! fedfleet/v1/<fleet>/devices/<id>/status      Signed<DeviceStatus>       device     -> services QoS1 retained
+//! fedfleet/v1/<fleet>/devices/<id>/updates     upload frames (signed hdr) device     -> aggregator QoS1
+//! fedfleet/v1/<fleet>/devices/<id>/receipts    Signed<Receipt>            aggregator -> device   QoS1
+//! ```
+//!
+//! Fleet and device ids are `[A-Za-z0-9._-]{1,64}` (checked by the protocol crate), so they never
+//! contain the MQTT separators or wildcards `/`, `+`, `#`. A breaking change to any payload gets a
+//! `v2` prefix; `v1` subscribers never see it.
+
+use fedfleet_protocol::{DeviceId, FleetId};
+use rumqttc::QoS;
+
+/// First two levels of every topic.
+pub const PREFIX: &str = "fedfleet/v1";
+
+/// One topic of the schema, parsed.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Topic {
+    /// The current round announcement. **QoS 1, retained**: a device that connects (or
+    /// reconnects) mid-round learns the open round from the retained message at once instead of
+    /// waiting for the next one; QoS 1 because a lost announcement costs a device the round, and
+    /// duplicates are harmless (announcements are idempotent by round id).
+    Rounds { fleet: FleetId },
+    /// The current rollout notice. **QoS 1, retained**, for the same reasons: a device that was
+    /// offline when a phase started learns it on connect; repeats are idempotent by
+    /// (rollout id, phase).
+    Rollouts { fleet: FleetId },
+    /// A device's signed heartbeat and status. **QoS 1, retained**: a rollout phase waits on
+    /// install outcomes, so they must not be lost; retained so a restarted registry or aggregator
+    /// sees every device's last status (its signed `reported_at` says how old it is). A
+    /// duplicate is the same report twice.
+    Status { fleet: FleetId, device: DeviceId },
+    /// Upload frames of the MQTT fallback path (a signed update header, then payload chunks).
+    /// **QoS 1, not retained**: chunks must arrive; a duplicate chunk is recognised by its index
+    /// and dropped. Never retained: an upload is for the aggregator of the moment only.
+    Updates { fleet: FleetId, device: DeviceId },
+    /// The aggregator's signed receipts for updates accepted from this device. **QoS 1, not
+    /// retained**: a device that misses one re-sends its update and gets the receipt again
+    /// (ingest is idempotent), so nothing needs to wait in the broker.
+    Receipts { fleet: FleetId, device: DeviceId },
+}
+
+impl Topic {
+    /// The topic string.
+    pub fn path(&self) -> String {
+        match self {
+            Topic::Rounds { fleet } => rounds(fleet),
+            Topic::Rollouts { fleet } => rollouts(fleet),
+            Topic::Status { fleet, device } => status(fleet, device),
+            Topic::Updates { fleet, device } => updates(fleet, device),
+            Topic::Receipts { fleet, device } => receipts(fleet, device),
+        }
+    }
+
+    /// QoS to publish and subscribe with (see each variant for why).
+    pub fn qos(&self) -> QoS {
+        QoS::AtLeastOnce
+    }
+
+    /// Whether publishers set the retain flag.
+    pub fn retained(&self) -> bool {
+        matches!(
+            self,
+            Topic::Rounds { .. } | Topic::Rollouts { .. } | Topic::Status { .. }
+        )
+    }
+
+    pub fn fleet(&self) -> &FleetId {
+        match self {
+            Topic::Rounds { fleet }
+            | Topic::Rollouts { fleet }
+            | Topic::Status { fleet, .. }
+            | Topic::Updates { fleet, .. }
+            | Topic::Receipts { fleet, .. } => fleet,
+        }
+    }
+
+    /// The device named in the topic, if any.
+    pub fn device(&self) -> Option<&DeviceId> {
+        match self {
+            Topic::Rounds { .. } | Topic::Rollouts { .. } => None,
+            Topic::Status { device, .. }
+            | Topic::Updates { device, .. }
+            | Topic::Receipts { device, .. } => Some(device),
+        }
+    }
+}
+
+/// Why a topic string is not part of the schema.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TopicError {
+    #[error("topic {0:?} is not under {PREFIX}/")]
+    NotOurs(String),
+    #[error("topic {0:?} has a bad fleet or device id")]
+    BadId(String),
+    #[error("topic {0:?} is not in the v1 schema")]
+    Unknown(String),
+}
+
+/// Parses a topic string of the schema.
+pub fn parse(topic: &str) -> Result<Topic, TopicError> {
+    let rest = topic
+        .strip_prefix(PREFIX)
+        .and_then(|r| r.strip_prefix('/'))
+        .ok_or_else(|| TopicError::NotOurs(topic.to_owned()))?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    let bad_id = || TopicError::BadId(topic.to_owned());
+    let fleet = FleetId::new(*parts.first().unwrap_or(&"")).map_err(|_| bad_id())?;
+    match parts[1..] {
+        ["rounds"] => Ok(Topic::Rounds { fleet }),
+        ["rollouts"] => Ok(Topic::Rollouts { fleet }),
+        ["devices", id, leaf] => {
+            let device = DeviceId::new(id).map_err(|_| bad_id())?;
+            match leaf {
+                "status" => Ok(Topic::Status { fleet, device }),
+                "updates" => Ok(Topic::Updates { fleet, device }),
+                "receipts" => Ok(Topic::Receipts { fleet, device }),
+                _ => Err(TopicError::Unknown(topic.to_owned())),
+            }
+        }
+        _ => Err(TopicError::Unknown(topic.to_owned())),
+    }
+}
+
+pub fn rounds(fleet: &FleetId) -> String {
+    format!("{PREFIX}/{fleet}/rounds")
+}
+pub fn rollouts(fleet: &FleetId) -> String {
+    format!("{PREFIX}/{fleet}/rollouts")
+}
+pub fn status(fleet: &FleetId, device: &DeviceId) -> String {
+    format!("{PREFIX}/{fleet}/devices/{device}/status")
+}
+pub fn updates(fleet: &FleetId, device: &DeviceId) -> String {
+    format!("{PREFIX}/{fleet}/devices/{device}/updates")
+}
+pub fn receipts(fleet: &FleetId, device: &DeviceId) -> String {
+    format!("{PREFIX}/{fleet}/devices/{device}/receipts")
+}
+
+/// Filter for every device's status (registry, aggregator metrics).
+pub fn all_status(fleet: &FleetId) -> String {
+    format!("{PREFIX}/{fleet}/devices/+/status")
+}
+/// Filter for every device's upload frames (aggregator).
+pub fn all_updates(fleet: &FleetId) -> String {
+    format!("{PREFIX}/{fleet}/devices/+/updates")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topics_round_trip_and_refuse_strangers() {
+        let fleet = FleetId::new("demo").unwrap();
+        let device = DeviceId::new("cam-1").unwrap();
+        let all = [
+            Topic::Rounds {
+                fleet: fleet.clone(),
+            },
+            Topic::Rollouts {
+                fleet: fleet.clone(),
+            },
+            Topic::Status {
+                fleet: fleet.clone(),
+                device: device.clone(),
+            },
+            Topic::Updates {
+                fleet: fleet.clone(),
+                device: device.clone(),
+            },
+            Topic::Receipts {
+                fleet: fleet.clone(),
+                device: device.clone(),
+            },
+        ];
+        for t in all {
+            assert_eq!(parse(&t.path()).unwrap(), t);
+            assert_eq!(t.qos(), QoS::AtLeastOnce);
+        }
+        assert_eq!(rounds(&fleet), "fedfleet/v1/demo/rounds");
+        assert_eq!(
+            status(&fleet, &device),
+            "fedfleet/v1/demo/devices/cam-1/status"
+        );
+        assert!(matches!(
+            parse("fedfleet/v2/demo/rounds"),
+            Err(TopicError::NotOurs(_))
+        ));
+        assert!(matches!(
+            parse("fedfleet/v1/demo/devices/+/status"),
+            Err(TopicError::BadId(_))
+        ));
+        assert!(matches!(
+            parse("fedfleet/v1/demo/devices/a/other"),
+            Err(TopicError::Unknown(_))
+        ));
+        assert!(matches!(
+            parse("fedfleet/v1/demo/rounds/x"),
+            Err(TopicError::Unknown(_))
+        ));
+        assert!(matches!(
+            parse("fedfleet/v1//rounds"),
+            Err(TopicError::BadId(_))
+        ));
+    }
+}

@@ -1,0 +1,424 @@
+//! Shared fixture: a fleet PKI in a tempdir, clients, a scripted device and the round flow run
+//! against any broker.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ed25519_dalek::SigningKey;
+use fedfleet_certs::{AllowList, CA_DAYS, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
+use fedfleet_control::{
+    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, ControlEvents,
+    Presence, Rejected, Role, device_tls, service_tls,
+};
+use fedfleet_protocol::{
+    DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt,
+    RoundAnnouncement, RoundConfig, RoundId, Selection, Signed, UpdateHeader, random_nonce,
+};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, timeout};
+
+pub const WAIT: Duration = Duration::from_secs(20);
+
+pub struct Fleet {
+    pub dir: tempfile::TempDir,
+    pub pki: Pki,
+    pub fleet: FleetId,
+    pub aggregator_key: SigningKey,
+    pub registry_key: SigningKey,
+    pub devices: Vec<DeviceId>,
+}
+
+impl Fleet {
+    pub fn new(n: usize) -> Fleet {
+        let dir = tempfile::tempdir().unwrap();
+        let fleet = FleetId::new("demo").unwrap();
+        let pki = Pki::init(dir.path().join("pki"), &fleet, CA_DAYS, false).unwrap();
+        pki.issue_server("aggregator", &[], LEAF_DAYS, false)
+            .unwrap();
+        let devices: Vec<DeviceId> = (1..=n)
+            .map(|i| DeviceId::new(format!("dev-{i}")).unwrap())
+            .collect();
+        for d in &devices {
+            pki.enroll_device(d, LEAF_DAYS, false).unwrap();
+        }
+        Fleet {
+            dir,
+            pki,
+            fleet,
+            aggregator_key: SigningKey::from_bytes(&[11; 32]),
+            registry_key: SigningKey::from_bytes(&[12; 32]),
+            devices,
+        }
+    }
+
+    pub fn server_files(&self) -> (PathBuf, PathBuf) {
+        let d = self.pki.dir().join("servers");
+        (d.join("aggregator.crt"), d.join("aggregator.key"))
+    }
+
+    pub fn broker_config(&self, port: u16) -> BrokerConfig {
+        let (crt, key) = self.server_files();
+        BrokerConfig::new(
+            ([127, 0, 0, 1], port).into(),
+            self.pki.ca_cert_path(),
+            crt,
+            key,
+        )
+    }
+
+    pub fn options(&self, port: u16, client_id: &str) -> ClientOptions {
+        let mut o = ClientOptions::new("127.0.0.1", port, client_id, self.fleet.clone());
+        o.keep_alive = Duration::from_secs(5);
+        o.backoff_initial = Duration::from_millis(50);
+        o.backoff_max = Duration::from_millis(500);
+        o.chunk_bytes = 16 * 1024;
+        o
+    }
+
+    /// The aggregator's control client: hears status and uploads.
+    pub fn aggregator(&self, port: u16) -> (ControlClient, ControlEvents) {
+        let id = ServerIdentity::load(self.pki.dir(), "aggregator").unwrap();
+        let tls = service_tls(self.pki.ca(), &id).unwrap();
+        let keys = Arc::new(AllowList::load(self.pki.allow_list_path()).unwrap());
+        let role = Role::Service {
+            keys,
+            status: true,
+            updates: true,
+            limits: AssemblerLimits::default(),
+        };
+        ControlClient::start(self.options(port, "aggregator"), tls, role)
+    }
+
+    pub fn device(&self, port: u16, id: &DeviceId) -> (ControlClient, ControlEvents, SigningKey) {
+        let identity = DeviceIdentity::load(self.pki.dir(), id).unwrap();
+        let tls = device_tls(&identity).unwrap();
+        let role = Role::Device {
+            id: id.clone(),
+            aggregator_key: self.aggregator_key.verifying_key(),
+            registry_key: Some(self.registry_key.verifying_key()),
+        };
+        let (c, e) = ControlClient::start(self.options(port, id.as_str()), tls, role);
+        (c, e, identity.signing_key())
+    }
+
+    pub fn announcement(&self, round: u64) -> Signed<RoundAnnouncement> {
+        Signed::sign(
+            RoundAnnouncement {
+                fleet: self.fleet.clone(),
+                round: RoundId(round),
+                base_model: base_model(round),
+                config: RoundConfig::default(),
+                deadline_unix_ms: 4_000_000_000_000,
+                selection: Selection::All,
+            },
+            &self.aggregator_key,
+        )
+    }
+}
+
+pub fn base_model(round: u64) -> ModelRef {
+    ModelRef {
+        name: "digits".into(),
+        version: ModelVersion(round),
+        digest: Digest::of(&round.to_be_bytes()),
+    }
+}
+
+/// The update a device sends in a round: deterministic, ~50 KB (4 chunks of 16 KiB).
+pub fn payload(device: &DeviceId, round: u64) -> Vec<u8> {
+    let seed = Digest::of(format!("{device}/{round}").as_bytes()).0;
+    (0..50_000usize)
+        .map(|i| seed[i % 32].wrapping_add((i / 32) as u8))
+        .collect()
+}
+
+pub fn signed_update(
+    fleet: &FleetId,
+    device: &DeviceId,
+    key: &SigningKey,
+    round: u64,
+    payload: &[u8],
+) -> fedfleet_protocol::SignedUpdate {
+    Signed::sign(
+        UpdateHeader {
+            device: device.clone(),
+            fleet: fleet.clone(),
+            round: RoundId(round),
+            base_model: base_model(round).digest,
+            nonce: random_nonce(&mut rand_core::OsRng),
+            sample_count: 100,
+            payload_len: payload.len() as u64,
+            payload_digest: Digest::of(payload),
+            payload_dtype: DType::F32,
+        },
+        key,
+    )
+}
+
+/// Waits for the first event `f` maps to `Some`, skipping others.
+pub async fn wait_for<T>(
+    events: &mut ControlEvents,
+    what: &str,
+    mut f: impl FnMut(&ControlEvent) -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let ev = timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            events.recv(),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap_or_else(|| panic!("event stream ended waiting for {what}"));
+        if let Some(t) = f(&ev) {
+            return t;
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum Report {
+    Connected(DeviceId, u64),
+    Joined(DeviceId, u64),
+    Receipted(DeviceId, u64),
+    Rejected(DeviceId, Rejected),
+}
+
+/// A scripted agent: joins every announced round, uploads over MQTT, re-sends until its
+/// receipt arrives (as the agent's outbox does), reports a status on joining.
+pub async fn run_device(
+    client: ControlClient,
+    mut events: ControlEvents,
+    id: DeviceId,
+    key: SigningKey,
+    fleet: FleetId,
+    reports: mpsc::UnboundedSender<Report>,
+) {
+    let mut pending: Option<(fedfleet_protocol::SignedUpdate, Vec<u8>)> = None;
+    let resend = Duration::from_millis(1500);
+    let mut next_resend = Instant::now() + resend;
+    loop {
+        tokio::select! {
+            ev = events.recv() => {
+                let Some(ev) = ev else { return };
+                match ev {
+                    ControlEvent::Connected { count } => {
+                        let _ = reports.send(Report::Connected(id.clone(), count));
+                        if let Some((s, p)) = &pending {
+                            client.upload_update(s, p).await.unwrap();
+                            next_resend = Instant::now() + resend;
+                        }
+                    }
+                    ControlEvent::Announcement(a) => {
+                        let round = a.body().round.0;
+                        let _ = reports.send(Report::Joined(id.clone(), round));
+                        let status = DeviceStatus {
+                            fleet: fleet.clone(),
+                            device: id.clone(),
+                            reported_at_unix_ms: now_ms(),
+                            state: DeviceState::Training { round: RoundId(round) },
+                            active: None,
+                            staged: None,
+                            rollout_id: None,
+                        };
+                        client.publish_status(&Signed::sign(status, &key)).await.unwrap();
+                        let p = payload(&id, round);
+                        let s = signed_update(&fleet, &id, &key, round, &p);
+                        client.upload_update(&s, &p).await.unwrap();
+                        next_resend = Instant::now() + resend;
+                        pending = Some((s, p));
+                    }
+                    ControlEvent::Receipt(r) => {
+                        let r = r.body();
+                        if pending.as_ref().is_some_and(|(s, _)| s.body().nonce == r.nonce) {
+                            pending = None;
+                            let _ = reports.send(Report::Receipted(id.clone(), r.round.0));
+                        }
+                    }
+                    ControlEvent::Rejected(r) => { let _ = reports.send(Report::Rejected(id.clone(), r)); }
+                    _ => {}
+                }
+            }
+            _ = tokio::time::sleep_until(next_resend), if pending.is_some() => {
+                let (s, p) = pending.as_ref().unwrap();
+                client.upload_update(s, p).await.unwrap();
+                next_resend = Instant::now() + resend;
+            }
+        }
+    }
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+async fn wait_reports(
+    rx: &mut mpsc::UnboundedReceiver<Report>,
+    what: &str,
+    mut done: impl FnMut(&Report) -> bool,
+) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let r = timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            rx.recv(),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap();
+        if let Report::Rejected(d, r) = &r {
+            panic!("device {d} rejected a genuine message: {r}");
+        }
+        if done(&r) {
+            return;
+        }
+    }
+}
+
+/// The aggregator side of one round: collects a verified update from every device (checking
+/// the bytes are exactly those sent), answers each with a signed receipt.
+async fn collect_round(
+    f: &Fleet,
+    agg: &ControlClient,
+    events: &mut ControlEvents,
+    round: u64,
+    presence: &mut Presence,
+) {
+    let mut got: BTreeSet<DeviceId> = BTreeSet::new();
+    let deadline = Instant::now() + WAIT;
+    while got.len() < f.devices.len() {
+        let ev = timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            events.recv(),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: updates from {got:?} only"))
+        .unwrap();
+        match ev {
+            ControlEvent::Update(v) => {
+                let h = v.signed.body().clone();
+                if h.round.0 != round {
+                    continue; // a late re-send of an earlier round
+                }
+                assert_eq!(
+                    v.payload,
+                    payload(&v.device, round),
+                    "bytes differ from those sent"
+                );
+                assert_eq!(h.device, v.device);
+                got.insert(v.device.clone());
+                let receipt = Receipt {
+                    fleet: f.fleet.clone(),
+                    device: h.device,
+                    round: h.round,
+                    nonce: h.nonce,
+                    payload_digest: h.payload_digest,
+                    accepted_at_unix_ms: now_ms(),
+                };
+                agg.publish_receipt(&Signed::sign(receipt, &f.aggregator_key))
+                    .await
+                    .unwrap();
+            }
+            ControlEvent::Status(s) => presence.record(s.body(), now_ms()),
+            ControlEvent::Rejected(r) => panic!("aggregator rejected a genuine message: {r}"),
+            _ => {}
+        }
+    }
+}
+
+/// announcement -> agents join -> updates arrive -> next round, against the broker on `port`.
+/// `mid_round` runs after every device joined round 1 (e.g. restarts the broker); when it
+/// returns true, the flow waits for every client to reconnect before going on.
+pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> bool) {
+    let (agg, mut agg_events) = f.aggregator(port);
+    wait_for(&mut agg_events, "aggregator connect", |e| {
+        matches!(e, ControlEvent::Connected { .. }).then_some(())
+    })
+    .await;
+    agg.publish_announcement(&f.announcement(1)).await.unwrap();
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut clients = Vec::new();
+    for d in &f.devices {
+        let (c, e, k) = f.device(port, d);
+        clients.push(c.clone());
+        tokio::spawn(run_device(c, e, d.clone(), k, f.fleet.clone(), tx.clone()));
+    }
+    let mut joined = BTreeSet::new();
+    wait_reports(&mut rx, "devices joining round 1", |r| {
+        if let Report::Joined(d, 1) = r {
+            joined.insert(d.clone());
+        }
+        joined.len() == f.devices.len()
+    })
+    .await;
+
+    let mut presence = Presence::new();
+    let restarted = mid_round().await;
+    if restarted {
+        let mut reconnected = BTreeSet::new();
+        wait_reports(&mut rx, "devices reconnecting", |r| {
+            if let Report::Connected(d, n) = r
+                && *n >= 2
+            {
+                reconnected.insert(d.clone());
+            }
+            reconnected.len() == f.devices.len()
+        })
+        .await;
+    }
+
+    collect_round(f, &agg, &mut agg_events, 1, &mut presence).await;
+    if restarted {
+        assert!(agg.stats().connects >= 2, "{:?}", agg.stats());
+    }
+    let mut receipted = BTreeSet::new();
+    wait_reports(&mut rx, "receipts of round 1", |r| {
+        if let Report::Receipted(d, 1) = r {
+            receipted.insert(d.clone());
+        }
+        receipted.len() == f.devices.len()
+    })
+    .await;
+
+    // Next round.
+    agg.publish_announcement(&f.announcement(2)).await.unwrap();
+    collect_round(f, &agg, &mut agg_events, 2, &mut presence).await;
+    let mut receipted = BTreeSet::new();
+    wait_reports(&mut rx, "receipts of round 2", |r| {
+        if let Report::Receipted(d, 2) = r {
+            receipted.insert(d.clone());
+        }
+        receipted.len() == f.devices.len()
+    })
+    .await;
+
+    // Status heartbeats reached the aggregator, verified (retained ones arrive on reconnect too).
+    let deadline = Instant::now() + WAIT;
+    while presence.known() < f.devices.len() {
+        match timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            agg_events.recv(),
+        )
+        .await
+        {
+            Ok(Some(ControlEvent::Status(s))) => presence.record(s.body(), now_ms()),
+            Ok(Some(_)) => {}
+            _ => panic!("status of {} devices only", presence.known()),
+        }
+    }
+    assert_eq!(presence.online(now_ms(), 60_000), f.devices.len());
+
+    let stats = agg.stats();
+    assert!(stats.rejected.is_empty(), "{stats:?}");
+    for c in &clients {
+        assert!(c.stats().rejected.is_empty(), "{:?}", c.stats());
+        c.shutdown().await;
+    }
+    agg.shutdown().await;
+}

@@ -1,0 +1,271 @@
+use std::time::Duration;
+
+use fedfleet_control::{
+    BrokerError, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, QoS, Role,
+    encode_frames, topics,
+};
+use fedfleet_protocol::{DeviceId, FleetId, RejectReason, RoundAnnouncement, Signed};
+
+use crate::common::{self, Fleet, wait_for};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_flow_over_the_embedded_broker() {
+    let f = Fleet::new(3);
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    common::round_flow(&f, port, async || false).await;
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_agent_survives_a_broker_restart_mid_round() {
+    let f = Fleet::new(3);
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    let config = f.broker_config(port);
+    let mut slot = Some(broker);
+    let mut restarted = None;
+    common::round_flow(&f, port, async || {
+        slot.take().unwrap().shutdown().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        restarted = Some(EmbeddedBroker::start(config).await.unwrap());
+        true
+    })
+    .await;
+    restarted.unwrap().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_announcements_and_updates_are_rejected_with_reasons() {
+    let f = Fleet::new(2);
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    let (a, b) = (&f.devices[0], &f.devices[1]);
+    let (agg, mut agg_events) = f.aggregator(port);
+    let (dev_a, mut a_events, key_a) = f.device(port, a);
+    let (dev_b, mut b_events, key_b) = f.device(port, b);
+    for (what, events) in [
+        ("aggregator", &mut agg_events),
+        ("a", &mut a_events),
+        ("b", &mut b_events),
+    ] {
+        wait_for(events, what, |e| {
+            matches!(e, ControlEvent::Connected { .. }).then_some(())
+        })
+        .await;
+    }
+
+    // An announcement signed by the wrong key, published straight to the broker (by device b,
+    // whose certificate the broker accepts: the broker enforces no topic access).
+    let mut ann = f.announcement(5).into_body();
+    let forged = Signed::sign(ann.clone(), &key_b);
+    dev_b
+        .publish_raw(
+            &topics::rounds(&f.fleet),
+            forged.encode(),
+            QoS::AtLeastOnce,
+            true,
+        )
+        .await
+        .unwrap();
+    let r = wait_for(
+        &mut a_events,
+        "forged announcement rejection",
+        |e| match e {
+            ControlEvent::Rejected(r) => Some(r.clone()),
+            ControlEvent::Announcement(_) => panic!("forged announcement accepted"),
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(r.reason, RejectReason::BadSignature, "{r}");
+
+    // Right key, another fleet's announcement replayed into ours.
+    ann.fleet = FleetId::new("other").unwrap();
+    let other_fleet: Signed<RoundAnnouncement> = Signed::sign(ann, &f.aggregator_key);
+    dev_b
+        .publish_raw(
+            &topics::rounds(&f.fleet),
+            other_fleet.encode(),
+            QoS::AtLeastOnce,
+            true,
+        )
+        .await
+        .unwrap();
+    let r = wait_for(&mut a_events, "wrong-fleet rejection", |e| match e {
+        ControlEvent::Rejected(r) => Some(r.clone()),
+        ControlEvent::Announcement(_) => panic!("other fleet's announcement accepted"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(r.reason, RejectReason::WrongFleet, "{r}");
+
+    // Forged updates on device a's topic.
+    let topic_a = topics::updates(&f.fleet, a);
+    let p = common::payload(a, 5);
+    let cases: Vec<(&str, Vec<Vec<u8>>, RejectReason)> = vec![
+        // Header naming a, signed with b's key.
+        (
+            "signed by b",
+            encode_frames(
+                &common::signed_update(&f.fleet, a, &key_b, 5, &p),
+                &p,
+                16 * 1024,
+            ),
+            RejectReason::BadSignature,
+        ),
+        // b's genuine header, published on a's topic.
+        (
+            "b's header on a's topic",
+            encode_frames(
+                &common::signed_update(&f.fleet, b, &key_b, 5, &p),
+                &p,
+                16 * 1024,
+            ),
+            RejectReason::BadSignature,
+        ),
+        // a's genuine header, payload altered in flight.
+        (
+            "bad digest",
+            {
+                let mut frames = encode_frames(
+                    &common::signed_update(&f.fleet, a, &key_a, 5, &p),
+                    &p,
+                    16 * 1024,
+                );
+                let last = frames.last_mut().unwrap();
+                let n = last.len() - 1;
+                last[n] ^= 0x40;
+                frames
+            },
+            RejectReason::DigestMismatch,
+        ),
+    ];
+    for (what, frames, reason) in cases {
+        for frame in frames {
+            dev_b
+                .publish_raw(&topic_a, frame, QoS::AtLeastOnce, false)
+                .await
+                .unwrap();
+        }
+        let r = wait_for(&mut agg_events, what, |e| match e {
+            ControlEvent::Rejected(r) => Some(r.clone()),
+            ControlEvent::Update(_) => panic!("{what}: forged update accepted"),
+            _ => None,
+        })
+        .await;
+        assert_eq!(
+            (r.reason, r.device.as_ref()),
+            (reason, Some(a)),
+            "{what}: {r}"
+        );
+    }
+    // A device that is not enrolled.
+    let ghost = DeviceId::new("ghost").unwrap();
+    for frame in encode_frames(
+        &common::signed_update(&f.fleet, &ghost, &key_b, 5, &p),
+        &p,
+        16 * 1024,
+    ) {
+        dev_b
+            .publish_raw(
+                &topics::updates(&f.fleet, &ghost),
+                frame,
+                QoS::AtLeastOnce,
+                false,
+            )
+            .await
+            .unwrap();
+    }
+    let r = wait_for(&mut agg_events, "ghost", |e| match e {
+        ControlEvent::Rejected(r) => Some(r.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(r.reason, RejectReason::UnknownDevice, "{r}");
+
+    // Nothing crashed: a genuine announcement and a genuine update still go through.
+    agg.publish_announcement(&f.announcement(6)).await.unwrap();
+    let round = wait_for(&mut a_events, "genuine announcement", |e| match e {
+        ControlEvent::Announcement(s) => Some(s.body().round.0),
+        _ => None,
+    })
+    .await;
+    assert_eq!(round, 6);
+    let genuine = common::signed_update(&f.fleet, a, &key_a, 6, &common::payload(a, 6));
+    dev_a
+        .upload_update(&genuine, &common::payload(a, 6))
+        .await
+        .unwrap();
+    let v = wait_for(&mut agg_events, "genuine update", |e| match e {
+        ControlEvent::Update(v) => Some(v.clone()),
+        ControlEvent::Rejected(r) => panic!("genuine update rejected: {r}"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(v.signed, genuine);
+    assert_eq!(v.payload, common::payload(a, 6));
+
+    let s = agg.stats();
+    assert_eq!(s.rejected(RejectReason::BadSignature), 2, "{s:?}");
+    assert_eq!(s.rejected(RejectReason::DigestMismatch), 1, "{s:?}");
+    assert_eq!(s.rejected(RejectReason::UnknownDevice), 1, "{s:?}");
+    let s = dev_a.stats();
+    assert_eq!(s.rejected(RejectReason::BadSignature), 1, "{s:?}");
+    assert_eq!(s.rejected(RejectReason::WrongFleet), 1, "{s:?}");
+    for c in [&agg, &dev_a, &dev_b] {
+        c.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_broker_requires_a_fleet_client_certificate() {
+    let f = Fleet::new(1);
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    let anonymous = fedfleet_certs::tls::anonymous_client_config(f.pki.ca(), &[]).unwrap();
+    let role = Role::Device {
+        id: f.devices[0].clone(),
+        aggregator_key: f.aggregator_key.verifying_key(),
+        registry_key: None,
+    };
+    let (c, mut events) = ControlClient::start(
+        ClientOptions::new("127.0.0.1", port, "anon", f.fleet.clone()),
+        std::sync::Arc::new(anonymous),
+        role,
+    );
+    let connected = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            if let Some(ControlEvent::Connected { .. }) = events.recv().await {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        connected.is_err(),
+        "a client without a certificate connected"
+    );
+    c.shutdown().await;
+    broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_embedded_broker_refuses_fleet_ids_rumqttd_cannot_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = FleetId::new("eu-west").unwrap();
+    let pki = fedfleet_certs::Pki::init(dir.path(), &fleet, 30, false).unwrap();
+    let s = pki.issue_server("aggregator", &[], 30, false).unwrap();
+    let cfg = fedfleet_control::BrokerConfig::new(
+        ([127, 0, 0, 1], 0).into(),
+        pki.ca_cert_path(),
+        s.cert_path,
+        s.key_path,
+    );
+    match EmbeddedBroker::start(cfg).await {
+        Err(BrokerError::FleetName(name)) => assert_eq!(name, "eu-west"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("started"),
+    }
+}
