@@ -67,6 +67,7 @@ impl ClientOptions {
 }
 
 /// What this client is, which decides what it subscribes to and how it verifies.
+#[allow(clippy::large_enum_variant)] // one per client
 pub enum Role {
     /// An edge device: hears round announcements (signed by the pinned aggregator key), rollout
     /// notices (signed by the pinned registry key, if given) and its own receipts.

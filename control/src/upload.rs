@@ -74,6 +74,7 @@ pub struct VerifiedUpload {
 
 /// What one frame did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)] // short-lived, moved once
 pub enum Assembled {
     /// Accepted; more frames are needed.
     Pending,
@@ -130,7 +131,10 @@ pub struct UpdateAssembler {
     reserved: u64,
 }
 
-fn read_prefix(frame: &[u8]) -> Option<(u8, [u8; 16], u32, u32, &[u8])> {
+/// Tag, upload id, two u32 fields, rest.
+type Prefix<'a> = (u8, [u8; 16], u32, u32, &'a [u8]);
+
+fn read_prefix(frame: &[u8]) -> Option<Prefix<'_>> {
     if frame.len() < FRAME_PREFIX_LEN || frame[1] != FRAME_VERSION {
         return None;
     }
