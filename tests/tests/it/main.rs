@@ -1,0 +1,3 @@
+//! End-to-end tests over loopback: the real registry, aggregator and agents.
+
+mod loopback;
