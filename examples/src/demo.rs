@@ -25,10 +25,10 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use fedfleet_agent::SlotModel;
+use fedfleet_agent::sim::FleetOptions;
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::{CampaignDefaults, Config as AggConfig, ModelConfig};
-use fedfleet_aggregator::publish::{PublishError, PublishFuture, PublishRequest, Publisher};
+use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request as AggRequest};
 use fedfleet_certs::{Pki, ServerIdentity};
@@ -39,12 +39,12 @@ use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
 use fedfleet_registry::server::{self as reg_server, ServerOptions};
-use fedfleet_registry::store::{NewVersion, Store, StoreConfig};
+use fedfleet_registry::store::{Store, StoreConfig};
 use fedfleet_registry::wire::{AdminRequest, RolloutStart};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::sync::oneshot;
 
-use crate::fleet::{Endpoints, Fleet, FleetSetup};
+use crate::fleet::Fleet;
 
 pub const MODEL_NAME: &str = "digits";
 const SERVER_NAME: &str = "localhost";
@@ -94,7 +94,7 @@ impl Default for DemoOptions {
             alpha: 0.5,
             local_epochs: 2,
             batch_size: 16,
-            lr: 0.1,
+            lr: 0.3,
             mu: 0.01,
             server_lr: None,
             workdir: None,
@@ -261,49 +261,6 @@ pub async fn start_registry(dir: &Path, pki: &Pki) -> anyhow::Result<(Arc<Regist
     Ok((reg, Running { addr, stop: Some(tx), task }))
 }
 
-/// Publishes the aggregator's global models straight into the registry's store (same process).
-/// Idempotent on `(parent, digest)` like every publisher, so a re-finalized round after a crash
-/// gets its version back.
-pub struct InProcessPublisher {
-    pub reg: Arc<Registry>,
-}
-
-impl Publisher for InProcessPublisher {
-    fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a> {
-        Box::pin(async move {
-            let reg = self.reg.clone();
-            let req = req.clone();
-            tokio::task::spawn_blocking(move || {
-                let err = |e: &dyn std::fmt::Display| PublishError(e.to_string());
-                let digest = fedfleet_protocol::Digest::of(&req.bundle);
-                if let Some(v) = reg.store().latest(&req.name).map_err(|e| err(&e))? {
-                    let m = reg.store().manifest(&req.name, v).map_err(|e| err(&e))?;
-                    if m.digest == digest && m.parent == req.parent {
-                        return Ok((v, digest));
-                    }
-                }
-                let spec = serde_json::from_str(&req.spec).map_err(|e| err(&e))?;
-                let m = reg
-                    .publish(
-                        NewVersion {
-                            name: req.name.clone(),
-                            spec,
-                            parent: req.parent,
-                            metrics: req.metrics.clone(),
-                            created_at: req.created_at_unix_ms,
-                            publisher: "aggregator".into(),
-                        },
-                        std::io::Cursor::new(&req.bundle),
-                    )
-                    .map_err(|e| err(&e))?;
-                Ok((m.version, m.digest))
-            })
-            .await
-            .map_err(|e| PublishError(e.to_string()))?
-        })
-    }
-}
-
 // ----- 3. aggregator -----
 
 /// The aggregator's campaign settings from the demo options.
@@ -402,24 +359,6 @@ pub async fn registry_operator(pki: &Pki, addr: SocketAddr) -> anyhow::Result<Re
     RegistryClient::connect(addr, SERVER_NAME, operator_tls(pki)?)
         .await
         .map_err(|e| anyhow::anyhow!("operator connection to the registry: {e}"))
-}
-
-// ----- 5. data -----
-
-/// Each agent's (train, holdout): a Dirichlet(α) share of the digits training split, 20 % of it
-/// kept as the local holdout the health check uses (the whole share if it is too small to split).
-pub fn partition(train: &Dataset, n: usize, alpha: f64, seed: u64) -> Vec<(Dataset, Dataset)> {
-    Partition::Dirichlet { alpha }
-        .split_dataset(train, n, seed)
-        .into_iter()
-        .map(|part| {
-            if part.len() < 5 {
-                return (part.clone(), part);
-            }
-            let (tr, ho) = part.split(0.2, seed);
-            if ho.is_empty() || tr.is_empty() { (part.clone(), part) } else { (tr, ho) }
-        })
-        .collect()
 }
 
 // ----- 6. campaign -----
@@ -565,7 +504,7 @@ async fn run_rollout(
     let percents = [10.0, 100.0];
     let audiences: Vec<Vec<DeviceId>> = percents
         .iter()
-        .map(|p| fleet.members.iter().map(|m| m.id.clone()).filter(|d| fedfleet_registry::rollout::in_percent(&id, d, *p)).collect())
+        .map(|p| fleet.ids.iter().cloned().filter(|d| fedfleet_registry::rollout::in_percent(&id, d, *p)).collect())
         .collect();
     let phases: Vec<Phase> = percents
         .iter()
@@ -752,18 +691,22 @@ async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) 
     let root = reg.signer().expect("keys loaded").root().clone();
     ui.line(format!("[2/8] registry: QUIC (mTLS) on {}, TUF root pinned by every device", reg_run.addr));
 
-    // Data and round target.
+    // Data and round target (agents with training data; a share can be empty under label skew).
     let spec = ModelSpec::digits_mlp();
     let (train, test) = Dataset::digits_split()?;
-    let parts = partition(&train, o.agents, o.alpha, o.seed);
-    let trainers = parts.iter().filter(|(tr, _)| !tr.is_empty()).count() as u32;
+    let partition = Partition::Dirichlet { alpha: o.alpha };
+    let sizes = crate::fleet::shares(&partition, o.agents, o.seed)?;
+    let trainers = sizes.iter().filter(|n| **n > 0).count() as u32;
 
     // 3. aggregator, publishing into the registry
     let campaign = campaign_defaults(o, trainers.max(1))?;
-    let publisher = Box::new(InProcessPublisher { reg: reg.clone() });
+    let publisher: Box<dyn Publisher> = Box::new(
+        RegistryPublisher::connect_lazy(pki.dir(), "aggregator", reg_run.addr, SERVER_NAME)
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
     let (agg, agg_run) = start_aggregator(&work.join("aggregator"), &pki, &spec, campaign, o.seed, publisher).await?;
     ui.line(format!(
-        "[3/8] aggregator: QUIC (mTLS) on {}, sled state, publishes each global model to the registry",
+        "[3/8] aggregator: QUIC (mTLS) on {}, sled state; publishes every global model to the registry over QUIC with its service certificate",
         agg_run.addr
     ));
     ui.line("      control plane: no MQTT broker in this build; round announcements and rollout assignments travel over the QUIC poll path");
@@ -780,32 +723,36 @@ async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) 
         let initial_bytes = std::fs::read(work.join("aggregator").join("initial.safetensors"))?;
         report.initial_accuracy = evaluate(&spec, &TensorBundle::decode(&initial_bytes, &BundleLimits::default())?, &test)?.accuracy;
         ui.line(format!(
-            "[4/8] campaign {} started ({}, target {} updates per round); initial model published as {} v{} (stable), accuracy {:.2} %",
+            "[4/8] campaign {} started ({}, target {} updates per round); initial model published as {} v{}, alias stable -> v{}, accuracy {:.2} %",
             st.campaign.unwrap_or(0),
             st.strategy.clone().unwrap_or_default(),
             st.target,
             MODEL_NAME,
             v1.0,
+            v1.0,
             report.initial_accuracy * 100.0
         ));
         report.initial = Some(initial.clone());
 
-        // 5. the fleet
-        let sizes: Vec<usize> = parts.iter().map(|(tr, _)| tr.len()).collect();
-        let setup = FleetSetup {
-            pki: &pki,
-            endpoints: Endpoints { aggregator: agg_run.addr, registry: reg_run.addr, server_name: SERVER_NAME.into() },
-            root: root.clone(),
-            initial: SlotModel { model: initial.clone(), spec: spec.to_json() },
-            initial_bytes: &initial_bytes,
-            devices: devices.iter().cloned().zip(parts).map(|(d, (tr, ho))| (d, tr, ho)).collect(),
-            state_root: &work.join("agents"),
-            seed: o.seed,
-        };
-        let mut fleet = Fleet::start(setup).await?;
+        // 5. the fleet: agents install stable (v1) through the registry, then join rounds.
+        let mut fo = FleetOptions::new(
+            pki.dir(),
+            fleet_id.clone(),
+            devices.clone(),
+            agg_run.addr,
+            reg_run.addr,
+            agg.receipt_key(),
+            root.clone(),
+            MODEL_NAME,
+            work.join("agents"),
+        );
+        fo.partition = partition.clone();
+        fo.partition_seed = o.seed;
+        let mut fleet = Fleet::start(fo)?;
         ui.line(format!(
-            "[5/8] {} agents started (own key, sled store, QUIC clients); local training examples min {} / median {} / max {}",
+            "[5/8] {} agents started (own certificate and key, sled store, QUIC clients, Dirichlet({}) share of the digits training split, 20 % kept as local holdout); training examples min {} / median {} / max {}",
             fleet.len(),
+            o.alpha,
             sizes.iter().min().unwrap_or(&0),
             median(&sizes),
             sizes.iter().max().unwrap_or(&0)
