@@ -42,18 +42,7 @@ pub fn load_or_create(dir: &Path) -> std::io::Result<SigningKey> {
 }
 
 fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
+    fedfleet_durable::write_atomic(path, bytes, fedfleet_durable::Mode::Secret)
 }
 
 /// Reads a `receipt.pub` file.

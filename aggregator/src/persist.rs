@@ -46,7 +46,6 @@
 //! an undecodable snapshot or a missing payload/model file is refused with
 //! [`StoreError::Corrupt`], saying what to do; the service never silently starts empty.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -59,7 +58,7 @@ use sled::transaction::{ConflictableTransactionError, TransactionError};
 pub const FORMAT: &str = "fedfleet-aggregator-state/1";
 /// The commit marker file.
 pub const COMMIT_FILE: &str = "COMMIT";
-const MARKER_PREFIX: &str = "fedfleet-aggregator-commit ";
+const MARKER_PREFIX: &str = "fedfleet-aggregator-commit";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -155,19 +154,9 @@ fn corrupt(dir: &Path, detail: impl Into<String>) -> StoreError {
     }
 }
 
-/// Writes `bytes` to `path` atomically and durably: temp file, fsync, rename, fsync of the dir.
+/// Writes `bytes` to `path` atomically and durably (`fedfleet_durable::write_atomic`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(
-        ".{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file")
-    ));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
+    fedfleet_durable::write_atomic(path, bytes, fedfleet_durable::Mode::Public)
 }
 
 fn accepted_key(device: &DeviceId, nonce: &[u8; 16]) -> Vec<u8> {
@@ -432,8 +421,8 @@ impl Store {
         self.db.flush()?;
         let mut last = self.marker.lock().unwrap_or_else(|p| p.into_inner());
         if seq > *last {
-            let p = self.dir.join(COMMIT_FILE);
-            write_atomic(&p, format!("{MARKER_PREFIX}{seq}\n").as_bytes()).map_err(io(&p))?;
+            let m = marker(&self.dir);
+            m.write(seq).map_err(io(m.path()))?;
             *last = seq;
         }
         Ok(())
@@ -448,16 +437,16 @@ fn tx<T>(res: std::result::Result<T, TransactionError<StoreError>>) -> Result<T>
     }
 }
 
+fn marker(dir: &Path) -> fedfleet_durable::CommitMarker {
+    fedfleet_durable::CommitMarker::new(dir, MARKER_PREFIX)
+}
+
 fn read_marker(dir: &Path) -> Result<u64> {
-    let p = dir.join(COMMIT_FILE);
-    let text = match std::fs::read_to_string(&p) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(io(&p)(e)),
-    };
-    text.strip_prefix(MARKER_PREFIX)
-        .and_then(|s| s.trim_end().parse().ok())
-        .ok_or_else(|| corrupt(dir, format!("{} does not parse", p.display())))
+    let m = marker(dir);
+    m.read().map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => corrupt(dir, e.to_string()),
+        _ => io(m.path())(e),
+    })
 }
 
 #[cfg(test)]
@@ -473,7 +462,7 @@ mod tests {
                 .unwrap();
             assert_eq!(s.seq().unwrap(), 1);
         }
-        std::fs::write(dir.path().join(COMMIT_FILE), format!("{MARKER_PREFIX}5\n")).unwrap();
+        std::fs::write(dir.path().join(COMMIT_FILE), format!("{MARKER_PREFIX} 5\n")).unwrap();
         let err = Store::open(dir.path()).err().expect("refused");
         assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
         assert!(err.to_string().contains("commit 5 was acknowledged"), "{err}");

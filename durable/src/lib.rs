@@ -52,6 +52,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: Mode) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Makes a rename into `path`'s directory durable: fsync of the directory.
+pub fn sync_parent(path: &Path) -> io::Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    File::open(dir)?.sync_all()
+}
+
 /// The commit marker file: one line, `<prefix> <seq>`.
 #[derive(Debug, Clone)]
 pub struct CommitMarker {

@@ -4,7 +4,6 @@
 //! temp file + fsync + rename. Every write that is a commit point is flushed before it returns.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use fedfleet_protocol::{Digest, RoundId};
@@ -168,7 +167,7 @@ impl AgentStore {
         let from = self.partial_path(digest);
         let to = self.blob_path(digest);
         fs::rename(&from, &to).map_err(|e| StoreError::io(&from, e))?;
-        sync_dir(&to)
+        fedfleet_durable::sync_parent(&to).map_err(|e| StoreError::io(&to, e))
     }
 
     /// Reads a blob and checks its digest.
@@ -195,22 +194,7 @@ fn decode_entry(id: u64, v: &[u8]) -> Result<OutboxEntry, StoreError> {
     serde_json::from_slice(v).map_err(|e| StoreError::Corrupt { key: format!("outbox/{id}"), detail: e.to_string() })
 }
 
-/// Writes `path` atomically: `path.tmp`, fsync, rename, fsync of the parent directory.
+/// Writes `path` atomically and durably (`fedfleet_durable::write_atomic`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let tmp = path.with_extension("tmp");
-    let mut f = fs::File::create(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| StoreError::io(&tmp, e))?;
-    f.sync_all().map_err(|e| StoreError::io(&tmp, e))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(|e| StoreError::io(path, e))?;
-    sync_dir(path)
-}
-
-fn sync_dir(path: &Path) -> Result<(), StoreError> {
-    if let Some(parent) = path.parent()
-        && let Ok(d) = fs::File::open(parent)
-    {
-        let _ = d.sync_all();
-    }
-    Ok(())
+    fedfleet_durable::write_atomic(path, bytes, fedfleet_durable::Mode::Public).map_err(|e| StoreError::io(path, e))
 }

@@ -59,26 +59,14 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RegistryError + '_ {
     }
 }
 
-/// Writes `bytes` by temp file + fsync + rename; `secret` files get mode 0600.
+/// Writes `bytes` atomically (`fedfleet_durable::write_atomic`), creating the directory;
+/// `secret` files get mode 0600.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8], secret: bool) -> Result<(), RegistryError> {
-    use std::io::Write;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     }
-    let tmp = path.with_extension("tmp");
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    if secret {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(0o600);
-    }
-    let _ = secret;
-    let mut f = opts.open(&tmp).map_err(io_err(&tmp))?;
-    f.write_all(bytes).map_err(io_err(&tmp))?;
-    f.sync_all().map_err(io_err(&tmp))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io_err(path))
+    let mode = if secret { fedfleet_durable::Mode::Secret } else { fedfleet_durable::Mode::Public };
+    fedfleet_durable::write_atomic(path, bytes, mode).map_err(io_err(path))
 }
 
 fn write_key(path: &Path, key: &SigningKey) -> Result<(), RegistryError> {

@@ -398,32 +398,16 @@ fn tx_result<T>(r: std::result::Result<T, TransactionError<StoreError>>) -> Resu
     }
 }
 
-/// Reads the `COMMIT` file: `fedfleet-registry-commit <seq>\n`. Absent means 0.
-fn read_marker(dir: &Path) -> Result<u64> {
-    let p = dir.join(COMMIT_FILE);
-    let text = match std::fs::read_to_string(&p) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(StoreError::Io(e)),
-    };
-    text.strip_prefix("fedfleet-registry-commit ")
-        .and_then(|s| s.trim_end().parse().ok())
-        .ok_or_else(|| StoreError::Corrupt {
-            path: dir.to_owned(),
-            detail: format!("{} does not parse", p.display()),
-        })
+/// The `COMMIT` file: `fedfleet-registry-commit <seq>`. Absent means 0.
+fn marker(dir: &Path) -> fedfleet_durable::CommitMarker {
+    fedfleet_durable::CommitMarker::new(dir, "fedfleet-registry-commit")
 }
 
-/// Writes the `COMMIT` file atomically: temp file, fsync, rename, fsync of the directory.
-fn write_marker(dir: &Path, seq: u64) -> std::io::Result<()> {
-    use std::io::Write;
-    let tmp = dir.join(format!("{COMMIT_FILE}.tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
-    writeln!(f, "fedfleet-registry-commit {seq}")?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, dir.join(COMMIT_FILE))?;
-    std::fs::File::open(dir)?.sync_all()
+fn read_marker(dir: &Path) -> Result<u64> {
+    marker(dir).read().map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => StoreError::Corrupt { path: dir.to_owned(), detail: e.to_string() },
+        _ => StoreError::Io(e),
+    })
 }
 
 fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -1025,7 +1009,7 @@ impl Store {
         self.db.flush()?;
         let mut last = self.marker.lock().unwrap_or_else(|p| p.into_inner());
         if seq > *last {
-            write_marker(&self.path, seq).map_err(StoreError::Io)?;
+            marker(&self.path).write(seq).map_err(StoreError::Io)?;
             *last = seq;
         }
         Ok(())
