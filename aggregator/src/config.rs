@@ -32,8 +32,19 @@
 //! lr = 0.1
 //! mu = 0.0                           # FedProx
 //! quantization = "f32"               # f32 f16 bf16 i8
+//!
+//! [mqtt]                             # optional: the MQTT control plane (fedfleet-control)
+//! mode = "embedded"                  # embedded (default when the section is present) | external | off
+//! listen = "127.0.0.1:8883"          # embedded broker's fleet-facing address (TLS, client certs)
+//! # host = "broker.example"          # external: broker host (must match its certificate)
+//! # port = 8883                      # external: broker port
+//! # fleet = "acme"                   # must equal the PKI's fleet (default: the PKI's)
+//! client_id = "aggregator"           # MQTT client id of this service
+//! presence_ttl_secs = 90             # a device counts as online this long after its last status
 //! ```
-//! Relative paths are resolved against the config file's directory.
+//! Relative paths are resolved against the config file's directory. Without `[mqtt]` there is no
+//! MQTT (QUIC only). `[mqtt]` is read by [`Config::load_all`] into a separate [`MqttConfig`]
+//! (not a field of [`Config`], so code that builds a `Config` literally is unaffected).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -83,6 +94,71 @@ fn default_server_name() -> String {
 }
 fn default_operators() -> Vec<String> {
     vec!["operator".into()]
+}
+
+/// `[mqtt] mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MqttMode {
+    /// Run rumqttd in-process (`listen`) with the fleet CA and this service's certificate.
+    #[default]
+    Embedded,
+    /// Connect to a broker at `host`:`port` (e.g. mosquitto, see the control crate's README).
+    External,
+    /// No MQTT.
+    Off,
+}
+
+/// `[mqtt]`: the control plane (announcements, receipts, device status, fallback uploads).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MqttConfig {
+    #[serde(default)]
+    pub mode: MqttMode,
+    /// Embedded broker address (port 0 picks one).
+    #[serde(default = "default_mqtt_listen")]
+    pub listen: SocketAddr,
+    /// External broker host name or IP (must match the broker certificate).
+    #[serde(default)]
+    pub host: Option<String>,
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// The fleet id; must equal the PKI's (default: the PKI's).
+    #[serde(default)]
+    pub fleet: Option<String>,
+    #[serde(default = "default_server_name")]
+    pub client_id: String,
+    #[serde(default = "default_presence_ttl")]
+    pub presence_ttl_secs: u64,
+}
+
+fn default_mqtt_listen() -> SocketAddr {
+    ([127, 0, 0, 1], 8883).into()
+}
+fn default_presence_ttl() -> u64 {
+    90
+}
+
+impl MqttConfig {
+    /// Embedded broker on `listen`, everything else default.
+    pub fn embedded(listen: SocketAddr) -> MqttConfig {
+        MqttConfig {
+            mode: MqttMode::Embedded,
+            listen,
+            host: None,
+            port: None,
+            fleet: None,
+            client_id: default_server_name(),
+            presence_ttl_secs: default_presence_ttl(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.mode == MqttMode::External && self.host.is_none() {
+            return Err(ConfigError::Invalid("mqtt.mode = \"external\" needs mqtt.host".into()));
+        }
+        Ok(())
+    }
 }
 
 /// `[publish]`: where finalized models go when not into a directory.
@@ -245,18 +321,36 @@ impl CampaignDefaults {
 impl Config {
     /// Reads and checks `path`; relative paths inside are resolved against its directory.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Ok(Self::load_all(path)?.0)
+    }
+
+    /// [`Config::load`] plus the optional `[mqtt]` section (`None` when absent or `mode = "off"`).
+    pub fn load_all(path: &Path) -> Result<(Config, Option<MqttConfig>), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        let mut cfg: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        let parse = |e: toml::de::Error| ConfigError::Parse {
             path: path.to_owned(),
             detail: e.message().to_owned(),
-        })?;
+        };
+        let mut table: toml::Table = toml::from_str(&text).map_err(parse)?;
+        let mqtt = match table.remove("mqtt") {
+            None => None,
+            Some(v) => {
+                let m: MqttConfig = v.try_into().map_err(|e: toml::de::Error| ConfigError::Parse {
+                    path: path.to_owned(),
+                    detail: format!("[mqtt]: {}", e.message()),
+                })?;
+                m.validate()?;
+                (m.mode != MqttMode::Off).then_some(m)
+            }
+        };
+        let mut cfg: Config = toml::Value::Table(table).try_into().map_err(parse)?;
         let base = path.parent().unwrap_or(Path::new("."));
         cfg.resolve(base);
         cfg.validate()?;
-        Ok(cfg)
+        Ok((cfg, mqtt))
     }
 
     fn resolve(&mut self, base: &Path) {
@@ -312,6 +406,27 @@ mod tests {
         let cfg = Config::load(&p).unwrap();
         assert_eq!(cfg.campaign.strategy_config().unwrap(), StrategyConfig::FedAvg { client: cfg.campaign.client() });
         assert_eq!(cfg.model.spec, fedfleet_learning::ModelSpec::digits_mlp());
+        let (_, mqtt) = Config::load_all(&p).unwrap();
+        assert_eq!(mqtt, Some(MqttConfig::embedded("127.0.0.1:8883".parse().unwrap())));
+    }
+
+    #[test]
+    fn mqtt_section_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.toml");
+        let base = "listen = \"127.0.0.1:1\"\npki_dir = \"p\"\ndata_dir = \"d\"\n[model]\nname = \"m\"\n\
+             spec = { arch = \"mlp\", input = [4], hidden = [4], classes = 2 }\ninitial = \"i\"\n";
+        std::fs::write(&p, base).unwrap();
+        assert_eq!(Config::load_all(&p).unwrap().1, None);
+        std::fs::write(&p, format!("{base}[mqtt]\n")).unwrap();
+        assert_eq!(Config::load_all(&p).unwrap().1.unwrap().mode, MqttMode::Embedded);
+        std::fs::write(&p, format!("{base}[mqtt]\nmode = \"off\"\n")).unwrap();
+        assert_eq!(Config::load_all(&p).unwrap().1, None);
+        std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\n")).unwrap();
+        assert!(Config::load_all(&p).unwrap_err().to_string().contains("mqtt.host"));
+        std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nhost = \"b\"\nport = 1883\n")).unwrap();
+        let m = Config::load_all(&p).unwrap().1.unwrap();
+        assert_eq!((m.mode, m.host.as_deref(), m.port), (MqttMode::External, Some("b"), Some(1883)));
     }
 
     #[test]

@@ -58,6 +58,7 @@ pub mod coordinator;
 pub mod engine;
 pub mod keys;
 pub mod metrics;
+pub mod mqtt;
 pub mod persist;
 pub mod publish;
 pub mod reject;

@@ -160,7 +160,7 @@ async fn run(cli: Cli) -> Result<()> {
 }
 
 async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<()> {
-    let cfg = Config::load(&config)?;
+    let (cfg, mqtt_cfg) = Config::load_all(&config)?;
     let addr = listen.unwrap_or(cfg.listen);
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("data_dir {}", cfg.data_dir.display()))?;
@@ -187,10 +187,20 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
         tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
         tokio::spawn(fedfleet_aggregator::metrics::serve(listener, agg.metrics()));
     }
+    let mqtt = match &mqtt_cfg {
+        Some(m) => fedfleet_aggregator::mqtt::start(&agg, m).await?,
+        None => None,
+    };
     tracing::info!(%bound, "listening");
     // Tests and scripts read this line to find an ephemeral port.
     println!("listening on {bound}");
+    if let Some(b) = mqtt.as_ref().and_then(|m| m.broker_addr()) {
+        println!("mqtt broker on {b}");
+    }
     agg.run(endpoint, shutdown_signal()).await;
+    if let Some(m) = mqtt {
+        m.shutdown().await;
+    }
     Ok(())
 }
 

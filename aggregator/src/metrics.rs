@@ -13,13 +13,19 @@
 //! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
 //! | `fedfleet_aggregator_peak_resident_memory_bytes` | gauge | VmHWM |
+//! | `fedfleet_aggregator_mqtt_connected` | gauge | 1 while the MQTT control client is connected |
+//! | `fedfleet_aggregator_mqtt_rejected_total` | counter | `reason`: MQTT messages refused by the control client (signature, topic/device, assembly) and MQTT uploads refused by ingest (these also count in `updates_rejected_total`) |
+//! | `fedfleet_aggregator_devices_online` | gauge | devices with a verified status within `presence_ttl_secs` |
+//! | `fedfleet_aggregator_devices_known` | gauge | devices ever heard from over MQTT |
+//! | `fedfleet_aggregator_device_last_seen_seconds` | gauge | `device`: Unix time of its last verified status |
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use fedfleet_protocol::RejectReason;
+use fedfleet_control::Presence;
+use fedfleet_protocol::{DeviceId, DeviceStatus, RejectReason};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Debug, Default)]
@@ -32,6 +38,10 @@ pub struct Metrics {
     pub round_accepted: AtomicU64,
     rejected: Mutex<std::collections::BTreeMap<&'static str, u64>>,
     rounds: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    pub mqtt_connected: AtomicU64,
+    mqtt_rejected: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    presence: Mutex<(Presence, std::collections::BTreeSet<DeviceId>)>,
+    pub presence_ttl_ms: AtomicU64,
 }
 
 impl Metrics {
@@ -40,6 +50,26 @@ impl Metrics {
     }
     pub fn rejected_count(&self, reason: RejectReason) -> u64 {
         self.rejected.lock().unwrap_or_else(|p| p.into_inner()).get(reason.as_str()).copied().unwrap_or(0)
+    }
+    pub fn mqtt_rejected(&self, reason: RejectReason) {
+        *self.mqtt_rejected.lock().unwrap_or_else(|p| p.into_inner()).entry(reason.as_str()).or_default() += 1;
+    }
+    pub fn mqtt_rejected_count(&self, reason: RejectReason) -> u64 {
+        self.mqtt_rejected.lock().unwrap_or_else(|p| p.into_inner()).get(reason.as_str()).copied().unwrap_or(0)
+    }
+    /// Records a verified device status received at `now_ms`.
+    pub fn status(&self, status: &DeviceStatus, now_ms: u64) {
+        let mut p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
+        p.0.record(status, now_ms);
+        p.1.insert(status.device.clone());
+    }
+    /// (devices online at `now_ms`, devices known).
+    pub fn devices(&self, now_ms: u64) -> (usize, usize) {
+        let p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
+        (p.0.online(now_ms, self.presence_ttl_ms.load(Relaxed)), p.0.known())
+    }
+    pub fn last_seen(&self, device: &DeviceId) -> Option<u64> {
+        self.presence.lock().unwrap_or_else(|p| p.into_inner()).0.last_seen(device)
     }
     pub fn round(&self, event: &'static str) {
         *self.rounds.lock().unwrap_or_else(|p| p.into_inner()).entry(event).or_default() += 1;
@@ -83,6 +113,36 @@ impl Metrics {
         };
         gauge(&mut s, "fedfleet_aggregator_open_round", "Open round id, 0 if none.", self.open_round.load(Relaxed));
         gauge(&mut s, "fedfleet_aggregator_round_accepted", "Updates accepted in the open round.", self.round_accepted.load(Relaxed));
+        gauge(&mut s, "fedfleet_aggregator_mqtt_connected", "1 while the MQTT control client is connected.", self.mqtt_connected.load(Relaxed));
+        counter(&mut s, "fedfleet_aggregator_mqtt_rejected_total", "MQTT messages and uploads refused, by reason.");
+        let mqtt_rejected = self.mqtt_rejected.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for r in RejectReason::ALL {
+            let _ = writeln!(
+                s,
+                "fedfleet_aggregator_mqtt_rejected_total{{reason=\"{}\"}} {}",
+                r.as_str(),
+                mqtt_rejected.get(r.as_str()).copied().unwrap_or(0)
+            );
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let (online, known) = self.devices(now);
+        gauge(&mut s, "fedfleet_aggregator_devices_online", "Devices with a recent verified status.", online as u64);
+        gauge(&mut s, "fedfleet_aggregator_devices_known", "Devices ever heard from over MQTT.", known as u64);
+        {
+            let p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = writeln!(
+                s,
+                "# HELP fedfleet_aggregator_device_last_seen_seconds Unix time of the device's last verified status.\n# TYPE fedfleet_aggregator_device_last_seen_seconds gauge"
+            );
+            for d in &p.1 {
+                if let Some(t) = p.0.last_seen(d) {
+                    let _ = writeln!(s, "fedfleet_aggregator_device_last_seen_seconds{{device=\"{d}\"}} {:.3}", t as f64 / 1e3);
+                }
+            }
+        }
         let (rss, hwm) = memory();
         gauge(&mut s, "fedfleet_aggregator_resident_memory_bytes", "Resident set size.", rss);
         gauge(&mut s, "fedfleet_aggregator_peak_resident_memory_bytes", "Peak resident set size.", hwm);

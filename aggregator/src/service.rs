@@ -29,7 +29,7 @@ use fedfleet_protocol::{
     BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
     Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
 };
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 
 use crate::config::Config;
 use crate::engine::{
@@ -117,6 +117,16 @@ struct Shared {
     validation: Option<Dataset>,
     core: Mutex<Core>,
     wake: Notify,
+    /// The open round's signed announcement (encoded), for the MQTT control plane.
+    announce: watch::Sender<Option<Vec<u8>>>,
+}
+
+/// Where an upload's payload comes from. Both transports go through [`Aggregator::ingest`].
+pub enum Payload<'a> {
+    /// QUIC: `Chunk` frames up to `End`, read only after the header passed every cheap check.
+    Quic(&'a mut FramedStream),
+    /// MQTT: the reassembled payload bytes.
+    Bytes(Vec<u8>),
 }
 
 /// The aggregator service. Cheap to clone.
@@ -274,8 +284,10 @@ impl Aggregator {
             metrics.open_round.store(s.round.0, Relaxed);
             metrics.round_accepted.store(s.accepted as u64, Relaxed);
         }
+        let announce = watch::Sender::new(core.campaign.announcement.clone());
         let agg = Aggregator {
             shared: Arc::new(Shared {
+                announce,
                 cfg,
                 spec,
                 spec_json,
@@ -298,6 +310,16 @@ impl Aggregator {
 
     pub fn metrics(&self) -> Arc<Metrics> {
         self.shared.metrics.clone()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.cfg
+    }
+
+    /// The open round's encoded `Signed<RoundAnnouncement>` (`None` between rounds); changes
+    /// when a round opens or ends.
+    pub fn announcements(&self) -> watch::Receiver<Option<Vec<u8>>> {
+        self.shared.announce.subscribe()
     }
 
     pub fn receipt_key(&self) -> ed25519_dalek::VerifyingKey {
@@ -414,9 +436,12 @@ impl Aggregator {
         };
         match first.kind {
             FrameKind::Signed => {
-                let answer = self.upload(peer, &first.body, stream).await;
+                let answer = match SignedUpdate::decode(&first.body) {
+                    Ok(update) => self.ingest(peer, update, Payload::Quic(stream)).await,
+                    Err(e) => Err(reject(e.reason(), e.to_string())),
+                };
                 let sent = match answer {
-                    Ok(receipt) => stream.send(FrameKind::Signed, &receipt).await,
+                    Ok(receipt) => stream.send(FrameKind::Signed, &receipt.encode()).await,
                     Err(r) => {
                         self.shared.metrics.rejected(r.reason);
                         tracing::info!(peer = ?peer, reason = %r.reason, detail = %r.detail, "update refused");
@@ -540,10 +565,12 @@ impl Aggregator {
 
     // ----- ingest -----
 
-    /// Checks, folds and commits one upload; the answer is the encoded signed receipt.
-    async fn upload(&self, peer: &PeerIdentity, signed: &[u8], stream: &mut FramedStream) -> Result<Vec<u8>, Rejection> {
+    /// Checks, folds and commits one upload from either transport; the answer is the signed
+    /// receipt. `peer` is the identity the transport authenticated (the QUIC client certificate,
+    /// or the MQTT topic's device, whose key the control client already checked). The caller
+    /// counts and reports a rejection.
+    pub async fn ingest(&self, peer: &PeerIdentity, update: SignedUpdate, payload: Payload<'_>) -> Result<Signed<Receipt>, Rejection> {
         let sh = &self.shared;
-        let update = SignedUpdate::decode(signed).map_err(|e| reject(e.reason(), e.to_string()))?;
         let h = update.body().clone();
         // 1. The connection's certificate must be the header's device.
         match peer {
@@ -574,7 +601,7 @@ impl Aggregator {
             && rec.payload_digest == h.payload_digest
             && rec.round == h.round
         {
-            return Ok(rec.receipt);
+            return Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")));
         }
         // 5. Round, replay, duplicate, selection, sample count; size.
         let meta = UpdateMeta::from(&h);
@@ -599,8 +626,17 @@ impl Aggregator {
                 format!("payload of {} bytes; the limit for this model is {}", h.payload_len, base.max_payload()),
             ));
         }
-        // 6. Stream the payload through the digest/length check.
+        // 6. The payload through the digest/length check (streamed over QUIC).
         let mut check = PayloadCheck::new(&h);
+        let stream = match payload {
+            Payload::Bytes(bytes) => {
+                sh.metrics.update_bytes.fetch_add(bytes.len() as u64, Relaxed);
+                check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
+                check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
+                return self.commit_blocking(h, meta, bytes, base, dtype).await;
+            }
+            Payload::Quic(stream) => stream,
+        };
         let mut payload = Vec::with_capacity(h.payload_len as usize);
         loop {
             match stream.recv().await {
@@ -616,7 +652,18 @@ impl Aggregator {
             }
         }
         check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-        // 7. Decode, check, fold and commit, off the async threads.
+        self.commit_blocking(h, meta, payload, base, dtype).await
+    }
+
+    /// 7. Decode, check, fold and commit, off the async threads.
+    async fn commit_blocking(
+        &self,
+        h: fedfleet_protocol::UpdateHeader,
+        meta: UpdateMeta,
+        payload: Vec<u8>,
+        base: Base,
+        dtype: DType,
+    ) -> Result<Signed<Receipt>, Rejection> {
         let me = self.clone();
         tokio::task::spawn_blocking(move || me.fold_and_commit(h, meta, payload, base, dtype))
             .await
@@ -630,7 +677,7 @@ impl Aggregator {
         payload: Vec<u8>,
         base: Base,
         dtype: DType,
-    ) -> Result<Vec<u8>, Rejection> {
+    ) -> Result<Signed<Receipt>, Rejection> {
         let sh = &self.shared;
         let delta = decode_update(&payload, &base.layout, &base.limits(), dtype, base.dim())?;
         sh.store
@@ -662,14 +709,13 @@ impl Aggregator {
                 accepted_at_unix_ms: now,
             },
             &sh.key,
-        )
-        .encode();
+        );
         let rec = AcceptedRecord {
             round: accepted.round,
             device: h.device.clone(),
             payload_digest: h.payload_digest,
             weight: accepted.weight,
-            receipt: receipt.clone(),
+            receipt: receipt.encode(),
         };
         if let Err(e) = sh.store.commit_update(&core.coord.engine().to_bytes(), &h.nonce, &rec) {
             // Memory is ahead of disk: the only safe move is to stop and restart from disk.
@@ -721,6 +767,7 @@ impl Aggregator {
                         selection: a.selection,
                     };
                     core.campaign.announcement = Some(Signed::sign(ann, &sh.key).encode());
+                    sh.announce.send_replace(core.campaign.announcement.clone());
                     boundary = true;
                 }
                 EngineEvent::RoundClosed { round, cause, contributions, .. } => {
@@ -728,6 +775,7 @@ impl Aggregator {
                     sh.metrics.round("closed");
                     sh.metrics.open_round.store(0, Relaxed);
                     core.campaign.announcement = None;
+                    sh.announce.send_replace(None);
                     core.closing = Some(round);
                     sh.wake.notify_one();
                 }
@@ -741,6 +789,7 @@ impl Aggregator {
                         core.coord.strategy_mut().abort_round();
                     }
                     core.campaign.announcement = None;
+                    sh.announce.send_replace(None);
                     if core.closing == Some(round) {
                         core.closing = None;
                     }
@@ -750,6 +799,7 @@ impl Aggregator {
                     tracing::info!(campaign = %campaign, outcome = outcome.as_str(), rounds_completed, "campaign finished");
                     core.campaign.last_outcome = Some(outcome.as_str().to_owned());
                     core.campaign.announcement = None;
+                    sh.announce.send_replace(None);
                     boundary = true;
                 }
                 EngineEvent::RoundExtended { round, deadline, accepted } => {

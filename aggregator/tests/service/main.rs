@@ -6,5 +6,6 @@ mod cli;
 mod crash;
 mod engine;
 mod ingest;
+mod mqtt;
 mod strategies;
 mod support;

@@ -24,13 +24,20 @@ pub fn dev(i: usize) -> DeviceId {
 pub struct Fleet {
     pub dir: tempfile::TempDir,
     pub pki: Pki,
+    pub fleet: FleetId,
 }
 
 impl Fleet {
     /// A PKI with the `aggregator` and `operator` service identities and `n` devices.
     pub fn new(n: usize) -> Fleet {
+        Fleet::named(n, "fleet-t")
+    }
+
+    /// As [`Fleet::new`] with another fleet id (the embedded MQTT broker needs an alphanumeric one).
+    pub fn named(n: usize, fleet: &str) -> Fleet {
         let dir = tempfile::tempdir().unwrap();
-        let pki = Pki::init(dir.path().join("pki"), &FleetId::new("fleet-t").unwrap(), 30, false).unwrap();
+        let fleet = FleetId::new(fleet).unwrap();
+        let pki = Pki::init(dir.path().join("pki"), &fleet, 30, false).unwrap();
         pki.issue_server("aggregator", &[], 30, false).unwrap();
         pki.issue_server("operator", &[], 30, false).unwrap();
         for i in 0..n {
@@ -39,7 +46,7 @@ impl Fleet {
         let initial = dir.path().join("initial.safetensors");
         let bundle = fedfleet_learning::model::init_bundle(&spec(), 7).unwrap();
         std::fs::write(&initial, bundle.encode()).unwrap();
-        Fleet { dir, pki }
+        Fleet { dir, pki, fleet }
     }
 
     pub fn pki_dir(&self) -> PathBuf {
@@ -156,10 +163,26 @@ pub fn header(
     dtype: DType,
     key: &SigningKey,
 ) -> SignedUpdate {
+    header_in(&FleetId::new("fleet-t").unwrap(), device, round, base, nonce, samples, payload, dtype, key)
+}
+
+/// [`header`] for another fleet.
+#[allow(clippy::too_many_arguments)]
+pub fn header_in(
+    fleet: &FleetId,
+    device: &DeviceId,
+    round: RoundId,
+    base: Digest,
+    nonce: [u8; 16],
+    samples: u64,
+    payload: &[u8],
+    dtype: DType,
+    key: &SigningKey,
+) -> SignedUpdate {
     Signed::sign(
         UpdateHeader {
             device: device.clone(),
-            fleet: FleetId::new("fleet-t").unwrap(),
+            fleet: fleet.clone(),
             round,
             base_model: base,
             nonce,

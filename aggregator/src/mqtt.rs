@@ -1,0 +1,175 @@
+//! The MQTT control plane of the service (`fedfleet-control`), next to QUIC ingest:
+//!
+//! * `mode = "embedded"`: an [`EmbeddedBroker`] on `listen` with the fleet CA and this service's
+//!   certificate; `external`: a broker at `host`:`port`.
+//! * A [`ControlClient`] with [`Role::Service`] (allow-list keys, status and updates): every
+//!   round the service opens is published as its signed `RoundAnnouncement` (retained, the same
+//!   bytes `GetRound` serves over QUIC); every [`ControlEvent::Update`] goes through
+//!   [`Aggregator::ingest`] — the same checks, fold and commit as a QUIC upload — and an accepted
+//!   update (or a resend of one) gets its signed receipt on `devices/<id>/receipts`; every
+//!   verified status updates presence (devices online / last seen in the metrics).
+//! * Refusals (by the control client or by ingest) are counted by reason in
+//!   `fedfleet_aggregator_mqtt_rejected_total`. A refused MQTT upload gets no answer over MQTT
+//!   (there is no rejection topic); the device re-sends until it has a receipt or the round ends.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use fedfleet_certs::{AllowList, CaCert, PeerIdentity, ServerIdentity};
+use fedfleet_control::{
+    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, Role,
+    service_tls,
+};
+use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed};
+use tokio::task::JoinHandle;
+
+use crate::config::{MqttConfig, MqttMode};
+use crate::service::{Aggregator, Payload, ServiceError, now_ms};
+
+/// The running control plane; [`Mqtt::shutdown`] stops it.
+pub struct Mqtt {
+    broker: Option<EmbeddedBroker>,
+    client: ControlClient,
+    task: JoinHandle<()>,
+}
+
+impl Mqtt {
+    /// The embedded broker's fleet-facing address (with the port picked for port 0).
+    pub fn broker_addr(&self) -> Option<SocketAddr> {
+        self.broker.as_ref().map(|b| b.local_addr())
+    }
+
+    pub fn client(&self) -> &ControlClient {
+        &self.client
+    }
+
+    pub async fn shutdown(self) {
+        self.client.shutdown().await;
+        self.task.abort();
+        let _ = self.task.await;
+        if let Some(b) = self.broker {
+            b.shutdown().await;
+        }
+    }
+}
+
+fn other(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Other(e.to_string())
+}
+
+/// Starts the broker (embedded mode) and the service's control client for `agg`.
+pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, ServiceError> {
+    let scfg = agg.config();
+    let pki = &scfg.pki_dir;
+    let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(pki))?);
+    let fleet: FleetId = allow.fleet();
+    if let Some(f) = &cfg.fleet
+        && f != fleet.as_str()
+    {
+        return Err(other(format!("mqtt.fleet {f:?} is not the PKI's fleet {fleet}")));
+    }
+    let (broker, host, port) = match cfg.mode {
+        MqttMode::Off => return Ok(None),
+        MqttMode::Embedded => {
+            let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_name);
+            let bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
+            let broker = EmbeddedBroker::start(bc)
+                .await
+                .map_err(|e| other(format!("[mqtt] embedded broker on {}: {e}", cfg.listen)))?;
+            let mut addr = broker.local_addr();
+            if addr.ip().is_unspecified() {
+                addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            (Some(broker), addr.ip().to_string(), addr.port())
+        }
+        MqttMode::External => {
+            let host = cfg.host.clone().ok_or_else(|| other("mqtt.mode = \"external\" needs mqtt.host"))?;
+            (None, host, cfg.port.unwrap_or(8883))
+        }
+    };
+    let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
+    let id = ServerIdentity::load(pki, &scfg.server_name)?;
+    let tls = service_tls(&ca, &id).map_err(other)?;
+    let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
+    let options = ClientOptions::new(host.clone(), port, cfg.client_id.clone(), fleet);
+    let (client, mut events) = ControlClient::start(options, tls, role);
+    let metrics = agg.metrics();
+    metrics.presence_ttl_ms.store(cfg.presence_ttl_secs.saturating_mul(1000), Relaxed);
+    tracing::info!(%host, port, mode = ?cfg.mode, "MQTT control plane started");
+
+    let task = {
+        let agg = agg.clone();
+        let client = client.clone();
+        let mut ann = agg.announcements();
+        tokio::spawn(async move {
+            // The current round first (after a restart mid-round), then every change.
+            let mut current = ann.borrow_and_update().clone();
+            loop {
+                if let Some(bytes) = current.take() {
+                    match Signed::<RoundAnnouncement>::decode(&bytes) {
+                        Ok(s) => {
+                            if let Err(e) = client.publish_announcement(&s).await {
+                                tracing::warn!(error = %e, "announcement not published over MQTT");
+                            }
+                        }
+                        Err(e) => tracing::error!(error = %e, "own announcement does not decode"),
+                    }
+                }
+                tokio::select! {
+                    changed = ann.changed() => {
+                        if changed.is_err() { break; }
+                        current = ann.borrow_and_update().clone();
+                    }
+                    ev = events.recv() => match ev {
+                        None => break,
+                        Some(ev) => handle(&agg, &client, ev),
+                    },
+                }
+            }
+        })
+    };
+    Ok(Some(Mqtt { broker, client, task }))
+}
+
+fn handle(agg: &Aggregator, client: &ControlClient, ev: ControlEvent) {
+    let metrics = agg.metrics();
+    match ev {
+        ControlEvent::Connected { count } => {
+            metrics.mqtt_connected.store(1, Relaxed);
+            tracing::info!(count, "MQTT connected");
+        }
+        ControlEvent::Disconnected { error } => {
+            metrics.mqtt_connected.store(0, Relaxed);
+            tracing::warn!(%error, "MQTT disconnected; reconnecting");
+        }
+        ControlEvent::Status(s) => metrics.status(s.body(), now_ms()),
+        ControlEvent::Rejected(r) => {
+            metrics.mqtt_rejected(r.reason);
+            tracing::info!(topic = %r.topic, device = ?r.device, reason = %r.reason, detail = %r.detail, "MQTT message refused");
+        }
+        ControlEvent::Update(v) => {
+            // Off the event loop: ingest folds on a blocking thread and commits to disk.
+            let agg = agg.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                let peer = PeerIdentity::Device(v.device.clone());
+                match agg.ingest(&peer, v.signed, Payload::Bytes(v.payload)).await {
+                    Ok(receipt) => {
+                        if let Err(e) = client.publish_receipt(&receipt).await {
+                            tracing::warn!(device = %v.device, error = %e, "receipt not published; the device will resend");
+                        }
+                    }
+                    Err(r) => {
+                        let m = agg.metrics();
+                        m.rejected(r.reason);
+                        m.mqtt_rejected(r.reason);
+                        tracing::info!(device = %v.device, reason = %r.reason, detail = %r.detail, "MQTT update refused");
+                    }
+                }
+            });
+        }
+        // A service does not subscribe to these.
+        ControlEvent::Announcement(_) | ControlEvent::Rollout(_) | ControlEvent::Receipt(_) => {}
+    }
+}

@@ -1,0 +1,179 @@
+//! MQTT next to QUIC: the same round run twice on fresh data directories with identical updates,
+//! once uploaded over QUIC and once over the MQTT fallback path (embedded broker), yields
+//! byte-identical global models; receipts arrive over MQTT (also for a resend); the announcement
+//! reaches a device over MQTT and verifies against the receipt key; presence is exported.
+
+use std::time::Duration;
+
+use fedfleet_aggregator::client::UploadOutcome;
+use fedfleet_aggregator::config::MqttConfig;
+use fedfleet_aggregator::wire::CampaignOverrides;
+use fedfleet_certs::DeviceIdentity;
+use fedfleet_control::{ClientOptions, ControlClient, ControlEvent, ControlEvents, Role, device_tls};
+use fedfleet_protocol::{
+    DType, DeviceState, DeviceStatus, Digest, Receipt, RoundAnnouncement, RoundId, Signed, SignedUpdate,
+};
+use tokio::time::timeout;
+
+use crate::support::*;
+
+const DEVICES: usize = 3;
+const WAIT: Duration = Duration::from_secs(8);
+
+fn update(fleet: &Fleet, i: usize, round: RoundId, base: Digest) -> (SignedUpdate, Vec<u8>) {
+    let payload = delta(1000 + i as u64).encode();
+    let h = header_in(&fleet.fleet, &dev(i), round, base, nonce(i, 1), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
+    (h, payload)
+}
+
+async fn next<T>(events: &mut ControlEvents, what: &str, mut f: impl FnMut(ControlEvent) -> Option<T>) -> T {
+    timeout(WAIT, async {
+        loop {
+            let ev = events.recv().await.expect("client stopped");
+            if let Some(t) = f(ev) {
+                return t;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+fn device(fleet: &Fleet, i: usize, port: u16, key: ed25519_dalek::VerifyingKey) -> (ControlClient, ControlEvents) {
+    let id = DeviceIdentity::load(fleet.pki.dir(), &dev(i)).unwrap();
+    let mut o = ClientOptions::new("127.0.0.1", port, dev(i).as_str(), fleet.fleet.clone());
+    o.backoff_initial = Duration::from_millis(50);
+    o.backoff_max = Duration::from_millis(500);
+    o.chunk_bytes = 64; // several chunks per update
+    ControlClient::start(o, device_tls(&id).unwrap(), Role::Device { id: dev(i), aggregator_key: key, registry_key: None })
+}
+
+async fn published(svc: &Running, base: Digest) -> Vec<u8> {
+    timeout(WAIT, async {
+        loop {
+            if let Some((g, bytes)) = svc.agg.global_model()
+                && g.digest != base
+            {
+                return bytes;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the round's model was not published")
+}
+
+/// One round of `DEVICES` identical updates; returns the published global model.
+async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
+    let svc = start(fleet.config(data, DEVICES as u32, 1));
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &MqttConfig::embedded("127.0.0.1:0".parse().unwrap()))
+        .await
+        .unwrap()
+        .expect("mqtt on");
+    let port = mqtt.broker_addr().unwrap().port();
+    let key = svc.agg.receipt_key();
+    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+
+    // The retained announcement reaches a device over MQTT and verifies against the receipt key.
+    let (d0, mut e0) = device(fleet, 0, port, key);
+    let ann: Signed<RoundAnnouncement> = next(&mut e0, "announcement", |e| match e {
+        ControlEvent::Announcement(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    let body = ann.verify(&key).unwrap().clone();
+    assert_eq!(body.round, RoundId(1));
+    assert_eq!(Some(ann.encode()), svc.agg.announcements().borrow().clone(), "the same signed bytes as over QUIC");
+    let (round, base) = (body.round, body.base_model.digest);
+
+    if over_mqtt {
+        // Presence from a verified status.
+        let st = Signed::sign(
+            DeviceStatus {
+                fleet: fleet.fleet.clone(),
+                device: dev(0),
+                reported_at_unix_ms: fedfleet_aggregator::service::now_ms(),
+                state: DeviceState::Idle,
+                active: None,
+                staged: None,
+                rollout_id: None,
+            },
+            &fleet.device_key(0),
+        );
+        d0.publish_status(&st).await.unwrap();
+        let mut clients = vec![(d0, e0)];
+        for i in 1..DEVICES {
+            clients.push(device(fleet, i, port, key));
+        }
+        for (i, (c, e)) in clients.iter_mut().enumerate() {
+            let (h, p) = update(fleet, i, round, base);
+            let want = |r: &Signed<Receipt>| {
+                let b = r.verify(&key).unwrap();
+                assert_eq!((&b.device, b.round, b.nonce, b.payload_digest), (&dev(i), round, nonce(i, 1), h.body().payload_digest));
+            };
+            // The device may still be connecting: re-send until a receipt, as a device does.
+            let receipt = timeout(WAIT, async {
+                loop {
+                    c.upload_update(&h, &p).await.unwrap();
+                    let got = timeout(Duration::from_secs(2), async {
+                        loop {
+                            if let Some(ControlEvent::Receipt(r)) = e.recv().await {
+                                return r;
+                            }
+                        }
+                    })
+                    .await;
+                    if let Ok(r) = got {
+                        return r;
+                    }
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("no receipt over MQTT for device {i}"));
+            want(&receipt);
+            if i == 0 {
+                // A resend (lost receipt) gets the receipt again and is not counted twice.
+                c.upload_update(&h, &p).await.unwrap();
+                let again = next(e, "resend receipt", |ev| match ev {
+                    ControlEvent::Receipt(r) => Some(r),
+                    _ => None,
+                })
+                .await;
+                assert_eq!(again, receipt);
+                assert_eq!(svc.agg.status().accepted, 1);
+            }
+        }
+        let m = svc.agg.metrics();
+        assert_eq!(m.devices(fedfleet_aggregator::service::now_ms()), (1, 1));
+        let text = m.render();
+        assert!(text.contains("fedfleet_aggregator_mqtt_connected 1"), "{text}");
+        assert!(text.contains("fedfleet_aggregator_devices_online 1"), "{text}");
+        assert!(text.contains("fedfleet_aggregator_device_last_seen_seconds{device=\"dev-000\"}"), "{text}");
+        assert!(text.contains("fedfleet_aggregator_mqtt_rejected_total{reason=\"bad_signature\"} 0"), "{text}");
+        for (c, _) in &clients {
+            c.shutdown().await;
+        }
+    } else {
+        for i in 0..DEVICES {
+            let c = fleet.device_client(i, svc.addr).await;
+            let (h, p) = update(fleet, i, round, base);
+            assert!(matches!(c.upload(&h, &p).await.unwrap(), UploadOutcome::Accepted(_)), "device {i}");
+        }
+        d0.shutdown().await;
+    }
+    let model = published(&svc, base).await;
+    mqtt.shutdown().await;
+    svc.shutdown().await;
+    model
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_update_over_mqtt_yields_the_same_global_model_as_over_quic() {
+    let fleet = Fleet::named(DEVICES, "fleetm");
+    let quic = round(&fleet, "quic", false).await;
+    let mqtt = round(&fleet, "mqtt", true).await;
+    assert_eq!(Digest::of(&quic), Digest::of(&mqtt));
+    assert!(quic == mqtt, "global models differ");
+    // And the round moved the model.
+    assert_ne!(Digest::of(&quic), Digest::of(&std::fs::read(fleet.dir.path().join("initial.safetensors")).unwrap()));
+}
