@@ -16,7 +16,6 @@
 //!    operator API; agents download, verify, health-check on their holdout, activate, report.
 //! 9. A summary; [`DemoReport::failures`] is empty only if everything worked.
 
-use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -127,6 +126,7 @@ pub struct PhaseOutcome {
     pub audience: usize,
     pub healthy: u64,
     pub failed: u64,
+    /// Time from the rollout start until the phase was seen to end.
     pub took: Duration,
 }
 
@@ -506,23 +506,39 @@ async fn run_rollout(
         .iter()
         .map(|p| fleet.ids.iter().cloned().filter(|d| fedfleet_registry::rollout::in_percent(&id, d, *p)).collect())
         .collect();
+    let mut audiences = audiences;
+    let mut canary_cohort = false;
+    if audiences[0].is_empty() {
+        // No device falls in the first 10 % at this fleet size: the canary is the one device
+        // with the lowest bucket, as a named cohort.
+        if let Some(d) = fleet.ids.iter().min_by_key(|d| fedfleet_registry::rollout::bucket(&id, d)) {
+            audiences[0] = vec![d.clone()];
+            canary_cohort = true;
+        }
+    }
     let phases: Vec<Phase> = percents
         .iter()
         .zip(&audiences)
-        .map(|(p, a)| {
-            let mut ph = Phase::percent(*p, soak.as_millis() as u64);
+        .enumerate()
+        .map(|(i, (p, a))| {
+            let mut ph = if i == 0 && canary_cohort {
+                Phase::cohort("canary", a.iter().cloned(), soak.as_millis() as u64)
+            } else {
+                Phase::percent(*p, soak.as_millis() as u64)
+            };
             ph.min_healthy = a.len() as u32;
             ph
         })
         .collect();
     let canaries: Vec<&str> = audiences[0].iter().map(|d| d.as_str()).collect();
     ui.line(format!(
-        "rollout {id}: {} v{} -> stable, phases 10 % ({} canar{}: {}) -> 100 % ({} agents), soak {:.0} s each",
+        "rollout {id}: {} v{} -> stable, phases 10 % ({} canar{}: {}{}) -> 100 % ({} agents), soak {:.1} s each",
         target.name,
         target.version.0,
         canaries.len(),
         if canaries.len() == 1 { "y" } else { "ies" },
         if canaries.is_empty() { "none".into() } else { canaries.join(", ") },
+        if canary_cohort { ", as a cohort: no device falls in 10 % of this fleet" } else { "" },
         audiences[1].len(),
         soak.as_secs_f64()
     ));
@@ -539,7 +555,6 @@ async fn run_rollout(
     .map_err(|e| anyhow::anyhow!("rollout start: {e}"))?;
     let spinner = ui.spinner("rollout");
     let t0 = Instant::now();
-    let mut phase_start = Instant::now();
     let mut phase = 0usize;
     let status = loop {
         if t0.elapsed() > Duration::from_secs(300) {
@@ -571,22 +586,21 @@ async fn run_rollout(
                 audience: audiences[phase].len(),
                 healthy: healthy.min(audiences[phase].len() as u64),
                 failed,
-                took: phase_start.elapsed(),
+                took: t0.elapsed(),
             };
             ui.line(format!(
-                "  phase {}/{} ({:>3} %): {:>2} agents in audience, {:>2} healthy, {} failed, {:.1} s -> {}",
+                "  phase {}/{} ({:>3} %): {:>2} agents in audience, {:>2} healthy, {} failed; {} at {:.1} s",
                 o.phase + 1,
                 percents.len(),
                 o.percent,
                 o.audience,
                 o.healthy,
                 o.failed,
-                o.took.as_secs_f64(),
-                if o.phase + 1 < percents.len() { "advanced" } else { "completed" }
+                if o.phase + 1 < percents.len() { "advanced" } else { "completed" },
+                o.took.as_secs_f64()
             ));
             report.phases.push(o);
             phase += 1;
-            phase_start = Instant::now();
         }
         if finished {
             if status != "completed" {
@@ -849,9 +863,4 @@ fn print_summary(ui: &Ui, o: &DemoOptions, r: &DemoReport) {
             ui.line(format!("  FAILED               {f}"));
         }
     }
-}
-
-/// Flattened view of the table for tests and scripts.
-pub fn table(r: &DemoReport) -> BTreeMap<u32, (u64, Option<f64>, u64)> {
-    r.rounds.iter().map(|x| (x.round, (x.participants, x.accuracy, x.bytes_up))).collect()
 }
