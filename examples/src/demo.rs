@@ -723,7 +723,7 @@ async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) 
         "[3/8] aggregator: QUIC (mTLS) on {}, sled state; publishes every global model to the registry over QUIC with its service certificate",
         agg_run.addr
     ));
-    ui.line("      control plane: no MQTT broker in this build; round announcements and rollout assignments travel over the QUIC poll path");
+    ui.line("      control plane: the demo does not start the MQTT broker yet; round announcements and rollout assignments travel over the QUIC poll path");
 
     let outcome = async {
         // 4. campaign start (publishes v1) and the stable alias
