@@ -36,6 +36,14 @@
 //! addr = "10.0.0.5:7443"
 //! server_name = "localhost"
 //! model = "digits"                             # the model whose assignments this device follows
+//!
+//! [mqtt]            # MQTT control plane (fedfleet-control); absent: QUIC only
+//! host = "10.0.0.5"                            # must match the broker certificate's SAN
+//! port = 8883
+//! # fleet = "<fleet>"                          # MQTT fleet id (default: the agent's fleet)
+//! upload = "auto"                              # quic | mqtt | auto (MQTT after switch_after QUIC failures)
+//! # switch_after = 3; receipt_timeout_ms = 30000; heartbeat_interval_ms = 60000
+//! # receipt_key = "..."                        # default: [aggregator] receipt_key
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -72,6 +80,47 @@ pub struct AgentConfig {
     /// The registry to install from (absent: the agent keeps its active model).
     #[serde(default)]
     pub registry: Option<RegistryEndpoint>,
+    /// The MQTT control plane (absent: QUIC only).
+    #[serde(default)]
+    pub mqtt: Option<MqttSection>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MqttSection {
+    pub host: String,
+    #[serde(default = "default_mqtt_port")]
+    pub port: u16,
+    /// The fleet id on the broker's topics (default: the agent's `fleet`).
+    #[serde(default)]
+    pub fleet: Option<String>,
+    #[serde(default)]
+    pub upload: crate::mqtt::UploadPath,
+    /// Consecutive QUIC upload failures before `upload = "auto"` switches to MQTT.
+    #[serde(default = "default_switch_after")]
+    pub switch_after: u32,
+    #[serde(default = "default_receipt_timeout")]
+    pub receipt_timeout_ms: u64,
+    /// Signed status heartbeats on `devices/<id>/status` (0: only on state changes).
+    #[serde(default = "default_heartbeat")]
+    pub heartbeat_interval_ms: u64,
+    /// The aggregator's `receipt.pub` that announcements and receipts must be signed with
+    /// (default: `[aggregator] receipt_key`).
+    #[serde(default)]
+    pub receipt_key: Option<PathBuf>,
+}
+
+fn default_mqtt_port() -> u16 {
+    8883
+}
+fn default_switch_after() -> u32 {
+    3
+}
+fn default_receipt_timeout() -> u64 {
+    30_000
+}
+fn default_heartbeat() -> u64 {
+    60_000
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -216,6 +265,17 @@ impl AgentConfig {
             return Err("[data] holdout_fraction must be in [0, 1)".into());
         }
         fedfleet_protocol::FleetId::new(&c.fleet).map_err(|e| format!("fleet {:?}: {e}", c.fleet))?;
+        if let Some(m) = &c.mqtt {
+            if let Some(f) = &m.fleet {
+                fedfleet_protocol::FleetId::new(f).map_err(|e| format!("[mqtt] fleet {f:?}: {e}"))?;
+            }
+            if m.receipt_key.is_none() && c.aggregator.is_none() {
+                return Err("[mqtt]: set receipt_key (there is no [aggregator] receipt_key to default to)".into());
+            }
+            if m.upload == crate::mqtt::UploadPath::Quic && c.aggregator.is_none() {
+                tracing::warn!("[mqtt] upload = \"quic\" without [aggregator]: updates cannot be sent");
+            }
+        }
         Ok(c)
     }
 

@@ -14,7 +14,9 @@ use rand::RngCore;
 
 use crate::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock, run_agent};
 use crate::clients::{Aggregator, Registry, Unlinked};
+use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use crate::remote::{RemoteAggregator, RemoteRegistry};
+use fedfleet_control::{ClientOptions, ControlClient, ControlEvents, Role};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_registry::client::RegistryClient;
 use crate::config::{AgentConfig, IdentityPaths};
@@ -119,11 +121,55 @@ pub async fn run(config: &Path) -> Result<()> {
         }
     };
     match (agg, reg) {
-        (Some(a), Some(r)) => run_with(&cfg, a, r).await,
-        (Some(a), None) => run_with(&cfg, a, Arc::new(Unlinked)).await,
-        (None, Some(r)) => run_with(&cfg, Arc::new(Unlinked), r).await,
-        (None, None) => run_with(&cfg, Arc::new(Unlinked), Arc::new(Unlinked)).await,
+        (Some(a), Some(r)) => run_maybe_mqtt(&cfg, a, r).await,
+        (Some(a), None) => run_maybe_mqtt(&cfg, a, Arc::new(Unlinked)).await,
+        (None, Some(r)) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), r).await,
+        (None, None) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), Arc::new(Unlinked)).await,
     }
+}
+
+/// With `[mqtt]`: wraps the clients in [`MqttAggregator`]/[`MqttRegistry`] and runs status
+/// heartbeats; without: runs them as they are.
+async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>) -> Result<()> {
+    let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, None).await };
+    let ids = cfg.identity_paths();
+    let identity = load_identity(&ids)?;
+    let key_path = m
+        .receipt_key
+        .clone()
+        .or_else(|| cfg.aggregator.as_ref().map(|a| a.receipt_key.clone()))
+        .context("[mqtt] needs receipt_key")?;
+    let aggregator_key = read_receipt_key(&key_path)?;
+    let (control, events) = mqtt_control(cfg, m, &identity, aggregator_key)?;
+    tracing::info!(host = %m.host, port = m.port, upload = ?m.upload, "MQTT control plane configured");
+    let opts = MqttUploadOptions {
+        path: m.upload,
+        switch_after: m.switch_after,
+        receipt_timeout: Duration::from_millis(m.receipt_timeout_ms),
+        ..Default::default()
+    };
+    let publisher = StatusPublisher::new(control.clone(), identity.signing_key());
+    let agg = Arc::new(MqttAggregator::new(agg, control.clone(), events, opts));
+    let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
+    let hb = (m.heartbeat_interval_ms > 0).then(|| (publisher, Duration::from_millis(m.heartbeat_interval_ms)));
+    let r = run_with(cfg, agg, reg, hb).await;
+    control.shutdown().await;
+    r
+}
+
+/// The device's control-plane client of `[mqtt]` (connects in the background, reconnects by
+/// itself).
+pub fn mqtt_control(
+    cfg: &AgentConfig,
+    m: &crate::config::MqttSection,
+    identity: &DeviceIdentity,
+    aggregator_key: ed25519_dalek::VerifyingKey,
+) -> Result<(ControlClient, ControlEvents)> {
+    let fleet = FleetId::new(m.fleet.as_deref().unwrap_or(&cfg.fleet)).map_err(|e| anyhow::anyhow!("[mqtt] fleet: {e}"))?;
+    let tls = fedfleet_control::device_tls(identity).context("[mqtt] TLS client config")?;
+    let id = identity.device_id().clone();
+    let options = ClientOptions::new(m.host.clone(), m.port, id.as_str(), fleet);
+    Ok(ControlClient::start(options, tls, Role::Device { id, aggregator_key, registry_key: None }))
 }
 
 /// The device's mTLS client config (ALPN `fedfleet/1`).
@@ -156,8 +202,19 @@ pub fn remote_registry(ids: &IdentityPaths, r: &crate::config::RegistryEndpoint)
     Ok(RemoteRegistry::new(client, r.model.clone(), root))
 }
 
-async fn run_with<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>) -> Result<()> {
-    let mut agent = build_agent(cfg, agg, reg, Arc::new(SystemClock))?;
+async fn run_with<A: Aggregator, R: Registry>(
+    cfg: &AgentConfig,
+    agg: Arc<A>,
+    reg: Arc<R>,
+    heartbeat: Option<(StatusPublisher, Duration)>,
+) -> Result<()> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let mut agent = build_agent(cfg, agg, reg, clock.clone())?;
+    let _heartbeats = heartbeat.map(|(p, every)| {
+        let initial = agent.core().status(clock.now_ms());
+        let c = clock.clone();
+        AbortOnDrop(tokio::spawn(crate::mqtt::heartbeats(p, initial, every, move || c.now_ms())))
+    });
     tracing::info!(device = %agent.core().state().device, fleet = %cfg.fleet, pending = agent.core().pending_uploads().len(), "agent started");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let socket = cfg.socket_path();
@@ -173,6 +230,14 @@ async fn run_with<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, re
     tracing::info!("shutting down");
     server.await??;
     Ok(())
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn shutdown_signal() {

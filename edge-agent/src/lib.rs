@@ -19,6 +19,7 @@ pub mod inference;
 pub mod lifecycle;
 pub mod remote;
 pub mod ml;
+pub mod mqtt;
 pub mod sim;
 pub mod store;
 

@@ -1,4 +1,5 @@
 //! Integration tests of fedfleet-agent: one binary.
 mod lifecycle;
+mod mqtt;
 mod shell;
 mod support;

@@ -1,0 +1,300 @@
+//! The agent's side of the MQTT control plane (`fedfleet-control`).
+//!
+//! - [`MqttAggregator`] wraps the QUIC [`Aggregator`] client: round announcements come from MQTT
+//!   (`ControlEvent::Announcement`, verified by the control client against the pinned aggregator
+//!   key) and fall back to the inner client's poll while none has arrived; uploads go over QUIC,
+//!   or over the MQTT upload path when configured (`upload = "mqtt"`) or, with `upload = "auto"`,
+//!   after `switch_after` consecutive QUIC transport failures (QUIC is tried again after
+//!   `quic_retry`). An MQTT upload is answered by the matching `ControlEvent::Receipt`; none
+//!   within `receipt_timeout` is a transport error, so the outbox re-sends the same bytes.
+//!   Base models are always fetched through the inner (QUIC) client.
+//! - [`MqttRegistry`] wraps the [`Registry`] client: every status report is also signed and
+//!   published on the device's status topic, and [`heartbeats`] re-publishes the last one
+//!   periodically with a fresh `reported_at`.
+//!
+//! Reconnecting and backoff are the control client's job.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use fedfleet_control::{ControlClient, ControlEvent, ControlEvents};
+use fedfleet_protocol::{
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RolloutNotice, RoundAnnouncement, Signed, SignedUpdate,
+};
+use serde::Deserialize;
+use tokio::sync::Notify;
+
+use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
+
+/// Which path uploads take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UploadPath {
+    /// Always QUIC (the MQTT path is never used).
+    Quic,
+    /// Always the MQTT upload path.
+    Mqtt,
+    /// QUIC, switching to MQTT after `switch_after` consecutive QUIC transport failures.
+    #[default]
+    Auto,
+}
+
+/// How [`MqttAggregator`] chooses and waits.
+#[derive(Debug, Clone)]
+pub struct MqttUploadOptions {
+    pub path: UploadPath,
+    /// Consecutive QUIC transport failures before `Auto` switches to MQTT.
+    pub switch_after: u32,
+    /// How long an MQTT upload waits for its receipt.
+    pub receipt_timeout: Duration,
+    /// How long `Auto` stays on MQTT before trying QUIC again.
+    pub quic_retry: Duration,
+}
+
+impl Default for MqttUploadOptions {
+    fn default() -> Self {
+        MqttUploadOptions {
+            path: UploadPath::Auto,
+            switch_after: 3,
+            receipt_timeout: Duration::from_secs(30),
+            quic_retry: Duration::from_secs(600),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Heard {
+    round: Mutex<Option<RoundAnnouncement>>,
+    receipts: Mutex<Vec<Receipt>>,
+    receipt_arrived: Notify,
+}
+
+/// [`Aggregator`] with announcements and an upload path over MQTT; see the module docs.
+pub struct MqttAggregator<A> {
+    inner: Arc<A>,
+    control: ControlClient,
+    heard: Arc<Heard>,
+    opts: MqttUploadOptions,
+    quic_failures: AtomicU32,
+    switched_at: Mutex<Option<Instant>>,
+    mqtt_uploads: AtomicU32,
+}
+
+impl<A: Aggregator> MqttAggregator<A> {
+    /// Wraps `inner` and consumes `events` in a task on the current tokio runtime (other events
+    /// than announcements and receipts are logged).
+    pub fn new(inner: Arc<A>, control: ControlClient, mut events: ControlEvents, opts: MqttUploadOptions) -> Self {
+        let heard = Arc::new(Heard::default());
+        let h = heard.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = events.recv().await {
+                match ev {
+                    ControlEvent::Announcement(s) => {
+                        let a = s.body().clone();
+                        tracing::info!(round = %a.round, "round announced over MQTT");
+                        *h.round.lock().unwrap_or_else(|p| p.into_inner()) = Some(a);
+                    }
+                    ControlEvent::Receipt(s) => {
+                        let r = s.body().clone();
+                        tracing::debug!(round = %r.round, "receipt over MQTT");
+                        let mut g = h.receipts.lock().unwrap_or_else(|p| p.into_inner());
+                        g.push(r);
+                        let n = g.len();
+                        if n > 64 {
+                            g.drain(..n - 64);
+                        }
+                        drop(g);
+                        h.receipt_arrived.notify_waiters();
+                    }
+                    ControlEvent::Connected { count } => tracing::info!(count, "MQTT control plane connected"),
+                    ControlEvent::Disconnected { error } => tracing::debug!(%error, "MQTT control plane disconnected"),
+                    ControlEvent::Rejected(r) => tracing::warn!(?r, "MQTT message refused"),
+                    other => tracing::debug!(?other, "MQTT event ignored"),
+                }
+            }
+        });
+        MqttAggregator {
+            inner,
+            control,
+            heard,
+            opts,
+            quic_failures: AtomicU32::new(0),
+            switched_at: Mutex::new(None),
+            mqtt_uploads: AtomicU32::new(0),
+        }
+    }
+
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    pub fn control(&self) -> &ControlClient {
+        &self.control
+    }
+
+    /// Uploads sent over the MQTT path so far (attempts, not receipts).
+    pub fn mqtt_uploads(&self) -> u32 {
+        self.mqtt_uploads.load(Ordering::Relaxed)
+    }
+
+    /// The round last announced over MQTT, if any.
+    pub fn announced(&self) -> Option<RoundAnnouncement> {
+        self.heard.round.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn use_mqtt(&self) -> bool {
+        match self.opts.path {
+            UploadPath::Quic => false,
+            UploadPath::Mqtt => true,
+            UploadPath::Auto => {
+                if self.quic_failures.load(Ordering::Relaxed) < self.opts.switch_after.max(1) {
+                    return false;
+                }
+                let mut at = self.switched_at.lock().unwrap_or_else(|p| p.into_inner());
+                let since = *at.get_or_insert_with(Instant::now);
+                if since.elapsed() >= self.opts.quic_retry {
+                    // Give QUIC another chance.
+                    *at = None;
+                    self.quic_failures.store(0, Ordering::Relaxed);
+                    return false;
+                }
+                true
+            }
+        }
+    }
+
+    async fn upload_mqtt(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {
+        let signed = SignedUpdate::decode(signed_header).map_err(|e| TransportError(format!("mqtt upload: header: {e}")))?;
+        let h = signed.body().clone();
+        let matches = |r: &Receipt| r.round == h.round && r.nonce == h.nonce && r.payload_digest == h.payload_digest && r.device == h.device;
+        self.mqtt_uploads.fetch_add(1, Ordering::Relaxed);
+        self.control.upload_update(&signed, payload).await.map_err(|e| TransportError(format!("mqtt upload: {e}")))?;
+        let wait = async {
+            loop {
+                let notified = self.heard.receipt_arrived.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if let Some(r) = self.heard.receipts.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|r| matches(r)) {
+                    return r.clone();
+                }
+                notified.await;
+            }
+        };
+        match tokio::time::timeout(self.opts.receipt_timeout, wait).await {
+            Ok(r) => Ok(UploadReply::Receipt(r)),
+            Err(_) => Err(TransportError(format!("mqtt upload: no receipt within {:?}", self.opts.receipt_timeout))),
+        }
+    }
+}
+
+impl<A: Aggregator> Aggregator for MqttAggregator<A> {
+    async fn current_round(&self, fleet: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
+        if let Some(a) = self.announced().filter(|a| &a.fleet == fleet) {
+            return Ok(Some(a));
+        }
+        self.inner.current_round(fleet).await
+    }
+
+    async fn fetch_base_model(&self, model: &ModelRef) -> Result<BaseModel, TransportError> {
+        self.inner.fetch_base_model(model).await
+    }
+
+    async fn upload(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {
+        if self.use_mqtt() {
+            return self.upload_mqtt(signed_header, payload).await;
+        }
+        match self.inner.upload(signed_header, payload).await {
+            Ok(r) => {
+                self.quic_failures.store(0, Ordering::Relaxed);
+                Ok(r)
+            }
+            Err(e) => {
+                let n = self.quic_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                if self.opts.path == UploadPath::Auto && n >= self.opts.switch_after.max(1) {
+                    tracing::warn!(failures = n, error = %e, "QUIC uploads failing; switching to the MQTT upload path");
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// [`Registry`] that also publishes every status report, signed, over MQTT.
+pub struct MqttRegistry<R> {
+    inner: Arc<R>,
+    status: StatusPublisher,
+}
+
+/// Signs and publishes device status on the device's status topic; remembers the last one for
+/// [`heartbeats`].
+#[derive(Clone)]
+pub struct StatusPublisher {
+    control: ControlClient,
+    key: SigningKey,
+    last: Arc<Mutex<Option<DeviceStatus>>>,
+}
+
+impl StatusPublisher {
+    pub fn new(control: ControlClient, key: SigningKey) -> Self {
+        StatusPublisher { control, key, last: Arc::new(Mutex::new(None)) }
+    }
+
+    /// Signs and publishes `status` (queued; the control client republishes it on reconnect).
+    pub async fn publish(&self, status: &DeviceStatus) -> Result<(), TransportError> {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(status.clone());
+        let signed = Signed::sign(status.clone(), &self.key);
+        self.control.publish_status(&signed).await.map_err(|e| TransportError(format!("mqtt status: {e}")))
+    }
+
+    /// The last status published, if any.
+    pub fn last(&self) -> Option<DeviceStatus> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl<R: Registry> MqttRegistry<R> {
+    pub fn new(inner: Arc<R>, status: StatusPublisher) -> Self {
+        MqttRegistry { inner, status }
+    }
+
+    pub fn publisher(&self) -> &StatusPublisher {
+        &self.status
+    }
+}
+
+impl<R: Registry> Registry for MqttRegistry<R> {
+    async fn metadata(&self, have_root_version: u64) -> Result<MetadataSet, TransportError> {
+        self.inner.metadata(have_root_version).await
+    }
+    async fn assignment(&self, device: &DeviceId) -> Result<Option<RolloutNotice>, TransportError> {
+        self.inner.assignment(device).await
+    }
+    async fn download(&self, name: &str, version: ModelVersion, offset: u64, max_len: u32) -> Result<Vec<u8>, TransportError> {
+        self.inner.download(name, version, offset, max_len).await
+    }
+    /// Delivered if either path took it.
+    async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
+        let mqtt = self.status.publish(status).await;
+        let quic = self.inner.report(status).await;
+        match (mqtt, quic) {
+            (Err(a), Err(b)) => Err(TransportError(format!("{a}; {b}"))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Re-publishes the last status every `interval` with a fresh `reported_at` (a heartbeat), or
+/// `initial` (re-stamped) while nothing has been reported yet. Runs until the task is dropped.
+pub async fn heartbeats(publisher: StatusPublisher, initial: DeviceStatus, interval: Duration, now_ms: impl Fn() -> u64) {
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        let mut s = publisher.last().unwrap_or_else(|| initial.clone());
+        s.reported_at_unix_ms = now_ms();
+        if let Err(e) = publisher.publish(&s).await {
+            tracing::debug!(error = %e, "heartbeat not published");
+        }
+    }
+}
