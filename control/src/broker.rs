@@ -276,57 +276,38 @@ pub fn export_key_pkcs8_v1(key: &Path, dest: &Path) -> Result<(), fedfleet_certs
         0x20,
     ];
     der.extend_from_slice(signing.as_bytes());
-    let pem = format!(
-        "-----BEGIN PRIVATE KEY-----\n{}\n-----END PRIVATE KEY-----\n",
-        base64(&der)
+    let pem = pem::encode_config(
+        &pem::Pem::new("PRIVATE KEY", der),
+        pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF),
     );
-    let io = |error: std::io::Error| fedfleet_certs::CertError::Io {
-        path: dest.to_path_buf(),
-        error,
-    };
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(fedfleet_certs::SECRET_MODE)
-        .open(dest)
-        .map_err(io)?;
-    f.write_all(pem.as_bytes()).map_err(io)?;
-    f.sync_all().map_err(io)
-}
-
-fn base64(bytes: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for c in bytes.chunks(3) {
-        let n = (u32::from(c[0]) << 16)
-            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
-            | u32::from(*c.get(2).unwrap_or(&0));
-        for i in 0..4 {
-            if i <= c.len() {
-                out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
+    fedfleet_durable::write_atomic(dest, pem.as_bytes(), fedfleet_durable::Mode::Secret).map_err(|error| {
+        fedfleet_certs::CertError::Io {
+            path: dest.to_path_buf(),
+            error,
         }
-    }
-    out
+    })
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
-    fn base64_matches_the_rfc_vectors() {
-        for (i, o) in [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foobar", "Zm9vYmFy"),
-        ] {
-            assert_eq!(super::base64(i.as_bytes()), o);
-        }
+    fn exported_key_is_the_rfc8410_v1_encoding_of_the_seed() {
+        let dir = tempfile::tempdir().unwrap();
+        let seed = [7u8; 32];
+        let key = ed25519_dalek::SigningKey::from_bytes(&seed);
+        let src = dir.path().join("device.key");
+        std::fs::write(
+            &src,
+            ed25519_dalek::pkcs8::EncodePrivateKey::to_pkcs8_pem(&key, Default::default())
+                .unwrap()
+                .as_bytes(),
+        )
+        .unwrap();
+        let dest = dir.path().join("device.v1.key");
+        super::export_key_pkcs8_v1(&src, &dest).unwrap();
+        let pem = pem::parse(std::fs::read(&dest).unwrap()).unwrap();
+        assert_eq!(pem.tag(), "PRIVATE KEY");
+        assert_eq!(pem.contents().len(), 48);
+        assert_eq!(&pem.contents()[16..], &seed);
     }
 }
