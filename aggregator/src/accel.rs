@@ -36,8 +36,8 @@ pub fn select_device(name: &str) -> Result<Device, AccelError> {
         "cpu" => Ok(Device::flex()),
         "gpu" => gpu_device(),
         "auto" => match std::env::var("BURN_DEVICE").ok().as_deref() {
-            Some("flex") | Some("cpu") => Ok(Device::flex()),
-            Some(_) | None if cfg!(feature = "wgpu") => gpu_device(),
+            Some("flex" | "cpu") => Ok(Device::flex()),
+            _ if cfg!(feature = "wgpu") => gpu_device(),
             _ => Ok(Device::flex()),
         },
         other => Err(AccelError::UnknownDevice(other.to_string())),

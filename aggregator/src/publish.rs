@@ -133,8 +133,9 @@ impl DirPublisher {
         ] {
             crate::persist::write_atomic(&tmp.join(file), bytes)?;
         }
-        std::fs::rename(&tmp, model_dir.join(format!("{:08}", version.0)))?;
-        std::fs::File::open(&model_dir)?.sync_all()?;
+        let version_dir = model_dir.join(format!("{:08}", version.0));
+        std::fs::rename(&tmp, &version_dir)?;
+        fedfleet_durable::sync_parent(&version_dir)?;
         Ok((version, digest))
     }
 }
