@@ -517,7 +517,7 @@ impl Aggregator {
             }
             Request::CampaignStart(_) | Request::CampaignStatus | Request::CampaignStop if !is_operator => {
                 Some(Response::Error(reject(
-                    RejectReason::UnknownDevice,
+                    RejectReason::NotPermitted,
                     "campaign requests need an operator service certificate",
                 )))
             }
@@ -577,12 +577,12 @@ impl Aggregator {
             PeerIdentity::Device(id) if *id == h.device => {}
             PeerIdentity::Device(id) => {
                 return Err(reject(
-                    RejectReason::UnknownDevice,
+                    RejectReason::IdentityMismatch,
                     format!("certificate is for device {id}, the header names {}", h.device),
                 ));
             }
             PeerIdentity::Service(n) => {
-                return Err(reject(RejectReason::UnknownDevice, format!("service {n} cannot upload updates")));
+                return Err(reject(RejectReason::NotPermitted, format!("service {n} cannot upload updates")));
             }
         }
         // 2. Enrollment and revocation (the allow-list is re-read when it changes).

@@ -76,6 +76,10 @@ reasons! {
     Overloaded => "overloaded",
     /// A failure on our side; the sender may retry.
     Internal => "internal",
+    /// The authenticated peer (certificate) is not the party the message names.
+    IdentityMismatch => "identity_mismatch",
+    /// The authenticated peer may not make this request (e.g. a device asking for operator commands).
+    NotPermitted => "not_permitted",
 }
 
 impl fmt::Display for RejectReason {

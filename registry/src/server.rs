@@ -335,9 +335,9 @@ async fn stream(
         },
         Request::Report(status) => match peer {
             PeerIdentity::Device(id) if *id != status.device => {
-                m.rejection(RejectReason::UnknownDevice);
+                m.rejection(RejectReason::IdentityMismatch);
                 wire::rejected(
-                    RejectReason::UnknownDevice,
+                    RejectReason::IdentityMismatch,
                     format!("report names {} but the certificate is {id}", status.device),
                 )
             }

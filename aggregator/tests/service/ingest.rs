@@ -24,7 +24,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     // A device cannot start campaigns; the operator can.
     let d0 = fleet.device_client(0, addr).await;
     match d0.campaign(Request::CampaignStart(CampaignOverrides::default())).await {
-        Err(ClientError::Refused(r)) => assert_eq!(r.reason, RejectReason::UnknownDevice),
+        Err(ClientError::Refused(r)) => assert_eq!(r.reason, RejectReason::NotPermitted),
         other => panic!("{other:?}"),
     }
     let op = fleet.operator(addr).await;
@@ -75,7 +75,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     let d1 = fleet.device_client(1, addr).await;
     // Header of another device on dev-1's connection (signed by that device's own key).
     let (h, p) = good(2, 1);
-    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::UnknownDevice);
+    check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::IdentityMismatch);
     // Bad signature: dev-1's header signed with dev-2's key.
     let p = delta(11).encode();
     let h = header(&dev(1), round, base, nonce(1, 1), 10, &p, f32, &fleet.device_key(2));
@@ -169,7 +169,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     for r in RejectReason::ALL {
         let want = expect.iter().filter(|x| *x == r).count() as u64;
         // Service certificates asking for campaigns: the device's refused start above.
-        let extra = u64::from(*r == RejectReason::UnknownDevice);
+        let extra = u64::from(*r == RejectReason::NotPermitted);
         assert_eq!(m.rejected_count(*r), want + extra, "{r}");
     }
     let text = m.render();

@@ -55,7 +55,7 @@ async fn identities_are_enforced() {
 
         // A device reporting as another device, or for another fleet, is refused by name.
         match dev.report(&idle("dev-2", "test-fleet")).await.unwrap_err() {
-            ClientError::Rejected(r) => assert_eq!(r.reason, RejectReason::UnknownDevice),
+            ClientError::Rejected(r) => assert_eq!(r.reason, RejectReason::IdentityMismatch),
             e => panic!("{e}"),
         }
         match dev.report(&idle("dev-1", "other-fleet")).await.unwrap_err() {
@@ -83,7 +83,7 @@ async fn identities_are_enforced() {
         let m = h.reg.metrics();
         assert!(m.get("fedfleet_registry_rejections_total", "denied") >= 4);
         assert_eq!(
-            m.get("fedfleet_registry_rejections_total", "unknown_device"),
+            m.get("fedfleet_registry_rejections_total", "identity_mismatch"),
             1
         );
         h.stop().await;
