@@ -9,7 +9,7 @@
 
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::strategy::{FedOptKind, FedOptParams};
+use crate::strategy::{FedOptKind, FedOptParams, FedOptState, ServerStrategy, Strategy, StrategyError};
 
 /// Why the tensor path refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -77,13 +77,18 @@ impl TensorFold {
     }
 
     pub fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), AccelError> {
+        self.fold_scaled(delta, weight, 1.0)
+    }
+
+    /// Folds `scale·delta` with `weight` (clipping scales a delta, not its weight).
+    pub fn fold_scaled(&mut self, delta: &[f32], weight: u64, scale: f64) -> Result<(), AccelError> {
         if delta.len() != self.dim {
             return Err(AccelError::Shape { expected: self.dim, got: delta.len() });
         }
         if weight == 0 {
             return Err(AccelError::BadWeight);
         }
-        let term = upload(&self.device, delta).mul_scalar(weight as f32);
+        let term = upload(&self.device, delta).mul_scalar((weight as f64 * scale) as f32);
         self.sum = self.sum.clone().add(term);
         self.total_weight += weight as f64;
         self.count += 1;
@@ -96,10 +101,15 @@ impl TensorFold {
 
     /// `Σ wᵢΔᵢ / Σ wᵢ`, read back to the host.
     pub fn mean(&self) -> Result<Vec<f32>, AccelError> {
+        download(self.mean_tensor()?)
+    }
+
+    /// `Σ wᵢΔᵢ / Σ wᵢ`, left on the device.
+    pub fn mean_tensor(&self) -> Result<Tensor<1>, AccelError> {
         if self.count == 0 {
             return Err(AccelError::Empty);
         }
-        download(self.sum.clone().div_scalar(self.total_weight as f32))
+        Ok(self.sum.clone().div_scalar(self.total_weight as f32))
     }
 }
 
@@ -140,11 +150,46 @@ impl TensorFedOpt {
         }
     }
 
+    /// Continues from a [`crate::FedOpt`]'s persisted state.
+    pub fn from_state(device: &Device, s: &FedOptState) -> Result<Self, AccelError> {
+        if s.v.len() != s.m.len() {
+            return Err(AccelError::Shape { expected: s.m.len(), got: s.v.len() });
+        }
+        Ok(TensorFedOpt {
+            device: device.clone(),
+            kind: s.kind,
+            params: s.params,
+            m: upload(device, &s.m),
+            v: upload(device, &s.v),
+            t: s.t,
+        })
+    }
+
+    /// The state to persist (read back from the device).
+    pub fn state(&self) -> Result<FedOptState, AccelError> {
+        Ok(FedOptState {
+            kind: self.kind,
+            params: self.params,
+            m: download(self.m.clone())?,
+            v: download(self.v.clone())?,
+            t: self.t,
+        })
+    }
+
     /// One server step of Reddi et al.'s Algorithm 2 (same update rules as [`crate::FedOpt`],
     /// in f32 on the device): returns the new global model.
     pub fn step(&mut self, global: &[f32], mean_delta: &[f32]) -> Result<Vec<f32>, AccelError> {
         let dim = self.m.dims()[0];
-        for got in [global.len(), mean_delta.len()] {
+        if mean_delta.len() != dim {
+            return Err(AccelError::Shape { expected: dim, got: mean_delta.len() });
+        }
+        let d = upload(&self.device, mean_delta);
+        self.step_tensor(global, d)
+    }
+
+    fn step_tensor(&mut self, global: &[f32], d: Tensor<1>) -> Result<Vec<f32>, AccelError> {
+        let dim = self.m.dims()[0];
+        for got in [global.len(), d.dims()[0]] {
             if got != dim {
                 return Err(AccelError::Shape { expected: dim, got });
             }
@@ -158,7 +203,6 @@ impl TensorFedOpt {
             }
             _ => p.eta,
         };
-        let d = upload(&self.device, mean_delta);
         let d2 = d.clone().mul(d.clone());
         self.m = self.m.clone().mul_scalar(p.beta_1 as f32).add(d.mul_scalar((1.0 - p.beta_1) as f32));
         self.v = match self.kind {
@@ -171,6 +215,47 @@ impl TensorFedOpt {
         };
         let step = self.m.clone().div(self.v.clone().sqrt().add_scalar(p.tau as f32)).mul_scalar(eta as f32);
         download(upload(&self.device, global).add(step))
+    }
+}
+
+/// The next global model of a FedAvg-family `strategy` from the round's updates, folded on
+/// `device` in the order given (pass the canonical order): clipping as [`crate::ClippedFedAvg`]
+/// decides it, then `global + mean` or the FedOpt step, whose state is written back into the
+/// strategy (so it is persisted with it at the round boundary).
+pub fn finalize_round(
+    device: &Device,
+    strategy: &mut ServerStrategy,
+    global: &[f32],
+    updates: impl IntoIterator<Item = Result<(Vec<f32>, u64), String>>,
+) -> Result<Vec<f32>, StrategyError> {
+    let compute = |e: AccelError| StrategyError::Compute(e.to_string());
+    if !strategy.is_mean_based() {
+        return Err(StrategyError::BadParameter(format!("{} has no tensor fold", strategy.name())));
+    }
+    let mut fold = TensorFold::new(device, global.len());
+    for update in updates {
+        let (delta, weight) = update.map_err(StrategyError::Compute)?;
+        let scale = match &*strategy {
+            ServerStrategy::ClippedFedAvg(s) => s.clip_scale(&delta)?,
+            _ => 1.0,
+        };
+        fold.fold_scaled(&delta, weight, scale).map_err(compute)?;
+    }
+    let mean = fold.mean_tensor().map_err(compute)?;
+    match strategy {
+        ServerStrategy::FedOpt(s) => {
+            let mut opt = TensorFedOpt::from_state(device, &s.state()).map_err(compute)?;
+            let out = opt.step_tensor(global, mean).map_err(compute)?;
+            s.set_state(opt.state().map_err(compute)?)?;
+            Ok(out)
+        }
+        other => {
+            other.abort_round(); // nothing folded in it; resets per-round counters
+            if mean.dims()[0] != global.len() {
+                return Err(StrategyError::GlobalShape { expected: mean.dims()[0], got: global.len() });
+            }
+            download(upload(device, global).add(mean)).map_err(compute)
+        }
     }
 }
 

@@ -33,6 +33,10 @@
 //! mu = 0.0                           # FedProx
 //! quantization = "f32"               # f32 f16 bf16 i8
 //!
+//! [compute]                          # where the server math runs
+//! fold = "exact"                     # exact (integer fold on the CPU, default) | tensor (burn)
+//! device = "auto"                    # tensor only: cpu | gpu (build with --features wgpu) | auto
+//!
 //! [mqtt]                             # optional: the MQTT control plane (fedfleet-control)
 //! mode = "embedded"                  # embedded (default when the section is present) | external | off
 //! listen = "127.0.0.1:8883"          # embedded broker's fleet-facing address (TLS, client certs)
@@ -87,6 +91,43 @@ pub struct Config {
     pub model: ModelConfig,
     #[serde(default)]
     pub campaign: CampaignDefaults,
+    #[serde(default)]
+    pub compute: ComputeConfig,
+}
+
+/// `[compute] fold`: how a round's accepted updates become the next global model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FoldBackend {
+    /// Integer fixed-point streaming fold on the CPU as updates arrive: bit-identical for any
+    /// arrival order and across restarts, on any machine.
+    #[default]
+    Exact,
+    /// Burn tensors on `device`: the round's stored updates are folded in one canonical order
+    /// (payload digest) at the deadline, then the server step (FedAvg, clipping, FedOpt) runs
+    /// on the device. Deterministic for one device and build; robust strategies stay exact.
+    Tensor,
+}
+
+/// `[compute]`: where the server math runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeConfig {
+    #[serde(default)]
+    pub fold: FoldBackend,
+    /// `cpu` (burn flex), `gpu` (burn wgpu; a build with `--features wgpu`) or `auto`.
+    #[serde(default = "default_compute_device")]
+    pub device: String,
+}
+
+impl Default for ComputeConfig {
+    fn default() -> Self {
+        ComputeConfig { fold: FoldBackend::Exact, device: default_compute_device() }
+    }
+}
+
+fn default_compute_device() -> String {
+    "auto".into()
 }
 
 fn default_server_name() -> String {

@@ -23,6 +23,17 @@ pub enum FinalizeError {
     Strategy(#[from] StrategyError),
 }
 
+/// Where accepted deltas go.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FoldMode {
+    /// Folded into the strategy as they arrive (the exact streaming fold).
+    #[default]
+    Streaming,
+    /// Only counted: the shell keeps every accepted payload and folds them itself at finalize
+    /// ([`Coordinator::finalize_with`]), e.g. on burn tensors in one canonical order.
+    Deferred,
+}
+
 /// A [`RoundEngine`] and the [`Strategy`] that folds its accepted updates.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Coordinator<S> {
@@ -30,6 +41,11 @@ pub struct Coordinator<S> {
     strategy: S,
     /// The round the strategy's folded updates belong to.
     folding: Option<RoundId>,
+    #[serde(default)]
+    mode: FoldMode,
+    /// Updates of the `folding` round held back in [`FoldMode::Deferred`].
+    #[serde(default)]
+    deferred: u64,
 }
 
 impl<S: Strategy> Coordinator<S> {
@@ -38,6 +54,46 @@ impl<S: Strategy> Coordinator<S> {
             engine,
             strategy,
             folding: None,
+            mode: FoldMode::Streaming,
+            deferred: 0,
+        }
+    }
+    pub fn mode(&self) -> FoldMode {
+        self.mode
+    }
+    /// Switches the fold mode; the current round's updates (if any) are dropped, so call it
+    /// before the first update of a round (at startup before the refold, or at campaign start).
+    pub fn set_mode(&mut self, mode: FoldMode) {
+        if mode != self.mode {
+            self.discard_held();
+            self.folding = None;
+            self.mode = mode;
+        }
+    }
+    /// Updates of the current round folded (streaming) or held back (deferred).
+    pub fn held(&self) -> u64 {
+        self.strategy.folded() + self.deferred
+    }
+    /// Drops the current round's folded or held-back updates (a failed round).
+    pub fn discard_held(&mut self) {
+        if self.held() > 0 {
+            self.strategy.abort_round();
+            self.deferred = 0;
+        }
+    }
+    /// Folds (or, deferred, counts) one update of `round`, first dropping what a failed
+    /// earlier round left behind.
+    fn take(&mut self, round: RoundId, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
+        if self.folding != Some(round) {
+            self.discard_held();
+            self.folding = Some(round);
+        }
+        match self.mode {
+            FoldMode::Streaming => self.strategy.fold(delta, weight),
+            FoldMode::Deferred => {
+                self.deferred += 1;
+                Ok(())
+            }
         }
     }
     pub fn engine(&self) -> &RoundEngine {
@@ -62,14 +118,7 @@ impl<S: Strategy> Coordinator<S> {
         delta: &[f32],
     ) -> Result<Accepted, Reject> {
         let admitted = self.engine.check_update(now, &meta)?;
-        if self.folding != Some(admitted.round) {
-            if self.strategy.folded() > 0 {
-                self.strategy.abort_round(); // left over from a failed round
-            }
-            self.folding = Some(admitted.round);
-        }
-        self.strategy
-            .fold(delta, admitted.weight)
+        self.take(admitted.round, delta, admitted.weight)
             .map_err(|e| Reject {
                 reason: e.reason(),
                 current_round: Some(admitted.round),
@@ -95,13 +144,7 @@ impl<S: Strategy> Coordinator<S> {
         delta: &[f32],
         weight: u64,
     ) -> Result<(), StrategyError> {
-        if self.folding != Some(round) {
-            if self.strategy.folded() > 0 {
-                self.strategy.abort_round();
-            }
-            self.folding = Some(round);
-        }
-        self.strategy.fold(delta, weight)
+        self.take(round, delta, weight)
     }
 
     /// The round whose updates the strategy currently holds.
@@ -127,10 +170,23 @@ impl<S: Strategy> Coordinator<S> {
         round: RoundId,
         global: &[f32],
     ) -> Result<Vec<f32>, FinalizeError> {
+        self.finalize_with(now, round, |s| s.finalize(global))
+    }
+
+    /// [`Coordinator::finalize`] with the model computed by `compute` from the strategy (its
+    /// server state; in [`FoldMode::Deferred`] the shell folds the round's stored updates).
+    pub fn finalize_with(
+        &mut self,
+        now: Millis,
+        round: RoundId,
+        compute: impl FnOnce(&mut S) -> Result<Vec<f32>, StrategyError>,
+    ) -> Result<Vec<f32>, FinalizeError> {
         if self.engine.awaiting_model() != Some(round) || self.folding != Some(round) {
             return Err(FinalizeError::NotAwaiting(round));
         }
-        match self.strategy.finalize(global) {
+        let result = compute(&mut self.strategy);
+        self.deferred = 0;
+        match result {
             Ok(model) => {
                 self.folding = None;
                 Ok(model)

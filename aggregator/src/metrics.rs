@@ -3,7 +3,7 @@
 //!
 //! | metric | type | labels |
 //! |---|---|---|
-//! | `fedfleet_aggregator_rounds_total` | counter | `event` = opened, closed, failed, published |
+//! | `fedfleet_aggregator_rounds_total` | counter | `event` = opened, closed, failed, published, tensor_folded |
 //! | `fedfleet_aggregator_updates_accepted_total` | counter | |
 //! | `fedfleet_aggregator_updates_rejected_total` | counter | `reason` (every `RejectReason`) |
 //! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes received |
@@ -71,6 +71,9 @@ impl Metrics {
     pub fn last_seen(&self, device: &DeviceId) -> Option<u64> {
         self.presence.lock().unwrap_or_else(|p| p.into_inner()).0.last_seen(device)
     }
+    pub fn round_count(&self, event: &str) -> u64 {
+        self.rounds.lock().unwrap_or_else(|p| p.into_inner()).get(event).copied().unwrap_or(0)
+    }
     pub fn round(&self, event: &'static str) {
         *self.rounds.lock().unwrap_or_else(|p| p.into_inner()).entry(event).or_default() += 1;
     }
@@ -87,7 +90,7 @@ impl Metrics {
         };
         counter(&mut s, "fedfleet_aggregator_rounds_total", "Round events.");
         let rounds = self.rounds.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        for ev in ["opened", "closed", "failed", "published"] {
+        for ev in ["opened", "closed", "failed", "published", "tensor_folded"] {
             let _ = writeln!(s, "fedfleet_aggregator_rounds_total{{event=\"{ev}\"}} {}", rounds.get(ev).copied().unwrap_or(0));
         }
         counter(&mut s, "fedfleet_aggregator_updates_accepted_total", "Updates accepted.");

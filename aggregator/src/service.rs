@@ -31,7 +31,8 @@ use fedfleet_protocol::{
 };
 use tokio::sync::{Notify, mpsc, watch};
 
-use crate::config::Config;
+use crate::config::{Config, FoldBackend};
+use crate::coordinator::FoldMode;
 use crate::engine::{
     CampaignId, CampaignSpec, EngineConfig, EngineEvent, Millis, RoundEngine, RoundPolicy,
     Selection, UpdateMeta,
@@ -115,6 +116,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     publisher: Box<dyn Publisher>,
     validation: Option<Dataset>,
+    /// `[compute] fold = "tensor"`: the burn device the FedAvg family's rounds are folded on.
+    tensor_device: Option<burn::tensor::Device>,
     core: Mutex<Core>,
     wake: Notify,
     /// The open round's signed announcement (encoded), for the MQTT control plane.
@@ -197,6 +200,31 @@ fn decode_base(bytes: &[u8]) -> Result<(Layout, Vec<f32>), String> {
     Ok((layout, flatten(&b, dim)))
 }
 
+/// Streaming unless the tensor path is on and `strategy` is a weighted mean.
+fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
+    if tensor && strategy.is_mean_based() { FoldMode::Deferred } else { FoldMode::Streaming }
+}
+
+/// The decoded deltas and weights of `records`, read back from the update store in the order
+/// given. A deferred fold only counts at restart, so its payloads need not be decoded then.
+fn stored_updates<'a>(
+    store: &'a Store,
+    records: &'a [AcceptedRecord],
+    base: &'a Base,
+    dtype: DType,
+    mode: FoldMode,
+) -> impl Iterator<Item = Result<(Vec<f32>, u64), String>> + 'a {
+    records.iter().map(move |rec| {
+        if mode == FoldMode::Deferred {
+            return Ok((Vec::new(), rec.weight));
+        }
+        let bytes = store.read_update(&rec.payload_digest).map_err(|e| e.to_string())?;
+        let delta = decode_update(&bytes, &base.layout, &base.limits(), dtype, base.dim())
+            .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))?;
+        Ok((delta, rec.weight))
+    })
+}
+
 impl Aggregator {
     /// Opens the data directory (refusing damaged state), loads identities, restores the
     /// coordinator and refolds the current round's accepted updates.
@@ -235,10 +263,20 @@ impl Aggregator {
             None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, spec.num_params())
                 .map_err(other)?,
         };
+        let tensor_device = match cfg.compute.fold {
+            FoldBackend::Exact => None,
+            FoldBackend::Tensor => Some(crate::accel::select_device(&cfg.compute.device).map_err(other)?),
+        };
+        if let Some(d) = &tensor_device {
+            tracing::info!(device = ?d, "FedAvg-family rounds are folded on burn tensors");
+        }
         let global = store.global()?;
         let campaign = store.campaign_meta()?;
+        let mode = fold_mode(tensor_device.is_some(), &strategy);
+        let mut coord = Coordinator::new(engine, strategy);
+        coord.set_mode(mode);
         let mut core = Core {
-            coord: Coordinator::new(engine, strategy),
+            coord,
             base: None,
             global,
             campaign,
@@ -265,12 +303,10 @@ impl Aggregator {
             let base = core.base.clone().ok_or_else(|| other("a round is open but no global model is recorded"))?;
             let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
             let records = store.accepted_in(round)?;
-            for rec in &records {
-                let bytes = store.read_update(&rec.payload_digest)?;
-                let delta = decode_update(&bytes, &base.layout, &base.limits(), dtype, base.dim())
-                    .map_err(|r| other(format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail)))?;
+            for (rec, update) in records.iter().zip(stored_updates(&store, &records, &base, dtype, core.coord.mode())) {
+                let (delta, weight) = update.map_err(other)?;
                 core.coord
-                    .resume_fold(round, &delta, rec.weight)
+                    .resume_fold(round, &delta, weight)
                     .map_err(|e| other(format!("refold of {}: {e}", rec.payload_digest)))?;
             }
             if !records.is_empty() {
@@ -297,6 +333,7 @@ impl Aggregator {
                 metrics,
                 publisher,
                 validation,
+                tensor_device,
                 core: Mutex::new(core),
                 wake: Notify::new(),
             }),
@@ -698,7 +735,9 @@ impl Aggregator {
                 return Err(reject(r.reason, format!("round {}: {}", h.round, r.reason)));
             }
         };
-        sh.metrics.folded(delta.len() as u64 * 4, t.elapsed());
+        if core.coord.mode() == FoldMode::Streaming {
+            sh.metrics.folded(delta.len() as u64 * 4, t.elapsed());
+        }
         let receipt = Signed::sign(
             Receipt {
                 fleet: h.fleet.clone(),
@@ -786,7 +825,7 @@ impl Aggregator {
                     // Only the failed round's own updates are discarded (after a restart the
                     // strategy may already hold the refolded updates of a later round).
                     if core.coord.folding() == Some(round) || core.coord.folding().is_none() {
-                        core.coord.strategy_mut().abort_round();
+                        core.coord.discard_held();
                     }
                     core.campaign.announcement = None;
                     sh.announce.send_replace(None);
@@ -878,7 +917,28 @@ impl Aggregator {
                 return Ok(None);
             }
             let base = core.base.clone().ok_or("no base model")?;
-            match core.coord.finalize(now_ms(), round, &base.values) {
+            let result = match (core.coord.mode(), &me.shared.tensor_device) {
+                (FoldMode::Deferred, Some(device)) => {
+                    // Every accepted payload is on disk: fold them on the device in digest order.
+                    let t0 = Instant::now();
+                    let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
+                    let mut records = me.shared.store.accepted_in(round).map_err(|e| e.to_string())?;
+                    records.sort_by_key(|r| r.payload_digest);
+                    let updates = stored_updates(&me.shared.store, &records, &base, dtype, FoldMode::Streaming);
+                    let r = core.coord.finalize_with(now_ms(), round, |s| {
+                        crate::accel::finalize_round(device, s, &base.values, updates)
+                    });
+                    let elapsed = t0.elapsed();
+                    if r.is_ok() {
+                        me.shared.metrics.folded(records.len() as u64 * base.dim() as u64 * 4, elapsed);
+                        me.shared.metrics.round("tensor_folded");
+                    }
+                    tracing::info!(round = %round, updates = records.len(), ms = elapsed.as_millis() as u64, "tensor fold");
+                    r
+                }
+                _ => core.coord.finalize(now_ms(), round, &base.values),
+            };
+            match result {
                 Ok(model) => Ok(Some((model, base))),
                 Err(e) => {
                     core.closing = None;
@@ -1044,6 +1104,12 @@ impl Aggregator {
             max_consecutive_failures: d.max_consecutive_failures,
         };
         let name = strategy.name().to_owned();
+        let mode = fold_mode(self.shared.tensor_device.is_some(), &strategy);
+        if self.shared.tensor_device.is_some() && mode == FoldMode::Streaming {
+            tracing::warn!(strategy = %name, "[compute] fold = \"tensor\" covers the FedAvg family; this strategy folds exactly on the CPU");
+        }
+        let old_mode = core.coord.mode();
+        core.coord.set_mode(mode);
         let old = std::mem::replace(core.coord.strategy_mut(), strategy);
         core.campaign.strategy = Some(name.clone());
         core.campaign.dtype = dtype.code();
@@ -1052,6 +1118,7 @@ impl Aggregator {
         let now = now_ms();
         if let Err(e) = core.coord.engine_mut().start_campaign(now, spec) {
             *core.coord.strategy_mut() = old;
+            core.coord.set_mode(old_mode);
             return Err(e.to_string());
         }
         tracing::info!(campaign = %id, strategy = %name, "campaign started");

@@ -323,6 +323,7 @@ pub async fn start_aggregator(
             validation: Some("digits".into()),
         },
         campaign,
+        compute: Default::default(),
     };
     let agg = Aggregator::open(cfg.clone(), publisher).context("opening the aggregator")?;
     let endpoint = agg.bind(cfg.listen)?;

@@ -111,6 +111,21 @@ impl ClippedFedAvg {
     pub fn clip_norm(&self) -> f64 {
         self.clip_norm
     }
+    /// The factor (≤ 1) that brings `delta` to L2 norm at most `clip_norm`.
+    pub fn clip_scale(&self, delta: &[f32]) -> Result<f64, StrategyError> {
+        let norm = l2_norm(delta);
+        if !norm.is_finite() {
+            // NaN/inf somewhere (or an overflowing norm): name the element.
+            let index = delta.iter().position(|x| !x.is_finite()).unwrap_or(0);
+            return Err(FoldError::NonFinite { index }.into());
+        }
+        // Round the scale down a hair so rounding can never push the norm above the bound.
+        Ok(if norm > self.clip_norm {
+            self.clip_norm / norm * (1.0 - 1e-12)
+        } else {
+            1.0
+        })
+    }
     /// Updates of the current round whose norm was above the bound.
     pub fn clipped_this_round(&self) -> u64 {
         self.clipped
@@ -157,18 +172,7 @@ impl Strategy for ClippedFedAvg {
             }
             .into());
         }
-        let norm = l2_norm(delta);
-        if !norm.is_finite() {
-            // NaN/inf somewhere (or an overflowing norm): let the fold name the element.
-            let index = delta.iter().position(|x| !x.is_finite()).unwrap_or(0);
-            return Err(FoldError::NonFinite { index }.into());
-        }
-        // Round the scale down a hair so rounding can never push the norm above the bound.
-        let scale = if norm > self.clip_norm {
-            self.clip_norm / norm * (1.0 - 1e-12)
-        } else {
-            1.0
-        };
+        let scale = self.clip_scale(delta)?;
         self.sum.fold_scaled(delta, weight, scale)?;
         if scale < 1.0 {
             self.clipped += 1;

@@ -119,7 +119,37 @@ pub struct FedOpt {
     t: u64,
 }
 
+/// The server optimizer state, for a step computed outside the strategy (the tensor path).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FedOptState {
+    pub kind: FedOptKind,
+    pub params: FedOptParams,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub t: u64,
+}
+
 impl FedOpt {
+    pub fn state(&self) -> FedOptState {
+        FedOptState { kind: self.kind, params: self.params, m: self.m.clone(), v: self.v.clone(), t: self.t }
+    }
+
+    /// Installs the state after a step computed elsewhere; the round's fold is consumed.
+    pub fn set_state(&mut self, state: FedOptState) -> Result<(), StrategyError> {
+        let dim = self.sum.dim();
+        for got in [state.m.len(), state.v.len()] {
+            if got != dim {
+                return Err(StrategyError::GlobalShape { expected: dim, got });
+            }
+        }
+        if (state.kind, state.params) != (self.kind, self.params) {
+            return Err(StrategyError::BadParameter("optimizer state of another kind".into()));
+        }
+        (self.m, self.v, self.t) = (state.m, state.v, state.t);
+        self.sum.clear();
+        Ok(())
+    }
+
     pub fn new(
         kind: FedOptKind,
         dim: usize,

@@ -27,7 +27,7 @@ use fedfleet_protocol::RoundId;
 use serde::{Deserialize, Serialize};
 
 pub use fedavg::{ClippedFedAvg, FedAvg};
-pub use fedopt::{FedOpt, FedOptKind, FedOptParams};
+pub use fedopt::{FedOpt, FedOptKind, FedOptParams, FedOptState};
 pub use fixed::{FoldError, PartialSum};
 pub use robust::{Krum, Median, MemorySpill, SpillError, SpillStore, TrimmedMean};
 
@@ -82,6 +82,9 @@ pub enum StrategyError {
     GlobalShape { expected: usize, got: usize },
     #[error("invalid strategy parameter: {0}")]
     BadParameter(String),
+    /// The shell's fold (tensor path) failed: a stored update unreadable, a device error.
+    #[error("compute: {0}")]
+    Compute(String),
 }
 
 impl StrategyError {
@@ -258,6 +261,12 @@ impl ServerStrategy {
 
     /// The streaming partial sum of the current round, for strategies that have one (to persist
     /// it, or to forward it from a relay).
+    /// Whether the shell may fold this strategy's updates itself (a weighted mean, optionally
+    /// clipped, then the server step): the FedAvg family. Robust strategies need every update.
+    pub fn is_mean_based(&self) -> bool {
+        matches!(self, ServerStrategy::FedAvg(_) | ServerStrategy::ClippedFedAvg(_) | ServerStrategy::FedOpt(_))
+    }
+
     pub fn partial_sum(&self) -> Option<&PartialSum> {
         match self {
             ServerStrategy::FedAvg(s) => Some(s.partial_sum()),

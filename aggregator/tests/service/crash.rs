@@ -61,7 +61,10 @@ async fn wait_round(c: &AggregatorClient, round: RoundId) -> fedfleet_protocol::
 /// Runs a 2-round campaign of N updates per round; `crashes` lists (round index, update index)
 /// before which the child is SIGKILLed and restarted. Returns the final published model bytes.
 async fn campaign(fleet: &Fleet, data: &str, crashes: &[(u32, usize)]) -> Vec<u8> {
-    let cfg = fleet.config(data, N as u32, ROUNDS);
+    campaign_with(fleet, fleet.config(data, N as u32, ROUNDS), crashes).await
+}
+
+async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, crashes: &[(u32, usize)]) -> Vec<u8> {
     let toml = fleet.write_toml(&cfg);
     let log = cfg.data_dir.with_extension("log");
     let mut child = spawn(&toml, &log);
@@ -133,4 +136,25 @@ async fn sigkill_and_restart_give_the_bit_identical_model() {
     let crashed = campaign(&fleet, "crashed", &[(0, 3), (0, N), (1, 2)]).await;
     assert!(!clean.is_empty());
     assert!(clean == crashed, "the crashed run published a different model");
+}
+
+/// The same on the tensor path (`[compute] fold = "tensor"`, FedAdam): the restarted service
+/// folds the stored updates in digest order, so the crash changes no bit either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_and_restart_give_the_bit_identical_model_on_the_tensor_path() {
+    use fedfleet_aggregator::config::{ComputeConfig, FoldBackend};
+    let fleet = Fleet::new(N);
+    let cfg = |data: &str| {
+        let mut c = fleet.config(data, N as u32, ROUNDS);
+        c.campaign.strategy = "fedadam".into();
+        c.compute = ComputeConfig { fold: FoldBackend::Tensor, device: "cpu".into() };
+        c
+    };
+    let clean = campaign_with(&fleet, cfg("tensor-clean"), &[]).await;
+    let crashed_cfg = cfg("tensor-crashed");
+    let log = crashed_cfg.data_dir.with_extension("log");
+    let crashed = campaign_with(&fleet, crashed_cfg, &[(0, 2), (0, N), (1, 4)]).await;
+    assert!(clean == crashed, "the crashed run published a different model");
+    let log = std::fs::read_to_string(log).unwrap();
+    assert!(log.contains("tensor fold"), "the child did not fold on tensors:\n{log}");
 }

@@ -3,6 +3,7 @@
 //! (`crash`).
 
 mod cli;
+mod compute;
 mod crash;
 mod engine;
 mod ingest;

@@ -70,6 +70,7 @@ impl Fleet {
                 validation: None,
             },
             campaign: CampaignDefaults { rounds, target, quorum: 1, deadline_secs: 600, ..Default::default() },
+            compute: Default::default(),
         }
     }
 
@@ -78,8 +79,16 @@ impl Fleet {
         let text = format!(
             "listen = \"127.0.0.1:0\"\npki_dir = {:?}\ndata_dir = {:?}\n\n[model]\nname = \"tiny\"\n\
              spec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\ninitial = {:?}\n\n\
-             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\n",
-            cfg.pki_dir, cfg.data_dir, cfg.model.initial, cfg.campaign.rounds, cfg.campaign.target
+             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\nstrategy = {:?}\n\n\
+             [compute]\nfold = {:?}\ndevice = {:?}\n",
+            cfg.pki_dir,
+            cfg.data_dir,
+            cfg.model.initial,
+            cfg.campaign.rounds,
+            cfg.campaign.target,
+            cfg.campaign.strategy,
+            format!("{:?}", cfg.compute.fold).to_lowercase(),
+            cfg.compute.device,
         );
         let p = cfg.data_dir.with_extension("toml");
         std::fs::write(&p, text).unwrap();
