@@ -2,8 +2,11 @@
 //! (signature verify + payload digest + safetensors decode/check + flatten + fold), and peak RSS.
 //!
 //! ```text
-//! cargo run --release -p fedfleet-aggregator --example bench_aggregate -- [--params 1000000,10000000] [--updates 10,100,1000] [--e2e-max 1000]
+//! cargo run --release -p fedfleet-aggregator --example bench_aggregate -- [--params 1000000,10000000] [--updates 10,100,1000] [--e2e-max 1000] [--device cpu]
 //! ```
+//!
+//! `tensor GB/s` is the `[compute] fold = "tensor"` path (`accel::TensorFold`) on `--device`
+//! (`cpu` = burn flex; `gpu` needs `--features wgpu`), including the host→device upload.
 //!
 //! Deltas are generated on the fly from a seeded xorshift into one reused buffer, so memory stays
 //! flat whatever N is; the end-to-end part cycles through 4 pre-encoded, signed payloads (the
@@ -44,19 +47,32 @@ fn gbps(bytes: f64, secs: f64) -> f64 {
     bytes / secs / 1e9
 }
 
+fn device_arg() -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == "--device")
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| "cpu".to_owned())
+}
+
 fn main() {
+    let device_name = device_arg();
+    let device = fedfleet_aggregator::accel::select_device(&device_name).unwrap_or_else(|e| {
+        eprintln!("--device {device_name}: {e}");
+        std::process::exit(2)
+    });
     let params = arg("--params", "1000000,10000000");
     let updates = arg("--updates", "10,100,1000");
     let e2e_max = arg("--e2e-max", "1000")[0];
     println!(
-        "command: cargo run --release -p fedfleet-aggregator --example bench_aggregate -- --params {} --updates {} --e2e-max {e2e_max}",
+        "command: cargo run --release -p fedfleet-aggregator --example bench_aggregate -- --params {} --updates {} --e2e-max {e2e_max} --device {device_name}",
         params.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
         updates.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
     );
     println!("profile: {}", if cfg!(debug_assertions) { "debug" } else { "release" });
     println!(
-        "{:>10} {:>6} {:>12} {:>12} {:>14} {:>12}",
-        "P", "N", "fold GB/s", "memcpy GB/s", "ingest GB/s", "peak RSS MB"
+        "{:>10} {:>6} {:>12} {:>12} {:>12} {:>14} {:>12}",
+        "P", "N", "fold GB/s", "tensor GB/s", "memcpy GB/s", "ingest GB/s", "peak RSS MB"
     );
     let key = SigningKey::from_bytes(&[7; 32]);
     let vk = key.verifying_key();
@@ -92,7 +108,9 @@ fn main() {
         for &n in &updates {
             // Fold: FedAvg over N generated deltas (generation not timed).
             let mut s = FedAvg::new(p, ClientConfig::default());
+            let mut tensor = fedfleet_aggregator::accel::TensorFold::new(&device, p);
             let mut fold_secs = 0.0;
+            let mut tensor_secs = 0.0;
             let mut copy_secs = 0.0;
             for i in 0..n {
                 fill(&mut delta, i as u64);
@@ -100,10 +118,18 @@ fn main() {
                 s.fold(&delta, 1 + (i as u64 % 50)).unwrap();
                 fold_secs += t.elapsed().as_secs_f64();
                 let t = Instant::now();
+                tensor.fold(&delta, 1 + (i as u64 % 50)).unwrap();
+                tensor_secs += t.elapsed().as_secs_f64();
+                let t = Instant::now();
                 dst.copy_from_slice(&delta);
                 std::hint::black_box(&mut dst);
                 copy_secs += t.elapsed().as_secs_f64();
             }
+            // The mean read back, so queued device work is inside the timing.
+            let t = Instant::now();
+            std::hint::black_box(tensor.mean().unwrap());
+            tensor_secs += t.elapsed().as_secs_f64();
+            drop(tensor);
             let bytes = (n * p * 4) as f64;
             // End-to-end: verify + digest + decode/check + flatten + fold.
             let e2e = if n <= e2e_max {
@@ -127,10 +153,11 @@ fn main() {
             };
             let (_, hwm) = fedfleet_aggregator::metrics::memory();
             println!(
-                "{:>10} {:>6} {:>12.2} {:>12.2} {:>14} {:>12.0}",
+                "{:>10} {:>6} {:>12.2} {:>12.2} {:>12.2} {:>14} {:>12.0}",
                 p,
                 n,
                 gbps(bytes, fold_secs),
+                gbps(bytes, tensor_secs),
                 gbps(bytes, copy_secs),
                 e2e,
                 hwm as f64 / 1e6
