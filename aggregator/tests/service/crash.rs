@@ -158,3 +158,20 @@ async fn sigkill_and_restart_give_the_bit_identical_model_on_the_tensor_path() {
     let log = std::fs::read_to_string(log).unwrap();
     assert!(log.contains("tensor fold"), "the child did not fold on tensors:\n{log}");
 }
+
+/// Robust strategies hold every update of the round: a restart rebuilds them from the stored
+/// payloads, and the result is again the same bits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_and_restart_give_the_bit_identical_model_for_robust_strategies() {
+    let fleet = Fleet::new(N);
+    for strategy in ["median", "trimmed_mean", "krum"] {
+        let cfg = |data: &str| {
+            let mut c = fleet.config(&format!("{strategy}-{data}"), N as u32, ROUNDS);
+            c.campaign.strategy = strategy.into();
+            c
+        };
+        let clean = campaign_with(&fleet, cfg("clean"), &[]).await;
+        let crashed = campaign_with(&fleet, cfg("crashed"), &[(0, 3), (1, N)]).await;
+        assert!(clean == crashed, "{strategy}: the crashed run published a different model");
+    }
+}
