@@ -30,6 +30,8 @@ use crate::service::{Aggregator, Payload, ServiceError, now_ms};
 /// The running control plane; [`Mqtt::shutdown`] stops it.
 pub struct Mqtt {
     broker: Option<EmbeddedBroker>,
+    /// How the embedded broker was started, with the port it got, for [`Mqtt::restart_broker`].
+    broker_config: Option<BrokerConfig>,
     client: ControlClient,
     task: JoinHandle<()>,
 }
@@ -42,6 +44,49 @@ impl Mqtt {
 
     pub fn client(&self) -> &ControlClient {
         &self.client
+    }
+
+    /// Stops the embedded broker: every client's connection drops (clients keep retrying) and
+    /// retained messages are gone, as when a real broker goes down. [`Mqtt::start_broker`] brings
+    /// a fresh one back on the same address. Does nothing in external mode or when stopped.
+    pub async fn stop_broker(&mut self) {
+        if let Some(b) = self.broker.take() {
+            b.shutdown().await;
+            tracing::info!("embedded MQTT broker stopped");
+        }
+    }
+
+    /// Starts a fresh embedded broker on the address of the first one, if it is stopped; clients
+    /// (this service's included) reconnect by themselves and republish what they retain.
+    /// Returns the broker's address (`None` in external mode).
+    pub async fn start_broker(&mut self) -> Result<Option<SocketAddr>, ServiceError> {
+        let Some(cfg) = self.broker_config.clone() else { return Ok(None) };
+        if let Some(b) = &self.broker {
+            return Ok(Some(b.local_addr()));
+        }
+        // Retry briefly in case the OS is slow to let the old listener's port go.
+        let mut tries = 0;
+        let broker = loop {
+            match EmbeddedBroker::start(cfg.clone()).await {
+                Ok(b) => break b,
+                Err(fedfleet_control::BrokerError::Listen { .. }) if tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(other(format!("[mqtt] starting the embedded broker on {}: {e}", cfg.listen))),
+            }
+        };
+        let addr = broker.local_addr();
+        self.broker = Some(broker);
+        tracing::info!(%addr, "embedded MQTT broker started again");
+        Ok(Some(addr))
+    }
+
+    /// [`Mqtt::stop_broker`] then [`Mqtt::start_broker`] (e.g. after new broker certificates
+    /// were written to disk).
+    pub async fn restart_broker(&mut self) -> Result<Option<SocketAddr>, ServiceError> {
+        self.stop_broker().await;
+        self.start_broker().await
     }
 
     pub async fn shutdown(self) {
@@ -69,23 +114,25 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     {
         return Err(other(format!("mqtt.fleet {f:?} is not the PKI's fleet {fleet}")));
     }
-    let (broker, host, port) = match cfg.mode {
+    let (broker, broker_config, host, port) = match cfg.mode {
         MqttMode::Off => return Ok(None),
         MqttMode::Embedded => {
             let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_name);
-            let bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
-            let broker = EmbeddedBroker::start(bc)
+            let mut bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
+            let broker = EmbeddedBroker::start(bc.clone())
                 .await
                 .map_err(|e| other(format!("[mqtt] embedded broker on {}: {e}", cfg.listen)))?;
+            // A restart listens where this one does (the port picked for port 0 included).
+            bc.listen = broker.local_addr();
             let mut addr = broker.local_addr();
             if addr.ip().is_unspecified() {
                 addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
             }
-            (Some(broker), addr.ip().to_string(), addr.port())
+            (Some(broker), Some(bc), addr.ip().to_string(), addr.port())
         }
         MqttMode::External => {
             let host = cfg.host.clone().ok_or_else(|| other("mqtt.mode = \"external\" needs mqtt.host"))?;
-            (None, host, cfg.port.unwrap_or(8883))
+            (None, None, host, cfg.port.unwrap_or(8883))
         }
     };
     let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
@@ -129,7 +176,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             }
         })
     };
-    Ok(Some(Mqtt { broker, client, task }))
+    Ok(Some(Mqtt { broker, broker_config, client, task }))
 }
 
 fn handle(agg: &Aggregator, client: &ControlClient, ev: ControlEvent) {

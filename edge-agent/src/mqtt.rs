@@ -27,6 +27,7 @@ use serde::Deserialize;
 use tokio::sync::Notify;
 
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
+use crate::remote::Ack;
 
 /// Which path uploads take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -80,6 +81,7 @@ pub struct MqttAggregator<A> {
     quic_failures: AtomicU32,
     switched_at: Mutex<Option<Instant>>,
     mqtt_uploads: AtomicU32,
+    mqtt_acks: Mutex<Vec<Ack>>,
 }
 
 impl<A: Aggregator> MqttAggregator<A> {
@@ -123,6 +125,7 @@ impl<A: Aggregator> MqttAggregator<A> {
             quic_failures: AtomicU32::new(0),
             switched_at: Mutex::new(None),
             mqtt_uploads: AtomicU32::new(0),
+            mqtt_acks: Mutex::new(Vec::new()),
         }
     }
 
@@ -137,6 +140,12 @@ impl<A: Aggregator> MqttAggregator<A> {
     /// Uploads sent over the MQTT path so far (attempts, not receipts).
     pub fn mqtt_uploads(&self) -> u32 {
         self.mqtt_uploads.load(Ordering::Relaxed)
+    }
+
+    /// Every upload acknowledged over the MQTT path so far (by a signed receipt), in order;
+    /// uploads over QUIC are recorded by the inner client.
+    pub fn mqtt_acks(&self) -> Vec<Ack> {
+        self.mqtt_acks.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The round last announced over MQTT, if any.
@@ -170,20 +179,32 @@ impl<A: Aggregator> MqttAggregator<A> {
         let h = signed.body().clone();
         let matches = |r: &Receipt| r.round == h.round && r.nonce == h.nonce && r.payload_digest == h.payload_digest && r.device == h.device;
         self.mqtt_uploads.fetch_add(1, Ordering::Relaxed);
-        self.control.upload_update(&signed, payload).await.map_err(|e| TransportError(format!("mqtt upload: {e}")))?;
-        let wait = async {
+        // Queuing the frames can wait while the broker is away (the client's queue is bounded),
+        // so the whole attempt, not only the wait for the receipt, is under the time limit.
+        let attempt = async {
+            self.control.upload_update(&signed, payload).await.map_err(|e| TransportError(format!("mqtt upload: {e}")))?;
             loop {
                 let notified = self.heard.receipt_arrived.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
                 if let Some(r) = self.heard.receipts.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|r| matches(r)) {
-                    return r.clone();
+                    return Ok(r.clone());
                 }
                 notified.await;
             }
         };
-        match tokio::time::timeout(self.opts.receipt_timeout, wait).await {
-            Ok(r) => Ok(UploadReply::Receipt(r)),
+        match tokio::time::timeout(self.opts.receipt_timeout, attempt).await {
+            Ok(Ok(r)) => {
+                self.mqtt_acks.lock().unwrap_or_else(|p| p.into_inner()).push(Ack {
+                    device: h.device.clone(),
+                    round: h.round,
+                    nonce: h.nonce,
+                    payload_digest: h.payload_digest,
+                    receipt: true,
+                });
+                Ok(UploadReply::Receipt(r))
+            }
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(TransportError(format!("mqtt upload: no receipt within {:?}", self.opts.receipt_timeout))),
         }
     }

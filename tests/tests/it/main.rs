@@ -1,3 +1,4 @@
 //! End-to-end tests over loopback: the real registry, aggregator and agents.
 
 mod loopback;
+mod mqtt_fleet;

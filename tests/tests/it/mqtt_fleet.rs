@@ -1,0 +1,349 @@
+//! Issue 7: the MQTT control plane with the real services. A real registry and a real aggregator
+//! (publishing into the registry, `[mqtt]` embedded broker) and 4 real agents whose QUIC round
+//! polls and uploads are switched off: they learn every round from the signed MQTT announcement,
+//! upload over the MQTT path (`upload = "mqtt"`) and are answered with signed receipts over MQTT;
+//! only the base model still comes over QUIC (bulk data). 3 rounds; in round 2, after two
+//! updates, the embedded broker is restarted (every connection drops, retained messages are
+//! lost) while the other agents are uploading. Every agent reconnects, the round completes, and
+//! every accepted update is acknowledged exactly once.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fedfleet_agent::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock};
+use fedfleet_agent::clients::{Aggregator, BaseModel, TransportError, UploadReply};
+use fedfleet_agent::lifecycle::{Backoff, CoreConfig, HealthPolicy, Lifecycle};
+use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
+use fedfleet_agent::remote::{RemoteAggregator, RemoteRegistry};
+use fedfleet_agent::AgentStore;
+use fedfleet_aggregator::config::Config;
+use fedfleet_aggregator::publish::RegistryPublisher;
+use fedfleet_aggregator::service::Aggregator as AggregatorService;
+use fedfleet_aggregator::wire::CampaignOverrides;
+use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, RevocationWatcher, ServerIdentity, tls};
+use fedfleet_control::{ClientOptions, ControlClient, Role, device_tls};
+use fedfleet_learning::{Dataset, ModelSpec, Partition};
+use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
+use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
+use fedfleet_registry::metrics::Metrics;
+use fedfleet_registry::ops::Registry;
+use fedfleet_registry::server::{self, ServerOptions};
+use fedfleet_registry::store::{Store, StoreConfig};
+
+const MODEL: &str = "digits";
+const N: usize = 4;
+
+/// The agent's QUIC aggregator with round polls and uploads switched off (as if UDP were blocked
+/// for everything but the model download), so rounds and updates can only travel over MQTT.
+struct QuicModelsOnly(RemoteAggregator);
+
+impl Aggregator for QuicModelsOnly {
+    async fn current_round(&self, _: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
+        Err(TransportError("QUIC round polls are off in this test".into()))
+    }
+    async fn fetch_base_model(&self, model: &ModelRef) -> Result<BaseModel, TransportError> {
+        self.0.fetch_base_model(model).await
+    }
+    async fn upload(&self, _: &[u8], _: &[u8]) -> Result<UploadReply, TransportError> {
+        Err(TransportError("QUIC uploads are off in this test".into()))
+    }
+}
+
+type MqttAgent = Agent<MqttAggregator<QuicModelsOnly>, MqttRegistry<RemoteRegistry>>;
+
+struct Fleet {
+    agents: Vec<MqttAgent>,
+    aggs: Vec<Arc<MqttAggregator<QuicModelsOnly>>>,
+    controls: Vec<ControlClient>,
+    heartbeats: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Fleet {
+    async fn step(&mut self, which: std::ops::Range<usize>) {
+        for a in &mut self.agents[which] {
+            a.poll_control().await.unwrap();
+            a.drive().await.unwrap();
+        }
+    }
+
+    /// Steps the agents in `which` (every 50 ms) until `cond` holds; panics after `secs`.
+    async fn run_until(&mut self, what: &str, secs: u64, which: std::ops::Range<usize>, mut cond: impl FnMut(&Fleet) -> bool) {
+        let end = tokio::time::Instant::now() + Duration::from_secs(secs);
+        while !cond(self) {
+            assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}: {:?}", self.outboxes());
+            self.step(which.clone()).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn acks(&self) -> Vec<fedfleet_agent::remote::Ack> {
+        self.aggs.iter().flat_map(|a| a.mqtt_acks()).collect()
+    }
+
+    fn round_acks(&self, r: u64) -> usize {
+        self.acks().iter().filter(|a| a.round == RoundId(r)).count()
+    }
+
+    fn outboxes(&self) -> Vec<usize> {
+        self.agents.iter().map(|a| a.core().store().outbox().map(|o| o.len()).unwrap_or(0)).collect()
+    }
+
+    fn pending(&self) -> usize {
+        self.outboxes().iter().sum()
+    }
+}
+
+struct Setup<'a> {
+    pki_dir: &'a std::path::Path,
+    fleet: &'a FleetId,
+    agg_addr: SocketAddr,
+    reg_addr: SocketAddr,
+    broker_port: u16,
+    receipt_key: ed25519_dalek::VerifyingKey,
+    pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+    data_dir: &'a std::path::Path,
+}
+
+/// Agents wired like the daemon with `[mqtt] upload = "mqtt"`: `MqttAggregator` over the QUIC
+/// client, `MqttRegistry` publishing signed status, heartbeats every 500 ms.
+fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
+    let (train, _) = Dataset::digits_split().unwrap();
+    let parts = Partition::Iid.split_dataset(&train, devices.len(), 1);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let mut fleet = Fleet { agents: Vec::new(), aggs: Vec::new(), controls: Vec::new(), heartbeats: Vec::new() };
+    for (i, (device, part)) in devices.iter().zip(parts).enumerate() {
+        let id = DeviceIdentity::load(s.pki_dir, device).unwrap();
+        let quic_tls = tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap();
+        let agg_client = fedfleet_aggregator::client::AggregatorClient::new(s.agg_addr, "localhost", quic_tls.clone()).unwrap();
+        let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, s.receipt_key).with_timeout(Duration::from_secs(5))));
+        let reg_client = fedfleet_registry::client::RegistryClient::new(s.reg_addr, "localhost", quic_tls).unwrap();
+        let reg = Arc::new(RemoteRegistry::with_clock(reg_client, MODEL, s.pinned_root.clone(), clock.clone()));
+
+        let mut o = ClientOptions::new("127.0.0.1", s.broker_port, device.as_str(), s.fleet.clone());
+        o.backoff_initial = Duration::from_millis(100);
+        o.backoff_max = Duration::from_secs(1);
+        o.chunk_bytes = 8 * 1024; // several chunks per update
+        let role = Role::Device { id: device.clone(), aggregator_key: s.receipt_key, registry_key: None };
+        let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
+        let opts = MqttUploadOptions { path: UploadPath::Mqtt, receipt_timeout: Duration::from_secs(3), ..Default::default() };
+        let agg = Arc::new(MqttAggregator::new(quic, control.clone(), events, opts));
+        let publisher = StatusPublisher::new(control.clone(), id.signing_key());
+        let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
+
+        let store = AgentStore::open(s.data_dir.join(device.as_str())).unwrap();
+        let (tr, holdout) = part.split(0.2, 1);
+        let mut cfg = CoreConfig::new(device.clone(), s.fleet.clone());
+        cfg.local_samples = tr.len() as u64;
+        cfg.rng_seed = 1 ^ i as u64;
+        cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
+        cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
+        let core = Lifecycle::open(cfg, store, Some(s.pinned_root.clone()), None, clock.now_ms()).unwrap();
+        let initial = core.status(clock.now_ms());
+        let c = clock.clone();
+        fleet.heartbeats.push(tokio::spawn(fedfleet_agent::mqtt::heartbeats(publisher, initial, Duration::from_millis(500), move || c.now_ms())));
+        let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+        fleet.agents.push(Agent::new(core, agg.clone(), reg, id.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell));
+        fleet.aggs.push(agg);
+        fleet.controls.push(control);
+    }
+    fleet
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtt_fleet_three_rounds_broker_restart() {
+    tokio::time::timeout(Duration::from_secs(150), body()).await.expect("MQTT fleet test timed out");
+}
+
+async fn body() {
+    let dir = tempfile::tempdir().unwrap();
+    let root_dir = dir.path();
+    let pki_dir = root_dir.join("pki");
+    // rumqttd takes the certificate's O= (the fleet) as a tenant: alphanumeric only.
+    let fleet_id = FleetId::new("fleetmqtt").unwrap();
+    let pki = Pki::init(&pki_dir, &fleet_id, 30, false).unwrap();
+    pki.issue_server("registry", &[], 30, false).unwrap();
+    pki.issue_server("aggregator", &[], 30, false).unwrap();
+    let devices: Vec<DeviceId> = (0..N).map(|i| DeviceId::new(format!("edge-{i:02}")).unwrap()).collect();
+    for d in &devices {
+        pki.enroll_device(d, 30, false).unwrap();
+    }
+
+    // Registry, in process; the aggregator's service certificate is an operator.
+    let rdata = root_dir.join("registry");
+    metadata::init_keys(&rdata, 30, false).unwrap();
+    let store = Store::open(rdata.join("store"), StoreConfig::default()).unwrap();
+    let signer = MetadataSigner::load(&rdata, Lifetimes::default()).unwrap();
+    let reg = Arc::new(Registry::new(store, fleet_id.clone(), Some(signer), Arc::new(Metrics::default())).unwrap());
+    let pinned_root = reg.signer().unwrap().root().clone();
+    let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
+    let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
+    let rtls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1]).unwrap();
+    let rendpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), rtls).unwrap();
+    let reg_addr = rendpoint.local_addr().unwrap();
+    let mut opts = ServerOptions::new(rdata.join("incoming"));
+    opts.operators = vec!["aggregator".into()];
+    let (rstop, rrx) = tokio::sync::oneshot::channel::<()>();
+    let rtask = tokio::spawn(server::run(rendpoint, reg.clone(), opts, async move {
+        let _ = rrx.await;
+    }));
+
+    // Aggregator, in process, from its TOML config with `[mqtt]` (embedded broker, any port).
+    let spec = ModelSpec::digits_mlp();
+    std::fs::write(root_dir.join("initial.safetensors"), fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode()).unwrap();
+    let config_path = root_dir.join("aggregator.toml");
+    std::fs::write(
+        &config_path,
+        format!(
+            r#"listen = "127.0.0.1:0"
+pki_dir = "pki"
+server_name = "aggregator"
+data_dir = "aggregator"
+[publish]
+registry = "{reg_addr}"
+server_name = "localhost"
+[model]
+name = "{MODEL}"
+spec = {spec}
+initial = "initial.safetensors"
+[campaign]
+rounds = 3
+target = {N}
+quorum = {N}
+deadline_secs = 600
+lr = 0.1
+[mqtt]
+mode = "embedded"
+listen = "127.0.0.1:0"
+"#,
+            spec = toml_inline(&spec.to_json()),
+        ),
+    )
+    .unwrap();
+    let (cfg, mqtt_cfg) = Config::load_all(&config_path).unwrap();
+    let mqtt_cfg = mqtt_cfg.expect("[mqtt] is on");
+    let publisher = RegistryPublisher::connect_lazy(&cfg.pki_dir, "aggregator", reg_addr, "localhost").unwrap();
+    let agg = AggregatorService::open(cfg.clone(), Box::new(publisher)).unwrap();
+    let endpoint = agg.bind(cfg.listen).unwrap();
+    let agg_addr = endpoint.local_addr().unwrap();
+    let (astop, arx) = tokio::sync::oneshot::channel::<()>();
+    let atask = tokio::spawn(agg.clone().run(endpoint, async move {
+        let _ = arx.await;
+    }));
+    let mut mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg).await.unwrap().expect("embedded broker");
+    let broker_addr = mqtt.broker_addr().unwrap();
+    let receipt_key = agg.receipt_key();
+    agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+
+    let setup = Setup {
+        pki_dir: &pki_dir,
+        fleet: &fleet_id,
+        agg_addr,
+        reg_addr,
+        broker_port: broker_addr.port(),
+        receipt_key,
+        pinned_root,
+        data_dir: &root_dir.join("agents"),
+    };
+    let mut fleet = start_agents(&setup, &devices);
+
+    // Round 1: announced over MQTT, everyone trains and uploads over MQTT.
+    fleet.run_until("round 1 receipts", 40, 0..N, |f| f.round_acks(1) == N).await;
+    // (QUIC round polls are off: the agents can only have learned round 1 over MQTT.)
+    for a in &fleet.aggs {
+        assert!(a.announced().is_some_and(|r| r.round >= RoundId(1)), "rounds come over MQTT");
+    }
+    fleet.run_until("round 2 to open", 20, 0..0, |_| agg.status().open_round == Some(RoundId(2))).await;
+
+    // Round 2: every agent hears the announcement; two upload while the broker is up.
+    fleet.run_until("round 2 announced to every agent", 20, 0..0, |f| f.aggs.iter().all(|a| a.announced().map(|r| r.round) == Some(RoundId(2)))).await;
+    fleet.run_until("two round 2 receipts", 40, 0..2, |f| f.round_acks(2) == 2).await;
+
+    // The broker goes down while the other agents train and upload: their first attempts get
+    // no receipt (the frames wait in the client or are lost with the connection) and stay in
+    // the outbox. Then a fresh broker (no retained messages) comes back on the same address.
+    let connects_before: Vec<u64> = fleet.controls.iter().map(|c| c.stats().connects).collect();
+    mqtt.stop_broker().await;
+    fleet.step(2..N).await;
+    assert_eq!(fleet.round_acks(2), 2, "no MQTT upload can be acknowledged while the broker is down");
+    assert_eq!(fleet.pending(), N - 2, "{:?}", fleet.outboxes());
+    let again = mqtt.start_broker().await.unwrap();
+    assert_eq!(again, Some(broker_addr), "the broker comes back on the same address");
+
+    // Every agent reconnects; round 2 completes, then round 3 and the campaign.
+    fleet
+        .run_until("rounds 2 and 3", 90, 0..N, |f| f.pending() == 0 && f.round_acks(3) == N && agg.status().last_outcome.is_some())
+        .await;
+    let status = agg.status();
+    assert_eq!(status.last_outcome.as_deref(), Some("completed"), "{status:?}");
+    for (i, c) in fleet.controls.iter().enumerate() {
+        let s = c.stats();
+        assert!(s.connects > connects_before[i], "agent {i} did not reconnect after the broker restart: {s:?}");
+    }
+    assert!(mqtt.client().stats().connects >= 2, "the aggregator reconnected");
+    let (_, known) = agg.metrics().devices(fedfleet_aggregator::service::now_ms());
+    assert_eq!(known, N, "every agent's signed status reached the aggregator");
+    let uploads: u32 = fleet.aggs.iter().map(|a| a.mqtt_uploads()).sum();
+    eprintln!("MQTT uploads sent (attempts): {uploads} for {} updates", 3 * N);
+
+    // Stop everything that holds the aggregator's database, then read its committed records.
+    for h in &fleet.heartbeats {
+        h.abort();
+    }
+    for c in &fleet.controls {
+        c.shutdown().await;
+    }
+    drop(fleet.agents);
+    mqtt.shutdown().await;
+    drop(astop);
+    atask.await.unwrap();
+    drop(agg);
+    // An ingest task spawned for a late resend may hold the service for a moment longer.
+    let end = tokio::time::Instant::now() + Duration::from_secs(20);
+    let astore = loop {
+        match fedfleet_aggregator::persist::Store::open(&cfg.data_dir) {
+            Ok(s) => break s,
+            Err(e) if tokio::time::Instant::now() < end => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("aggregator store still held: {e}"),
+        }
+    };
+    let mut accepted = Vec::new();
+    for r in 1..=3 {
+        for rec in astore.accepted_in(RoundId(r)).unwrap() {
+            accepted.push((rec.device.clone(), rec.round, rec.payload_digest));
+        }
+    }
+    let acks: Vec<_> = fleet.aggs.iter().flat_map(|a| a.mqtt_acks()).map(|a| (a.device, a.round, a.payload_digest)).collect();
+    let ack_set: BTreeSet<_> = acks.iter().cloned().collect();
+    let acc_set: BTreeSet<_> = accepted.iter().cloned().collect();
+    assert_eq!(accepted.len(), 3 * N, "aggregator records: {accepted:?}");
+    assert_eq!(acc_set.len(), accepted.len(), "an update recorded twice");
+    assert_eq!(acks.len(), ack_set.len(), "an update acknowledged twice: {acks:?}");
+    assert_eq!(ack_set, acc_set, "agents' acknowledged updates differ from the aggregator's records");
+
+    // The registry holds the initial model and one version per round.
+    assert_eq!(reg.store().versions(MODEL).unwrap(), (1..=4).map(ModelVersion).collect::<Vec<_>>());
+
+    drop(rstop);
+    tokio::time::timeout(Duration::from_secs(15), rtask).await.unwrap().unwrap();
+}
+
+/// The model spec's JSON as a TOML inline table.
+fn toml_inline(json: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    fn go(v: &serde_json::Value) -> String {
+        match v {
+            serde_json::Value::Object(m) => {
+                let items: Vec<String> = m.iter().map(|(k, v)| format!("{k} = {}", go(v))).collect();
+                format!("{{ {} }}", items.join(", "))
+            }
+            serde_json::Value::Array(a) => format!("[{}]", a.iter().map(go).collect::<Vec<_>>().join(", ")),
+            other => other.to_string(),
+        }
+    }
+    go(&v)
+}
