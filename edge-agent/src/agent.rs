@@ -215,13 +215,16 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                         let mut nonce = [0u8; 16];
                         rand::rngs::OsRng.fill_bytes(&mut nonce);
                         let res = tokio::task::spawn_blocking(move || {
-                            ml::train_update(&a, &spec, &bytes, &data.train, &device, &key, nonce)
+                            // Timed inside the blocking task: no wait for a free thread.
+                            let started = std::time::Instant::now();
+                            ml::train_update(&a, &spec, &bytes, &data.train, &device, &key, nonce).map(|u| (u, started.elapsed()))
                         })
                         .await
                         .unwrap_or_else(|e| Err(format!("training task panicked: {e}")));
                         match res {
-                            Ok(u) => {
-                                tracing::info!(%round, examples = u.num_examples, loss = ?u.final_loss, bytes = u.payload.len(), "trained");
+                            Ok((u, took)) => {
+                                let train_ms = took.as_secs_f64() * 1e3;
+                                tracing::info!(%round, examples = u.num_examples, loss = ?u.final_loss, bytes = u.payload.len(), train_ms, "trained");
                                 Input::TrainingDone { round, header: u.header, payload: u.payload }
                             }
                             Err(reason) => Input::TrainingFailed { round, reason },
