@@ -200,15 +200,35 @@ pub struct AgentStatus {
 /// Agents with their own enrolled identity, sled store and data share, each talking to the
 /// real aggregator and registry over QUIC + mTLS, on the system clock (same [`Agent`] shell as
 /// the daemon). Drive it with [`RemoteFleet::step`] or [`RemoteFleet::run_until`].
-pub struct RemoteFleet {
-    pub agents: Vec<Agent<crate::remote::RemoteAggregator, crate::remote::RemoteRegistry>>,
+///
+/// `A`/`R` are the clients the agents use: the QUIC ones ([`RemoteFleet::start`]) or wrappers
+/// around them ([`RemoteFleet::start_with`], e.g. the MQTT control plane of [`crate::mqtt`]).
+pub struct RemoteFleet<A = crate::remote::RemoteAggregator, R = crate::remote::RemoteRegistry> {
+    pub agents: Vec<Agent<A, R>>,
     aggs: Vec<Arc<crate::remote::RemoteAggregator>>,
+}
+
+/// One agent's QUIC clients and identity, handed to the `wrap` of [`RemoteFleet::start_with`].
+pub struct AgentLinks {
+    pub index: usize,
+    pub device: DeviceId,
+    pub identity: fedfleet_certs::DeviceIdentity,
+    pub aggregator: Arc<crate::remote::RemoteAggregator>,
+    pub registry: Arc<crate::remote::RemoteRegistry>,
 }
 
 impl RemoteFleet {
     /// Opens every agent (no handshake yet: clients connect on first use). Must be called inside
     /// a tokio runtime.
     pub fn start(o: FleetOptions) -> anyhow::Result<RemoteFleet> {
+        Self::start_with(o, |l| Ok((l.aggregator.clone(), l.registry.clone())))
+    }
+}
+
+impl<A: crate::clients::Aggregator, R: crate::clients::Registry> RemoteFleet<A, R> {
+    /// As [`RemoteFleet::start`], with each agent's clients chosen by `wrap` from its QUIC
+    /// clients and identity.
+    pub fn start_with(o: FleetOptions, mut wrap: impl FnMut(&AgentLinks) -> anyhow::Result<(Arc<A>, Arc<R>)>) -> anyhow::Result<Self> {
         use anyhow::Context;
         let (train, _) = Dataset::digits_split().context("embedded digits data")?;
         let parts = o.partition.split_dataset(&train, o.devices.len(), o.partition_seed);
@@ -225,6 +245,9 @@ impl RemoteFleet {
             let reg_client = fedfleet_registry::client::RegistryClient::new(o.registry_addr, &o.registry_server_name, tls)
                 .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
             let reg = Arc::new(crate::remote::RemoteRegistry::with_clock(reg_client, o.model_name.clone(), o.pinned_root.clone(), clock.clone()));
+            let key = id.signing_key();
+            let links = AgentLinks { index: i, device: device.clone(), identity: id, aggregator: agg.clone(), registry: reg };
+            let (agent_agg, agent_reg) = wrap(&links)?;
             let store = AgentStore::open(o.data_dir.join(device.as_str()))?;
             let (tr, holdout) = part.split(0.2, o.partition_seed);
             let mut cfg = CoreConfig::new(device.clone(), o.fleet.clone());
@@ -234,8 +257,8 @@ impl RemoteFleet {
             cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
             let core = Lifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
             let shell = ShellConfig { latency_samples: 8, ..Default::default() };
-            aggs.push(agg.clone());
-            agents.push(Agent::new(core, agg, reg, id.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell));
+            aggs.push(agg);
+            agents.push(Agent::new(core, agent_agg, agent_reg, key, LocalData { train: tr, holdout }, clock.clone(), shell));
         }
         Ok(RemoteFleet { agents, aggs })
     }
@@ -250,7 +273,7 @@ impl RemoteFleet {
     }
 
     /// Steps (every 50 ms) until `cond` holds or `timeout` passes; returns whether it held.
-    pub async fn run_until(&mut self, mut cond: impl FnMut(&RemoteFleet) -> bool, timeout: std::time::Duration) -> Result<bool, LifecycleError> {
+    pub async fn run_until(&mut self, mut cond: impl FnMut(&Self) -> bool, timeout: std::time::Duration) -> Result<bool, LifecycleError> {
         let end = tokio::time::Instant::now() + timeout;
         loop {
             if cond(self) {

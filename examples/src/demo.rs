@@ -15,6 +15,10 @@
 //! 8. [`run_rollout`]: the final model rolled out canary 10 % → 100 % through the registry's
 //!    operator API; agents download, verify, health-check on their holdout, activate, report.
 //! 9. A summary; [`DemoReport::failures`] is empty only if everything worked.
+//!
+//! Steps 1–5 are [`Loopback::start`], which the scenario examples (`examples/`) reuse. With
+//! `mqtt` (the default) step 3 also starts the aggregator's embedded MQTT broker ([`start_mqtt`]);
+//! the agents hear round announcements there and publish signed status heartbeats.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -26,7 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use fedfleet_agent::sim::FleetOptions;
 use fedfleet_aggregator::client::AggregatorClient;
-use fedfleet_aggregator::config::{CampaignDefaults, Config as AggConfig, ModelConfig};
+use fedfleet_aggregator::config::{CampaignDefaults, Config as AggConfig, ModelConfig, MqttConfig};
+use fedfleet_aggregator::mqtt::Mqtt;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request as AggRequest};
@@ -43,7 +48,8 @@ use fedfleet_registry::wire::{AdminRequest, RolloutStart};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::sync::oneshot;
 
-use crate::fleet::Fleet;
+use crate::attack::Attack;
+use crate::fleet::{Fleet, FleetExtras, MqttLink};
 
 pub const MODEL_NAME: &str = "digits";
 const SERVER_NAME: &str = "localhost";
@@ -80,6 +86,18 @@ pub struct DemoOptions {
     pub progress: bool,
     /// Epochs of the centralized baseline.
     pub baseline_epochs: usize,
+    /// Start the aggregator's embedded MQTT broker and connect the agents to it.
+    pub mqtt: bool,
+    /// How often each agent publishes its signed status over MQTT (presence).
+    pub heartbeat: Duration,
+    /// clipped_fedavg: the L2 bound of each update (the aggregator's default when `None`).
+    pub clip_norm: Option<f64>,
+    /// trimmed_mean: the fraction dropped at each end (the aggregator's default when `None`).
+    pub trim_fraction: Option<f64>,
+    /// krum: how many hostile updates to tolerate (the aggregator's default when `None`).
+    pub byzantine: Option<usize>,
+    /// `attacks[i]`: agent `i` is hostile (see [`crate::attack`]); empty: every agent is honest.
+    pub attacks: Vec<Option<Attack>>,
 }
 
 impl Default for DemoOptions {
@@ -102,6 +120,12 @@ impl Default for DemoOptions {
             soak: Duration::from_secs(2),
             progress: std::io::stderr().is_terminal(),
             baseline_epochs: 30,
+            mqtt: true,
+            heartbeat: Duration::from_secs(1),
+            clip_norm: None,
+            trim_fraction: None,
+            byzantine: None,
+            attacks: Vec::new(),
         }
     }
 }
@@ -116,6 +140,8 @@ pub struct RoundRow {
     pub bytes_up: u64,
     pub round_time: Duration,
     pub version: Option<ModelVersion>,
+    /// Agents that heard this round announced over MQTT (0 without MQTT).
+    pub heard_over_mqtt: usize,
 }
 
 /// How one rollout phase went.
@@ -144,6 +170,12 @@ pub struct DemoReport {
     pub phases: Vec<PhaseOutcome>,
     pub agents_on_final: usize,
     pub agents: usize,
+    /// The embedded MQTT broker's address, when started.
+    pub mqtt_broker: Option<SocketAddr>,
+    /// Devices the aggregator saw through MQTT presence (verified signed status): (online, known).
+    pub mqtt_devices: (usize, usize),
+    /// Uploads that took the MQTT upload path.
+    pub mqtt_uploads: u32,
     pub wall: Duration,
     pub workdir: Option<PathBuf>,
     /// Empty iff the demo succeeded.
@@ -268,13 +300,14 @@ pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<Campaig
     let strategy = match o.strategy.as_str() {
         "clipped" | "clipped_fedavg" => "clipped_fedavg",
         s @ ("fedavg" | "fedprox" | "fedadam" | "fedyogi" | "fedadagrad" | "median" | "trimmed_mean" | "krum") => s,
-        s => bail!("unknown strategy {s:?}: fedavg, fedprox, fedadam, fedyogi, fedadagrad, clipped"),
+        s => bail!("unknown strategy {s:?}: fedavg, fedprox, fedadam, fedyogi, fedadagrad, clipped, median, trimmed_mean, krum"),
     };
     let quantization = match o.quantization.as_str() {
         "f32" | "f16" | "bf16" => o.quantization.clone(),
         "int8" | "i8" => "i8".into(),
         q => bail!("unknown quantization {q:?}: f32, f16, bf16, int8"),
     };
+    let d = CampaignDefaults::default();
     Ok(CampaignDefaults {
         rounds: o.rounds,
         strategy: strategy.into(),
@@ -290,7 +323,10 @@ pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<Campaig
         quantization,
         server_lr: o.server_lr,
         max_updates: 4096,
-        ..CampaignDefaults::default()
+        clip_norm: o.clip_norm.unwrap_or(d.clip_norm),
+        trim_fraction: o.trim_fraction.unwrap_or(d.trim_fraction),
+        byzantine: o.byzantine.unwrap_or(d.byzantine),
+        ..d
     })
 }
 
@@ -335,6 +371,19 @@ pub async fn start_aggregator(
     Ok((agg, Running { addr, stop: Some(tx), task }))
 }
 
+/// The aggregator's embedded MQTT broker (loopback, a free port, the fleet CA and the
+/// aggregator's certificate) and its control client: every round it opens is announced, signed,
+/// on the fleet's rounds topic; device status updates its presence table.
+pub async fn start_mqtt(agg: &Aggregator, heartbeat: Duration) -> anyhow::Result<Mqtt> {
+    let mut cfg = MqttConfig::embedded(([127, 0, 0, 1], 0).into());
+    // A device is online while its last heartbeat is this recent.
+    cfg.presence_ttl_secs = (heartbeat.as_secs() * 5).max(10);
+    fedfleet_aggregator::mqtt::start(agg, &cfg)
+        .await
+        .map_err(|e| anyhow::anyhow!("MQTT control plane: {e}"))?
+        .context("the MQTT control plane did not start")
+}
+
 fn operator_tls(pki: &Pki) -> anyhow::Result<rustls::ClientConfig> {
     let id = ServerIdentity::load(pki.dir(), "operator")?;
     Ok(fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?)
@@ -371,7 +420,7 @@ fn version_of(st: &CampaignStatus) -> Option<ModelVersion> {
 /// Drives the fleet round by round (agents in lockstep with the observer, so every counter read
 /// between two steps belongs to one round) until the campaign ends.
 #[allow(clippy::too_many_arguments)]
-async fn run_campaign(
+pub async fn run_campaign(
     ui: &Ui,
     agg: &Aggregator,
     fleet: &mut Fleet,
@@ -383,8 +432,10 @@ async fn run_campaign(
     let metrics = agg.metrics();
     let bar = ui.bar(rounds as u64, "rounds");
     let agents_bar = ui.bar(fleet.len() as u64, "agents");
-    ui.line(format!("{:>5} | {:>12} | {:>8} | {:>10} | {:>10}", "round", "participants", "accuracy", "bytes up", "round time"));
-    ui.line(format!("{:-<5}-+-{:-<12}-+-{:-<8}-+-{:-<10}-+-{:-<10}", "", "", "", "", ""));
+    let mqtt = fleet.has_mqtt();
+    let heard_header = if mqtt { " | heard via MQTT" } else { "" };
+    ui.line(format!("{:>5} | {:>12} | {:>8} | {:>10} | {:>10}{heard_header}", "round", "participants", "accuracy", "bytes up", "round time"));
+    ui.line(format!("{:-<5}-+-{:-<12}-+-{:-<8}-+-{:-<10}-+-{:-<10}{}", "", "", "", "", "", if mqtt { "-+----------------" } else { "" }));
     let round_timeout = Duration::from_secs(300);
     for r in 1..=rounds {
         let st = agg.status();
@@ -396,6 +447,10 @@ async fn run_campaign(
         let v_before = version_of(&st);
         let (acc0, bytes0) = (metrics.accepted.load(Relaxed), metrics.update_bytes.load(Relaxed));
         let t0 = Instant::now();
+        if let Some(round) = open {
+            // Announced over MQTT as the round opened: give the push a moment to arrive.
+            fleet.wait_announced(round, Duration::from_secs(2)).await;
+        }
         let mut outcome: Option<Option<ModelVersion>> = None; // Some(Some(v)) published; Some(None) failed
         while outcome.is_none() {
             if t0.elapsed() > round_timeout {
@@ -403,7 +458,10 @@ async fn run_campaign(
             }
             agents_bar.set_position(0);
             agents_bar.set_message(format!("round {r}"));
-            fleet.step(|_| agents_bar.inc(1)).await?;
+            match open {
+                Some(round) => fleet.step_round(round, |_| agents_bar.inc(1)).await?,
+                None => fleet.step(|_| agents_bar.inc(1)).await?,
+            }
             // Wait for the round to close and its model to be published, or for it to stay open.
             let wait = Instant::now();
             loop {
@@ -442,14 +500,16 @@ async fn run_campaign(
             bytes_up: metrics.update_bytes.load(Relaxed) - bytes0,
             round_time: t0.elapsed(),
             version,
+            heard_over_mqtt: open.map(|r| fleet.heard_over_mqtt(r)).unwrap_or(0),
         };
         ui.line(format!(
-            "{:>5} | {:>12} | {:>8} | {:>10} | {:>9.2}s",
+            "{:>5} | {:>12} | {:>8} | {:>10} | {:>9.2}s{}",
             row.round,
             format!("{}/{}", row.participants, fleet.len()),
             row.accuracy.map(|a| format!("{:.2} %", a * 100.0)).unwrap_or_else(|| "failed".into()),
             human_bytes(row.bytes_up),
-            row.round_time.as_secs_f64()
+            row.round_time.as_secs_f64(),
+            if mqtt { format!(" | {:>15}", format!("{}/{}", row.heard_over_mqtt, fleet.len())) } else { String::new() }
         ));
         if version.is_none() {
             report.failures.push(format!("round {r} failed"));
@@ -491,27 +551,50 @@ pub fn centralized_baseline(spec: &ModelSpec, train: &Dataset, test: &Dataset, e
 
 // ----- 8. rollout -----
 
-/// Rolls `target` out to the `stable` alias: canary 10 % then 100 %, each phase soaking
-/// `soak` and waiting until every device of its audience reports the new version healthy.
-async fn run_rollout(
-    ui: &Ui,
-    op: &RegistryClient,
-    fleet: &mut Fleet,
-    target: &ModelRef,
-    soak: Duration,
-    report: &mut DemoReport,
-) -> anyhow::Result<()> {
+/// A phased rollout: percent of the fleet per phase, soak per phase, and the auto-abort rule.
+#[derive(Debug, Clone)]
+pub struct RolloutPlan {
+    pub percents: Vec<f64>,
+    pub soak: Duration,
+    /// Abort once more than this fraction of the reporting devices failed their health check.
+    pub failure_threshold: f64,
+    /// Reports needed before the failure rate counts.
+    pub min_sample: u32,
+}
+
+impl RolloutPlan {
+    /// The demo's: canary 10 % then 100 %, abort above a 20 % failure rate (3 reports at least).
+    pub fn canary(soak: Duration) -> Self {
+        RolloutPlan { percents: vec![10.0, 100.0], soak, failure_threshold: 0.2, min_sample: 3 }
+    }
+}
+
+/// How a rollout ended.
+#[derive(Debug, Clone)]
+pub struct RolloutOutcome {
+    /// The registry's final status: completed, aborted, ... (or timeout).
+    pub status: String,
+    pub phases: Vec<PhaseOutcome>,
+    /// Agents serving the target at the end.
+    pub agents_on_target: usize,
+}
+
+/// Rolls `target` out to the `stable` alias phase by phase, each phase soaking and waiting until
+/// every device of its audience reports the new version healthy; the registry aborts by itself
+/// when too many devices fail their health check. Prints each phase and the fleet's device
+/// states at each phase change.
+pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &ModelRef, plan: &RolloutPlan) -> anyhow::Result<RolloutOutcome> {
     let id = format!("{}-stable-v{}", target.name, target.version.0);
-    let percents = [10.0, 100.0];
-    let audiences: Vec<Vec<DeviceId>> = percents
+    let percents = &plan.percents;
+    let soak = plan.soak;
+    let mut audiences: Vec<Vec<DeviceId>> = percents
         .iter()
-        .map(|p| fleet.ids.iter().cloned().filter(|d| fedfleet_registry::rollout::in_percent(&id, d, *p)).collect())
+        .map(|p| fleet.ids.iter().filter(|&d| fedfleet_registry::rollout::in_percent(&id, d, *p)).cloned().collect())
         .collect();
-    let mut audiences = audiences;
     let mut canary_cohort = false;
     if audiences[0].is_empty() {
-        // No device falls in the first 10 % at this fleet size: the canary is the one device
-        // with the lowest bucket, as a named cohort.
+        // No device falls in the first percentage at this fleet size: the canary is the one
+        // device with the lowest bucket, as a named cohort.
         if let Some(d) = fleet.ids.iter().min_by_key(|d| fedfleet_registry::rollout::bucket(&id, d)) {
             audiences[0] = vec![d.clone()];
             canary_cohort = true;
@@ -532,34 +615,38 @@ async fn run_rollout(
         })
         .collect();
     let canaries: Vec<&str> = audiences[0].iter().map(|d| d.as_str()).collect();
+    let later: Vec<String> = percents[1..].iter().zip(&audiences[1..]).map(|(p, a)| format!("{p} % ({} agents)", a.len())).collect();
     ui.line(format!(
-        "rollout {id}: {} v{} -> stable, phases 10 % ({} canar{}: {}{}) -> 100 % ({} agents), soak {:.1} s each",
+        "rollout {id}: {} v{} -> stable, phases {} % ({} canar{}: {}{}){}{}, soak {:.1} s each",
         target.name,
         target.version.0,
+        percents[0],
         canaries.len(),
         if canaries.len() == 1 { "y" } else { "ies" },
         if canaries.is_empty() { "none".into() } else { canaries.join(", ") },
-        if canary_cohort { ", as a cohort: no device falls in 10 % of this fleet" } else { "" },
-        audiences[1].len(),
+        if canary_cohort { ", as a cohort: no device falls in the first phase at this fleet size" } else { "" },
+        if later.is_empty() { "" } else { " -> " },
+        later.join(" -> "),
         soak.as_secs_f64()
     ));
+    ui.line(format!("  devices at start: {}", fleet.states_summary()));
     op.admin(AdminRequest::RolloutStart(RolloutStart {
         id: Some(id.clone()),
         model: target.name.clone(),
         alias: "stable".into(),
         target: target.version,
         phases,
-        failure_threshold: 0.2,
-        min_sample: 3,
+        failure_threshold: plan.failure_threshold,
+        min_sample: plan.min_sample,
     }))
     .await
     .map_err(|e| anyhow::anyhow!("rollout start: {e}"))?;
     let spinner = ui.spinner("rollout");
     let t0 = Instant::now();
     let mut phase = 0usize;
+    let mut outcome = RolloutOutcome { status: String::new(), phases: Vec::new(), agents_on_target: 0 };
     let status = loop {
         if t0.elapsed() > Duration::from_secs(300) {
-            report.failures.push("the rollout did not finish in 300 s".into());
             break "timeout".to_owned();
         }
         fleet.step(|_| {}).await?;
@@ -600,7 +687,8 @@ async fn run_rollout(
                 if o.phase + 1 < percents.len() { "advanced" } else { "completed" },
                 o.took.as_secs_f64()
             ));
-            report.phases.push(o);
+            ui.line(format!("    devices: {}", fleet.states_summary()));
+            outcome.phases.push(o);
             phase += 1;
         }
         if finished {
@@ -612,14 +700,26 @@ async fn run_rollout(
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     spinner.finish_and_clear();
-    // Let every agent pick up the alias and report.
+    // Let every agent pick up its final assignment and report.
     for _ in 0..3 {
         fleet.step(|_| {}).await?;
     }
-    report.agents_on_final = fleet.active_on(target);
-    report.rollout_status = Some(status.clone());
-    if status != "completed" {
-        report.failures.push(format!("rollout ended {status}"));
+    ui.line(format!("  devices at end: {}", fleet.states_summary()));
+    outcome.status = status;
+    outcome.agents_on_target = fleet.active_on(target);
+    Ok(outcome)
+}
+
+/// The demo's rollout of the final model; anything short of every agent on it is a failure.
+async fn run_rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &ModelRef, soak: Duration, report: &mut DemoReport) -> anyhow::Result<()> {
+    let o = rollout(ui, op, fleet, target, &RolloutPlan::canary(soak)).await?;
+    report.phases = o.phases;
+    report.agents_on_final = o.agents_on_target;
+    report.rollout_status = Some(o.status.clone());
+    if o.status == "timeout" {
+        report.failures.push("the rollout did not finish in 300 s".into());
+    } else if o.status != "completed" {
+        report.failures.push(format!("rollout ended {}", o.status));
     }
     if report.agents_on_final != fleet.len() {
         report.failures.push(format!("{} of {} agents run v{}", report.agents_on_final, fleet.len(), target.version.0));
@@ -683,104 +783,227 @@ pub async fn run(o: &DemoOptions) -> anyhow::Result<DemoReport> {
     Ok(report)
 }
 
+/// A fleet running on loopback: PKI, registry, aggregator (with its embedded MQTT broker), the
+/// campaign started with the initial model published as v1 and `stable`, and the agents.
+pub struct Loopback {
+    pub pki: Pki,
+    pub registry: Arc<Registry>,
+    pub aggregator: Aggregator,
+    pub aggregator_addr: SocketAddr,
+    pub registry_addr: SocketAddr,
+    /// The registry as the operator (QUIC).
+    pub op: RegistryClient,
+    pub mqtt: Option<Mqtt>,
+    pub spec: ModelSpec,
+    pub train: Dataset,
+    pub test: Dataset,
+    pub initial: ModelRef,
+    pub fleet: Fleet,
+    reg_run: Running,
+    agg_run: Running,
+}
+
+impl Loopback {
+    /// Steps 1 to 5 of the demo (one line each on `ui`); fills the report's setup figures.
+    pub async fn start(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) -> anyhow::Result<Loopback> {
+        if o.agents == 0 {
+            bail!("--agents must be at least 1");
+        }
+        // Alphanumeric: the embedded broker (rumqttd) refuses other fleet ids in certificates.
+        let fleet_id = FleetId::new("demo").expect("valid fleet id");
+        let devices: Vec<DeviceId> = (0..o.agents).map(|i| DeviceId::new(format!("agent-{i:03}")).expect("valid id")).collect();
+
+        // 1. PKI
+        let t = Instant::now();
+        let pki = make_pki(&work.join("pki"), &fleet_id, &devices)?;
+        ui.line(format!(
+            "[1/8] PKI: fleet CA (ed25519), identities for registry, aggregator, operator and {} devices ({:.1} s)",
+            devices.len(),
+            t.elapsed().as_secs_f64()
+        ));
+
+        // 2. registry
+        let (registry, reg_run) = start_registry(&work.join("registry"), &pki).await?;
+        let root = registry.signer().expect("keys loaded").root().clone();
+        ui.line(format!("[2/8] registry: QUIC (mTLS) on {}, TUF root pinned by every device", reg_run.addr));
+
+        // Data and round target (agents with training data; a share can be empty under label skew).
+        let spec = ModelSpec::digits_mlp();
+        let (train, test) = Dataset::digits_split()?;
+        let partition = Partition::Dirichlet { alpha: o.alpha };
+        let sizes = crate::fleet::shares(&partition, o.agents, o.seed)?;
+        let trainers = sizes.iter().filter(|n| **n > 0).count() as u32;
+
+        // 3. aggregator, publishing into the registry, with its MQTT control plane
+        let campaign = campaign_defaults(o, trainers.max(1))?;
+        let publisher: Box<dyn Publisher> = Box::new(
+            RegistryPublisher::connect_lazy(pki.dir(), "aggregator", reg_run.addr, SERVER_NAME)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        );
+        let started = start_aggregator(&work.join("aggregator"), &pki, &spec, campaign, o.seed, publisher).await;
+        let (aggregator, agg_run) = match started {
+            Ok(x) => x,
+            Err(e) => {
+                reg_run.stop().await;
+                return Err(e);
+            }
+        };
+        ui.line(format!(
+            "[3/8] aggregator: QUIC (mTLS) on {}, sled state; publishes every global model to the registry over QUIC with its service certificate",
+            agg_run.addr
+        ));
+        let mut lb = LoopbackParts { pki, registry, aggregator, reg_run, agg_run, mqtt: None };
+        let rest = async {
+            if o.mqtt {
+                let m = start_mqtt(&lb.aggregator, o.heartbeat).await?;
+                let addr = m.broker_addr().context("the embedded broker has no address")?;
+                report.mqtt_broker = Some(addr);
+                ui.line(format!(
+                    "      MQTT control plane: embedded broker (TLS, client certificates of the fleet CA) on {addr}; rounds announced there, signed by the aggregator; devices publish signed status"
+                ));
+                lb.mqtt = Some(m);
+            }
+
+            // 4. campaign start (publishes v1) and the stable alias
+            let st = start_campaign(&lb.pki, lb.agg_run.addr, o.rounds, o.seed).await?;
+            let (v1, d1) = st.global.context("the aggregator has no initial model")?;
+            let initial = ModelRef { name: MODEL_NAME.into(), version: v1, digest: d1 };
+            let op = registry_operator(&lb.pki, lb.reg_run.addr).await?;
+            op.admin(AdminRequest::AliasSet { name: MODEL_NAME.into(), alias: "stable".into(), version: v1 })
+                .await
+                .map_err(|e| anyhow::anyhow!("alias set: {e}"))?;
+            let initial_bytes = std::fs::read(work.join("aggregator").join("initial.safetensors"))?;
+            report.initial_accuracy = evaluate(&spec, &TensorBundle::decode(&initial_bytes, &BundleLimits::default())?, &test)?.accuracy;
+            ui.line(format!(
+                "[4/8] campaign {} started ({}, target {} updates per round); initial model published as {} v{}, alias stable -> v{}, accuracy {:.2} %",
+                st.campaign.unwrap_or(0),
+                st.strategy.clone().unwrap_or_default(),
+                st.target,
+                MODEL_NAME,
+                v1.0,
+                v1.0,
+                report.initial_accuracy * 100.0
+            ));
+            report.initial = Some(initial.clone());
+
+            // 5. the fleet: agents install stable (v1) through the registry, then join rounds.
+            let mut fo = FleetOptions::new(
+                lb.pki.dir(),
+                fleet_id.clone(),
+                devices.clone(),
+                lb.agg_run.addr,
+                lb.reg_run.addr,
+                lb.aggregator.receipt_key(),
+                root.clone(),
+                MODEL_NAME,
+                work.join("agents"),
+            );
+            fo.partition = partition.clone();
+            fo.partition_seed = o.seed;
+            let mqtt = report.mqtt_broker.map(|broker| MqttLink { broker, aggregator_key: lb.aggregator.receipt_key(), heartbeat: o.heartbeat });
+            let fleet = Fleet::start_with(fo, FleetExtras { mqtt, attacks: o.attacks.clone() })?;
+            let hostile = o.attacks.iter().filter(|a| a.is_some()).count();
+            ui.line(format!(
+                "[5/8] {} agents started (own certificate and key, sled store, QUIC clients{}, Dirichlet({}) share of the digits training split, 20 % kept as local holdout); training examples min {} / median {} / max {}{}",
+                fleet.len(),
+                if report.mqtt_broker.is_some() { ", MQTT client with signed heartbeats" } else { "" },
+                o.alpha,
+                sizes.iter().min().unwrap_or(&0),
+                median(&sizes),
+                sizes.iter().max().unwrap_or(&0),
+                if hostile > 0 { format!("; {hostile} of them hostile") } else { String::new() }
+            ));
+            anyhow::Ok((op, initial, fleet))
+        }
+        .await;
+        match rest {
+            Ok((op, initial, fleet)) => Ok(Loopback {
+                aggregator_addr: lb.agg_run.addr,
+                registry_addr: lb.reg_run.addr,
+                pki: lb.pki,
+                registry: lb.registry,
+                aggregator: lb.aggregator,
+                op,
+                mqtt: lb.mqtt,
+                spec,
+                train,
+                test,
+                initial,
+                fleet,
+                reg_run: lb.reg_run,
+                agg_run: lb.agg_run,
+            }),
+            Err(e) => {
+                lb.stop().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs the campaign's rounds (step 6), a table row each.
+    pub async fn train(&mut self, ui: &Ui, rounds: u32, report: &mut DemoReport) -> anyhow::Result<ModelRef> {
+        run_campaign(ui, &self.aggregator, &mut self.fleet, &self.spec, &self.test, rounds, report).await?;
+        let st = self.aggregator.status();
+        let (vf, df) = st.global.context("no global model after the campaign")?;
+        report.final_accuracy = report.rounds.iter().rev().find_map(|r| r.accuracy).unwrap_or(report.initial_accuracy);
+        let final_model = ModelRef { name: MODEL_NAME.into(), version: vf, digest: df };
+        report.final_model = Some(final_model.clone());
+        Ok(final_model)
+    }
+
+    /// The current global model's weights.
+    pub fn global_model(&self) -> anyhow::Result<TensorBundle> {
+        let (_, bytes) = self.aggregator.global_model().context("the global model is not readable")?;
+        Ok(TensorBundle::decode(&bytes, &BundleLimits::default())?)
+    }
+
+    /// What the aggregator saw over MQTT: devices online and known through their verified status.
+    pub fn mqtt_devices(&self) -> (usize, usize) {
+        self.aggregator.metrics().devices(fedfleet_aggregator::service::now_ms())
+    }
+
+    /// Stops the agents' MQTT clients, the broker, the aggregator and the registry.
+    pub async fn stop(self) {
+        self.op.close().await;
+        self.fleet.shutdown().await;
+        LoopbackParts { pki: self.pki, registry: self.registry, aggregator: self.aggregator, reg_run: self.reg_run, agg_run: self.agg_run, mqtt: self.mqtt }
+            .stop()
+            .await;
+    }
+}
+
+/// The services of a [`Loopback`] while it starts.
+struct LoopbackParts {
+    pki: Pki,
+    registry: Arc<Registry>,
+    aggregator: Aggregator,
+    reg_run: Running,
+    agg_run: Running,
+    mqtt: Option<Mqtt>,
+}
+
+impl LoopbackParts {
+    async fn stop(self) {
+        let _ = (&self.pki, &self.registry, &self.aggregator);
+        if let Some(m) = self.mqtt {
+            m.shutdown().await;
+        }
+        self.agg_run.stop().await;
+        self.reg_run.stop().await;
+    }
+}
+
 async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) -> anyhow::Result<()> {
-    let fleet_id = FleetId::new("demo").expect("valid fleet id");
-    let devices: Vec<DeviceId> = (0..o.agents).map(|i| DeviceId::new(format!("agent-{i:03}")).expect("valid id")).collect();
     ui.line(format!(
         "fedfleet demo: {} agents, {} rounds, strategy {}, quantization {}, Dirichlet({}) label skew, seed {}",
         o.agents, o.rounds, o.strategy, o.quantization, o.alpha, o.seed
     ));
     ui.line(format!("work directory: {}", work.display()));
-
-    // 1. PKI
-    let t = Instant::now();
-    let pki = make_pki(&work.join("pki"), &fleet_id, &devices)?;
-    ui.line(format!(
-        "[1/8] PKI: fleet CA (ed25519), identities for registry, aggregator, operator and {} devices ({:.1} s)",
-        devices.len(),
-        t.elapsed().as_secs_f64()
-    ));
-
-    // 2. registry
-    let (reg, reg_run) = start_registry(&work.join("registry"), &pki).await?;
-    let root = reg.signer().expect("keys loaded").root().clone();
-    ui.line(format!("[2/8] registry: QUIC (mTLS) on {}, TUF root pinned by every device", reg_run.addr));
-
-    // Data and round target (agents with training data; a share can be empty under label skew).
-    let spec = ModelSpec::digits_mlp();
-    let (train, test) = Dataset::digits_split()?;
-    let partition = Partition::Dirichlet { alpha: o.alpha };
-    let sizes = crate::fleet::shares(&partition, o.agents, o.seed)?;
-    let trainers = sizes.iter().filter(|n| **n > 0).count() as u32;
-
-    // 3. aggregator, publishing into the registry
-    let campaign = campaign_defaults(o, trainers.max(1))?;
-    let publisher: Box<dyn Publisher> = Box::new(
-        RegistryPublisher::connect_lazy(pki.dir(), "aggregator", reg_run.addr, SERVER_NAME)
-            .map_err(|e| anyhow::anyhow!("{e}"))?,
-    );
-    let (agg, agg_run) = start_aggregator(&work.join("aggregator"), &pki, &spec, campaign, o.seed, publisher).await?;
-    ui.line(format!(
-        "[3/8] aggregator: QUIC (mTLS) on {}, sled state; publishes every global model to the registry over QUIC with its service certificate",
-        agg_run.addr
-    ));
-    ui.line("      control plane: the demo does not start the MQTT broker yet; round announcements and rollout assignments travel over the QUIC poll path");
-
+    let mut lb = Loopback::start(o, ui, work, report).await?;
     let outcome = async {
-        // 4. campaign start (publishes v1) and the stable alias
-        let st = start_campaign(&pki, agg_run.addr, o.rounds, o.seed).await?;
-        let (v1, d1) = st.global.context("the aggregator has no initial model")?;
-        let initial = ModelRef { name: MODEL_NAME.into(), version: v1, digest: d1 };
-        let op = registry_operator(&pki, reg_run.addr).await?;
-        op.admin(AdminRequest::AliasSet { name: MODEL_NAME.into(), alias: "stable".into(), version: v1 })
-            .await
-            .map_err(|e| anyhow::anyhow!("alias set: {e}"))?;
-        let initial_bytes = std::fs::read(work.join("aggregator").join("initial.safetensors"))?;
-        report.initial_accuracy = evaluate(&spec, &TensorBundle::decode(&initial_bytes, &BundleLimits::default())?, &test)?.accuracy;
-        ui.line(format!(
-            "[4/8] campaign {} started ({}, target {} updates per round); initial model published as {} v{}, alias stable -> v{}, accuracy {:.2} %",
-            st.campaign.unwrap_or(0),
-            st.strategy.clone().unwrap_or_default(),
-            st.target,
-            MODEL_NAME,
-            v1.0,
-            v1.0,
-            report.initial_accuracy * 100.0
-        ));
-        report.initial = Some(initial.clone());
-
-        // 5. the fleet: agents install stable (v1) through the registry, then join rounds.
-        let mut fo = FleetOptions::new(
-            pki.dir(),
-            fleet_id.clone(),
-            devices.clone(),
-            agg_run.addr,
-            reg_run.addr,
-            agg.receipt_key(),
-            root.clone(),
-            MODEL_NAME,
-            work.join("agents"),
-        );
-        fo.partition = partition.clone();
-        fo.partition_seed = o.seed;
-        let mut fleet = Fleet::start(fo)?;
-        ui.line(format!(
-            "[5/8] {} agents started (own certificate and key, sled store, QUIC clients, Dirichlet({}) share of the digits training split, 20 % kept as local holdout); training examples min {} / median {} / max {}",
-            fleet.len(),
-            o.alpha,
-            sizes.iter().min().unwrap_or(&0),
-            median(&sizes),
-            sizes.iter().max().unwrap_or(&0)
-        ));
-
         // 6. training
         ui.line(format!("[6/8] training: {} rounds", o.rounds));
-        run_campaign(ui, &agg, &mut fleet, &spec, &test, o.rounds, report).await?;
-        let st = agg.status();
-        let (vf, df) = st.global.context("no global model after the campaign")?;
-        let final_model = ModelRef { name: MODEL_NAME.into(), version: vf, digest: df };
-        report.final_accuracy = report.rounds.iter().rev().find_map(|r| r.accuracy).unwrap_or(report.initial_accuracy);
-        report.final_model = Some(final_model.clone());
+        let final_model = lb.train(ui, o.rounds, report).await?;
         let completed = report.rounds.iter().filter(|r| r.version.is_some()).count();
         if completed != o.rounds as usize {
             report.failures.push(format!("{completed} of {} rounds completed", o.rounds));
@@ -790,22 +1013,21 @@ async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) 
         let t = Instant::now();
         let sp = ui.spinner("baseline");
         sp.set_message("centralized training on all training data");
-        let (spec2, train2, test2, epochs, seed) = (spec.clone(), train.clone(), test.clone(), o.baseline_epochs, o.seed);
+        let (spec2, train2, test2, epochs, seed) = (lb.spec.clone(), lb.train.clone(), lb.test.clone(), o.baseline_epochs, o.seed);
         report.baseline_accuracy =
             tokio::task::spawn_blocking(move || centralized_baseline(&spec2, &train2, &test2, epochs, seed)).await??;
         sp.finish_and_clear();
         ui.line(format!(
             "[7/8] centralized baseline ({} epochs on all {} training examples): {:.2} % ({:.1} s)",
             o.baseline_epochs,
-            train.len(),
+            lb.train.len(),
             report.baseline_accuracy * 100.0,
             t.elapsed().as_secs_f64()
         ));
 
         // 8. rollout
-        ui.line(format!("[8/8] rollout of {} v{}", MODEL_NAME, vf.0));
-        run_rollout(ui, &op, &mut fleet, &final_model, o.soak, report).await?;
-        op.close().await;
+        ui.line(format!("[8/8] rollout of {} v{}", MODEL_NAME, final_model.version.0));
+        run_rollout(ui, &lb.op, &mut lb.fleet, &final_model, o.soak, report).await?;
         if report.final_accuracy < o.min_accuracy {
             report.failures.push(format!(
                 "final accuracy {:.2} % is below the required {:.2} %",
@@ -813,12 +1035,33 @@ async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) 
                 o.min_accuracy * 100.0
             ));
         }
+        if o.mqtt {
+            check_mqtt(&lb, o, report).await;
+        }
         anyhow::Ok(())
     }
     .await;
-    agg_run.stop().await;
-    reg_run.stop().await;
+    lb.stop().await;
     outcome
+}
+
+/// The control plane worked if every device was seen through MQTT presence and the rounds were
+/// heard announced over MQTT.
+async fn check_mqtt(lb: &Loopback, o: &DemoOptions, report: &mut DemoReport) {
+    // Heartbeats arrive every `o.heartbeat`; give them a few periods.
+    let t = Instant::now();
+    let wait = (o.heartbeat * 5).max(Duration::from_secs(10));
+    while lb.mqtt_devices().1 < o.agents && t.elapsed() < wait {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    report.mqtt_devices = lb.mqtt_devices();
+    report.mqtt_uploads = lb.fleet.mqtt_uploads();
+    if report.mqtt_devices.1 < o.agents {
+        report.failures.push(format!("only {} of {} devices were seen over MQTT", report.mqtt_devices.1, o.agents));
+    }
+    if report.rounds.iter().all(|r| r.heard_over_mqtt == 0) {
+        report.failures.push("no round announcement arrived over MQTT".into());
+    }
 }
 
 fn median(v: &[usize]) -> usize {
@@ -853,6 +1096,17 @@ fn print_summary(ui: &Ui, o: &DemoOptions, r: &DemoReport) {
         v(&r.final_model)
     ));
     ui.line(format!("  campaign             {}", r.campaign_outcome.as_deref().unwrap_or("-")));
+    match r.mqtt_broker {
+        Some(addr) => {
+            let heard: usize = r.rounds.iter().map(|x| x.heard_over_mqtt).sum();
+            let possible = r.rounds.len() * r.agents;
+            ui.line(format!(
+                "  MQTT control plane   broker {addr}; {}/{} devices seen through signed MQTT status ({} online now); round announcements heard over MQTT {heard}/{possible} (agent x round); {} uploads over the MQTT fallback path",
+                r.mqtt_devices.1, r.agents, r.mqtt_devices.0, r.mqtt_uploads
+            ));
+        }
+        None => ui.line("  MQTT control plane   off"),
+    }
     ui.line(format!("  wall time            {:.1} s", r.wall.as_secs_f64()));
     if let Some(w) = &r.workdir {
         ui.line(format!("  kept                 {}", w.display()));

@@ -21,7 +21,16 @@ enum Strategy {
     Fedadam,
     Fedyogi,
     Fedadagrad,
+    /// FedAvg with every update clipped to `--clip-norm`.
+    #[value(alias = "clipped_fedavg")]
     Clipped,
+    /// Coordinate-wise median.
+    Median,
+    /// Coordinate-wise trimmed mean (`--trim-fraction` dropped at each end).
+    #[value(name = "trimmed_mean", alias = "trimmed-mean")]
+    TrimmedMean,
+    /// Multi-Krum tolerating `--byzantine` hostile updates.
+    Krum,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -61,6 +70,18 @@ struct DemoArgs {
     /// Server learning rate for fedadam/fedyogi/fedadagrad.
     #[arg(long)]
     server_lr: Option<f64>,
+    /// clipped: L2 bound of each update (aggregator default 10).
+    #[arg(long)]
+    clip_norm: Option<f64>,
+    /// trimmed_mean: fraction of values dropped at each end (aggregator default 0.1).
+    #[arg(long)]
+    trim_fraction: Option<f64>,
+    /// krum: hostile updates to tolerate (aggregator default 1).
+    #[arg(long)]
+    byzantine: Option<usize>,
+    /// Do not start the aggregator's embedded MQTT broker (agents use QUIC polling only).
+    #[arg(long)]
+    no_mqtt: bool,
     /// Work directory (must be empty or absent); default: a temporary directory.
     #[arg(long)]
     workdir: Option<PathBuf>,
@@ -97,6 +118,9 @@ fn main() -> ExitCode {
             Strategy::Fedyogi => "fedyogi",
             Strategy::Fedadagrad => "fedadagrad",
             Strategy::Clipped => "clipped",
+            Strategy::Median => "median",
+            Strategy::TrimmedMean => "trimmed_mean",
+            Strategy::Krum => "krum",
         }
         .into(),
         quantization: match a.quantization {
@@ -111,6 +135,10 @@ fn main() -> ExitCode {
         lr: a.lr,
         local_epochs: a.local_epochs,
         server_lr: a.server_lr,
+        clip_norm: a.clip_norm,
+        trim_fraction: a.trim_fraction,
+        byzantine: a.byzantine,
+        mqtt: !a.no_mqtt,
         workdir: a.workdir,
         keep: a.keep,
         min_accuracy: a.min_accuracy,

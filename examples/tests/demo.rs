@@ -1,5 +1,6 @@
-//! The demo end to end, in process, on a small fleet: PKI, registry, aggregator, agents over
-//! QUIC on loopback, a campaign, the centralized baseline, and the canary -> 100 % rollout.
+//! The demo end to end, in process, on a small fleet: PKI, registry, aggregator with its
+//! embedded MQTT broker, agents over QUIC and MQTT on loopback, a campaign, the centralized
+//! baseline, and the canary -> 100 % rollout.
 
 use std::time::Duration;
 
@@ -25,4 +26,8 @@ async fn small_fleet_trains_and_rolls_out() {
     assert_eq!(r.agents_on_final, 6);
     let v0 = r.initial.as_ref().unwrap().version.0;
     assert_eq!(r.final_model.as_ref().unwrap().version.0, v0 + 8);
+    // The control plane: every device seen through its signed MQTT status, rounds heard there.
+    assert!(r.mqtt_broker.is_some());
+    assert_eq!(r.mqtt_devices.1, 6, "devices known through MQTT presence");
+    assert!(r.rounds.iter().any(|x| x.heard_over_mqtt > 0), "no round announcement heard over MQTT");
 }
