@@ -9,17 +9,22 @@
 //!   update (or a resend of one) gets its signed receipt on `devices/<id>/receipts`; every
 //!   verified status updates presence (devices online / last seen in the metrics).
 //! * Refusals (by the control client or by ingest) are counted by reason in
-//!   `fedfleet_aggregator_mqtt_rejected_total`. A refused MQTT upload gets no answer over MQTT
-//!   (there is no rejection topic); the device re-sends until it has a receipt or the round ends.
+//!   `fedfleet_aggregator_mqtt_rejected_total`. An upload refused by ingest (its signed header
+//!   and payload digest verified, so the refusal is about what the device signed) is answered with
+//!   a [`SignedRejection`] on `devices/<id>/rejections`, signed with the receipt key, which the
+//!   device's lifecycle handles like a QUIC refusal. Uploads the control client refuses (bad
+//!   signature, digest mismatch: possibly forged or damaged by the broker) get no answer; the
+//!   device re-sends.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use fedfleet_certs::{AllowList, CaCert, PeerIdentity, ServerIdentity};
+use ed25519_dalek::SigningKey;
 use fedfleet_control::{
     AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, Role,
-    service_tls,
+    SignedRejection, UploadRejection, service_tls,
 };
 use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed};
 use tokio::task::JoinHandle;
@@ -135,6 +140,13 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             (None, None, host, cfg.port.unwrap_or(8883))
         }
     };
+    // The receipt key signs refusals too; it is the service's, read from the same file.
+    let receipt_key = crate::keys::load_or_create(&scfg.data_dir)
+        .map_err(|e| other(format!("receipt key in {}: {e}", scfg.data_dir.display())))?;
+    if receipt_key.verifying_key() != agg.receipt_key() {
+        return Err(other("the receipt key on disk is not the one the service signs with"));
+    }
+    let receipt_key = Arc::new(receipt_key);
     let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
     let id = ServerIdentity::load(pki, &scfg.server_name)?;
     let tls = service_tls(&ca, &id).map_err(other)?;
@@ -170,7 +182,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
                     }
                     ev = events.recv() => match ev {
                         None => break,
-                        Some(ev) => handle(&agg, &client, ev),
+                        Some(ev) => handle(&agg, &client, &receipt_key, ev),
                     },
                 }
             }
@@ -179,7 +191,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     Ok(Some(Mqtt { broker, broker_config, client, task }))
 }
 
-fn handle(agg: &Aggregator, client: &ControlClient, ev: ControlEvent) {
+fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey>, ev: ControlEvent) {
     let metrics = agg.metrics();
     match ev {
         ControlEvent::Connected { count } => {
@@ -199,8 +211,10 @@ fn handle(agg: &Aggregator, client: &ControlClient, ev: ControlEvent) {
             // Off the event loop: ingest folds on a blocking thread and commits to disk.
             let agg = agg.clone();
             let client = client.clone();
+            let key = receipt_key.clone();
             tokio::spawn(async move {
                 let peer = PeerIdentity::Device(v.device.clone());
+                let header = v.signed.body().clone();
                 match agg.ingest(&peer, v.signed, Payload::Bytes(v.payload)).await {
                     Ok(receipt) => {
                         if let Err(e) = client.publish_receipt(&receipt).await {
@@ -212,11 +226,18 @@ fn handle(agg: &Aggregator, client: &ControlClient, ev: ControlEvent) {
                         m.rejected(r.reason);
                         m.mqtt_rejected(r.reason);
                         tracing::info!(device = %v.device, reason = %r.reason, detail = %r.detail, "MQTT update refused");
+                        let refusal = SignedRejection::sign(UploadRejection::of(&header, r.reason, r.detail, now_ms()), &key);
+                        if let Err(e) = client.publish_rejection(&refusal).await {
+                            tracing::warn!(device = %v.device, error = %e, "rejection not published; the device will resend");
+                        }
                     }
                 }
             });
         }
         // A service does not subscribe to these.
-        ControlEvent::Announcement(_) | ControlEvent::Rollout(_) | ControlEvent::Receipt(_) => {}
+        ControlEvent::Announcement(_)
+        | ControlEvent::Rollout(_)
+        | ControlEvent::Receipt(_)
+        | ControlEvent::UploadRefused(_) => {}
     }
 }

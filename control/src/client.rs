@@ -22,6 +22,7 @@ use rumqttc::{
 };
 use tokio::sync::{mpsc, watch};
 
+use crate::rejection::SignedRejection;
 use crate::topics::{self, Topic};
 use crate::upload::{self, Assembled, AssemblerLimits, UpdateAssembler, VerifiedUpload};
 use crate::verify::{self, DeviceKeys, Rejected};
@@ -99,6 +100,8 @@ pub enum ControlEvent {
     Rollout(Signed<RolloutNotice>),
     /// A receipt for this device's update.
     Receipt(Signed<Receipt>),
+    /// The aggregator's signed refusal of one of this device's MQTT uploads.
+    UploadRefused(SignedRejection),
     /// A device's status or heartbeat.
     Status(Signed<DeviceStatus>),
     /// A complete update over the MQTT upload path.
@@ -311,6 +314,14 @@ impl ControlClient {
             .await
     }
 
+    /// Publishes a refusal of an MQTT upload to the device it names (QoS 1, not retained).
+    pub async fn publish_rejection(&self, signed: &SignedRejection) -> Result<(), ControlError> {
+        self.check_fleet(&signed.body().fleet)?;
+        let topic = topics::rejections(&self.fleet, &signed.body().device);
+        self.publish_raw(&topic, signed.encode(), QoS::AtLeastOnce, false)
+            .await
+    }
+
     /// Sends an update over the MQTT upload path: the signed header, then the payload in
     /// chunks, on this device's updates topic (QoS 1). Queued, not confirmed: wait for the
     /// [`ControlEvent::Receipt`] and send again (same signed header) if none comes.
@@ -405,6 +416,7 @@ impl Driver {
                     add(topics::rollouts(f));
                 }
                 add(topics::receipts(f, id));
+                add(topics::rejections(f, id));
             }
             Role::Service {
                 status, updates, ..
@@ -592,6 +604,13 @@ impl Driver {
                 Topic::Receipts { device, .. },
             ) if device == id => verify::receipt(topic_str, payload, &fleet, id, aggregator_key)
                 .map(|s| Some(ControlEvent::Receipt(s))),
+            (
+                Role::Device {
+                    id, aggregator_key, ..
+                },
+                Topic::Rejections { device, .. },
+            ) if device == id => verify::rejection(topic_str, payload, &fleet, id, aggregator_key)
+                .map(|s| Some(ControlEvent::UploadRefused(s))),
             (
                 Role::Service {
                     keys, status: true, ..

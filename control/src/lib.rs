@@ -7,6 +7,7 @@
 //! - [`client`]: [`ControlClient`], typed signed publishing and verified [`ControlEvent`]s, with
 //!   reconnect and backoff.
 //! - [`upload`]: chunked update frames and the aggregator-side [`UpdateAssembler`].
+//! - [`rejection`]: the aggregator's signed refusal of an MQTT upload ([`SignedRejection`]).
 //! - [`verify`]: the checks every received message goes through; the broker is not trusted.
 //! - [`presence`]: devices online and last seen, from verified status.
 //!
@@ -17,6 +18,7 @@
 pub mod broker;
 pub mod client;
 pub mod presence;
+pub mod rejection;
 pub mod topics;
 pub mod upload;
 pub mod verify;
@@ -27,6 +29,7 @@ pub use client::{
     device_tls, service_tls,
 };
 pub use presence::Presence;
+pub use rejection::{SignedRejection, UploadRejection};
 pub use rumqttc::QoS;
 pub use topics::Topic;
 pub use upload::{Assembled, AssemblerLimits, UpdateAssembler, VerifiedUpload, encode_frames};

@@ -6,6 +6,7 @@
 //! fedfleet/v1/<fleet>/devices/<id>/status      Signed<DeviceStatus>       device     -> services QoS1 retained
 //! fedfleet/v1/<fleet>/devices/<id>/updates     upload frames (signed hdr) device     -> aggregator QoS1
 //! fedfleet/v1/<fleet>/devices/<id>/receipts    Signed<Receipt>            aggregator -> device   QoS1
+//! fedfleet/v1/<fleet>/devices/<id>/rejections  SignedRejection            aggregator -> device   QoS1
 //! ```
 //!
 //! Fleet and device ids are `[A-Za-z0-9._-]{1,64}` (checked by the protocol crate), so they never
@@ -43,6 +44,10 @@ pub enum Topic {
     /// retained**: a device that misses one re-sends its update and gets the receipt again
     /// (ingest is idempotent), so nothing needs to wait in the broker.
     Receipts { fleet: FleetId, device: DeviceId },
+    /// The aggregator's signed refusals of this device's MQTT uploads
+    /// ([`crate::SignedRejection`]). **QoS 1, not retained**, like receipts: a device that
+    /// misses one re-sends and is refused again.
+    Rejections { fleet: FleetId, device: DeviceId },
 }
 
 impl Topic {
@@ -54,6 +59,7 @@ impl Topic {
             Topic::Status { fleet, device } => status(fleet, device),
             Topic::Updates { fleet, device } => updates(fleet, device),
             Topic::Receipts { fleet, device } => receipts(fleet, device),
+            Topic::Rejections { fleet, device } => rejections(fleet, device),
         }
     }
 
@@ -76,7 +82,8 @@ impl Topic {
             | Topic::Rollouts { fleet }
             | Topic::Status { fleet, .. }
             | Topic::Updates { fleet, .. }
-            | Topic::Receipts { fleet, .. } => fleet,
+            | Topic::Receipts { fleet, .. }
+            | Topic::Rejections { fleet, .. } => fleet,
         }
     }
 
@@ -86,7 +93,8 @@ impl Topic {
             Topic::Rounds { .. } | Topic::Rollouts { .. } => None,
             Topic::Status { device, .. }
             | Topic::Updates { device, .. }
-            | Topic::Receipts { device, .. } => Some(device),
+            | Topic::Receipts { device, .. }
+            | Topic::Rejections { device, .. } => Some(device),
         }
     }
 }
@@ -120,6 +128,7 @@ pub fn parse(topic: &str) -> Result<Topic, TopicError> {
                 "status" => Ok(Topic::Status { fleet, device }),
                 "updates" => Ok(Topic::Updates { fleet, device }),
                 "receipts" => Ok(Topic::Receipts { fleet, device }),
+                "rejections" => Ok(Topic::Rejections { fleet, device }),
                 _ => Err(TopicError::Unknown(topic.to_owned())),
             }
         }
@@ -141,6 +150,9 @@ pub fn updates(fleet: &FleetId, device: &DeviceId) -> String {
 }
 pub fn receipts(fleet: &FleetId, device: &DeviceId) -> String {
     format!("{PREFIX}/{fleet}/devices/{device}/receipts")
+}
+pub fn rejections(fleet: &FleetId, device: &DeviceId) -> String {
+    format!("{PREFIX}/{fleet}/devices/{device}/rejections")
 }
 
 /// Filter for every device's status (registry, aggregator metrics).
@@ -176,6 +188,10 @@ mod tests {
                 device: device.clone(),
             },
             Topic::Receipts {
+                fleet: fleet.clone(),
+                device: device.clone(),
+            },
+            Topic::Rejections {
                 fleet: fleet.clone(),
                 device: device.clone(),
             },

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use crate::rejection::{RejectionError, SignedRejection};
 use ed25519_dalek::VerifyingKey;
 use fedfleet_certs::{AllowList, DeviceStatus as KeyStatus};
 use fedfleet_protocol::{
@@ -162,6 +163,29 @@ pub fn receipt(
             Some(device),
             RejectReason::BadSignature,
             format!("receipt names device {}", signed.body().device),
+        ));
+    }
+    Ok(signed)
+}
+
+/// A refusal of one of `device`'s MQTT uploads, signed by the pinned aggregator key.
+pub fn rejection(
+    topic: &str,
+    bytes: &[u8],
+    fleet: &FleetId,
+    device: &DeviceId,
+    aggregator: &VerifyingKey,
+) -> Result<SignedRejection, Rejected> {
+    let err = |e: RejectionError| Rejected::new(topic, Some(device), e.reason(), e.to_string());
+    let signed = SignedRejection::decode(bytes).map_err(err)?;
+    signed.verify(aggregator).map_err(err)?;
+    check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
+    if &signed.body().device != device {
+        return Err(Rejected::new(
+            topic,
+            Some(device),
+            RejectReason::BadSignature,
+            format!("rejection names device {}", signed.body().device),
         ));
     }
     Ok(signed)

@@ -5,8 +5,11 @@
 //!   key) and fall back to the inner client's poll while none has arrived; uploads go over QUIC,
 //!   or over the MQTT upload path when configured (`upload = "mqtt"`) or, with `upload = "auto"`,
 //!   after `switch_after` consecutive QUIC transport failures (QUIC is tried again after
-//!   `quic_retry`). An MQTT upload is answered by the matching `ControlEvent::Receipt`; none
-//!   within `receipt_timeout` is a transport error, so the outbox re-sends the same bytes.
+//!   `quic_retry`). An MQTT upload is answered by the matching `ControlEvent::Receipt`, or by
+//!   the aggregator's signed refusal (`ControlEvent::UploadRefused`, on the device's
+//!   `rejections` topic), which is handed to the lifecycle as the same `Rejection` a QUIC
+//!   refusal is; neither within `receipt_timeout` is a transport error, so the outbox re-sends
+//!   the same bytes.
 //!   Base models are always fetched through the inner (QUIC) client.
 //! - [`MqttRegistry`] wraps the [`Registry`] client: every status report is also signed and
 //!   published on the device's status topic, and [`heartbeats`] re-publishes the last one
@@ -19,9 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
-use fedfleet_control::{ControlClient, ControlEvent, ControlEvents};
+use fedfleet_control::{ControlClient, ControlEvent, ControlEvents, UploadRejection};
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RolloutNotice, RoundAnnouncement, Signed, SignedUpdate,
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutNotice, RoundAnnouncement, Signed, SignedUpdate,
 };
 use serde::Deserialize;
 use tokio::sync::Notify;
@@ -69,6 +72,8 @@ impl Default for MqttUploadOptions {
 struct Heard {
     round: Mutex<Option<RoundAnnouncement>>,
     receipts: Mutex<Vec<Receipt>>,
+    refusals: Mutex<Vec<UploadRejection>>,
+    /// A receipt or a refusal arrived.
     receipt_arrived: Notify,
 }
 
@@ -102,6 +107,18 @@ impl<A: Aggregator> MqttAggregator<A> {
                         let r = s.body().clone();
                         tracing::debug!(round = %r.round, "receipt over MQTT");
                         let mut g = h.receipts.lock().unwrap_or_else(|p| p.into_inner());
+                        g.push(r);
+                        let n = g.len();
+                        if n > 64 {
+                            g.drain(..n - 64);
+                        }
+                        drop(g);
+                        h.receipt_arrived.notify_waiters();
+                    }
+                    ControlEvent::UploadRefused(s) => {
+                        let r = s.body().clone();
+                        tracing::info!(round = %r.round, reason = %r.reason, detail = %r.detail, "MQTT upload refused by the aggregator");
+                        let mut g = h.refusals.lock().unwrap_or_else(|p| p.into_inner());
                         g.push(r);
                         let n = g.len();
                         if n > 64 {
@@ -188,21 +205,33 @@ impl<A: Aggregator> MqttAggregator<A> {
                 tokio::pin!(notified);
                 notified.as_mut().enable();
                 if let Some(r) = self.heard.receipts.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|r| matches(r)) {
-                    return Ok(r.clone());
+                    return Ok(UploadReply::Receipt(r.clone()));
+                }
+                if let Some(r) = self.heard.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|r| r.refuses(&h)) {
+                    return Ok(UploadReply::Rejected(Rejection::new(r.reason, r.detail.clone())));
                 }
                 notified.await;
             }
         };
         match tokio::time::timeout(self.opts.receipt_timeout, attempt).await {
-            Ok(Ok(r)) => {
-                self.mqtt_acks.lock().unwrap_or_else(|p| p.into_inner()).push(Ack {
-                    device: h.device.clone(),
-                    round: h.round,
-                    nonce: h.nonce,
-                    payload_digest: h.payload_digest,
-                    receipt: true,
-                });
-                Ok(UploadReply::Receipt(r))
+            Ok(Ok(reply)) => {
+                // As over QUIC: a receipt, or a `Replay`/`Duplicate` answer (the aggregator holds
+                // the update already), acknowledges it.
+                let acked = match &reply {
+                    UploadReply::Receipt(_) => Some(true),
+                    UploadReply::Rejected(r) if matches!(r.reason, RejectReason::Replay | RejectReason::Duplicate) => Some(false),
+                    UploadReply::Rejected(_) => None,
+                };
+                if let Some(receipt) = acked {
+                    self.mqtt_acks.lock().unwrap_or_else(|p| p.into_inner()).push(Ack {
+                        device: h.device.clone(),
+                        round: h.round,
+                        nonce: h.nonce,
+                        payload_digest: h.payload_digest,
+                        receipt,
+                    });
+                }
+                Ok(reply)
             }
             Ok(Err(e)) => Err(e),
             Err(_) => Err(TransportError(format!("mqtt upload: no receipt within {:?}", self.opts.receipt_timeout))),

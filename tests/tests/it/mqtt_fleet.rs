@@ -192,35 +192,7 @@ async fn body() {
     // Aggregator, in process, from its TOML config with `[mqtt]` (embedded broker, any port).
     let spec = ModelSpec::digits_mlp();
     std::fs::write(root_dir.join("initial.safetensors"), fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode()).unwrap();
-    let config_path = root_dir.join("aggregator.toml");
-    std::fs::write(
-        &config_path,
-        format!(
-            r#"listen = "127.0.0.1:0"
-pki_dir = "pki"
-server_name = "aggregator"
-data_dir = "aggregator"
-[publish]
-registry = "{reg_addr}"
-server_name = "localhost"
-[model]
-name = "{MODEL}"
-spec = {spec}
-initial = "initial.safetensors"
-[campaign]
-rounds = 3
-target = {N}
-quorum = {N}
-deadline_secs = 600
-lr = 0.1
-[mqtt]
-mode = "embedded"
-listen = "127.0.0.1:0"
-"#,
-            spec = toml_inline(&spec.to_json()),
-        ),
-    )
-    .unwrap();
+    let config_path = write_aggregator_config(root_dir, &spec, Some(reg_addr), 3);
     let (cfg, mqtt_cfg) = Config::load_all(&config_path).unwrap();
     let mqtt_cfg = mqtt_cfg.expect("[mqtt] is on");
     let publisher = RegistryPublisher::connect_lazy(&cfg.pki_dir, "aggregator", reg_addr, "localhost").unwrap();
@@ -332,6 +304,42 @@ listen = "127.0.0.1:0"
     tokio::time::timeout(Duration::from_secs(15), rtask).await.unwrap().unwrap();
 }
 
+/// `aggregator.toml` with `[mqtt]` (embedded broker on any port) and a campaign of `rounds`
+/// rounds needing all `N` devices; publishing into the registry at `registry`, or a directory.
+fn write_aggregator_config(root_dir: &std::path::Path, spec: &ModelSpec, registry: Option<SocketAddr>, rounds: u32) -> std::path::PathBuf {
+    let publish = match registry {
+        Some(addr) => format!("[publish]\nregistry = \"{addr}\"\nserver_name = \"localhost\"\n"),
+        None => String::new(),
+    };
+    let config_path = root_dir.join("aggregator.toml");
+    std::fs::write(
+        &config_path,
+        format!(
+            r#"listen = "127.0.0.1:0"
+pki_dir = "pki"
+server_name = "aggregator"
+data_dir = "aggregator"
+{publish}[model]
+name = "{MODEL}"
+spec = {spec}
+initial = "initial.safetensors"
+[campaign]
+rounds = {rounds}
+target = {N}
+quorum = {N}
+deadline_secs = 600
+lr = 0.1
+[mqtt]
+mode = "embedded"
+listen = "127.0.0.1:0"
+"#,
+            spec = toml_inline(&spec.to_json()),
+        ),
+    )
+    .unwrap();
+    config_path
+}
+
 /// The model spec's JSON as a TOML inline table.
 fn toml_inline(json: &str) -> String {
     let v: serde_json::Value = serde_json::from_str(json).unwrap();
@@ -346,4 +354,104 @@ fn toml_inline(json: &str) -> String {
         }
     }
     go(&v)
+}
+
+/// A refused MQTT upload is answered: an update with a NaN (signed correctly, for the open
+/// round) sent over the MQTT path comes back at the device as the aggregator's signed refusal
+/// with its named reason (`non_finite`), as a QUIC upload would, instead of timing out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtt_refused_update_comes_back_with_its_reason() {
+    tokio::time::timeout(Duration::from_secs(90), refusal_body()).await.expect("MQTT refusal test timed out");
+}
+
+async fn refusal_body() {
+    use fedfleet_protocol::{DType, Digest, Signed, TensorBundle, UpdateHeader};
+    let dir = tempfile::tempdir().unwrap();
+    let root_dir = dir.path();
+    let pki_dir = root_dir.join("pki");
+    let fleet_id = FleetId::new("fleetrefuse").unwrap();
+    let pki = Pki::init(&pki_dir, &fleet_id, 30, false).unwrap();
+    pki.issue_server("aggregator", &[], 30, false).unwrap();
+    let device = DeviceId::new("edge-bad").unwrap();
+    pki.enroll_device(&device, 30, false).unwrap();
+    let spec = ModelSpec::digits_mlp();
+    std::fs::write(root_dir.join("initial.safetensors"), fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode()).unwrap();
+    let (cfg, mqtt_cfg) = Config::load_all(&write_aggregator_config(root_dir, &spec, None, 1)).unwrap();
+    let publisher = fedfleet_aggregator::publish::DirPublisher::new(cfg.publish_dir(), ed25519_dalek::SigningKey::from_bytes(&[5; 32]), "test");
+    let agg = AggregatorService::open(cfg.clone(), Box::new(publisher)).unwrap();
+    let mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg.unwrap()).await.unwrap().expect("embedded broker");
+    let receipt_key = agg.receipt_key();
+    agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+
+    // The device side, as the agent wires it with `upload = "mqtt"` (QUIC never used here).
+    let id = DeviceIdentity::load(&pki_dir, &device).unwrap();
+    let mut o = ClientOptions::new("127.0.0.1", mqtt.broker_addr().unwrap().port(), device.as_str(), fleet_id.clone());
+    o.backoff_initial = Duration::from_millis(100);
+    o.backoff_max = Duration::from_secs(1);
+    let role = Role::Device { id: device.clone(), aggregator_key: receipt_key, registry_key: None };
+    let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
+    // Long enough that only an answer, not the time limit, can end the wait.
+    let opts = MqttUploadOptions { path: UploadPath::Mqtt, receipt_timeout: Duration::from_secs(30), ..Default::default() };
+    let agg_client = fedfleet_aggregator::client::AggregatorClient::new(
+        "127.0.0.1:9".parse().unwrap(),
+        "localhost",
+        tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap(),
+    )
+    .unwrap();
+    let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, receipt_key)));
+    let mqtt_agg = MqttAggregator::new(quic, control.clone(), events, opts);
+
+    // The open round, as announced over MQTT.
+    let end = tokio::time::Instant::now() + Duration::from_secs(30);
+    let round = loop {
+        if let Some(r) = mqtt_agg.announced() {
+            break r;
+        }
+        assert!(tokio::time::Instant::now() < end, "no announcement over MQTT");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    // A well-formed, correctly signed update of the right layout, with one NaN in it.
+    let mut bundle = TensorBundle::new();
+    for (i, p) in spec.params().into_iter().enumerate() {
+        let n: usize = p.shape.iter().product();
+        let mut v = vec![0.001f32; n];
+        if i == 0 {
+            v[0] = f32::NAN;
+        }
+        bundle.insert_f32(&p.name, p.shape.clone(), v).unwrap();
+    }
+    let payload = bundle.encode();
+    let header = UpdateHeader {
+        device: device.clone(),
+        fleet: fleet_id.clone(),
+        round: round.round,
+        base_model: round.base_model.digest,
+        nonce: [7; 16],
+        sample_count: 10,
+        payload_len: payload.len() as u64,
+        payload_digest: Digest::of(&payload),
+        payload_dtype: DType::F32,
+    };
+    let signed = Signed::sign(header, &id.signing_key());
+    // The device may still be subscribing when the first copy goes out: an attempt that ends
+    // without an answer is a transport error the agent retries, so retry here too.
+    let end = tokio::time::Instant::now() + Duration::from_secs(60);
+    let reply = loop {
+        match mqtt_agg.upload(&signed.encode(), &payload).await {
+            Ok(reply) => break reply,
+            Err(e) => assert!(tokio::time::Instant::now() < end, "no answer to the bad update: {e}"),
+        }
+    };
+    match reply {
+        UploadReply::Rejected(r) => assert_eq!(r.reason, fedfleet_protocol::RejectReason::NonFinite, "{r:?}"),
+        other => panic!("a NaN update was not refused: {other:?}"),
+    }
+    assert!(mqtt_agg.mqtt_acks().is_empty(), "a refusal is not an acknowledgement");
+    assert_eq!(agg.status().accepted, 0);
+    let text = agg.metrics().render();
+    assert!(text.lines().any(|l| l.contains("mqtt_rejected") && l.contains("non_finite") && !l.ends_with(" 0")), "{text}");
+
+    control.shutdown().await;
+    mqtt.shutdown().await;
 }
