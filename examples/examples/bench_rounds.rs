@@ -1,0 +1,780 @@
+//! Round benchmarks: N simulated agents against a real `fedfleet-aggregator` process over
+//! mTLS QUIC on loopback. Prints figures, asserts nothing about time.
+//!
+//! ```text
+//! cargo build --release -p fedfleet-aggregator
+//! cargo run --release -p fedfleet --example bench_rounds -- --agents 10,100,1000 --rounds 2
+//! ```
+//!
+//! For each fleet size N a fresh worker process (this program with `--worker N`, so that its
+//! peak RSS belongs to that N alone) sets up:
+//! - a throwaway fleet PKI with N enrolled devices (`fedfleet::demo::make_pki`);
+//! - the registry, in the worker (`fedfleet::demo::start_registry`); the aggregator publishes
+//!   every global model into it, so "published" means committed in the registry;
+//! - the aggregator as a child process (`fedfleet-aggregator serve --config ...`, found next to
+//!   this executable), with its Prometheus endpoint on loopback; its campaign is started with
+//!   its own operator CLI (`fedfleet-aggregator campaign start`);
+//! - N agents in the worker (`fedfleet_agent::sim::RemoteFleet`: each its own certificate, key,
+//!   sled store, QUIC clients and share of the digits training split, the daemon's lifecycle),
+//!   driven concurrently: every step runs each agent's poll + drive as its own task, then
+//!   sleeps `--poll-ms`. Agents connect (one step) before the campaign starts.
+//!
+//! Measured per round r, from the aggregator's metrics (polled every 5 ms) and the agents'
+//! own trace events (`trained` with `train_ms`, `update acknowledged`):
+//! - round wall: `open_round` gauge becomes r → `rounds_total{event="published"}` increments;
+//! - slowest local training (wall time inside the training task) and overhead = round wall −
+//!   slowest training; also the sum of all trainings (on 2 cores they share the CPU);
+//! - ingest: accepted updates and payload bytes (aggregator counters) over the ingest window
+//!   = first upload start (first `trained`) → last receipt (last `update acknowledged`);
+//! - aggregator: peak RSS (`VmHWM` of its process) and CPU time (utime + stime) per update;
+//! - agents: the worker's peak RSS divided by N (all agents plus registry and runtime), and the
+//!   same above the worker's RSS just before the agents were opened.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use fedfleet_agent::sim::{FleetOptions, RemoteFleet};
+use fedfleet_aggregator::client::AggregatorClient;
+use fedfleet_aggregator::wire::Request as AggRequest;
+use fedfleet_certs::{Pki, ServerIdentity};
+use fedfleet_learning::{ModelSpec, model::init_bundle};
+use fedfleet_protocol::{DeviceId, FleetId};
+use serde_json::{Value, json};
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::SubscriberExt;
+
+const MODEL_NAME: &str = "digits";
+const RESULT_PREFIX: &str = "BENCH_RESULT ";
+const METRICS_PERIOD: Duration = Duration::from_millis(5);
+
+/// Round benchmarks: N simulated agents against a real fedfleet-aggregator over mTLS QUIC.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "bench_rounds")]
+struct Args {
+    /// Fleet sizes, one worker process each.
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
+    agents: Vec<usize>,
+    /// Rounds per campaign (each is measured).
+    #[arg(long, default_value_t = 2)]
+    rounds: u32,
+    /// Hidden layer widths of the MLP (64 inputs, 10 classes); larger = bigger updates.
+    #[arg(long, value_delimiter = ',', default_value = "64")]
+    hidden: Vec<usize>,
+    /// Fraction of the fleet the aggregator samples per round; the round target is
+    /// floor(rate × N) (over-selection 1.3 below 1.0, as the engine expects drop-outs).
+    #[arg(long, default_value_t = 1.0)]
+    sampling_rate: f64,
+    #[arg(long, default_value_t = 1)]
+    local_epochs: u32,
+    #[arg(long, default_value_t = 32)]
+    batch_size: u32,
+    /// Pause between two fleet steps (every agent polls the aggregator and registry each step).
+    #[arg(long, default_value_t = 50)]
+    poll_ms: u64,
+    /// Give up on a campaign after this long.
+    #[arg(long, default_value_t = 1800)]
+    timeout_secs: u64,
+    /// The aggregator binary (default: `fedfleet-aggregator` next to this executable's profile
+    /// directory, e.g. target/release/).
+    #[arg(long)]
+    aggregator_bin: Option<PathBuf>,
+    /// Keep each worker's directory (PKI, stores, aggregator log) and print its path.
+    #[arg(long)]
+    keep: bool,
+    /// Internal: run one fleet size and print its result as JSON.
+    #[arg(long, hide = true)]
+    worker: Option<usize>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    match args.worker {
+        Some(n) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let result = rt.block_on(worker(&args, n))?;
+            println!("{RESULT_PREFIX}{result}");
+            Ok(())
+        }
+        None => coordinate(&args),
+    }
+}
+
+// ----- the parent: one worker per fleet size, one table -----
+
+fn coordinate(args: &Args) -> anyhow::Result<()> {
+    if args.agents.is_empty() || args.agents.contains(&0) {
+        bail!("--agents needs fleet sizes >= 1, e.g. --agents 10,100,1000");
+    }
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let aggregator = aggregator_binary(args)?;
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let started = Instant::now();
+    let mut results = Vec::new();
+    for &n in &args.agents {
+        eprintln!("== {n} agents ==");
+        let mut worker = Command::new(&exe);
+        worker.args(std::env::args_os().skip(1)).args(["--worker", &n.to_string()]);
+        if args.aggregator_bin.is_none() {
+            worker.arg("--aggregator-bin").arg(&aggregator);
+        }
+        let out = worker
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("running the worker for {n} agents"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().find_map(|l| l.strip_prefix(RESULT_PREFIX));
+        match (out.status.success(), line) {
+            (true, Some(l)) => results.push(serde_json::from_str::<Value>(l).context("worker result")?),
+            _ => bail!("the worker for {n} agents failed ({}); its output is above", out.status),
+        }
+    }
+    print_table(args, &results, started.elapsed());
+    Ok(())
+}
+
+/// `fedfleet-aggregator` in the profile directory of this example (target/<profile>/), or
+/// `--aggregator-bin`.
+fn aggregator_binary(args: &Args) -> anyhow::Result<PathBuf> {
+    if let Some(p) = &args.aggregator_bin {
+        return if p.is_file() { Ok(p.clone()) } else { bail!("--aggregator-bin {} does not exist", p.display()) };
+    }
+    let exe = std::env::current_exe().context("locating this executable")?;
+    // target/<profile>/examples/bench_rounds -> target/<profile>/fedfleet-aggregator
+    let profile_dir = exe.parent().and_then(Path::parent).context("this executable has no profile directory")?;
+    let bin = profile_dir.join("fedfleet-aggregator");
+    if !bin.is_file() {
+        let flag = if cfg!(debug_assertions) { "" } else { "--release " };
+        bail!(
+            "the aggregator binary is not at {}: build it first with `cargo build {flag}-p fedfleet-aggregator` \
+             (or pass --aggregator-bin PATH)",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn print_table(args: &Args, results: &[Value], wall: Duration) {
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let u = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
+    let spec = spec_of(args);
+    println!();
+    println!(
+        "# bench_rounds: {} ({} parameters, {} B per f32 update), {} round(s) per fleet size, {} profile, {} CPU core(s)",
+        spec_label(&args.hidden),
+        spec.num_params(),
+        u(&results[0], "update_bytes_each"),
+        args.rounds,
+        if cfg!(debug_assertions) { "dev" } else { "release" },
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+    );
+    println!(
+        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split; agents poll every {} ms",
+        args.sampling_rate.min(1.0),
+        args.local_epochs,
+        args.batch_size,
+        args.poll_ms
+    );
+    println!(
+        "{:>6} | {:>6} | {:>10} | {:>13} | {:>10} | {:>13} | {:>9} | {:>7} | {:>12} | {:>14} | {:>12} | {:>15}",
+        "agents",
+        "target",
+        "round wall",
+        "slowest train",
+        "overhead",
+        "close->publish",
+        "updates/s",
+        "MB/s",
+        "agg peak RSS",
+        "agg CPU/update",
+        "agents RSS/N",
+        "above base / N"
+    );
+    println!("{}", "-".repeat(160));
+    for r in results {
+        let n = f(r, "agents");
+        println!(
+            "{:>6} | {:>6} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>12.3} s | {:>9.1} | {:>7.2} | {:>8.1} MiB | {:>11.2} ms | {:>8.0} KiB | {:>11.0} KiB",
+            u(r, "agents"),
+            u(r, "target"),
+            f(r, "round_wall_s"),
+            f(r, "slowest_train_s"),
+            f(r, "overhead_s"),
+            f(r, "close_to_publish_s"),
+            f(r, "updates_per_s"),
+            f(r, "mb_per_s"),
+            f(r, "agg_peak_rss_kib") / 1024.0,
+            f(r, "agg_cpu_ms_per_update"),
+            f(r, "worker_peak_rss_kib") / n,
+            f(r, "agents_rss_above_base_kib") / n,
+        );
+    }
+    println!();
+    println!("Mean over the rounds. overhead = round wall - slowest local training. updates/s, MB/s: accepted updates and");
+    println!("payload bytes over the ingest windows (first upload start -> last receipt). agents RSS/N: the agents' process");
+    println!("peak RSS (agents, in-process registry, runtime) / N; above base: minus its RSS before the agents were opened.");
+    println!("Per round:");
+    println!(
+        "{:>6} | {:>5} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
+        "agents", "round", "accepted", "round wall", "slowest train", "sum train", "overhead", "close->publish", "ingest", "MB"
+    );
+    for r in results {
+        for row in r["rounds"].as_array().into_iter().flatten() {
+            println!(
+                "{:>6} | {:>5} | {:>8} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>8.3} s | {:>12.3} s | {:>7.3} s | {:>9.2}",
+                u(r, "agents"),
+                u(row, "round"),
+                u(row, "accepted"),
+                f(row, "wall_s"),
+                f(row, "slowest_train_s"),
+                f(row, "sum_train_s"),
+                f(row, "wall_s") - f(row, "slowest_train_s"),
+                f(row, "close_to_publish_s"),
+                f(row, "ingest_s"),
+                f(row, "bytes") / 1e6,
+            );
+        }
+    }
+    println!("total benchmark time {:.1} s", wall.as_secs_f64());
+}
+
+fn spec_of(args: &Args) -> ModelSpec {
+    ModelSpec::Mlp { input: vec![64], hidden: args.hidden.clone(), classes: 10 }
+}
+
+fn spec_label(hidden: &[usize]) -> String {
+    let h: Vec<String> = hidden.iter().map(|h| h.to_string()).collect();
+    format!("MLP 64-{}-10", h.join("-"))
+}
+
+// ----- the worker: one fleet size -----
+
+async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
+    let events = Recorder::install();
+    let aggregator_bin = aggregator_binary(args)?;
+    let tmp = tempfile::Builder::new().prefix("fedfleet-bench-rounds-").tempdir()?;
+    let dir = if args.keep { tmp.keep() } else { tmp.path().to_owned() };
+    let spec = spec_of(args);
+    let target = if args.sampling_rate >= 1.0 { n as u32 } else { ((args.sampling_rate * n as f64).floor() as u32).max(1) };
+
+    // PKI and registry (in this process).
+    let setup = Instant::now();
+    let fleet_id = FleetId::new("bench")?;
+    let devices: Vec<DeviceId> = (0..n).map(|i| DeviceId::new(format!("bench-{i:04}"))).collect::<Result<_, _>>()?;
+    let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, &devices)?;
+    let (registry, registry_service) = fedfleet::demo::start_registry(&dir.join("registry"), &pki).await?;
+    let pinned_root = registry.signer().context("the registry has no signer")?.root().clone();
+
+    // The aggregator, as a child process.
+    let agg_dir = dir.join("aggregator");
+    std::fs::create_dir_all(&agg_dir)?;
+    let initial = agg_dir.join("initial.safetensors");
+    let bundle = init_bundle(&spec, 7)?;
+    let update_bytes_each = bundle.encode().len();
+    std::fs::write(&initial, bundle.encode())?;
+    let metrics_addr = free_loopback_port()?;
+    let config = agg_dir.join("aggregator.toml");
+    std::fs::write(&config, aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target))?;
+    let mut agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
+    let receipt_key = fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
+    let setup_s = setup.elapsed().as_secs_f64();
+
+    // The agents.
+    let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
+    let mut options = FleetOptions::new(
+        pki.dir(),
+        fleet_id.clone(),
+        devices.clone(),
+        agg.addr,
+        registry_service.addr,
+        receipt_key,
+        pinned_root,
+        MODEL_NAME,
+        dir.join("agents"),
+    );
+    // Many agents share two cores: a slow answer is load, not an outage.
+    options.call_timeout = Duration::from_secs(120);
+    let mut fleet = RemoteFleet::start(options)?;
+    let online = Instant::now();
+    step_all(&mut fleet).await?;
+    let online_s = online.elapsed().as_secs_f64();
+    eprintln!("  {n} agents enrolled and connected (setup {setup_s:.1} s, first poll of every agent {online_s:.2} s)");
+
+    // Metrics poller, then the campaign (operator CLI).
+    let poller = MetricsPoller::start(metrics_addr);
+    poller.wait_first(Duration::from_secs(30)).await?;
+    let cpu0 = proc_cpu_secs(agg.pid()).unwrap_or(0.0);
+    let (closed0, published0) = (poller.latest().closed, poller.latest().published);
+    campaign_start(&aggregator_bin, &config, agg.addr, args.rounds, target)?;
+
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
+    while poller.latest().published < published0 + args.rounds as u64 {
+        if Instant::now() > deadline {
+            bail!("the campaign did not finish in {} s (see {})", args.timeout_secs, agg_dir.join("aggregator.log").display());
+        }
+        if !agg.running() {
+            bail!("the aggregator exited (see {})", agg_dir.join("aggregator.log").display());
+        }
+        step_all(&mut fleet).await?;
+        tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+    }
+    let cpu_s = proc_cpu_secs(agg.pid()).unwrap_or(f64::NAN) - cpu0;
+    let agg_peak_rss_kib = proc_status_kib(&agg.pid().to_string(), "VmHWM").unwrap_or(0);
+    let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
+    let samples = poller.stop().await;
+    let status = operator_status(&pki, agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
+    agg.stop();
+    registry_service.stop().await;
+
+    // Per-round figures.
+    let ev = events.take();
+    let mut rounds = Vec::new();
+    for r in 1..=args.rounds as u64 {
+        let opened = samples.iter().find(|s| s.open_round == r).context(format!("round {r} was never seen open"))?;
+        let closed = samples.iter().find(|s| s.closed >= closed0 + r).context(format!("round {r} was never closed"))?;
+        let published = samples.iter().find(|s| s.published >= published0 + r).context(format!("round {r} was never published"))?;
+        let trained: Vec<&AgentEvent> = ev.iter().filter(|e| e.round == r && e.train_ms.is_some()).collect();
+        let acked: Vec<&AgentEvent> = ev.iter().filter(|e| e.round == r && e.train_ms.is_none()).collect();
+        let slowest_ms = trained.iter().filter_map(|e| e.train_ms).fold(0.0, f64::max);
+        let sum_ms: f64 = trained.iter().filter_map(|e| e.train_ms).sum();
+        let first_upload = trained.iter().map(|e| e.at).min();
+        let last_receipt = acked.iter().map(|e| e.at).max();
+        let ingest_s = match (first_upload, last_receipt) {
+            (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
+            _ => f64::NAN,
+        };
+        let wall_s = (published.at - opened.at).as_secs_f64();
+        let row = json!({
+            "round": r,
+            "accepted": published.accepted - opened.accepted,
+            "bytes": published.bytes - opened.bytes,
+            "trained": trained.len(),
+            "receipts": acked.len(),
+            "wall_s": wall_s,
+            "close_to_publish_s": (published.at - closed.at).as_secs_f64(),
+            "slowest_train_s": slowest_ms / 1e3,
+            "sum_train_s": sum_ms / 1e3,
+            "ingest_s": ingest_s,
+        });
+        eprintln!("  round {r}: {row}");
+        rounds.push(row);
+    }
+    let mean = |k: &str| rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum::<f64>() / rounds.len() as f64;
+    let total = |k: &str| rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum::<f64>();
+    let accepted = total("accepted");
+    let result = json!({
+        "agents": n,
+        "target": target,
+        "update_bytes_each": update_bytes_each,
+        "setup_s": setup_s,
+        "online_s": online_s,
+        "round_wall_s": mean("wall_s"),
+        "slowest_train_s": mean("slowest_train_s"),
+        "sum_train_s": mean("sum_train_s"),
+        "overhead_s": mean("wall_s") - mean("slowest_train_s"),
+        "close_to_publish_s": mean("close_to_publish_s"),
+        "updates_per_s": accepted / total("ingest_s"),
+        "mb_per_s": total("bytes") / 1e6 / total("ingest_s"),
+        "agg_peak_rss_kib": agg_peak_rss_kib,
+        "agg_cpu_s": cpu_s,
+        "agg_cpu_ms_per_update": cpu_s * 1e3 / accepted,
+        "worker_peak_rss_kib": worker_peak_rss_kib,
+        "worker_base_rss_kib": base_rss_kib,
+        "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
+        "final_status": status,
+        "rounds": rounds,
+    });
+    if args.keep {
+        eprintln!("  kept {}", dir.display());
+    }
+    drop(fleet);
+    Ok(result)
+}
+
+/// Every agent polls the services and runs what it has to (train, upload, ...), each as its
+/// own task, as a fleet of devices would; returns when all are done.
+async fn step_all(fleet: &mut RemoteFleet) -> anyhow::Result<()> {
+    let tasks: Vec<_> = std::mem::take(&mut fleet.agents)
+        .into_iter()
+        .map(|mut agent| {
+            tokio::spawn(async move {
+                let r = async {
+                    agent.poll_control().await?;
+                    agent.drive().await
+                }
+                .await;
+                (agent, r)
+            })
+        })
+        .collect();
+    let mut failure = None;
+    for t in tasks {
+        let (agent, r) = t.await.context("an agent task panicked")?;
+        if let Err(e) = r {
+            failure.get_or_insert(e);
+        }
+        fleet.agents.push(agent);
+    }
+    match failure {
+        Some(e) => Err(anyhow::anyhow!("agent: {e}")),
+        None => Ok(()),
+    }
+}
+
+fn aggregator_toml(args: &Args, pki: &Pki, dir: &Path, initial: &Path, metrics: std::net::SocketAddr, registry: std::net::SocketAddr, target: u32) -> String {
+    let hidden: Vec<String> = args.hidden.iter().map(|h| h.to_string()).collect();
+    let over_selection = if args.sampling_rate >= 1.0 { 1.0 } else { 1.3 };
+    format!(
+        r#"listen = "127.0.0.1:0"
+pki_dir = {pki_dir:?}
+server_name = "aggregator"
+data_dir = {data_dir:?}
+metrics_addr = "{metrics}"
+operators = ["operator"]
+
+[publish]
+registry = "{registry}"
+server_name = "localhost"
+
+[model]
+name = "{MODEL_NAME}"
+spec = {{ arch = "mlp", input = [64], hidden = [{hidden}], classes = 10 }}
+initial = {initial:?}
+
+[campaign]
+rounds = {rounds}
+strategy = "fedavg"
+target = {target}
+quorum = {target}
+deadline_secs = {deadline}
+extension_secs = 0
+sampling_rate = {rate}
+over_selection = {over_selection}
+local_epochs = {epochs}
+batch_size = {batch}
+lr = 0.1
+quantization = "f32"
+max_updates = {max_updates}
+"#,
+        pki_dir = pki.dir().display().to_string(),
+        data_dir = dir.join("data").display().to_string(),
+        hidden = hidden.join(", "),
+        initial = initial.display().to_string(),
+        rounds = args.rounds,
+        deadline = args.timeout_secs,
+        rate = args.sampling_rate.min(1.0),
+        epochs = args.local_epochs,
+        batch = args.batch_size,
+        max_updates = (target as usize).max(256),
+    )
+}
+
+/// A port that was free a moment ago (the aggregator's metrics listener takes it).
+fn free_loopback_port() -> anyhow::Result<std::net::SocketAddr> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?)
+}
+
+/// `fedfleet-aggregator campaign start` with the operator certificate.
+fn campaign_start(bin: &Path, config: &Path, addr: std::net::SocketAddr, rounds: u32, target: u32) -> anyhow::Result<()> {
+    let out = Command::new(bin)
+        .arg("campaign")
+        .arg("start")
+        .arg("--config")
+        .arg(config)
+        .args(["--addr", &addr.to_string(), "--rounds", &rounds.to_string(), "--target", &target.to_string()])
+        .args(["--quorum", &target.to_string(), "--seed", "1"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .context("running `fedfleet-aggregator campaign start`")?;
+    if !out.status.success() {
+        bail!("campaign start failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// The campaign status through the operator client library (for the record).
+async fn operator_status(pki: &Pki, addr: std::net::SocketAddr) -> anyhow::Result<String> {
+    let id = ServerIdentity::load(pki.dir(), "operator")?;
+    let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
+    let client = AggregatorClient::connect(addr, "localhost", tls).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let st = client.campaign(AggRequest::CampaignStatus).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    client.close().await;
+    Ok(format!("campaign {:?}, last outcome {:?}, global {:?}", st.campaign, st.last_outcome, st.global.map(|g| g.0.0)))
+}
+
+// ----- the aggregator process -----
+
+struct AggregatorProcess {
+    child: Child,
+    addr: std::net::SocketAddr,
+}
+
+impl AggregatorProcess {
+    /// Starts `serve` and waits for its "listening on ADDR" line.
+    fn spawn(bin: &Path, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
+        let log_file = std::fs::File::create(log)?;
+        let mut child = Command::new(bin)
+            .arg("serve")
+            .arg("--config")
+            .arg(config)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file))
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdout = child.stdout.take().context("aggregator stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.strip_prefix("listening on ")
+                    && let Ok(addr) = a.trim().parse::<std::net::SocketAddr>()
+                {
+                    let _ = tx.send(addr);
+                }
+            }
+        });
+        let mut process = AggregatorProcess { child, addr: ([127, 0, 0, 1], 0).into() };
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(addr) => process.addr = addr,
+            Err(_) => bail!("the aggregator did not report its address within 60 s (see {})", log.display()),
+        }
+        Ok(process)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for AggregatorProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+// ----- /proc -----
+
+/// A `kB` field of /proc/<pid>/status (`pid` = "self" for this process).
+fn proc_status_kib(pid: &str, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// utime + stime of a process, in seconds (USER_HZ = 100 on Linux).
+fn proc_cpu_secs(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces: fields start after the last ')'.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+// ----- the aggregator's metrics, polled -----
+
+#[derive(Debug, Clone, Copy, Default)]
+struct MetricsSample {
+    at: Option<Instant>,
+    open_round: u64,
+    closed: u64,
+    published: u64,
+    accepted: u64,
+    bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at: Instant,
+    open_round: u64,
+    closed: u64,
+    published: u64,
+    accepted: u64,
+    bytes: u64,
+}
+
+struct MetricsPoller {
+    latest: Arc<Mutex<MetricsSample>>,
+    changes: Arc<Mutex<Vec<Sample>>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MetricsPoller {
+    fn start(addr: std::net::SocketAddr) -> MetricsPoller {
+        let latest = Arc::new(Mutex::new(MetricsSample::default()));
+        let changes = Arc::new(Mutex::new(Vec::new()));
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let (l, c) = (latest.clone(), changes.clone());
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(METRICS_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stopped.changed() => return,
+                    _ = tick.tick() => {}
+                }
+                let Ok(text) = tokio::task::spawn_blocking(move || scrape(addr)).await else { continue };
+                let Ok(text) = text else { continue };
+                let at = Instant::now();
+                let s = parse_metrics(&text);
+                let mut last = l.lock().unwrap_or_else(|p| p.into_inner());
+                let changed = last.at.is_none()
+                    || (last.open_round, last.closed, last.published, last.accepted, last.bytes)
+                        != (s.open_round, s.closed, s.published, s.accepted, s.bytes);
+                *last = MetricsSample { at: Some(at), ..s };
+                if changed {
+                    c.lock().unwrap_or_else(|p| p.into_inner()).push(Sample {
+                        at,
+                        open_round: s.open_round,
+                        closed: s.closed,
+                        published: s.published,
+                        accepted: s.accepted,
+                        bytes: s.bytes,
+                    });
+                }
+            }
+        });
+        MetricsPoller { latest, changes, stop, task }
+    }
+
+    fn latest(&self) -> MetricsSample {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn wait_first(&self, limit: Duration) -> anyhow::Result<()> {
+        let end = Instant::now() + limit;
+        while self.latest().at.is_none() {
+            if Instant::now() > end {
+                bail!("the aggregator's metrics endpoint did not answer within {limit:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    async fn stop(self) -> Vec<Sample> {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+        std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+fn scrape(addr: std::net::SocketAddr) -> std::io::Result<String> {
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut body = String::new();
+    s.read_to_string(&mut body)?;
+    Ok(body)
+}
+
+fn parse_metrics(text: &str) -> MetricsSample {
+    let mut m = MetricsSample::default();
+    for line in text.lines() {
+        let Some((name, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(v) = value.trim().parse::<f64>() else { continue };
+        match name {
+            "fedfleet_aggregator_open_round" => m.open_round = v as u64,
+            "fedfleet_aggregator_rounds_total{event=\"closed\"}" => m.closed = v as u64,
+            "fedfleet_aggregator_rounds_total{event=\"published\"}" => m.published = v as u64,
+            "fedfleet_aggregator_updates_accepted_total" => m.accepted = v as u64,
+            "fedfleet_aggregator_update_bytes_total" => m.bytes = v as u64,
+            _ => {}
+        }
+    }
+    m
+}
+
+// ----- the agents' trace events -----
+
+/// `trained` (with `train_ms`) or `update acknowledged` (no `train_ms`), from any agent.
+#[derive(Debug, Clone)]
+struct AgentEvent {
+    at: Instant,
+    round: u64,
+    train_ms: Option<f64>,
+}
+
+#[derive(Clone, Default)]
+struct Recorder {
+    events: Arc<Mutex<Vec<AgentEvent>>>,
+}
+
+impl Recorder {
+    /// Records the agents' INFO events of interest; WARN and above of everything go to stderr.
+    fn install() -> Recorder {
+        let recorder = Recorder::default();
+        let agent_events = tracing_subscriber::filter::Targets::new().with_target("fedfleet_agent", tracing::Level::INFO);
+        let subscriber = tracing_subscriber::registry()
+            .with(recorder.clone().with_filter(agent_events))
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(tracing_subscriber::filter::LevelFilter::WARN));
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        recorder
+    }
+
+    fn take(&self) -> Vec<AgentEvent> {
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+#[derive(Default)]
+struct Fields {
+    message: String,
+    round: Option<u64>,
+    train_ms: Option<f64>,
+}
+
+impl tracing::field::Visit for Fields {
+    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
+        if field.name() == "train_ms" {
+            self.train_ms = Some(value);
+        }
+    }
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        if field.name() == "round" {
+            self.round = Some(value);
+        }
+    }
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        match field.name() {
+            "message" => self.message = format!("{value:?}"),
+            "round" => self.round = format!("{value:?}").parse().ok(),
+            _ => {}
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Recorder {
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let mut f = Fields::default();
+        event.record(&mut f);
+        let keep = match f.message.as_str() {
+            "trained" => f.train_ms.is_some(),
+            "update acknowledged" => true,
+            _ => false,
+        };
+        if let (true, Some(round)) = (keep, f.round) {
+            let e = AgentEvent { at: Instant::now(), round, train_ms: f.train_ms };
+            self.events.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+        }
+    }
+}
