@@ -49,6 +49,7 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 
 const MODEL_NAME: &str = "digits";
+const FLEET: &str = "bench";
 const RESULT_PREFIX: &str = "BENCH_RESULT ";
 const METRICS_PERIOD: Duration = Duration::from_millis(5);
 
@@ -86,22 +87,27 @@ struct Args {
     /// Keep each worker's directory (PKI, stores, aggregator log) and print its path.
     #[arg(long)]
     keep: bool,
+    /// Skip the measurement of one real `fedfleet-agent` daemon process.
+    #[arg(long)]
+    no_daemon: bool,
     /// Internal: run one fleet size and print its result as JSON.
     #[arg(long, hide = true)]
     worker: Option<usize>,
+    /// Internal: run the daemon measurement with this agent binary.
+    #[arg(long, hide = true)]
+    worker_daemon: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    match args.worker {
-        Some(n) => {
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            let result = rt.block_on(worker(&args, n))?;
-            println!("{RESULT_PREFIX}{result}");
-            Ok(())
-        }
-        None => coordinate(&args),
-    }
+    let rt = || tokio::runtime::Builder::new_multi_thread().enable_all().build();
+    let result = match (args.worker, &args.worker_daemon) {
+        (Some(n), _) => rt()?.block_on(worker(&args, n))?,
+        (None, Some(agent)) => rt()?.block_on(daemon_worker(&args, agent))?,
+        (None, None) => return coordinate(&args),
+    };
+    println!("{RESULT_PREFIX}{result}");
+    Ok(())
 }
 
 // ----- the parent: one worker per fleet size, one table -----
@@ -114,30 +120,45 @@ fn coordinate(args: &Args) -> anyhow::Result<()> {
         bail!("--rounds must be at least 1");
     }
     let aggregator = aggregator_binary(args)?;
-    let exe = std::env::current_exe().context("locating this executable")?;
     let started = Instant::now();
     let mut results = Vec::new();
     for &n in &args.agents {
         eprintln!("== {n} agents ==");
-        let mut worker = Command::new(&exe);
-        worker.args(std::env::args_os().skip(1)).args(["--worker", &n.to_string()]);
-        if args.aggregator_bin.is_none() {
-            worker.arg("--aggregator-bin").arg(&aggregator);
-        }
-        let out = worker
-            .stdin(Stdio::null())
-            .stderr(Stdio::inherit())
-            .output()
-            .with_context(|| format!("running the worker for {n} agents"))?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let line = stdout.lines().find_map(|l| l.strip_prefix(RESULT_PREFIX));
-        match (out.status.success(), line) {
-            (true, Some(l)) => results.push(serde_json::from_str::<Value>(l).context("worker result")?),
-            _ => bail!("the worker for {n} agents failed ({}); its output is above", out.status),
+        results.push(run_worker(args, &aggregator, &["--worker".into(), n.to_string()])?);
+    }
+    let mut daemon = None;
+    if !args.no_daemon {
+        let agent = aggregator.with_file_name("fedfleet-agent");
+        if agent.is_file() {
+            eprintln!("== one fedfleet-agent daemon ==");
+            daemon = Some(run_worker(args, &aggregator, &["--worker-daemon".into(), agent.display().to_string()])?);
+        } else {
+            let flag = if cfg!(debug_assertions) { "" } else { "--release " };
+            eprintln!("(no {}: build it with `cargo build {flag}-p fedfleet-agent` to measure one daemon's peak RSS)", agent.display());
         }
     }
-    print_table(args, &results, started.elapsed());
+    print_table(args, &results, daemon.as_ref(), started.elapsed());
     Ok(())
+}
+
+/// Runs this program again with `extra` arguments and returns the JSON it reports.
+fn run_worker(args: &Args, aggregator: &Path, extra: &[String]) -> anyhow::Result<Value> {
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let mut worker = Command::new(&exe);
+    worker.args(std::env::args_os().skip(1)).args(extra);
+    if args.aggregator_bin.is_none() {
+        worker.arg("--aggregator-bin").arg(aggregator);
+    }
+    let out = worker
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {} {}", exe.display(), extra.join(" ")))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match (out.status.success(), stdout.lines().find_map(|l| l.strip_prefix(RESULT_PREFIX))) {
+        (true, Some(l)) => Ok(serde_json::from_str::<Value>(l).context("worker result")?),
+        _ => bail!("the worker ({}) failed ({}); its output is above", extra.join(" "), out.status),
+    }
 }
 
 /// `fedfleet-aggregator` in the profile directory of this example (target/<profile>/), or
@@ -161,7 +182,7 @@ fn aggregator_binary(args: &Args) -> anyhow::Result<PathBuf> {
     Ok(bin)
 }
 
-fn print_table(args: &Args, results: &[Value], wall: Duration) {
+fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Duration) {
     let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     let u = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
     let spec = spec_of(args);
@@ -183,7 +204,7 @@ fn print_table(args: &Args, results: &[Value], wall: Duration) {
         args.poll_ms
     );
     println!(
-        "{:>6} | {:>6} | {:>10} | {:>13} | {:>10} | {:>13} | {:>9} | {:>7} | {:>12} | {:>14} | {:>12} | {:>15}",
+        "{:>6} | {:>6} | {:>10} | {:>13} | {:>10} | {:>14} | {:>9} | {:>7} | {:>12} | {:>14} | {:>17} | {:>12} | {:>14}",
         "agents",
         "target",
         "round wall",
@@ -194,14 +215,15 @@ fn print_table(args: &Args, results: &[Value], wall: Duration) {
         "MB/s",
         "agg peak RSS",
         "agg CPU/update",
+        "agents CPU/update",
         "agents RSS/N",
         "above base / N"
     );
-    println!("{}", "-".repeat(160));
+    println!("{}", "-".repeat(180));
     for r in results {
         let n = f(r, "agents");
         println!(
-            "{:>6} | {:>6} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>12.3} s | {:>9.1} | {:>7.2} | {:>8.1} MiB | {:>11.2} ms | {:>8.0} KiB | {:>11.0} KiB",
+            "{:>6} | {:>6} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>12.3} s | {:>9.1} | {:>7.2} | {:>8.1} MiB | {:>11.2} ms | {:>14.2} ms | {:>8.0} KiB | {:>10.0} KiB",
             u(r, "agents"),
             u(r, "target"),
             f(r, "round_wall_s"),
@@ -212,6 +234,7 @@ fn print_table(args: &Args, results: &[Value], wall: Duration) {
             f(r, "mb_per_s"),
             f(r, "agg_peak_rss_kib") / 1024.0,
             f(r, "agg_cpu_ms_per_update"),
+            f(r, "agents_cpu_ms_per_update"),
             f(r, "worker_peak_rss_kib") / n,
             f(r, "agents_rss_above_base_kib") / n,
         );
@@ -220,6 +243,7 @@ fn print_table(args: &Args, results: &[Value], wall: Duration) {
     println!("Mean over the rounds. overhead = round wall - slowest local training. updates/s, MB/s: accepted updates and");
     println!("payload bytes over the ingest windows (first upload start -> last receipt). agents RSS/N: the agents' process");
     println!("peak RSS (agents, in-process registry, runtime) / N; above base: minus its RSS before the agents were opened.");
+    println!("CPU/update: the process's user+system CPU time over the campaign / accepted updates.");
     println!("Per round:");
     println!(
         "{:>6} | {:>5} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
@@ -242,6 +266,16 @@ fn print_table(args: &Args, results: &[Value], wall: Duration) {
             );
         }
     }
+    if let Some(d) = daemon {
+        println!(
+            "one fedfleet-agent daemon process (the only device, digits share 1/10, polling every {} ms): peak RSS {:.1} MiB; round wall {:.3} s",
+            args.poll_ms,
+            f(d, "daemon_peak_rss_kib") / 1024.0,
+            f(d, "round_wall_s")
+        );
+    }
+    let loads: Vec<&str> = results.iter().filter_map(|r| r["loadavg"].as_str()).collect();
+    println!("load average at the end of each fleet size: {}", loads.join(" | "));
     println!("total benchmark time {:.1} s", wall.as_secs_f64());
 }
 
@@ -256,90 +290,116 @@ fn spec_label(hidden: &[usize]) -> String {
 
 // ----- the worker: one fleet size -----
 
-async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
-    let events = Recorder::install();
+/// PKI, registry (in this process) and the aggregator process for one measurement.
+struct Services {
+    dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    pki: Pki,
+    registry_service: fedfleet::demo::Running,
+    pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+    agg: AggregatorProcess,
+    agg_dir: PathBuf,
+    config: PathBuf,
+    aggregator_bin: PathBuf,
+    metrics_addr: std::net::SocketAddr,
+    receipt_key: ed25519_dalek::VerifyingKey,
+    update_bytes_each: usize,
+    setup_s: f64,
+}
+
+async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyhow::Result<Services> {
     let aggregator_bin = aggregator_binary(args)?;
     let tmp = tempfile::Builder::new().prefix("fedfleet-bench-rounds-").tempdir()?;
-    let dir = if args.keep { tmp.keep() } else { tmp.path().to_owned() };
+    let (dir, tmp) = if args.keep { (tmp.keep(), None) } else { (tmp.path().to_owned(), Some(tmp)) };
     let spec = spec_of(args);
-    let target = if args.sampling_rate >= 1.0 { n as u32 } else { ((args.sampling_rate * n as f64).floor() as u32).max(1) };
-
-    // PKI and registry (in this process).
     let setup = Instant::now();
-    let fleet_id = FleetId::new("bench")?;
-    let devices: Vec<DeviceId> = (0..n).map(|i| DeviceId::new(format!("bench-{i:04}"))).collect::<Result<_, _>>()?;
-    let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, &devices)?;
+    let fleet_id = FleetId::new(FLEET)?;
+    let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices)?;
     let (registry, registry_service) = fedfleet::demo::start_registry(&dir.join("registry"), &pki).await?;
     let pinned_root = registry.signer().context("the registry has no signer")?.root().clone();
 
-    // The aggregator, as a child process.
     let agg_dir = dir.join("aggregator");
     std::fs::create_dir_all(&agg_dir)?;
     let initial = agg_dir.join("initial.safetensors");
-    let bundle = init_bundle(&spec, 7)?;
-    let update_bytes_each = bundle.encode().len();
-    std::fs::write(&initial, bundle.encode())?;
+    let bundle = init_bundle(&spec, 7)?.encode();
+    std::fs::write(&initial, &bundle)?;
     let metrics_addr = free_loopback_port()?;
     let config = agg_dir.join("aggregator.toml");
     std::fs::write(&config, aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target))?;
-    let mut agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
+    let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
     let receipt_key = fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
-    let setup_s = setup.elapsed().as_secs_f64();
-
-    // The agents.
-    let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
-    let mut options = FleetOptions::new(
-        pki.dir(),
-        fleet_id.clone(),
-        devices.clone(),
-        agg.addr,
-        registry_service.addr,
-        receipt_key,
+    Ok(Services {
+        dir,
+        _tmp: tmp,
+        pki,
+        registry_service,
         pinned_root,
-        MODEL_NAME,
-        dir.join("agents"),
-    );
-    // Many agents share two cores: a slow answer is load, not an outage.
-    options.call_timeout = Duration::from_secs(120);
-    let mut fleet = RemoteFleet::start(options)?;
-    let online = Instant::now();
-    step_all(&mut fleet).await?;
-    let online_s = online.elapsed().as_secs_f64();
-    eprintln!("  {n} agents enrolled and connected (setup {setup_s:.1} s, first poll of every agent {online_s:.2} s)");
+        agg,
+        agg_dir,
+        config,
+        aggregator_bin,
+        metrics_addr,
+        receipt_key,
+        update_bytes_each: bundle.len(),
+        setup_s: setup.elapsed().as_secs_f64(),
+    })
+}
 
-    // Metrics poller, then the campaign (operator CLI).
-    let poller = MetricsPoller::start(metrics_addr);
+/// What the aggregator side saw of one campaign.
+struct CampaignRecord {
+    samples: Vec<Sample>,
+    closed0: u64,
+    published0: u64,
+    agg_cpu_s: f64,
+    agg_peak_rss_kib: u64,
+    /// This process's CPU time over the campaign.
+    own_cpu_s: f64,
+    status: String,
+    loadavg: String,
+}
+
+/// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
+/// (if any) every `--poll-ms`; stops the aggregator and the registry.
+async fn run_campaign(args: &Args, sv: &mut Services, target: u32, mut fleet: Option<&mut RemoteFleet>, mut watch: impl FnMut()) -> anyhow::Result<CampaignRecord> {
+    let poller = MetricsPoller::start(sv.metrics_addr);
     poller.wait_first(Duration::from_secs(30)).await?;
-    let cpu0 = proc_cpu_secs(agg.pid()).unwrap_or(0.0);
+    let log = sv.agg_dir.join("aggregator.log");
+    let agg_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
+    let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
-    campaign_start(&aggregator_bin, &config, agg.addr, args.rounds, target)?;
-
+    campaign_start(&sv.aggregator_bin, &sv.config, sv.agg.addr, args.rounds, target)?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
         if Instant::now() > deadline {
-            bail!("the campaign did not finish in {} s (see {})", args.timeout_secs, agg_dir.join("aggregator.log").display());
+            bail!("the campaign did not finish in {} s (see {})", args.timeout_secs, log.display());
         }
-        if !agg.running() {
-            bail!("the aggregator exited (see {})", agg_dir.join("aggregator.log").display());
+        if !sv.agg.running() {
+            bail!("the aggregator exited (see {})", log.display());
         }
-        step_all(&mut fleet).await?;
+        if let Some(f) = fleet.as_deref_mut() {
+            step_all(f).await?;
+        }
+        watch();
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
     }
-    let cpu_s = proc_cpu_secs(agg.pid()).unwrap_or(f64::NAN) - cpu0;
-    let agg_peak_rss_kib = proc_status_kib(&agg.pid().to_string(), "VmHWM").unwrap_or(0);
-    let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
+    let agg_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
+    let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
+    let agg_peak_rss_kib = proc_status_kib(&sv.agg.pid().to_string(), "VmHWM").unwrap_or(0);
+    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let samples = poller.stop().await;
-    let status = operator_status(&pki, agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
-    agg.stop();
-    registry_service.stop().await;
+    let status = operator_status(&sv.pki, sv.agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
+    sv.agg.stop();
+    Ok(CampaignRecord { samples, closed0, published0, agg_cpu_s, agg_peak_rss_kib, own_cpu_s, status, loadavg })
+}
 
-    // Per-round figures.
-    let ev = events.take();
+/// Per-round figures from the aggregator's metrics and the agents' events.
+fn rounds_of(args: &Args, rec: &CampaignRecord, ev: &[AgentEvent]) -> anyhow::Result<Vec<Value>> {
     let mut rounds = Vec::new();
     for r in 1..=args.rounds as u64 {
-        let opened = samples.iter().find(|s| s.open_round == r).context(format!("round {r} was never seen open"))?;
-        let closed = samples.iter().find(|s| s.closed >= closed0 + r).context(format!("round {r} was never closed"))?;
-        let published = samples.iter().find(|s| s.published >= published0 + r).context(format!("round {r} was never published"))?;
+        let s = &rec.samples;
+        let opened = s.iter().find(|s| s.open_round == r).with_context(|| format!("round {r} was never seen open"))?;
+        let closed = s.iter().find(|s| s.closed >= rec.closed0 + r).with_context(|| format!("round {r} was never closed"))?;
+        let published = s.iter().find(|s| s.published >= rec.published0 + r).with_context(|| format!("round {r} was never published"))?;
         let trained: Vec<&AgentEvent> = ev.iter().filter(|e| e.round == r && e.train_ms.is_some()).collect();
         let acked: Vec<&AgentEvent> = ev.iter().filter(|e| e.round == r && e.train_ms.is_none()).collect();
         let slowest_ms = trained.iter().filter_map(|e| e.train_ms).fold(0.0, f64::max);
@@ -350,14 +410,13 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
             (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
             _ => f64::NAN,
         };
-        let wall_s = (published.at - opened.at).as_secs_f64();
         let row = json!({
             "round": r,
             "accepted": published.accepted - opened.accepted,
             "bytes": published.bytes - opened.bytes,
             "trained": trained.len(),
             "receipts": acked.len(),
-            "wall_s": wall_s,
+            "wall_s": (published.at - opened.at).as_secs_f64(),
             "close_to_publish_s": (published.at - closed.at).as_secs_f64(),
             "slowest_train_s": slowest_ms / 1e3,
             "sum_train_s": sum_ms / 1e3,
@@ -366,36 +425,172 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         eprintln!("  round {r}: {row}");
         rounds.push(row);
     }
-    let mean = |k: &str| rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum::<f64>() / rounds.len() as f64;
-    let total = |k: &str| rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum::<f64>();
-    let accepted = total("accepted");
+    Ok(rounds)
+}
+
+fn mean(rounds: &[Value], k: &str) -> f64 {
+    total(rounds, k) / rounds.len() as f64
+}
+
+fn total(rounds: &[Value], k: &str) -> f64 {
+    rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum()
+}
+
+async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
+    let events = Recorder::install();
+    let target = if args.sampling_rate >= 1.0 { n as u32 } else { ((args.sampling_rate * n as f64).floor() as u32).max(1) };
+    let devices: Vec<DeviceId> = (0..n).map(|i| DeviceId::new(format!("bench-{i:04}"))).collect::<Result<_, _>>()?;
+    let mut sv = start_services(args, &devices, target).await?;
+
+    // The agents; they connect (one step) before the campaign starts.
+    let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
+    let mut options = FleetOptions::new(
+        sv.pki.dir(),
+        FleetId::new(FLEET)?,
+        devices,
+        sv.agg.addr,
+        sv.registry_service.addr,
+        sv.receipt_key,
+        sv.pinned_root.clone(),
+        MODEL_NAME,
+        sv.dir.join("agents"),
+    );
+    // Many agents share two cores: a slow answer is load, not an outage.
+    options.call_timeout = Duration::from_secs(120);
+    let mut fleet = RemoteFleet::start(options)?;
+    let online = Instant::now();
+    step_all(&mut fleet).await?;
+    let online_s = online.elapsed().as_secs_f64();
+    eprintln!("  {n} agents enrolled and connected (setup {:.1} s, first poll of every agent {online_s:.2} s)", sv.setup_s);
+
+    let rec = run_campaign(args, &mut sv, target, Some(&mut fleet), || {}).await?;
+    let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
+    let rounds = rounds_of(args, &rec, &events.take())?;
+    let accepted = total(&rounds, "accepted");
     let result = json!({
         "agents": n,
         "target": target,
-        "update_bytes_each": update_bytes_each,
-        "setup_s": setup_s,
+        "update_bytes_each": sv.update_bytes_each,
+        "setup_s": sv.setup_s,
         "online_s": online_s,
-        "round_wall_s": mean("wall_s"),
-        "slowest_train_s": mean("slowest_train_s"),
-        "sum_train_s": mean("sum_train_s"),
-        "overhead_s": mean("wall_s") - mean("slowest_train_s"),
-        "close_to_publish_s": mean("close_to_publish_s"),
-        "updates_per_s": accepted / total("ingest_s"),
-        "mb_per_s": total("bytes") / 1e6 / total("ingest_s"),
-        "agg_peak_rss_kib": agg_peak_rss_kib,
-        "agg_cpu_s": cpu_s,
-        "agg_cpu_ms_per_update": cpu_s * 1e3 / accepted,
+        "round_wall_s": mean(&rounds, "wall_s"),
+        "slowest_train_s": mean(&rounds, "slowest_train_s"),
+        "sum_train_s": mean(&rounds, "sum_train_s"),
+        "overhead_s": mean(&rounds, "wall_s") - mean(&rounds, "slowest_train_s"),
+        "close_to_publish_s": mean(&rounds, "close_to_publish_s"),
+        "updates_per_s": accepted / total(&rounds, "ingest_s"),
+        "mb_per_s": total(&rounds, "bytes") / 1e6 / total(&rounds, "ingest_s"),
+        "agg_peak_rss_kib": rec.agg_peak_rss_kib,
+        "agg_cpu_s": rec.agg_cpu_s,
+        "agg_cpu_ms_per_update": rec.agg_cpu_s * 1e3 / accepted,
+        "agents_cpu_ms_per_update": rec.own_cpu_s * 1e3 / accepted,
         "worker_peak_rss_kib": worker_peak_rss_kib,
         "worker_base_rss_kib": base_rss_kib,
         "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
-        "final_status": status,
+        "final_status": rec.status,
+        "loadavg": rec.loadavg,
         "rounds": rounds,
     });
-    if args.keep {
-        eprintln!("  kept {}", dir.display());
-    }
     drop(fleet);
+    sv.registry_service.stop().await;
+    if args.keep {
+        eprintln!("  kept {}", sv.dir.display());
+    }
     Ok(result)
+}
+
+/// One real `fedfleet-agent run` daemon (its own process) as the only device of a campaign:
+/// its peak RSS, and the round wall time with it.
+async fn daemon_worker(args: &Args, agent_bin: &Path) -> anyhow::Result<Value> {
+    let device = DeviceId::new("bench-daemon")?;
+    let mut sv = start_services(args, std::slice::from_ref(&device), 1).await?;
+    let state = sv.dir.join("daemon");
+    std::fs::create_dir_all(&state)?;
+    let (cert, key) = fedfleet_certs::layout::device_paths(sv.pki.dir(), &device);
+    let config = state.join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"fleet = "{FLEET}"
+state_dir = {state:?}
+poll_interval_ms = {poll}
+
+[identity]
+cert = {cert:?}
+key = {key:?}
+ca = {ca:?}
+registry_root = {root:?}
+
+[data]
+digits_partition = {{ clients = 10, index = 0, seed = 1 }}
+
+[participation]
+require_idle = false
+
+[aggregator]
+addr = "{agg}"
+server_name = "localhost"
+receipt_key = {receipt:?}
+
+[registry]
+addr = "{reg}"
+server_name = "localhost"
+model = "{MODEL_NAME}"
+"#,
+            state = state.display().to_string(),
+            poll = args.poll_ms,
+            cert = cert.display().to_string(),
+            key = key.display().to_string(),
+            ca = fedfleet_certs::layout::ca_cert(sv.pki.dir()).display().to_string(),
+            root = sv.dir.join("registry").join("root.json").display().to_string(),
+            agg = sv.agg.addr,
+            receipt = sv.agg_dir.join("data").join("receipt.pub").display().to_string(),
+            reg = sv.registry_service.addr,
+        ),
+    )?;
+    let log = state.join("agent.log");
+    let mut daemon = ChildGuard(
+        Command::new(agent_bin)
+            .args(["run", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(std::fs::File::create(state.join("agent.out"))?))
+            .stderr(Stdio::from(std::fs::File::create(&log)?))
+            .spawn()
+            .with_context(|| format!("starting {}", agent_bin.display()))?,
+    );
+    let pid = daemon.0.id().to_string();
+    let mut peak = 0u64;
+    let mut exited = false;
+    let rec = run_campaign(args, &mut sv, 1, None, || {
+        exited |= !matches!(daemon.0.try_wait(), Ok(None));
+        peak = peak.max(proc_status_kib(&pid, "VmHWM").unwrap_or(0));
+    })
+    .await;
+    let daemon_hwm = proc_status_kib(&pid, "VmHWM").unwrap_or(0).max(peak);
+    if exited {
+        bail!("the fedfleet-agent daemon exited early (see {})", log.display());
+    }
+    let rec = rec.with_context(|| format!("daemon campaign (daemon log: {})", log.display()))?;
+    drop(daemon);
+    sv.registry_service.stop().await;
+    let rounds = rounds_of(args, &rec, &[])?;
+    Ok(json!({
+        "daemon_peak_rss_kib": daemon_hwm,
+        "round_wall_s": mean(&rounds, "wall_s"),
+        "agg_peak_rss_kib": rec.agg_peak_rss_kib,
+        "rounds": rounds,
+    }))
+}
+
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Every agent polls the services and runs what it has to (train, upload, ...), each as its
@@ -580,7 +775,7 @@ fn proc_status_kib(pid: &str, field: &str) -> Option<u64> {
 }
 
 /// utime + stime of a process, in seconds (USER_HZ = 100 on Linux).
-fn proc_cpu_secs(pid: u32) -> Option<f64> {
+fn proc_cpu_secs(pid: String) -> Option<f64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces: fields start after the last ')'.
     let rest = &s[s.rfind(')')? + 2..];
