@@ -84,6 +84,10 @@ struct Args {
     /// directory, e.g. target/release/).
     #[arg(long)]
     aggregator_bin: Option<PathBuf>,
+    /// Where the work directories go (default: the system temp dir). The aggregator fsyncs every
+    /// accepted update: a tmpfs such as /dev/shm shows what the disk's sync latency costs.
+    #[arg(long)]
+    workdir: Option<PathBuf>,
     /// Keep each worker's directory (PKI, stores, aggregator log) and print its path.
     #[arg(long)]
     keep: bool,
@@ -309,7 +313,11 @@ struct Services {
 
 async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyhow::Result<Services> {
     let aggregator_bin = aggregator_binary(args)?;
-    let tmp = tempfile::Builder::new().prefix("fedfleet-bench-rounds-").tempdir()?;
+    let builder = tempfile::Builder::new().prefix("fedfleet-bench-rounds-").to_owned();
+    let tmp = match &args.workdir {
+        Some(w) => builder.tempdir_in(w).with_context(|| format!("--workdir {}", w.display()))?,
+        None => builder.tempdir()?,
+    };
     let (dir, tmp) = if args.keep { (tmp.keep(), None) } else { (tmp.path().to_owned(), Some(tmp)) };
     let spec = spec_of(args);
     let setup = Instant::now();
