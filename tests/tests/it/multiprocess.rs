@@ -1,0 +1,613 @@
+//! Issue 8 item 3: the real binaries as child processes on 127.0.0.1 — `fedfleet-certs` for the
+//! PKI, `fedfleet-registry serve`, `fedfleet-aggregator serve` publishing into it, and agent
+//! daemons (`fedfleet-agent run`, each on its own digits partition) — driven through the
+//! operator CLIs:
+//!
+//! * [`campaign_and_rollout_reach_every_agent`]: a 3-round campaign publishes chained versions
+//!   into the registry, a rollout installs the last one on every agent, and the model the agents
+//!   run classifies the digits test split.
+//! * [`services_killed_with_sigkill_recover`]: SIGKILL of the aggregator mid-round, of an agent
+//!   while it trains or uploads, and of the registry during the rollout; every service restarts
+//!   from its config and data, every update is counted exactly once and the agents converge.
+//! * [`revoked_device_is_locked_out_mid_campaign`]: `fedfleet-certs revoke` during a round; the
+//!   device's later uploads are refused (`revoked` in the aggregator's metrics) and the campaign
+//!   completes with the others.
+//!
+//! The binaries are taken from `target/<profile>/` (`cargo build --workspace --bins`). Each
+//! child's output goes to `<tempdir>/logs/<name>.log`; a failing test prints their tails.
+//! Devices are gated through their conditions file (`[participation] status_file`, `idle`), so a
+//! test decides who trains when.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fedfleet_learning::{Dataset, ModelSpec};
+use fedfleet_protocol::{BundleLimits, DeviceState, DeviceStatus, Digest, RoundId, TensorBundle};
+
+use crate::procs::{Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, sample, scrape, wait_for};
+
+const MODEL: &str = "digits";
+const FLEET: &str = "fleet-mp";
+const AGENTS: usize = 4;
+/// Generous bounds: the tests fail instead of hanging, also on a loaded 2-core machine.
+const CAMPAIGN_TIMEOUT: Duration = Duration::from_secs(150);
+const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One of these tests at a time: each runs two services and four agent processes.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `[campaign]` of the aggregator's config (the defaults of `campaign start`).
+struct Plan {
+    rounds: u32,
+    target: u32,
+    quorum: u32,
+    deadline_secs: u64,
+    extension_secs: u64,
+}
+
+/// A fleet in a temporary directory: PKI, configs, and the running children.
+struct Fleet {
+    root: PathBuf,
+    devices: Vec<String>,
+    rounds: u32,
+    agg_addr: SocketAddr,
+    reg_metrics: SocketAddr,
+    agg_metrics: SocketAddr,
+    agents: Vec<Option<Proc>>,
+    aggregator: Option<Proc>,
+    registry: Option<Proc>,
+    /// Dropped last: the children are gone before their directory is.
+    _dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    /// Writes the PKI (through `fedfleet-certs`), the registry keys, the aggregator's initial
+    /// model and every config. Starts nothing; every device starts idle.
+    fn new(test: &str, plan: Plan) -> Fleet {
+        let dir = tempfile::Builder::new().prefix(&format!("{test}-")).tempdir().expect("temp dir");
+        let root = dir.path().to_owned();
+        eprintln!("{test}: working directory {}", root.display());
+        for d in ["logs", "conditions", "agents"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        let devices: Vec<String> = (0..AGENTS).map(|i| format!("edge-{i:02}")).collect();
+
+        cli("fedfleet-certs", &["--dir", "pki", "init", "--fleet", FLEET], &root);
+        for name in ["registry", "aggregator", "operator"] {
+            cli("fedfleet-certs", &["--dir", "pki", "issue-server", "--name", name], &root);
+        }
+        for d in &devices {
+            cli("fedfleet-certs", &["--dir", "pki", "enroll-device", "--id", d], &root);
+        }
+
+        let (reg_port, agg_port) = (free_udp_port(), free_udp_port());
+        let reg_metrics: SocketAddr = ([127, 0, 0, 1], free_tcp_port()).into();
+        let agg_metrics: SocketAddr = ([127, 0, 0, 1], free_tcp_port()).into();
+        let r = root.display();
+        std::fs::write(
+            root.join("registry.toml"),
+            format!(
+                "listen = \"127.0.0.1:{reg_port}\"\ndata_dir = \"{r}/registry\"\npki_dir = \"{r}/pki\"\n\
+                 metrics = \"{reg_metrics}\"\noperators = [\"operator\", \"aggregator\"]\n"
+            ),
+        )
+        .unwrap();
+        cli("fedfleet-registry", &["--config", "registry.toml", "init-keys"], &root);
+
+        let Plan { rounds, target, quorum, deadline_secs, extension_secs } = plan;
+        std::fs::write(
+            root.join("aggregator.toml"),
+            format!(
+                "listen = \"127.0.0.1:{agg_port}\"\npki_dir = \"{r}/pki\"\nserver_name = \"aggregator\"\n\
+                 data_dir = \"{r}/aggregator\"\nmetrics_addr = \"{agg_metrics}\"\noperators = [\"operator\"]\n\
+                 [publish]\nregistry = \"127.0.0.1:{reg_port}\"\nserver_name = \"localhost\"\n\
+                 [model]\nname = \"{MODEL}\"\nspec = {{ arch = \"mlp\", input = [64], hidden = [64], classes = 10 }}\n\
+                 initial = \"{r}/initial.safetensors\"\nvalidation = \"digits\"\n\
+                 [campaign]\nrounds = {rounds}\ntarget = {target}\nquorum = {quorum}\ndeadline_secs = {deadline_secs}\n\
+                 extension_secs = {extension_secs}\nlocal_epochs = 5\nbatch_size = 32\nlr = 0.3\n"
+            ),
+        )
+        .unwrap();
+        cli("fedfleet-aggregator", &["init-model", "--config", "aggregator.toml", "--seed", "7"], &root);
+
+        for (i, d) in devices.iter().enumerate() {
+            let state = root.join("agents").join(d);
+            let pki = root.join("pki");
+            cli(
+                "fedfleet-agent",
+                &[
+                    "enroll",
+                    "--cert",
+                    &pki.join(format!("devices/{d}.crt")).display().to_string(),
+                    "--key",
+                    &pki.join(format!("devices/{d}.key")).display().to_string(),
+                    "--ca",
+                    &pki.join("ca.crt").display().to_string(),
+                    "--root",
+                    &root.join("registry/root.json").display().to_string(),
+                    "--state-dir",
+                    &state.display().to_string(),
+                ],
+                &root,
+            );
+            // Latency bound far above anything a loaded CI machine shows: the health check
+            // must judge the model, not the machine.
+            std::fs::write(
+                root.join("agents").join(format!("{d}.toml")),
+                format!(
+                    "fleet = \"{FLEET}\"\nstate_dir = \"{}\"\npoll_interval_ms = 200\n\
+                     [data]\ndigits_partition = {{ clients = {AGENTS}, index = {i}, seed = 1 }}\n\
+                     [participation]\nrequire_idle = true\nstatus_file = \"{r}/conditions/{d}.json\"\n\
+                     [health]\nmax_latency_ms = 10000.0\n[backoff]\nbase_ms = 200\nmax_ms = 1000\n\
+                     [aggregator]\naddr = \"127.0.0.1:{agg_port}\"\nserver_name = \"localhost\"\n\
+                     receipt_key = \"{r}/aggregator/receipt.pub\"\n\
+                     [registry]\naddr = \"127.0.0.1:{reg_port}\"\nserver_name = \"localhost\"\nmodel = \"{MODEL}\"\n",
+                    state.display()
+                ),
+            )
+            .unwrap();
+        }
+        let fleet = Fleet {
+            root,
+            devices,
+            rounds,
+            agg_addr: ([127, 0, 0, 1], agg_port).into(),
+            reg_metrics,
+            agg_metrics,
+            agents: (0..AGENTS).map(|_| None).collect(),
+            aggregator: None,
+            registry: None,
+            _dir: dir,
+        };
+        for i in 0..AGENTS {
+            fleet.set_idle(i, true);
+        }
+        fleet
+    }
+
+    fn log(&self, name: &str) -> PathBuf {
+        self.root.join("logs").join(format!("{name}.log"))
+    }
+
+    /// Starts `fedfleet-registry serve` and waits until it serves (its metrics endpoint is bound
+    /// after the QUIC endpoint).
+    fn start_registry(&mut self) {
+        let p = Proc::spawn("registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &self.root, &self.log("registry"));
+        let addr = self.reg_metrics;
+        self.registry = Some(p);
+        let reg = self.registry.as_mut().unwrap();
+        wait_for("the registry to serve", STEP_TIMEOUT, || {
+            reg.assert_running();
+            scrape(addr)
+        });
+    }
+
+    /// Starts `fedfleet-aggregator serve` (it also creates `receipt.pub` the agents pin) and
+    /// waits until it serves.
+    fn start_aggregator(&mut self) {
+        let p = Proc::spawn(
+            "aggregator",
+            "fedfleet-aggregator",
+            &["serve", "--config", "aggregator.toml"],
+            &self.root,
+            &self.log("aggregator"),
+        );
+        let addr = self.agg_metrics;
+        self.aggregator = Some(p);
+        let agg = self.aggregator.as_mut().unwrap();
+        wait_for("the aggregator to serve", STEP_TIMEOUT, || {
+            agg.assert_running();
+            scrape(addr)
+        });
+    }
+
+    fn agent_config(&self, i: usize) -> String {
+        self.root.join("agents").join(format!("{}.toml", self.devices[i])).display().to_string()
+    }
+
+    /// Points agent `i` at `addr` (e.g. a [`Relay`]) instead of the aggregator; before it starts.
+    fn route_agent_to_aggregator_via(&self, i: usize, addr: SocketAddr) {
+        let path = self.agent_config(i);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let from = format!("[aggregator]\naddr = \"{}\"", self.agg_addr);
+        assert!(text.contains(&from), "{text}");
+        std::fs::write(&path, text.replace(&from, &format!("[aggregator]\naddr = \"{addr}\""))).unwrap();
+    }
+
+    fn start_agent(&mut self, i: usize) {
+        let name = self.devices[i].clone();
+        let config = self.agent_config(i);
+        self.agents[i] = Some(Proc::spawn(&name, "fedfleet-agent", &["run", "--config", &config], &self.root, &self.log(&name)));
+    }
+
+    /// Writes device `i`'s conditions file (read at each of its polls): only an idle device
+    /// joins a round.
+    fn set_idle(&self, i: usize, idle: bool) {
+        let path = self.root.join("conditions").join(format!("{}.json", self.devices[i]));
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, format!("{{\"idle\":{idle},\"charging\":true,\"fresh_samples\":1000}}")).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+
+    /// The agent's last status report (`status.json`), if it wrote one.
+    fn status_file(&self, i: usize) -> Option<DeviceStatus> {
+        let text = std::fs::read_to_string(self.root.join("agents").join(&self.devices[i]).join("status.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// `fedfleet-agent status`.
+    fn status_cli(&self, i: usize) -> DeviceStatus {
+        let out = cli("fedfleet-agent", &["status", "--config", &self.agent_config(i)], &self.root);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("`fedfleet-agent status` of {}: {e}: {out}", self.devices[i]))
+    }
+
+    fn aggregator_metrics(&self) -> String {
+        wait_for("the aggregator's metrics", STEP_TIMEOUT, || scrape(self.agg_metrics))
+    }
+
+    fn aggregator_cli(&self, args: &[&str]) -> String {
+        let mut all = vec!["campaign"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--config", "aggregator.toml"]);
+        cli("fedfleet-aggregator", &all, &self.root)
+    }
+
+    /// Polls `campaign status` until the campaign has ended; panics unless it completed.
+    /// Returns the global model version.
+    fn wait_campaign_completed(&mut self) -> u64 {
+        let text = wait_for("the campaign to end", CAMPAIGN_TIMEOUT, || {
+            if let Some(a) = self.aggregator.as_mut() {
+                a.assert_running();
+            }
+            let s = self.aggregator_cli(&["status"]);
+            s.contains("no campaign running").then_some(s)
+        });
+        assert!(text.contains("(last: completed)"), "campaign ended but did not complete:\n{text}");
+        text.lines()
+            .find_map(|l| l.strip_prefix("global model: version ")?.split(',').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no global model in the status:\n{text}"))
+    }
+
+    fn registry_json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = vec!["--config", "registry.toml", "--json"];
+        all.extend_from_slice(args);
+        let out = cli("fedfleet-registry", &all, &self.root);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("fedfleet-registry {}: {e}: {out}", args.join(" ")))
+    }
+
+    /// The registry's versions of the model: version → (parent, digest in hex).
+    fn registry_versions(&self) -> BTreeMap<u64, (Option<u64>, String)> {
+        let list = self.registry_json(&["list"]);
+        let model = list["models"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["name"] == MODEL))
+            .unwrap_or_else(|| panic!("model {MODEL} not in the registry: {list}"));
+        model["versions"]
+            .as_array()
+            .expect("versions")
+            .iter()
+            .map(|v| {
+                let digest = v["digest"].as_str().expect("digest").to_owned();
+                (v["version"].as_u64().expect("version"), (v["parent"].as_u64(), digest))
+            })
+            .collect()
+    }
+
+    /// Starts a one-phase (100 %) rollout of `version` to `stable` that completes only once
+    /// every agent reported it healthy.
+    fn rollout_start(&self, version: u64, id: &str) {
+        cli(
+            "fedfleet-registry",
+            &[
+                "--config",
+                "registry.toml",
+                "rollout",
+                "start",
+                "--model",
+                MODEL,
+                "--version",
+                &version.to_string(),
+                "--phases",
+                "100",
+                "--soak",
+                "0s",
+                "--min-healthy",
+                &AGENTS.to_string(),
+                "--id",
+                id,
+            ],
+            &self.root,
+        );
+    }
+
+    fn wait_rollout_completed(&mut self, id: &str) -> serde_json::Value {
+        let s = wait_for(&format!("rollout {id} to end"), CAMPAIGN_TIMEOUT, || {
+            if let Some(r) = self.registry.as_mut() {
+                r.assert_running();
+            }
+            let s = self.registry_json(&["rollout", "status", id]);
+            (s["status"] != "running").then_some(s)
+        });
+        assert_eq!(s["status"], "completed", "rollout {id}: {s:#}");
+        s
+    }
+
+    /// Waits until every agent's `status.json` shows `version` active, then checks the same
+    /// through `fedfleet-agent status`. Returns the active model's digest.
+    fn wait_all_active(&self, version: u64) -> Digest {
+        for i in 0..AGENTS {
+            wait_for(&format!("{} to run version {version}", self.devices[i]), STEP_TIMEOUT, || {
+                self.status_file(i).filter(|s| s.active.as_ref().is_some_and(|m| m.version.0 == version))
+            });
+        }
+        let statuses: Vec<DeviceStatus> = (0..AGENTS).map(|i| self.status_cli(i)).collect();
+        let digest = statuses[0].active.as_ref().expect("active model").digest;
+        for s in &statuses {
+            let m = s.active.as_ref().expect("active model");
+            assert_eq!((m.name.as_str(), m.version.0, m.digest), (MODEL, version, digest), "{s:?}");
+            assert_eq!(s.state, DeviceState::Active, "{s:?}");
+        }
+        digest
+    }
+
+    /// Stops every child with SIGTERM (clean exits required).
+    fn stop_all(&mut self) {
+        for a in self.agents.iter_mut().flatten() {
+            a.stop();
+        }
+        if let Some(a) = self.aggregator.as_mut() {
+            a.stop();
+        }
+        if let Some(r) = self.registry.as_mut() {
+            r.stop();
+        }
+    }
+
+    /// After [`Fleet::stop_all`]: checks that the aggregator's committed records hold exactly
+    /// one update per (device, round) for `expected[device]` rounds, that every agent's outbox
+    /// is empty, and that agents acknowledged no more updates than they trained.
+    fn assert_exactly_once(&self, expected: &[u32]) {
+        let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator")).expect("aggregator store");
+        let mut per_device: BTreeMap<String, Vec<RoundId>> = BTreeMap::new();
+        for r in 1..=self.rounds as u64 {
+            for rec in store.accepted_in(RoundId(r)).expect("accepted records") {
+                assert_eq!(rec.round, RoundId(r));
+                per_device.entry(rec.device.as_str().to_owned()).or_default().push(rec.round);
+            }
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            let rounds = per_device.remove(d).unwrap_or_default();
+            let mut unique = rounds.clone();
+            unique.dedup();
+            assert_eq!(unique.len(), rounds.len(), "{d}: an update counted twice: {rounds:?}");
+            assert_eq!(rounds.len(), expected[i] as usize, "{d}: accepted in rounds {rounds:?}");
+            let outbox = fedfleet_agent::store::AgentStore::open(self.root.join("agents").join(d).join("store"))
+                .expect("agent store")
+                .outbox()
+                .expect("outbox");
+            assert!(outbox.is_empty(), "{d}: {} updates still in the outbox", outbox.len());
+            let acks = count_lines(&self.log(d), "update acknowledged") + count_lines(&self.log(d), "update already held by the aggregator");
+            assert!(acks <= expected[i] as usize, "{d}: {acks} acknowledgements for {} accepted updates", expected[i]);
+        }
+        assert!(per_device.is_empty(), "records of unknown devices: {per_device:?}");
+    }
+}
+
+/// Accuracy of a model (safetensors bytes) on the digits test split.
+fn test_accuracy(bytes: &[u8]) -> f64 {
+    let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).expect("model decodes");
+    let (_, test) = Dataset::digits_split().expect("digits");
+    fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test).expect("evaluates").accuracy
+}
+
+/// The aggregator's open round and its accepted updates (from its metrics).
+fn open_round(metrics: &str) -> (u64, u64) {
+    let get = |n| sample(metrics, n).unwrap_or_else(|| panic!("{n} missing from the metrics"));
+    (get("fedfleet_aggregator_open_round") as u64, get("fedfleet_aggregator_round_accepted") as u64)
+}
+
+#[test]
+fn campaign_and_rollout_reach_every_agent() {
+    let _serial = one_at_a_time();
+    let rounds = 3;
+    let n = AGENTS as u32;
+    let mut f = Fleet::new(
+        "mp-campaign",
+        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60 },
+    );
+    f.start_registry();
+    f.start_aggregator();
+    for i in 0..AGENTS {
+        f.start_agent(i);
+    }
+    f.aggregator_cli(&["start", "--seed", "1"]);
+    let global = f.wait_campaign_completed();
+    assert_eq!(global, 1 + rounds as u64, "the initial model and one version per round");
+
+    // The registry holds every version, each trained from the one before.
+    let versions = f.registry_versions();
+    assert_eq!(versions.keys().copied().collect::<Vec<_>>(), (1..=global).collect::<Vec<_>>());
+    for (v, (parent, _)) in &versions {
+        assert_eq!(*parent, (*v > 1).then(|| v - 1), "parent of v{v}");
+    }
+
+    // A rollout through the registry's operator CLI reaches every agent.
+    let id = format!("{MODEL}-stable-v{global}");
+    f.rollout_start(global, &id);
+    let rollout = f.wait_rollout_completed(&id);
+    assert_eq!(rollout["healthy"].as_u64(), Some(AGENTS as u64), "{rollout:#}");
+    let digest = f.wait_all_active(global);
+    assert_eq!(digest.to_hex(), versions[&global].1, "agents run the registry's bytes");
+
+    // The model the agents run classifies held-out digits.
+    let bytes = std::fs::read(f.root.join("agents").join(&f.devices[0]).join("store/blobs").join(digest.to_hex())).expect("active blob");
+    let accuracy = test_accuracy(&bytes);
+    eprintln!("v{global} after {rounds} rounds of {AGENTS} agents: test accuracy {accuracy:.3}");
+    assert!(accuracy > 0.8, "test accuracy {accuracy}");
+
+    f.stop_all();
+    f.assert_exactly_once(&[rounds; AGENTS]);
+    for d in &f.devices {
+        let acks = count_lines(&f.log(d), "update acknowledged");
+        assert_eq!(acks, rounds as usize, "{d}: one receipt per round");
+    }
+}
+
+/// Polls `f` every 5 ms (for moments that last only tens of milliseconds).
+fn catch<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t0.elapsed() < STEP_TIMEOUT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn services_killed_with_sigkill_recover() {
+    let _serial = one_at_a_time();
+    let t0 = Instant::now();
+    let mut rng = SplitMix::from_env("services_killed_with_sigkill_recover");
+    let rounds = 2;
+    let n = AGENTS as u32;
+    let mut f = Fleet::new(
+        "mp-sigkill",
+        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60 },
+    );
+    // Round 1 gets k updates from the first k devices of a random order; the others wait.
+    let mut order: Vec<usize> = (0..AGENTS).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.range(0, i as u64) as usize);
+    }
+    let k = rng.range(1, AGENTS as u64 - 1) as usize;
+    for &i in &order[k..] {
+        f.set_idle(i, false);
+    }
+    // The agent killed in step 2 reaches the aggregator through a relay the test can cut.
+    let victim = order[k];
+    let relay = Relay::start(f.agg_addr);
+    f.route_agent_to_aggregator_via(victim, relay.addr);
+    f.start_registry();
+    f.start_aggregator();
+    for i in 0..AGENTS {
+        f.start_agent(i);
+    }
+    f.aggregator_cli(&["start", "--seed", "1"]);
+
+    // 1. The aggregator, SIGKILLed after k of the round's updates, restarts with them.
+    wait_for(&format!("{k} updates in round 1"), STEP_TIMEOUT, || (open_round(&f.aggregator_metrics()) == (1, k as u64)).then_some(()));
+    eprintln!("[{:.1?}] SIGKILL aggregator after {k} of {AGENTS} updates of round 1 (devices {:?} uploaded)", t0.elapsed(), &order[..k]);
+    f.aggregator.as_mut().unwrap().sigkill();
+    f.start_aggregator();
+    assert_eq!(open_round(&f.aggregator_metrics()), (1, k as u64), "round 1 after the restart");
+
+    // 2. An agent SIGKILLed while uploading (its link cut as it reports the trained round, so
+    //    the update may or may not have reached the aggregator, and no receipt comes back)
+    //    restarts and delivers its update exactly once, from its outbox.
+    for &i in &order[k..] {
+        f.set_idle(i, true);
+    }
+    let name = f.devices[victim].clone();
+    catch(&format!("{name} to finish training"), || {
+        f.status_file(victim).filter(|s| s.state == DeviceState::Training { round: RoundId(1) })
+    });
+    relay.set_cut(true);
+    let delay = rng.range(0, 300);
+    std::thread::sleep(Duration::from_millis(delay));
+    let accepted_before = open_round(&f.aggregator_metrics()).1;
+    eprintln!(
+        "[{:.1?}] SIGKILL {name} {delay} ms after its link was cut while uploading ({accepted_before} updates in the round, \
+         {} acknowledged by {name})",
+        t0.elapsed(),
+        count_lines(&f.log(&name), "update acknowledged")
+    );
+    f.agents[victim].as_mut().unwrap().sigkill();
+    relay.set_cut(false);
+    f.start_agent(victim);
+
+    let global = f.wait_campaign_completed();
+    assert_eq!(global, 1 + rounds as u64);
+    assert_eq!(count_lines(&f.log(&name), "update acknowledged"), rounds as usize, "{name}: one receipt per round");
+
+    // 3. The registry, SIGKILLed while the agents install the rolled-out version, restarts and
+    //    the agents still converge on it.
+    let id = format!("{MODEL}-stable-v{global}");
+    f.rollout_start(global, &id);
+    let installing = |f: &Fleet, i: usize| {
+        f.status_file(i).is_some_and(|s| {
+            matches!(s.state, DeviceState::Downloading | DeviceState::Downloaded | DeviceState::Verified | DeviceState::Healthy)
+                || s.active.is_some_and(|m| m.version.0 == global)
+        })
+    };
+    catch("an agent to start installing", || (0..AGENTS).any(|i| installing(&f, i)).then_some(()));
+    let delay = rng.range(0, 100);
+    std::thread::sleep(Duration::from_millis(delay));
+    let active = (0..AGENTS).filter(|&i| f.status_file(i).is_some_and(|s| s.active.is_some_and(|m| m.version.0 == global))).count();
+    eprintln!("[{:.1?}] SIGKILL registry {delay} ms after the first agent began installing ({active} of {AGENTS} agents active on v{global})", t0.elapsed());
+    f.registry.as_mut().unwrap().sigkill();
+    f.start_registry();
+    f.wait_rollout_completed(&id);
+    let digest = f.wait_all_active(global);
+    assert_eq!(digest.to_hex(), f.registry_versions()[&global].1);
+    eprintln!("[{:.1?}] every agent runs v{global}", t0.elapsed());
+
+    f.stop_all();
+    f.assert_exactly_once(&[rounds; AGENTS]);
+}
+
+#[test]
+fn revoked_device_is_locked_out_mid_campaign() {
+    let _serial = one_at_a_time();
+    let rounds = 2;
+    let n = AGENTS as u32;
+    // The revoked device never completes a round again: rounds close at the deadline on quorum.
+    let mut f = Fleet::new(
+        "mp-revoke",
+        Plan { rounds, target: n, quorum: n - 1, deadline_secs: 10, extension_secs: 30 },
+    );
+    let revoked = AGENTS - 1;
+    f.set_idle(revoked, false);
+    f.start_registry();
+    f.start_aggregator();
+    for i in 0..AGENTS {
+        f.start_agent(i);
+    }
+    f.aggregator_cli(&["start", "--seed", "1"]);
+    wait_for("the others' round-1 updates", STEP_TIMEOUT, || {
+        (open_round(&f.aggregator_metrics()) == (1, n as u64 - 1)).then_some(())
+    });
+
+    // Revoked while round 1 is open; then the device tries to take part.
+    let name = f.devices[revoked].clone();
+    cli("fedfleet-certs", &["--dir", "pki", "revoke", "--id", &name, "--reason", "lost in test"], &f.root);
+    f.set_idle(revoked, true);
+    wait_for("an update refused as revoked", STEP_TIMEOUT, || {
+        (sample(&f.aggregator_metrics(), "fedfleet_aggregator_updates_rejected_total{reason=\"revoked\"}")? >= 1.0).then_some(())
+    });
+
+    let global = f.wait_campaign_completed();
+    assert_eq!(global, 1 + rounds as u64, "every round completed without the revoked device");
+    let m = f.aggregator_metrics();
+    assert_eq!(sample(&m, "fedfleet_aggregator_updates_accepted_total"), Some(((AGENTS - 1) * rounds as usize) as f64), "{m}");
+    assert_eq!(sample(&m, "fedfleet_aggregator_rounds_total{event=\"failed\"}"), Some(0.0), "{m}");
+    let status = f.status_cli(revoked);
+    assert!(
+        matches!(&status.state, DeviceState::Failed { reason } if reason.contains("revoked")),
+        "{name} should report its refused update: {status:?}"
+    );
+    assert!(count_lines(&f.log(&name), "reason=revoked") >= 1, "{name}'s log names the refusal");
+
+    f.stop_all();
+    let mut expected = [rounds; AGENTS];
+    expected[revoked] = 0;
+    f.assert_exactly_once(&expected);
+}

@@ -1,0 +1,261 @@
+//! Child processes of the real binaries for the multi-process tests: locating the binaries,
+//! a guard that kills and reaps a child (and prints its log tail when the test fails), one-shot
+//! CLI runs, free loopback ports, polling, Prometheus text and a seeded RNG.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `target/<profile>/<name>`: the binaries `cargo test`/`cargo build --bins` put next to the
+/// test executable's `deps/` directory.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let dir = exe.parent().and_then(Path::parent).expect("test executable lives in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo build --workspace --bins` first (the multi-process tests start the real binaries)",
+        path.display()
+    );
+    path
+}
+
+/// Runs a CLI command to completion; panics with its output unless it succeeds. Returns stdout.
+pub fn cli(name: &str, args: &[&str], cwd: &Path) -> String {
+    let out = Command::new(bin(name))
+        .args(args)
+        .current_dir(cwd)
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {name}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "`{name} {}` failed ({}):\nstdout: {stdout}\nstderr: {}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A long-running child. Dropping it kills (SIGKILL) and reaps it; during a panic it also
+/// prints the tail of the child's log.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `bin args` in `cwd`, stdout and stderr appended to `log` (kept across restarts).
+    pub fn spawn(name: &str, binary: &str, args: &[&str], cwd: &Path, log: &Path) -> Proc {
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+        let _ = writeln!(f, "===== {name}: {binary} {} =====", args.join(" "));
+        let child = Command::new(bin(binary))
+            .args(args)
+            .current_dir(cwd)
+            .env("NO_COLOR", "1")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().expect("log file"))
+            .stderr(f)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Proc { name: name.into(), child: Some(child), log: log.to_owned() }
+    }
+
+    /// Panics (with the log tail) if the child has exited.
+    pub fn assert_running(&mut self) {
+        if let Some(c) = &mut self.child
+            && let Ok(Some(status)) = c.try_wait()
+        {
+            panic!("{} exited ({status}):\n{}", self.name, tail(&self.log, 40));
+        }
+    }
+
+    /// SIGKILL and reap.
+    pub fn sigkill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then waits (up to 30 s, then SIGKILL); panics if it did not exit cleanly.
+    pub fn stop(&mut self) {
+        let Some(mut c) = self.child.take() else { return };
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let t0 = Instant::now();
+        loop {
+            match c.try_wait() {
+                Ok(Some(status)) => {
+                    assert!(status.success(), "{} did not stop cleanly ({status}):\n{}", self.name, tail(&self.log, 40));
+                    return;
+                }
+                Ok(None) if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(50)),
+                _ => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    panic!("{} did not stop within 30 s of SIGTERM:\n{}", self.name, tail(&self.log, 40));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.sigkill();
+        if std::thread::panicking() {
+            eprintln!("----- {} ({}) -----\n{}", self.name, self.log.display(), tail(&self.log, 30));
+        }
+    }
+}
+
+/// The last `n` lines of a file.
+pub fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A UDP port on 127.0.0.1 that was free a moment ago (for QUIC services restarted on the same
+/// address, where the binary cannot be told port 0).
+pub fn free_udp_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free UDP port").port()
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (metrics endpoints).
+pub fn free_tcp_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free TCP port").port()
+}
+
+/// Polls `f` every 100 ms until it returns `Some`; panics after `timeout` with `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t0.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `GET /metrics` over plain HTTP; `None` while the endpoint does not answer.
+pub fn scrape(addr: SocketAddr) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    let (_, body) = body.split_once("\r\n\r\n")?;
+    Some(body.to_owned())
+}
+
+/// The value of one sample (`name` including its `{labels}`, as rendered) in Prometheus text.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Lines of a log file that contain `needle`.
+pub fn count_lines(path: &Path, needle: &str) -> usize {
+    let Ok(f) = std::fs::File::open(path) else { return 0 };
+    BufReader::new(f).lines().map_while(Result::ok).filter(|l| l.contains(needle)).count()
+}
+
+/// SplitMix64: a small seeded generator for the tests' "random points" (reproducible from the
+/// printed seed).
+pub struct SplitMix(u64);
+
+impl SplitMix {
+    /// The seed from `FEDFLEET_TEST_SEED`, else from the clock; printed so a run can be repeated.
+    pub fn from_env(test: &str) -> SplitMix {
+        let seed = std::env::var("FEDFLEET_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+        });
+        eprintln!("{test}: seed {seed} (rerun with FEDFLEET_TEST_SEED={seed})");
+        SplitMix(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+}
+
+/// A UDP relay on 127.0.0.1 in front of one QUIC service, which the test can cut: while cut,
+/// datagrams in both directions are dropped (a network partition, not a refusal), so a QUIC
+/// request in flight neither completes nor fails until its idle timeout.
+pub struct Relay {
+    pub addr: SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    pub fn start(upstream: SocketAddr) -> Relay {
+        use std::collections::HashMap;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay socket"));
+        front.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let addr = front.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, s) = (cut.clone(), stop.clone());
+        std::thread::spawn(move || {
+            // One upstream socket per client address, with a thread carrying the answers back.
+            let mut upstreams: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
+            let mut buf = vec![0u8; 65536];
+            while !s.load(Ordering::Relaxed) {
+                let Ok((n, client)) = front.recv_from(&mut buf) else { continue };
+                if c.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let up = upstreams.entry(client).or_insert_with(|| {
+                    let up = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay upstream socket"));
+                    up.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+                    let (up2, front2, c2, s2) = (up.clone(), front.clone(), c.clone(), s.clone());
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 65536];
+                        while !s2.load(Ordering::Relaxed) {
+                            let Ok((n, _)) = up2.recv_from(&mut buf) else { continue };
+                            if !c2.load(Ordering::Relaxed) {
+                                let _ = front2.send_to(&buf[..n], client);
+                            }
+                        }
+                    });
+                    up
+                });
+                let _ = up.send_to(&buf[..n], upstream);
+            }
+        });
+        Relay { addr, cut, stop }
+    }
+
+    /// Drops (true) or forwards (false) every datagram from now on.
+    pub fn set_cut(&self, cut: bool) {
+        self.cut.store(cut, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
