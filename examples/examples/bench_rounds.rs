@@ -250,16 +250,17 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     println!("CPU/update: the process's user+system CPU time over the campaign / accepted updates.");
     println!("Per round:");
     println!(
-        "{:>6} | {:>5} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
-        "agents", "round", "accepted", "round wall", "slowest train", "sum train", "overhead", "close->publish", "ingest", "MB"
+        "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
+        "agents", "round", "accepted", "rejected", "round wall", "slowest train", "sum train", "overhead", "close->publish", "ingest", "MB"
     );
     for r in results {
         for row in r["rounds"].as_array().into_iter().flatten() {
             println!(
-                "{:>6} | {:>5} | {:>8} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>8.3} s | {:>12.3} s | {:>7.3} s | {:>9.2}",
+                "{:>6} | {:>5} | {:>8} | {:>8} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>8.3} s | {:>12.3} s | {:>7.3} s | {:>9.2}",
                 u(r, "agents"),
                 u(row, "round"),
                 u(row, "accepted"),
+                u(row, "rejected"),
                 f(row, "wall_s"),
                 f(row, "slowest_train_s"),
                 f(row, "sum_train_s"),
@@ -278,8 +279,17 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             f(d, "round_wall_s")
         );
     }
-    let loads: Vec<&str> = results.iter().filter_map(|r| r["loadavg"].as_str()).collect();
-    println!("load average at the end of each fleet size: {}", loads.join(" | "));
+    for r in results {
+        println!(
+            "{} agents: setup {:.1} s, first poll of every agent {:.2} s, upload retries {}, load average at the end {}, aggregator: {}",
+            u(r, "agents"),
+            f(r, "setup_s"),
+            f(r, "online_s"),
+            u(r, "upload_retries"),
+            r["loadavg"].as_str().unwrap_or("?"),
+            r["final_status"].as_str().unwrap_or("?"),
+        );
+    }
     println!("total benchmark time {:.1} s", wall.as_secs_f64());
 }
 
@@ -422,6 +432,7 @@ fn rounds_of(args: &Args, rec: &CampaignRecord, ev: &[AgentEvent]) -> anyhow::Re
             "round": r,
             "accepted": published.accepted - opened.accepted,
             "bytes": published.bytes - opened.bytes,
+            "rejected": published.rejected - opened.rejected,
             "trained": trained.len(),
             "receipts": acked.len(),
             "wall_s": (published.at - opened.at).as_secs_f64(),
@@ -495,6 +506,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "worker_peak_rss_kib": worker_peak_rss_kib,
         "worker_base_rss_kib": base_rss_kib,
         "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
+        "upload_retries": events.retries.load(std::sync::atomic::Ordering::Relaxed),
         "final_status": rec.status,
         "loadavg": rec.loadavg,
         "rounds": rounds,
@@ -710,7 +722,11 @@ async fn operator_status(pki: &Pki, addr: std::net::SocketAddr) -> anyhow::Resul
     let client = AggregatorClient::connect(addr, "localhost", tls).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     let st = client.campaign(AggRequest::CampaignStatus).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     client.close().await;
-    Ok(format!("campaign {:?}, last outcome {:?}, global {:?}", st.campaign, st.last_outcome, st.global.map(|g| g.0.0)))
+    Ok(format!(
+        "campaign {}, global model v{}",
+        st.last_outcome.as_deref().unwrap_or("still running"),
+        st.global.map(|g| g.0.0.to_string()).unwrap_or_else(|| "?".into())
+    ))
 }
 
 // ----- the aggregator process -----
@@ -797,6 +813,7 @@ fn proc_cpu_secs(pid: String) -> Option<f64> {
 #[derive(Debug, Clone, Copy, Default)]
 struct MetricsSample {
     at: Option<Instant>,
+    rejected: u64,
     open_round: u64,
     closed: u64,
     published: u64,
@@ -807,6 +824,7 @@ struct MetricsSample {
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     at: Instant,
+    rejected: u64,
     open_round: u64,
     closed: u64,
     published: u64,
@@ -841,12 +859,13 @@ impl MetricsPoller {
                 let s = parse_metrics(&text);
                 let mut last = l.lock().unwrap_or_else(|p| p.into_inner());
                 let changed = last.at.is_none()
-                    || (last.open_round, last.closed, last.published, last.accepted, last.bytes)
-                        != (s.open_round, s.closed, s.published, s.accepted, s.bytes);
+                    || (last.open_round, last.closed, last.published, last.accepted, last.bytes, last.rejected)
+                        != (s.open_round, s.closed, s.published, s.accepted, s.bytes, s.rejected);
                 *last = MetricsSample { at: Some(at), ..s };
                 if changed {
                     c.lock().unwrap_or_else(|p| p.into_inner()).push(Sample {
                         at,
+                        rejected: s.rejected,
                         open_round: s.open_round,
                         closed: s.closed,
                         published: s.published,
@@ -901,6 +920,7 @@ fn parse_metrics(text: &str) -> MetricsSample {
             "fedfleet_aggregator_rounds_total{event=\"published\"}" => m.published = v as u64,
             "fedfleet_aggregator_updates_accepted_total" => m.accepted = v as u64,
             "fedfleet_aggregator_update_bytes_total" => m.bytes = v as u64,
+            n if n.starts_with("fedfleet_aggregator_updates_rejected_total{") => m.rejected += v as u64,
             _ => {}
         }
     }
@@ -920,6 +940,8 @@ struct AgentEvent {
 #[derive(Clone, Default)]
 struct Recorder {
     events: Arc<Mutex<Vec<AgentEvent>>>,
+    /// `upload will be retried` events (transport errors, timeouts).
+    retries: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Recorder {
@@ -973,6 +995,10 @@ impl<S: tracing::Subscriber> Layer<S> for Recorder {
         let keep = match f.message.as_str() {
             "trained" => f.train_ms.is_some(),
             "update acknowledged" => true,
+            "upload will be retried" => {
+                self.retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                false
+            }
             _ => false,
         };
         if let (true, Some(round)) = (keep, f.round) {
