@@ -807,6 +807,10 @@ impl Aggregator {
                     };
                     core.campaign.announcement = Some(Signed::sign(ann, &sh.key).encode());
                     sh.announce.send_replace(core.campaign.announcement.clone());
+                    // The round driver may be sleeping on an older (or no) timer: it must
+                    // re-read the deadline (a campaign started on an idle service opens its
+                    // first round outside the driver).
+                    sh.wake.notify_one();
                     boundary = true;
                 }
                 EngineEvent::RoundClosed { round, cause, contributions, .. } => {
