@@ -736,10 +736,15 @@ impl Lifecycle {
         self.install_retry_at = None;
         tracing::warn!(model = %job.model.name, version = %job.model.version, %reason, "install failed; active model unchanged");
         self.actions.push_back(Action::Discard { digest: job.model.digest });
+        // The report names the failed candidate (as `staged`) and its rollout: the registry
+        // attributes a failure to the staged model, else to the active one, which did not fail.
+        let mut failed = self.status(now);
+        failed.staged = Some(job.model.clone());
+        failed.rollout_id = Some(job.rollout_id);
         if staged.is_some() || rolled_back {
             self.actions.push_back(Action::Rollback { model: job.model, reason });
         }
-        self.report(now);
+        self.actions.push_back(Action::Report(failed));
         Ok(())
     }
 

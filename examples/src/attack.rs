@@ -48,13 +48,8 @@ impl HostileUplink {
         let hostile = match self.attack {
             Attack::SignFlip { factor } => lsim::scale(&honest, -factor).map_err(|e| bad(e.to_string()))?,
             Attack::Noise { std } => {
-                let mut rng = Gaussian::new(self.seed ^ header.round.0.rotate_left(32) ^ u64::from_le_bytes(header.nonce[..8].try_into().expect("8 bytes")));
-                let mut out = TensorBundle::new();
-                for (name, shape) in honest.layout() {
-                    let n = shape.iter().product::<usize>();
-                    out.insert_f32(&name, shape, (0..n).map(|_| std * rng.next()).collect()).map_err(|e| bad(e.to_string()))?;
-                }
-                out
+                let seed = self.seed ^ header.round.0.rotate_left(32) ^ u64::from_le_bytes(header.nonce[..8].try_into().expect("8 bytes"));
+                gaussian_like(&honest, std, seed).map_err(|e| bad(e.to_string()))?
             }
         };
         let payload = hostile.quantize(header.payload_dtype).encode();
@@ -74,6 +69,18 @@ impl HostileUplink {
             (reply, _) => reply,
         }
     }
+}
+
+/// Gaussian noise of standard deviation `std` with the layout of `like` (deterministic for a
+/// seed): a hostile update, or the damage that makes a deliberately broken model.
+pub fn gaussian_like(like: &TensorBundle, std: f32, seed: u64) -> Result<TensorBundle, fedfleet_protocol::BundleError> {
+    let mut rng = Gaussian::new(seed);
+    let mut out = TensorBundle::new();
+    for (name, shape) in like.layout() {
+        let n = shape.iter().product::<usize>();
+        out.insert_f32(&name, shape, (0..n).map(|_| std * rng.next()).collect())?;
+    }
+    Ok(out)
 }
 
 /// Standard normal samples (splitmix64 + Box–Muller); deterministic for a seed.

@@ -191,14 +191,23 @@ impl DemoReport {
 /// Output: indicatif bars on a terminal, plain lines otherwise. Tables and lines go to stdout.
 pub struct Ui {
     mp: Option<MultiProgress>,
+    quiet: bool,
 }
 
 impl Ui {
     pub fn new(progress: bool) -> Self {
-        Ui { mp: progress.then(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr())) }
+        Ui { mp: progress.then(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr())), quiet: false }
+    }
+
+    /// No lines and no bars (the examples print their own tables).
+    pub fn quiet() -> Self {
+        Ui { mp: None, quiet: true }
     }
 
     pub fn line(&self, s: impl AsRef<str>) {
+        if self.quiet {
+            return;
+        }
         match &self.mp {
             Some(mp) => mp.suspend(|| println!("{}", s.as_ref())),
             None => println!("{}", s.as_ref()),
@@ -577,6 +586,12 @@ pub struct RolloutOutcome {
     pub phases: Vec<PhaseOutcome>,
     /// Agents serving the target at the end.
     pub agents_on_target: usize,
+    /// The registry's counts when the rollout ended: devices reporting the target healthy, and
+    /// devices whose install or health check of it failed.
+    pub healthy: u64,
+    pub failed: u64,
+    /// The fleet's device states when the registry ended the rollout ([`Fleet::states_summary`]).
+    pub states_at_end: String,
 }
 
 /// Rolls `target` out to the `stable` alias phase by phase, each phase soaking and waiting until
@@ -644,12 +659,14 @@ pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &M
     let spinner = ui.spinner("rollout");
     let t0 = Instant::now();
     let mut phase = 0usize;
-    let mut outcome = RolloutOutcome { status: String::new(), phases: Vec::new(), agents_on_target: 0 };
+    let mut outcome =
+        RolloutOutcome { status: String::new(), phases: Vec::new(), agents_on_target: 0, healthy: 0, failed: 0, states_at_end: String::new() };
     let status = loop {
         if t0.elapsed() > Duration::from_secs(300) {
             break "timeout".to_owned();
         }
-        fleet.step(|_| {}).await?;
+        // Status first, then a step: the device states printed at a phase change are those the
+        // registry judged, before the agents act on the next phase.
         let s = op
             .admin(AdminRequest::RolloutStatus { id: Some(id.clone()) })
             .await
@@ -692,11 +709,15 @@ pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &M
             phase += 1;
         }
         if finished {
+            outcome.states_at_end = fleet.states_summary();
+            (outcome.healthy, outcome.failed) = (healthy, failed);
             if status != "completed" {
                 ui.line(format!("  phase {}/{}: rollout {status} ({healthy} healthy, {failed} failed)", phase + 1, percents.len()));
+                ui.line(format!("    devices: {}", outcome.states_at_end));
             }
             break status;
         }
+        fleet.step(|_| {}).await?;
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     spinner.finish_and_clear();

@@ -5,3 +5,4 @@
 pub mod attack;
 pub mod demo;
 pub mod fleet;
+pub mod scenarios;

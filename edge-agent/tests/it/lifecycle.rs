@@ -187,6 +187,8 @@ async fn health_check_failure_rolls_back_and_reports() {
     let acts = drain(&mut lc);
     assert!(acts.iter().any(|a| matches!(a, Action::Rollback { model, reason } if model == &v2 && reason.contains("accuracy"))), "{acts:?}");
     assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::RolledBack { reason } if reason.contains("worse than the active")))), "{acts:?}");
+    // The report names the failed candidate, so the registry counts the failure against it.
+    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(s.state, DeviceState::RolledBack { .. }) && s.staged.as_ref() == Some(&v2) && s.active.as_ref() == Some(&v1))), "{acts:?}");
     assert!(!acts.iter().any(|a| matches!(a, Action::Serve { .. })));
     assert_eq!(lc.active().unwrap().model, v1);
     assert!(lc.staged().is_none());
