@@ -1,0 +1,39 @@
+//! The examples' scenarios, small: each one's claim on a few agents and rounds (the examples
+//! run them at full size; measured figures are in examples/README.md).
+
+use std::time::Duration;
+
+use fedfleet::demo::Ui;
+use fedfleet::scenarios::{
+    PersonalizeOptions, PoisonedOptions, RolloutScenarioOptions, personalize, poisoned, rollout_with_abort,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn robust_strategy_survives_hostile_agents_that_break_fedavg() {
+    let o = PoisonedOptions { agents: 10, rounds: 8, strategies: vec!["fedavg".into(), "median".into()], ..Default::default() };
+    let rows = poisoned(&o, |_| {}).await.expect("campaigns ran");
+    let [clean, fedavg, median] = rows.as_slice() else { panic!("three campaigns: {rows:?}") };
+    assert_eq!((clean.hostile, fedavg.hostile, median.hostile), (0, 2, 2), "{rows:?}");
+    assert!(rows.iter().all(|r| r.rounds_completed == 8), "{rows:?}");
+    assert!(fedavg.final_accuracy < clean.final_accuracy - 0.10, "the attack hurts FedAvg: {rows:?}");
+    assert!(median.final_accuracy >= 0.70, "the median keeps the model useful: {rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn personalized_models_beat_the_global_one_on_local_data() {
+    let o = PersonalizeOptions { agents: 8, rounds: 8, ..Default::default() };
+    let r = personalize(&o).await.expect("campaign and fine-tuning ran");
+    assert!(!r.devices.is_empty());
+    let (global, personalized) = r.means();
+    assert!(personalized > global, "personalized {personalized} vs global {global}: {r:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_version_is_aborted_and_the_fleet_stays_on_the_good_one() {
+    let o = RolloutScenarioOptions { agents: 8, rounds: 4, soak: Duration::from_millis(300), ..Default::default() };
+    let r = rollout_with_abort(&o, &Ui::quiet()).await.expect("scenario ran");
+    assert_eq!(r.good_rollout, "completed", "{r:#?}");
+    assert_eq!(r.broken_rollout, "aborted", "{r:#?}");
+    assert!(r.failed_health_checks >= 1, "{r:#?}");
+    assert_eq!((r.on_good, r.on_broken), (8, 0), "{r:#?}");
+}
