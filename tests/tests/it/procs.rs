@@ -51,15 +51,16 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `bin args` in `cwd`, stdout and stderr appended to `log` (kept across restarts).
-    pub fn spawn(name: &str, binary: &str, args: &[&str], cwd: &Path, log: &Path) -> Proc {
+    /// Starts `bin args` in `cwd`, stdout and stderr appended to `log` (kept across restarts),
+    /// logging at `rust_log` (an `EnvFilter` directive).
+    pub fn spawn(name: &str, binary: &str, args: &[&str], cwd: &Path, log: &Path, rust_log: &str) -> Proc {
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
         let _ = writeln!(f, "===== {name}: {binary} {} =====", args.join(" "));
         let child = Command::new(bin(binary))
             .args(args)
             .current_dir(cwd)
             .env("NO_COLOR", "1")
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", rust_log)
             .stdin(Stdio::null())
             .stdout(f.try_clone().expect("log file"))
             .stderr(f)
@@ -204,6 +205,8 @@ impl SplitMix {
 pub struct Relay {
     pub addr: SocketAddr,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Client-to-service bytes still let through before the relay cuts itself (`i64::MAX`: no limit).
+    budget: std::sync::Arc<std::sync::atomic::AtomicI64>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -211,13 +214,14 @@ impl Relay {
     pub fn start(upstream: SocketAddr) -> Relay {
         use std::collections::HashMap;
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
         let front = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay socket"));
         front.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
         let addr = front.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, s) = (cut.clone(), stop.clone());
+        let budget = Arc::new(AtomicI64::new(i64::MAX));
+        let (c, s, b) = (cut.clone(), stop.clone(), budget.clone());
         std::thread::spawn(move || {
             // One upstream socket per client address, with a thread carrying the answers back.
             let mut upstreams: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
@@ -225,6 +229,10 @@ impl Relay {
             while !s.load(Ordering::Relaxed) {
                 let Ok((n, client)) = front.recv_from(&mut buf) else { continue };
                 if c.load(Ordering::Relaxed) {
+                    continue;
+                }
+                if b.fetch_sub(n as i64, Ordering::Relaxed) < n as i64 {
+                    c.store(true, Ordering::Relaxed);
                     continue;
                 }
                 let up = upstreams.entry(client).or_insert_with(|| {
@@ -245,12 +253,22 @@ impl Relay {
                 let _ = up.send_to(&buf[..n], upstream);
             }
         });
-        Relay { addr, cut, stop }
+        Relay { addr, cut, budget, stop }
     }
 
-    /// Drops (true) or forwards (false) every datagram from now on.
+    /// Drops (true) or forwards (false, with no byte limit) every datagram from now on.
     pub fn set_cut(&self, cut: bool) {
+        self.budget.store(i64::MAX, std::sync::atomic::Ordering::Relaxed);
         self.cut.store(cut, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Forwards `bytes` more from the client, then cuts itself.
+    pub fn cut_after(&self, bytes: i64) {
+        self.budget.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn is_cut(&self) -> bool {
+        self.cut.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
