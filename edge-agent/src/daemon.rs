@@ -131,7 +131,7 @@ pub async fn run(config: &Path) -> Result<()> {
 /// With `[mqtt]`: wraps the clients in [`MqttAggregator`]/[`MqttRegistry`] and runs status
 /// heartbeats; without: runs them as they are.
 async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>) -> Result<()> {
-    let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, None).await };
+    let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, None, None).await };
     let ids = cfg.identity_paths();
     let identity = load_identity(&ids)?;
     let key_path = m
@@ -152,7 +152,8 @@ async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<
     let agg = Arc::new(MqttAggregator::new(agg, control.clone(), events, opts));
     let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
     let hb = (m.heartbeat_interval_ms > 0).then(|| (publisher, Duration::from_millis(m.heartbeat_interval_ms)));
-    let r = run_with(cfg, agg, reg, hb).await;
+    let wake = agg.rollout_wake();
+    let r = run_with(cfg, agg, reg, hb, Some(wake)).await;
     control.shutdown().await;
     r
 }
@@ -169,7 +170,15 @@ pub fn mqtt_control(
     let tls = fedfleet_control::device_tls(identity).context("[mqtt] TLS client config")?;
     let id = identity.device_id().clone();
     let options = ClientOptions::new(m.host.clone(), m.port, id.as_str(), fleet);
-    Ok(ControlClient::start(options, tls, Role::Device { id, aggregator_key, registry_key: None }))
+    // Rollout notices are signed by the registry's timestamp key, named by the pinned root.
+    let registry_key = match &cfg.registry {
+        Some(_) => crate::mqtt::notice_key(&read_root(&cfg.identity_paths().registry_root)?),
+        None => None,
+    };
+    if cfg.registry.is_some() && registry_key.is_none() {
+        tracing::warn!("the pinned root names no single timestamp key: rollout notices over MQTT are ignored");
+    }
+    Ok(ControlClient::start(options, tls, Role::Device { id, aggregator_key, registry_key }))
 }
 
 /// The device's mTLS client config (ALPN `fedfleet/1`).
@@ -207,6 +216,7 @@ async fn run_with<A: Aggregator, R: Registry>(
     agg: Arc<A>,
     reg: Arc<R>,
     heartbeat: Option<(StatusPublisher, Duration)>,
+    wake: Option<Arc<tokio::sync::Notify>>,
 ) -> Result<()> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let mut agent = build_agent(cfg, agg, reg, clock.clone())?;
@@ -226,7 +236,14 @@ async fn run_with<A: Aggregator, R: Registry>(
         let _ = stop_tx.send(true);
     });
     let mut rx2 = stop_rx.clone();
-    run_agent(&mut agent, Duration::from_millis(cfg.poll_interval_ms), async move { let _ = rx2.changed().await; }).await?;
+    let poll = Duration::from_millis(cfg.poll_interval_ms);
+    let stop = async move {
+        let _ = rx2.changed().await;
+    };
+    match wake {
+        Some(wake) => crate::mqtt::run_agent_with_wake(&mut agent, poll, wake, stop).await?,
+        None => run_agent(&mut agent, poll, stop).await?,
+    }
     tracing::info!("shutting down");
     server.await??;
     Ok(())

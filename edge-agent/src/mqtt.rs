@@ -15,9 +15,14 @@
 //!   published on the device's status topic, and [`heartbeats`] re-publishes the last one
 //!   periodically with a fresh `reported_at`.
 //!
+//! - Rollout notices (`ControlEvent::Rollout`, signed by the registry's timestamp key, which
+//!   [`notice_key`] takes from the pinned TUF root) wake [`run_agent_with_wake`], which asks
+//!   for the device's signed assignment at once instead of at the next poll. A notice is only a
+//!   wake-up: the registry's per-device assignment decides what to install.
+//!
 //! Reconnecting and backoff are the control client's job.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -75,6 +80,11 @@ struct Heard {
     refusals: Mutex<Vec<UploadRejection>>,
     /// A receipt or a refusal arrived.
     receipt_arrived: Notify,
+    /// The last verified rollout notice and how many arrived.
+    notice: Mutex<Option<RolloutNotice>>,
+    notices: AtomicU64,
+    /// Woken by every rollout notice (one stored permit while nobody waits).
+    rollout_wake: Arc<Notify>,
 }
 
 /// [`Aggregator`] with announcements and an upload path over MQTT; see the module docs.
@@ -127,6 +137,13 @@ impl<A: Aggregator> MqttAggregator<A> {
                         drop(g);
                         h.receipt_arrived.notify_waiters();
                     }
+                    ControlEvent::Rollout(s) => {
+                        let n = s.body().clone();
+                        tracing::info!(rollout = n.rollout_id, phase = n.phase, action = ?n.action, "rollout notice over MQTT; checking the assignment");
+                        *h.notice.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
+                        h.notices.fetch_add(1, Ordering::Relaxed);
+                        h.rollout_wake.notify_one();
+                    }
                     ControlEvent::Connected { count } => tracing::info!(count, "MQTT control plane connected"),
                     ControlEvent::Disconnected { error } => tracing::debug!(%error, "MQTT control plane disconnected"),
                     ControlEvent::Rejected(r) => tracing::warn!(?r, "MQTT message refused"),
@@ -163,6 +180,17 @@ impl<A: Aggregator> MqttAggregator<A> {
     /// uploads over QUIC are recorded by the inner client.
     pub fn mqtt_acks(&self) -> Vec<Ack> {
         self.mqtt_acks.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Notified by every verified rollout notice: pass it to [`run_agent_with_wake`] so the
+    /// agent asks for its assignment at once instead of at its next poll.
+    pub fn rollout_wake(&self) -> Arc<Notify> {
+        self.heard.rollout_wake.clone()
+    }
+
+    /// Verified rollout notices received so far, and the last one.
+    pub fn rollout_notices(&self) -> (u64, Option<RolloutNotice>) {
+        (self.heard.notices.load(Ordering::Relaxed), self.heard.notice.lock().unwrap_or_else(|p| p.into_inner()).clone())
     }
 
     /// The round last announced over MQTT, if any.
@@ -346,5 +374,42 @@ pub async fn heartbeats(publisher: StatusPublisher, initial: DeviceStatus, inter
         if let Err(e) = publisher.publish(&s).await {
             tracing::debug!(error = %e, "heartbeat not published");
         }
+    }
+}
+
+/// The key rollout notices are signed with: the registry's online (timestamp) key, which the
+/// root lists in its timestamp role and which also signs assignments. `None` when the role does
+/// not name exactly one usable key (notices are then refused; the agent still polls).
+pub fn notice_key(root: &fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>) -> Option<ed25519_dalek::VerifyingKey> {
+    let root = root.body_unverified().ok()?;
+    let mut ids = root.timestamp.keyids.iter();
+    let (Some(id), None) = (ids.next(), ids.next()) else { return None };
+    let k = root.keys.get(id)?;
+    ed25519_dalek::VerifyingKey::from_bytes(&k.public).ok()
+}
+
+/// [`run_agent`](crate::agent::run_agent), also woken by `wake` (a rollout notice): the agent
+/// then polls the services at once (its assignment included) instead of sleeping out `poll`.
+/// Only the sleep between polls is cut short; work in progress is never interrupted.
+pub async fn run_agent_with_wake<A: Aggregator, R: Registry>(
+    agent: &mut crate::agent::Agent<A, R>,
+    poll: Duration,
+    wake: Arc<Notify>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), crate::agent::AgentError> {
+    tokio::pin!(shutdown);
+    loop {
+        let mut woken = false;
+        let stop_or_wake = async {
+            tokio::select! {
+                _ = &mut shutdown => {}
+                _ = wake.notified() => woken = true,
+            }
+        };
+        crate::agent::run_agent(agent, poll, stop_or_wake).await?;
+        if !woken {
+            return Ok(());
+        }
+        tracing::debug!("woken by a rollout notice");
     }
 }

@@ -14,6 +14,10 @@
 //! targets_ttl_days = 7
 //! root_days = 365                  # validity of a root made by init-keys / first serve
 //! max_connections = 4096
+//!
+//! [mqtt]                           # optional: the MQTT control plane (see `mqtt`)
+//! host = "127.0.0.1"               # the aggregator's embedded broker or an external one
+//! port = 8883
 //! ```
 
 use std::net::SocketAddr;
@@ -40,6 +44,8 @@ pub struct Config {
     pub targets_ttl_days: u64,
     pub root_days: u32,
     pub max_connections: usize,
+    /// The MQTT control plane (absent: QUIC only).
+    pub mqtt: Option<crate::mqtt::MqttConfig>,
 }
 
 impl Default for Config {
@@ -59,6 +65,7 @@ impl Default for Config {
             targets_ttl_days: 7,
             root_days: 365,
             max_connections: 4096,
+            mqtt: None,
         }
     }
 }

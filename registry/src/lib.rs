@@ -42,6 +42,7 @@ pub mod client;
 pub mod config;
 pub mod metadata;
 pub mod metrics;
+pub mod mqtt;
 pub mod ops;
 pub mod rollout;
 mod serde_hex;

@@ -591,10 +591,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         tracing::info!(addr = %maddr, "metrics on /metrics");
         tokio::spawn(metrics::serve(l, metrics.clone()));
     }
+    let mqtt = fedfleet_registry::mqtt::start(reg.clone(), &cfg)
+        .await
+        .context("starting the MQTT control plane")?;
     let mut opts = ServerOptions::new(cfg.spool_dir());
     opts.operators = cfg.operators.clone();
     opts.max_connections = cfg.max_connections;
     server::run(endpoint, reg, opts, shutdown_signal()).await;
+    if let Some(m) = mqtt {
+        m.shutdown().await;
+    }
     Ok(())
 }
 

@@ -12,6 +12,10 @@
 //! | `fedfleet_registry_connections_total` | |
 //! | `fedfleet_registry_rollout_events_total` | `event` |
 //! | `fedfleet_registry_device_reports_total` | `state` |
+//!
+//! Gauges set by the MQTT side ([`crate::mqtt`]): `fedfleet_registry_mqtt_connected`,
+//! `fedfleet_registry_devices_online`, `fedfleet_registry_devices_known`,
+//! `fedfleet_registry_device_last_seen_seconds{device}`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -27,7 +31,11 @@ pub struct Metrics {
     pub chunks_served: AtomicU64,
     pub connections: AtomicU64,
     labeled: Mutex<BTreeMap<(&'static str, &'static str, String), u64>>,
+    gauges: Mutex<BTreeMap<GaugeKey, u64>>,
 }
+
+/// A gauge's name and its one optional label (name, value).
+type GaugeKey = (&'static str, Option<(&'static str, String)>);
 
 impl Metrics {
     fn inc(&self, metric: &'static str, label: &'static str, value: &str) {
@@ -58,6 +66,20 @@ impl Metrics {
 
     pub fn device_report(&self, state: &str) {
         self.inc("fedfleet_registry_device_reports_total", "state", state);
+    }
+
+    /// Sets a gauge, optionally with one label.
+    pub fn set_gauge(&self, metric: &'static str, label: Option<(&'static str, &str)>, value: u64) {
+        let mut g = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
+        g.insert((metric, label.map(|(l, v)| (l, v.to_owned()))), value);
+    }
+
+    /// A gauge's value, if set (tests).
+    pub fn gauge(&self, metric: &str, label_value: Option<&str>) -> Option<u64> {
+        let g = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
+        g.iter()
+            .find(|((n, l), _)| *n == metric && l.as_ref().map(|(_, v)| v.as_str()) == label_value)
+            .map(|(_, v)| *v)
     }
 
     /// A labeled counter's value (tests).
@@ -101,6 +123,22 @@ impl Metrics {
             }
             let value = value.replace('\\', "\\\\").replace('"', "\\\"");
             out.push_str(&format!("{name}{{{label}=\"{value}\"}} {v}\n"));
+        }
+        drop(m);
+        let g = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = "";
+        for ((name, label), v) in g.iter() {
+            if *name != last {
+                out.push_str(&format!("# TYPE {name} gauge\n"));
+                last = name;
+            }
+            match label {
+                Some((l, value)) => {
+                    let value = value.replace('\\', "\\\\").replace('"', "\\\"");
+                    out.push_str(&format!("{name}{{{l}=\"{value}\"}} {v}\n"));
+                }
+                None => out.push_str(&format!("{name} {v}\n")),
+            }
         }
         out
     }

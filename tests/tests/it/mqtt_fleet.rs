@@ -455,3 +455,221 @@ async fn refusal_body() {
     control.shutdown().await;
     mqtt.shutdown().await;
 }
+
+/// The agent's registry client with QUIC status reports switched off, so the registry can only
+/// learn install outcomes from the signed status the agent publishes over MQTT.
+struct QuicReportsOff(RemoteRegistry);
+
+impl fedfleet_agent::clients::Registry for QuicReportsOff {
+    async fn metadata(&self, have_root_version: u64) -> Result<fedfleet_agent::clients::MetadataSet, TransportError> {
+        self.0.metadata(have_root_version).await
+    }
+    async fn assignment(&self, device: &DeviceId) -> Result<Option<fedfleet_protocol::RolloutNotice>, TransportError> {
+        self.0.assignment(device).await
+    }
+    async fn download(&self, name: &str, version: ModelVersion, offset: u64, max_len: u32) -> Result<Vec<u8>, TransportError> {
+        self.0.download(name, version, offset, max_len).await
+    }
+    async fn report(&self, _: &fedfleet_protocol::DeviceStatus) -> Result<(), TransportError> {
+        Err(TransportError("QUIC reports are off in this test".into()))
+    }
+}
+
+/// Issue 7, registry on MQTT: a real registry connected to an embedded broker, 3 real agents
+/// whose poll interval is an hour and whose QUIC status reports are off. Operator starts a
+/// rollout of v2: the registry publishes a signed rollout notice, every agent checks its
+/// assignment at once and installs v2, its signed status over MQTT feeds the rollout engine
+/// (min_healthy = every device), the rollout completes, and the registry's metrics count the
+/// devices online with their last-seen times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_rollout_notices_and_status_over_mqtt() {
+    tokio::time::timeout(Duration::from_secs(120), rollout_body()).await.expect("registry MQTT test timed out");
+}
+
+async fn rollout_body() {
+    use fedfleet_agent::clients::Unlinked;
+    use fedfleet_agent::mqtt::{notice_key, run_agent_with_wake};
+    use fedfleet_registry::mqtt::MqttConfig as RegistryMqttConfig;
+    use fedfleet_registry::rollout::{Audience, Phase};
+    use fedfleet_registry::store::NewVersion;
+    use fedfleet_registry::wire::{AdminRequest, RolloutStart};
+    const DEVICES: usize = 3;
+
+    let dir = tempfile::tempdir().unwrap();
+    let root_dir = dir.path();
+    let pki_dir = root_dir.join("pki");
+    let fleet_id = FleetId::new("fleetroll").unwrap();
+    let pki = Pki::init(&pki_dir, &fleet_id, 30, false).unwrap();
+    pki.issue_server("registry", &[], 30, false).unwrap();
+    pki.issue_server("broker", &[], 30, false).unwrap();
+    let devices: Vec<DeviceId> = (0..DEVICES).map(|i| DeviceId::new(format!("edge-{i:02}")).unwrap()).collect();
+    for d in &devices {
+        pki.enroll_device(d, 30, false).unwrap();
+    }
+    let servers = pki_dir.join("servers");
+    let broker = fedfleet_control::EmbeddedBroker::start(fedfleet_control::BrokerConfig::new(
+        ([127, 0, 0, 1], 0).into(),
+        pki.ca_cert_path(),
+        servers.join("broker.crt"),
+        servers.join("broker.key"),
+    ))
+    .await
+    .unwrap();
+
+    // Registry with v1 (stable) and v2 of the model.
+    let rdata = root_dir.join("registry");
+    metadata::init_keys(&rdata, 30, false).unwrap();
+    let store = Store::open(rdata.join("store"), StoreConfig::default()).unwrap();
+    let signer = MetadataSigner::load(&rdata, Lifetimes::default()).unwrap();
+    let reg = Arc::new(Registry::new(store, fleet_id.clone(), Some(signer), Arc::new(Metrics::default())).unwrap());
+    let pinned_root = reg.signer().unwrap().root().clone();
+    let spec = ModelSpec::digits_mlp();
+    for seed in [7, 8] {
+        let bytes = fedfleet_learning::model::init_bundle(&spec, seed).unwrap().encode();
+        let meta = NewVersion {
+            name: MODEL.into(),
+            spec: serde_json::from_str(&spec.to_json()).unwrap(),
+            parent: None,
+            metrics: Default::default(),
+            created_at: fedfleet_registry::unix_ms(),
+            publisher: "test".into(),
+        };
+        reg.publish(meta, &bytes[..]).unwrap();
+    }
+    reg.store().set_alias(MODEL, "stable", ModelVersion(1)).unwrap();
+    let v2 = reg.store().version(MODEL, ModelVersion(2)).unwrap().digest;
+
+    let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
+    let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
+    let rtls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1]).unwrap();
+    let rendpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), rtls).unwrap();
+    let reg_addr = rendpoint.local_addr().unwrap();
+    let (rstop, rrx) = tokio::sync::oneshot::channel::<()>();
+    let rtask = tokio::spawn(server::run(rendpoint, reg.clone(), ServerOptions::new(rdata.join("incoming")), async move {
+        let _ = rrx.await;
+    }));
+    let rcfg = fedfleet_registry::config::Config {
+        data_dir: rdata.clone(),
+        pki_dir: pki_dir.clone(),
+        server_identity: "registry".into(),
+        mqtt: Some(RegistryMqttConfig::new("127.0.0.1", broker.local_addr().port())),
+        ..Default::default()
+    };
+    let reg_mqtt = fedfleet_registry::mqtt::start(reg.clone(), &rcfg).await.unwrap().expect("[mqtt] on");
+
+    // Agents: an hour between polls; QUIC only for metadata, assignments and downloads.
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let (train, _) = Dataset::digits_split().unwrap();
+    let parts = Partition::Iid.split_dataset(&train, DEVICES, 1);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut serving = Vec::new();
+    let mut aggs = Vec::new();
+    let mut tasks = Vec::new();
+    for (i, (device, part)) in devices.iter().zip(parts).enumerate() {
+        let id = DeviceIdentity::load(&pki_dir, device).unwrap();
+        let quic_tls = tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap();
+        let reg_client = fedfleet_registry::client::RegistryClient::new(reg_addr, "localhost", quic_tls).unwrap();
+        let quic_reg = Arc::new(QuicReportsOff(RemoteRegistry::with_clock(reg_client, MODEL, pinned_root.clone(), clock.clone())));
+        let mut o = ClientOptions::new("127.0.0.1", broker.local_addr().port(), device.as_str(), fleet_id.clone());
+        o.backoff_initial = Duration::from_millis(100);
+        o.backoff_max = Duration::from_secs(1);
+        let unused_receipt_key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key();
+        let role = Role::Device { id: device.clone(), aggregator_key: unused_receipt_key, registry_key: notice_key(&pinned_root) };
+        assert!(notice_key(&pinned_root).is_some(), "the root names the timestamp key");
+        let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
+        let opts = MqttUploadOptions { path: UploadPath::Quic, ..Default::default() };
+        let agg = Arc::new(MqttAggregator::new(Arc::new(Unlinked), control.clone(), events, opts));
+        let reg_client = Arc::new(MqttRegistry::new(quic_reg, StatusPublisher::new(control.clone(), id.signing_key())));
+        let store = AgentStore::open(root_dir.join("agents").join(device.as_str())).unwrap();
+        let (tr, holdout) = part.split(0.2, 1);
+        let mut cfg = CoreConfig::new(device.clone(), fleet_id.clone());
+        cfg.local_samples = tr.len() as u64;
+        cfg.rng_seed = i as u64;
+        cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
+        // Any accuracy passes: this test is about how the rollout travels, not the model.
+        cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 1.0 };
+        let core = Lifecycle::open(cfg, store, Some(pinned_root.clone()), None, clock.now_ms()).unwrap();
+        let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+        let mut agent = Agent::new(core, agg.clone(), reg_client, id.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell);
+        serving.push(agent.serving());
+        let wake = agg.rollout_wake();
+        aggs.push((agg, control));
+        let mut stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            run_agent_with_wake(&mut agent, Duration::from_secs(3600), wake, async move {
+                let _ = stop.changed().await;
+            })
+            .await
+            .unwrap();
+        }));
+    }
+    let runs = |digest: fedfleet_protocol::Digest| serving.iter().all(|s| s.get().is_some_and(|m| m.model.digest == digest));
+    let v1 = reg.store().version(MODEL, ModelVersion(1)).unwrap().digest;
+    wait_until("every agent to run v1 (stable) after its first poll", 60, || runs(v1)).await;
+
+    // The operator starts the rollout of v2; no agent polls for another hour.
+    let start = RolloutStart {
+        id: Some("digits-v2".into()),
+        model: MODEL.into(),
+        alias: "stable".into(),
+        target: ModelVersion(2),
+        phases: vec![Phase { audience: Audience::Percent(100.0), soak_ms: 200, min_healthy: DEVICES as u32 }],
+        failure_threshold: 0.5,
+        min_sample: 1,
+    };
+    reg.admin(AdminRequest::RolloutStart(start), fedfleet_registry::unix_ms()).unwrap();
+    wait_until("every agent to run v2 after the rollout notice", 60, || runs(v2)).await;
+    for (agg, _) in &aggs {
+        let (count, last) = agg.rollout_notices();
+        assert!(count >= 1, "no rollout notice reached an agent");
+        assert_eq!(last.unwrap().fleet, fleet_id);
+    }
+
+    // Their statuses (over MQTT only) complete the rollout: min_healthy counts every device.
+    let status = |reg: &Registry| {
+        reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, fedfleet_registry::unix_ms()).unwrap()
+    };
+    wait_until("the rollout to complete on MQTT status", 30, || status(&reg)["status"] == "completed").await;
+    let s = status(&reg);
+    assert_eq!(s["healthy"], DEVICES, "{s}");
+    assert_eq!(reg.store().alias(MODEL, "stable").unwrap(), Some(ModelVersion(2)));
+    // The completion is announced too (the last notice says install at 100 %).
+    wait_until("the completion notice", 20, || {
+        aggs.iter().all(|(a, _)| a.rollout_notices().1.is_some_and(|n| n.percent_bp == 10_000 && n.model.digest == v2))
+    })
+    .await;
+
+    // Presence in the registry's metrics.
+    let m = reg.metrics().clone();
+    wait_until("presence gauges", 10, || m.gauge("fedfleet_registry_devices_known", None) == Some(DEVICES as u64)).await;
+    assert_eq!(m.gauge("fedfleet_registry_devices_online", None), Some(DEVICES as u64));
+    assert_eq!(reg_mqtt.devices(fedfleet_registry::unix_ms()), (DEVICES, DEVICES));
+    for d in &devices {
+        assert!(m.gauge("fedfleet_registry_device_last_seen_seconds", Some(d.as_str())).is_some(), "{d} last seen");
+        assert!(reg_mqtt.last_seen(d).is_some());
+    }
+    let text = m.render();
+    assert!(text.contains("fedfleet_registry_mqtt_connected 1"), "{text}");
+    assert!(text.contains("fedfleet_registry_devices_online 3"), "{text}");
+
+    stop_tx.send(true).unwrap();
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(30), t).await.unwrap().unwrap();
+    }
+    for (_, c) in &aggs {
+        c.shutdown().await;
+    }
+    reg_mqtt.shutdown().await;
+    broker.shutdown().await;
+    drop(rstop);
+    tokio::time::timeout(Duration::from_secs(15), rtask).await.unwrap().unwrap();
+}
+
+/// Polls `cond` every 50 ms; panics after `secs`.
+async fn wait_until(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
+    let end = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

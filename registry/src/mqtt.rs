@@ -1,0 +1,447 @@
+//! The registry on the MQTT control plane (`fedfleet-control`), next to its QUIC service.
+//!
+//! The registry connects as a client ([`Role::Service`], device status only) to the fleet's
+//! broker: the aggregator's embedded one or any external broker (`[mqtt]` in `registry.toml`).
+//!
+//! * **Rollout notices.** Whenever the latest rollout of a model starts, advances a phase,
+//!   pauses, resumes, completes, aborts or rolls back, the registry publishes a
+//!   `Signed<RolloutNotice>` (QoS 1, retained) on `fedfleet/v1/<fleet>/rollouts`, signed with its
+//!   online timestamp key: the key of the TUF root's timestamp role, which also signs every
+//!   device's assignment, so devices already pin it through their root. A notice is a wake-up,
+//!   not an order: the registry's engine decides per device (its own buckets and cohorts), so a
+//!   device that hears one asks for its signed assignment at once instead of at its next poll.
+//!   The rollout state is read from the store, where the engine persists every change, every
+//!   [`NOTICE_POLL`].
+//! * **Device status.** Every status verified by the control client (signed by the allow-list
+//!   key of the device the topic names) feeds [`Registry::report`], exactly like a QUIC
+//!   `Report`: install outcomes drive the rollout engine. Heartbeats (the same status, re-signed
+//!   with a fresh time) only refresh presence; a status older than the one the store holds for
+//!   the device (a retained message after a restart, a delayed duplicate of a QUIC report) is
+//!   not fed again.
+//! * **Metrics.** `fedfleet_registry_mqtt_connected`, `fedfleet_registry_devices_online` (a
+//!   status within `presence_ttl_secs`), `fedfleet_registry_devices_known`,
+//!   `fedfleet_registry_device_last_seen_seconds{device}`; refused MQTT messages count in
+//!   `fedfleet_registry_rejections_total` by reason.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ed25519_dalek::SigningKey;
+use fedfleet_certs::{AllowList, CaCert, ServerIdentity};
+use fedfleet_control::{
+    AssemblerLimits, ClientOptions, ControlClient, ControlEvent, Presence, Role, service_tls,
+};
+use fedfleet_protocol::{
+    DeviceId, DeviceStatus, FleetId, ModelRef, RolloutAction, RolloutNotice, Signed,
+};
+use serde::Deserialize;
+use tokio::task::JoinHandle;
+
+use crate::RegistryError;
+use crate::config::Config;
+use crate::ops::Registry;
+use crate::rollout::{Audience, Rollout, Status};
+
+/// How often the rollout state is checked for a change to announce.
+pub const NOTICE_POLL: Duration = Duration::from_millis(200);
+
+/// `[mqtt]` in `registry.toml`: the broker to connect to (absent: no MQTT).
+///
+/// ```toml
+/// [mqtt]
+/// host = "127.0.0.1"          # the aggregator's embedded broker, or an external one
+/// port = 8883                 # (its certificate must name `host`)
+/// # fleet = "acme"            # must equal the PKI's fleet (default: the PKI's)
+/// client_id = "registry"      # MQTT client id of this service
+/// presence_ttl_secs = 90      # a device counts as online this long after its last status
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MqttConfig {
+    pub host: String,
+    #[serde(default = "default_port")]
+    pub port: u16,
+    #[serde(default)]
+    pub fleet: Option<String>,
+    #[serde(default = "default_client_id")]
+    pub client_id: String,
+    #[serde(default = "default_presence_ttl")]
+    pub presence_ttl_secs: u64,
+}
+
+fn default_port() -> u16 {
+    8883
+}
+fn default_client_id() -> String {
+    "registry".into()
+}
+fn default_presence_ttl() -> u64 {
+    90
+}
+
+impl MqttConfig {
+    /// A broker at `host:port`, everything else default.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        MqttConfig {
+            host: host.into(),
+            port,
+            fleet: None,
+            client_id: default_client_id(),
+            presence_ttl_secs: default_presence_ttl(),
+        }
+    }
+}
+
+/// The running MQTT side of the registry; [`RegistryMqtt::shutdown`] stops it.
+pub struct RegistryMqtt {
+    client: ControlClient,
+    presence: Arc<Mutex<Presence>>,
+    ttl_ms: u64,
+    task: JoinHandle<()>,
+}
+
+impl RegistryMqtt {
+    pub fn client(&self) -> &ControlClient {
+        &self.client
+    }
+
+    /// (devices online at `now_ms`, devices heard from).
+    pub fn devices(&self, now_ms: u64) -> (usize, usize) {
+        let p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
+        (p.online(now_ms, self.ttl_ms), p.known())
+    }
+
+    /// When `device`'s last verified status arrived (unix ms).
+    pub fn last_seen(&self, device: &DeviceId) -> Option<u64> {
+        self.presence
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last_seen(device)
+    }
+
+    pub async fn shutdown(self) {
+        self.client.shutdown().await;
+        self.task.abort();
+        let _ = self.task.await;
+    }
+}
+
+fn config_err(e: impl std::fmt::Display) -> RegistryError {
+    RegistryError::Config(format!("[mqtt]: {e}"))
+}
+
+/// Connects the registry to the broker of `cfg.mqtt` (in the background; it reconnects by
+/// itself) and starts publishing notices and consuming status. `Ok(None)` without `[mqtt]`.
+pub async fn start(
+    reg: Arc<Registry>,
+    cfg: &Config,
+) -> Result<Option<RegistryMqtt>, RegistryError> {
+    let Some(m) = &cfg.mqtt else { return Ok(None) };
+    let pki = &cfg.pki_dir;
+    let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(pki))?);
+    let fleet: FleetId = allow.fleet();
+    if &fleet != reg.fleet() {
+        return Err(config_err(format!(
+            "the PKI's fleet {fleet} is not the registry's fleet {}",
+            reg.fleet()
+        )));
+    }
+    if let Some(f) = &m.fleet
+        && f != fleet.as_str()
+    {
+        return Err(config_err(format!(
+            "fleet {f:?} is not the PKI's fleet {fleet}"
+        )));
+    }
+    let notice_key = notice_key(&reg, cfg)?;
+    let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
+    let id = ServerIdentity::load(pki, &cfg.server_identity)?;
+    let tls = service_tls(&ca, &id).map_err(config_err)?;
+    let role = Role::Service {
+        keys: allow,
+        status: true,
+        updates: false,
+        limits: AssemblerLimits::default(),
+    };
+    let options = ClientOptions::new(m.host.clone(), m.port, m.client_id.clone(), fleet.clone());
+    let (client, mut events) = ControlClient::start(options, tls, role);
+    tracing::info!(host = %m.host, port = m.port, "registry MQTT control plane started");
+
+    let presence = Arc::new(Mutex::new(Presence::new()));
+    let ttl_ms = m.presence_ttl_secs.saturating_mul(1000);
+    let task = {
+        let client = client.clone();
+        let presence = presence.clone();
+        let mut state = Loop {
+            reg,
+            client,
+            fleet,
+            key: notice_key,
+            presence,
+            ttl_ms,
+            announced: None,
+            fed: HashMap::new(),
+        };
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(NOTICE_POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    ev = events.recv() => match ev {
+                        None => break,
+                        Some(ev) => state.on_event(ev),
+                    },
+                    _ = tick.tick() => {
+                        state.announce().await;
+                        state.export_presence();
+                    }
+                }
+            }
+        })
+    };
+    Ok(Some(RegistryMqtt {
+        client,
+        presence,
+        ttl_ms,
+        task,
+    }))
+}
+
+/// The online timestamp key, checked against the timestamp role of the registry's root.
+fn notice_key(reg: &Registry, cfg: &Config) -> Result<SigningKey, RegistryError> {
+    let signer = reg
+        .signer()
+        .ok_or_else(|| config_err("rollout notices need the registry's signing keys"))?;
+    let path = cfg.data_dir.join(crate::metadata::TIMESTAMP_KEY);
+    let key = fedfleet_certs::load_signing_key(&path).map_err(|e| RegistryError::Key {
+        path: path.clone(),
+        detail: e.to_string(),
+    })?;
+    let root = signer.root().body_unverified()?;
+    let id = crate::tuf::KeyId::of(&key.verifying_key());
+    if !root.timestamp.keyids.contains(&id) {
+        return Err(config_err(format!(
+            "{} is not a timestamp key of the current root",
+            path.display()
+        )));
+    }
+    Ok(key)
+}
+
+/// What a device's status says about installs; heartbeats repeat it with a fresh time.
+type StatusContent = (
+    fedfleet_protocol::DeviceState,
+    Option<ModelRef>,
+    Option<ModelRef>,
+    Option<u64>,
+);
+
+fn content(s: &DeviceStatus) -> StatusContent {
+    (
+        s.state.clone(),
+        s.active.clone(),
+        s.staged.clone(),
+        s.rollout_id,
+    )
+}
+
+struct Loop {
+    reg: Arc<Registry>,
+    client: ControlClient,
+    fleet: FleetId,
+    key: SigningKey,
+    presence: Arc<Mutex<Presence>>,
+    ttl_ms: u64,
+    /// (rollout id, status, phase) of the last notice published.
+    announced: Option<(String, Status, usize)>,
+    /// The last status content fed to the engine per device.
+    fed: HashMap<DeviceId, StatusContent>,
+}
+
+impl Loop {
+    fn on_event(&mut self, ev: ControlEvent) {
+        let metrics = self.reg.metrics();
+        match ev {
+            ControlEvent::Connected { count } => {
+                metrics.set_gauge("fedfleet_registry_mqtt_connected", None, 1);
+                tracing::info!(count, "registry MQTT connected");
+            }
+            ControlEvent::Disconnected { error } => {
+                metrics.set_gauge("fedfleet_registry_mqtt_connected", None, 0);
+                tracing::warn!(%error, "registry MQTT disconnected; reconnecting");
+            }
+            ControlEvent::Status(s) => self.on_status(s.body()),
+            ControlEvent::Rejected(r) => {
+                metrics.rejection(r.reason);
+                tracing::info!(topic = %r.topic, reason = %r.reason, detail = %r.detail, "MQTT message refused");
+            }
+            _ => {}
+        }
+    }
+
+    fn on_status(&mut self, s: &DeviceStatus) {
+        let now = crate::unix_ms();
+        self.presence
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(s, now);
+        let c = content(s);
+        if self.fed.get(&s.device) == Some(&c) {
+            return; // a heartbeat
+        }
+        // Not older than what the store holds (from QUIC, or from before a restart).
+        let stored_at = self
+            .reg
+            .store()
+            .device_status(s.device.as_str())
+            .ok()
+            .flatten()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| v["reported_at"].as_u64());
+        if stored_at.is_some_and(|t| t > s.reported_at_unix_ms) {
+            self.fed.insert(s.device.clone(), c);
+            return;
+        }
+        match self.reg.report(s, now) {
+            Ok(()) => {
+                tracing::debug!(device = %s.device, state = s.state.as_str(), "status over MQTT");
+                self.fed.insert(s.device.clone(), c);
+            }
+            Err(e) => {
+                tracing::error!(device = %s.device, error = %e, "recording an MQTT status failed")
+            }
+        }
+    }
+
+    fn export_presence(&self) {
+        let now = crate::unix_ms();
+        let m = self.reg.metrics();
+        let p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
+        m.set_gauge(
+            "fedfleet_registry_devices_online",
+            None,
+            p.online(now, self.ttl_ms) as u64,
+        );
+        m.set_gauge("fedfleet_registry_devices_known", None, p.known() as u64);
+        for device in self.fed.keys() {
+            if let Some(t) = p.last_seen(device) {
+                m.set_gauge(
+                    "fedfleet_registry_device_last_seen_seconds",
+                    Some(("device", device.as_str())),
+                    t / 1000,
+                );
+            }
+        }
+    }
+
+    /// Publishes a notice when the most recently started rollout changed state or phase.
+    async fn announce(&mut self) {
+        let rollouts = match self.reg.store().rollouts() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading rollouts for notices failed");
+                return;
+            }
+        };
+        let Some(r) = rollouts.into_iter().max_by_key(|r| r.started_at()) else {
+            return;
+        };
+        let now_state = (r.id().to_owned(), r.status(), r.phase());
+        if self.announced.as_ref() == Some(&now_state) {
+            return;
+        }
+        match self.notice(&r) {
+            Ok(n) => {
+                let signed = Signed::sign(n, &self.key);
+                match self.client.publish_rollout(&signed).await {
+                    Ok(()) => {
+                        tracing::info!(rollout = r.id(), status = ?r.status(), phase = r.phase(), "rollout notice published");
+                        self.announced = Some(now_state);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "rollout notice not published"),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(rollout = r.id(), error = %e, "cannot describe the rollout in a notice");
+                self.announced = Some(now_state);
+            }
+        }
+    }
+
+    fn model_ref(
+        &self,
+        model: &str,
+        v: fedfleet_protocol::ModelVersion,
+    ) -> Result<(ModelRef, u64), RegistryError> {
+        let rec = self.reg.store().version(model, v)?;
+        Ok((
+            ModelRef {
+                name: model.to_owned(),
+                version: v,
+                digest: rec.digest,
+            },
+            rec.length,
+        ))
+    }
+
+    fn notice(&self, r: &Rollout) -> Result<RolloutNotice, RegistryError> {
+        let plan = r.plan();
+        let (model, length) = self.model_ref(&plan.model, plan.target)?;
+        let phase = &plan.phases[r.phase().min(plan.phases.len() - 1)];
+        let (percent_bp, cohort) = match &phase.audience {
+            Audience::Percent(p) => ((p * 100.0).round().clamp(0.0, 10_000.0) as u32, None),
+            Audience::Cohort { name, .. } => (10_000, Some(name.clone())),
+        };
+        let action = match r.status() {
+            Status::Running | Status::Completed => RolloutAction::Install,
+            Status::Paused => RolloutAction::Pause,
+            Status::Aborted => RolloutAction::Abort,
+            Status::RolledBack => match plan.previous {
+                Some(v) => RolloutAction::RollBack {
+                    to: self.model_ref(&plan.model, v)?.0,
+                },
+                None => RolloutAction::Abort,
+            },
+        };
+        Ok(RolloutNotice {
+            fleet: self.fleet.clone(),
+            // The same id an assignment from this rollout carries (`AssignmentBody::to_notice`).
+            rollout_id: u64::from_be_bytes(
+                blake3::hash(r.id().as_bytes()).as_bytes()[..8]
+                    .try_into()
+                    .expect("8 bytes"),
+            ),
+            alias: plan.alias.clone(),
+            model,
+            length,
+            phase: r.phase() as u32,
+            percent_bp: if r.status() == Status::Completed {
+                10_000
+            } else {
+                percent_bp
+            },
+            cohort,
+            action,
+            issued_at_unix_ms: crate::unix_ms(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mqtt_section_parses_with_defaults_and_refuses_unknown_keys() {
+        let c: Config = toml::from_str("[mqtt]\nhost = \"broker.local\"\n").unwrap();
+        assert_eq!(c.mqtt, Some(MqttConfig::new("broker.local", 8883)));
+        let c: Config = toml::from_str("").unwrap();
+        assert_eq!(c.mqtt, None);
+        let c: Config =
+            toml::from_str("[mqtt]\nhost = \"h\"\nport = 1883\nclient_id = \"reg-2\"\n").unwrap();
+        let m = c.mqtt.unwrap();
+        assert_eq!((m.port, m.client_id.as_str()), (1883, "reg-2"));
+        assert!(toml::from_str::<Config>("[mqtt]\nhost = \"h\"\nmode = \"embedded\"\n").is_err());
+    }
+}
