@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_protocol::{BundleLimits, DeviceState, DeviceStatus, Digest, RoundId, TensorBundle};
 
-use crate::procs::{Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, sample, scrape, wait_for};
+use crate::procs::{
+    Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, sample, scrape, wait_for,
+};
 
 const MODEL: &str = "digits";
 const FLEET: &str = "fleet-mp";
@@ -71,7 +73,10 @@ impl Fleet {
     /// Writes the PKI (through `fedfleet-certs`), the registry keys, the aggregator's initial
     /// model and every config. Starts nothing; every device starts idle.
     fn new(test: &str, plan: Plan) -> Fleet {
-        let dir = tempfile::Builder::new().prefix(&format!("{test}-")).tempdir().expect("temp dir");
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{test}-"))
+            .tempdir()
+            .expect("temp dir");
         let root = dir.path().to_owned();
         eprintln!("{test}: working directory {}", root.display());
         for d in ["logs", "conditions", "agents"] {
@@ -79,12 +84,24 @@ impl Fleet {
         }
         let devices: Vec<String> = (0..AGENTS).map(|i| format!("edge-{i:02}")).collect();
 
-        cli("fedfleet-certs", &["--dir", "pki", "init", "--fleet", FLEET], &root);
+        cli(
+            "fedfleet-certs",
+            &["--dir", "pki", "init", "--fleet", FLEET],
+            &root,
+        );
         for name in ["registry", "aggregator", "operator"] {
-            cli("fedfleet-certs", &["--dir", "pki", "issue-server", "--name", name], &root);
+            cli(
+                "fedfleet-certs",
+                &["--dir", "pki", "issue-server", "--name", name],
+                &root,
+            );
         }
         for d in &devices {
-            cli("fedfleet-certs", &["--dir", "pki", "enroll-device", "--id", d], &root);
+            cli(
+                "fedfleet-certs",
+                &["--dir", "pki", "enroll-device", "--id", d],
+                &root,
+            );
         }
 
         let (reg_port, agg_port) = (free_udp_port(), free_udp_port());
@@ -99,9 +116,19 @@ impl Fleet {
             ),
         )
         .unwrap();
-        cli("fedfleet-registry", &["--config", "registry.toml", "init-keys"], &root);
+        cli(
+            "fedfleet-registry",
+            &["--config", "registry.toml", "init-keys"],
+            &root,
+        );
 
-        let Plan { rounds, target, quorum, deadline_secs, extension_secs } = plan;
+        let Plan {
+            rounds,
+            target,
+            quorum,
+            deadline_secs,
+            extension_secs,
+        } = plan;
         std::fs::write(
             root.join("aggregator.toml"),
             format!(
@@ -115,7 +142,11 @@ impl Fleet {
             ),
         )
         .unwrap();
-        cli("fedfleet-aggregator", &["init-model", "--config", "aggregator.toml", "--seed", "7"], &root);
+        cli(
+            "fedfleet-aggregator",
+            &["init-model", "--config", "aggregator.toml", "--seed", "7"],
+            &root,
+        );
 
         for (i, d) in devices.iter().enumerate() {
             let state = root.join("agents").join(d);
@@ -179,7 +210,14 @@ impl Fleet {
     /// Starts `fedfleet-registry serve` and waits until it serves (its metrics endpoint is bound
     /// after the QUIC endpoint).
     fn start_registry(&mut self) {
-        let p = Proc::spawn("registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &self.root, &self.log("registry"), "info");
+        let p = Proc::spawn(
+            "registry",
+            "fedfleet-registry",
+            &["--config", "registry.toml", "serve"],
+            &self.root,
+            &self.log("registry"),
+            "info",
+        );
         let addr = self.reg_metrics;
         self.registry = Some(p);
         let reg = self.registry.as_mut().unwrap();
@@ -210,7 +248,11 @@ impl Fleet {
     }
 
     fn agent_config(&self, i: usize) -> String {
-        self.root.join("agents").join(format!("{}.toml", self.devices[i])).display().to_string()
+        self.root
+            .join("agents")
+            .join(format!("{}.toml", self.devices[i]))
+            .display()
+            .to_string()
     }
 
     /// Points agent `i` at `addr` (e.g. a [`Relay`]) instead of the aggregator; before it starts.
@@ -219,7 +261,11 @@ impl Fleet {
         let text = std::fs::read_to_string(&path).unwrap();
         let from = format!("[aggregator]\naddr = \"{}\"", self.agg_addr);
         assert!(text.contains(&from), "{text}");
-        std::fs::write(&path, text.replace(&from, &format!("[aggregator]\naddr = \"{addr}\""))).unwrap();
+        std::fs::write(
+            &path,
+            text.replace(&from, &format!("[aggregator]\naddr = \"{addr}\"")),
+        )
+        .unwrap();
     }
 
     fn start_agent(&mut self, i: usize) {
@@ -228,32 +274,60 @@ impl Fleet {
         // The lifecycle's debug lines say why a device does not join a round: proof that it
         // heard the announcement.
         let log = self.log(&name);
-        self.agents[i] = Some(Proc::spawn(&name, "fedfleet-agent", &["run", "--config", &config], &self.root, &log, "info,fedfleet_agent::lifecycle=debug"));
+        self.agents[i] = Some(Proc::spawn(
+            &name,
+            "fedfleet-agent",
+            &["run", "--config", &config],
+            &self.root,
+            &log,
+            "info,fedfleet_agent::lifecycle=debug",
+        ));
     }
 
     /// Writes device `i`'s conditions file (read at each of its polls): only an idle device
     /// joins a round.
     fn set_idle(&self, i: usize, idle: bool) {
-        let path = self.root.join("conditions").join(format!("{}.json", self.devices[i]));
+        let path = self
+            .root
+            .join("conditions")
+            .join(format!("{}.json", self.devices[i]));
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, format!("{{\"idle\":{idle},\"charging\":true,\"fresh_samples\":1000}}")).unwrap();
+        std::fs::write(
+            &tmp,
+            format!("{{\"idle\":{idle},\"charging\":true,\"fresh_samples\":1000}}"),
+        )
+        .unwrap();
         std::fs::rename(&tmp, &path).unwrap();
     }
 
     /// The agent's last status report (`status.json`), if it wrote one.
     fn status_file(&self, i: usize) -> Option<DeviceStatus> {
-        let text = std::fs::read_to_string(self.root.join("agents").join(&self.devices[i]).join("status.json")).ok()?;
+        let text = std::fs::read_to_string(
+            self.root
+                .join("agents")
+                .join(&self.devices[i])
+                .join("status.json"),
+        )
+        .ok()?;
         serde_json::from_str(&text).ok()
     }
 
     /// `fedfleet-agent status`.
     fn status_cli(&self, i: usize) -> DeviceStatus {
-        let out = cli("fedfleet-agent", &["status", "--config", &self.agent_config(i)], &self.root);
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("`fedfleet-agent status` of {}: {e}: {out}", self.devices[i]))
+        let out = cli(
+            "fedfleet-agent",
+            &["status", "--config", &self.agent_config(i)],
+            &self.root,
+        );
+        serde_json::from_str(&out).unwrap_or_else(|e| {
+            panic!("`fedfleet-agent status` of {}: {e}: {out}", self.devices[i])
+        })
     }
 
     fn aggregator_metrics(&self) -> String {
-        wait_for("the aggregator's metrics", STEP_TIMEOUT, || scrape(self.agg_metrics))
+        wait_for("the aggregator's metrics", STEP_TIMEOUT, || {
+            scrape(self.agg_metrics)
+        })
     }
 
     fn aggregator_cli(&self, args: &[&str]) -> String {
@@ -273,9 +347,18 @@ impl Fleet {
             let s = self.aggregator_cli(&["status"]);
             s.contains("no campaign running").then_some(s)
         });
-        assert!(text.contains("(last: completed)"), "campaign ended but did not complete:\n{text}");
+        assert!(
+            text.contains("(last: completed)"),
+            "campaign ended but did not complete:\n{text}"
+        );
         text.lines()
-            .find_map(|l| l.strip_prefix("global model: version ")?.split(',').next()?.parse().ok())
+            .find_map(|l| {
+                l.strip_prefix("global model: version ")?
+                    .split(',')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
             .unwrap_or_else(|| panic!("no global model in the status:\n{text}"))
     }
 
@@ -283,7 +366,8 @@ impl Fleet {
         let mut all = vec!["--config", "registry.toml", "--json"];
         all.extend_from_slice(args);
         let out = cli("fedfleet-registry", &all, &self.root);
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("fedfleet-registry {}: {e}: {out}", args.join(" ")))
+        serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("fedfleet-registry {}: {e}: {out}", args.join(" ")))
     }
 
     /// The registry's versions of the model: version → (parent, digest in hex).
@@ -299,7 +383,10 @@ impl Fleet {
             .iter()
             .map(|v| {
                 let digest = v["digest"].as_str().expect("digest").to_owned();
-                (v["version"].as_u64().expect("version"), (v["parent"].as_u64(), digest))
+                (
+                    v["version"].as_u64().expect("version"),
+                    (v["parent"].as_u64(), digest),
+                )
             })
             .collect()
     }
@@ -347,15 +434,24 @@ impl Fleet {
     /// through `fedfleet-agent status`. Returns the active model's digest.
     fn wait_all_active(&self, version: u64) -> Digest {
         for i in 0..AGENTS {
-            wait_for(&format!("{} to run version {version}", self.devices[i]), STEP_TIMEOUT, || {
-                self.status_file(i).filter(|s| s.active.as_ref().is_some_and(|m| m.version.0 == version))
-            });
+            wait_for(
+                &format!("{} to run version {version}", self.devices[i]),
+                STEP_TIMEOUT,
+                || {
+                    self.status_file(i)
+                        .filter(|s| s.active.as_ref().is_some_and(|m| m.version.0 == version))
+                },
+            );
         }
         let statuses: Vec<DeviceStatus> = (0..AGENTS).map(|i| self.status_cli(i)).collect();
         let digest = statuses[0].active.as_ref().expect("active model").digest;
         for s in &statuses {
             let m = s.active.as_ref().expect("active model");
-            assert_eq!((m.name.as_str(), m.version.0, m.digest), (MODEL, version, digest), "{s:?}");
+            assert_eq!(
+                (m.name.as_str(), m.version.0, m.digest),
+                (MODEL, version, digest),
+                "{s:?}"
+            );
             assert_eq!(s.state, DeviceState::Active, "{s:?}");
         }
         digest
@@ -378,29 +474,55 @@ impl Fleet {
     /// one update per (device, round) for `expected[device]` rounds, that every agent's outbox
     /// is empty, and that agents acknowledged no more updates than they trained.
     fn assert_exactly_once(&self, expected: &[u32]) {
-        let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator")).expect("aggregator store");
+        let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator"))
+            .expect("aggregator store");
         let mut per_device: BTreeMap<String, Vec<RoundId>> = BTreeMap::new();
         for r in 1..=self.rounds as u64 {
             for rec in store.accepted_in(RoundId(r)).expect("accepted records") {
                 assert_eq!(rec.round, RoundId(r));
-                per_device.entry(rec.device.as_str().to_owned()).or_default().push(rec.round);
+                per_device
+                    .entry(rec.device.as_str().to_owned())
+                    .or_default()
+                    .push(rec.round);
             }
         }
         for (i, d) in self.devices.iter().enumerate() {
             let rounds = per_device.remove(d).unwrap_or_default();
             let mut unique = rounds.clone();
             unique.dedup();
-            assert_eq!(unique.len(), rounds.len(), "{d}: an update counted twice: {rounds:?}");
-            assert_eq!(rounds.len(), expected[i] as usize, "{d}: accepted in rounds {rounds:?}");
-            let outbox = fedfleet_agent::store::AgentStore::open(self.root.join("agents").join(d).join("store"))
-                .expect("agent store")
-                .outbox()
-                .expect("outbox");
-            assert!(outbox.is_empty(), "{d}: {} updates still in the outbox", outbox.len());
-            let acks = count_lines(&self.log(d), "update acknowledged") + count_lines(&self.log(d), "update already held by the aggregator");
-            assert!(acks <= expected[i] as usize, "{d}: {acks} acknowledgements for {} accepted updates", expected[i]);
+            assert_eq!(
+                unique.len(),
+                rounds.len(),
+                "{d}: an update counted twice: {rounds:?}"
+            );
+            assert_eq!(
+                rounds.len(),
+                expected[i] as usize,
+                "{d}: accepted in rounds {rounds:?}"
+            );
+            let outbox = fedfleet_agent::store::AgentStore::open(
+                self.root.join("agents").join(d).join("store"),
+            )
+            .expect("agent store")
+            .outbox()
+            .expect("outbox");
+            assert!(
+                outbox.is_empty(),
+                "{d}: {} updates still in the outbox",
+                outbox.len()
+            );
+            let acks = count_lines(&self.log(d), "update acknowledged")
+                + count_lines(&self.log(d), "update already held by the aggregator");
+            assert!(
+                acks <= expected[i] as usize,
+                "{d}: {acks} acknowledgements for {} accepted updates",
+                expected[i]
+            );
         }
-        assert!(per_device.is_empty(), "records of unknown devices: {per_device:?}");
+        assert!(
+            per_device.is_empty(),
+            "records of unknown devices: {per_device:?}"
+        );
     }
 }
 
@@ -408,13 +530,18 @@ impl Fleet {
 fn test_accuracy(bytes: &[u8]) -> f64 {
     let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).expect("model decodes");
     let (_, test) = Dataset::digits_split().expect("digits");
-    fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test).expect("evaluates").accuracy
+    fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test)
+        .expect("evaluates")
+        .accuracy
 }
 
 /// The aggregator's open round and its accepted updates (from its metrics).
 fn open_round(metrics: &str) -> (u64, u64) {
     let get = |n| sample(metrics, n).unwrap_or_else(|| panic!("{n} missing from the metrics"));
-    (get("fedfleet_aggregator_open_round") as u64, get("fedfleet_aggregator_round_accepted") as u64)
+    (
+        get("fedfleet_aggregator_open_round") as u64,
+        get("fedfleet_aggregator_round_accepted") as u64,
+    )
 }
 
 #[test]
@@ -424,7 +551,13 @@ fn campaign_and_rollout_reach_every_agent() {
     let n = AGENTS as u32;
     let mut f = Fleet::new(
         "mp-campaign",
-        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60 },
+        Plan {
+            rounds,
+            target: n,
+            quorum: n,
+            deadline_secs: 300,
+            extension_secs: 60,
+        },
     );
     f.start_registry();
     f.start_aggregator();
@@ -433,11 +566,18 @@ fn campaign_and_rollout_reach_every_agent() {
     }
     f.aggregator_cli(&["start", "--seed", "1"]);
     let global = f.wait_campaign_completed();
-    assert_eq!(global, 1 + rounds as u64, "the initial model and one version per round");
+    assert_eq!(
+        global,
+        1 + rounds as u64,
+        "the initial model and one version per round"
+    );
 
     // The registry holds every version, each trained from the one before.
     let versions = f.registry_versions();
-    assert_eq!(versions.keys().copied().collect::<Vec<_>>(), (1..=global).collect::<Vec<_>>());
+    assert_eq!(
+        versions.keys().copied().collect::<Vec<_>>(),
+        (1..=global).collect::<Vec<_>>()
+    );
     for (v, (parent, _)) in &versions {
         assert_eq!(*parent, (*v > 1).then(|| v - 1), "parent of v{v}");
     }
@@ -446,12 +586,27 @@ fn campaign_and_rollout_reach_every_agent() {
     let id = format!("{MODEL}-stable-v{global}");
     f.rollout_start(global, &id);
     let rollout = f.wait_rollout_completed(&id);
-    assert_eq!(rollout["healthy"].as_u64(), Some(AGENTS as u64), "{rollout:#}");
+    assert_eq!(
+        rollout["healthy"].as_u64(),
+        Some(AGENTS as u64),
+        "{rollout:#}"
+    );
     let digest = f.wait_all_active(global);
-    assert_eq!(digest.to_hex(), versions[&global].1, "agents run the registry's bytes");
+    assert_eq!(
+        digest.to_hex(),
+        versions[&global].1,
+        "agents run the registry's bytes"
+    );
 
     // The model the agents run classifies held-out digits.
-    let bytes = std::fs::read(f.root.join("agents").join(&f.devices[0]).join("store/blobs").join(digest.to_hex())).expect("active blob");
+    let bytes = std::fs::read(
+        f.root
+            .join("agents")
+            .join(&f.devices[0])
+            .join("store/blobs")
+            .join(digest.to_hex()),
+    )
+    .expect("active blob");
     let accuracy = test_accuracy(&bytes);
     eprintln!("v{global} after {rounds} rounds of {AGENTS} agents: test accuracy {accuracy:.3}");
     assert!(accuracy > 0.8, "test accuracy {accuracy}");
@@ -485,7 +640,13 @@ fn services_killed_with_sigkill_recover() {
     let n = AGENTS as u32;
     let mut f = Fleet::new(
         "mp-sigkill",
-        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60 },
+        Plan {
+            rounds,
+            target: n,
+            quorum: n,
+            deadline_secs: 300,
+            extension_secs: 60,
+        },
     );
     // Round 1 gets k updates from the first k devices of a random order; the others start
     // after the aggregator's restart.
@@ -502,11 +663,21 @@ fn services_killed_with_sigkill_recover() {
     f.aggregator_cli(&["start", "--seed", "1"]);
 
     // 1. The aggregator, SIGKILLed after k of the round's updates, restarts with them.
-    wait_for(&format!("{k} updates in round 1"), STEP_TIMEOUT, || (open_round(&f.aggregator_metrics()) == (1, k as u64)).then_some(()));
-    eprintln!("[{:.1?}] SIGKILL aggregator after {k} of {AGENTS} updates of round 1 (devices {:?} uploaded)", t0.elapsed(), &order[..k]);
+    wait_for(&format!("{k} updates in round 1"), STEP_TIMEOUT, || {
+        (open_round(&f.aggregator_metrics()) == (1, k as u64)).then_some(())
+    });
+    eprintln!(
+        "[{:.1?}] SIGKILL aggregator after {k} of {AGENTS} updates of round 1 (devices {:?} uploaded)",
+        t0.elapsed(),
+        &order[..k]
+    );
     f.aggregator.as_mut().unwrap().sigkill();
     f.start_aggregator();
-    assert_eq!(open_round(&f.aggregator_metrics()), (1, k as u64), "round 1 after the restart");
+    assert_eq!(
+        open_round(&f.aggregator_metrics()),
+        (1, k as u64),
+        "round 1 after the restart"
+    );
 
     // 2. An agent SIGKILLed while uploading restarts and delivers its update exactly once, from
     //    its outbox. It reaches the aggregator through a relay that cuts the link part-way
@@ -518,13 +689,22 @@ fn services_killed_with_sigkill_recover() {
     f.route_agent_to_aggregator_via(victim, relay.addr);
     relay.cut_after(12 * 1024);
     f.start_agent(victim);
-    wait_for(&format!("{name}'s upload to be cut"), STEP_TIMEOUT, || relay.is_cut().then_some(()));
+    wait_for(&format!("{name}'s upload to be cut"), STEP_TIMEOUT, || {
+        relay.is_cut().then_some(())
+    });
     let delay = rng.range(0, 300);
     std::thread::sleep(Duration::from_millis(delay));
     let state = f.status_file(victim).map(|s| s.state);
-    eprintln!("[{:.1?}] SIGKILL {name} {delay} ms after its link was cut mid-upload (status then: {state:?})", t0.elapsed());
+    eprintln!(
+        "[{:.1?}] SIGKILL {name} {delay} ms after its link was cut mid-upload (status then: {state:?})",
+        t0.elapsed()
+    );
     f.agents[victim].as_mut().unwrap().sigkill();
-    assert_eq!(open_round(&f.aggregator_metrics()), (1, k as u64), "a partial upload is not an update");
+    assert_eq!(
+        open_round(&f.aggregator_metrics()),
+        (1, k as u64),
+        "a partial upload is not an update"
+    );
     relay.set_cut(false);
     f.start_agent(victim);
     for &i in &order[k + 1..] {
@@ -533,7 +713,11 @@ fn services_killed_with_sigkill_recover() {
 
     let global = f.wait_campaign_completed();
     assert_eq!(global, 1 + rounds as u64);
-    assert_eq!(count_lines(&f.log(&name), "update acknowledged"), rounds as usize, "{name}: one receipt per round");
+    assert_eq!(
+        count_lines(&f.log(&name), "update acknowledged"),
+        rounds as usize,
+        "{name}: one receipt per round"
+    );
 
     // 3. The registry, SIGKILLed while the agents install the rolled-out version, restarts and
     //    the agents still converge on it.
@@ -541,15 +725,30 @@ fn services_killed_with_sigkill_recover() {
     f.rollout_start(global, &id);
     let installing = |f: &Fleet, i: usize| {
         f.status_file(i).is_some_and(|s| {
-            matches!(s.state, DeviceState::Downloading | DeviceState::Downloaded | DeviceState::Verified | DeviceState::Healthy)
-                || s.active.is_some_and(|m| m.version.0 == global)
+            matches!(
+                s.state,
+                DeviceState::Downloading
+                    | DeviceState::Downloaded
+                    | DeviceState::Verified
+                    | DeviceState::Healthy
+            ) || s.active.is_some_and(|m| m.version.0 == global)
         })
     };
-    catch("an agent to start installing", || (0..AGENTS).any(|i| installing(&f, i)).then_some(()));
+    catch("an agent to start installing", || {
+        (0..AGENTS).any(|i| installing(&f, i)).then_some(())
+    });
     let delay = rng.range(0, 100);
     std::thread::sleep(Duration::from_millis(delay));
-    let active = (0..AGENTS).filter(|&i| f.status_file(i).is_some_and(|s| s.active.is_some_and(|m| m.version.0 == global))).count();
-    eprintln!("[{:.1?}] SIGKILL registry {delay} ms after the first agent began installing ({active} of {AGENTS} agents active on v{global})", t0.elapsed());
+    let active = (0..AGENTS)
+        .filter(|&i| {
+            f.status_file(i)
+                .is_some_and(|s| s.active.is_some_and(|m| m.version.0 == global))
+        })
+        .count();
+    eprintln!(
+        "[{:.1?}] SIGKILL registry {delay} ms after the first agent began installing ({active} of {AGENTS} agents active on v{global})",
+        t0.elapsed()
+    );
     f.registry.as_mut().unwrap().sigkill();
     f.start_registry();
     f.wait_rollout_completed(&id);
@@ -569,7 +768,13 @@ fn revoked_device_is_locked_out_mid_campaign() {
     // The revoked device never completes a round again: rounds close at the deadline on quorum.
     let mut f = Fleet::new(
         "mp-revoke",
-        Plan { rounds, target: n, quorum: n - 1, deadline_secs: 10, extension_secs: 30 },
+        Plan {
+            rounds,
+            target: n,
+            quorum: n - 1,
+            deadline_secs: 10,
+            extension_secs: 30,
+        },
     );
     let revoked = AGENTS - 1;
     f.set_idle(revoked, false);
@@ -590,23 +795,54 @@ fn revoked_device_is_locked_out_mid_campaign() {
     wait_for(&format!("{name} to hear of round 1"), STEP_TIMEOUT, || {
         (count_lines(&f.log(&name), "not joining round") > 0).then_some(())
     });
-    cli("fedfleet-certs", &["--dir", "pki", "revoke", "--id", &name, "--reason", "lost in test"], &f.root);
+    cli(
+        "fedfleet-certs",
+        &[
+            "--dir",
+            "pki",
+            "revoke",
+            "--id",
+            &name,
+            "--reason",
+            "lost in test",
+        ],
+        &f.root,
+    );
     f.set_idle(revoked, true);
     wait_for("an update refused as revoked", STEP_TIMEOUT, || {
-        (sample(&f.aggregator_metrics(), "fedfleet_aggregator_updates_rejected_total{reason=\"revoked\"}")? >= 1.0).then_some(())
+        (sample(
+            &f.aggregator_metrics(),
+            "fedfleet_aggregator_updates_rejected_total{reason=\"revoked\"}",
+        )? >= 1.0)
+            .then_some(())
     });
 
     let global = f.wait_campaign_completed();
-    assert_eq!(global, 1 + rounds as u64, "every round completed without the revoked device");
+    assert_eq!(
+        global,
+        1 + rounds as u64,
+        "every round completed without the revoked device"
+    );
     let m = f.aggregator_metrics();
-    assert_eq!(sample(&m, "fedfleet_aggregator_updates_accepted_total"), Some(((AGENTS - 1) * rounds as usize) as f64), "{m}");
-    assert_eq!(sample(&m, "fedfleet_aggregator_rounds_total{event=\"failed\"}"), Some(0.0), "{m}");
+    assert_eq!(
+        sample(&m, "fedfleet_aggregator_updates_accepted_total"),
+        Some(((AGENTS - 1) * rounds as usize) as f64),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "fedfleet_aggregator_rounds_total{event=\"failed\"}"),
+        Some(0.0),
+        "{m}"
+    );
     let status = f.status_cli(revoked);
     assert!(
         matches!(&status.state, DeviceState::Failed { reason } if reason.contains("revoked")),
         "{name} should report its refused update: {status:?}"
     );
-    assert!(count_lines(&f.log(&name), "reason=revoked") >= 1, "{name}'s log names the refusal");
+    assert!(
+        count_lines(&f.log(&name), "reason=revoked") >= 1,
+        "{name}'s log names the refusal"
+    );
 
     f.stop_all();
     let mut expected = [rounds; AGENTS];

@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 /// test executable's `deps/` directory.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("path of the test executable");
-    let dir = exe.parent().and_then(Path::parent).expect("test executable lives in target/<profile>/deps");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable lives in target/<profile>/deps");
     let path = dir.join(name);
     assert!(
         path.is_file(),
@@ -53,8 +56,19 @@ pub struct Proc {
 impl Proc {
     /// Starts `bin args` in `cwd`, stdout and stderr appended to `log` (kept across restarts),
     /// logging at `rust_log` (an `EnvFilter` directive).
-    pub fn spawn(name: &str, binary: &str, args: &[&str], cwd: &Path, log: &Path, rust_log: &str) -> Proc {
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+    pub fn spawn(
+        name: &str,
+        binary: &str,
+        args: &[&str],
+        cwd: &Path,
+        log: &Path,
+        rust_log: &str,
+    ) -> Proc {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .expect("log file");
         let _ = writeln!(f, "===== {name}: {binary} {} =====", args.join(" "));
         let child = Command::new(bin(binary))
             .args(args)
@@ -66,7 +80,11 @@ impl Proc {
             .stderr(f)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        Proc { name: name.into(), child: Some(child), log: log.to_owned() }
+        Proc {
+            name: name.into(),
+            child: Some(child),
+            log: log.to_owned(),
+        }
     }
 
     /// Panics (with the log tail) if the child has exited.
@@ -88,20 +106,35 @@ impl Proc {
 
     /// SIGTERM, then waits (up to 30 s, then SIGKILL); panics if it did not exit cleanly.
     pub fn stop(&mut self) {
-        let Some(mut c) = self.child.take() else { return };
-        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
         let t0 = Instant::now();
         loop {
             match c.try_wait() {
                 Ok(Some(status)) => {
-                    assert!(status.success(), "{} did not stop cleanly ({status}):\n{}", self.name, tail(&self.log, 40));
+                    assert!(
+                        status.success(),
+                        "{} did not stop cleanly ({status}):\n{}",
+                        self.name,
+                        tail(&self.log, 40)
+                    );
                     return;
                 }
-                Ok(None) if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(50)),
+                Ok(None) if t0.elapsed() < Duration::from_secs(30) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
                 _ => {
                     let _ = c.kill();
                     let _ = c.wait();
-                    panic!("{} did not stop within 30 s of SIGTERM:\n{}", self.name, tail(&self.log, 40));
+                    panic!(
+                        "{} did not stop within 30 s of SIGTERM:\n{}",
+                        self.name,
+                        tail(&self.log, 40)
+                    );
                 }
             }
         }
@@ -112,14 +145,20 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.sigkill();
         if std::thread::panicking() {
-            eprintln!("----- {} ({}) -----\n{}", self.name, self.log.display(), tail(&self.log, 30));
+            eprintln!(
+                "----- {} ({}) -----\n{}",
+                self.name,
+                self.log.display(),
+                tail(&self.log, 30)
+            );
         }
     }
 }
 
 /// The last `n` lines of a file.
 pub fn tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
@@ -127,12 +166,18 @@ pub fn tail(path: &Path, n: usize) -> String {
 /// A UDP port on 127.0.0.1 that was free a moment ago (for QUIC services restarted on the same
 /// address, where the binary cannot be told port 0).
 pub fn free_udp_port() -> u16 {
-    UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free UDP port").port()
+    UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("free UDP port")
+        .port()
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (metrics endpoints).
 pub fn free_tcp_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free TCP port").port()
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("free TCP port")
+        .port()
 }
 
 /// Polls `f` every 100 ms until it returns `Some`; panics after `timeout` with `what`.
@@ -142,7 +187,10 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
         if let Some(v) = f() {
             return v;
         }
-        assert!(t0.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            t0.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -151,7 +199,11 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
 pub fn scrape(addr: SocketAddr) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut body = String::new();
     s.read_to_string(&mut body).ok()?;
     let (_, body) = body.split_once("\r\n\r\n")?;
@@ -167,8 +219,14 @@ pub fn sample(text: &str, name: &str) -> Option<f64> {
 
 /// Lines of a log file that contain `needle`.
 pub fn count_lines(path: &Path, needle: &str) -> usize {
-    let Ok(f) = std::fs::File::open(path) else { return 0 };
-    BufReader::new(f).lines().map_while(Result::ok).filter(|l| l.contains(needle)).count()
+    let Ok(f) = std::fs::File::open(path) else {
+        return 0;
+    };
+    BufReader::new(f)
+        .lines()
+        .map_while(Result::ok)
+        .filter(|l| l.contains(needle))
+        .count()
 }
 
 /// SplitMix64: a small seeded generator for the tests' "random points" (reproducible from the
@@ -178,9 +236,15 @@ pub struct SplitMix(u64);
 impl SplitMix {
     /// The seed from `FEDFLEET_TEST_SEED`, else from the clock; printed so a run can be repeated.
     pub fn from_env(test: &str) -> SplitMix {
-        let seed = std::env::var("FEDFLEET_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
-        });
+        let seed = std::env::var("FEDFLEET_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
         eprintln!("{test}: seed {seed} (rerun with FEDFLEET_TEST_SEED={seed})");
         SplitMix(seed)
     }
@@ -216,7 +280,9 @@ impl Relay {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
         let front = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay socket"));
-        front.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        front
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
         let addr = front.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
@@ -227,7 +293,9 @@ impl Relay {
             let mut upstreams: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
             let mut buf = vec![0u8; 65536];
             while !s.load(Ordering::Relaxed) {
-                let Ok((n, client)) = front.recv_from(&mut buf) else { continue };
+                let Ok((n, client)) = front.recv_from(&mut buf) else {
+                    continue;
+                };
                 if c.load(Ordering::Relaxed) {
                     continue;
                 }
@@ -236,13 +304,17 @@ impl Relay {
                     continue;
                 }
                 let up = upstreams.entry(client).or_insert_with(|| {
-                    let up = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay upstream socket"));
-                    up.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+                    let up =
+                        Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay upstream socket"));
+                    up.set_read_timeout(Some(Duration::from_millis(100)))
+                        .unwrap();
                     let (up2, front2, c2, s2) = (up.clone(), front.clone(), c.clone(), s.clone());
                     std::thread::spawn(move || {
                         let mut buf = vec![0u8; 65536];
                         while !s2.load(Ordering::Relaxed) {
-                            let Ok((n, _)) = up2.recv_from(&mut buf) else { continue };
+                            let Ok((n, _)) = up2.recv_from(&mut buf) else {
+                                continue;
+                            };
                             if !c2.load(Ordering::Relaxed) {
                                 let _ = front2.send_to(&buf[..n], client);
                             }
@@ -253,18 +325,25 @@ impl Relay {
                 let _ = up.send_to(&buf[..n], upstream);
             }
         });
-        Relay { addr, cut, budget, stop }
+        Relay {
+            addr,
+            cut,
+            budget,
+            stop,
+        }
     }
 
     /// Drops (true) or forwards (false, with no byte limit) every datagram from now on.
     pub fn set_cut(&self, cut: bool) {
-        self.budget.store(i64::MAX, std::sync::atomic::Ordering::Relaxed);
+        self.budget
+            .store(i64::MAX, std::sync::atomic::Ordering::Relaxed);
         self.cut.store(cut, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Forwards `bytes` more from the client, then cuts itself.
     pub fn cut_after(&self, bytes: i64) {
-        self.budget.store(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.budget
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn is_cut(&self) -> bool {
