@@ -1005,7 +1005,6 @@ struct LoopbackParts {
 
 impl LoopbackParts {
     async fn stop(self) {
-        let _ = (&self.pki, &self.registry, &self.aggregator);
         if let Some(m) = self.mqtt {
             m.shutdown().await;
         }
