@@ -28,7 +28,13 @@
 //!   = first upload start (first `trained`) → last receipt (last `update acknowledged`);
 //! - aggregator: peak RSS (`VmHWM` of its process) and CPU time (utime + stime) per update;
 //! - agents: the worker's peak RSS divided by N (all agents plus registry and runtime), and the
-//!   same above the worker's RSS just before the agents were opened.
+//!   same above the worker's RSS just before the agents were opened; the worker's CPU time per
+//!   update; one real `fedfleet-agent run` daemon's peak RSS in a campaign of its own (when the
+//!   binary is built; `--no-daemon` skips it);
+//! - context: the machine's UDP receive-buffer drops (`RcvbufErrors`; QUIC retransmits after a
+//!   timeout), the agents' upload retries, rejected updates, the load average.
+//!
+//! Resolution: round events come from a 5 ms metrics poll; CPU times in 10 ms ticks.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -281,10 +287,13 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     }
     for r in results {
         println!(
-            "{} agents: setup {:.1} s, first poll of every agent {:.2} s, upload retries {}, load average at the end {}, aggregator: {}",
+            "{} agents: setup {:.1} s, first poll of every agent {:.2} s ({} UDP datagrams dropped on full receive buffers), \
+             campaign: {} UDP drops, {} upload retries; load average at the end {}; aggregator: {}",
             u(r, "agents"),
             f(r, "setup_s"),
             f(r, "online_s"),
+            u(r, "online_udp_drops"),
+            u(r, "campaign_udp_drops"),
             u(r, "upload_retries"),
             r["loadavg"].as_str().unwrap_or("?"),
             r["final_status"].as_str().unwrap_or("?"),
@@ -374,6 +383,7 @@ struct CampaignRecord {
     own_cpu_s: f64,
     status: String,
     loadavg: String,
+    udp_drops: u64,
 }
 
 /// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
@@ -385,6 +395,7 @@ async fn run_campaign(args: &Args, sv: &mut Services, target: u32, mut fleet: Op
     let agg_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
+    let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     campaign_start(&sv.aggregator_bin, &sv.config, sv.agg.addr, args.rounds, target)?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
@@ -400,6 +411,7 @@ async fn run_campaign(args: &Args, sv: &mut Services, target: u32, mut fleet: Op
         watch();
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
     }
+    let udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
     let agg_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
     let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
     let agg_peak_rss_kib = proc_status_kib(&sv.agg.pid().to_string(), "VmHWM").unwrap_or(0);
@@ -407,7 +419,7 @@ async fn run_campaign(args: &Args, sv: &mut Services, target: u32, mut fleet: Op
     let samples = poller.stop().await;
     let status = operator_status(&sv.pki, sv.agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
     sv.agg.stop();
-    Ok(CampaignRecord { samples, closed0, published0, agg_cpu_s, agg_peak_rss_kib, own_cpu_s, status, loadavg })
+    Ok(CampaignRecord { samples, closed0, published0, agg_cpu_s, agg_peak_rss_kib, own_cpu_s, status, loadavg, udp_drops })
 }
 
 /// Per-round figures from the aggregator's metrics and the agents' events.
@@ -478,8 +490,10 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     options.call_timeout = Duration::from_secs(120);
     let mut fleet = RemoteFleet::start(options)?;
     let online = Instant::now();
+    let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     step_all(&mut fleet).await?;
     let online_s = online.elapsed().as_secs_f64();
+    let online_udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
     eprintln!("  {n} agents enrolled and connected (setup {:.1} s, first poll of every agent {online_s:.2} s)", sv.setup_s);
 
     let rec = run_campaign(args, &mut sv, target, Some(&mut fleet), || {}).await?;
@@ -507,6 +521,8 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "worker_base_rss_kib": base_rss_kib,
         "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
         "upload_retries": events.retries.load(std::sync::atomic::Ordering::Relaxed),
+        "online_udp_drops": online_udp_drops,
+        "campaign_udp_drops": rec.udp_drops,
         "final_status": rec.status,
         "loadavg": rec.loadavg,
         "rounds": rounds,
@@ -790,6 +806,16 @@ impl Drop for AggregatorProcess {
 }
 
 // ----- /proc -----
+
+/// The machine's count of UDP datagrams dropped because a socket's receive buffer was full
+/// (`RcvbufErrors` in /proc/net/snmp): QUIC retransmits them after a timeout.
+fn udp_rcvbuf_errors() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/net/snmp").ok()?;
+    let mut udp = s.lines().filter(|l| l.starts_with("Udp:"));
+    let (names, values) = (udp.next()?, udp.next()?);
+    let i = names.split_whitespace().position(|n| n == "RcvbufErrors")?;
+    values.split_whitespace().nth(i)?.parse().ok()
+}
 
 /// A `kB` field of /proc/<pid>/status (`pid` = "self" for this process).
 fn proc_status_kib(pid: &str, field: &str) -> Option<u64> {
