@@ -251,13 +251,13 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     }
     println!();
     println!("Mean over the rounds. overhead = round wall - slowest local training. updates/s, MB/s: accepted updates and");
-    println!("payload bytes over the ingest windows (first upload start -> last receipt). agents RSS/N: the agents' process");
+    println!("their payload bytes over the ingest windows (first upload start -> last receipt). agents RSS/N: the agents' process");
     println!("peak RSS (agents, in-process registry, runtime) / N; above base: minus its RSS before the agents were opened.");
     println!("CPU/update: the process's user+system CPU time over the campaign / accepted updates.");
     println!("Per round:");
     println!(
         "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
-        "agents", "round", "accepted", "rejected", "round wall", "slowest train", "sum train", "overhead", "close->publish", "ingest", "MB"
+        "agents", "round", "accepted", "rejected", "round wall", "slowest train", "sum train", "overhead", "close->publish", "ingest", "MB recv"
     );
     for r in results {
         for row in r["rounds"].as_array().into_iter().flatten() {
@@ -512,7 +512,8 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "overhead_s": mean(&rounds, "wall_s") - mean(&rounds, "slowest_train_s"),
         "close_to_publish_s": mean(&rounds, "close_to_publish_s"),
         "updates_per_s": accepted / total(&rounds, "ingest_s"),
-        "mb_per_s": total(&rounds, "bytes") / 1e6 / total(&rounds, "ingest_s"),
+        // Every f32 update of one model has the same encoded size.
+        "mb_per_s": accepted * sv.update_bytes_each as f64 / 1e6 / total(&rounds, "ingest_s"),
         "agg_peak_rss_kib": rec.agg_peak_rss_kib,
         "agg_cpu_s": rec.agg_cpu_s,
         "agg_cpu_ms_per_update": rec.agg_cpu_s * 1e3 / accepted,
