@@ -235,8 +235,13 @@ impl<A: Aggregator> MqttAggregator<A> {
                 if let Some(r) = self.heard.receipts.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|r| matches(r)) {
                     return Ok(UploadReply::Receipt(r.clone()));
                 }
-                if let Some(r) = self.heard.refusals.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|r| r.refuses(&h)) {
-                    return Ok(UploadReply::Rejected(Rejection::new(r.reason, r.detail.clone())));
+                // A refusal answers one attempt (a transient `overloaded` must not answer the next).
+                let refused = {
+                    let mut refusals = self.heard.refusals.lock().unwrap_or_else(|p| p.into_inner());
+                    refusals.iter().position(|r| r.refuses(&h)).map(|i| refusals.remove(i))
+                };
+                if let Some(r) = refused {
+                    return Ok(UploadReply::Rejected(Rejection::new(r.reason, r.detail)));
                 }
                 notified.await;
             }

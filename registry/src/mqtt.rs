@@ -3,7 +3,7 @@
 //! The registry connects as a client ([`Role::Service`], device status only) to the fleet's
 //! broker: the aggregator's embedded one or any external broker (`[mqtt]` in `registry.toml`).
 //!
-//! * **Rollout notices.** Whenever the latest rollout of a model starts, advances a phase,
+//! * **Rollout notices.** Whenever a rollout starts, advances a phase,
 //!   pauses, resumes, completes, aborts or rolls back, the registry publishes a
 //!   `Signed<RolloutNotice>` (QoS 1, retained) on `fedfleet/v1/<fleet>/rollouts`, signed with its
 //!   online timestamp key: the key of the TUF root's timestamp role, which also signs every
@@ -16,8 +16,8 @@
 //!   key of the device the topic names) feeds [`Registry::report`], exactly like a QUIC
 //!   `Report`: install outcomes drive the rollout engine. Heartbeats (the same status, re-signed
 //!   with a fresh time) only refresh presence; a status older than the one the store holds for
-//!   the device (a retained message after a restart, a delayed duplicate of a QUIC report) is
-//!   not fed again.
+//!   the device (a retained message after a restart, the same report already taken over QUIC)
+//!   is not fed again.
 //! * **Metrics.** `fedfleet_registry_mqtt_connected`, `fedfleet_registry_devices_online` (a
 //!   status within `presence_ttl_secs`), `fedfleet_registry_devices_known`,
 //!   `fedfleet_registry_device_last_seen_seconds{device}`; refused MQTT messages count in
@@ -246,6 +246,19 @@ fn content(s: &DeviceStatus) -> StatusContent {
     )
 }
 
+/// Whether the stored record (as [`Registry::report`] writes it) is `s`.
+fn same_report(stored: &serde_json::Value, s: &DeviceStatus) -> bool {
+    let model = |m: &Option<ModelRef>| match m {
+        Some(m) => {
+            serde_json::json!({"name": m.name, "version": m.version.0, "digest": m.digest.to_hex()})
+        }
+        None => serde_json::Value::Null,
+    };
+    stored["state"] == s.state.as_str()
+        && stored["active"] == model(&s.active)
+        && stored["staged"] == model(&s.staged)
+}
+
 struct Loop {
     reg: Arc<Registry>,
     client: ControlClient,
@@ -253,8 +266,8 @@ struct Loop {
     key: SigningKey,
     presence: Arc<Mutex<Presence>>,
     ttl_ms: u64,
-    /// (rollout id, status, phase) of the last notice published.
-    announced: Option<(String, Status, usize)>,
+    /// (status, phase) last announced per rollout id; `None` before the first look.
+    announced: Option<HashMap<String, (Status, usize)>>,
     /// The last status content fed to the engine per device.
     fed: HashMap<DeviceId, StatusContent>,
 }
@@ -290,16 +303,20 @@ impl Loop {
         if self.fed.get(&s.device) == Some(&c) {
             return; // a heartbeat
         }
-        // Not older than what the store holds (from QUIC, or from before a restart).
-        let stored_at = self
+        // Not older than what the store holds (from QUIC, or from before a restart), and not
+        // the very report the store already took over QUIC.
+        let stored = self
             .reg
             .store()
             .device_status(s.device.as_str())
             .ok()
             .flatten()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-            .and_then(|v| v["reported_at"].as_u64());
-        if stored_at.is_some_and(|t| t > s.reported_at_unix_ms) {
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        if let Some(stored) = stored
+            && let Some(at) = stored["reported_at"].as_u64()
+            && (at > s.reported_at_unix_ms
+                || (at == s.reported_at_unix_ms && same_report(&stored, s)))
+        {
             self.fed.insert(s.device.clone(), c);
             return;
         }
@@ -335,36 +352,50 @@ impl Loop {
         }
     }
 
-    /// Publishes a notice when the most recently started rollout changed state or phase.
+    /// Publishes a notice for every rollout that started or changed state or phase since the
+    /// last look, oldest start first (the retained notice is then the newest rollout's). On the
+    /// first look only the most recently started rollout is announced: a device that connects
+    /// learns the current one, and older ones have nothing new to say.
     async fn announce(&mut self) {
-        let rollouts = match self.reg.store().rollouts() {
+        let mut rollouts = match self.reg.store().rollouts() {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "reading rollouts for notices failed");
                 return;
             }
         };
-        let Some(r) = rollouts.into_iter().max_by_key(|r| r.started_at()) else {
-            return;
-        };
-        let now_state = (r.id().to_owned(), r.status(), r.phase());
-        if self.announced.as_ref() == Some(&now_state) {
-            return;
+        rollouts.sort_by_key(|r| r.started_at());
+        if self.announced.is_none() {
+            let skip = rollouts.len().saturating_sub(1);
+            self.announced = Some(
+                rollouts[..skip]
+                    .iter()
+                    .map(|r| (r.id().to_owned(), (r.status(), r.phase())))
+                    .collect(),
+            );
         }
-        match self.notice(&r) {
-            Ok(n) => {
-                let signed = Signed::sign(n, &self.key);
-                match self.client.publish_rollout(&signed).await {
-                    Ok(()) => {
-                        tracing::info!(rollout = r.id(), status = ?r.status(), phase = r.phase(), "rollout notice published");
-                        self.announced = Some(now_state);
+        for r in &rollouts {
+            let state = (r.status(), r.phase());
+            let seen = self.announced.as_ref().and_then(|a| a.get(r.id()));
+            if seen == Some(&state) {
+                continue;
+            }
+            match self.notice(r) {
+                Ok(n) => {
+                    let signed = Signed::sign(n, &self.key);
+                    if let Err(e) = self.client.publish_rollout(&signed).await {
+                        // Try again at the next look.
+                        tracing::warn!(error = %e, "rollout notice not published");
+                        return;
                     }
-                    Err(e) => tracing::warn!(error = %e, "rollout notice not published"),
+                    tracing::info!(rollout = r.id(), status = ?r.status(), phase = r.phase(), "rollout notice published");
+                }
+                Err(e) => {
+                    tracing::warn!(rollout = r.id(), error = %e, "cannot describe the rollout in a notice")
                 }
             }
-            Err(e) => {
-                tracing::warn!(rollout = r.id(), error = %e, "cannot describe the rollout in a notice");
-                self.announced = Some(now_state);
+            if let Some(a) = self.announced.as_mut() {
+                a.insert(r.id().to_owned(), state);
             }
         }
     }

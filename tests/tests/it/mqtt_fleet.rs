@@ -72,7 +72,7 @@ impl Fleet {
     async fn run_until(&mut self, what: &str, secs: u64, which: std::ops::Range<usize>, mut cond: impl FnMut(&Fleet) -> bool) {
         let end = tokio::time::Instant::now() + Duration::from_secs(secs);
         while !cond(self) {
-            assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}: {:?}", self.outboxes());
+            assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}: outboxes {:?}, agents {:?}, acks {:?}", self.outboxes(), self.states(), self.acks());
             self.step(which.clone()).await;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -88,6 +88,10 @@ impl Fleet {
 
     fn outboxes(&self) -> Vec<usize> {
         self.agents.iter().map(|a| a.core().store().outbox().map(|o| o.len()).unwrap_or(0)).collect()
+    }
+
+    fn states(&self) -> Vec<String> {
+        self.agents.iter().map(|a| format!("{:?} {:?}", a.core().state().last_round, a.core().state().last_state)).collect()
     }
 
     fn pending(&self) -> usize {
@@ -117,7 +121,8 @@ fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
         let id = DeviceIdentity::load(s.pki_dir, device).unwrap();
         let quic_tls = tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap();
         let agg_client = fedfleet_aggregator::client::AggregatorClient::new(s.agg_addr, "localhost", quic_tls.clone()).unwrap();
-        let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, s.receipt_key).with_timeout(Duration::from_secs(5))));
+        // Generous: a base model fetch that times out makes the agent skip the round for good.
+        let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, s.receipt_key).with_timeout(Duration::from_secs(30))));
         let reg_client = fedfleet_registry::client::RegistryClient::new(s.reg_addr, "localhost", quic_tls).unwrap();
         let reg = Arc::new(RemoteRegistry::with_clock(reg_client, MODEL, s.pinned_root.clone(), clock.clone()));
 
