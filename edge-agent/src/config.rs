@@ -37,7 +37,8 @@
 //! server_name = "localhost"
 //! model = "digits"                             # the model whose assignments this device follows
 //!
-//! [mqtt]            # MQTT control plane (fedfleet-control); absent: QUIC only
+//! [mqtt]            # MQTT control plane (fedfleet-control); absent: QUIC only. With [registry],
+//!                   # rollout notices (verified against the pinned root) trigger an assignment check
 //! host = "10.0.0.5"                            # must match the broker certificate's SAN
 //! port = 8883
 //! # fleet = "<fleet>"                          # MQTT fleet id (default: the agent's fleet)
