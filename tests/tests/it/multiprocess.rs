@@ -13,6 +13,10 @@
 //!   device's later uploads are refused (`revoked` in the aggregator's metrics) and the campaign
 //!   completes with the others.
 //!
+//! Most of the SIGKILL test's ~70 s is two 30 s waits: a client whose QUIC connection was to a
+//! SIGKILLed service only redials after `fedfleet-net`'s idle timeout, because the restarted
+//! service's stateless resets carry tokens from a new random reset key, which clients ignore.
+//!
 //! The binaries are taken from `target/<profile>/` (`cargo build --workspace --bins`). Each
 //! child's output goes to `<tempdir>/logs/<name>.log`; a failing test prints their tails.
 //! Devices are gated through their conditions file (`[participation] status_file`, `idle`), so a
