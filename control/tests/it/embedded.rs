@@ -269,3 +269,83 @@ async fn the_embedded_broker_refuses_fleet_ids_rumqttd_cannot_take() {
         Ok(_) => panic!("started"),
     }
 }
+
+/// Refusals of MQTT uploads reach only the device they name, and only when the aggregator
+/// signed them: one signed by another key, or signed but naming another device, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upload_refusals_are_verified_at_the_device() {
+    use fedfleet_control::{SignedRejection, UploadRejection};
+    let f = Fleet::new(2);
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    let (a, b) = (&f.devices[0], &f.devices[1]);
+    let (dev_a, mut a_events, key_a) = f.device(port, a);
+    let (dev_b, mut b_events, key_b) = f.device(port, b);
+    for (what, events) in [("a", &mut a_events), ("b", &mut b_events)] {
+        wait_for(events, what, |e| {
+            matches!(e, ControlEvent::Connected { .. }).then_some(())
+        })
+        .await;
+    }
+    let p = common::payload(a, 5);
+    let header = common::signed_update(&f.fleet, a, &key_a, 5, &p);
+    let refusal = UploadRejection::of(
+        header.body(),
+        RejectReason::NonFinite,
+        "NaN in fc1.weight",
+        1,
+    );
+    let topic_a = topics::rejections(&f.fleet, a);
+
+    // Signed by device b instead of the aggregator.
+    let forged = SignedRejection::sign(refusal.clone(), &key_b);
+    dev_b
+        .publish_raw(&topic_a, forged.encode(), QoS::AtLeastOnce, false)
+        .await
+        .unwrap();
+    let r = wait_for(&mut a_events, "forged refusal rejection", |e| match e {
+        ControlEvent::Rejected(r) => Some(r.clone()),
+        ControlEvent::UploadRefused(_) => panic!("forged refusal accepted"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(r.reason, RejectReason::BadSignature, "{r}");
+
+    // Signed by the aggregator, but for device b, replayed on a's topic.
+    let mut for_b = refusal.clone();
+    for_b.device = b.clone();
+    let misdirected = SignedRejection::sign(for_b, &f.aggregator_key);
+    dev_b
+        .publish_raw(&topic_a, misdirected.encode(), QoS::AtLeastOnce, false)
+        .await
+        .unwrap();
+    let r = wait_for(
+        &mut a_events,
+        "misdirected refusal rejection",
+        |e| match e {
+            ControlEvent::Rejected(r) => Some(r.clone()),
+            ControlEvent::UploadRefused(_) => panic!("another device's refusal accepted"),
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(r.reason, RejectReason::BadSignature, "{r}");
+
+    // The genuine one, published by the aggregator's key holder.
+    let genuine = SignedRejection::sign(refusal.clone(), &f.aggregator_key);
+    dev_b
+        .publish_raw(&topic_a, genuine.encode(), QoS::AtLeastOnce, false)
+        .await
+        .unwrap();
+    let got = wait_for(&mut a_events, "genuine refusal", |e| match e {
+        ControlEvent::UploadRefused(s) => Some(s.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(got.body(), &refusal);
+    assert!(got.body().refuses(header.body()));
+
+    dev_a.shutdown().await;
+    dev_b.shutdown().await;
+    broker.shutdown().await;
+}
