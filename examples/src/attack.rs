@@ -48,7 +48,8 @@ impl HostileUplink {
         let hostile = match self.attack {
             Attack::SignFlip { factor } => lsim::scale(&honest, -factor).map_err(|e| bad(e.to_string()))?,
             Attack::Noise { std } => {
-                let seed = self.seed ^ header.round.0.rotate_left(32) ^ u64::from_le_bytes(header.nonce[..8].try_into().expect("8 bytes"));
+                // Per agent and round (not per nonce), so a run is reproducible.
+                let seed = self.seed ^ header.round.0.rotate_left(32);
                 gaussian_like(&honest, std, seed).map_err(|e| bad(e.to_string()))?
             }
         };
