@@ -302,7 +302,8 @@ impl<A: crate::clients::Aggregator, R: crate::clients::Registry> RemoteFleet<A, 
             .collect()
     }
 
-    /// Every acknowledged upload of every agent (see [`crate::remote::Ack`]).
+    /// Every acknowledged upload of every agent (see [`crate::remote::Ack`]); only uploads that
+    /// went through the QUIC client (not an MQTT path of a [`RemoteFleet::start_with`] wrapper).
     pub fn acks(&self) -> Vec<crate::remote::Ack> {
         self.aggs.iter().flat_map(|g| g.acks()).collect()
     }
