@@ -374,7 +374,8 @@ impl Aggregator {
         let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_name)?;
         let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
         let tls = fedfleet_certs::tls::server_config(&ca, &id, revocation, &[fedfleet_certs::ALPN_V1])?;
-        Ok(fedfleet_net::server_endpoint(addr, tls)?)
+        // The receipt key outlives restarts: it seeds the QUIC stateless-reset key.
+        Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &self.shared.key.to_bytes())?)
     }
 
     /// Serves `endpoint` until `shutdown` resolves, then lets in-flight requests finish.

@@ -175,3 +175,34 @@ async fn sigkill_and_restart_give_the_bit_identical_model_for_robust_strategies(
         assert!(clean == crashed, "{strategy}: the crashed run published a different model");
     }
 }
+
+/// A client still holding a connection to a SIGKILLed aggregator learns at its next packet that
+/// the connection is gone: the restarted process derives the same QUIC stateless-reset key from
+/// its receipt key, so its reset is accepted (with a random key the client would wait out the
+/// 30 s idle timeout before reconnecting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_of_a_killed_aggregator_are_reset_by_its_successor() {
+    let fleet = Fleet::new(1);
+    let mut cfg = fleet.config("reset", 1, 1);
+    cfg.listen = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let toml = fleet.write_toml(&cfg);
+    let log = cfg.data_dir.with_extension("log");
+    let mut child = spawn(&toml, &log);
+    assert_eq!(child.addr, cfg.listen);
+    let ca = fedfleet_certs::CaCert::load(fleet.pki.ca_cert_path()).unwrap();
+    let id = fedfleet_certs::DeviceIdentity::load(fleet.pki.dir(), &dev(0)).unwrap();
+    let tls = fedfleet_certs::tls::client_config(&ca, &id, &[fedfleet_certs::ALPN_V1]).unwrap();
+    let endpoint = fedfleet_net::client_endpoint(tls).unwrap();
+    let conn = fedfleet_net::connect(&endpoint, child.addr, "localhost").await.unwrap();
+
+    child.child.kill().unwrap(); // SIGKILL: no CONNECTION_CLOSE reaches the client
+    child.child.wait().unwrap();
+    let mut child = spawn(&toml, &log);
+    // Application data on the old connection reaches the new process, which resets it.
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    let _ = send.write_all(&[0u8; 1200]).await;
+    let why = tokio::time::timeout(Duration::from_secs(60), conn.closed()).await.expect("connection closed");
+    assert!(matches!(why, quinn::ConnectionError::Reset), "{why:?}");
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+}

@@ -77,10 +77,11 @@ impl Fleet {
     /// The same config as TOML, for a child process.
     pub fn write_toml(&self, cfg: &Config) -> PathBuf {
         let text = format!(
-            "listen = \"127.0.0.1:0\"\npki_dir = {:?}\ndata_dir = {:?}\n\n[model]\nname = \"tiny\"\n\
+            "listen = \"{}\"\npki_dir = {:?}\ndata_dir = {:?}\n\n[model]\nname = \"tiny\"\n\
              spec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\ninitial = {:?}\n\n\
              [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\nstrategy = {:?}\n\n\
              [compute]\nfold = {:?}\ndevice = {:?}\n",
+            cfg.listen,
             cfg.pki_dir,
             cfg.data_dir,
             cfg.model.initial,
