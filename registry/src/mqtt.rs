@@ -164,7 +164,7 @@ pub async fn start(
         updates: false,
         limits: AssemblerLimits::default(),
     };
-    let options = ClientOptions::new(m.host.clone(), m.port, m.client_id.clone(), fleet.clone());
+    let options = ClientOptions::new(m.host.clone(), m.port, m.client_id.clone(), fleet);
     let (client, mut events) = ControlClient::start(options, tls, role);
     tracing::info!(host = %m.host, port = m.port, "registry MQTT control plane started");
 
@@ -176,7 +176,6 @@ pub async fn start(
         let mut state = Loop {
             reg,
             client,
-            fleet,
             key: notice_key,
             presence,
             ttl_ms,
@@ -262,7 +261,6 @@ fn same_report(stored: &serde_json::Value, s: &DeviceStatus) -> bool {
 struct Loop {
     reg: Arc<Registry>,
     client: ControlClient,
-    fleet: FleetId,
     key: SigningKey,
     presence: Arc<Mutex<Presence>>,
     ttl_ms: u64,
@@ -380,7 +378,7 @@ impl Loop {
             if seen == Some(&state) {
                 continue;
             }
-            match self.notice(r) {
+            match notice(&self.reg, r, crate::unix_ms()) {
                 Ok(n) => {
                     let signed = Signed::sign(n, &self.key);
                     if let Err(e) = self.client.publish_rollout(&signed).await {
@@ -399,64 +397,65 @@ impl Loop {
             }
         }
     }
+}
 
-    fn model_ref(
-        &self,
-        model: &str,
-        v: fedfleet_protocol::ModelVersion,
-    ) -> Result<(ModelRef, u64), RegistryError> {
-        let rec = self.reg.store().version(model, v)?;
-        Ok((
-            ModelRef {
-                name: model.to_owned(),
-                version: v,
-                digest: rec.digest,
-            },
-            rec.length,
-        ))
-    }
+fn model_ref(
+    reg: &Registry,
+    model: &str,
+    v: fedfleet_protocol::ModelVersion,
+) -> Result<(ModelRef, u64), RegistryError> {
+    let rec = reg.store().version(model, v)?;
+    Ok((
+        ModelRef {
+            name: model.to_owned(),
+            version: v,
+            digest: rec.digest,
+        },
+        rec.length,
+    ))
+}
 
-    fn notice(&self, r: &Rollout) -> Result<RolloutNotice, RegistryError> {
-        let plan = r.plan();
-        let (model, length) = self.model_ref(&plan.model, plan.target)?;
-        let phase = &plan.phases[r.phase().min(plan.phases.len() - 1)];
-        let (percent_bp, cohort) = match &phase.audience {
-            Audience::Percent(p) => ((p * 100.0).round().clamp(0.0, 10_000.0) as u32, None),
-            Audience::Cohort { name, .. } => (10_000, Some(name.clone())),
-        };
-        let action = match r.status() {
-            Status::Running | Status::Completed => RolloutAction::Install,
-            Status::Paused => RolloutAction::Pause,
-            Status::Aborted => RolloutAction::Abort,
-            Status::RolledBack => match plan.previous {
-                Some(v) => RolloutAction::RollBack {
-                    to: self.model_ref(&plan.model, v)?.0,
-                },
-                None => RolloutAction::Abort,
+/// The notice describing `r` as it stands, issued at `now`.
+pub fn notice(reg: &Registry, r: &Rollout, now: u64) -> Result<RolloutNotice, RegistryError> {
+    let plan = r.plan();
+    let (model, length) = model_ref(reg, &plan.model, plan.target)?;
+    let phase = &plan.phases[r.phase().min(plan.phases.len() - 1)];
+    let (percent_bp, cohort) = match &phase.audience {
+        Audience::Percent(p) => ((p * 100.0).round().clamp(0.0, 10_000.0) as u32, None),
+        Audience::Cohort { name, .. } => (10_000, Some(name.clone())),
+    };
+    let action = match r.status() {
+        Status::Running | Status::Completed => RolloutAction::Install,
+        Status::Paused => RolloutAction::Pause,
+        Status::Aborted => RolloutAction::Abort,
+        Status::RolledBack => match plan.previous {
+            Some(v) => RolloutAction::RollBack {
+                to: model_ref(reg, &plan.model, v)?.0,
             },
-        };
-        Ok(RolloutNotice {
-            fleet: self.fleet.clone(),
-            // The same id an assignment from this rollout carries (`AssignmentBody::to_notice`).
-            rollout_id: u64::from_be_bytes(
-                blake3::hash(r.id().as_bytes()).as_bytes()[..8]
-                    .try_into()
-                    .expect("8 bytes"),
-            ),
-            alias: plan.alias.clone(),
-            model,
-            length,
-            phase: r.phase() as u32,
-            percent_bp: if r.status() == Status::Completed {
-                10_000
-            } else {
-                percent_bp
-            },
-            cohort,
-            action,
-            issued_at_unix_ms: crate::unix_ms(),
-        })
-    }
+            None => RolloutAction::Abort,
+        },
+    };
+    Ok(RolloutNotice {
+        fleet: reg.fleet().clone(),
+        // The same id an assignment from this rollout carries (`AssignmentBody::to_notice`).
+        rollout_id: u64::from_be_bytes(
+            blake3::hash(r.id().as_bytes()).as_bytes()[..8]
+                .try_into()
+                .expect("8 bytes"),
+        ),
+        alias: plan.alias.clone(),
+        model,
+        length,
+        phase: r.phase() as u32,
+        percent_bp: if r.status() == Status::Completed {
+            10_000
+        } else {
+            percent_bp
+        },
+        cohort,
+        action,
+        issued_at_unix_ms: now,
+    })
 }
 
 #[cfg(test)]
@@ -474,5 +473,102 @@ mod tests {
         let m = c.mqtt.unwrap();
         assert_eq!((m.port, m.client_id.as_str()), (1883, "reg-2"));
         assert!(toml::from_str::<Config>("[mqtt]\nhost = \"h\"\nmode = \"embedded\"\n").is_err());
+    }
+
+    #[test]
+    fn notices_describe_each_rollout_state() {
+        use crate::metadata::{self, Lifetimes, MetadataSigner};
+        use crate::rollout::Phase;
+        use crate::store::{NewVersion, Store, StoreConfig};
+        use crate::wire::{AdminRequest, RolloutCommand, RolloutStart};
+        use fedfleet_protocol::ModelVersion;
+
+        let dir = tempfile::tempdir().unwrap();
+        metadata::init_keys(dir.path(), 30, false).unwrap();
+        let store = Store::open(dir.path().join("store"), StoreConfig::default()).unwrap();
+        let signer = MetadataSigner::load(dir.path(), Lifetimes::default()).unwrap();
+        let fleet = FleetId::new("demo").unwrap();
+        let reg = Registry::new(store, fleet.clone(), Some(signer), Default::default()).unwrap();
+        for body in [&b"v1"[..], &b"v2 bytes"[..]] {
+            let meta = NewVersion {
+                name: "m".into(),
+                spec: serde_json::json!({}),
+                parent: None,
+                metrics: Default::default(),
+                created_at: 1,
+                publisher: "t".into(),
+            };
+            reg.publish(meta, body).unwrap();
+        }
+        reg.store()
+            .set_alias("m", "stable", ModelVersion(1))
+            .unwrap();
+        let start = |id: &str, last: f64| {
+            AdminRequest::RolloutStart(RolloutStart {
+                id: Some(id.into()),
+                model: "m".into(),
+                alias: "stable".into(),
+                target: ModelVersion(2),
+                phases: vec![Phase::percent(10.0, 60_000), Phase::percent(last, 60_000)],
+                failure_threshold: 0.5,
+                min_sample: 5,
+            })
+        };
+        let command = |id: &str, command| AdminRequest::Rollout {
+            id: id.into(),
+            command,
+        };
+        let current = |id: &str| {
+            let r = reg
+                .store()
+                .rollouts()
+                .unwrap()
+                .into_iter()
+                .find(|r| r.id() == id)
+                .unwrap();
+            notice(&reg, &r, 7).unwrap()
+        };
+        reg.admin(start("r1", 100.0), 1_000).unwrap();
+        let n = current("r1");
+        let v2 = reg.store().version("m", ModelVersion(2)).unwrap();
+        assert_eq!(
+            (n.fleet.clone(), n.alias.as_str(), n.phase, n.percent_bp),
+            (fleet, "stable", 0, 1_000)
+        );
+        assert_eq!(
+            (n.model.version, n.model.digest, n.length),
+            (ModelVersion(2), v2.digest, v2.length)
+        );
+        assert_eq!(
+            (n.action.clone(), n.issued_at_unix_ms),
+            (RolloutAction::Install, 7)
+        );
+        reg.admin(command("r1", RolloutCommand::Pause), 2_000)
+            .unwrap();
+        assert_eq!(current("r1").action, RolloutAction::Pause);
+        reg.admin(
+            command("r1", RolloutCommand::Abort { reason: "x".into() }),
+            3_000,
+        )
+        .unwrap();
+        assert_eq!(current("r1").action, RolloutAction::Abort);
+        reg.admin(command("r1", RolloutCommand::Rollback), 4_000)
+            .unwrap();
+        let v1 = reg.store().version("m", ModelVersion(1)).unwrap();
+        match current("r1").action {
+            RolloutAction::RollBack { to } => {
+                assert_eq!((to.version, to.digest), (ModelVersion(1), v1.digest))
+            }
+            other => panic!("rolled back rollout announced as {other:?}"),
+        }
+        // A completed rollout: every device, the target (even when the last phase was 50 %).
+        reg.admin(start("r2", 50.0), 10_000).unwrap();
+        reg.drive(10_000 + 60_000).unwrap();
+        reg.drive(10_000 + 120_000).unwrap();
+        let n = current("r2");
+        assert_eq!(
+            (n.phase, n.percent_bp, n.action),
+            (1, 10_000, RolloutAction::Install)
+        );
     }
 }
