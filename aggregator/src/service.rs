@@ -374,8 +374,9 @@ impl Aggregator {
         let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_name)?;
         let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
         let tls = fedfleet_certs::tls::server_config(&ca, &id, revocation, &[fedfleet_certs::ALPN_V1])?;
-        // The receipt key outlives restarts: it seeds the QUIC stateless-reset key.
-        Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &self.shared.key.to_bytes())?)
+        // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
+        let secret = id.derive_secret("fedfleet-aggregator 2026 QUIC endpoint");
+        Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &secret)?)
     }
 
     /// Serves `endpoint` until `shutdown` resolves, then lets in-flight requests finish.

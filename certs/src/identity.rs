@@ -157,6 +157,11 @@ impl ServerIdentity {
     pub(crate) fn private_key_der(&self) -> Result<PrivateKeyDer<'static>, CertError> {
         keys::to_rustls(&self.key)
     }
+    /// 32 bytes derived from the private key for `context` (never the key itself): a secret
+    /// that lives as long as this identity, e.g. to seed a QUIC stateless-reset key.
+    pub fn derive_secret(&self, context: &str) -> [u8; 32] {
+        blake3::derive_key(context, &self.key.to_bytes())
+    }
 }
 
 /// A device's certificate, private key and the fleet CA it trusts.

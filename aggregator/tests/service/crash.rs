@@ -178,7 +178,7 @@ async fn sigkill_and_restart_give_the_bit_identical_model_for_robust_strategies(
 
 /// A client still holding a connection to a SIGKILLed aggregator learns at its next packet that
 /// the connection is gone: the restarted process derives the same QUIC stateless-reset key from
-/// its receipt key, so its reset is accepted (with a random key the client would wait out the
+/// its server identity, so its reset is accepted (with a random key the client would wait out the
 /// 30 s idle timeout before reconnecting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_of_a_killed_aggregator_are_reset_by_its_successor() {
