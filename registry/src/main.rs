@@ -583,7 +583,12 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         Some(signer),
         metrics.clone(),
     )?);
-    let endpoint = fedfleet_net::server_endpoint(cfg.listen, tls)?;
+    // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
+    let endpoint = fedfleet_net::server_endpoint_restartable(
+        cfg.listen,
+        tls,
+        &identity.derive_secret("fedfleet-registry 2026 QUIC endpoint"),
+    )?;
     if let Some(maddr) = cfg.metrics {
         let l = metrics::bind(maddr, cfg.metrics_public)
             .await
