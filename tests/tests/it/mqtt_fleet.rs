@@ -68,12 +68,21 @@ impl Fleet {
         }
     }
 
-    /// Steps the agents in `which` (every 50 ms) until `cond` holds; panics after `secs`.
+    /// Steps the agents in `which` in turn (a pass every 50 ms) until `cond` holds, checking it
+    /// before each agent's step, so no agent runs ahead once it holds (e.g. into the next round
+    /// the previous agent's upload just opened); panics after `secs`.
     async fn run_until(&mut self, what: &str, secs: u64, which: std::ops::Range<usize>, mut cond: impl FnMut(&Fleet) -> bool) {
         let end = tokio::time::Instant::now() + Duration::from_secs(secs);
-        while !cond(self) {
-            assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}: outboxes {:?}, agents {:?}, acks {:?}", self.outboxes(), self.states(), self.acks());
-            self.step(which.clone()).await;
+        loop {
+            for i in which.clone().chain(std::iter::once(usize::MAX)) {
+                if cond(self) {
+                    return;
+                }
+                assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}: outboxes {:?}, agents {:?}, acks {:?}", self.outboxes(), self.states(), self.acks());
+                if i != usize::MAX {
+                    self.step(i..i + 1).await;
+                }
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -225,13 +234,14 @@ async fn body() {
     };
     let mut fleet = start_agents(&setup, &devices);
 
-    // Round 1: announced over MQTT, everyone trains and uploads over MQTT.
-    fleet.run_until("round 1 receipts", 40, 0..N, |f| f.round_acks(1) == N).await;
+    // Round 1: announced over MQTT, everyone trains and uploads over MQTT, until the last
+    // update closes it. (A receipt lost under load leaves that agent re-sending; its round 1
+    // acknowledgement comes later, and the final accounting checks it.)
+    fleet.run_until("round 1 to close", 60, 0..N, |_| agg.status().open_round == Some(RoundId(2))).await;
     // (QUIC round polls are off: the agents can only have learned round 1 over MQTT.)
     for a in &fleet.aggs {
         assert!(a.announced().is_some_and(|r| r.round >= RoundId(1)), "rounds come over MQTT");
     }
-    fleet.run_until("round 2 to open", 20, 0..0, |_| agg.status().open_round == Some(RoundId(2))).await;
 
     // Round 2: every agent hears the announcement; two upload while the broker is up.
     fleet.run_until("round 2 announced to every agent", 20, 0..0, |f| f.aggs.iter().all(|a| a.announced().map(|r| r.round) == Some(RoundId(2)))).await;
@@ -244,13 +254,14 @@ async fn body() {
     mqtt.stop_broker().await;
     fleet.step(2..N).await;
     assert_eq!(fleet.round_acks(2), 2, "no MQTT upload can be acknowledged while the broker is down");
-    assert_eq!(fleet.pending(), N - 2, "{:?}", fleet.outboxes());
+    let outboxes = fleet.outboxes();
+    assert!(outboxes[2..].iter().all(|&n| n >= 1), "round 2 updates wait in the outboxes: {outboxes:?}, {:?}", fleet.states());
     let again = mqtt.start_broker().await.unwrap();
     assert_eq!(again, Some(broker_addr), "the broker comes back on the same address");
 
     // Every agent reconnects; round 2 completes, then round 3 and the campaign.
     fleet
-        .run_until("rounds 2 and 3", 90, 0..N, |f| f.pending() == 0 && f.round_acks(3) == N && agg.status().last_outcome.is_some())
+        .run_until("rounds 2 and 3", 90, 0..N, |f| f.pending() == 0 && f.round_acks(1) == N && f.round_acks(3) == N && agg.status().last_outcome.is_some())
         .await;
     let status = agg.status();
     assert_eq!(status.last_outcome.as_deref(), Some("completed"), "{status:?}");
