@@ -45,6 +45,7 @@
 //! # fleet = "acme"                   # must equal the PKI's fleet (default: the PKI's)
 //! client_id = "aggregator"           # MQTT client id of this service
 //! presence_ttl_secs = 90             # a device counts as online this long after its last status
+//! reconnect_max_secs = 5             # ceiling of the reconnect backoff after the broker is lost
 //! ```
 //! Relative paths are resolved against the config file's directory. Without `[mqtt]` there is no
 //! MQTT (QUIC only). `[mqtt]` is read by [`Config::load_all`] into a separate [`MqttConfig`]
@@ -171,6 +172,9 @@ pub struct MqttConfig {
     pub client_id: String,
     #[serde(default = "default_presence_ttl")]
     pub presence_ttl_secs: u64,
+    /// Ceiling of the reconnect backoff after the broker is lost (doubling from 200 ms).
+    #[serde(default = "fedfleet_control::default_service_reconnect_max")]
+    pub reconnect_max_secs: u64,
 }
 
 fn default_mqtt_listen() -> SocketAddr {
@@ -191,6 +195,7 @@ impl MqttConfig {
             fleet: None,
             client_id: default_server_name(),
             presence_ttl_secs: default_presence_ttl(),
+            reconnect_max_secs: fedfleet_control::default_service_reconnect_max(),
         }
     }
 

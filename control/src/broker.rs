@@ -280,12 +280,12 @@ pub fn export_key_pkcs8_v1(key: &Path, dest: &Path) -> Result<(), fedfleet_certs
         &pem::Pem::new("PRIVATE KEY", der),
         pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF),
     );
-    fedfleet_durable::write_atomic(dest, pem.as_bytes(), fedfleet_durable::Mode::Secret).map_err(|error| {
-        fedfleet_certs::CertError::Io {
+    fedfleet_durable::write_atomic(dest, pem.as_bytes(), fedfleet_durable::Mode::Secret).map_err(
+        |error| fedfleet_certs::CertError::Io {
             path: dest.to_path_buf(),
             error,
-        }
-    })
+        },
+    )
 }
 
 #[cfg(test)]

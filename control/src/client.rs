@@ -46,6 +46,12 @@ pub struct ClientOptions {
     pub chunk_bytes: usize,
 }
 
+/// Reconnect backoff ceiling (seconds) for a service's client: a service is one client, not a
+/// fleet, so it may come back within seconds of a broker outage without a thundering herd.
+pub fn default_service_reconnect_max() -> u64 {
+    5
+}
+
 impl ClientOptions {
     pub fn new(
         host: impl Into<String>,

@@ -26,7 +26,7 @@ pub mod verify;
 pub use broker::{BrokerConfig, BrokerError, EmbeddedBroker, export_key_pkcs8_v1};
 pub use client::{
     ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Role,
-    device_tls, service_tls,
+    default_service_reconnect_max, device_tls, service_tls,
 };
 pub use presence::Presence;
 pub use rejection::{SignedRejection, UploadRejection};

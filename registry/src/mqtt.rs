@@ -55,6 +55,7 @@ pub const NOTICE_POLL: Duration = Duration::from_millis(200);
 /// # fleet = "acme"            # must equal the PKI's fleet (default: the PKI's)
 /// client_id = "registry"      # MQTT client id of this service
 /// presence_ttl_secs = 90      # a device counts as online this long after its last status
+/// reconnect_max_secs = 5      # ceiling of the reconnect backoff after the broker is lost
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -68,6 +69,9 @@ pub struct MqttConfig {
     pub client_id: String,
     #[serde(default = "default_presence_ttl")]
     pub presence_ttl_secs: u64,
+    /// Ceiling of the reconnect backoff after the broker is lost (doubling from 200 ms).
+    #[serde(default = "fedfleet_control::default_service_reconnect_max")]
+    pub reconnect_max_secs: u64,
 }
 
 fn default_port() -> u16 {
@@ -89,6 +93,7 @@ impl MqttConfig {
             fleet: None,
             client_id: default_client_id(),
             presence_ttl_secs: default_presence_ttl(),
+            reconnect_max_secs: fedfleet_control::default_service_reconnect_max(),
         }
     }
 }
@@ -164,7 +169,8 @@ pub async fn start(
         updates: false,
         limits: AssemblerLimits::default(),
     };
-    let options = ClientOptions::new(m.host.clone(), m.port, m.client_id.clone(), fleet);
+    let mut options = ClientOptions::new(m.host.clone(), m.port, m.client_id.clone(), fleet);
+    options.backoff_max = std::time::Duration::from_secs(m.reconnect_max_secs.max(1));
     let (client, mut events) = ControlClient::start(options, tls, role);
     tracing::info!(host = %m.host, port = m.port, "registry MQTT control plane started");
 

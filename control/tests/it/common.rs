@@ -452,7 +452,10 @@ pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> b
     let stats = agg.stats();
     // Only chunks orphaned by a broker restart may have been refused (see `lost_header`).
     assert!(
-        stats.rejected.keys().all(|reason| restarted && *reason == RejectReason::Malformed),
+        stats
+            .rejected
+            .keys()
+            .all(|reason| restarted && *reason == RejectReason::Malformed),
         "{stats:?}"
     );
     for c in &clients {
