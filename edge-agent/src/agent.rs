@@ -207,7 +207,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             Action::Train(a) => {
                 let round = a.round;
                 let input = match self.base_model(&a.base_model).await {
-                    Err(reason) => Input::TrainingFailed { round, reason },
+                    Err(reason) => Input::BaseModelUnavailable { round, reason },
                     Ok((spec, bytes)) => {
                         let data = self.data.clone();
                         let key = self.key.clone();

@@ -252,6 +252,9 @@ pub enum Input {
     /// Training finished: the encoded `SignedUpdate` and its payload.
     TrainingDone { round: RoundId, header: Vec<u8>, payload: Vec<u8> },
     TrainingFailed { round: RoundId, reason: String },
+    /// The round's base model could not be fetched (a transient failure): retried with
+    /// backoff while the round is open.
+    BaseModelUnavailable { round: RoundId, reason: String },
     UploadResult { outbox_id: u64, outcome: UploadOutcome },
     Assignment(RolloutNotice),
     Metadata { model: ModelRef, result: Result<MetadataSet, String> },
@@ -301,6 +304,10 @@ pub struct Lifecycle {
     conditions: Conditions,
     uploads: BTreeMap<u64, UploadTrack>,
     install_retry_at: Option<Millis>,
+    /// When to ask for the current round's base model again.
+    train_retry_at: Option<Millis>,
+    /// Failed asks for the current round's base model.
+    train_attempts: u32,
     actions: VecDeque<Action>,
     rng: ChaCha8Rng,
 }
@@ -360,6 +367,8 @@ impl Lifecycle {
             conditions: Conditions::default(),
             uploads: BTreeMap::new(),
             install_retry_at: None,
+            train_retry_at: None,
+            train_attempts: 0,
             actions: VecDeque::new(),
             rng,
         };
@@ -439,7 +448,12 @@ impl Lifecycle {
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) has work.
     pub fn poll_timeout(&self) -> Option<Millis> {
-        self.uploads.values().filter_map(|t| t.next_at).chain(self.install_retry_at).min()
+        self.uploads
+            .values()
+            .filter_map(|t| t.next_at)
+            .chain(self.install_retry_at)
+            .chain(self.train_retry_at)
+            .min()
     }
 
     // ----- inputs -----
@@ -450,6 +464,12 @@ impl Lifecycle {
                 t.next_at = None;
                 t.in_flight = true;
                 self.actions.push_back(Action::Upload { outbox_id: *id });
+            }
+        }
+        if self.train_retry_at.is_some_and(|at| at <= now) {
+            self.train_retry_at = None;
+            if let Some(round) = self.state.round.clone() {
+                self.actions.push_back(Action::Train(round));
             }
         }
         if self.install_retry_at.is_some_and(|at| at <= now) {
@@ -469,10 +489,24 @@ impl Lifecycle {
             }
             Input::RoundAnnounced(a) => self.on_round(now, a),
             Input::TrainingDone { round, header, payload } => self.on_trained(now, round, header, payload),
+            Input::BaseModelUnavailable { round, reason } => {
+                let Some(deadline) = self.state.round.as_ref().filter(|r| r.round == round).map(|r| r.deadline_unix_ms) else {
+                    return Ok(());
+                };
+                self.train_attempts += 1;
+                let at = now + self.cfg.backoff.delay(self.train_attempts, &mut self.rng);
+                if at >= deadline {
+                    return self.handle(now, Input::TrainingFailed { round, reason });
+                }
+                tracing::info!(%round, attempt = self.train_attempts, retry_in_ms = at - now, %reason, "base model unavailable; will ask again");
+                self.train_retry_at = Some(at);
+                Ok(())
+            }
             Input::TrainingFailed { round, reason } => {
                 if self.state.round.as_ref().map(|r| r.round) != Some(round) {
                     return Ok(());
                 }
+                self.train_retry_at = None;
                 tracing::warn!(%round, %reason, "training failed; skipping the round");
                 let mut next = self.state.clone();
                 next.round = None;
@@ -541,6 +575,8 @@ impl Lifecycle {
         next.round = Some(a.clone());
         next.last_state = DeviceState::Training { round: a.round };
         self.commit(next)?;
+        self.train_retry_at = None;
+        self.train_attempts = 0;
         self.actions.push_back(Action::Train(a));
         self.report(now);
         Ok(())
@@ -568,6 +604,7 @@ impl Lifecycle {
         };
         // Commit point 1: the result is durable before anything else happens.
         self.store.put_outbox(&entry)?;
+        self.train_retry_at = None;
         let mut next = self.state.clone();
         next.round = None;
         next.last_round = Some(round);

@@ -119,6 +119,32 @@ fn crash_during_training_retrains_and_permanent_rejection_drops() {
 }
 
 #[test]
+fn unavailable_base_model_is_asked_again_until_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reg, v1) = registry();
+    let mut lc = open(dir.path(), &reg, &v1);
+    let ann = announcement(7, &v1);
+    let deadline = ann.deadline_unix_ms;
+    lc.handle(T0, Input::RoundAnnounced(ann)).unwrap();
+    assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == 7)));
+    // A transient failure: the round stays in progress and Train comes back after the backoff.
+    let round = fedfleet_protocol::RoundId(7);
+    lc.handle(T0, Input::BaseModelUnavailable { round, reason: "connection lost".into() }).unwrap();
+    assert!(matches!(lc.state().last_state, DeviceState::Training { .. }));
+    let at = lc.poll_timeout().expect("a retry is scheduled");
+    assert!(at > T0 && at < deadline, "{at}");
+    lc.handle_timeout(at - 1);
+    assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "not before the backoff");
+    lc.handle_timeout(at);
+    assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == 7)), "asked again");
+    // Once the next ask would land after the deadline, the round is given up with the reason.
+    lc.handle(deadline - 1, Input::BaseModelUnavailable { round, reason: "connection lost".into() }).unwrap();
+    assert!(lc.state().round.is_none());
+    assert!(matches!(&lc.state().last_state, DeviceState::Failed { reason } if reason.contains("connection lost")), "{:?}", lc.state().last_state);
+    assert_eq!(lc.poll_timeout(), None);
+}
+
+#[test]
 fn participation_conditions_gate_training() {
     let dir = tempfile::tempdir().unwrap();
     let (reg, v1) = registry();
