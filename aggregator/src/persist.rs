@@ -24,8 +24,11 @@
 //!
 //! * **Accepted update**: the payload file is written and fsynced first (content-addressed, so a
 //!   retry rewrites the same bytes); then one sled transaction stores the engine snapshot and
-//!   the accepted record and bumps `seq`; then `flush()`, then the `COMMIT` file; only then does
-//!   the device get its receipt.
+//!   the accepted record and bumps `seq` ([`Store::apply_update`], under the service lock); then,
+//!   outside the lock, [`Store::sync`] flushes and writes the `COMMIT` file; only then does the
+//!   device get its receipt. `sync` is a group commit: one flush makes every transaction applied
+//!   before it durable, so concurrent uploads share fsyncs. A round's model is computed only
+//!   after a `sync` of everything applied, so nothing folded into a published model can be lost.
 //! * **Round boundary** (campaign start, model published, round failed, campaign stopped): one
 //!   transaction stores the engine, the strategy (its partial sum is empty then; optimizer state
 //!   such as Adam moments is in it) and the global model reference.
@@ -314,8 +317,9 @@ impl Store {
         Ok(bytes)
     }
 
-    /// Commit point of an accepted update (see the module docs). The payload must be stored.
-    pub fn commit_update(&self, engine: &[u8], nonce: &[u8; 16], rec: &AcceptedRecord) -> Result<()> {
+    /// Applies the commit of an accepted update (see the module docs; the payload must be
+    /// stored) and returns its sequence number: durable once [`Store::sync`] of it returns.
+    pub fn apply_update(&self, engine: &[u8], nonce: &[u8; 16], rec: &AcceptedRecord) -> Result<u64> {
         let key = accepted_key(&rec.device, nonce);
         let value = enc(rec);
         let res = (&self.meta, &self.accepted).transaction(|(m, a)| {
@@ -323,9 +327,9 @@ impl Store {
             a.insert(key.as_slice(), value.as_slice())?;
             bump_seq(m)
         });
-        let seq = tx(res)?;
-        self.commit(seq)
+        tx(res)
     }
+
 
     /// Commit point of a round boundary.
     pub fn commit_boundary(&self, b: Boundary<'_>) -> Result<()> {
@@ -349,7 +353,7 @@ impl Store {
             Err(TransactionError::Abort(e)) => return Err(e),
             Err(TransactionError::Storage(e)) => return Err(e.into()),
         };
-        self.commit(seq)
+        self.sync(seq)
     }
 
     /// Deletes payload files of rounds before `keep_from` (folded into a published model or
@@ -416,16 +420,25 @@ impl Store {
         Ok(bytes)
     }
 
-    /// flush, then record `seq` in the `COMMIT` file.
-    fn commit(&self, seq: u64) -> Result<()> {
-        self.db.flush()?;
-        let mut last = self.marker.lock().unwrap_or_else(|p| p.into_inner());
-        if seq > *last {
-            let m = marker(&self.dir);
-            m.write(seq).map_err(io(m.path()))?;
-            *last = seq;
+    /// Makes every transaction applied up to `seq` durable: flush, then the `COMMIT` file. A
+    /// group commit: callers queue on the marker lock, and one flush covers every transaction
+    /// applied before it started, so a caller whose `seq` is already covered returns at once.
+    pub fn sync(&self, seq: u64) -> Result<()> {
+        let mut durable = self.marker.lock().unwrap_or_else(|p| p.into_inner());
+        if seq <= *durable {
+            return Ok(());
         }
+        let target = self.seq()?.max(seq);
+        self.db.flush()?;
+        let m = marker(&self.dir);
+        m.write(target).map_err(io(m.path()))?;
+        *durable = target;
         Ok(())
+    }
+
+    /// [`Store::sync`] of everything applied so far.
+    pub fn sync_all(&self) -> Result<()> {
+        self.sync(self.seq()?)
     }
 }
 
@@ -469,5 +482,28 @@ mod tests {
         // An empty database next to a non-zero marker is refused too.
         std::fs::remove_dir_all(dir.path().join("db")).unwrap();
         assert!(matches!(Store::open(dir.path()), Err(StoreError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn one_sync_makes_every_applied_update_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(dir.path()).unwrap();
+        let rec = |i: u8| AcceptedRecord {
+            round: RoundId(1),
+            device: DeviceId::new(format!("dev-{i}")).unwrap(),
+            payload_digest: Digest::of(&[i]),
+            weight: 1,
+            receipt: vec![i],
+        };
+        let seqs: Vec<u64> = (0..3).map(|i| s.apply_update(b"e", &[i; 16], &rec(i)).unwrap()).collect();
+        assert_eq!(seqs, [1, 2, 3]);
+        assert_eq!(read_marker(dir.path()).unwrap(), 0, "nothing is acknowledged before a sync");
+        // The first caller's flush covers the later transactions; their syncs return at once.
+        s.sync(seqs[0]).unwrap();
+        assert_eq!(read_marker(dir.path()).unwrap(), 3);
+        s.sync(seqs[2]).unwrap();
+        drop(s);
+        let s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.accepted_in(RoundId(1)).unwrap().len(), 3);
     }
 }

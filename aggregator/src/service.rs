@@ -200,6 +200,12 @@ fn decode_base(bytes: &[u8]) -> Result<(Layout, Vec<f32>), String> {
     Ok((layout, flatten(&b, dim)))
 }
 
+/// Memory is ahead of disk: the only safe move is to stop and restart from disk.
+fn abort_on_commit_failure(e: crate::persist::StoreError) -> ! {
+    tracing::error!(error = %e, "cannot commit an accepted update; aborting so a restart resumes from disk");
+    std::process::abort()
+}
+
 /// Streaming unless the tensor path is on and `strategy` is a weighted mean.
 fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
     if tensor && strategy.is_mean_based() { FoldMode::Deferred } else { FoldMode::Streaming }
@@ -635,11 +641,13 @@ impl Aggregator {
         };
         // 3. Signature.
         update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
-        // 4. A resend of an accepted update gets its receipt again.
+        // 4. A resend of an accepted update gets its receipt again (once the record is durable:
+        // the first attempt may still be waiting for its flush).
         if let Ok(Some(rec)) = sh.store.accepted(&h.device, &h.nonce)
             && rec.payload_digest == h.payload_digest
             && rec.round == h.round
         {
+            sh.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
             return Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")));
         }
         // 5. Round, replay, duplicate, selection, sample count; size.
@@ -758,16 +766,15 @@ impl Aggregator {
             weight: accepted.weight,
             receipt: receipt.encode(),
         };
-        if let Err(e) = sh.store.commit_update(&core.coord.engine().to_bytes(), &h.nonce, &rec) {
-            // Memory is ahead of disk: the only safe move is to stop and restart from disk.
-            tracing::error!(error = %e, "cannot commit an accepted update; aborting so a restart resumes from disk");
-            std::process::abort();
-        }
+        let seq = sh.store.apply_update(&core.coord.engine().to_bytes(), &h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
         sh.metrics.accepted.fetch_add(1, Relaxed);
         sh.metrics.round_accepted.store(accepted.accepted as u64, Relaxed);
         tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
             target = accepted.target, "update accepted");
         self.drain(&mut core, now);
+        drop(core);
+        // Durable before the receipt leaves; concurrent uploads share this flush.
+        sh.store.sync(seq).unwrap_or_else(|e| abort_on_commit_failure(e));
         Ok(receipt)
     }
 
@@ -918,6 +925,8 @@ impl Aggregator {
         let me = self.clone();
         // Finalize under the lock (CPU), off the async threads.
         let out = tokio::task::spawn_blocking(move || {
+            // Every update folded into this model is durable before the model exists.
+            me.shared.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
             let mut core = me.lock();
             if core.closing != Some(round) {
                 return Ok(None);
