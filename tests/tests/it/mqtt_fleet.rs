@@ -7,7 +7,6 @@
 //! lost) while the other agents are uploading. Every agent reconnects, the round completes, and
 //! every accepted update is acknowledged exactly once.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,18 +18,17 @@ use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, Stat
 use fedfleet_agent::remote::{RemoteAggregator, RemoteRegistry};
 use fedfleet_agent::AgentStore;
 use fedfleet_aggregator::config::Config;
-use fedfleet_aggregator::publish::RegistryPublisher;
 use fedfleet_aggregator::service::Aggregator as AggregatorService;
 use fedfleet_aggregator::wire::CampaignOverrides;
-use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, RevocationWatcher, ServerIdentity, tls};
+use fedfleet_certs::{ALPN_V1, DeviceIdentity, tls};
 use fedfleet_control::{ClientOptions, ControlClient, Role, device_tls};
 use fedfleet_learning::{Dataset, ModelSpec, Partition};
 use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
-use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
-use fedfleet_registry::metrics::Metrics;
 use fedfleet_registry::ops::Registry;
-use fedfleet_registry::server::{self, ServerOptions};
-use fedfleet_registry::store::{Store, StoreConfig};
+
+use crate::inproc::{
+    FleetDir, RunningAggregator, RunningRegistry, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
+};
 
 const MODEL: &str = "digits";
 const N: usize = 4;
@@ -122,22 +120,17 @@ struct Setup<'a> {
 /// Agents wired like the daemon with `[mqtt] upload = "mqtt"`: `MqttAggregator` over the QUIC
 /// client, `MqttRegistry` publishing signed status, heartbeats every 500 ms.
 fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
-    let (train, _) = Dataset::digits_split().unwrap();
-    let parts = Partition::Iid.split_dataset(&train, devices.len(), 1);
+    let parts = digits_partitions(devices.len());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let mut fleet = Fleet { agents: Vec::new(), aggs: Vec::new(), controls: Vec::new(), heartbeats: Vec::new() };
     for (i, (device, part)) in devices.iter().zip(parts).enumerate() {
         let id = DeviceIdentity::load(s.pki_dir, device).unwrap();
-        let quic_tls = tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap();
-        let agg_client = fedfleet_aggregator::client::AggregatorClient::new(s.agg_addr, "localhost", quic_tls.clone()).unwrap();
+        let agg_client = quic_aggregator_client(&id, s.agg_addr);
         // Generous: a base model fetch that times out makes the agent skip the round for good.
         let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, s.receipt_key).with_timeout(Duration::from_secs(30))));
-        let reg_client = fedfleet_registry::client::RegistryClient::new(s.reg_addr, "localhost", quic_tls).unwrap();
-        let reg = Arc::new(RemoteRegistry::with_clock(reg_client, MODEL, s.pinned_root.clone(), clock.clone()));
+        let reg = Arc::new(quic_registry(&id, s.reg_addr, &s.pinned_root, &clock));
 
-        let mut o = ClientOptions::new("127.0.0.1", s.broker_port, device.as_str(), s.fleet.clone());
-        o.backoff_initial = Duration::from_millis(100);
-        o.backoff_max = Duration::from_secs(1);
+        let mut o = device_mqtt_options(s.broker_port, device, s.fleet);
         o.chunk_bytes = 8 * 1024; // several chunks per update
         let role = Role::Device { id: device.clone(), aggregator_key: s.receipt_key, registry_key: None };
         let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
@@ -146,23 +139,70 @@ fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
         let publisher = StatusPublisher::new(control.clone(), id.signing_key());
         let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
 
-        let store = AgentStore::open(s.data_dir.join(device.as_str())).unwrap();
-        let (tr, holdout) = part.split(0.2, 1);
         let mut cfg = CoreConfig::new(device.clone(), s.fleet.clone());
-        cfg.local_samples = tr.len() as u64;
         cfg.rng_seed = 1 ^ i as u64;
-        cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
         cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
-        let core = Lifecycle::open(cfg, store, Some(s.pinned_root.clone()), None, clock.now_ms()).unwrap();
-        let initial = core.status(clock.now_ms());
+        let agent = build_agent(cfg, part, &s.data_dir.join(device.as_str()), &s.pinned_root, &id, agg.clone(), reg, &clock);
+        let initial = agent.core().status(clock.now_ms());
         let c = clock.clone();
         fleet.heartbeats.push(tokio::spawn(fedfleet_agent::mqtt::heartbeats(publisher, initial, Duration::from_millis(500), move || c.now_ms())));
-        let shell = ShellConfig { latency_samples: 8, ..Default::default() };
-        fleet.agents.push(Agent::new(core, agg.clone(), reg, id.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell));
+        fleet.agents.push(agent);
         fleet.aggs.push(agg);
         fleet.controls.push(control);
     }
     fleet
+}
+
+type PinnedRoot = fedfleet_registry::Signed<fedfleet_registry::Root>;
+
+/// The digits training split in `n` IID parts, one per device.
+fn digits_partitions(n: usize) -> Vec<Dataset> {
+    let (train, _) = Dataset::digits_split().unwrap();
+    Partition::Iid.split_dataset(&train, n, 1)
+}
+
+/// The device's QUIC client of the aggregator at `addr`.
+fn quic_aggregator_client(id: &DeviceIdentity, addr: SocketAddr) -> fedfleet_aggregator::client::AggregatorClient {
+    let client_tls = tls::client_config(id.ca(), id, &[ALPN_V1]).unwrap();
+    fedfleet_aggregator::client::AggregatorClient::new(addr, "localhost", client_tls).unwrap()
+}
+
+/// The device's QUIC registry client (metadata, assignments, downloads), pinning `pinned_root`.
+fn quic_registry(id: &DeviceIdentity, reg_addr: SocketAddr, pinned_root: &PinnedRoot, clock: &Arc<dyn Clock>) -> RemoteRegistry {
+    let client_tls = tls::client_config(id.ca(), id, &[ALPN_V1]).unwrap();
+    let client = fedfleet_registry::client::RegistryClient::new(reg_addr, "localhost", client_tls).unwrap();
+    RemoteRegistry::with_clock(client, MODEL, pinned_root.clone(), clock.clone())
+}
+
+/// The device's MQTT client options, redialling within 100 ms to 1 s so a broker restart is
+/// over quickly.
+fn device_mqtt_options(broker_port: u16, device: &DeviceId, fleet: &FleetId) -> ClientOptions {
+    let mut o = ClientOptions::new("127.0.0.1", broker_port, device.as_str(), fleet.clone());
+    o.backoff_initial = Duration::from_millis(100);
+    o.backoff_max = Duration::from_secs(1);
+    o
+}
+
+/// An agent as the daemon builds it from `cfg`, with its state in `state_dir`, training on 80 %
+/// of `part` (the rest held out for its health check) and retrying within 200 ms to 1 s.
+#[allow(clippy::too_many_arguments)]
+fn build_agent<A: Aggregator, R: fedfleet_agent::clients::Registry>(
+    mut cfg: CoreConfig,
+    part: Dataset,
+    state_dir: &std::path::Path,
+    pinned_root: &PinnedRoot,
+    id: &DeviceIdentity,
+    agg: Arc<A>,
+    reg: Arc<R>,
+    clock: &Arc<dyn Clock>,
+) -> Agent<A, R> {
+    let store = AgentStore::open(state_dir).unwrap();
+    let (train, holdout) = part.split(0.2, 1);
+    cfg.local_samples = train.len() as u64;
+    cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
+    let core = Lifecycle::open(cfg, store, Some(pinned_root.clone()), None, clock.now_ms()).unwrap();
+    let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+    Agent::new(core, agg, reg, id.signing_key(), LocalData { train, holdout }, clock.clone(), shell)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -171,52 +211,22 @@ async fn mqtt_fleet_three_rounds_broker_restart() {
 }
 
 async fn body() {
-    let dir = tempfile::tempdir().unwrap();
-    let root_dir = dir.path();
-    let pki_dir = root_dir.join("pki");
+    let devices = edge_devices(N);
     // rumqttd takes the certificate's O= (the fleet) as a tenant: alphanumeric only.
-    let fleet_id = FleetId::new("fleetmqtt").unwrap();
-    let pki = Pki::init(&pki_dir, &fleet_id, 30, false).unwrap();
-    pki.issue_server("registry", &[], 30, false).unwrap();
-    pki.issue_server("aggregator", &[], 30, false).unwrap();
-    let devices: Vec<DeviceId> = (0..N).map(|i| DeviceId::new(format!("edge-{i:02}")).unwrap()).collect();
-    for d in &devices {
-        pki.enroll_device(d, 30, false).unwrap();
-    }
+    let fleet_dir = FleetDir::new("fleetmqtt", &["registry", "aggregator"], &devices);
+    let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
 
     // Registry, in process; the aggregator's service certificate is an operator.
-    let rdata = root_dir.join("registry");
-    metadata::init_keys(&rdata, 30, false).unwrap();
-    let store = Store::open(rdata.join("store"), StoreConfig::default()).unwrap();
-    let signer = MetadataSigner::load(&rdata, Lifetimes::default()).unwrap();
-    let reg = Arc::new(Registry::new(store, fleet_id.clone(), Some(signer), Arc::new(Metrics::default())).unwrap());
-    let pinned_root = reg.signer().unwrap().root().clone();
-    let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
-    let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
-    let rtls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1]).unwrap();
-    let rendpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), rtls).unwrap();
-    let reg_addr = rendpoint.local_addr().unwrap();
-    let mut opts = ServerOptions::new(rdata.join("incoming"));
-    opts.operators = vec!["aggregator".into()];
-    let (rstop, rrx) = tokio::sync::oneshot::channel::<()>();
-    let rtask = tokio::spawn(server::run(rendpoint, reg.clone(), opts, async move {
-        let _ = rrx.await;
-    }));
+    let registry = RunningRegistry::start(&fleet_dir, &["aggregator"]);
 
     // Aggregator, in process, from its TOML config with `[mqtt]` (embedded broker, any port).
     let spec = ModelSpec::digits_mlp();
-    std::fs::write(root_dir.join("initial.safetensors"), fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode()).unwrap();
-    let config_path = write_aggregator_config(root_dir, &spec, Some(reg_addr), 3);
+    write_initial_model(root_dir, &spec);
+    let config_path = write_aggregator_config(root_dir, &spec, Some(registry.addr), 3);
     let (cfg, mqtt_cfg) = Config::load_all(&config_path).unwrap();
     let mqtt_cfg = mqtt_cfg.expect("[mqtt] is on");
-    let publisher = RegistryPublisher::connect_lazy(&cfg.pki_dir, "aggregator", reg_addr, "localhost").unwrap();
-    let agg = AggregatorService::open(cfg.clone(), Box::new(publisher)).unwrap();
-    let endpoint = agg.bind(cfg.listen).unwrap();
-    let agg_addr = endpoint.local_addr().unwrap();
-    let (astop, arx) = tokio::sync::oneshot::channel::<()>();
-    let atask = tokio::spawn(agg.clone().run(endpoint, async move {
-        let _ = arx.await;
-    }));
+    let (running, agg_addr) = RunningAggregator::start(&cfg, registry.addr, cfg.listen).await;
+    let agg = running.agg.clone();
     let mut mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg).await.unwrap().expect("embedded broker");
     let broker_addr = mqtt.broker_addr().unwrap();
     let receipt_key = agg.receipt_key();
@@ -226,10 +236,10 @@ async fn body() {
         pki_dir: &pki_dir,
         fleet: &fleet_id,
         agg_addr,
-        reg_addr,
+        reg_addr: registry.addr,
         broker_port: broker_addr.port(),
         receipt_key,
-        pinned_root,
+        pinned_root: registry.pinned_root.clone(),
         data_dir: &root_dir.join("agents"),
     };
     let mut fleet = start_agents(&setup, &devices);
@@ -284,9 +294,8 @@ async fn body() {
     }
     drop(fleet.agents);
     mqtt.shutdown().await;
-    drop(astop);
-    atask.await.unwrap();
     drop(agg);
+    running.stop().await;
     // An ingest task spawned for a late resend may hold the service for a moment longer.
     let end = tokio::time::Instant::now() + Duration::from_secs(20);
     let astore = loop {
@@ -299,25 +308,13 @@ async fn body() {
             Err(e) => panic!("aggregator store still held: {e}"),
         }
     };
-    let mut accepted = Vec::new();
-    for r in 1..=3 {
-        for rec in astore.accepted_in(RoundId(r)).unwrap() {
-            accepted.push((rec.device.clone(), rec.round, rec.payload_digest));
-        }
-    }
-    let acks: Vec<_> = fleet.aggs.iter().flat_map(|a| a.mqtt_acks()).map(|a| (a.device, a.round, a.payload_digest)).collect();
-    let ack_set: BTreeSet<_> = acks.iter().cloned().collect();
-    let acc_set: BTreeSet<_> = accepted.iter().cloned().collect();
-    assert_eq!(accepted.len(), 3 * N, "aggregator records: {accepted:?}");
-    assert_eq!(acc_set.len(), accepted.len(), "an update recorded twice");
-    assert_eq!(acks.len(), ack_set.len(), "an update acknowledged twice: {acks:?}");
-    assert_eq!(ack_set, acc_set, "agents' acknowledged updates differ from the aggregator's records");
+    let acks: Vec<_> = fleet.aggs.iter().flat_map(|a| a.mqtt_acks()).collect();
+    assert_acks_match_records(&astore, 3, 3 * N, &acks);
 
     // The registry holds the initial model and one version per round.
-    assert_eq!(reg.store().versions(MODEL).unwrap(), (1..=4).map(ModelVersion).collect::<Vec<_>>());
+    assert_eq!(registry.reg.store().versions(MODEL).unwrap(), (1..=4).map(ModelVersion).collect::<Vec<_>>());
 
-    drop(rstop);
-    tokio::time::timeout(Duration::from_secs(15), rtask).await.unwrap().unwrap();
+    registry.stop().await;
 }
 
 /// `aggregator.toml` with `[mqtt]` (embedded broker on any port) and a campaign of `rounds`
@@ -382,16 +379,11 @@ async fn mqtt_refused_update_comes_back_with_its_reason() {
 
 async fn refusal_body() {
     use fedfleet_protocol::{DType, Digest, Signed, TensorBundle, UpdateHeader};
-    let dir = tempfile::tempdir().unwrap();
-    let root_dir = dir.path();
-    let pki_dir = root_dir.join("pki");
-    let fleet_id = FleetId::new("fleetrefuse").unwrap();
-    let pki = Pki::init(&pki_dir, &fleet_id, 30, false).unwrap();
-    pki.issue_server("aggregator", &[], 30, false).unwrap();
     let device = DeviceId::new("edge-bad").unwrap();
-    pki.enroll_device(&device, 30, false).unwrap();
+    let fleet_dir = FleetDir::new("fleetrefuse", &["aggregator"], std::slice::from_ref(&device));
+    let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
     let spec = ModelSpec::digits_mlp();
-    std::fs::write(root_dir.join("initial.safetensors"), fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode()).unwrap();
+    write_initial_model(root_dir, &spec);
     let (cfg, mqtt_cfg) = Config::load_all(&write_aggregator_config(root_dir, &spec, None, 1)).unwrap();
     let publisher = fedfleet_aggregator::publish::DirPublisher::new(cfg.publish_dir(), ed25519_dalek::SigningKey::from_bytes(&[5; 32]), "test");
     let agg = AggregatorService::open(cfg.clone(), Box::new(publisher)).unwrap();
@@ -401,19 +393,12 @@ async fn refusal_body() {
 
     // The device side, as the agent wires it with `upload = "mqtt"` (QUIC never used here).
     let id = DeviceIdentity::load(&pki_dir, &device).unwrap();
-    let mut o = ClientOptions::new("127.0.0.1", mqtt.broker_addr().unwrap().port(), device.as_str(), fleet_id.clone());
-    o.backoff_initial = Duration::from_millis(100);
-    o.backoff_max = Duration::from_secs(1);
+    let o = device_mqtt_options(mqtt.broker_addr().unwrap().port(), &device, &fleet_id);
     let role = Role::Device { id: device.clone(), aggregator_key: receipt_key, registry_key: None };
     let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
     // Long enough that only an answer, not the time limit, can end the wait.
     let opts = MqttUploadOptions { path: UploadPath::Mqtt, receipt_timeout: Duration::from_secs(30), ..Default::default() };
-    let agg_client = fedfleet_aggregator::client::AggregatorClient::new(
-        "127.0.0.1:9".parse().unwrap(),
-        "localhost",
-        tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap(),
-    )
-    .unwrap();
+    let agg_client = quic_aggregator_client(&id, "127.0.0.1:9".parse().unwrap());
     let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, receipt_key)));
     let mqtt_agg = MqttAggregator::new(quic, control.clone(), events, opts);
 
@@ -511,21 +496,13 @@ async fn rollout_body() {
     use fedfleet_registry::wire::{AdminRequest, RolloutStart};
     const DEVICES: usize = 3;
 
-    let dir = tempfile::tempdir().unwrap();
-    let root_dir = dir.path();
-    let pki_dir = root_dir.join("pki");
-    let fleet_id = FleetId::new("fleetroll").unwrap();
-    let pki = Pki::init(&pki_dir, &fleet_id, 30, false).unwrap();
-    pki.issue_server("registry", &[], 30, false).unwrap();
-    pki.issue_server("broker", &[], 30, false).unwrap();
-    let devices: Vec<DeviceId> = (0..DEVICES).map(|i| DeviceId::new(format!("edge-{i:02}")).unwrap()).collect();
-    for d in &devices {
-        pki.enroll_device(d, 30, false).unwrap();
-    }
+    let devices = edge_devices(DEVICES);
+    let fleet_dir = FleetDir::new("fleetroll", &["registry", "broker"], &devices);
+    let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
     let servers = pki_dir.join("servers");
     let broker = fedfleet_control::EmbeddedBroker::start(fedfleet_control::BrokerConfig::new(
         ([127, 0, 0, 1], 0).into(),
-        pki.ca_cert_path(),
+        fleet_dir.pki.ca_cert_path(),
         servers.join("broker.crt"),
         servers.join("broker.key"),
     ))
@@ -533,12 +510,8 @@ async fn rollout_body() {
     .unwrap();
 
     // Registry with v1 (stable) and v2 of the model.
-    let rdata = root_dir.join("registry");
-    metadata::init_keys(&rdata, 30, false).unwrap();
-    let store = Store::open(rdata.join("store"), StoreConfig::default()).unwrap();
-    let signer = MetadataSigner::load(&rdata, Lifetimes::default()).unwrap();
-    let reg = Arc::new(Registry::new(store, fleet_id.clone(), Some(signer), Arc::new(Metrics::default())).unwrap());
-    let pinned_root = reg.signer().unwrap().root().clone();
+    let registry = RunningRegistry::start(&fleet_dir, &["operator"]);
+    let (reg, reg_addr, pinned_root) = (registry.reg.clone(), registry.addr, registry.pinned_root.clone());
     let spec = ModelSpec::digits_mlp();
     for seed in [7, 8] {
         let bytes = fedfleet_learning::model::init_bundle(&spec, seed).unwrap().encode();
@@ -555,17 +528,8 @@ async fn rollout_body() {
     reg.store().set_alias(MODEL, "stable", ModelVersion(1)).unwrap();
     let v2 = reg.store().version(MODEL, ModelVersion(2)).unwrap().digest;
 
-    let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
-    let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
-    let rtls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1]).unwrap();
-    let rendpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), rtls).unwrap();
-    let reg_addr = rendpoint.local_addr().unwrap();
-    let (rstop, rrx) = tokio::sync::oneshot::channel::<()>();
-    let rtask = tokio::spawn(server::run(rendpoint, reg.clone(), ServerOptions::new(rdata.join("incoming")), async move {
-        let _ = rrx.await;
-    }));
     let rcfg = fedfleet_registry::config::Config {
-        data_dir: rdata.clone(),
+        data_dir: registry.data_dir.clone(),
         pki_dir: pki_dir.clone(),
         server_identity: "registry".into(),
         mqtt: Some(RegistryMqttConfig::new("127.0.0.1", broker.local_addr().port())),
@@ -575,20 +539,15 @@ async fn rollout_body() {
 
     // Agents: an hour between polls; QUIC only for metadata, assignments and downloads.
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let (train, _) = Dataset::digits_split().unwrap();
-    let parts = Partition::Iid.split_dataset(&train, DEVICES, 1);
+    let parts = digits_partitions(DEVICES);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut serving = Vec::new();
     let mut aggs = Vec::new();
     let mut tasks = Vec::new();
     for (i, (device, part)) in devices.iter().zip(parts).enumerate() {
         let id = DeviceIdentity::load(&pki_dir, device).unwrap();
-        let quic_tls = tls::client_config(id.ca(), &id, &[ALPN_V1]).unwrap();
-        let reg_client = fedfleet_registry::client::RegistryClient::new(reg_addr, "localhost", quic_tls).unwrap();
-        let quic_reg = Arc::new(QuicReportsOff(RemoteRegistry::with_clock(reg_client, MODEL, pinned_root.clone(), clock.clone())));
-        let mut o = ClientOptions::new("127.0.0.1", broker.local_addr().port(), device.as_str(), fleet_id.clone());
-        o.backoff_initial = Duration::from_millis(100);
-        o.backoff_max = Duration::from_secs(1);
+        let quic_reg = Arc::new(QuicReportsOff(quic_registry(&id, reg_addr, &pinned_root, &clock)));
+        let o = device_mqtt_options(broker.local_addr().port(), device, &fleet_id);
         let unused_receipt_key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key();
         let role = Role::Device { id: device.clone(), aggregator_key: unused_receipt_key, registry_key: notice_key(&pinned_root) };
         assert!(notice_key(&pinned_root).is_some(), "the root names the timestamp key");
@@ -596,17 +555,11 @@ async fn rollout_body() {
         let opts = MqttUploadOptions { path: UploadPath::Quic, ..Default::default() };
         let agg = Arc::new(MqttAggregator::new(Arc::new(Unlinked), control.clone(), events, opts));
         let reg_client = Arc::new(MqttRegistry::new(quic_reg, StatusPublisher::new(control.clone(), id.signing_key())));
-        let store = AgentStore::open(root_dir.join("agents").join(device.as_str())).unwrap();
-        let (tr, holdout) = part.split(0.2, 1);
         let mut cfg = CoreConfig::new(device.clone(), fleet_id.clone());
-        cfg.local_samples = tr.len() as u64;
         cfg.rng_seed = i as u64;
-        cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
         // Any accuracy passes: this test is about how the rollout travels, not the model.
         cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 1.0 };
-        let core = Lifecycle::open(cfg, store, Some(pinned_root.clone()), None, clock.now_ms()).unwrap();
-        let shell = ShellConfig { latency_samples: 8, ..Default::default() };
-        let mut agent = Agent::new(core, agg.clone(), reg_client, id.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell);
+        let mut agent = build_agent(cfg, part, &root_dir.join("agents").join(device.as_str()), &pinned_root, &id, agg.clone(), reg_client, &clock);
         serving.push(agent.serving());
         let wake = agg.rollout_wake();
         aggs.push((agg, control));
@@ -677,15 +630,5 @@ async fn rollout_body() {
     }
     reg_mqtt.shutdown().await;
     broker.shutdown().await;
-    drop(rstop);
-    tokio::time::timeout(Duration::from_secs(15), rtask).await.unwrap().unwrap();
-}
-
-/// Polls `cond` every 50 ms; panics after `secs`.
-async fn wait_until(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
-    let end = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    registry.stop().await;
 }

@@ -32,7 +32,8 @@ use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_protocol::{BundleLimits, DeviceState, DeviceStatus, Digest, RoundId, TensorBundle};
 
 use crate::procs::{
-    Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, sample, scrape, wait_for,
+    Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, poll_every, sample,
+    scrape, wait_for,
 };
 
 const MODEL: &str = "digits";
@@ -56,6 +57,20 @@ struct Plan {
     quorum: u32,
     deadline_secs: u64,
     extension_secs: u64,
+}
+
+impl Plan {
+    /// `rounds` rounds that each wait for every agent, with time to spare.
+    fn every_agent(rounds: u32) -> Plan {
+        let n = AGENTS as u32;
+        Plan {
+            rounds,
+            target: n,
+            quorum: n,
+            deadline_secs: 300,
+            extension_secs: 60,
+        }
+    }
 }
 
 /// A fleet in a temporary directory: PKI, configs, and the running children.
@@ -211,44 +226,52 @@ impl Fleet {
         self.root.join("logs").join(format!("{name}.log"))
     }
 
-    /// Starts `fedfleet-registry serve` and waits until it serves (its metrics endpoint is bound
-    /// after the QUIC endpoint).
-    fn start_registry(&mut self) {
-        let p = Proc::spawn(
-            "registry",
-            "fedfleet-registry",
-            &["--config", "registry.toml", "serve"],
+    /// Starts `fedfleet-<service> args` and waits until it serves (its metrics endpoint, at
+    /// `metrics`, is bound after the QUIC endpoint).
+    fn start_service(&self, service: &str, args: &[&str], metrics: SocketAddr) -> Proc {
+        let mut p = Proc::spawn(
+            service,
+            &format!("fedfleet-{service}"),
+            args,
             &self.root,
-            &self.log("registry"),
+            &self.log(service),
             "info",
         );
-        let addr = self.reg_metrics;
-        self.registry = Some(p);
-        let reg = self.registry.as_mut().unwrap();
-        wait_for("the registry to serve", STEP_TIMEOUT, || {
-            reg.assert_running();
-            scrape(addr)
+        wait_for(&format!("the {service} to serve"), STEP_TIMEOUT, || {
+            p.assert_running();
+            scrape(metrics)
         });
+        p
     }
 
-    /// Starts `fedfleet-aggregator serve` (it also creates `receipt.pub` the agents pin) and
-    /// waits until it serves.
-    fn start_aggregator(&mut self) {
-        let p = Proc::spawn(
-            "aggregator",
-            "fedfleet-aggregator",
-            &["serve", "--config", "aggregator.toml"],
-            &self.root,
-            &self.log("aggregator"),
-            "info",
+    /// Starts `fedfleet-registry serve`.
+    fn start_registry(&mut self) {
+        let p = self.start_service(
+            "registry",
+            &["--config", "registry.toml", "serve"],
+            self.reg_metrics,
         );
-        let addr = self.agg_metrics;
+        self.registry = Some(p);
+    }
+
+    /// Starts `fedfleet-aggregator serve` (it also creates `receipt.pub` the agents pin).
+    fn start_aggregator(&mut self) {
+        let p = self.start_service(
+            "aggregator",
+            &["serve", "--config", "aggregator.toml"],
+            self.agg_metrics,
+        );
         self.aggregator = Some(p);
-        let agg = self.aggregator.as_mut().unwrap();
-        wait_for("the aggregator to serve", STEP_TIMEOUT, || {
-            agg.assert_running();
-            scrape(addr)
-        });
+    }
+
+    /// Starts the registry, the aggregator and the agents `agents`, then a campaign (seed 1).
+    fn start_campaign_with(&mut self, agents: impl IntoIterator<Item = usize>) {
+        self.start_registry();
+        self.start_aggregator();
+        for i in agents {
+            self.start_agent(i);
+        }
+        self.aggregator_cli(&["start", "--seed", "1"]);
     }
 
     fn agent_config(&self, i: usize) -> String {
@@ -341,8 +364,8 @@ impl Fleet {
         cli("fedfleet-aggregator", &all, &self.root)
     }
 
-    /// Polls `campaign status` until the campaign has ended; panics unless it completed.
-    /// Returns the global model version.
+    /// Polls `campaign status` until the campaign has ended; panics unless it completed with
+    /// one version per round on top of the initial model. Returns the global model version.
     fn wait_campaign_completed(&mut self) -> u64 {
         let text = wait_for("the campaign to end", CAMPAIGN_TIMEOUT, || {
             if let Some(a) = self.aggregator.as_mut() {
@@ -355,7 +378,8 @@ impl Fleet {
             text.contains("(last: completed)"),
             "campaign ended but did not complete:\n{text}"
         );
-        text.lines()
+        let global: u64 = text
+            .lines()
             .find_map(|l| {
                 l.strip_prefix("global model: version ")?
                     .split(',')
@@ -363,7 +387,13 @@ impl Fleet {
                     .parse()
                     .ok()
             })
-            .unwrap_or_else(|| panic!("no global model in the status:\n{text}"))
+            .unwrap_or_else(|| panic!("no global model in the status:\n{text}"));
+        assert_eq!(
+            global,
+            1 + self.rounds as u64,
+            "the initial model and one version per round:\n{text}"
+        );
+        global
     }
 
     fn registry_json(&self, args: &[&str]) -> serde_json::Value {
@@ -552,29 +582,9 @@ fn open_round(metrics: &str) -> (u64, u64) {
 fn campaign_and_rollout_reach_every_agent() {
     let _serial = one_at_a_time();
     let rounds = 3;
-    let n = AGENTS as u32;
-    let mut f = Fleet::new(
-        "mp-campaign",
-        Plan {
-            rounds,
-            target: n,
-            quorum: n,
-            deadline_secs: 300,
-            extension_secs: 60,
-        },
-    );
-    f.start_registry();
-    f.start_aggregator();
-    for i in 0..AGENTS {
-        f.start_agent(i);
-    }
-    f.aggregator_cli(&["start", "--seed", "1"]);
+    let mut f = Fleet::new("mp-campaign", Plan::every_agent(rounds));
+    f.start_campaign_with(0..AGENTS);
     let global = f.wait_campaign_completed();
-    assert_eq!(
-        global,
-        1 + rounds as u64,
-        "the initial model and one version per round"
-    );
 
     // The registry holds every version, each trained from the one before.
     let versions = f.registry_versions();
@@ -624,15 +634,8 @@ fn campaign_and_rollout_reach_every_agent() {
 }
 
 /// Polls `f` every 5 ms (for moments that last only tens of milliseconds).
-fn catch<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(t0.elapsed() < STEP_TIMEOUT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+fn catch<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    poll_every(Duration::from_millis(5), what, STEP_TIMEOUT, f)
 }
 
 #[test]
@@ -641,17 +644,7 @@ fn services_killed_with_sigkill_recover() {
     let t0 = Instant::now();
     let mut rng = SplitMix::from_env("services_killed_with_sigkill_recover");
     let rounds = 2;
-    let n = AGENTS as u32;
-    let mut f = Fleet::new(
-        "mp-sigkill",
-        Plan {
-            rounds,
-            target: n,
-            quorum: n,
-            deadline_secs: 300,
-            extension_secs: 60,
-        },
-    );
+    let mut f = Fleet::new("mp-sigkill", Plan::every_agent(rounds));
     // Round 1 gets k updates from the first k devices of a random order; the others start
     // after the aggregator's restart.
     let mut order: Vec<usize> = (0..AGENTS).collect();
@@ -659,12 +652,7 @@ fn services_killed_with_sigkill_recover() {
         order.swap(i, rng.range(0, i as u64) as usize);
     }
     let k = rng.range(1, AGENTS as u64 - 1) as usize;
-    f.start_registry();
-    f.start_aggregator();
-    for &i in &order[..k] {
-        f.start_agent(i);
-    }
-    f.aggregator_cli(&["start", "--seed", "1"]);
+    f.start_campaign_with(order[..k].iter().copied());
 
     // 1. The aggregator, SIGKILLed after k of the round's updates, restarts with them.
     wait_for(&format!("{k} updates in round 1"), STEP_TIMEOUT, || {
@@ -716,7 +704,6 @@ fn services_killed_with_sigkill_recover() {
     }
 
     let global = f.wait_campaign_completed();
-    assert_eq!(global, 1 + rounds as u64);
     assert_eq!(
         count_lines(&f.log(&name), "update acknowledged"),
         rounds as usize,
@@ -782,12 +769,7 @@ fn revoked_device_is_locked_out_mid_campaign() {
     );
     let revoked = AGENTS - 1;
     f.set_idle(revoked, false);
-    f.start_registry();
-    f.start_aggregator();
-    for i in 0..AGENTS {
-        f.start_agent(i);
-    }
-    f.aggregator_cli(&["start", "--seed", "1"]);
+    f.start_campaign_with(0..AGENTS);
     wait_for("the others' round-1 updates", STEP_TIMEOUT, || {
         (open_round(&f.aggregator_metrics()) == (1, n as u64 - 1)).then_some(())
     });
@@ -821,12 +803,8 @@ fn revoked_device_is_locked_out_mid_campaign() {
             .then_some(())
     });
 
-    let global = f.wait_campaign_completed();
-    assert_eq!(
-        global,
-        1 + rounds as u64,
-        "every round completed without the revoked device"
-    );
+    // Every round completes without the revoked device.
+    f.wait_campaign_completed();
     let m = f.aggregator_metrics();
     assert_eq!(
         sample(&m, "fedfleet_aggregator_updates_accepted_total"),

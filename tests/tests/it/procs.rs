@@ -181,7 +181,17 @@ pub fn free_tcp_port() -> u16 {
 }
 
 /// Polls `f` every 100 ms until it returns `Some`; panics after `timeout` with `what`.
-pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+pub fn wait_for<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) -> T {
+    poll_every(Duration::from_millis(100), what, timeout, f)
+}
+
+/// Polls `f` every `interval` until it returns `Some`; panics after `timeout` with `what`.
+pub fn poll_every<T>(
+    interval: Duration,
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
     let t0 = Instant::now();
     loop {
         if let Some(v) = f() {
@@ -191,7 +201,7 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
             t0.elapsed() < timeout,
             "timed out after {timeout:?} waiting for {what}"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(interval);
     }
 }
 
