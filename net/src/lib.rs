@@ -66,11 +66,29 @@ pub fn server_endpoint_restartable(addr: SocketAddr, tls: rustls::ServerConfig, 
     bind_server(addr, tls, config)
 }
 
+/// Socket buffers a service asks for: a fleet's handshakes and uploads arrive in bursts, and
+/// the kernel default (~208 KiB) drops datagrams that QUIC then waits to retransmit. The kernel
+/// caps the request at `net.core.rmem_max`/`wmem_max`; a smaller buffer is not an error.
+const SERVICE_SOCKET_BUFFER: usize = 4 << 20;
+
+fn widen_buffers(socket: &std::net::UdpSocket) {
+    let Ok(state) = quinn::udp::UdpSocketState::new(socket.into()) else { return };
+    let recv = state.set_recv_buffer_size(socket.into(), SERVICE_SOCKET_BUFFER);
+    let send = state.set_send_buffer_size(socket.into(), SERVICE_SOCKET_BUFFER);
+    tracing::debug!(
+        recv = ?state.recv_buffer_size(socket.into()).ok(),
+        send = ?state.send_buffer_size(socket.into()).ok(),
+        ok = recv.is_ok() && send.is_ok(),
+        "service UDP socket buffers"
+    );
+}
+
 fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::EndpointConfig) -> Result<quinn::Endpoint, NetError> {
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(transport());
     let socket = std::net::UdpSocket::bind(addr).map_err(|source| NetError::Bind { addr, source })?;
+    widen_buffers(&socket);
     let runtime = quinn::default_runtime().ok_or_else(|| NetError::Config("no async runtime".into()))?;
     quinn::Endpoint::new(endpoint, Some(config), socket, runtime).map_err(|source| NetError::Bind { addr, source })
 }
