@@ -10,6 +10,8 @@
 //! - [`rejection`]: the aggregator's signed refusal of an MQTT upload ([`SignedRejection`]).
 //! - [`verify`]: the checks every received message goes through; the broker is not trusted.
 //! - [`presence`]: devices online and last seen, from verified status.
+//! - [`mosquitto`]: runs Debian's mosquitto as the fleet's external broker (TLS with the fleet
+//!   CA, client certificates required); stop and restart on the same port.
 //!
 //! **Crypto provider:** ring only. rumqttc is built with `use-rustls-no-provider` and gets its
 //! rustls config from `fedfleet-certs` (built with the ring provider); rumqttd brings its own
@@ -17,6 +19,8 @@
 
 pub mod broker;
 pub mod client;
+#[cfg(unix)]
+pub mod mosquitto;
 pub mod presence;
 pub mod rejection;
 pub mod topics;
@@ -28,6 +32,8 @@ pub use client::{
     ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Role,
     default_service_reconnect_max, device_tls, service_tls,
 };
+#[cfg(unix)]
+pub use mosquitto::{Mosquitto, MosquittoConfig, MosquittoError};
 pub use presence::Presence;
 pub use rejection::{SignedRejection, UploadRejection};
 pub use rumqttc::QoS;
