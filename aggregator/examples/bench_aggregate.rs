@@ -132,6 +132,7 @@ fn main() {
             drop(tensor);
             let bytes = (n * p * 4) as f64;
             // End-to-end: verify + digest + decode/check + flatten + fold.
+            let mut ingest_secs = None;
             let e2e = if n <= e2e_max {
                 let mut s = FedAvg::new(p, ClientConfig::default());
                 let t = Instant::now();
@@ -147,7 +148,9 @@ fn main() {
                     let flat = decode_update(payload, &layout, &limits, DType::F32, p).unwrap();
                     s.fold(&flat, 10).unwrap();
                 }
-                format!("{:.2}", gbps(bytes, t.elapsed().as_secs_f64()))
+                let secs = t.elapsed().as_secs_f64();
+                ingest_secs = Some(secs);
+                format!("{:.2}", gbps(bytes, secs))
             } else {
                 "skipped".to_owned()
             };
@@ -161,6 +164,12 @@ fn main() {
                 gbps(bytes, copy_secs),
                 e2e,
                 hwm as f64 / 1e6
+            );
+            // Machine-readable (benches/flower/compare.py reads it).
+            println!(
+                "RESULT fold params={p} updates={n} seconds={fold_secs:.6} tensor_seconds={tensor_secs:.6} peak_rss_kib={}{}",
+                hwm / 1024,
+                ingest_secs.map(|s| format!(" ingest_seconds={s:.6}")).unwrap_or_default()
             );
         }
     }

@@ -99,13 +99,14 @@ def parse_fedfleet_aggregate(out: str, p: int, n: int) -> dict | None:
             in_table = True
             continue
         f = line.split()
-        if not in_table or len(f) != 6 or f[0] != str(p) or f[1] != str(n):
+        # Older tables had no "tensor GB/s" column: ingest and RSS are the last two cells.
+        if not in_table or len(f) not in (6, 7) or f[0] != str(p) or f[1] != str(n):
             continue
         try:
             bytes_ = n * p * 4
-            r = {"seconds": bytes_ / (float(f[2]) * 1e9), "peak_rss_kib": float(f[5]) * 1e6 / 1024}
-            if f[4] != "skipped" and float(f[4]) > 0:
-                r["ingest_seconds"] = bytes_ / (float(f[4]) * 1e9)
+            r = {"seconds": bytes_ / (float(f[2]) * 1e9), "peak_rss_kib": float(f[-1]) * 1e6 / 1024}
+            if f[-2] != "skipped" and float(f[-2]) > 0:
+                r["ingest_seconds"] = bytes_ / (float(f[-2]) * 1e9)
             return r
         except ValueError:
             continue
