@@ -1,11 +1,12 @@
 //! Issue 7: the MQTT control plane with the real services. A real registry and a real aggregator
-//! (publishing into the registry, `[mqtt]` embedded broker) and 4 real agents whose QUIC round
-//! polls and uploads are switched off: they learn every round from the signed MQTT announcement,
-//! upload over the MQTT path (`upload = "mqtt"`) and are answered with signed receipts over MQTT;
-//! only the base model still comes over QUIC (bulk data). 3 rounds; in round 2, after two
-//! updates, the embedded broker is restarted (every connection drops, retained messages are
-//! lost) while the other agents are uploading. Every agent reconnects, the round completes, and
-//! every accepted update is acknowledged exactly once.
+//! (publishing into the registry, with `[mqtt]`) and 4 real agents whose QUIC round polls and
+//! uploads are switched off: they learn every round from the signed MQTT announcement, upload
+//! over the MQTT path (`upload = "mqtt"`) and are answered with signed receipts over MQTT; only
+//! the base model still comes over QUIC (bulk data). 3 rounds; in round 2, after two updates, the
+//! broker is restarted (every connection drops, retained messages are lost) while the other
+//! agents are uploading. Every agent reconnects, the round completes, and every accepted update
+//! is acknowledged exactly once. Run twice: against the aggregator's embedded broker, and against
+//! Debian's mosquitto (`[mqtt] mode = "external"`), whose process is killed and started again.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use fedfleet_aggregator::config::Config;
 use fedfleet_aggregator::service::Aggregator as AggregatorService;
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_certs::{ALPN_V1, DeviceIdentity, tls};
+use fedfleet_control::mosquitto::{Mosquitto, MosquittoConfig};
 use fedfleet_control::{ClientOptions, ControlClient, Role, device_tls};
 use fedfleet_learning::{Dataset, ModelSpec, Partition};
 use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
@@ -207,28 +209,124 @@ fn build_agent<A: Aggregator, R: fedfleet_agent::clients::Registry>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mqtt_fleet_three_rounds_broker_restart() {
-    tokio::time::timeout(Duration::from_secs(150), body()).await.expect("MQTT fleet test timed out");
+    tokio::time::timeout(Duration::from_secs(150), body(BrokerKind::Embedded)).await.expect("MQTT fleet test timed out");
 }
 
-async fn body() {
+/// The same scenario with mosquitto as the fleet's broker: the aggregator in
+/// `[mqtt] mode = "external"`, the agents pointed at mosquitto, and the mosquitto process killed
+/// and started again on the same port mid-round 2. Fails under `CI` when mosquitto is missing
+/// (`.ci/run` installs it); elsewhere it skips with a note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtt_fleet_three_rounds_on_mosquitto_with_restart() {
+    let Some(binary) = fedfleet_control::mosquitto::find_binary() else {
+        if std::env::var_os("CI").is_some() {
+            panic!("mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)");
+        }
+        eprintln!("NOTE: mosquitto not found on PATH or in /usr/sbin; skipping the external-broker fleet test outside CI");
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(150), body(BrokerKind::Mosquitto(binary))).await.expect("MQTT fleet test on mosquitto timed out");
+}
+
+/// The broker the fleet scenario runs against.
+enum BrokerKind {
+    /// The aggregator's embedded rumqttd (`[mqtt] mode = "embedded"`).
+    Embedded,
+    /// mosquitto from this binary, with the PKI's `broker` certificate.
+    Mosquitto(std::path::PathBuf),
+}
+
+/// The running broker: restarted through the aggregator (embedded) or as a process.
+enum BrokerUnderTest {
+    Embedded(SocketAddr),
+    Mosquitto(Mosquitto),
+}
+
+impl BrokerUnderTest {
+    fn addr(&self) -> SocketAddr {
+        match self {
+            BrokerUnderTest::Embedded(addr) => *addr,
+            BrokerUnderTest::Mosquitto(m) => m.addr(),
+        }
+    }
+
+    /// Stops the broker: every connection drops, retained messages are lost.
+    async fn stop(&mut self, mqtt: &mut fedfleet_aggregator::mqtt::Mqtt) {
+        match self {
+            BrokerUnderTest::Embedded(_) => mqtt.stop_broker().await,
+            BrokerUnderTest::Mosquitto(m) => {
+                m.kill();
+                assert!(!m.is_running());
+            }
+        }
+    }
+
+    /// Starts a fresh broker on the same address.
+    async fn start_again(&mut self, mqtt: &mut fedfleet_aggregator::mqtt::Mqtt) {
+        match self {
+            BrokerUnderTest::Embedded(addr) => {
+                let again = mqtt.start_broker().await.unwrap();
+                assert_eq!(again, Some(*addr), "the broker comes back on the same address");
+            }
+            BrokerUnderTest::Mosquitto(m) => {
+                let addr = m.addr();
+                if let Err(e) = m.restart().await {
+                    panic!("mosquitto did not come back on {addr}: {e}");
+                }
+                assert_eq!(m.addr(), addr);
+            }
+        }
+    }
+}
+
+async fn body(kind: BrokerKind) {
     let devices = edge_devices(N);
     // rumqttd takes the certificate's O= (the fleet) as a tenant: alphanumeric only.
-    let fleet_dir = FleetDir::new("fleetmqtt", &["registry", "aggregator"], &devices);
+    let fleet_dir = FleetDir::new("fleetmqtt", &["registry", "aggregator", "broker"], &devices);
     let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
+
+    // mosquitto first, when it is the broker: the aggregator's config names its port.
+    let mosquitto = match kind {
+        BrokerKind::Embedded => None,
+        BrokerKind::Mosquitto(binary) => {
+            let servers = pki_dir.join("servers");
+            let mcfg = MosquittoConfig::new(
+                binary,
+                ([127, 0, 0, 1], 0).into(),
+                fleet_dir.pki.ca_cert_path(),
+                servers.join("broker.crt"),
+                servers.join("broker.key"),
+                root_dir.join("mosquitto"),
+            );
+            Some(Mosquitto::start(mcfg).await.unwrap())
+        }
+    };
+    let mqtt_section = match &mosquitto {
+        None => EMBEDDED_MQTT.to_string(),
+        Some(m) => external_mqtt(m.addr()),
+    };
 
     // Registry, in process; the aggregator's service certificate is an operator.
     let registry = RunningRegistry::start(&fleet_dir, &["aggregator"]);
 
-    // Aggregator, in process, from its TOML config with `[mqtt]` (embedded broker, any port).
+    // Aggregator, in process, from its TOML config with `[mqtt]` (embedded broker on any port, or
+    // mosquitto's address).
     let spec = ModelSpec::digits_mlp();
     write_initial_model(root_dir, &spec);
-    let config_path = write_aggregator_config(root_dir, &spec, Some(registry.addr), 3);
+    let config_path = write_aggregator_config(root_dir, &spec, Some(registry.addr), 3, &mqtt_section);
     let (cfg, mqtt_cfg) = Config::load_all(&config_path).unwrap();
     let mqtt_cfg = mqtt_cfg.expect("[mqtt] is on");
     let (running, agg_addr) = RunningAggregator::start(&cfg, registry.addr, cfg.listen).await;
     let agg = running.agg.clone();
-    let mut mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg).await.unwrap().expect("embedded broker");
-    let broker_addr = mqtt.broker_addr().unwrap();
+    let mut mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg).await.unwrap().expect("[mqtt] is on");
+    let mut broker = match mosquitto {
+        None => BrokerUnderTest::Embedded(mqtt.broker_addr().expect("embedded broker")),
+        Some(m) => {
+            assert_eq!(mqtt.broker_addr(), None, "external mode starts no broker");
+            BrokerUnderTest::Mosquitto(m)
+        }
+    };
+    let broker_addr = broker.addr();
     let receipt_key = agg.receipt_key();
     agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
 
@@ -261,13 +359,13 @@ async fn body() {
     // no receipt (the frames wait in the client or are lost with the connection) and stay in
     // the outbox. Then a fresh broker (no retained messages) comes back on the same address.
     let connects_before: Vec<u64> = fleet.controls.iter().map(|c| c.stats().connects).collect();
-    mqtt.stop_broker().await;
+    let service_connects_before = mqtt.client().stats().connects;
+    broker.stop(&mut mqtt).await;
     fleet.step(2..N).await;
     assert_eq!(fleet.round_acks(2), 2, "no MQTT upload can be acknowledged while the broker is down");
     let outboxes = fleet.outboxes();
     assert!(outboxes[2..].iter().all(|&n| n >= 1), "round 2 updates wait in the outboxes: {outboxes:?}, {:?}", fleet.states());
-    let again = mqtt.start_broker().await.unwrap();
-    assert_eq!(again, Some(broker_addr), "the broker comes back on the same address");
+    broker.start_again(&mut mqtt).await;
 
     // Every agent reconnects; round 2 completes, then round 3 and the campaign.
     fleet
@@ -279,7 +377,7 @@ async fn body() {
         let s = c.stats();
         assert!(s.connects > connects_before[i], "agent {i} did not reconnect after the broker restart: {s:?}");
     }
-    assert!(mqtt.client().stats().connects >= 2, "the aggregator reconnected");
+    assert!(mqtt.client().stats().connects > service_connects_before, "the aggregator reconnected: {:?}", mqtt.client().stats());
     let (_, known) = agg.metrics().devices(fedfleet_aggregator::service::now_ms());
     assert_eq!(known, N, "every agent's signed status reached the aggregator");
     let uploads: u32 = fleet.aggs.iter().map(|a| a.mqtt_uploads()).sum();
@@ -315,11 +413,23 @@ async fn body() {
     assert_eq!(registry.reg.store().versions(MODEL).unwrap(), (1..=4).map(ModelVersion).collect::<Vec<_>>());
 
     registry.stop().await;
+    if let BrokerUnderTest::Mosquitto(m) = &mut broker {
+        assert!(m.is_running(), "mosquitto exited during the campaign; its log:\n{}", m.log());
+    }
+    drop(broker);
 }
 
-/// `aggregator.toml` with `[mqtt]` (embedded broker on any port) and a campaign of `rounds`
-/// rounds needing all `N` devices; publishing into the registry at `registry`, or a directory.
-fn write_aggregator_config(root_dir: &std::path::Path, spec: &ModelSpec, registry: Option<SocketAddr>, rounds: u32) -> std::path::PathBuf {
+/// `[mqtt]` with the aggregator's embedded broker on any port.
+const EMBEDDED_MQTT: &str = "[mqtt]\nmode = \"embedded\"\nlisten = \"127.0.0.1:0\"\n";
+
+/// `[mqtt]` with an external broker at `addr` (its certificate names 127.0.0.1).
+fn external_mqtt(addr: SocketAddr) -> String {
+    format!("[mqtt]\nmode = \"external\"\nhost = \"{}\"\nport = {}\n", addr.ip(), addr.port())
+}
+
+/// `aggregator.toml` with `mqtt_section` and a campaign of `rounds` rounds needing all `N`
+/// devices; publishing into the registry at `registry`, or a directory.
+fn write_aggregator_config(root_dir: &std::path::Path, spec: &ModelSpec, registry: Option<SocketAddr>, rounds: u32, mqtt_section: &str) -> std::path::PathBuf {
     let publish = match registry {
         Some(addr) => format!("[publish]\nregistry = \"{addr}\"\nserver_name = \"localhost\"\n"),
         None => String::new(),
@@ -342,10 +452,7 @@ target = {N}
 quorum = {N}
 deadline_secs = 600
 lr = 0.1
-[mqtt]
-mode = "embedded"
-listen = "127.0.0.1:0"
-"#,
+{mqtt_section}"#,
             spec = toml_inline(&spec.to_json()),
         ),
     )
@@ -384,7 +491,7 @@ async fn refusal_body() {
     let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
     let spec = ModelSpec::digits_mlp();
     write_initial_model(root_dir, &spec);
-    let (cfg, mqtt_cfg) = Config::load_all(&write_aggregator_config(root_dir, &spec, None, 1)).unwrap();
+    let (cfg, mqtt_cfg) = Config::load_all(&write_aggregator_config(root_dir, &spec, None, 1, EMBEDDED_MQTT)).unwrap();
     let publisher = fedfleet_aggregator::publish::DirPublisher::new(cfg.publish_dir(), ed25519_dalek::SigningKey::from_bytes(&[5; 32]), "test");
     let agg = AggregatorService::open(cfg.clone(), Box::new(publisher)).unwrap();
     let mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg.unwrap()).await.unwrap().expect("embedded broker");
