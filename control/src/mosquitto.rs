@@ -278,7 +278,10 @@ mod tests {
             "allow_anonymous false",
             "persistence false",
         ] {
-            assert!(text.lines().any(|l| l == line), "{line:?} missing from:\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing from:\n{text}"
+            );
         }
     }
 }
