@@ -96,7 +96,8 @@ pub enum Role {
 /// Something verified that arrived, or a change of connection.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ControlEvent {
-    /// Connected (again) and subscribed. `count` starts at 1.
+    /// Connected (again) and subscribed: sent once the broker acknowledged the subscriptions,
+    /// so what is published after it reaches this client. `count` starts at 1.
     Connected { count: u64 },
     /// The connection dropped; the client reconnects by itself.
     Disconnected { error: String },
@@ -442,7 +443,7 @@ impl Driver {
         {
             let mut s = self.shared.stats.lock().unwrap();
             match &event {
-                ControlEvent::Connected { .. } => s.connects += 1,
+                ControlEvent::Connected { .. } => {} // counted at the broker's ConnAck
                 ControlEvent::Disconnected { .. } => s.disconnects += 1,
                 ControlEvent::Rejected(r) => *s.rejected.entry(r.reason).or_default() += 1,
                 _ => s.accepted += 1,
@@ -472,6 +473,9 @@ impl Driver {
         }
         let mut backoff = self.options.backoff_initial;
         let mut connected = false;
+        // Connected is announced once the broker has acknowledged the subscriptions, so a
+        // message published after it reaches this client.
+        let mut awaiting_suback = false;
         loop {
             let polled = tokio::select! {
                 _ = stopped.changed() => break,
@@ -481,13 +485,23 @@ impl Driver {
                 Ok(Event::Incoming(Packet::ConnAck(_))) => {
                     connected = true;
                     backoff = self.options.backoff_initial;
-                    self.on_connect(&mut eventloop).await;
+                    // Counted at once: the stats say whether the broker took the connection.
+                    self.shared.stats.lock().unwrap().connects += 1;
+                    awaiting_suback = self.on_connect(&mut eventloop);
+                    if !awaiting_suback {
+                        self.emit_connected().await;
+                    }
+                }
+                Ok(Event::Incoming(Packet::SubAck(_))) if awaiting_suback => {
+                    awaiting_suback = false;
+                    self.emit_connected().await;
                 }
                 Ok(Event::Incoming(Packet::Publish(p))) => {
                     self.on_publish(&p.topic, &p.payload).await
                 }
                 Ok(_) => {}
                 Err(e) => {
+                    awaiting_suback = false;
                     if connected {
                         connected = false;
                         self.emit(ControlEvent::Disconnected {
@@ -511,11 +525,12 @@ impl Driver {
 
     /// Subscriptions and retained republishes for a fresh connection. They go to the front of
     /// the event loop's queue (never through the request channel, which this task drains and
-    /// so must not wait on).
-    async fn on_connect(&mut self, eventloop: &mut EventLoop) {
+    /// so must not wait on). Returns whether a subscription waits for its acknowledgement.
+    fn on_connect(&mut self, eventloop: &mut EventLoop) -> bool {
         let subs = self.subscriptions();
+        let subscribing = !subs.is_empty();
         let mut requests = Vec::new();
-        if !subs.is_empty() {
+        if subscribing {
             requests.push(Request::Subscribe(rumqttc::Subscribe::new_many(subs)));
         }
         {
@@ -536,7 +551,11 @@ impl Driver {
         for r in requests.into_iter().rev() {
             eventloop.pending.push_front(r);
         }
-        let count = self.shared.stats.lock().unwrap().connects + 1;
+        subscribing
+    }
+
+    async fn emit_connected(&self) {
+        let count = self.shared.stats.lock().unwrap().connects;
         self.emit(ControlEvent::Connected { count }).await;
     }
 

@@ -424,7 +424,17 @@ pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> b
 
     collect_round(f, &agg, &mut agg_events, 1, &mut presence).await;
     if restarted {
-        assert!(agg.stats().connects >= 2, "{:?}", agg.stats());
+        // The updates may all have arrived before the restart; the aggregator's own reconnect
+        // (its backoff is its own) is awaited here, not assumed.
+        let deadline = Instant::now() + WAIT;
+        while agg.stats().connects < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "the aggregator did not reconnect: {:?}",
+                agg.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     await_receipts(f, &agg, &mut agg_events, &mut rx, 1, &mut presence).await;
 
