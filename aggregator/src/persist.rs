@@ -191,13 +191,8 @@ impl Store {
         let marker = read_marker(dir)?;
         let db_path = dir.join("db");
         let existed = db_path.exists();
-        let db = sled::Config::new().path(&db_path).open().map_err(|e| match e {
-            sled::Error::Io(ref ioe) if ioe.kind() == std::io::ErrorKind::WouldBlock => {
-                StoreError::Locked { path: dir.to_owned() }
-            }
-            sled::Error::Io(ref ioe) if ioe.to_string().contains("lock") => {
-                StoreError::Locked { path: dir.to_owned() }
-            }
+        let db = fedfleet_durable::open_sled(&db_path).map_err(|e| match e {
+            ref e if fedfleet_durable::is_sled_lock_error(e) => StoreError::Locked { path: dir.to_owned() },
             sled::Error::Corruption { .. } => corrupt(dir, format!("sled reports corruption: {e}")),
             other => StoreError::Sled(other),
         })?;

@@ -5,12 +5,36 @@
 //! - [`CommitMarker`]: the last acknowledged commit sequence, kept in a file beside a sled
 //!   database. sled 0.34 can reopen a damaged log as a shorter, valid-looking database; a store
 //!   whose own sequence is behind its marker has lost acknowledged commits and must refuse to open.
+//! - [`open_sled`]: opening a sled database, waiting for a lock a just-closed handle still holds.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Whether `e` says another handle holds the database's file lock.
+pub fn is_sled_lock_error(e: &sled::Error) -> bool {
+    matches!(e, sled::Error::Io(io) if io.kind() == io::ErrorKind::WouldBlock
+        || io.to_string().contains("could not acquire lock"))
+}
+
+/// Opens the sled database at `path`, waiting up to ~2 s for its file lock: sled 0.34 releases
+/// it from a background thread shortly after the last handle drops, so a reopen right after a
+/// close (a restart in the same process, a test) can find it still held. A lock still held
+/// after that (another live process) is returned as the error [`is_sled_lock_error`] names.
+pub fn open_sled(path: &Path) -> sled::Result<sled::Db> {
+    let mut tries = 0;
+    loop {
+        match sled::Config::new().path(path).open() {
+            Err(e) if is_sled_lock_error(&e) && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
 
 /// Who may read a file written by [`write_atomic`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -70,7 +70,7 @@ impl AgentStore {
         fs::create_dir_all(dir.join("blobs")).map_err(|e| StoreError::io(&dir, e))?;
         fs::create_dir_all(dir.join("partial")).map_err(|e| StoreError::io(&dir, e))?;
         let db_path = dir.join("db");
-        let db = sled::open(&db_path).map_err(|e| StoreError::Open { path: db_path.clone(), detail: e.to_string() })?;
+        let db = fedfleet_durable::open_sled(&db_path).map_err(|e| StoreError::Open { path: db_path.clone(), detail: e.to_string() })?;
         let state = db.open_tree("state")?;
         let outbox = db.open_tree("outbox")?;
         Ok(AgentStore { dir, db, state, outbox })

@@ -286,29 +286,14 @@ fn map_open_err(path: &Path, e: sled::Error) -> StoreError {
     }
 }
 
-fn is_lock_error(e: &sled::Error) -> bool {
-    matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
-}
-
-/// Opens sled, waiting up to ~2 s for the file lock: a handle dropped in this process releases
-/// it only when sled's background flusher exits, shortly after the drop.
 fn open_sled(path: &Path) -> Result<sled::Db> {
-    let mut tries = 0;
-    loop {
-        match sled::Config::new().path(path).open() {
-            Ok(db) => return Ok(db),
-            Err(e) if is_lock_error(&e) && tries < 100 => {
-                tries += 1;
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            Err(e) if is_lock_error(&e) => {
-                return Err(StoreError::Locked {
-                    path: path.to_owned(),
-                });
-            }
-            Err(e) => return Err(map_open_err(path, e)),
+    fedfleet_durable::open_sled(path).map_err(|e| {
+        if fedfleet_durable::is_sled_lock_error(&e) {
+            StoreError::Locked { path: path.to_owned() }
+        } else {
+            map_open_err(path, e)
         }
-    }
+    })
 }
 
 pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
