@@ -157,14 +157,7 @@ pub fn receipt(
 ) -> Result<Signed<Receipt>, Rejected> {
     let signed = decode_verify::<Receipt>(topic, Some(device), bytes, aggregator)?;
     check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
-    if &signed.body().device != device {
-        return Err(Rejected::new(
-            topic,
-            Some(device),
-            RejectReason::BadSignature,
-            format!("receipt names device {}", signed.body().device),
-        ));
-    }
+    addressed_to(topic, device, &signed.body().device, "receipt")?;
     Ok(signed)
 }
 
@@ -180,15 +173,16 @@ pub fn rejection(
     let signed = SignedRejection::decode(bytes).map_err(err)?;
     signed.verify(aggregator).map_err(err)?;
     check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
-    if &signed.body().device != device {
-        return Err(Rejected::new(
-            topic,
-            Some(device),
-            RejectReason::BadSignature,
-            format!("rejection names device {}", signed.body().device),
-        ));
-    }
+    addressed_to(topic, device, &signed.body().device, "rejection")?;
     Ok(signed)
+}
+
+/// An answer (`what`) on `device`'s topic must name that device.
+fn addressed_to(topic: &str, device: &DeviceId, named: &DeviceId, what: &str) -> Result<(), Rejected> {
+    if named != device {
+        return Err(Rejected::new(topic, Some(device), RejectReason::BadSignature, format!("{what} names device {named}")));
+    }
+    Ok(())
 }
 
 fn same_device(topic: &str, on_topic: &DeviceId, signed: &DeviceId) -> Result<(), Rejected> {

@@ -116,25 +116,13 @@ impl<A: Aggregator> MqttAggregator<A> {
                     ControlEvent::Receipt(s) => {
                         let r = s.body().clone();
                         tracing::debug!(round = %r.round, "receipt over MQTT");
-                        let mut g = h.receipts.lock().unwrap_or_else(|p| p.into_inner());
-                        g.push(r);
-                        let n = g.len();
-                        if n > 64 {
-                            g.drain(..n - 64);
-                        }
-                        drop(g);
+                        push_recent(&h.receipts, r);
                         h.receipt_arrived.notify_waiters();
                     }
                     ControlEvent::UploadRefused(s) => {
                         let r = s.body().clone();
                         tracing::info!(round = %r.round, reason = %r.reason, detail = %r.detail, "MQTT upload refused by the aggregator");
-                        let mut g = h.refusals.lock().unwrap_or_else(|p| p.into_inner());
-                        g.push(r);
-                        let n = g.len();
-                        if n > 64 {
-                            g.drain(..n - 64);
-                        }
-                        drop(g);
+                        push_recent(&h.refusals, r);
                         h.receipt_arrived.notify_waiters();
                     }
                     ControlEvent::Rollout(s) => {
@@ -416,5 +404,15 @@ pub async fn run_agent_with_wake<A: Aggregator, R: Registry>(
             return Ok(());
         }
         tracing::debug!("woken by a rollout notice");
+    }
+}
+
+/// Keeps the last 64 answers (receipts, refusals) for the uploader to match.
+fn push_recent<T>(list: &std::sync::Mutex<Vec<T>>, item: T) {
+    let mut g = list.lock().unwrap_or_else(|p| p.into_inner());
+    g.push(item);
+    let n = g.len();
+    if n > 64 {
+        g.drain(..n - 64);
     }
 }
