@@ -837,17 +837,7 @@ fn proc_cpu_secs(pid: String) -> Option<f64> {
 
 // ----- the aggregator's metrics, polled -----
 
-#[derive(Debug, Clone, Copy, Default)]
-struct MetricsSample {
-    at: Option<Instant>,
-    rejected: u64,
-    open_round: u64,
-    closed: u64,
-    published: u64,
-    accepted: u64,
-    bytes: u64,
-}
-
+/// The aggregator's counters as scraped at `at`.
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     at: Instant,
@@ -859,8 +849,14 @@ struct Sample {
     bytes: u64,
 }
 
+impl Sample {
+    fn counters(&self) -> [u64; 6] {
+        [self.rejected, self.open_round, self.closed, self.published, self.accepted, self.bytes]
+    }
+}
+
 struct MetricsPoller {
-    latest: Arc<Mutex<MetricsSample>>,
+    latest: Arc<Mutex<Option<Sample>>>,
     changes: Arc<Mutex<Vec<Sample>>>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
@@ -868,7 +864,7 @@ struct MetricsPoller {
 
 impl MetricsPoller {
     fn start(addr: std::net::SocketAddr) -> MetricsPoller {
-        let latest = Arc::new(Mutex::new(MetricsSample::default()));
+        let latest = Arc::new(Mutex::new(None::<Sample>));
         let changes = Arc::new(Mutex::new(Vec::new()));
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let (l, c) = (latest.clone(), changes.clone());
@@ -882,36 +878,26 @@ impl MetricsPoller {
                 }
                 let Ok(text) = tokio::task::spawn_blocking(move || scrape(addr)).await else { continue };
                 let Ok(text) = text else { continue };
-                let at = Instant::now();
-                let s = parse_metrics(&text);
+                let s = parse_metrics(&text, Instant::now());
                 let mut last = l.lock().unwrap_or_else(|p| p.into_inner());
-                let changed = last.at.is_none()
-                    || (last.open_round, last.closed, last.published, last.accepted, last.bytes, last.rejected)
-                        != (s.open_round, s.closed, s.published, s.accepted, s.bytes, s.rejected);
-                *last = MetricsSample { at: Some(at), ..s };
+                let changed = last.is_none_or(|l| l.counters() != s.counters());
+                *last = Some(s);
                 if changed {
-                    c.lock().unwrap_or_else(|p| p.into_inner()).push(Sample {
-                        at,
-                        rejected: s.rejected,
-                        open_round: s.open_round,
-                        closed: s.closed,
-                        published: s.published,
-                        accepted: s.accepted,
-                        bytes: s.bytes,
-                    });
+                    c.lock().unwrap_or_else(|p| p.into_inner()).push(s);
                 }
             }
         });
         MetricsPoller { latest, changes, stop, task }
     }
 
-    fn latest(&self) -> MetricsSample {
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner())
+    /// The last scrape (none before [`MetricsPoller::wait_first`] returned).
+    fn latest(&self) -> Sample {
+        self.latest.lock().unwrap_or_else(|p| p.into_inner()).expect("wait_first returned")
     }
 
     async fn wait_first(&self, limit: Duration) -> anyhow::Result<()> {
         let end = Instant::now() + limit;
-        while self.latest().at.is_none() {
+        while self.latest.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
             if Instant::now() > end {
                 bail!("the aggregator's metrics endpoint did not answer within {limit:?}");
             }
@@ -936,8 +922,8 @@ fn scrape(addr: std::net::SocketAddr) -> std::io::Result<String> {
     Ok(body)
 }
 
-fn parse_metrics(text: &str) -> MetricsSample {
-    let mut m = MetricsSample::default();
+fn parse_metrics(text: &str, at: Instant) -> Sample {
+    let mut m = Sample { at, rejected: 0, open_round: 0, closed: 0, published: 0, accepted: 0, bytes: 0 };
     for line in text.lines() {
         let Some((name, value)) = line.rsplit_once(' ') else { continue };
         let Ok(v) = value.trim().parse::<f64>() else { continue };
