@@ -32,6 +32,11 @@
 //! lr = 0.1
 //! mu = 0.0                           # FedProx
 //! quantization = "f32"               # f32 f16 bf16 i8
+//! # clip_norm = 10.0                 # clipped_fedavg: L2 bound of each update
+//! # trim_fraction = 0.1              # trimmed_mean: fraction cut at each end
+//! # byzantine = 1                    # krum: hostile updates tolerated
+//! # krum_select = 1                  # krum: best updates averaged (1 = Krum, >1 = Multi-Krum)
+//! # max_updates = 256                # robust strategies: updates held per round
 //!
 //! [compute]                          # where the server math runs
 //! fold = "exact"                     # exact (integer fold on the CPU, default) | tensor (burn)
@@ -254,6 +259,8 @@ pub struct CampaignDefaults {
     pub clip_norm: f64,
     pub trim_fraction: f64,
     pub byzantine: usize,
+    /// Krum: how many of the best-scored updates are averaged (1 = Krum, more = Multi-Krum).
+    pub krum_select: usize,
     /// Robust strategies keep every update of a round in memory: at most this many.
     pub max_updates: usize,
     pub max_consecutive_failures: u32,
@@ -280,6 +287,7 @@ impl Default for CampaignDefaults {
             clip_norm: 10.0,
             trim_fraction: 0.1,
             byzantine: 1,
+            krum_select: 1,
             max_updates: 256,
             max_consecutive_failures: 3,
         }
@@ -351,7 +359,7 @@ impl CampaignDefaults {
             "krum" => StrategyConfig::Krum {
                 client,
                 byzantine: self.byzantine,
-                select: 1,
+                select: self.krum_select,
                 max_updates: self.max_updates,
             },
             other => {
@@ -473,6 +481,15 @@ mod tests {
         std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nhost = \"b\"\nport = 1883\n")).unwrap();
         let m = Config::load_all(&p).unwrap().1.unwrap();
         assert_eq!((m.mode, m.host.as_deref(), m.port), (MqttMode::External, Some("b"), Some(1883)));
+    }
+
+    #[test]
+    fn multi_krum_is_configured() {
+        let d = CampaignDefaults { strategy: "krum".into(), byzantine: 2, krum_select: 4, ..Default::default() };
+        match d.strategy_config().unwrap() {
+            StrategyConfig::Krum { byzantine, select, .. } => assert_eq!((byzantine, select), (2, 4)),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
