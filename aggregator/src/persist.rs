@@ -52,7 +52,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use fedfleet_protocol::{DeviceId, Digest, ModelVersion, RoundId};
+use fedfleet_protocol::{DType, DeviceId, Digest, ModelVersion, RoundId};
 use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
@@ -102,6 +102,13 @@ pub struct CampaignMeta {
     pub last_campaign: u64,
     /// The open round's encoded `Signed<RoundAnnouncement>`.
     pub announcement: Option<Vec<u8>>,
+}
+
+impl CampaignMeta {
+    /// The dtype of the round's payloads (f32 before any campaign set one).
+    pub fn payload_dtype(&self) -> DType {
+        DType::from_code(self.dtype).unwrap_or(DType::F32)
+    }
 }
 
 /// One accepted update.

@@ -202,7 +202,7 @@ fn decode_base(bytes: &[u8]) -> Result<(Layout, Vec<f32>), String> {
 
 /// Memory is ahead of disk: the only safe move is to stop and restart from disk.
 fn abort_on_commit_failure(e: crate::persist::StoreError) -> ! {
-    tracing::error!(error = %e, "cannot commit an accepted update; aborting so a restart resumes from disk");
+    tracing::error!(error = %e, "cannot commit accepted updates to disk; aborting so a restart resumes from disk");
     std::process::abort()
 }
 
@@ -211,24 +211,11 @@ fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
     if tensor && strategy.is_mean_based() { FoldMode::Deferred } else { FoldMode::Streaming }
 }
 
-/// The decoded deltas and weights of `records`, read back from the update store in the order
-/// given. A deferred fold only counts at restart, so its payloads need not be decoded then.
-fn stored_updates<'a>(
-    store: &'a Store,
-    records: &'a [AcceptedRecord],
-    base: &'a Base,
-    dtype: DType,
-    mode: FoldMode,
-) -> impl Iterator<Item = Result<(Vec<f32>, u64), String>> + 'a {
-    records.iter().map(move |rec| {
-        if mode == FoldMode::Deferred {
-            return Ok((Vec::new(), rec.weight));
-        }
-        let bytes = store.read_update(&rec.payload_digest).map_err(|e| e.to_string())?;
-        let delta = decode_update(&bytes, &base.layout, &base.limits(), dtype, base.dim())
-            .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))?;
-        Ok((delta, rec.weight))
-    })
+/// The delta of an accepted update, read back from the update store and decoded again.
+fn stored_delta(store: &Store, rec: &AcceptedRecord, base: &Base, dtype: DType) -> Result<Vec<f32>, String> {
+    let bytes = store.read_update(&rec.payload_digest).map_err(|e| e.to_string())?;
+    decode_update(&bytes, &base.layout, &base.limits(), dtype, base.dim())
+        .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))
 }
 
 impl Aggregator {
@@ -307,12 +294,14 @@ impl Aggregator {
             .or_else(|| core.coord.engine().awaiting_model());
         if let Some(round) = current {
             let base = core.base.clone().ok_or_else(|| other("a round is open but no global model is recorded"))?;
-            let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
+            let dtype = core.campaign.payload_dtype();
             let records = store.accepted_in(round)?;
-            for (rec, update) in records.iter().zip(stored_updates(&store, &records, &base, dtype, core.coord.mode())) {
-                let (delta, weight) = update.map_err(other)?;
+            // A deferred fold only counts here; its payloads are read when the round closes.
+            let deferred = core.coord.mode() == FoldMode::Deferred;
+            for rec in &records {
+                let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(other)? };
                 core.coord
-                    .resume_fold(round, &delta, weight)
+                    .resume_fold(round, &delta, rec.weight)
                     .map_err(|e| other(format!("refold of {}: {e}", rec.payload_digest)))?;
             }
             if !records.is_empty() {
@@ -659,7 +648,7 @@ impl Aggregator {
             self.drain(&mut core, now);
             r.map_err(|r| reject(r.reason, format!("round {}: {}", h.round, r.reason)))?;
             let base = core.base.clone().ok_or_else(|| reject(RejectReason::Internal, "no base model"))?;
-            (base, DType::from_code(core.campaign.dtype).unwrap_or(DType::F32))
+            (base, core.campaign.payload_dtype())
         };
         if h.payload_dtype != dtype {
             return Err(reject(
@@ -791,7 +780,7 @@ impl Aggregator {
                     sh.metrics.round("opened");
                     sh.metrics.open_round.store(a.round.0, Relaxed);
                     sh.metrics.round_accepted.store(0, Relaxed);
-                    let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
+                    let dtype = core.campaign.payload_dtype();
                     let ann = fedfleet_protocol::RoundAnnouncement {
                         fleet: a.fleet,
                         round: a.round,
@@ -936,10 +925,12 @@ impl Aggregator {
                 (FoldMode::Deferred, Some(device)) => {
                     // Every accepted payload is on disk: fold them on the device in digest order.
                     let t0 = Instant::now();
-                    let dtype = DType::from_code(core.campaign.dtype).unwrap_or(DType::F32);
+                    let dtype = core.campaign.payload_dtype();
                     let mut records = me.shared.store.accepted_in(round).map_err(|e| e.to_string())?;
                     records.sort_by_key(|r| r.payload_digest);
-                    let updates = stored_updates(&me.shared.store, &records, &base, dtype, FoldMode::Streaming);
+                    let updates = records
+                        .iter()
+                        .map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
                     let r = core.coord.finalize_with(now_ms(), round, |s| {
                         crate::accel::finalize_round(device, s, &base.values, updates)
                     });

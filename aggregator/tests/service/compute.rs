@@ -7,7 +7,7 @@ use std::time::Duration;
 use fedfleet_aggregator::client::UploadOutcome;
 use fedfleet_aggregator::config::{ComputeConfig, Config, FoldBackend};
 use fedfleet_aggregator::wire::CampaignOverrides;
-use fedfleet_protocol::{DType, RoundAnnouncement, RoundId, TensorBundle};
+use fedfleet_protocol::{DType, RoundId, TensorBundle};
 
 use crate::support::*;
 
@@ -30,21 +30,7 @@ async fn campaign(fleet: &Fleet, cfg: Config, order: &[usize]) -> Vec<u8> {
     let svc = start(cfg);
     svc.agg.start_campaign(CampaignOverrides { seed: Some(3), ..Default::default() }).await.unwrap();
     for r in 1..=rounds as u64 {
-        let base = tokio::time::timeout(Duration::from_secs(60), async {
-            loop {
-                let c = fleet.device_client(0, svc.addr).await;
-                let info = c.current_round().await.unwrap();
-                if let Some(a) = info.announcement {
-                    let a: RoundAnnouncement = a.verify(&info.receipt_key).unwrap().clone();
-                    if a.round == RoundId(r) {
-                        return a.base_model.digest;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await
-        .expect("round opened");
+        let base = wait_round(&fleet.device_client(0, svc.addr).await, RoundId(r)).await;
         for &i in order {
             let p = delta(100 * r + i as u64).encode();
             let h = header(&dev(i), RoundId(r), base, nonce(i, r), 10 + 7 * i as u64, &p, DType::F32, &fleet.device_key(i));

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fedfleet_aggregator::client::{AggregatorClient, UploadOutcome};
+use fedfleet_aggregator::client::UploadOutcome;
 use fedfleet_aggregator::wire::{CampaignOverrides, Request};
 use fedfleet_protocol::{DType, RoundId};
 
@@ -41,21 +41,6 @@ fn spawn(toml: &std::path::Path, log: &std::path::Path) -> Child_ {
         .parse()
         .unwrap();
     Child_ { child, addr }
-}
-
-async fn wait_round(c: &AggregatorClient, round: RoundId) -> fedfleet_protocol::Digest {
-    let t0 = Instant::now();
-    loop {
-        let info = c.current_round().await.unwrap();
-        if let Some(a) = info.announcement {
-            let a = a.verify(&info.receipt_key).unwrap();
-            if a.round == round {
-                return a.base_model.digest;
-            }
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "round {round} did not open");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Runs a 2-round campaign of N updates per round; `crashes` lists (round index, update index)

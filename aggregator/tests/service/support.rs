@@ -209,3 +209,19 @@ pub fn read_published(dir: &Path, name: &str) -> Vec<u8> {
     let m = DirPublisher::latest(dir, name).unwrap().expect("a published version");
     std::fs::read(DirPublisher::model_path(dir, name, m.version)).unwrap()
 }
+
+/// Waits (30 s at most) until `round` is announced; returns its base model's digest.
+pub async fn wait_round(c: &AggregatorClient, round: RoundId) -> Digest {
+    let t0 = std::time::Instant::now();
+    loop {
+        let info = c.current_round().await.unwrap();
+        if let Some(a) = info.announcement {
+            let a = a.verify(&info.receipt_key).unwrap();
+            if a.round == round {
+                return a.base_model.digest;
+            }
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "round {round} did not open");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
