@@ -179,12 +179,7 @@ impl TensorFedOpt {
     /// One server step of Reddi et al.'s Algorithm 2 (same update rules as [`crate::FedOpt`],
     /// in f32 on the device): returns the new global model.
     pub fn step(&mut self, global: &[f32], mean_delta: &[f32]) -> Result<Vec<f32>, AccelError> {
-        let dim = self.m.dims()[0];
-        if mean_delta.len() != dim {
-            return Err(AccelError::Shape { expected: dim, got: mean_delta.len() });
-        }
-        let d = upload(&self.device, mean_delta);
-        self.step_tensor(global, d)
+        self.step_tensor(global, upload(&self.device, mean_delta))
     }
 
     fn step_tensor(&mut self, global: &[f32], d: Tensor<1>) -> Result<Vec<f32>, AccelError> {
@@ -251,9 +246,6 @@ pub fn finalize_round(
         }
         other => {
             other.abort_round(); // nothing folded in it; resets per-round counters
-            if mean.dims()[0] != global.len() {
-                return Err(StrategyError::GlobalShape { expected: mean.dims()[0], got: global.len() });
-            }
             download(upload(device, global).add(mean)).map_err(compute)
         }
     }
