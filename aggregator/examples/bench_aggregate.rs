@@ -33,30 +33,25 @@ fn fill(buf: &mut [f32], seed: u64) {
     }
 }
 
-fn arg(name: &str, default: &str) -> Vec<usize> {
+/// The value after `name` on the command line, or `default`.
+fn arg_text(name: &str, default: &str) -> String {
     let args: Vec<String> = std::env::args().collect();
-    let v = args
-        .iter()
+    args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned());
-    v.split(',').map(|s| s.trim().parse().expect("a number")).collect()
+        .unwrap_or_else(|| default.to_owned())
+}
+
+fn arg(name: &str, default: &str) -> Vec<usize> {
+    arg_text(name, default).split(',').map(|s| s.trim().parse().expect("a number")).collect()
 }
 
 fn gbps(bytes: f64, secs: f64) -> f64 {
     bytes / secs / 1e9
 }
 
-fn device_arg() -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == "--device")
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| "cpu".to_owned())
-}
-
 fn main() {
-    let device_name = device_arg();
+    let device_name = arg_text("--device", "cpu");
     let device = fedfleet_aggregator::accel::select_device(&device_name).unwrap_or_else(|e| {
         eprintln!("--device {device_name}: {e}");
         std::process::exit(2)
