@@ -151,8 +151,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     let id = ServerIdentity::load(pki, &scfg.server_name)?;
     let tls = service_tls(&ca, &id).map_err(other)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
-    let mut options = ClientOptions::new(host.clone(), port, cfg.client_id.clone(), fleet);
-    options.backoff_max = std::time::Duration::from_secs(cfg.reconnect_max_secs.max(1));
+    let options = ClientOptions::service(host.clone(), port, cfg.client_id.clone(), fleet, cfg.reconnect_max_secs);
     let (client, mut events) = ControlClient::start(options, tls, role);
     let metrics = agg.metrics();
     metrics.presence_ttl_ms.store(cfg.presence_ttl_secs.saturating_mul(1000), Relaxed);

@@ -71,6 +71,20 @@ impl ClientOptions {
             chunk_bytes: upload::DEFAULT_CHUNK_BYTES,
         }
     }
+
+    /// Options of a service's client (aggregator, registry): reconnects back off to at most
+    /// `reconnect_max_secs` (at least 1 s; see [`default_service_reconnect_max`]).
+    pub fn service(
+        host: impl Into<String>,
+        port: u16,
+        client_id: impl Into<String>,
+        fleet: FleetId,
+        reconnect_max_secs: u64,
+    ) -> Self {
+        let mut o = Self::new(host, port, client_id, fleet);
+        o.backoff_max = Duration::from_secs(reconnect_max_secs.max(1));
+        o
+    }
 }
 
 /// What this client is, which decides what it subscribes to and how it verifies.

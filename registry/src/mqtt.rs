@@ -169,8 +169,7 @@ pub async fn start(
         updates: false,
         limits: AssemblerLimits::default(),
     };
-    let mut options = ClientOptions::new(m.host.clone(), m.port, m.client_id.clone(), fleet);
-    options.backoff_max = std::time::Duration::from_secs(m.reconnect_max_secs.max(1));
+    let options = ClientOptions::service(m.host.clone(), m.port, m.client_id.clone(), fleet, m.reconnect_max_secs);
     let (client, mut events) = ControlClient::start(options, tls, role);
     tracing::info!(host = %m.host, port = m.port, "registry MQTT control plane started");
 
