@@ -5,7 +5,7 @@
 //! pki_dir = "/etc/fedfleet/pki"      # fedfleet-certs directory (ca.crt, devices.json, revoked.json, servers/)
 //! server_name = "aggregator"         # servers/<server_name>.crt|.key: this service's identity
 //! data_dir = "/var/lib/fedfleet-aggregator"
-//! metrics_addr = "127.0.0.1:9464"    # Prometheus /metrics (optional; loopback recommended)
+//! metrics_addr = "127.0.0.1:9464"    # Prometheus /metrics (optional; loopback unless metrics_public = true)
 //! operators = ["operator"]           # service certificates allowed to run `campaign ...`
 //! publish_dir = "/var/lib/fedfleet-aggregator/published"  # DirPublisher target (default: data_dir/published)
 //!
@@ -87,6 +87,9 @@ pub struct Config {
     pub data_dir: PathBuf,
     #[serde(default)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Allow a non-loopback `metrics_addr` (metrics carry no authentication).
+    #[serde(default)]
+    pub metrics_public: bool,
     #[serde(default = "default_operators")]
     pub operators: Vec<String>,
     #[serde(default)]

@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use ed25519_dalek::{SigningKey, VerifyingKey};
+use ed25519_dalek::SigningKey;
 
 pub const KEY_FILE: &str = "receipt.key";
 pub const PUB_FILE: &str = "receipt.pub";
@@ -45,12 +45,4 @@ fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     fedfleet_durable::write_atomic(path, bytes, fedfleet_durable::Mode::Secret)
 }
 
-/// Reads a `receipt.pub` file.
-pub fn read_public(path: &Path) -> std::io::Result<VerifyingKey> {
-    let text = std::fs::read_to_string(path)?;
-    let mut b = [0u8; 32];
-    hex::decode_to_slice(text.trim(), &mut b)
-        .ok()
-        .and_then(|_| VerifyingKey::from_bytes(&b).ok())
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "not a hex ed25519 public key"))
-}
+pub use fedfleet_aggregator_client::read_receipt_key as read_public;

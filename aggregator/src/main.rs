@@ -176,16 +176,16 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
         }
         None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_name))),
     };
-    let metrics_addr = cfg.metrics_addr;
+    let (metrics_addr, metrics_public) = (cfg.metrics_addr, cfg.metrics_public);
     let agg = Aggregator::open(cfg, publisher)?;
     let endpoint = agg.bind(addr)?;
     let bound = endpoint.local_addr()?;
     if let Some(m) = metrics_addr {
-        let listener = fedfleet_aggregator::metrics::bind(m)
+        let listener = fedfleet_http::bind(m, metrics_public)
             .await
             .with_context(|| format!("metrics_addr {m}"))?;
         tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
-        tokio::spawn(fedfleet_aggregator::metrics::serve(listener, agg.metrics()));
+        tokio::spawn(fedfleet_http::serve_metrics(listener, agg.metrics()));
     }
     let mqtt = match &mqtt_cfg {
         Some(m) => fedfleet_aggregator::mqtt::start(&agg, m).await?,

@@ -195,11 +195,11 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
     let metrics = agg.metrics();
     match ev {
         ControlEvent::Connected { count } => {
-            metrics.mqtt_connected.store(1, Relaxed);
+            metrics.mqtt_connected.set(1);
             tracing::info!(count, "MQTT connected");
         }
         ControlEvent::Disconnected { error } => {
-            metrics.mqtt_connected.store(0, Relaxed);
+            metrics.mqtt_connected.set(0);
             tracing::warn!(%error, "MQTT disconnected; reconnecting");
         }
         ControlEvent::Status(s) => metrics.status(s.body(), now_ms()),

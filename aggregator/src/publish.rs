@@ -151,14 +151,14 @@ impl Publisher for DirPublisher {
 
 /// Versions in a running registry (see the module docs).
 pub struct RegistryPublisher {
-    client: fedfleet_registry::client::RegistryClient,
+    client: fedfleet_registry_client::client::RegistryClient,
     publisher: String,
 }
 
 impl RegistryPublisher {
     /// Wraps a client built with `fedfleet_certs::tls::service_client_config` for this
     /// aggregator's service identity. `publisher` is recorded with every version.
-    pub fn new(client: fedfleet_registry::client::RegistryClient, publisher: impl Into<String>) -> Self {
+    pub fn new(client: fedfleet_registry_client::client::RegistryClient, publisher: impl Into<String>) -> Self {
         RegistryPublisher { client, publisher: publisher.into() }
     }
 
@@ -177,12 +177,12 @@ impl RegistryPublisher {
             .map_err(|e| PublishError(format!("service identity {service_name} in {}: {e}", pki_dir.display())))?;
         let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])
             .map_err(|e| PublishError(format!("TLS config: {e}")))?;
-        let client = fedfleet_registry::client::RegistryClient::new(addr, server_name, tls)
+        let client = fedfleet_registry_client::client::RegistryClient::new(addr, server_name, tls)
             .map_err(|e| PublishError(format!("registry client for {addr}: {e}")))?;
         Ok(Self::new(client, format!("fedfleet-aggregator/{service_name}")))
     }
 
-    pub fn client(&self) -> &fedfleet_registry::client::RegistryClient {
+    pub fn client(&self) -> &fedfleet_registry_client::client::RegistryClient {
         &self.client
     }
 }
@@ -190,7 +190,7 @@ impl RegistryPublisher {
 impl Publisher for RegistryPublisher {
     fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a> {
         Box::pin(async move {
-            let admin = fedfleet_registry::wire::AdminRequest::Publish {
+            let admin = fedfleet_registry_client::wire::AdminRequest::Publish {
                 name: req.name.clone(),
                 spec_json: req.spec.clone(),
                 parent: req.parent,

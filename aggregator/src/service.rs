@@ -15,7 +15,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -29,7 +28,7 @@ use fedfleet_protocol::{
     BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
     Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
 };
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, watch};
 
 use crate::config::{Config, FoldBackend};
 use crate::coordinator::FoldMode;
@@ -312,8 +311,8 @@ impl Aggregator {
         let _ = store.gc_updates(current.unwrap_or(RoundId(u64::MAX)), true);
         let metrics = Arc::new(Metrics::default());
         if let Some(s) = core.coord.engine().round_status() {
-            metrics.open_round.store(s.round.0, Relaxed);
-            metrics.round_accepted.store(s.accepted as u64, Relaxed);
+            metrics.open_round.set(s.round.0 as i64);
+            metrics.round_accepted.set(s.accepted as i64);
         }
         let announce = watch::Sender::new(core.campaign.announcement.clone());
         let agg = Aggregator {
@@ -376,45 +375,36 @@ impl Aggregator {
 
     /// Serves `endpoint` until `shutdown` resolves, then lets in-flight requests finish.
     pub async fn run(self, endpoint: quinn::Endpoint, shutdown: impl std::future::Future<Output = ()>) {
-        let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
         let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
         let driver = {
             let me = self.clone();
             let mut stop = stop_tx.subscribe();
-            let done = done_tx.clone();
             tokio::spawn(async move {
                 tokio::select! {
                     _ = me.drive() => {}
                     _ = stop.recv() => {}
                 }
-                drop(done);
             })
         };
-        let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        let accept = async {
-            while let Some(incoming) = endpoint.accept().await {
-                let Ok(permit) = limit.clone().acquire_owned().await else { break };
+        let handlers = fedfleet_net::serve::accept_until(
+            &endpoint,
+            MAX_CONNECTIONS,
+            async {
+                shutdown.await;
+                tracing::info!("shutting down: no new connections");
+            },
+            || self.shared.metrics.rejected(RejectReason::Overloaded),
+            |incoming| {
                 let me = self.clone();
-                let done = done_tx.clone();
                 let stop = stop_tx.subscribe();
-                tokio::spawn(async move {
-                    me.connection(incoming, stop, done).await;
-                    drop(permit);
-                });
-            }
-        };
-        tokio::select! {
-            _ = accept => {}
-            _ = shutdown => tracing::info!("shutting down: no new connections"),
-        }
+                async move { me.connection(incoming, stop).await }
+            },
+        )
+        .await;
         let _ = stop_tx.send(());
-        drop(stop_tx);
-        drop(done_tx);
-        // Every handler holds a `done` sender; wait for them, but not forever.
-        let _ = tokio::time::timeout(Duration::from_secs(20), done_rx.recv()).await;
+        // In-flight uploads finish (their handlers stop taking new streams), but not forever.
+        fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(20)).await;
         let _ = driver.await;
-        endpoint.close(0u32.into(), b"shutting down");
-        let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
         tracing::info!("stopped");
     }
 
@@ -422,7 +412,6 @@ impl Aggregator {
         &self,
         incoming: quinn::Incoming,
         mut stop: tokio::sync::broadcast::Receiver<()>,
-        done: mpsc::Sender<()>,
     ) {
         let conn = match incoming.await {
             Ok(c) => c,
@@ -439,6 +428,8 @@ impl Aggregator {
             conn.close(1u32.into(), b"no fleet identity");
             return;
         };
+        // The connection's handler ends when its in-flight streams do (graceful shutdown).
+        let mut streams = tokio::task::JoinSet::new();
         loop {
             let (send, recv) = tokio::select! {
                 r = conn.accept_bi() => match r {
@@ -447,15 +438,15 @@ impl Aggregator {
                 },
                 _ = stop.recv() => break,
             };
+            while streams.try_join_next().is_some() {}
             let me = self.clone();
             let peer = peer.clone();
-            let done = done.clone();
-            tokio::spawn(async move {
+            streams.spawn(async move {
                 let mut stream = FramedStream::new(send, recv);
                 me.stream(&peer, &mut stream).await;
-                drop(done);
             });
         }
+        while streams.join_next().await.is_some() {}
     }
 
     async fn stream(&self, peer: &PeerIdentity, stream: &mut FramedStream) {
@@ -666,7 +657,7 @@ impl Aggregator {
         let mut check = PayloadCheck::new(&h);
         let stream = match payload {
             Payload::Bytes(bytes) => {
-                sh.metrics.update_bytes.fetch_add(bytes.len() as u64, Relaxed);
+                sh.metrics.update_bytes.inc_by(bytes.len() as u64);
                 check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
                 check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
                 return self.commit_blocking(h, meta, bytes, base, dtype).await;
@@ -677,7 +668,7 @@ impl Aggregator {
         loop {
             match stream.recv().await {
                 Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
-                    sh.metrics.update_bytes.fetch_add(body.len() as u64, Relaxed);
+                    sh.metrics.update_bytes.inc_by(body.len() as u64);
                     check.update(&body).map_err(|e| reject(e.reason(), e.to_string()))?;
                     payload.extend_from_slice(&body);
                 }
@@ -756,8 +747,8 @@ impl Aggregator {
             receipt: receipt.encode(),
         };
         let seq = sh.store.apply_update(&core.coord.engine().to_bytes(), &h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
-        sh.metrics.accepted.fetch_add(1, Relaxed);
-        sh.metrics.round_accepted.store(accepted.accepted as u64, Relaxed);
+        sh.metrics.accepted.inc();
+        sh.metrics.round_accepted.set(accepted.accepted as i64);
         tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
             target = accepted.target, "update accepted");
         self.drain(&mut core, now);
@@ -778,8 +769,8 @@ impl Aggregator {
                 EngineEvent::RoundOpened(a) => {
                     tracing::info!(round = %a.round, deadline = a.deadline, "round opened");
                     sh.metrics.round("opened");
-                    sh.metrics.open_round.store(a.round.0, Relaxed);
-                    sh.metrics.round_accepted.store(0, Relaxed);
+                    sh.metrics.open_round.set(a.round.0 as i64);
+                    sh.metrics.round_accepted.set(0);
                     let dtype = core.campaign.payload_dtype();
                     let ann = fedfleet_protocol::RoundAnnouncement {
                         fleet: a.fleet,
@@ -814,7 +805,7 @@ impl Aggregator {
                 EngineEvent::RoundClosed { round, cause, contributions, .. } => {
                     tracing::info!(round = %round, ?cause, updates = contributions.len(), "round closed");
                     sh.metrics.round("closed");
-                    sh.metrics.open_round.store(0, Relaxed);
+                    sh.metrics.open_round.set(0);
                     core.campaign.announcement = None;
                     sh.announce.send_replace(None);
                     core.closing = Some(round);
@@ -823,7 +814,7 @@ impl Aggregator {
                 EngineEvent::RoundFailed { round, reason } => {
                     tracing::warn!(round = %round, reason = reason.as_str(), "round failed");
                     sh.metrics.round("failed");
-                    sh.metrics.open_round.store(0, Relaxed);
+                    sh.metrics.open_round.set(0);
                     // Only the failed round's own updates are discarded (after a restart the
                     // strategy may already hold the refolded updates of a later round).
                     if core.coord.folding() == Some(round) || core.coord.folding().is_none() {

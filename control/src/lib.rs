@@ -3,37 +3,34 @@
 //! UDP (QUIC) is blocked. Bulk data stays on QUIC.
 //!
 //! - [`topics`]: the versioned topic schema and the QoS of each topic.
-//! - [`broker`]: the embedded rumqttd broker (TLS, client certificates required).
+//! - [`broker`] (feature `broker`): the embedded rumqttd broker (TLS, client certificates
+//!   required). Devices build without it.
 //! - [`client`]: [`ControlClient`], typed signed publishing and verified [`ControlEvent`]s, with
 //!   reconnect and backoff.
 //! - [`upload`]: chunked update frames and the aggregator-side [`UpdateAssembler`].
 //! - [`rejection`]: the aggregator's signed refusal of an MQTT upload ([`SignedRejection`]).
 //! - [`verify`]: the checks every received message goes through; the broker is not trusted.
 //! - [`presence`]: devices online and last seen, from verified status.
-//! - [`mosquitto`]: runs Debian's mosquitto as the fleet's external broker (TLS with the fleet
-//!   CA, client certificates required); stop and restart on the same port.
 //!
 //! **Crypto provider:** ring only. rumqttc is built with `use-rustls-no-provider` and gets its
 //! rustls config from `fedfleet-certs` (built with the ring provider); rumqttd brings its own
 //! rustls 0.22 on ring.
 
+#[cfg(feature = "broker")]
 pub mod broker;
 pub mod client;
-#[cfg(unix)]
-pub mod mosquitto;
 pub mod presence;
 pub mod rejection;
 pub mod topics;
 pub mod upload;
 pub mod verify;
 
+#[cfg(feature = "broker")]
 pub use broker::{BrokerConfig, BrokerError, EmbeddedBroker, export_key_pkcs8_v1};
 pub use client::{
     ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Role,
     default_service_reconnect_max, device_tls, service_tls,
 };
-#[cfg(unix)]
-pub use mosquitto::{Mosquitto, MosquittoConfig, MosquittoError};
 pub use presence::Presence;
 pub use rejection::{SignedRejection, UploadRejection};
 pub use rumqttc::QoS;

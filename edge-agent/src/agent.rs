@@ -2,7 +2,7 @@
 //! the store and `fedfleet-learning`, and feeds the results back. Used by the daemon (real
 //! clock) and by simulation and tests (fake clock): the same code path.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -28,28 +28,6 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now_ms(&self) -> Millis {
         SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-    }
-}
-
-/// A clock tests move by hand.
-#[derive(Debug, Default)]
-pub struct FakeClock(AtomicU64);
-
-impl FakeClock {
-    pub fn new(start: Millis) -> Self {
-        FakeClock(AtomicU64::new(start))
-    }
-    pub fn set(&self, t: Millis) {
-        self.0.store(t, Ordering::SeqCst);
-    }
-    pub fn advance(&self, ms: u64) {
-        self.0.fetch_add(ms, Ordering::SeqCst);
-    }
-}
-
-impl Clock for FakeClock {
-    fn now_ms(&self) -> Millis {
-        self.0.load(Ordering::SeqCst)
     }
 }
 

@@ -8,8 +8,8 @@ use anyhow::{Context, Result, bail};
 use fedfleet_certs::DeviceIdentity;
 use fedfleet_learning::{CsvOptions, Dataset, Normalization, Partition};
 use fedfleet_protocol::{Digest, FleetId, ModelRef, ModelVersion};
-use fedfleet_registry::tuf::{Root, Signed};
-use fedfleet_registry::Verifier;
+use fedfleet_protocol::tuf::{Root, SignedMetadata};
+use fedfleet_protocol::tuf::Verifier;
 use rand::RngCore;
 
 use crate::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock, run_agent};
@@ -17,8 +17,8 @@ use crate::clients::{Aggregator, Registry, Unlinked};
 use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use crate::remote::{RemoteAggregator, RemoteRegistry};
 use fedfleet_control::{ClientOptions, ControlClient, ControlEvents, Role};
-use fedfleet_aggregator::client::AggregatorClient;
-use fedfleet_registry::client::RegistryClient;
+use fedfleet_aggregator_client::client::AggregatorClient;
+use fedfleet_registry_client::client::RegistryClient;
 use crate::config::{AgentConfig, IdentityPaths};
 use crate::inference;
 use crate::lifecycle::{CoreConfig, Lifecycle, SlotModel};
@@ -46,10 +46,10 @@ pub fn load_data(cfg: &AgentConfig) -> Result<LocalData> {
 }
 
 /// Reads the pinned registry root.
-pub fn read_root(path: &Path) -> Result<Signed<Root>> {
+pub fn read_root(path: &Path) -> Result<SignedMetadata<Root>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read pinned registry root {} (run `fedfleet-agent enroll`)", path.display()))?;
-    let root: Signed<Root> = serde_json::from_str(&text).with_context(|| format!("{} is not a signed root", path.display()))?;
+    let root: SignedMetadata<Root> = serde_json::from_str(&text).with_context(|| format!("{} is not a signed root", path.display()))?;
     Verifier::new(root.clone()).with_context(|| format!("pinned registry root {} refused", path.display()))?;
     Ok(root)
 }
@@ -190,7 +190,7 @@ pub fn device_tls(ids: &IdentityPaths) -> Result<rustls::ClientConfig> {
 
 /// Reads a pinned `receipt.pub` (hex ed25519 public key).
 pub fn read_receipt_key(path: &Path) -> Result<ed25519_dalek::VerifyingKey> {
-    fedfleet_aggregator::keys::read_public(path).with_context(|| {
+    fedfleet_aggregator_client::read_receipt_key(path).with_context(|| {
         format!("cannot read the aggregator's receipt key {} (copy the aggregator's data_dir/receipt.pub)", path.display())
     })
 }

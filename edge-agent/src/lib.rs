@@ -2,28 +2,25 @@
 //!
 //! - [`lifecycle`]: the sans-IO core (rounds, outbox, A/B slots, installs), persisted through
 //!   [`store`] before every action. **Architecture invariant:** no sockets, clocks or async.
-//! - [`clients`]: the `Aggregator` and `Registry` traits the service clients implement;
-//!   [`fakes`]: in-memory versions.
+//! - [`clients`]: the `Aggregator` and `Registry` traits the service clients implement (their
+//!   in-memory fakes live in `fedfleet-testkit`).
 //! - [`agent`]: the tokio shell executing the core's actions (same code for daemon and simulation).
 //! - [`ml`]: training, health checks, model loading via `fedfleet-learning`.
 //! - [`inference`]: the local endpoint (unix socket, line-delimited JSON) and CSV input parsing.
 //! - [`config`], [`daemon`]: `agent.toml`, identity files, the `run`/`status`/`enroll` commands.
-//! - [`sim`]: many agents in one process.
 
 pub mod agent;
 pub mod clients;
 pub mod config;
 pub mod daemon;
-pub mod fakes;
 pub mod inference;
 pub mod lifecycle;
 pub mod remote;
 pub mod ml;
 pub mod mqtt;
-pub mod sim;
 pub mod store;
 
-pub use agent::{Agent, Clock, FakeClock, LocalData, Serving, ShellConfig, SystemClock, run_agent};
+pub use agent::{Agent, Clock, LocalData, Serving, ShellConfig, SystemClock, run_agent};
 pub use clients::{Aggregator, BaseModel, Registry, TransportError, UploadReply};
 pub use lifecycle::{Action, CoreConfig, HealthReport, Input, Lifecycle, LifecycleError, SlotModel};
 pub use store::{AgentStore, OutboxEntry, StoreError};

@@ -18,8 +18,8 @@ use fedfleet_protocol::{
     DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, Receipt, RejectReason, Rejection,
     RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate,
 };
-use fedfleet_registry::tuf::{Root, Signed, Targets, Timestamp};
-use fedfleet_registry::Verifier;
+use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::tuf::Verifier;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -38,7 +38,7 @@ pub enum LifecycleError {
     #[error("no persisted state and no pinned registry root: run `fedfleet-agent enroll` first")]
     NotEnrolled,
     #[error("pinned registry root refused: {0}")]
-    BadRoot(fedfleet_registry::TufError),
+    BadRoot(fedfleet_protocol::tuf::TufError),
     #[error("persisted state belongs to device {found}, but the identity is {expected}")]
     WrongDevice { expected: DeviceId, found: DeviceId },
 }
@@ -238,9 +238,9 @@ pub enum UploadOutcome {
 #[derive(Debug, Clone)]
 pub struct MetadataSet {
     /// Root versions after the trusted one, in order (usually empty).
-    pub roots: Vec<Signed<Root>>,
-    pub timestamp: Signed<Timestamp>,
-    pub targets: Signed<Targets>,
+    pub roots: Vec<SignedMetadata<Root>>,
+    pub timestamp: SignedMetadata<Timestamp>,
+    pub targets: SignedMetadata<Targets>,
 }
 
 /// Inputs to the core.
@@ -324,7 +324,7 @@ impl Lifecycle {
     pub fn open(
         cfg: CoreConfig,
         store: AgentStore,
-        pinned_root: Option<Signed<Root>>,
+        pinned_root: Option<SignedMetadata<Root>>,
         initial: Option<SlotModel>,
         now: Millis,
     ) -> Result<Self, LifecycleError> {

@@ -373,7 +373,7 @@ pub async fn heartbeats(publisher: StatusPublisher, initial: DeviceStatus, inter
 /// The key rollout notices are signed with: the registry's online (timestamp) key, which the
 /// root lists in its timestamp role and which also signs assignments. `None` when the role does
 /// not name exactly one usable key (notices are then refused; the agent still polls).
-pub fn notice_key(root: &fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>) -> Option<ed25519_dalek::VerifyingKey> {
+pub fn notice_key(root: &fedfleet_protocol::tuf::SignedMetadata<fedfleet_protocol::tuf::Root>) -> Option<ed25519_dalek::VerifyingKey> {
     let root = root.body_unverified().ok()?;
     let mut ids = root.timestamp.keyids.iter();
     let (Some(id), None) = (ids.next(), ids.next()) else { return None };

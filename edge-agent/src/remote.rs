@@ -1,6 +1,6 @@
 //! The real service clients behind [`crate::clients`]: [`RemoteAggregator`] over
-//! `fedfleet_aggregator::client::AggregatorClient` and [`RemoteRegistry`] over
-//! `fedfleet_registry::client::RegistryClient` (both QUIC + mTLS with the device identity).
+//! `fedfleet_aggregator_client::client::AggregatorClient` and [`RemoteRegistry`] over
+//! `fedfleet_registry_client::client::RegistryClient` (both QUIC + mTLS with the device identity).
 //!
 //! Trust:
 //! - The aggregator's announcements and receipts are verified with the **pinned** receipt key
@@ -20,11 +20,11 @@
 use std::sync::{Arc, Mutex};
 
 use ed25519_dalek::VerifyingKey;
-use fedfleet_aggregator::client::{AggregatorClient, ClientError as AggError, UploadOutcome};
+use fedfleet_aggregator_client::client::{AggregatorClient, ClientError as AggError, UploadOutcome};
 use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RoundAnnouncement};
-use fedfleet_registry::client::{ClientError as RegError, RegistryClient};
-use fedfleet_registry::tuf::{Root, Signed as TufSigned};
-use fedfleet_registry::Verifier;
+use fedfleet_registry_client::client::{ClientError as RegError, RegistryClient};
+use fedfleet_protocol::tuf::{Root, SignedMetadata};
+use fedfleet_protocol::tuf::Verifier;
 
 use crate::agent::Clock;
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
@@ -163,7 +163,7 @@ fn hex_key(k: &VerifyingKey) -> String {
 pub struct RemoteRegistry {
     client: RegistryClient,
     model: String,
-    root: Mutex<TufSigned<Root>>,
+    root: Mutex<SignedMetadata<Root>>,
     clock: Arc<dyn Clock>,
 }
 
@@ -171,12 +171,12 @@ impl RemoteRegistry {
     /// Wraps a client. `pinned_root` is the root installed at enrollment (assignments are
     /// verified against it and the roots that chain from it); `model` the model name whose
     /// assignments this device follows. Uses the system clock for expiry checks.
-    pub fn new(client: RegistryClient, model: impl Into<String>, pinned_root: TufSigned<Root>) -> Self {
+    pub fn new(client: RegistryClient, model: impl Into<String>, pinned_root: SignedMetadata<Root>) -> Self {
         Self::with_clock(client, model, pinned_root, Arc::new(crate::agent::SystemClock))
     }
 
     /// [`RemoteRegistry::new`] with the clock that assignment expiry is checked against.
-    pub fn with_clock(client: RegistryClient, model: impl Into<String>, pinned_root: TufSigned<Root>, clock: Arc<dyn Clock>) -> Self {
+    pub fn with_clock(client: RegistryClient, model: impl Into<String>, pinned_root: SignedMetadata<Root>, clock: Arc<dyn Clock>) -> Self {
         RemoteRegistry { client, model: model.into(), root: Mutex::new(pinned_root), clock }
     }
 

@@ -14,7 +14,7 @@
 //! - the aggregator as a child process (`fedfleet-aggregator serve --config ...`, found next to
 //!   this executable), with its Prometheus endpoint on loopback; its campaign is started with
 //!   its own operator CLI (`fedfleet-aggregator campaign start`);
-//! - N agents in the worker (`fedfleet_agent::sim::RemoteFleet`: each its own certificate, key,
+//! - N agents in the worker (`fedfleet_testkit::sim::RemoteFleet`: each its own certificate, key,
 //!   sled store, QUIC clients and share of the digits training split, the daemon's lifecycle),
 //!   driven concurrently: every step runs each agent's poll + drive as its own task, then
 //!   sleeps `--poll-ms`. Agents connect (one step) before the campaign starts.
@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use fedfleet_agent::sim::{FleetOptions, RemoteFleet};
+use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::wire::Request as AggRequest;
 use fedfleet_certs::{Pki, ServerIdentity};
@@ -319,7 +319,7 @@ struct Services {
     _tmp: Option<tempfile::TempDir>,
     pki: Pki,
     registry_service: fedfleet::demo::Running,
-    pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+    pinned_root: fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::tuf::Root>,
     agg: AggregatorProcess,
     agg_dir: PathBuf,
     config: PathBuf,

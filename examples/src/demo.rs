@@ -24,11 +24,11 @@ use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use fedfleet_agent::sim::FleetOptions;
+use fedfleet_testkit::sim::FleetOptions;
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::{CampaignDefaults, Config as AggConfig, ModelConfig, MqttConfig};
 use fedfleet_aggregator::mqtt::Mqtt;
@@ -358,6 +358,7 @@ pub async fn start_aggregator(
         server_name: "aggregator".into(),
         data_dir: dir.join("data"),
         metrics_addr: None,
+        metrics_public: false,
         operators: vec!["operator".into()],
         publish_dir: None,
         publish: None,
@@ -454,7 +455,7 @@ pub async fn run_campaign(
         }
         let open = st.open_round;
         let v_before = version_of(&st);
-        let (acc0, bytes0) = (metrics.accepted.load(Relaxed), metrics.update_bytes.load(Relaxed));
+        let (acc0, bytes0) = (metrics.accepted.get(), metrics.update_bytes.get());
         let t0 = Instant::now();
         if let Some(round) = open {
             // Announced over MQTT as the round opened: give the push a moment to arrive.
@@ -504,9 +505,9 @@ pub async fn run_campaign(
         };
         let row = RoundRow {
             round: r,
-            participants: metrics.accepted.load(Relaxed) - acc0,
+            participants: metrics.accepted.get() - acc0,
             accuracy,
-            bytes_up: metrics.update_bytes.load(Relaxed) - bytes0,
+            bytes_up: metrics.update_bytes.get() - bytes0,
             round_time: t0.elapsed(),
             version,
             heard_over_mqtt: open.map(|r| fleet.heard_over_mqtt(r)).unwrap_or(0),
@@ -1108,6 +1109,9 @@ fn print_summary(ui: &Ui, o: &DemoOptions, r: &DemoReport) {
     ui.line(format!("  initial model        {:.2} %", r.initial_accuracy * 100.0));
     ui.line(format!("  versions             {} (initial) -> {} (final); {} versions published", v(&r.initial), v(&r.final_model), r.rounds.iter().filter(|x| x.version.is_some()).count() + 1));
     ui.line(format!("  bytes uploaded       {}", human_bytes(bytes)));
+    if let Some(m) = &r.final_model {
+        ui.line(format!("  final model digest   {}", m.digest.to_hex()));
+    }
     ui.line(format!(
         "  rollout              {}; {}/{} agents active on {}",
         r.rollout_status.as_deref().unwrap_or("not run"),

@@ -1,5 +1,5 @@
 //! The demo's view of a fleet of real edge agents in one process: a thin wrapper over
-//! [`fedfleet_agent::sim::RemoteFleet`] (each agent: its own enrolled identity, key, sled store
+//! [`fedfleet_testkit::sim::RemoteFleet`] (each agent: its own enrolled identity, key, sled store
 //! and data share, the daemon's `Agent` shell, QUIC + mTLS clients to the real aggregator and
 //! registry) that adds per-agent progress and the numbers the demo prints.
 //!
@@ -17,7 +17,7 @@ use std::time::Duration;
 use fedfleet_agent::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use fedfleet_agent::remote::{RemoteAggregator, RemoteRegistry};
-use fedfleet_agent::sim::{AgentLinks, FleetOptions, RemoteFleet};
+use fedfleet_testkit::sim::{AgentLinks, FleetOptions, RemoteFleet};
 use fedfleet_agent::{Clock, SystemClock};
 use fedfleet_control::{ClientOptions, ControlClient, Role};
 use fedfleet_learning::{Dataset, Partition};

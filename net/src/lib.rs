@@ -4,6 +4,11 @@
 //! **Architecture invariant:** no protocol decisions here. This crate moves frames; what a frame
 //! means is decided by the protocol crate and by the service cores.
 
+pub mod rpc;
+pub mod serve;
+
+pub use rpc::RpcConnection;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -12,7 +12,10 @@
 //! - [`framing`]: length-prefixed frames for QUIC streams and a sans-IO [`FrameDecoder`].
 //! - [`limits`]: every size limit.
 //! - [`reject`]: the named rejection reasons shared by every service.
+//! - [`tuf`]: signed model metadata in the spirit of TUF (root, targets, timestamp) and the
+//!   client-side [`tuf::Verifier`] every device runs; [`artifact`]: a version's chunk manifest.
 
+pub mod artifact;
 pub mod bundle;
 pub mod envelope;
 pub mod framing;
@@ -20,6 +23,8 @@ pub mod ids;
 pub mod limits;
 pub mod messages;
 pub mod reject;
+pub mod serde_hex;
+pub mod tuf;
 
 pub use bundle::{BundleError, BundleLimits, DType, Layout, Tensor, TensorBundle, TensorData};
 pub use envelope::{

@@ -38,23 +38,23 @@
 //! **Architecture invariant:** no sockets, no clock reads and no async in this crate's cores;
 //! `now` is always a parameter (unix milliseconds).
 
-pub mod client;
 pub mod config;
 pub mod metadata;
 pub mod metrics;
 pub mod mqtt;
 pub mod ops;
-pub mod rollout;
-mod serde_hex;
 pub mod server;
 pub mod store;
-pub mod tuf;
-pub mod wire;
 
 #[cfg(test)]
 mod tests;
 
 pub use fedfleet_protocol::{Digest, ModelVersion};
+// The pure parts other crates share: TUF metadata (protocol), the rollout core, and the client
+// with its wire types (what devices link instead of this crate).
+pub use fedfleet_protocol::tuf;
+pub use fedfleet_registry_client::{client, wire};
+pub use fedfleet_rollout as rollout;
 pub use rollout::{
     Assignment, Audience, DeviceState, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError,
     RolloutPlan, Status as RolloutStatus,
@@ -62,7 +62,7 @@ pub use rollout::{
 pub use store::{
     Artifact, ChunkRef, Manifest, NewVersion, Store, StoreConfig, StoreError, VersionRecord,
 };
-pub use tuf::{Root, Signed, TargetInfo, Targets, Timestamp, TufError, Verifier};
+pub use tuf::{Root, SignedMetadata, TargetInfo, Targets, Timestamp, TufError, Verifier};
 
 /// Errors of the service shell, the operator commands and the metadata signer.
 #[derive(Debug, thiserror::Error)]

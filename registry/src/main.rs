@@ -590,11 +590,11 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         &identity.derive_secret("fedfleet-registry 2026 QUIC endpoint"),
     )?;
     if let Some(maddr) = cfg.metrics {
-        let l = metrics::bind(maddr, cfg.metrics_public)
+        let l = fedfleet_http::bind(maddr, cfg.metrics_public)
             .await
             .with_context(|| format!("metrics on {maddr}"))?;
         tracing::info!(addr = %maddr, "metrics on /metrics");
-        tokio::spawn(metrics::serve(l, metrics.clone()));
+        tokio::spawn(fedfleet_http::serve_metrics(l, metrics.clone()));
     }
     let mqtt = fedfleet_registry::mqtt::start(reg.clone(), &cfg)
         .await

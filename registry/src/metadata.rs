@@ -20,7 +20,7 @@ use ed25519_dalek::pkcs8::{EncodePrivateKey, spki::der::pem::LineEnding};
 
 use crate::RegistryError;
 use crate::store::Store;
-use crate::tuf::{Root, Signed, TargetInfo, Targets, Timestamp};
+use crate::tuf::{Root, SignedMetadata, TargetInfo, Targets, Timestamp};
 use crate::wire::{AssignmentBody, MetadataSet, SignedAssignment};
 
 pub const ROOT_KEY: &str = "keys/root.key";
@@ -108,7 +108,7 @@ pub fn init_keys(
     data_dir: &Path,
     root_days: u32,
     force: bool,
-) -> Result<Signed<Root>, RegistryError> {
+) -> Result<SignedMetadata<Root>, RegistryError> {
     for f in [ROOT_KEY, TARGETS_KEY, TIMESTAMP_KEY, ROOT_JSON] {
         let p = data_dir.join(f);
         if p.exists() && !force {
@@ -129,7 +129,7 @@ pub fn init_keys(
         (&[&targets_key.verifying_key()], 1),
         (&[&ts_key.verifying_key()], 1),
     );
-    let root = Signed::sign(&body, &[&root_key]);
+    let root = SignedMetadata::sign(&body, &[&root_key]);
     write_key(&data_dir.join(ROOT_KEY), &root_key)?;
     write_key(&data_dir.join(TARGETS_KEY), &targets_key)?;
     write_key(&data_dir.join(TIMESTAMP_KEY), &ts_key)?;
@@ -143,7 +143,7 @@ pub fn init_keys(
 }
 
 /// Reads the pinned root from `data_dir/root.json`.
-pub fn read_root(data_dir: &Path) -> Result<Signed<Root>, RegistryError> {
+pub fn read_root(data_dir: &Path) -> Result<SignedMetadata<Root>, RegistryError> {
     let p = data_dir.join(ROOT_JSON);
     read_json(&p)?.ok_or_else(|| {
         RegistryError::Config(format!(
@@ -155,15 +155,15 @@ pub fn read_root(data_dir: &Path) -> Result<Signed<Root>, RegistryError> {
 
 struct Current {
     targets_body: Targets,
-    targets: Signed<Targets>,
+    targets: SignedMetadata<Targets>,
     ts_body: Timestamp,
-    timestamp: Signed<Timestamp>,
+    timestamp: SignedMetadata<Timestamp>,
 }
 
 /// Holds the online keys and the current signed metadata.
 pub struct MetadataSigner {
     dir: PathBuf,
-    roots: Vec<Signed<Root>>,
+    roots: Vec<SignedMetadata<Root>>,
     targets_key: SigningKey,
     timestamp_key: SigningKey,
     lifetimes: Lifetimes,
@@ -187,7 +187,7 @@ impl MetadataSigner {
         let mut roots = Vec::new();
         let mut v = 1;
         while let Some(r) =
-            read_json::<Signed<Root>>(&data_dir.join(ROOTS_DIR).join(format!("{v}.json")))?
+            read_json::<SignedMetadata<Root>>(&data_dir.join(ROOTS_DIR).join(format!("{v}.json")))?
         {
             roots.push(r);
             v += 1;
@@ -218,7 +218,7 @@ impl MetadataSigner {
     }
 
     /// The current root (what agents pin).
-    pub fn root(&self) -> &Signed<Root> {
+    pub fn root(&self) -> &SignedMetadata<Root> {
         self.roots.last().expect("at least one root")
     }
 
@@ -253,7 +253,7 @@ impl MetadataSigner {
                     expires: now + self.lifetimes.targets_ms,
                     targets,
                 };
-                let s = Signed::sign(&body, &[&self.targets_key]);
+                let s = SignedMetadata::sign(&body, &[&self.targets_key]);
                 write_atomic(
                     &self.dir.join(TARGETS_JSON),
                     &serde_json::to_vec(&s).expect("serializes"),
@@ -268,7 +268,7 @@ impl MetadataSigner {
         };
         let ts_body =
             Timestamp::for_targets(sv + 1, now + self.lifetimes.timestamp_ms, &signed_targets)?;
-        let ts = Signed::sign(&ts_body, &[&self.timestamp_key]);
+        let ts = SignedMetadata::sign(&ts_body, &[&self.timestamp_key]);
         write_atomic(
             &self.dir.join(TIMESTAMP_JSON),
             &serde_json::to_vec(&ts).expect("serializes"),
@@ -284,8 +284,8 @@ impl MetadataSigner {
     }
 
     fn load_current(&self) -> Result<Option<Current>, RegistryError> {
-        let t: Option<Signed<Targets>> = read_json(&self.dir.join(TARGETS_JSON))?;
-        let s: Option<Signed<Timestamp>> = read_json(&self.dir.join(TIMESTAMP_JSON))?;
+        let t: Option<SignedMetadata<Targets>> = read_json(&self.dir.join(TARGETS_JSON))?;
+        let s: Option<SignedMetadata<Timestamp>> = read_json(&self.dir.join(TIMESTAMP_JSON))?;
         match (t, s) {
             (Some(targets), Some(timestamp)) => Ok(Some(Current {
                 targets_body: targets.body_unverified()?,

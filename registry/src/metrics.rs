@@ -1,12 +1,10 @@
-//! Prometheus metrics, in the text exposition format, served on a loopback address.
-//!
-//! Hand-written on purpose: a handful of counters needs neither the `prometheus` crate (protobuf
-//! by default) nor `metrics` + `metrics-exporter-prometheus` (hyper), and keeps the build small.
+//! The registry's Prometheus metrics (prometheus-client), served on a loopback address by
+//! `fedfleet-http`.
 //!
 //! | metric | labels |
 //! |---|---|
 //! | `fedfleet_registry_requests_total` | `kind` |
-//! | `fedfleet_registry_rejections_total` | `reason` (a `RejectReason` name) |
+//! | `fedfleet_registry_rejections_total` | `reason` (a `RejectReason` name, or `not_found`, `denied`, `invalid_command`, `handshake`) |
 //! | `fedfleet_registry_bytes_served_total` | |
 //! | `fedfleet_registry_chunks_served_total` | |
 //! | `fedfleet_registry_connections_total` | |
@@ -17,166 +15,150 @@
 //! `fedfleet_registry_devices_online`, `fedfleet_registry_devices_known`,
 //! `fedfleet_registry_device_last_seen_seconds{device}`.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use fedfleet_http::prometheus_client::encoding::EncodeLabelSet;
+use fedfleet_http::prometheus_client::metrics::counter::Counter;
+use fedfleet_http::prometheus_client::metrics::family::Family;
+use fedfleet_http::prometheus_client::metrics::gauge::Gauge;
+use fedfleet_http::prometheus_client::registry::Registry;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The registry's counters.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    pub bytes_served: AtomicU64,
-    pub chunks_served: AtomicU64,
-    pub connections: AtomicU64,
-    labeled: Mutex<BTreeMap<(&'static str, &'static str, String), u64>>,
-    gauges: Mutex<BTreeMap<GaugeKey, u64>>,
+/// One label, named after what it carries.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Kind {
+    kind: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Event {
+    event: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct State {
+    state: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Device {
+    device: String,
 }
 
-/// A gauge's name and its one optional label (name, value).
-type GaugeKey = (&'static str, Option<(&'static str, String)>);
+/// The registry's metrics; handles are cheap clones of what the registry encodes.
+#[derive(Debug)]
+pub struct Metrics {
+    pub bytes_served: Counter,
+    pub chunks_served: Counter,
+    pub connections: Counter,
+    requests: Family<Kind, Counter>,
+    rejections: Family<Reason, Counter>,
+    rollout_events: Family<Event, Counter>,
+    device_reports: Family<State, Counter>,
+    pub mqtt_connected: Gauge,
+    devices_online: Gauge,
+    devices_known: Gauge,
+    last_seen: Family<Device, Gauge>,
+    registry: Registry,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Metrics {
-    fn inc(&self, metric: &'static str, label: &'static str, value: &str) {
-        let mut m = self.labeled.lock().unwrap_or_else(|p| p.into_inner());
-        *m.entry((metric, label, value.to_owned())).or_default() += 1;
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("fedfleet_registry");
+        let m = Metrics {
+            bytes_served: Counter::default(),
+            chunks_served: Counter::default(),
+            connections: Counter::default(),
+            requests: Family::default(),
+            rejections: Family::default(),
+            rollout_events: Family::default(),
+            device_reports: Family::default(),
+            mqtt_connected: Gauge::default(),
+            devices_online: Gauge::default(),
+            devices_known: Gauge::default(),
+            last_seen: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("requests", "Requests served, by kind", m.requests.clone());
+        registry.register("rejections", "Requests and connections refused, by reason", m.rejections.clone());
+        registry.register("bytes_served", "Artifact bytes sent to clients", m.bytes_served.clone());
+        registry.register("chunks_served", "Chunks sent to clients", m.chunks_served.clone());
+        registry.register("connections", "QUIC connections accepted", m.connections.clone());
+        registry.register("rollout_events", "Rollout engine events", m.rollout_events.clone());
+        registry.register("device_reports", "Device reports, by state", m.device_reports.clone());
+        registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());
+        registry.register("devices_online", "Devices with a recent verified status", m.devices_online.clone());
+        registry.register("devices_known", "Devices ever heard from over MQTT", m.devices_known.clone());
+        registry.register("device_last_seen_seconds", "Unix time of the device's last verified status", m.last_seen.clone());
+        Metrics { registry, ..m }
     }
 
     pub fn request(&self, kind: &str) {
-        self.inc("fedfleet_registry_requests_total", "kind", kind);
+        self.requests.get_or_create(&Kind { kind: kind.into() }).inc();
     }
 
     pub fn rejection(&self, reason: fedfleet_protocol::RejectReason) {
-        self.inc(
-            "fedfleet_registry_rejections_total",
-            "reason",
-            reason.as_str(),
-        );
+        self.rejection_named(reason.as_str());
     }
 
     /// A refusal that is not a protocol `RejectReason`: `not_found`, `denied`, `invalid_command`.
     pub fn rejection_named(&self, reason: &str) {
-        self.inc("fedfleet_registry_rejections_total", "reason", reason);
+        self.rejections.get_or_create(&Reason { reason: reason.into() }).inc();
     }
 
     pub fn rollout_event(&self, event: &str) {
-        self.inc("fedfleet_registry_rollout_events_total", "event", event);
+        self.rollout_events.get_or_create(&Event { event: event.into() }).inc();
     }
 
     pub fn device_report(&self, state: &str) {
-        self.inc("fedfleet_registry_device_reports_total", "state", state);
+        self.device_reports.get_or_create(&State { state: state.into() }).inc();
     }
 
-    /// Sets a gauge, optionally with one label.
-    pub fn set_gauge(&self, metric: &'static str, label: Option<(&'static str, &str)>, value: u64) {
-        let mut g = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
-        g.insert((metric, label.map(|(l, v)| (l, v.to_owned()))), value);
+    /// Devices online and known, from the MQTT presence view.
+    pub fn set_presence(&self, online: usize, known: usize) {
+        self.devices_online.set(online as i64);
+        self.devices_known.set(known as i64);
     }
 
-    /// A gauge's value, if set (tests).
-    pub fn gauge(&self, metric: &str, label_value: Option<&str>) -> Option<u64> {
-        let g = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
-        g.iter()
-            .find(|((n, l), _)| *n == metric && l.as_ref().map(|(_, v)| v.as_str()) == label_value)
-            .map(|(_, v)| *v)
+    /// (devices online, devices known) as last set.
+    pub fn presence(&self) -> (u64, u64) {
+        (self.devices_online.get() as u64, self.devices_known.get() as u64)
     }
 
-    /// A labeled counter's value (tests).
+    pub fn set_last_seen(&self, device: &str, unix_secs: u64) {
+        self.last_seen.get_or_create(&Device { device: device.into() }).set(unix_secs as i64);
+    }
+
+    /// A device's last-seen gauge, if set.
+    pub fn last_seen(&self, device: &str) -> Option<u64> {
+        self.last_seen.get(&Device { device: device.into() }).map(|g| g.get() as u64)
+    }
+
+    /// A labelled counter's value by its exposition name and label value (tests).
     pub fn get(&self, metric: &str, value: &str) -> u64 {
-        let m = self.labeled.lock().unwrap_or_else(|p| p.into_inner());
-        m.iter()
-            .filter(|((n, _, v), _)| *n == metric && v == value)
-            .map(|(_, c)| *c)
-            .sum()
+        let v = value.to_owned();
+        match metric {
+            "fedfleet_registry_requests_total" => self.requests.get(&Kind { kind: v }).map(|c| c.get()),
+            "fedfleet_registry_rejections_total" => self.rejections.get(&Reason { reason: v }).map(|c| c.get()),
+            "fedfleet_registry_rollout_events_total" => self.rollout_events.get(&Event { event: v }).map(|c| c.get()),
+            "fedfleet_registry_device_reports_total" => self.device_reports.get(&State { state: v }).map(|c| c.get()),
+            _ => None,
+        }
+        .unwrap_or(0)
     }
 
-    /// The text exposition.
+    /// The exposition text.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let mut plain = |name: &str, help: &str, v: u64| {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"
-            ));
-        };
-        plain(
-            "fedfleet_registry_bytes_served_total",
-            "Artifact bytes sent to clients.",
-            self.bytes_served.load(Ordering::Relaxed),
-        );
-        plain(
-            "fedfleet_registry_chunks_served_total",
-            "Chunks sent to clients.",
-            self.chunks_served.load(Ordering::Relaxed),
-        );
-        plain(
-            "fedfleet_registry_connections_total",
-            "QUIC connections accepted.",
-            self.connections.load(Ordering::Relaxed),
-        );
-        let m = self.labeled.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last = "";
-        for ((name, label, value), v) in m.iter() {
-            if *name != last {
-                out.push_str(&format!("# TYPE {name} counter\n"));
-                last = name;
-            }
-            let value = value.replace('\\', "\\\\").replace('"', "\\\"");
-            out.push_str(&format!("{name}{{{label}=\"{value}\"}} {v}\n"));
-        }
-        drop(m);
-        let g = self.gauges.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last = "";
-        for ((name, label), v) in g.iter() {
-            if *name != last {
-                out.push_str(&format!("# TYPE {name} gauge\n"));
-                last = name;
-            }
-            match label {
-                Some((l, value)) => {
-                    let value = value.replace('\\', "\\\\").replace('"', "\\\"");
-                    out.push_str(&format!("{name}{{{l}=\"{value}\"}} {v}\n"));
-                }
-                None => out.push_str(&format!("{name} {v}\n")),
-            }
-        }
-        out
+        fedfleet_http::encode(&self.registry)
     }
 }
 
-/// Serves `GET /metrics` (any path, in fact) on `listener` until the task is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>) {
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            // Read the request head (ignored beyond the first read).
-            let _ =
-                tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await;
-            let body = metrics.render();
-            let resp = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-            let _ = sock.shutdown().await;
-        });
+impl fedfleet_http::MetricsSource for Metrics {
+    fn render(&self) -> String {
+        Metrics::render(self)
     }
-}
-
-/// Binds the metrics listener; refuses a non-loopback address unless `allow_public`.
-pub async fn bind(
-    addr: SocketAddr,
-    allow_public: bool,
-) -> std::io::Result<tokio::net::TcpListener> {
-    if !addr.ip().is_loopback() && !allow_public {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("metrics address {addr} is not loopback (set metrics_public = true to allow)"),
-        ));
-    }
-    tokio::net::TcpListener::bind(addr).await
 }

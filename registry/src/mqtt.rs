@@ -280,11 +280,11 @@ impl Loop {
         let metrics = self.reg.metrics();
         match ev {
             ControlEvent::Connected { count } => {
-                metrics.set_gauge("fedfleet_registry_mqtt_connected", None, 1);
+                metrics.mqtt_connected.set(1);
                 tracing::info!(count, "registry MQTT connected");
             }
             ControlEvent::Disconnected { error } => {
-                metrics.set_gauge("fedfleet_registry_mqtt_connected", None, 0);
+                metrics.mqtt_connected.set(0);
                 tracing::warn!(%error, "registry MQTT disconnected; reconnecting");
             }
             ControlEvent::Status(s) => self.on_status(s.body()),
@@ -338,19 +338,10 @@ impl Loop {
         let now = crate::unix_ms();
         let m = self.reg.metrics();
         let p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
-        m.set_gauge(
-            "fedfleet_registry_devices_online",
-            None,
-            p.online(now, self.ttl_ms) as u64,
-        );
-        m.set_gauge("fedfleet_registry_devices_known", None, p.known() as u64);
+        m.set_presence(p.online(now, self.ttl_ms), p.known());
         for device in self.fed.keys() {
             if let Some(t) = p.last_seen(device) {
-                m.set_gauge(
-                    "fedfleet_registry_device_last_seen_seconds",
-                    Some(("device", device.as_str())),
-                    t / 1000,
-                );
+                m.set_last_seen(device.as_str(), t / 1000);
             }
         }
     }

@@ -68,7 +68,6 @@ impl ServerOptions {
 struct Ctx {
     reg: Arc<Registry>,
     opts: ServerOptions,
-    conns: Arc<tokio::sync::Semaphore>,
 }
 
 /// Serves `endpoint` until `shutdown` resolves.
@@ -79,45 +78,25 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let ctx = Arc::new(Ctx {
-        conns: Arc::new(tokio::sync::Semaphore::new(opts.max_connections)),
         reg: reg.clone(),
         opts,
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let timer = tokio::spawn(timer_loop(reg.clone(), stop_rx));
-    let mut handlers = tokio::task::JoinSet::new();
-    tokio::pin!(shutdown);
     tracing::info!(addr = ?endpoint.local_addr().ok(), "registry serving");
-    loop {
-        tokio::select! {
-            incoming = endpoint.accept() => {
-                let Some(incoming) = incoming else { break };
-                while handlers.try_join_next().is_some() {}
-                match ctx.conns.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        let ctx = ctx.clone();
-                        handlers.spawn(async move {
-                            connection(incoming, ctx).await;
-                            drop(permit);
-                        });
-                    }
-                    Err(_) => {
-                        ctx.reg.metrics().rejection(RejectReason::Overloaded);
-                        incoming.refuse();
-                    }
-                }
-            }
-            _ = &mut shutdown => break,
-        }
-    }
+    let handlers = fedfleet_net::serve::accept_until(
+        &endpoint,
+        ctx.opts.max_connections,
+        shutdown,
+        || ctx.reg.metrics().rejection(RejectReason::Overloaded),
+        |incoming| connection(incoming, ctx.clone()),
+    )
+    .await;
     tracing::info!("registry shutting down");
     let _ = stop_tx.send(true);
+    // Registry handlers serve a connection until it closes: close first, then let them end.
     endpoint.close(0u32.into(), b"shutting down");
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        while handlers.join_next().await.is_some() {}
-    })
-    .await;
-    let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+    fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(5)).await;
     let _ = timer.await;
     if let Err(e) = reg.store().flush() {
         tracing::error!(error = %e, "flush on shutdown failed");
@@ -185,7 +164,7 @@ async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
     ctx.reg
         .metrics()
         .connections
-        .fetch_add(1, Ordering::Relaxed);
+        .inc();
     tracing::debug!(%remote, ?peer, "connection");
     while let Ok((send, recv)) = conn.accept_bi().await {
         let (ctx, conn, peer) = (ctx.clone(), conn.clone(), peer.clone());
@@ -496,8 +475,7 @@ async fn send_data(
         s.send(FrameKind::Chunk, piece).await?;
     }
     let m = ctx.reg.metrics();
-    m.bytes_served
-        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    m.bytes_served.inc_by(bytes.len() as u64);
     Ok(true)
 }
 
@@ -558,7 +536,7 @@ async fn serve_chunks(
         ctx.reg
             .metrics()
             .chunks_served
-            .fetch_add(1, Ordering::Relaxed);
+            .inc();
     }
     s.send(FrameKind::End, &[]).await
 }

@@ -49,7 +49,8 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 
-use crate::serde_hex;
+use fedfleet_protocol::serde_hex;
+pub use fedfleet_protocol::artifact::{ChunkRef, Manifest};
 
 /// Default chunk size: 1 MiB.
 pub const DEFAULT_CHUNK_SIZE: u32 = 1 << 20;
@@ -139,14 +140,6 @@ impl Default for StoreConfig {
     }
 }
 
-/// One chunk of an artifact, in order. Every chunk but the last is `chunk_size` long.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChunkRef {
-    #[serde(with = "serde_hex::digest")]
-    pub digest: Digest,
-    pub len: u32,
-}
-
 /// A stored blob: its digest (BLAKE3 of all bytes), length, and chunk list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Artifact {
@@ -189,43 +182,20 @@ pub struct VersionRecord {
     pub publisher: String,
 }
 
-/// Everything a downloader needs about one version: the version record plus its chunk list.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    pub name: String,
-    pub version: ModelVersion,
-    pub spec: serde_json::Value,
-    pub length: u64,
-    #[serde(with = "serde_hex::digest")]
-    pub digest: Digest,
-    pub parent: Option<ModelVersion>,
-    pub metrics: BTreeMap<String, f64>,
-    pub created_at: u64,
-    pub publisher: String,
-    pub chunk_size: u32,
-    pub chunks: Vec<ChunkRef>,
-}
-
-impl Manifest {
-    fn new(rec: VersionRecord, art: Artifact) -> Self {
-        Manifest {
-            name: rec.name,
-            version: rec.version,
-            spec: rec.spec,
-            length: rec.length,
-            digest: rec.digest,
-            parent: rec.parent,
-            metrics: rec.metrics,
-            created_at: rec.created_at,
-            publisher: rec.publisher,
-            chunk_size: art.chunk_size,
-            chunks: art.chunks,
-        }
-    }
-
-    /// Byte offset of chunk `i` within the artifact.
-    pub fn chunk_offset(&self, i: usize) -> u64 {
-        i as u64 * self.chunk_size as u64
+/// The manifest of a stored version.
+fn manifest_of(rec: VersionRecord, art: Artifact) -> Manifest {
+    Manifest {
+        name: rec.name,
+        version: rec.version,
+        spec: rec.spec,
+        length: rec.length,
+        digest: rec.digest,
+        parent: rec.parent,
+        metrics: rec.metrics,
+        created_at: rec.created_at,
+        publisher: rec.publisher,
+        chunk_size: art.chunk_size,
+        chunks: art.chunks,
     }
 }
 
@@ -315,6 +285,11 @@ pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
     {
         return bad("only ASCII letters, digits, '.', '_' and '-' are allowed");
+    }
+    // Names become file and directory names on operators' and devices' disks (exports, slots,
+    // spool files): `.`, `..`, hidden files and option-looking names are refused.
+    if !name.as_bytes()[0].is_ascii_alphanumeric() {
+        return bad("must start with an ASCII letter or digit");
     }
     Ok(())
 }
@@ -616,12 +591,12 @@ impl Store {
         } else {
             tracing::info!(model = %rec.name, version = %rec.version, %digest, "publish repeated (same parent and digest): existing version");
             let art = self.artifact(&digest)?;
-            return Ok(Manifest::new(rec, art));
+            return Ok(manifest_of(rec, art));
         }
         // An existing artifact with the same bytes but another chunk size stays as it was.
         let art = self.artifact(&digest)?;
         tracing::info!(model = %rec.name, version = %rec.version, %digest, length, "published");
-        Ok(Manifest::new(rec, art))
+        Ok(manifest_of(rec, art))
     }
 
     /// The stored artifact record for `digest`.
@@ -648,7 +623,7 @@ impl Store {
     pub fn manifest(&self, name: &str, version: ModelVersion) -> Result<Manifest> {
         let rec = self.version(name, version)?;
         let art = self.artifact(&rec.digest)?;
-        Ok(Manifest::new(rec, art))
+        Ok(manifest_of(rec, art))
     }
 
     /// A chunk's bytes, re-hashed: a chunk whose bytes changed on disk is an error, never served.

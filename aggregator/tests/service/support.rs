@@ -60,6 +60,7 @@ impl Fleet {
             server_name: "aggregator".into(),
             data_dir: self.dir.path().join(data),
             metrics_addr: None,
+            metrics_public: false,
             operators: vec!["operator".into()],
             publish_dir: None,
             publish: None,

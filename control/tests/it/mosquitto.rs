@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use fedfleet_control::mosquitto::{self, Mosquitto, MosquittoConfig};
+use fedfleet_testkit::mosquitto::{self, Mosquitto, MosquittoConfig};
 
 use crate::common::{self, Fleet};
 

@@ -1,6 +1,6 @@
 //! The lifecycle core with a fake clock and fake registry: no sockets, no training.
 
-use fedfleet_agent::fakes::FakeRegistry;
+use fedfleet_testkit::fakes::FakeRegistry;
 use fedfleet_agent::lifecycle::{Action, Conditions, HealthReport, Input, InstallPhase, UploadOutcome};
 use fedfleet_agent::Registry;
 use fedfleet_protocol::{DeviceState, RejectReason, Rejection};

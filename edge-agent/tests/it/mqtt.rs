@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::SigningKey;
 use fedfleet_agent::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock};
 use fedfleet_agent::clients::{Aggregator, BaseModel, TransportError, UploadReply};
-use fedfleet_agent::fakes::FakeRegistry;
+use fedfleet_testkit::fakes::FakeRegistry;
 use fedfleet_agent::lifecycle::{Backoff, CoreConfig, HealthPolicy, Lifecycle};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
 use fedfleet_agent::AgentStore;

@@ -1,8 +1,8 @@
 //! The tokio shell with real training on digits partitions and the in-memory services.
 
-use fedfleet_agent::fakes::UploadFault;
+use fedfleet_testkit::fakes::UploadFault;
 use fedfleet_agent::inference::{self, Request};
-use fedfleet_agent::sim::SimFleet;
+use fedfleet_testkit::sim::SimFleet;
 use fedfleet_learning::evaluate;
 use fedfleet_protocol::{DType, RoundConfig};
 

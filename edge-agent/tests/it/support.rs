@@ -1,5 +1,5 @@
 use ed25519_dalek::SigningKey;
-use fedfleet_agent::fakes::FakeRegistry;
+use fedfleet_testkit::fakes::FakeRegistry;
 use fedfleet_agent::lifecycle::{Action, Backoff, CoreConfig, HealthPolicy, Lifecycle, SlotModel};
 use fedfleet_agent::AgentStore;
 use fedfleet_protocol::{

@@ -129,6 +129,20 @@ fn only_changed_chunks_are_missing() {
 }
 
 #[test]
+fn names_made_of_dots_or_starting_with_a_symbol_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), cfg()).unwrap();
+    for name in [".", "..", "...", ".hidden", "-rf", "_x"] {
+        match store.publish(meta(name, None), b"x") {
+            Err(StoreError::InvalidName { reason, .. }) => assert!(reason.contains("start with"), "{name}: {reason}"),
+            other => panic!("{name:?} accepted as a model name: {other:?}"),
+        }
+    }
+    assert!(matches!(store.set_alias("m", "..", ModelVersion(1)), Err(StoreError::InvalidName { .. })));
+    store.publish(meta("cam-v2.1_int8", None), b"x").unwrap();
+}
+
+#[test]
 fn publish_rejects_bad_input() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), cfg()).unwrap();

@@ -69,8 +69,8 @@ fn targets(version: u64, expires: u64) -> Targets {
     }
 }
 
-fn ts(version: u64, expires: u64, t: &Signed<Targets>, key: &SigningKey) -> Signed<Timestamp> {
-    Signed::sign(
+fn ts(version: u64, expires: u64, t: &SignedMetadata<Targets>, key: &SigningKey) -> SignedMetadata<Timestamp> {
+    SignedMetadata::sign(
         &Timestamp::for_targets(version, expires, t).unwrap(),
         &[key],
     )
@@ -79,9 +79,9 @@ fn ts(version: u64, expires: u64, t: &Signed<Targets>, key: &SigningKey) -> Sign
 /// A verifier that trusts root v1, timestamp v1 and targets v1.
 fn setup() -> (Keys, Verifier) {
     let k = keys();
-    let root = Signed::sign(&root_v1(&k), &[&k.root]);
+    let root = SignedMetadata::sign(&root_v1(&k), &[&k.root]);
     let mut v = Verifier::new(root).unwrap();
-    let t = Signed::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
+    let t = SignedMetadata::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
     assert!(
         v.update_timestamp(&ts(1, NOW + DAY, &t, &k.ts), NOW)
             .unwrap()
@@ -98,14 +98,14 @@ fn happy_path_and_persistence() {
         .unwrap();
     assert_eq!(info.custom.metrics["accuracy"], 0.981);
     // Idempotent re-delivery.
-    let t = Signed::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
+    let t = SignedMetadata::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
     assert!(
         !v.update_timestamp(&ts(1, NOW + DAY, &t, &k.ts), NOW)
             .unwrap()
     );
     assert!(!v.update_targets(&t, NOW).unwrap());
     // New targets through a new timestamp.
-    let t2 = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
+    let t2 = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
     v.update_timestamp(&ts(2, NOW + DAY, &t2, &k.ts), NOW + 1)
         .unwrap();
     v.update_targets(&t2, NOW + 1).unwrap();
@@ -113,7 +113,7 @@ fn happy_path_and_persistence() {
         .unwrap();
     // The metadata and the verifier state survive JSON.
     let json = serde_json::to_string(&t2).unwrap();
-    assert_eq!(serde_json::from_str::<Signed<Targets>>(&json).unwrap(), t2);
+    assert_eq!(serde_json::from_str::<SignedMetadata<Targets>>(&json).unwrap(), t2);
     let state = serde_json::to_string(&v).unwrap();
     let mut v2: Verifier = serde_json::from_str(&state).unwrap();
     v2.verify_artifact("mnist", ModelVersion(2), MODEL2, NOW + 2)
@@ -133,8 +133,8 @@ fn happy_path_and_persistence() {
 fn canonical_bytes_are_domain_separated_and_stable() {
     let k = keys();
     let t = targets(1, 5);
-    let a = Signed::sign(&t, &[&k.targets]);
-    let b = Signed::sign(&t, &[&k.targets]);
+    let a = SignedMetadata::sign(&t, &[&k.targets]);
+    let b = SignedMetadata::sign(&t, &[&k.targets]);
     assert_eq!(a, b, "same body, same bytes, same signature");
     assert!(a.message().starts_with(b"fedfleet/tuf/targets/v1\0"));
     assert!(
@@ -152,9 +152,9 @@ fn canonical_bytes_are_domain_separated_and_stable() {
         (&[&k2.ts.verifying_key()], 1),
         (&[&k2.ts.verifying_key()], 1),
     );
-    let mut v = Verifier::new(Signed::sign(&root, &[&k2.root])).unwrap();
-    let tt = Signed::<Targets>::sign(&targets(1, NOW + DAY), &[&k2.ts]);
-    let forged: Signed<Timestamp> =
+    let mut v = Verifier::new(SignedMetadata::sign(&root, &[&k2.root])).unwrap();
+    let tt = SignedMetadata::<Targets>::sign(&targets(1, NOW + DAY), &[&k2.ts]);
+    let forged: SignedMetadata<Timestamp> =
         serde_json::from_str(&serde_json::to_string(&tt).unwrap()).unwrap();
     assert_eq!(forged.signed, tt.signed);
     assert!(matches!(
@@ -169,7 +169,7 @@ fn canonical_bytes_are_domain_separated_and_stable() {
 #[test]
 fn attack_bad_signature() {
     let (k, mut v) = setup();
-    let t2 = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
+    let t2 = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
     let mut stamp = ts(2, NOW + DAY, &t2, &k.ts);
     stamp.signatures[0].sig[10] ^= 1;
     assert_eq!(
@@ -230,9 +230,9 @@ fn attack_unsigned_and_under_threshold() {
         KeyId::of(&k.targets2.verifying_key()),
         PublicKey::ed25519(&k.targets2.verifying_key()),
     );
-    let mut v = Verifier::new(Signed::sign(&root, &[&k.root])).unwrap();
+    let mut v = Verifier::new(SignedMetadata::sign(&root, &[&k.root])).unwrap();
 
-    let one = Signed::sign(&targets(1, NOW + DAY), &[&k.targets]);
+    let one = SignedMetadata::sign(&targets(1, NOW + DAY), &[&k.targets]);
     v.update_timestamp(&ts(1, NOW + DAY, &one, &k.ts), NOW)
         .unwrap();
     assert_eq!(
@@ -255,7 +255,7 @@ fn attack_unsigned_and_under_threshold() {
         })
     );
     // Signatures by keys outside the role do not count.
-    let outsider = Signed::sign(&targets(1, NOW + DAY), &[&k.targets, &k.root, &k.ts]);
+    let outsider = SignedMetadata::sign(&targets(1, NOW + DAY), &[&k.targets, &k.root, &k.ts]);
     assert_eq!(
         v.update_targets(&outsider, NOW),
         Err(TufError::UnderThreshold {
@@ -265,7 +265,7 @@ fn attack_unsigned_and_under_threshold() {
         })
     );
     // Unsigned.
-    let unsigned = Signed::new(&targets(1, NOW + DAY));
+    let unsigned = SignedMetadata::new(&targets(1, NOW + DAY));
     assert_eq!(
         v.update_targets(&unsigned, NOW),
         Err(TufError::UnderThreshold {
@@ -274,11 +274,11 @@ fn attack_unsigned_and_under_threshold() {
             threshold: 2
         })
     );
-    let both = Signed::sign(&targets(1, NOW + DAY), &[&k.targets, &k.targets2]);
+    let both = SignedMetadata::sign(&targets(1, NOW + DAY), &[&k.targets, &k.targets2]);
     v.update_targets(&both, NOW).unwrap();
     // An unsigned pinned root is refused too.
     assert!(matches!(
-        Verifier::new(Signed::new(&root_v1(&k))),
+        Verifier::new(SignedMetadata::new(&root_v1(&k))),
         Err(TufError::UnderThreshold {
             role: Role::Root,
             valid: 0,
@@ -291,7 +291,7 @@ fn attack_unsigned_and_under_threshold() {
 fn attack_freeze_expired_metadata() {
     let (k, mut v) = setup();
     // Expired timestamp.
-    let t = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
+    let t = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
     let old = ts(2, NOW + 10, &t, &k.ts);
     assert_eq!(
         v.update_timestamp(&old, NOW + 10),
@@ -311,7 +311,7 @@ fn attack_freeze_expired_metadata() {
         })
     );
     // Expired targets behind a fresh timestamp.
-    let stale = Signed::sign(&targets(3, NOW + 5), &[&k.targets]);
+    let stale = SignedMetadata::sign(&targets(3, NOW + 5), &[&k.targets]);
     v.update_timestamp(&ts(3, NOW + DAY, &stale, &k.ts), NOW)
         .unwrap();
     assert!(matches!(
@@ -326,7 +326,7 @@ fn attack_freeze_expired_metadata() {
         expires: NOW + 1,
         ..root_v1(&k)
     };
-    let mut v = Verifier::new(Signed::sign(&r, &[&k.root])).unwrap();
+    let mut v = Verifier::new(SignedMetadata::sign(&r, &[&k.root])).unwrap();
     assert!(matches!(
         v.update_timestamp(&ts(1, NOW + DAY, &t, &k.ts), NOW + 1),
         Err(TufError::Expired {
@@ -339,12 +339,12 @@ fn attack_freeze_expired_metadata() {
 #[test]
 fn attack_rollback() {
     let (k, mut v) = setup();
-    let t2 = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
+    let t2 = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
     v.update_timestamp(&ts(5, NOW + DAY, &t2, &k.ts), NOW)
         .unwrap();
     v.update_targets(&t2, NOW).unwrap();
     // Older timestamp.
-    let t1 = Signed::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
+    let t1 = SignedMetadata::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
     assert_eq!(
         v.update_timestamp(&ts(4, NOW + DAY, &t1, &k.ts), NOW),
         Err(TufError::Rollback {
@@ -371,7 +371,7 @@ fn attack_rollback() {
         })
     );
     // Older root.
-    let r2 = Signed::sign(
+    let r2 = SignedMetadata::sign(
         &Root {
             version: 2,
             ..root_v1(&k)
@@ -379,7 +379,7 @@ fn attack_rollback() {
         &[&k.root],
     );
     v.update_root(&r2).unwrap();
-    let r1 = Signed::sign(&root_v1(&k), &[&k.root]);
+    let r1 = SignedMetadata::sign(&root_v1(&k), &[&k.root]);
     assert_eq!(
         v.update_root(&r1),
         Err(TufError::Rollback {
@@ -388,7 +388,7 @@ fn attack_rollback() {
             got: 1
         })
     );
-    let r4 = Signed::sign(
+    let r4 = SignedMetadata::sign(
         &Root {
             version: 4,
             ..root_v1(&k)
@@ -414,7 +414,7 @@ fn attack_root_rotation_not_signed_by_old_root() {
         (&[&evil.verifying_key()], 1),
     );
     assert_eq!(
-        v.update_root(&Signed::sign(&r2, &[&evil])),
+        v.update_root(&SignedMetadata::sign(&r2, &[&evil])),
         Err(TufError::RootNotSignedByOldRoot {
             valid: 0,
             threshold: 1
@@ -435,14 +435,14 @@ fn attack_root_rotation_not_signed_by_new_root_threshold() {
         (&[&k.ts.verifying_key()], 1),
     );
     assert_eq!(
-        v.update_root(&Signed::sign(&r2, &[&k.root])),
+        v.update_root(&SignedMetadata::sign(&r2, &[&k.root])),
         Err(TufError::RootNotSignedByNewRoot {
             valid: 0,
             threshold: 1
         })
     );
     assert!(
-        v.update_root(&Signed::sign(&r2, &[&k.root, &k.root2]))
+        v.update_root(&SignedMetadata::sign(&r2, &[&k.root, &k.root2]))
             .unwrap()
     );
     assert_eq!(v.root().version, 2);
@@ -459,14 +459,14 @@ fn targets_key_rotation() {
         (&[&k.targets2.verifying_key()], 1),
         (&[&k.ts.verifying_key()], 1),
     );
-    let r2 = Signed::sign(&r2, &[&k.root, &k.root2]);
+    let r2 = SignedMetadata::sign(&r2, &[&k.root, &k.root2]);
     assert!(v.update_root(&r2).unwrap());
     assert!(
         v.targets().is_none(),
         "targets signed by the old key are no longer trusted"
     );
     // Targets signed by the retired key are refused.
-    let old = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
+    let old = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
     v.update_timestamp(&ts(2, NOW + DAY, &old, &k.ts), NOW)
         .unwrap();
     assert_eq!(
@@ -478,14 +478,14 @@ fn targets_key_rotation() {
         })
     );
     // Targets signed by the new key are accepted.
-    let new = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets2]);
+    let new = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets2]);
     v.update_timestamp(&ts(3, NOW + DAY, &new, &k.ts), NOW)
         .unwrap();
     v.update_targets(&new, NOW).unwrap();
     v.verify_artifact("mnist", ModelVersion(2), MODEL2, NOW)
         .unwrap();
     // Root v3 now needs both root keys of v2.
-    let r3 = Signed::sign(
+    let r3 = SignedMetadata::sign(
         &Root {
             version: 3,
             ..r2.body_unverified().unwrap()
@@ -507,8 +507,8 @@ fn targets_key_rotation() {
 #[test]
 fn attack_targets_not_matching_timestamp() {
     let (k, mut v) = setup();
-    let t2 = Signed::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
-    let t3 = Signed::sign(&targets(3, NOW + 30 * DAY), &[&k.targets]);
+    let t2 = SignedMetadata::sign(&targets(2, NOW + 30 * DAY), &[&k.targets]);
+    let t3 = SignedMetadata::sign(&targets(3, NOW + 30 * DAY), &[&k.targets]);
     v.update_timestamp(&ts(2, NOW + DAY, &t2, &k.ts), NOW)
         .unwrap();
     assert!(matches!(
@@ -525,7 +525,7 @@ fn attack_targets_not_matching_timestamp() {
     v.update_targets(&t2, NOW).unwrap();
     // Targets before any timestamp.
     let (k, _) = setup();
-    let mut fresh = Verifier::new(Signed::sign(&root_v1(&k), &[&k.root])).unwrap();
+    let mut fresh = Verifier::new(SignedMetadata::sign(&root_v1(&k), &[&k.root])).unwrap();
     assert_eq!(
         fresh.update_targets(&t2, NOW),
         Err(TufError::Missing {
@@ -579,20 +579,20 @@ fn invalid_roots_are_refused() {
     let mut r = root_v1(&k);
     r.targets.threshold = 0;
     assert!(matches!(
-        Verifier::new(Signed::sign(&r, &[&k.root])),
+        Verifier::new(SignedMetadata::sign(&r, &[&k.root])),
         Err(TufError::InvalidRoot(_))
     ));
     let mut r = root_v1(&k);
     r.timestamp.threshold = 2;
     assert!(matches!(
-        Verifier::new(Signed::sign(&r, &[&k.root])),
+        Verifier::new(SignedMetadata::sign(&r, &[&k.root])),
         Err(TufError::InvalidRoot(_))
     ));
     let mut r = root_v1(&k);
     let id = KeyId::of(&k.ts.verifying_key());
     r.keys.get_mut(&id).unwrap().public = k.targets.verifying_key().to_bytes();
     assert!(matches!(
-        Verifier::new(Signed::sign(&r, &[&k.root])),
+        Verifier::new(SignedMetadata::sign(&r, &[&k.root])),
         Err(TufError::InvalidRoot(_))
     ));
 }
@@ -600,7 +600,7 @@ fn invalid_roots_are_refused() {
 #[test]
 fn timestamp_key_rotation_resets_the_timestamp_floor() {
     let (k, mut v) = setup();
-    let t1 = Signed::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
+    let t1 = SignedMetadata::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
     v.update_timestamp(&ts(50, NOW + DAY, &t1, &k.ts), NOW)
         .unwrap();
     let new_ts = key(9);
@@ -611,7 +611,7 @@ fn timestamp_key_rotation_resets_the_timestamp_floor() {
         (&[&k.targets.verifying_key()], 1),
         (&[&new_ts.verifying_key()], 1),
     );
-    v.update_root(&Signed::sign(&r2, &[&k.root])).unwrap();
+    v.update_root(&SignedMetadata::sign(&r2, &[&k.root])).unwrap();
     assert!(v.timestamp().is_none());
     // The old online key is dead; the new one may restart at a low version (TUF's recovery from
     // a fast-forward attack), but targets may still not roll back.

@@ -98,7 +98,7 @@ async fn corrupt_chunks_are_detected_and_refetched() {
         assert_eq!(r.bytes_fetched, LEN as u64);
         let chunks = LEN.div_ceil(CHUNK as usize) as u64;
         assert_eq!(
-            h.reg.metrics().chunks_served.load(Ordering::Relaxed),
+            h.reg.metrics().chunks_served.get(),
             chunks + 3
         );
 
@@ -139,7 +139,7 @@ async fn delta_download_moves_only_the_missing_chunks() {
         c.download("m", v(1), &mut cache, &tmp.path().join("v1"))
             .await
             .unwrap();
-        let served_before = h.reg.metrics().bytes_served.load(Ordering::Relaxed);
+        let served_before = h.reg.metrics().bytes_served.get();
         let wire_before = c.wire_bytes();
 
         let r = c
@@ -147,7 +147,7 @@ async fn delta_download_moves_only_the_missing_chunks() {
             .await
             .unwrap();
         assert_eq!(std::fs::read(tmp.path().join("v2")).unwrap(), v2);
-        let served = h.reg.metrics().bytes_served.load(Ordering::Relaxed) - served_before;
+        let served = h.reg.metrics().bytes_served.get() - served_before;
         let wire = c.wire_bytes() - wire_before;
         eprintln!(
             "delta: v2 is {LEN} bytes; chunk payload served {served} B, read from streams {wire} B \

@@ -19,7 +19,7 @@ use fedfleet_registry::metrics::Metrics;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::server::{self, ServerOptions};
 use fedfleet_registry::store::{Store, StoreConfig};
-use fedfleet_registry::{Root, Signed};
+use fedfleet_registry::{Root, SignedMetadata};
 
 /// `edge-00`, `edge-01`, …
 pub fn edge_devices(n: usize) -> Vec<DeviceId> {
@@ -66,7 +66,7 @@ pub fn write_initial_model(root_dir: &Path, spec: &ModelSpec) -> PathBuf {
 pub struct RunningRegistry {
     pub reg: Arc<Registry>,
     /// The signed root the agents pin.
-    pub pinned_root: Signed<Root>,
+    pub pinned_root: SignedMetadata<Root>,
     pub addr: SocketAddr,
     pub data_dir: PathBuf,
     stop: tokio::sync::oneshot::Sender<()>,

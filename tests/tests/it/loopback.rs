@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use fedfleet_agent::sim::{FleetOptions, RemoteFleet};
+use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig, PublishConfig};
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_learning::ModelSpec;
@@ -45,6 +45,7 @@ async fn body() {
         server_name: "aggregator".into(),
         data_dir: root_dir.join("aggregator"),
         metrics_addr: None,
+        metrics_public: false,
         operators: vec!["operator".into()],
         publish_dir: None,
         publish: Some(PublishConfig { registry: reg_addr, server_name: "localhost".into() }),

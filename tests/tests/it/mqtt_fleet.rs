@@ -22,7 +22,7 @@ use fedfleet_aggregator::config::Config;
 use fedfleet_aggregator::service::Aggregator as AggregatorService;
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_certs::{ALPN_V1, DeviceIdentity, tls};
-use fedfleet_control::mosquitto::{Mosquitto, MosquittoConfig};
+use fedfleet_testkit::mosquitto::{Mosquitto, MosquittoConfig};
 use fedfleet_control::{ClientOptions, ControlClient, Role, device_tls};
 use fedfleet_learning::{Dataset, ModelSpec, Partition};
 use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
@@ -115,7 +115,7 @@ struct Setup<'a> {
     reg_addr: SocketAddr,
     broker_port: u16,
     receipt_key: ed25519_dalek::VerifyingKey,
-    pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+    pinned_root: fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::tuf::Root>,
     data_dir: &'a std::path::Path,
 }
 
@@ -155,7 +155,7 @@ fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
     fleet
 }
 
-type PinnedRoot = fedfleet_registry::Signed<fedfleet_registry::Root>;
+type PinnedRoot = fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::Root>;
 
 /// The digits training split in `n` IID parts, one per device.
 fn digits_partitions(n: usize) -> Vec<Dataset> {
@@ -218,7 +218,7 @@ async fn mqtt_fleet_three_rounds_broker_restart() {
 /// (`.ci/run` installs it); elsewhere it skips with a note.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mqtt_fleet_three_rounds_on_mosquitto_with_restart() {
-    let Some(binary) = fedfleet_control::mosquitto::find_binary() else {
+    let Some(binary) = fedfleet_testkit::mosquitto::find_binary() else {
         if std::env::var_os("CI").is_some() {
             panic!("mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)");
         }
@@ -717,11 +717,11 @@ async fn rollout_body() {
 
     // Presence in the registry's metrics.
     let m = reg.metrics().clone();
-    wait_until("presence gauges", 10, || m.gauge("fedfleet_registry_devices_known", None) == Some(DEVICES as u64)).await;
-    assert_eq!(m.gauge("fedfleet_registry_devices_online", None), Some(DEVICES as u64));
+    wait_until("presence gauges", 10, || m.presence().1 == DEVICES as u64).await;
+    assert_eq!(m.presence().0, DEVICES as u64);
     assert_eq!(reg_mqtt.devices(fedfleet_registry::unix_ms()), (DEVICES, DEVICES));
     for d in &devices {
-        assert!(m.gauge("fedfleet_registry_device_last_seen_seconds", Some(d.as_str())).is_some(), "{d} last seen");
+        assert!(m.last_seen(d.as_str()).is_some(), "{d} last seen");
         assert!(reg_mqtt.last_seen(d).is_some());
     }
     let text = m.render();

@@ -32,7 +32,7 @@ use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_protocol::{BundleLimits, DeviceState, DeviceStatus, Digest, RoundId, TensorBundle};
 
 use crate::procs::{
-    Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, poll_every, sample,
+    Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, parse_metrics, poll_every, sample,
     scrape, wait_for,
 };
 
@@ -624,6 +624,20 @@ fn campaign_and_rollout_reach_every_agent() {
     let accuracy = test_accuracy(&bytes);
     eprintln!("v{global} after {rounds} rounds of {AGENTS} agents: test accuracy {accuracy:.3}");
     assert!(accuracy > 0.8, "test accuracy {accuracy}");
+
+    // Both services' /metrics parse as Prometheus text and count what happened; other paths 404.
+    let reg = parse_metrics(&scrape(f.reg_metrics).expect("registry metrics"));
+    let agg = f.aggregator_metrics();
+    assert_eq!(sample(&agg, "fedfleet_aggregator_updates_accepted_total"), Some((AGENTS * rounds as usize) as f64), "{agg}");
+    assert!(
+        reg.samples.iter().any(|s| s.metric == "fedfleet_registry_chunks_served_total"),
+        "registry metrics lack chunks_served"
+    );
+    for addr in [f.reg_metrics, f.agg_metrics] {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (status, _) = rt.block_on(fedfleet_http::scrape(addr, "/anything-else")).unwrap();
+        assert_eq!(status, 404, "{addr}: only /metrics is served");
+    }
 
     f.stop_all();
     f.assert_exactly_once(&[rounds; AGENTS]);

@@ -2,8 +2,8 @@
 //! a guard that kills and reaps a child (and prints its log tail when the test fails), one-shot
 //! CLI runs, free loopback ports, polling, Prometheus text and a seeded RNG.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -205,26 +205,41 @@ pub fn poll_every<T>(
     }
 }
 
-/// `GET /metrics` over plain HTTP; `None` while the endpoint does not answer.
+/// `GET /metrics` of a service, with hyper (through `fedfleet_http::scrape`).
 pub fn scrape(addr: SocketAddr) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
-    let (_, body) = body.split_once("\r\n\r\n")?;
-    Some(body.to_owned())
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+    let (status, body) = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), fedfleet_http::scrape(addr, "/metrics")).await.ok()?.ok()
+    })?;
+    (status == 200).then_some(body)
 }
 
-/// The value of one sample (`name` including its `{labels}`, as rendered) in Prometheus text.
-pub fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+/// Parses exposition text with a real Prometheus text-format parser (prometheus-parse); panics
+/// on text it refuses, so every scrape in the tests also checks the format.
+pub fn parse_metrics(text: &str) -> prometheus_parse::Scrape {
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+        .unwrap_or_else(|e| panic!("metrics do not parse as Prometheus text: {e}\n{text}"))
+}
+
+/// The value of one sample, `name` or `name{label="value",...}`, in the parsed metrics.
+pub fn sample(text: &str, selector: &str) -> Option<f64> {
+    let (name, labels) = match selector.split_once('{') {
+        Some((n, rest)) => (n, rest.trim_end_matches('}')),
+        None => (selector, ""),
+    };
+    let wanted: Vec<(&str, &str)> = labels
+        .split(',')
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k, v.trim_matches('"')))
+        .collect();
+    parse_metrics(text).samples.into_iter().find_map(|s| {
+        let matches = s.metric == name && wanted.iter().all(|(k, v)| s.labels.get(k) == Some(*v));
+        match (matches, s.value) {
+            (true, prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v)) => Some(v),
+            _ => None,
+        }
+    })
 }
 
 /// Lines of a log file that contain `needle`.

@@ -42,9 +42,9 @@ use fedfleet_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::rollout::{Phase, Reason};
-use crate::store::Manifest;
-use crate::tuf::{self, KeyId, Root, Targets, Timestamp};
+use fedfleet_rollout::{Phase, Reason};
+use fedfleet_protocol::artifact::Manifest;
+use fedfleet_protocol::tuf::{self, KeyId, Root, Targets, Timestamp};
 
 pub use fedfleet_protocol::messages::MessageError;
 
@@ -132,9 +132,9 @@ pub enum Response {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetadataSet {
     /// Root versions after the one the client has, in order (usually empty).
-    pub roots: Vec<tuf::Signed<Root>>,
-    pub timestamp: tuf::Signed<Timestamp>,
-    pub targets: tuf::Signed<Targets>,
+    pub roots: Vec<tuf::SignedMetadata<Root>>,
+    pub timestamp: tuf::SignedMetadata<Timestamp>,
+    pub targets: tuf::SignedMetadata<Targets>,
 }
 
 /// One chunk of a manifest.

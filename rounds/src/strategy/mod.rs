@@ -82,6 +82,9 @@ pub enum StrategyError {
     GlobalShape { expected: usize, got: usize },
     #[error("invalid strategy parameter: {0}")]
     BadParameter(String),
+    /// The finalized model holds a NaN or an infinity (first at `index`); it is not published.
+    #[error("the aggregated model is not finite (element {index} is {value})")]
+    NonFiniteModel { index: usize, value: f32 },
     /// The shell's fold (tensor path) failed: a stored update unreadable, a device error.
     #[error("compute: {0}")]
     Compute(String),

@@ -184,7 +184,12 @@ impl<S: Strategy> Coordinator<S> {
         if self.engine.awaiting_model() != Some(round) || self.folding != Some(round) {
             return Err(FinalizeError::NotAwaiting(round));
         }
-        let result = compute(&mut self.strategy);
+        // Whatever computed it (exact fold, tensor fold, optimizer), a model with a NaN or an
+        // infinity is never handed out to be signed and published: the round fails instead.
+        let result = compute(&mut self.strategy).and_then(|model| match model.iter().position(|v| !v.is_finite()) {
+            Some(index) => Err(StrategyError::NonFiniteModel { index, value: model[index] }),
+            None => Ok(model),
+        });
         self.deferred = 0;
         match result {
             Ok(model) => {

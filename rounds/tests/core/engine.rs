@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use fedfleet_aggregator::*;
+use fedfleet_rounds::*;
 use fedfleet_protocol::{DeviceId, Digest, FleetId, ModelVersion, RoundId, Selection};
 
 const T0: Millis = 1_700_000_000_000;
@@ -43,7 +43,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
         base_version: ModelVersion(1),
         base_digest: base(),
         client: ClientConfig::default(),
-        selection: fedfleet_aggregator::Selection::Explicit {
+        selection: fedfleet_rounds::Selection::Explicit {
             devices: (0..devices).map(dev).collect(),
         },
         policy,
@@ -417,7 +417,7 @@ fn rate_sampling_is_deterministic_and_close_to_the_rate() {
     let mut p = policy(100, 10, 0);
     p.over_selection = 1.5;
     let mut s = spec(0, p);
-    s.selection = fedfleet_aggregator::Selection::Rate { rate: 0.1 };
+    s.selection = fedfleet_rounds::Selection::Rate { rate: 0.1 };
     let (e, ann) = engine_with(s);
     let Selection::Sample { rate_ppm, seed } = ann.selection.clone() else {
         panic!()
@@ -516,7 +516,7 @@ fn invalid_specs_are_refused() {
         Err(EngineError::InvalidSpec(_))
     ));
     let mut s = spec(10, policy(3, 2, 0));
-    s.selection = fedfleet_aggregator::Selection::Rate { rate: 0.0 };
+    s.selection = fedfleet_rounds::Selection::Rate { rate: 0.0 };
     assert!(matches!(
         e.start_campaign(T0, s),
         Err(EngineError::InvalidSpec(_))
@@ -665,4 +665,19 @@ fn coordinator_refuses_bad_payloads_without_recording_them() {
         c.finalize(T0, a.round, &vec![0.0; dim]),
         Err(FinalizeError::NotAwaiting(_))
     ));
+}
+
+#[test]
+fn a_non_finite_model_is_never_handed_out_and_the_round_fails() {
+    let dim = 4;
+    let (engine, a) = engine_with(spec(12, policy(20, 1, 0)));
+    let mut c = Coordinator::new(engine, fed_adam(dim));
+    c.handle_update(T0, meta(0, a.round, 0), &delta(0, dim)).unwrap();
+    c.handle_timeout(a.deadline);
+    while c.poll_event().is_some() {}
+    // Whatever path computed it (the tensor fold, an optimizer overflowing), the model is checked.
+    let err = c.finalize_with(a.deadline, a.round, |_| Ok(vec![0.5, f32::INFINITY, 0.0, f32::NAN])).unwrap_err();
+    assert!(err.to_string().contains("not finite (element 1 is inf)"), "{err}");
+    let failed = std::iter::from_fn(|| c.poll_event()).any(|ev| matches!(ev, EngineEvent::RoundFailed { round, .. } if round == a.round));
+    assert!(failed, "the round is reported failed");
 }

@@ -11,10 +11,11 @@ use fedfleet_learning::{Dataset, ModelSpec, Partition, evaluate, model::init_bun
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, RoundAnnouncement, RoundConfig, RoundId, Selection, TensorBundle};
 
 
-use crate::agent::{Agent, FakeClock, LocalData, ShellConfig};
+use fedfleet_agent::agent::{Agent, LocalData, ShellConfig};
+use crate::clock::FakeClock;
 use crate::fakes::{FakeAggregator, FakeRegistry};
-use crate::lifecycle::{CoreConfig, HealthPolicy, Lifecycle, LifecycleError, SlotModel};
-use crate::store::AgentStore;
+use fedfleet_agent::lifecycle::{CoreConfig, HealthPolicy, Lifecycle, LifecycleError, SlotModel};
+use fedfleet_agent::store::AgentStore;
 
 /// A simulated fleet.
 pub struct SimFleet {
@@ -138,13 +139,13 @@ pub struct FleetOptions {
     /// The aggregator's receipt key (`data_dir/receipt.pub`), pinned by every agent.
     pub receipt_key: ed25519_dalek::VerifyingKey,
     /// The registry's root of trust, pinned by every agent.
-    pub pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+    pub pinned_root: fedfleet_protocol::tuf::SignedMetadata<fedfleet_protocol::tuf::Root>,
     /// The model whose registry assignments the agents follow.
     pub model_name: String,
     /// Each agent's store lives in `data_dir/<device id>/`.
     pub data_dir: std::path::PathBuf,
     /// Upload/install retry backoff (short in tests).
-    pub backoff: crate::lifecycle::Backoff,
+    pub backoff: fedfleet_agent::lifecycle::Backoff,
     /// Time limit of each aggregator call (an unreachable aggregator is noticed after this).
     pub call_timeout: std::time::Duration,
 }
@@ -159,7 +160,7 @@ impl FleetOptions {
         aggregator_addr: std::net::SocketAddr,
         registry_addr: std::net::SocketAddr,
         receipt_key: ed25519_dalek::VerifyingKey,
-        pinned_root: fedfleet_registry::tuf::Signed<fedfleet_registry::tuf::Root>,
+        pinned_root: fedfleet_protocol::tuf::SignedMetadata<fedfleet_protocol::tuf::Root>,
         model_name: impl Into<String>,
         data_dir: impl Into<std::path::PathBuf>,
     ) -> Self {
@@ -177,7 +178,7 @@ impl FleetOptions {
             pinned_root,
             model_name: model_name.into(),
             data_dir: data_dir.into(),
-            backoff: crate::lifecycle::Backoff { base_ms: 200, max_ms: 2_000 },
+            backoff: fedfleet_agent::lifecycle::Backoff { base_ms: 200, max_ms: 2_000 },
             call_timeout: std::time::Duration::from_secs(2),
         }
     }
@@ -202,10 +203,10 @@ pub struct AgentStatus {
 /// the daemon). Drive it with [`RemoteFleet::step`] or [`RemoteFleet::run_until`].
 ///
 /// `A`/`R` are the clients the agents use: the QUIC ones ([`RemoteFleet::start`]) or wrappers
-/// around them ([`RemoteFleet::start_with`], e.g. the MQTT control plane of [`crate::mqtt`]).
-pub struct RemoteFleet<A = crate::remote::RemoteAggregator, R = crate::remote::RemoteRegistry> {
+/// around them ([`RemoteFleet::start_with`], e.g. the MQTT control plane of [`fedfleet_agent::mqtt`]).
+pub struct RemoteFleet<A = fedfleet_agent::remote::RemoteAggregator, R = fedfleet_agent::remote::RemoteRegistry> {
     pub agents: Vec<Agent<A, R>>,
-    aggs: Vec<Arc<crate::remote::RemoteAggregator>>,
+    aggs: Vec<Arc<fedfleet_agent::remote::RemoteAggregator>>,
 }
 
 /// One agent's QUIC clients and identity, handed to the `wrap` of [`RemoteFleet::start_with`].
@@ -213,8 +214,8 @@ pub struct AgentLinks {
     pub index: usize,
     pub device: DeviceId,
     pub identity: fedfleet_certs::DeviceIdentity,
-    pub aggregator: Arc<crate::remote::RemoteAggregator>,
-    pub registry: Arc<crate::remote::RemoteRegistry>,
+    pub aggregator: Arc<fedfleet_agent::remote::RemoteAggregator>,
+    pub registry: Arc<fedfleet_agent::remote::RemoteRegistry>,
 }
 
 impl RemoteFleet {
@@ -225,26 +226,26 @@ impl RemoteFleet {
     }
 }
 
-impl<A: crate::clients::Aggregator, R: crate::clients::Registry> RemoteFleet<A, R> {
+impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registry> RemoteFleet<A, R> {
     /// As [`RemoteFleet::start`], with each agent's clients chosen by `wrap` from its QUIC
     /// clients and identity.
     pub fn start_with(o: FleetOptions, mut wrap: impl FnMut(&AgentLinks) -> anyhow::Result<(Arc<A>, Arc<R>)>) -> anyhow::Result<Self> {
         use anyhow::Context;
         let (train, _) = Dataset::digits_split().context("embedded digits data")?;
         let parts = o.partition.split_dataset(&train, o.devices.len(), o.partition_seed);
-        let clock: Arc<dyn crate::agent::Clock> = Arc::new(crate::agent::SystemClock);
+        let clock: Arc<dyn fedfleet_agent::agent::Clock> = Arc::new(fedfleet_agent::agent::SystemClock);
         let mut agents = Vec::with_capacity(o.devices.len());
         let mut aggs = Vec::with_capacity(o.devices.len());
         for (i, (device, part)) in o.devices.iter().zip(parts).enumerate() {
             let id = fedfleet_certs::DeviceIdentity::load(&o.pki_dir, device)
                 .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
             let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-            let agg_client = fedfleet_aggregator::client::AggregatorClient::new(o.aggregator_addr, &o.aggregator_server_name, tls.clone())
+            let agg_client = fedfleet_aggregator_client::client::AggregatorClient::new(o.aggregator_addr, &o.aggregator_server_name, tls.clone())
                 .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
-            let agg = Arc::new(crate::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
-            let reg_client = fedfleet_registry::client::RegistryClient::new(o.registry_addr, &o.registry_server_name, tls)
+            let agg = Arc::new(fedfleet_agent::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
+            let reg_client = fedfleet_registry_client::client::RegistryClient::new(o.registry_addr, &o.registry_server_name, tls)
                 .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
-            let reg = Arc::new(crate::remote::RemoteRegistry::with_clock(reg_client, o.model_name.clone(), o.pinned_root.clone(), clock.clone()));
+            let reg = Arc::new(fedfleet_agent::remote::RemoteRegistry::with_clock(reg_client, o.model_name.clone(), o.pinned_root.clone(), clock.clone()));
             let key = id.signing_key();
             let links = AgentLinks { index: i, device: device.clone(), identity: id, aggregator: agg.clone(), registry: reg };
             let (agent_agg, agent_reg) = wrap(&links)?;
@@ -302,9 +303,9 @@ impl<A: crate::clients::Aggregator, R: crate::clients::Registry> RemoteFleet<A, 
             .collect()
     }
 
-    /// Every acknowledged upload of every agent (see [`crate::remote::Ack`]); only uploads that
+    /// Every acknowledged upload of every agent (see [`fedfleet_agent::remote::Ack`]); only uploads that
     /// went through the QUIC client (not an MQTT path of a [`RemoteFleet::start_with`] wrapper).
-    pub fn acks(&self) -> Vec<crate::remote::Ack> {
+    pub fn acks(&self) -> Vec<fedfleet_agent::remote::Ack> {
         self.aggs.iter().flat_map(|g| g.acks()).collect()
     }
 

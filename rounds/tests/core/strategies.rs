@@ -1,9 +1,9 @@
 //! Strategies: determinism under any arrival order, relay equivalence, server optimizers against
 //! hand-computed values, clipping, robust aggregation.
 
-use fedfleet_aggregator::strategy::fedavg::l2_norm;
-use fedfleet_aggregator::strategy::fixed::{MAX_FOLDS, MAX_WEIGHT};
-use fedfleet_aggregator::*;
+use fedfleet_rounds::strategy::fedavg::l2_norm;
+use fedfleet_rounds::strategy::fixed::{MAX_FOLDS, MAX_WEIGHT};
+use fedfleet_rounds::*;
 use fedfleet_protocol::RoundId;
 
 /// splitmix64: a tiny deterministic generator for test data.

@@ -30,12 +30,12 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use fedfleet_net::{FramedStream, NetError};
+
+use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, Rejection};
 
-use crate::tuf::TargetInfo;
+use fedfleet_protocol::tuf::TargetInfo;
 use crate::wire::{
     self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel, WireManifest,
 };
@@ -197,10 +197,7 @@ pub struct DownloadReport {
 
 /// A connection to the registry that reconnects on demand.
 pub struct RegistryClient {
-    endpoint: quinn::Endpoint,
-    addr: SocketAddr,
-    server_name: String,
-    conn: tokio::sync::Mutex<Option<quinn::Connection>>,
+    rpc: RpcConnection,
     /// Consecutive failures without progress before a call gives up. Default 5.
     pub max_retries: u32,
     wire_bytes: AtomicU64,
@@ -208,10 +205,7 @@ pub struct RegistryClient {
 
 impl std::fmt::Debug for RegistryClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegistryClient")
-            .field("addr", &self.addr)
-            .field("server_name", &self.server_name)
-            .finish()
+        f.debug_struct("RegistryClient").field("rpc", &self.rpc).finish()
     }
 }
 
@@ -225,9 +219,7 @@ fn response_error(r: Response) -> ClientError {
     }
 }
 
-fn backoff(attempt: u32) -> Duration {
-    Duration::from_millis((50u64 << attempt.min(6)).min(2000))
-}
+use fedfleet_net::rpc::backoff;
 
 impl RegistryClient {
     /// A client for the registry at `addr` (TLS name `server_name`), with a config from
@@ -239,11 +231,8 @@ impl RegistryClient {
         tls: rustls::ClientConfig,
     ) -> Result<Self, ClientError> {
         Ok(RegistryClient {
-            endpoint: fedfleet_net::client_endpoint(tls)?,
-            addr,
-            server_name: server_name.to_owned(),
-            conn: tokio::sync::Mutex::new(None),
-            max_retries: 5,
+            rpc: RpcConnection::new(addr, server_name, tls)?,
+            max_retries: fedfleet_net::rpc::DEFAULT_MAX_RETRIES,
             wire_bytes: AtomicU64::new(0),
         })
     }
@@ -256,7 +245,7 @@ impl RegistryClient {
         tls: rustls::ClientConfig,
     ) -> Result<Self, ClientError> {
         let c = Self::new(addr, server_name, tls)?;
-        c.connection().await?;
+        c.rpc.connection().await?;
         Ok(c)
     }
 
@@ -265,34 +254,13 @@ impl RegistryClient {
         self.wire_bytes.load(Ordering::Relaxed)
     }
 
-    async fn connection(&self) -> Result<quinn::Connection, ClientError> {
-        let mut g = self.conn.lock().await;
-        if let Some(c) = g.as_ref()
-            && c.close_reason().is_none()
-        {
-            return Ok(c.clone());
-        }
-        let c = fedfleet_net::connect(&self.endpoint, self.addr, &self.server_name).await?;
-        *g = Some(c.clone());
-        Ok(c)
-    }
-
     async fn forget_connection(&self) {
-        if let Some(c) = self.conn.lock().await.take() {
-            c.close(0u32.into(), b"reconnecting");
-        }
+        self.rpc.forget().await;
     }
 
     /// Opens a stream and sends `req` (finishing our side unless `more` follows).
     async fn start(&self, req: &Request, more: bool) -> Result<FramedStream, ClientError> {
-        let conn = self.connection().await?;
-        let mut s = match FramedStream::open(&conn).await {
-            Ok(s) => s,
-            Err(e) => {
-                self.forget_connection().await;
-                return Err(e.into());
-            }
-        };
+        let mut s = self.rpc.open_stream().await?;
         let body = wire::encode(req).map_err(|e| ClientError::Protocol(e.to_string()))?;
         s.send(FrameKind::Message, &body).await?;
         if !more {
@@ -314,26 +282,14 @@ impl RegistryClient {
 
     /// One request/response, retried with reconnects on transport errors (idempotent requests).
     async fn call(&self, req: &Request) -> Result<Response, ClientError> {
-        let mut attempt = 0;
-        loop {
-            let res = async {
+        self.rpc
+            .retry(self.max_retries, ClientError::is_transport, || async {
                 let mut s = self.start(req, false).await?;
                 let r = self.read_response(&mut s).await;
                 self.wire_bytes.fetch_add(s.bytes_read(), Ordering::Relaxed);
                 r
-            }
-            .await;
-            match res {
-                Err(e) if e.is_transport() && attempt < self.max_retries => {
-                    attempt += 1;
-                    tracing::debug!(error = %e, attempt, "registry call failed; retrying");
-                    self.forget_connection().await;
-                    tokio::time::sleep(backoff(attempt)).await;
-                }
-                Err(e) => return Err(e),
-                Ok(r) => return Ok(r),
-            }
-        }
+            })
+            .await
     }
 
     /// Signed metadata: roots newer than `have_root_version`, timestamp, targets. Feed them to
@@ -673,10 +629,7 @@ impl RegistryClient {
 
     /// Closes the connection politely.
     pub async fn close(&self) {
-        if let Some(c) = self.conn.lock().await.take() {
-            c.close(0u32.into(), b"bye");
-        }
-        self.endpoint.wait_idle().await;
+        self.rpc.close().await;
     }
 }
 

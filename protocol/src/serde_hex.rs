@@ -1,10 +1,10 @@
 //! Serde helpers: digests and keys as lowercase hex strings in JSON (readable, and the form the
 //! signed metadata uses), instead of the default array of 32 numbers.
 
-use fedfleet_protocol::Digest;
+use crate::Digest;
 use serde::{Deserialize, Deserializer, Serializer};
 
-pub(crate) mod digest {
+pub mod digest {
     use super::*;
 
     pub fn serialize<S: Serializer>(d: &Digest, s: S) -> Result<S::Ok, S::Error> {
@@ -17,7 +17,7 @@ pub(crate) mod digest {
     }
 }
 
-pub(crate) mod bytes32 {
+pub mod bytes32 {
     use super::*;
 
     pub fn serialize<S: Serializer>(b: &[u8; 32], s: S) -> Result<S::Ok, S::Error> {
@@ -32,7 +32,7 @@ pub(crate) mod bytes32 {
     }
 }
 
-pub(crate) mod bytes64 {
+pub mod bytes64 {
     use super::*;
 
     pub fn serialize<S: Serializer>(b: &[u8; 64], s: S) -> Result<S::Ok, S::Error> {

@@ -27,13 +27,12 @@
 use std::net::SocketAddr;
 
 use ed25519_dalek::VerifyingKey;
-use fedfleet_net::{FramedStream, NetError};
+use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::framing::FrameKind;
 use fedfleet_protocol::messages;
 use fedfleet_protocol::{
     Digest, Message, Receipt, Rejection, RoundAnnouncement, Signed, SignedUpdate,
 };
-use tokio::sync::Mutex;
 
 use crate::wire::{CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
 
@@ -65,58 +64,43 @@ pub enum ClientError {
     Refused(Rejection),
 }
 
+impl ClientError {
+    /// Whether retrying later may help (the connection broke).
+    pub fn is_transport(&self) -> bool {
+        matches!(self, ClientError::Net(_))
+    }
+}
+
 fn proto(e: impl std::fmt::Display) -> ClientError {
     ClientError::Protocol(e.to_string())
 }
 
 /// A client of one aggregator.
 pub struct AggregatorClient {
-    endpoint: quinn::Endpoint,
-    addr: SocketAddr,
-    server_name: String,
-    conn: Mutex<Option<quinn::Connection>>,
+    rpc: RpcConnection,
+    /// Consecutive transport failures an idempotent call survives. Default 2.
+    pub max_retries: u32,
 }
 
 impl AggregatorClient {
     /// Connects with a device (`fedfleet_certs::tls::client_config`) or operator
     /// (`service_client_config`) TLS config whose ALPN is `fedfleet/1`.
     pub async fn connect(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
-        let endpoint = fedfleet_net::client_endpoint(tls)?;
-        let conn = fedfleet_net::connect(&endpoint, addr, server_name).await?;
-        Ok(AggregatorClient {
-            endpoint,
-            addr,
-            server_name: server_name.to_owned(),
-            conn: Mutex::new(Some(conn)),
-        })
+        let client = Self::new(addr, server_name, tls)?;
+        client.rpc.connection().await?;
+        Ok(client)
     }
 
     /// Like [`connect`](Self::connect) but without the handshake: the first call connects (an
     /// agent can start while the aggregator is down). Must be called inside a tokio runtime.
     pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
-        Ok(AggregatorClient {
-            endpoint: fedfleet_net::client_endpoint(tls)?,
-            addr,
-            server_name: server_name.to_owned(),
-            conn: Mutex::new(None),
-        })
+        // Two quick retries: an agent polls again anyway, and its outbox retries uploads.
+        Ok(AggregatorClient { rpc: RpcConnection::new(addr, server_name, tls)?, max_retries: 2 })
     }
 
-    async fn open(&self) -> Result<FramedStream, ClientError> {
-        let mut guard = self.conn.lock().await;
-        if let Some(c) = guard.as_ref()
-            && c.close_reason().is_none()
-        {
-            return Ok(FramedStream::open(c).await?);
-        }
-        let c = fedfleet_net::connect(&self.endpoint, self.addr, &self.server_name).await?;
-        let s = FramedStream::open(&c).await?;
-        *guard = Some(c);
-        Ok(s)
-    }
-
-    async fn call(&self, req: &Request) -> Result<(Response, FramedStream), ClientError> {
-        let mut s = self.open().await?;
+    /// One request and its answer on a new stream, without retries.
+    async fn call_once(&self, req: &Request) -> Result<(Response, FramedStream), ClientError> {
+        let mut s = self.rpc.open_stream().await?;
         let body = messages::encode(req, MAX_WIRE_MESSAGE).map_err(proto)?;
         s.send(FrameKind::Message, &body).await?;
         s.finish();
@@ -129,6 +113,11 @@ impl AggregatorClient {
             return Err(ClientError::Refused(r));
         }
         Ok((resp, s))
+    }
+
+    /// An idempotent request: retried with reconnects on transport errors.
+    async fn call(&self, req: &Request) -> Result<(Response, FramedStream), ClientError> {
+        self.rpc.retry(self.max_retries, ClientError::is_transport, || self.call_once(req)).await
     }
 
     /// The open round's signed announcement (if any) and the aggregator's receipt key.
@@ -180,7 +169,7 @@ impl AggregatorClient {
     /// Same as [`upload`](Self::upload) with the header already encoded (what an agent's outbox
     /// stores). The bytes are sent as given.
     pub async fn upload_encoded(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadOutcome, ClientError> {
-        let mut s = self.open().await?;
+        let mut s = self.rpc.open_stream().await?;
         // The server may answer and stop reading early (a refusal before the payload): a write
         // error is then expected, and the answer is still read.
         let sent: Result<(), NetError> = async {
@@ -210,9 +199,10 @@ impl AggregatorClient {
         }
     }
 
-    /// Operator: start, status or stop (needs an operator service certificate).
+    /// Operator: start, status or stop (needs an operator service certificate). Not retried:
+    /// a start whose answer was lost must be checked with a status request first.
     pub async fn campaign(&self, req: Request) -> Result<CampaignStatus, ClientError> {
-        match self.call(&req).await?.0 {
+        match self.call_once(&req).await?.0 {
             Response::Status(s) => Ok(s),
             other => Err(proto(format!("unexpected answer {other:?}"))),
         }
@@ -220,9 +210,6 @@ impl AggregatorClient {
 
     /// Closes the connection.
     pub async fn close(&self) {
-        if let Some(c) = self.conn.lock().await.take() {
-            c.close(0u32.into(), b"bye");
-        }
-        self.endpoint.wait_idle().await;
+        self.rpc.close().await;
     }
 }

@@ -11,9 +11,9 @@ use fedfleet_protocol::{
     DeviceId, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutAction,
     RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate, verify_payload,
 };
-use fedfleet_registry::tuf::{Root, Signed, TargetCustom, TargetInfo, Targets, Timestamp};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, TargetCustom, TargetInfo, Targets, Timestamp};
 
-use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
+use fedfleet_agent::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 
 /// A fault injected into the next upload.
 #[derive(Debug, Clone, PartialEq)]
@@ -142,7 +142,7 @@ struct RegInner {
     root_key: SigningKey,
     targets_key: SigningKey,
     timestamp_key: SigningKey,
-    root: Signed<Root>,
+    root: SignedMetadata<Root>,
     targets: Vec<TargetInfo>,
     artifacts: BTreeMap<(String, ModelVersion), Vec<u8>>,
     meta_version: u64,
@@ -176,7 +176,7 @@ impl FakeRegistry {
             (&[&targets_key.verifying_key()], 1),
             (&[&timestamp_key.verifying_key()], 1),
         );
-        let root = Signed::sign(&body, &[&root_key]);
+        let root = SignedMetadata::sign(&body, &[&root_key]);
         FakeRegistry {
             inner: Mutex::new(RegInner {
                 root_key,
@@ -199,7 +199,7 @@ impl FakeRegistry {
     }
 
     /// The root to pin at enrollment.
-    pub fn pinned_root(&self) -> Signed<Root> {
+    pub fn pinned_root(&self) -> SignedMetadata<Root> {
         self.inner.lock().unwrap().root.clone()
     }
 
@@ -275,9 +275,9 @@ impl Registry for FakeRegistry {
         let targets_body = Targets { version: i.meta_version.max(1), expires: i.expires, targets: i.targets.clone() };
         let forged = SigningKey::from_bytes(&[0xEE; 32]);
         let tkey = if i.forge_targets { &forged } else { &i.targets_key };
-        let targets = Signed::sign(&targets_body, &[tkey]);
+        let targets = SignedMetadata::sign(&targets_body, &[tkey]);
         let ts = Timestamp::for_targets(i.meta_version.max(1), i.expires, &targets).expect("targets parse");
-        let timestamp = Signed::sign(&ts, &[&i.timestamp_key]);
+        let timestamp = SignedMetadata::sign(&ts, &[&i.timestamp_key]);
         let _ = &i.root_key;
         Ok(MetadataSet { roots: Vec::new(), timestamp, targets })
     }

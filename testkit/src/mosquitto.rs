@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::broker::export_key_pkcs8_v1;
+use fedfleet_control::export_key_pkcs8_v1;
 
 /// How long a start or restart may take before it is an error.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(20);

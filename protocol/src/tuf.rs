@@ -13,7 +13,7 @@
 //! # Bytes that are signed
 //! Each metadata body is serialized once, by its signer, with `serde_json::to_string` (struct
 //! fields in declaration order, every map a `BTreeMap` so keys are sorted, no whitespace; floats
-//! in serde_json's shortest round-trip form). That text travels verbatim in [`Signed::signed`];
+//! in serde_json's shortest round-trip form). That text travels verbatim in [`SignedMetadata::signed`];
 //! signatures are Ed25519 over
 //!
 //! ```text
@@ -46,12 +46,12 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
-use fedfleet_protocol::{Digest, ModelVersion};
+use crate::{Digest, ModelVersion};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::serde_hex;
-use crate::store::Manifest;
+use crate::artifact::Manifest;
 
 /// A metadata role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -290,7 +290,7 @@ impl Timestamp {
     pub fn for_targets(
         version: u64,
         expires: u64,
-        targets: &Signed<Targets>,
+        targets: &SignedMetadata<Targets>,
     ) -> Result<Self, TufError> {
         let body = targets.body_unverified()?;
         Ok(Timestamp {
@@ -351,7 +351,7 @@ pub struct Signature {
 /// A metadata body's exact JSON text plus signatures over it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(bound = "")]
-pub struct Signed<T> {
+pub struct SignedMetadata<T> {
     /// The body as serialized by the signer. Signatures cover `role.domain() || signed`.
     pub signed: String,
     pub signatures: Vec<Signature>,
@@ -359,10 +359,10 @@ pub struct Signed<T> {
     _body: PhantomData<fn() -> T>,
 }
 
-impl<T: Metadata> Signed<T> {
+impl<T: Metadata> SignedMetadata<T> {
     /// Serializes `body` (canonical form, see the module docs), unsigned.
     pub fn new(body: &T) -> Self {
-        Signed {
+        SignedMetadata {
             signed: serde_json::to_string(body).expect("metadata serializes"),
             signatures: Vec::new(),
             _body: PhantomData,
@@ -499,7 +499,7 @@ pub enum TufError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Verifier {
     root: Root,
-    root_signed: Signed<Root>,
+    root_signed: SignedMetadata<Root>,
     timestamp: Option<Timestamp>,
     targets: Option<Targets>,
     /// Highest timestamp / targets versions ever trusted (rollback floors).
@@ -511,7 +511,7 @@ impl Verifier {
     /// Trusts a pinned root (shipped at enrollment). It must be valid and signed by its own root
     /// threshold; its expiry is checked when metadata is updated, not here, so an expired pinned
     /// root can still be rotated forward.
-    pub fn new(pinned: Signed<Root>) -> Result<Self, TufError> {
+    pub fn new(pinned: SignedMetadata<Root>) -> Result<Self, TufError> {
         let root = pinned.body_unverified()?;
         root.validate()?;
         pinned.check(&root, &root.root).into_result(Role::Root)?;
@@ -530,7 +530,7 @@ impl Verifier {
     }
 
     /// The signed form of the trusted root (for persistence or handing to a peer).
-    pub fn root_signed(&self) -> &Signed<Root> {
+    pub fn root_signed(&self) -> &SignedMetadata<Root> {
         &self.root_signed
     }
 
@@ -545,7 +545,7 @@ impl Verifier {
     /// Moves to the next root version. It must be exactly `trusted + 1`, signed by a threshold of
     /// the trusted root's root keys and by a threshold of its own root keys. Returns `false` when
     /// it is the trusted root itself.
-    pub fn update_root(&mut self, new: &Signed<Root>) -> Result<bool, TufError> {
+    pub fn update_root(&mut self, new: &SignedMetadata<Root>) -> Result<bool, TufError> {
         let body = new.body_unverified()?;
         if body.version <= self.root.version {
             if body.version == self.root.version && new.signed == self.root_signed.signed {
@@ -606,7 +606,7 @@ impl Verifier {
     /// Accepts a new timestamp. Returns `false` when it is the trusted one again.
     pub fn update_timestamp(
         &mut self,
-        new: &Signed<Timestamp>,
+        new: &SignedMetadata<Timestamp>,
         now: u64,
     ) -> Result<bool, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
@@ -655,7 +655,7 @@ impl Verifier {
 
     /// Accepts the targets the trusted timestamp points at. Returns `false` when they are the
     /// trusted ones again.
-    pub fn update_targets(&mut self, new: &Signed<Targets>, now: u64) -> Result<bool, TufError> {
+    pub fn update_targets(&mut self, new: &SignedMetadata<Targets>, now: u64) -> Result<bool, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
         let ts = self.timestamp.as_ref().ok_or(TufError::Missing {
             role: Role::Timestamp,

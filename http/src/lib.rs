@@ -1,0 +1,107 @@
+//! The services' HTTP surface: `GET /metrics` in the Prometheus/OpenMetrics text format, through
+//! kept libraries (axum for HTTP, prometheus-client for the format). One implementation for every
+//! service; the later operator API and dashboard mount on the same router.
+//!
+//! ```no_run
+//! # async fn demo(metrics: std::sync::Arc<dyn fedfleet_http::MetricsSource>) -> std::io::Result<()> {
+//! let listener = fedfleet_http::bind("127.0.0.1:9464".parse().unwrap(), false).await?;
+//! tokio::spawn(fedfleet_http::serve_metrics(listener, metrics));
+//! # Ok(()) }
+//! ```
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+pub use prometheus_client;
+
+/// The content type of the OpenMetrics text prometheus-client writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Something that renders its metrics as exposition text at scrape time.
+pub trait MetricsSource: Send + Sync + 'static {
+    fn render(&self) -> String;
+}
+
+/// Encodes a prometheus-client registry as exposition text.
+pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    out
+}
+
+/// Binds the metrics listener; refuses a non-loopback address unless `allow_public` (metrics
+/// name devices and carry no authentication).
+pub async fn bind(addr: SocketAddr, allow_public: bool) -> std::io::Result<tokio::net::TcpListener> {
+    if !addr.ip().is_loopback() && !allow_public {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("metrics address {addr} is not loopback (set metrics_public = true to allow)"),
+        ));
+    }
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// The router: `GET /metrics`; every other path is 404.
+pub fn router(source: Arc<dyn MetricsSource>) -> axum::Router {
+    axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let source = source.clone();
+            async move { ([(header::CONTENT_TYPE, CONTENT_TYPE)], source.render()) }
+        }),
+    )
+    .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n").into_response() })
+}
+
+/// Serves [`router`] on `listener` until the task is dropped.
+pub async fn serve_metrics(listener: tokio::net::TcpListener, source: Arc<dyn MetricsSource>) {
+    if let Err(e) = axum::serve(listener, router(source)).await {
+        tracing::warn!(error = %e, "metrics endpoint stopped");
+    }
+}
+
+/// (VmRSS, VmHWM) of this process in bytes, from /proc/self/status (0 where unavailable).
+pub fn process_memory() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// GETs `http://addr{path}` over HTTP/1.1 with hyper (tests, benchmarks, `status` commands):
+/// (status code, body).
+pub async fn scrape(addr: SocketAddr, path: &str) -> Result<(u16, String), ScrapeError> {
+    use http_body_util::BodyExt;
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let req = axum::http::Request::get(path)
+        .header(header::HOST, addr.to_string())
+        .body(http_body_util::Empty::<axum::body::Bytes>::new())
+        .map_err(|e| ScrapeError::Request(e.to_string()))?;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Why [`scrape`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    #[error("connect: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("http: {0}")]
+    Http(#[from] hyper::Error),
+    #[error("request: {0}")]
+    Request(String),
+}

@@ -1,0 +1,113 @@
+//! The one reconnecting client connection every fedfleet client uses (aggregator and registry):
+//! a lazily opened QUIC connection that is replaced when it closed (idle timeout, server
+//! restart), and bounded retries with backoff for idempotent calls.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+
+use crate::{FramedStream, NetError};
+
+/// Consecutive transport failures an idempotent call survives before it gives up.
+pub const DEFAULT_MAX_RETRIES: u32 = 5;
+
+/// Backoff before retry `attempt` (1-based): 100 ms doubling, capped at 2 s.
+pub fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis((50u64 << attempt.min(6)).min(2000))
+}
+
+/// A client's connection to one server, reconnected on demand.
+pub struct RpcConnection {
+    endpoint: quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: String,
+    conn: Mutex<Option<quinn::Connection>>,
+}
+
+impl std::fmt::Debug for RpcConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcConnection").field("addr", &self.addr).field("server_name", &self.server_name).finish()
+    }
+}
+
+impl RpcConnection {
+    /// No handshake yet: the first call connects (a device can start while the server is down).
+    /// Must be called inside a tokio runtime.
+    pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, NetError> {
+        Ok(RpcConnection {
+            endpoint: crate::client_endpoint(tls)?,
+            addr,
+            server_name: server_name.to_owned(),
+            conn: Mutex::new(None),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The open connection, or a new one if there is none or it closed.
+    pub async fn connection(&self) -> Result<quinn::Connection, NetError> {
+        let mut guard = self.conn.lock().await;
+        if let Some(c) = guard.as_ref()
+            && c.close_reason().is_none()
+        {
+            return Ok(c.clone());
+        }
+        let c = crate::connect(&self.endpoint, self.addr, &self.server_name).await?;
+        *guard = Some(c.clone());
+        Ok(c)
+    }
+
+    /// A new request stream; a connection that cannot open one is dropped so the next call
+    /// reconnects.
+    pub async fn open_stream(&self) -> Result<FramedStream, NetError> {
+        let conn = self.connection().await?;
+        match FramedStream::open(&conn).await {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.forget().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Drops the current connection (the next call reconnects).
+    pub async fn forget(&self) {
+        if let Some(c) = self.conn.lock().await.take() {
+            c.close(0u32.into(), b"reconnecting");
+        }
+    }
+
+    /// Runs an idempotent call, reconnecting and retrying with [`backoff`] while `is_transport`
+    /// says the failure was the connection's, at most `max_retries` times.
+    pub async fn retry<T, E, F, Fut>(&self, max_retries: u32, is_transport: impl Fn(&E) -> bool, mut call: F) -> Result<T, E>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: std::fmt::Display,
+    {
+        let mut attempt = 0;
+        loop {
+            match call().await {
+                Err(e) if is_transport(&e) && attempt < max_retries => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, addr = %self.addr, "call failed; reconnecting");
+                    self.forget().await;
+                    tokio::time::sleep(backoff(attempt)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Closes the connection and waits for the endpoint to go idle.
+    pub async fn close(&self) {
+        if let Some(c) = self.conn.lock().await.take() {
+            c.close(0u32.into(), b"bye");
+        }
+        self.endpoint.wait_idle().await;
+    }
+}

@@ -1,0 +1,42 @@
+//! What a downloader learns about one published version: the version's record plus its chunk
+//! list. The registry serves it; the TUF target pins its length and digest.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::serde_hex;
+use crate::{Digest, ModelVersion};
+
+/// One chunk of an artifact, in order. Every chunk but the last is `chunk_size` long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRef {
+    #[serde(with = "serde_hex::digest")]
+    pub digest: Digest,
+    pub len: u32,
+}
+
+/// Everything a downloader needs about one version: the version record plus its chunk list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub name: String,
+    pub version: ModelVersion,
+    pub spec: serde_json::Value,
+    pub length: u64,
+    #[serde(with = "serde_hex::digest")]
+    pub digest: Digest,
+    pub parent: Option<ModelVersion>,
+    pub metrics: BTreeMap<String, f64>,
+    pub created_at: u64,
+    pub publisher: String,
+    pub chunk_size: u32,
+    pub chunks: Vec<ChunkRef>,
+}
+
+impl Manifest {
+    /// Byte offset of chunk `i` within the artifact.
+    pub fn chunk_offset(&self, i: usize) -> u64 {
+        i as u64 * self.chunk_size as u64
+    }
+}
+

@@ -1,0 +1,61 @@
+//! fedfleet-rounds: the aggregator's sans-IO core — the round engine, the coordinator and the
+//! aggregation strategies. The aggregator service (`fedfleet-aggregator`) is the shell around it.
+//!
+//! * [`engine`] — [`RoundEngine`], a deterministic state machine for campaigns and rounds:
+//!   selection, quorum, deadline and one extension, straggler/duplicate/replay/revocation
+//!   handling. Inputs take `now`; outputs are polled ([`RoundEngine::poll_event`],
+//!   [`RoundEngine::poll_timeout`]).
+//! * [`strategy`] — the [`Strategy`] trait and FedAvg, FedProx, clipped FedAvg, FedAdam,
+//!   FedYogi, FedAdagrad (streaming, exact fixed-point sums in [`strategy::fixed`]) and median,
+//!   trimmed mean, Krum (over a bounded [`SpillStore`]).
+//! * [`coordinator`] — [`Coordinator`], engine + strategy: admission, fold and commit as one step.
+//! * [`reject`] — [`RejectReason`], the named reason of every refusal.
+//!
+//! **Architecture invariant:** the engine and the strategies do no I/O, read no clock and draw no
+//! randomness: time comes in as `now` (unix ms), seeds come in with the campaign spec, and all
+//! state is `serde` serializable so the shell can persist it and resume after `kill -9`.
+//! This crate's dependencies (protocol, serde, postcard, thiserror) make that a compiler-checked
+//! fact: it cannot import tokio, quinn, sled, burn or a clock.
+//!
+//! **Determinism:** the same accepted updates in any arrival order give a bit-identical model
+//! (integer fixed-point sums for the streaming strategies, content-key order for the robust ones),
+//! and FedAvg over relays' partial sums equals FedAvg over all their devices exactly.
+//!
+//! # Driving it (the shell's loop)
+//!
+//! ```text
+//! coordinator.engine_mut().start_campaign(now, spec)?;
+//! loop {
+//!     while let Some(ev) = coordinator.poll_event() {
+//!         match ev {
+//!             RoundOpened(a)             => broadcast(a),
+//!             RoundClosed { round, .. }  => { let m = coordinator.finalize(now, round, &base)?;
+//!                                            let (v, d) = publish(m);
+//!                                            coordinator.model_ready(now, round, v, d)?; }
+//!             RoundFailed { .. } | RoundExtended { .. } | DeviceRevoked { .. } => log(ev),
+//!             CampaignFinished { .. }    => break,
+//!         }
+//!     }
+//!     persist(&coordinator);
+//!     select! { update = ingest => reply(coordinator.handle_update(now, meta, &delta)),
+//!               _ = sleep_until(coordinator.poll_timeout()) => coordinator.handle_timeout(now) }
+//! }
+//! ```
+
+pub mod coordinator;
+pub mod engine;
+pub mod reject;
+pub mod strategy;
+
+pub use coordinator::{Coordinator, FinalizeError};
+pub use engine::{
+    Accepted, CampaignId, CampaignOutcome, CampaignSpec, CloseCause, Contribution, EngineConfig,
+    EngineError, EngineEvent, FailReason, Millis, Nonce, Reject, RoundAnnouncement, RoundEngine,
+    RoundPolicy, RoundStatus, Selection, UpdateMeta, rate_to_ppm, round_seed,
+};
+pub use reject::RejectReason;
+pub use strategy::{
+    ClientConfig, ClippedFedAvg, Evaluation, FedAvg, FedOpt, FedOptKind, FedOptParams, FoldError,
+    Krum, Median, MemorySpill, PartialSum, ServerStrategy, SpillError, SpillStore, Strategy,
+    StrategyConfig, StrategyError, TrimmedMean,
+};

@@ -1,0 +1,5 @@
+//! The round core, without I/O: the engine (campaigns, rounds, admission) and the strategies
+//! (determinism, relay equivalence, optimizers, robust aggregation), with a fake clock.
+
+mod engine;
+mod strategies;
