@@ -876,8 +876,7 @@ impl MetricsPoller {
                     _ = stopped.changed() => return,
                     _ = tick.tick() => {}
                 }
-                let Ok(text) = tokio::task::spawn_blocking(move || scrape(addr)).await else { continue };
-                let Ok(text) = text else { continue };
+                let Ok(Ok((200, text))) = tokio::time::timeout(Duration::from_secs(2), fedfleet_http::scrape(addr, "/metrics")).await else { continue };
                 let s = parse_metrics(&text, Instant::now());
                 let mut last = l.lock().unwrap_or_else(|p| p.into_inner());
                 let changed = last.is_none_or(|l| l.counters() != s.counters());
@@ -911,15 +910,6 @@ impl MetricsPoller {
         let _ = self.task.await;
         std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
     }
-}
-
-fn scrape(addr: std::net::SocketAddr) -> std::io::Result<String> {
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
-    let mut body = String::new();
-    s.read_to_string(&mut body)?;
-    Ok(body)
 }
 
 fn parse_metrics(text: &str, at: Instant) -> Sample {

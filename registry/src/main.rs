@@ -18,7 +18,7 @@ use fedfleet_protocol::{DeviceId, FleetId, ModelVersion};
 use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::config::Config;
 use fedfleet_registry::metadata::{self, MetadataSigner};
-use fedfleet_registry::metrics::{self, Metrics};
+use fedfleet_registry::metrics::Metrics;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
 use fedfleet_registry::server::{self, ServerOptions};

@@ -153,12 +153,11 @@ fn operator_cli_offline_then_through_the_running_service() {
     let out = ok(&cfg, &["device", "status"]);
     assert!(out.contains("devices"), "{out}");
 
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", mport)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (status, text) = rt
+        .block_on(fedfleet_http::scrape(([127, 0, 0, 1], mport).into(), "/metrics"))
         .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
+    assert_eq!(status, 200);
     assert!(
         text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 1"),
         "{text}"
