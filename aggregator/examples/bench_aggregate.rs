@@ -5,7 +5,7 @@
 //! cargo run --release -p fedfleet-aggregator --example bench_aggregate -- [--params 1000000,10000000] [--updates 10,100,1000] [--e2e-max 1000] [--device cpu]
 //! ```
 //!
-//! `tensor GB/s` is the `[compute] fold = "tensor"` path (`accel::TensorFold`) on `--device`
+//! `tensor GB/s` is the `[compute] fold = "tensor"` path (`accel::TensorBackend`) on `--device`
 //! (`cpu` = burn flex; `gpu` needs `--features wgpu`), including the host→device upload.
 //!
 //! Deltas are generated on the fly from a seeded xorshift into one reused buffer, so memory stays
@@ -18,7 +18,8 @@ use std::time::Instant;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_aggregator::service::decode_update;
-use fedfleet_aggregator::strategy::{ClientConfig, FedAvg, Strategy};
+use fedfleet_aggregator::accel::TensorBackend;
+use fedfleet_aggregator::strategy::{Backend, ClientConfig, ServerStrategy, Strategy, StrategyConfig};
 use fedfleet_protocol::{
     BundleLimits, DType, DeviceId, Digest, FleetId, PayloadCheck, RoundId, Signed, TensorBundle, UpdateHeader,
 };
@@ -102,8 +103,9 @@ fn main() {
         let limits = BundleLimits { max_bytes: p * 4 + 65536, max_tensors: 1, max_params: p };
         for &n in &updates {
             // Fold: FedAvg over N generated deltas (generation not timed).
-            let mut s = FedAvg::new(p, ClientConfig::default());
-            let mut tensor = fedfleet_aggregator::accel::TensorFold::new(&device, p);
+            let mut s = ServerStrategy::new(&StrategyConfig::FedAvg { client: ClientConfig::default() }, p).unwrap();
+            let backend = TensorBackend::new(&device);
+            let mut tensor = backend.new_sum(p);
             let mut fold_secs = 0.0;
             let mut tensor_secs = 0.0;
             let mut copy_secs = 0.0;
@@ -113,7 +115,7 @@ fn main() {
                 s.fold(&delta, 1 + (i as u64 % 50)).unwrap();
                 fold_secs += t.elapsed().as_secs_f64();
                 let t = Instant::now();
-                tensor.fold(&delta, 1 + (i as u64 % 50)).unwrap();
+                backend.fold(&mut tensor, &delta, 1 + (i as u64 % 50), 1.0).unwrap();
                 tensor_secs += t.elapsed().as_secs_f64();
                 let t = Instant::now();
                 dst.copy_from_slice(&delta);
@@ -122,14 +124,14 @@ fn main() {
             }
             // The mean read back, so queued device work is inside the timing.
             let t = Instant::now();
-            std::hint::black_box(tensor.mean().unwrap());
+            std::hint::black_box(backend.download(backend.mean(&tensor).unwrap()).unwrap());
             tensor_secs += t.elapsed().as_secs_f64();
             drop(tensor);
             let bytes = (n * p * 4) as f64;
             // End-to-end: verify + digest + decode/check + flatten + fold.
             let mut ingest_secs = None;
             let e2e = if n <= e2e_max {
-                let mut s = FedAvg::new(p, ClientConfig::default());
+                let mut s = ServerStrategy::new(&StrategyConfig::FedAvg { client: ClientConfig::default() }, p).unwrap();
                 let t = Instant::now();
                 for i in 0..n {
                     let (hdr, payload) = &pool[i % pool.len()];

@@ -923,7 +923,7 @@ impl Aggregator {
                         .iter()
                         .map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
                     let r = core.coord.finalize_with(now_ms(), round, |s| {
-                        crate::accel::finalize_round(device, s, &base.values, updates)
+                        s.finalize_on(&crate::accel::TensorBackend::new(device), &base.values, updates)
                     });
                     let elapsed = t0.elapsed();
                     if r.is_ok() {

@@ -36,7 +36,7 @@
 //!
 //! Resolution: round events come from a 5 ms metrics poll; CPU times in 10 ms ticks.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};

@@ -5,9 +5,11 @@
 //!   selection, quorum, deadline and one extension, straggler/duplicate/replay/revocation
 //!   handling. Inputs take `now`; outputs are polled ([`RoundEngine::poll_event`],
 //!   [`RoundEngine::poll_timeout`]).
-//! * [`strategy`] — the [`Strategy`] trait and FedAvg, FedProx, clipped FedAvg, FedAdam,
-//!   FedYogi, FedAdagrad (streaming, exact fixed-point sums in [`strategy::fixed`]) and median,
-//!   trimmed mean, Krum (over a bounded [`SpillStore`]).
+//! * [`strategy`] — a strategy is an aggregation step (weighted mean, clipped mean, median,
+//!   trimmed mean, Krum; exact fixed-point sums in [`strategy::fixed`], robust steps over a
+//!   bounded [`SpillStore`]) plus a server optimizer (plain, Adam, Yogi, Adagrad), on an
+//!   arithmetic [`Backend`]: FedAvg, FedProx, clipped FedAvg, FedAdam, FedYogi, FedAdagrad,
+//!   median, trimmed mean, Krum.
 //! * [`coordinator`] — [`Coordinator`], engine + strategy: admission, fold and commit as one step.
 //! * [`reject`] — [`RejectReason`], the named reason of every refusal.
 //!
@@ -55,7 +57,8 @@ pub use engine::{
 };
 pub use reject::RejectReason;
 pub use strategy::{
-    ClientConfig, ClippedFedAvg, Evaluation, FedAvg, FedOpt, FedOptKind, FedOptParams, FoldError,
-    Krum, Median, MemorySpill, PartialSum, ServerStrategy, SpillError, SpillStore, Strategy,
-    StrategyConfig, StrategyError, TrimmedMean,
+    AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, Evaluation,
+    Exact, FedOptKind, FedOptParams, FoldError, Krum, Median, MemorySpill, PartialSum,
+    ServerOptimizer, ServerStrategy, SpillError, SpillStore, Strategy, StrategyConfig,
+    StrategyError, TrimmedMean, WeightedMean,
 };

@@ -207,7 +207,7 @@ impl PartialSum {
     }
 }
 
-pub(crate) fn check_weight(weight: u64) -> Result<(), FoldError> {
+pub fn check_weight(weight: u64) -> Result<(), FoldError> {
     if weight == 0 || weight > MAX_WEIGHT {
         Err(FoldError::BadWeight(weight))
     } else {

@@ -1,4 +1,9 @@
-//! Aggregation strategies behind one trait, in the spirit of Flower's `Strategy`.
+//! Aggregation strategies, in the spirit of Flower's `Strategy` and FedOpt-on-FedAvg: every
+//! strategy is an **aggregation step** ([`Aggregation`]: weighted mean, clipped mean, median,
+//! trimmed mean, Krum) that folds the round's deltas into one aggregate delta, followed by a
+//! **server optimizer** ([`ServerOptimizer`]: plain `x + Δ`, or Adam, Yogi, Adagrad).
+//! [`ServerStrategy`] composes the two; the arithmetic runs on a [`Backend`]: [`Exact`]
+//! (fixed-point folds, `f64` math) here, burn tensors in the aggregator shell.
 //!
 //! A round, seen from a strategy: [`Strategy::configure`] says what clients should do,
 //! [`Strategy::fold`] takes each accepted update (the delta `local − base`, flattened in the
@@ -6,29 +11,36 @@
 //! turns the folded round into the next global model, [`Strategy::abort_round`] forgets a failed
 //! round, and [`Strategy::evaluate`] optionally scores a model.
 //!
-//! * **Streaming** ([`FedAvg`], FedProx, [`ClippedFedAvg`], [`FedOpt`] = FedAdam / FedYogi /
-//!   FedAdagrad) fold into a [`PartialSum`]: memory O(model) whatever the number of clients, and
-//!   the result is bit-identical for any arrival order (see [`fixed`]).
-//! * **Robust** ([`Median`], [`TrimmedMean`], [`Krum`]) need every update at once: they push
+//! * **Weighted means** ([`WeightedMean`], [`ClippedMean`]) fold into a [`PartialSum`]: memory
+//!   O(model) whatever the number of clients, and the result is bit-identical for any arrival
+//!   order (see [`fixed`]). They can also fold later on any backend
+//!   ([`ServerStrategy::finalize_on`]).
+//! * **Robust** steps ([`Median`], [`TrimmedMean`], [`Krum`]) need every update at once: they push
 //!   updates into a bounded [`SpillStore`] and read them back in blocks of coordinates at
 //!   finalize (see [`robust`]).
+//!
+//! **Adding a step or an optimizer:** a type implementing [`Aggregation`] plus one line in
+//! `aggregation_steps!` below; an optimizer is a variant of [`ServerOptimizer`] with its rule
+//! written against [`Backend`]. A [`StrategyConfig`] variant names the combination.
 //!
 //! **Architecture invariant:** strategies do no I/O and read no clock; all state is `serde`
 //! serializable ([`ServerStrategy`] is the persisted form), so the shell can store it and resume.
 //! The spill store is the only place a strategy's memory can grow with the number of clients, and
 //! it is bounded and replaceable by a disk-backed implementation.
 
-pub mod fedavg;
-pub mod fedopt;
+pub mod backend;
 pub mod fixed;
+pub mod mean;
+pub mod optimizer;
 pub mod robust;
 
 use fedfleet_protocol::RoundId;
 use serde::{Deserialize, Serialize};
 
-pub use fedavg::{ClippedFedAvg, FedAvg};
-pub use fedopt::{FedOpt, FedOptKind, FedOptParams, FedOptState};
+pub use backend::{Backend, Exact};
 pub use fixed::{FoldError, PartialSum};
+pub use mean::{ClippedMean, WeightedMean, l2_norm};
+pub use optimizer::{AdaptiveOptimizer, FedOptKind, FedOptParams, ServerOptimizer};
 pub use robust::{Krum, Median, MemorySpill, SpillError, SpillStore, TrimmedMean};
 
 use crate::reject::RejectReason;
@@ -131,6 +143,72 @@ pub trait Strategy {
     }
 }
 
+/// The first step of a strategy: the round's deltas folded into one aggregate delta.
+pub trait Aggregation {
+    /// Stable name, for logs.
+    fn name(&self) -> &'static str;
+    /// Number of model coordinates.
+    fn dim(&self) -> usize;
+    /// Folds one accepted update. Atomic: on error the round's state is unchanged.
+    fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError>;
+    /// Updates folded into the current round.
+    fn folded(&self) -> u64;
+    /// The round's aggregate delta, clearing the round.
+    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError>;
+    /// Forgets the current round's updates.
+    fn abort_round(&mut self);
+    /// Weighted means can also be folded later on any [`Backend`] (the tensor path); the robust
+    /// steps need every update at once and cannot.
+    fn is_weighted_mean(&self) -> bool {
+        false
+    }
+    /// The factor a delta is scaled by before it is weighted (clipping; 1 for a plain mean).
+    fn mean_scale(&self, _delta: &[f32]) -> Result<f64, StrategyError> {
+        Ok(1.0)
+    }
+    /// The streaming sum of the current round, where there is one (persist it; a relay forwards it).
+    fn partial_sum(&self) -> Option<&PartialSum> {
+        None
+    }
+    fn partial_sum_mut(&mut self) -> Option<&mut PartialSum> {
+        None
+    }
+}
+
+/// The persisted form of every aggregation step: one variant per step, dispatched in one place.
+macro_rules! aggregation_steps {
+    ($($variant:ident($ty:ty)),* $(,)?) => {
+        /// Every aggregation step, as one serializable value (externally tagged, so
+        /// non-self-describing formats such as postcard work).
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum AggregationStep {
+            $($variant($ty)),*
+        }
+
+        impl AggregationStep {
+            pub fn get(&self) -> &dyn Aggregation {
+                match self {
+                    $(AggregationStep::$variant(s) => s),*
+                }
+            }
+            pub fn get_mut(&mut self) -> &mut dyn Aggregation {
+                match self {
+                    $(AggregationStep::$variant(s) => s),*
+                }
+            }
+        }
+    };
+}
+
+aggregation_steps! {
+    WeightedMean(WeightedMean),
+    ClippedMean(ClippedMean),
+    Median(Median<MemorySpill>),
+    TrimmedMean(TrimmedMean<MemorySpill>),
+    Krum(Krum<MemorySpill>),
+}
+
 /// Which strategy to build, with its parameters (e.g. from the service's TOML config).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -180,160 +258,159 @@ pub enum StrategyConfig {
     },
 }
 
-/// Every built-in strategy, as one serializable value: the form the shell persists (externally
-/// tagged, so non-self-describing formats such as postcard work).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ServerStrategy {
-    FedAvg(FedAvg),
-    ClippedFedAvg(ClippedFedAvg),
-    FedOpt(FedOpt),
-    Median(Median<MemorySpill>),
-    TrimmedMean(TrimmedMean<MemorySpill>),
-    Krum(Krum<MemorySpill>),
+/// A strategy: the client configuration, an aggregation step and a server optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServerStrategy {
+    client: ClientConfig,
+    aggregation: AggregationStep,
+    optimizer: ServerOptimizer,
 }
 
 impl ServerStrategy {
+    /// Composes a strategy from its two steps.
+    pub fn compose(client: ClientConfig, aggregation: AggregationStep, optimizer: ServerOptimizer) -> Self {
+        ServerStrategy { client, aggregation, optimizer }
+    }
+
     /// Builds a strategy for a model of `dim` coordinates.
     pub fn new(config: &StrategyConfig, dim: usize) -> Result<Self, StrategyError> {
+        use AggregationStep as A;
+        let mean = || A::WeightedMean(WeightedMean::new(dim));
+        let adaptive = |mut client: ClientConfig, kind, params: FedOptParams| -> Result<Self, StrategyError> {
+            let opt = AdaptiveOptimizer::new(kind, params, dim)?;
+            client.lr = params.eta_l as f32;
+            Ok(Self::compose(client, mean(), ServerOptimizer::Adaptive(opt)))
+        };
+        let plain = |client, aggregation| Self::compose(client, aggregation, ServerOptimizer::Plain);
         Ok(match config.clone() {
-            StrategyConfig::FedAvg { client } => ServerStrategy::FedAvg(FedAvg::new(dim, client)),
-            StrategyConfig::FedProx { client, mu } => {
-                ServerStrategy::FedAvg(FedAvg::fedprox(dim, client, mu)?)
+            StrategyConfig::FedAvg { client } => plain(client, mean()),
+            StrategyConfig::FedProx { mut client, mu } => {
+                if !(mu.is_finite() && mu >= 0.0) {
+                    return Err(StrategyError::BadParameter(format!("FedProx mu must be >= 0, got {mu}")));
+                }
+                client.proximal_mu = mu;
+                plain(client, mean())
             }
             StrategyConfig::ClippedFedAvg { client, clip_norm } => {
-                ServerStrategy::ClippedFedAvg(ClippedFedAvg::new(dim, client, clip_norm)?)
+                plain(client, A::ClippedMean(ClippedMean::new(dim, clip_norm)?))
             }
-            StrategyConfig::FedAdam { client, params } => {
-                ServerStrategy::FedOpt(FedOpt::new(FedOptKind::Adam, dim, client, params)?)
+            StrategyConfig::FedAdam { client, params } => adaptive(client, FedOptKind::Adam, params)?,
+            StrategyConfig::FedYogi { client, params } => adaptive(client, FedOptKind::Yogi, params)?,
+            StrategyConfig::FedAdagrad { client, params } => adaptive(client, FedOptKind::Adagrad, params)?,
+            StrategyConfig::Median { client, max_updates } => {
+                plain(client, A::Median(Median::new(MemorySpill::new(dim, max_updates))))
             }
-            StrategyConfig::FedYogi { client, params } => {
-                ServerStrategy::FedOpt(FedOpt::new(FedOptKind::Yogi, dim, client, params)?)
+            StrategyConfig::TrimmedMean { client, trim_fraction, max_updates } => {
+                plain(client, A::TrimmedMean(TrimmedMean::new(trim_fraction, MemorySpill::new(dim, max_updates))?))
             }
-            StrategyConfig::FedAdagrad { client, params } => {
-                ServerStrategy::FedOpt(FedOpt::new(FedOptKind::Adagrad, dim, client, params)?)
+            StrategyConfig::Krum { client, byzantine, select, max_updates } => {
+                plain(client, A::Krum(Krum::new(byzantine, select, MemorySpill::new(dim, max_updates))?))
             }
-            StrategyConfig::Median {
-                client,
-                max_updates,
-            } => ServerStrategy::Median(Median::new(client, MemorySpill::new(dim, max_updates))),
-            StrategyConfig::TrimmedMean {
-                client,
-                trim_fraction,
-                max_updates,
-            } => ServerStrategy::TrimmedMean(TrimmedMean::new(
-                client,
-                trim_fraction,
-                MemorySpill::new(dim, max_updates),
-            )?),
-            StrategyConfig::Krum {
-                client,
-                byzantine,
-                select,
-                max_updates,
-            } => ServerStrategy::Krum(Krum::new(
-                client,
-                byzantine,
-                select,
-                MemorySpill::new(dim, max_updates),
-            )?),
         })
     }
 
-    fn inner(&self) -> &dyn Strategy {
-        match self {
-            ServerStrategy::FedAvg(s) => s,
-            ServerStrategy::ClippedFedAvg(s) => s,
-            ServerStrategy::FedOpt(s) => s,
-            ServerStrategy::Median(s) => s,
-            ServerStrategy::TrimmedMean(s) => s,
-            ServerStrategy::Krum(s) => s,
-        }
+    pub fn aggregation(&self) -> &AggregationStep {
+        &self.aggregation
+    }
+    pub fn aggregation_mut(&mut self) -> &mut AggregationStep {
+        &mut self.aggregation
+    }
+    pub fn optimizer(&self) -> &ServerOptimizer {
+        &self.optimizer
     }
 
-    fn inner_mut(&mut self) -> &mut dyn Strategy {
-        match self {
-            ServerStrategy::FedAvg(s) => s,
-            ServerStrategy::ClippedFedAvg(s) => s,
-            ServerStrategy::FedOpt(s) => s,
-            ServerStrategy::Median(s) => s,
-            ServerStrategy::TrimmedMean(s) => s,
-            ServerStrategy::Krum(s) => s,
-        }
+    /// Whether the shell may fold this strategy's updates itself on another backend: the
+    /// weighted means. Robust steps need every update.
+    pub fn is_mean_based(&self) -> bool {
+        self.aggregation.get().is_weighted_mean()
     }
 
     /// The streaming partial sum of the current round, for strategies that have one (to persist
     /// it, or to forward it from a relay).
-    /// Whether the shell may fold this strategy's updates itself (a weighted mean, optionally
-    /// clipped, then the server step): the FedAvg family. Robust strategies need every update.
-    pub fn is_mean_based(&self) -> bool {
-        matches!(self, ServerStrategy::FedAvg(_) | ServerStrategy::ClippedFedAvg(_) | ServerStrategy::FedOpt(_))
-    }
-
     pub fn partial_sum(&self) -> Option<&PartialSum> {
-        match self {
-            ServerStrategy::FedAvg(s) => Some(s.partial_sum()),
-            ServerStrategy::ClippedFedAvg(s) => Some(s.partial_sum()),
-            ServerStrategy::FedOpt(s) => Some(s.partial_sum()),
-            _ => None,
-        }
+        self.aggregation.get().partial_sum()
     }
 
-    /// Merges a relay's partial sum into the current round (streaming strategies only).
+    /// Takes the round's partial sum out (a relay forwards it), leaving an empty one.
+    pub fn take_partial_sum(&mut self) -> Option<PartialSum> {
+        let sum = self.aggregation.get_mut().partial_sum_mut()?;
+        let dim = sum.dim();
+        Some(std::mem::replace(sum, PartialSum::new(dim)))
+    }
+
+    /// Merges a relay's partial sum into the current round (weighted means only).
     pub fn merge_partial(&mut self, partial: &PartialSum) -> Result<(), StrategyError> {
-        let sum = match self {
-            ServerStrategy::FedAvg(s) => s.partial_sum_mut(),
-            ServerStrategy::ClippedFedAvg(s) => s.partial_sum_mut(),
-            ServerStrategy::FedOpt(s) => s.partial_sum_mut(),
-            _ => {
-                return Err(StrategyError::BadParameter(format!(
-                    "{} cannot merge partial sums",
-                    self.name()
-                )));
-            }
-        };
+        let name = self.name();
+        let sum = self
+            .aggregation
+            .get_mut()
+            .partial_sum_mut()
+            .ok_or_else(|| StrategyError::BadParameter(format!("{name} cannot merge partial sums")))?;
         Ok(sum.merge(partial)?)
+    }
+
+    fn check_global(&self, global: &[f32]) -> Result<(), StrategyError> {
+        let expected = self.aggregation.get().dim();
+        if global.len() != expected {
+            return Err(StrategyError::GlobalShape { expected, got: global.len() });
+        }
+        Ok(())
+    }
+
+    /// The round's model from `updates` folded on backend `b` in the order given (pass a
+    /// canonical order for a reproducible result), then the server optimizer on `b`. For weighted
+    /// means only; the streaming sum is not used (the shell deferred every fold to here).
+    pub fn finalize_on<B: Backend>(
+        &mut self,
+        b: &B,
+        global: &[f32],
+        updates: impl IntoIterator<Item = Result<(Vec<f32>, u64), String>>,
+    ) -> Result<Vec<f32>, StrategyError> {
+        if !self.is_mean_based() {
+            return Err(StrategyError::BadParameter(format!("{} has no deferred fold", self.name())));
+        }
+        self.check_global(global)?;
+        let mut sum = b.new_sum(global.len());
+        for update in updates {
+            let (delta, weight) = update.map_err(StrategyError::Compute)?;
+            let scale = self.aggregation.get().mean_scale(&delta)?;
+            b.fold(&mut sum, &delta, weight, scale)?;
+        }
+        let delta = b.mean(&sum)?;
+        // Nothing was folded into the step itself; this resets its per-round counters.
+        self.aggregation.get_mut().abort_round();
+        self.optimizer.step(b, global, &delta)
     }
 }
 
 impl Strategy for ServerStrategy {
     fn name(&self) -> &'static str {
-        self.inner().name()
+        match (&self.optimizer, &self.aggregation) {
+            (ServerOptimizer::Adaptive(opt), _) => opt.name(),
+            (ServerOptimizer::Plain, AggregationStep::WeightedMean(_)) if self.client.proximal_mu > 0.0 => "fedprox",
+            (ServerOptimizer::Plain, AggregationStep::WeightedMean(_)) => "fedavg",
+            (ServerOptimizer::Plain, AggregationStep::ClippedMean(_)) => "clipped_fedavg",
+            (ServerOptimizer::Plain, step) => step.get().name(),
+        }
     }
     fn dim(&self) -> usize {
-        self.inner().dim()
+        self.aggregation.get().dim()
     }
-    fn configure(&self, round: RoundId) -> ClientConfig {
-        self.inner().configure(round)
+    fn configure(&self, _round: RoundId) -> ClientConfig {
+        self.client.clone()
     }
     fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
-        self.inner_mut().fold(delta, weight)
+        self.aggregation.get_mut().fold(delta, weight)
     }
     fn folded(&self) -> u64 {
-        self.inner().folded()
+        self.aggregation.get().folded()
     }
     fn finalize(&mut self, global: &[f32]) -> Result<Vec<f32>, StrategyError> {
-        self.inner_mut().finalize(global)
+        self.check_global(global)?;
+        let delta = self.aggregation.get_mut().aggregate()?;
+        self.optimizer.step(&Exact, global, &delta)
     }
     fn abort_round(&mut self) {
-        self.inner_mut().abort_round()
+        self.aggregation.get_mut().abort_round()
     }
-    fn evaluate(&self, round: RoundId, global: &[f32]) -> Option<Evaluation> {
-        self.inner().evaluate(round, global)
-    }
-}
-
-/// `global + mean` rounded to `f32`, checking the shape.
-pub(crate) fn apply_delta(global: &[f32], mean: &[f64]) -> Result<Vec<f32>, StrategyError> {
-    if global.len() != mean.len() {
-        return Err(StrategyError::GlobalShape {
-            expected: mean.len(),
-            got: global.len(),
-        });
-    }
-    Ok(global
-        .iter()
-        .zip(mean)
-        .map(|(&g, &m)| (g as f64 + m) as f32)
-        .collect())
 }

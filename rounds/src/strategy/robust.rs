@@ -14,10 +14,9 @@
 //! a device cannot buy influence by claiming more samples. Determinism: each update gets a content
 //! key (BLAKE3 of its weight and bytes) and the strategies work in key order, never arrival order.
 
-use fedfleet_protocol::RoundId;
 use serde::{Deserialize, Serialize};
 
-use super::{ClientConfig, Strategy, StrategyError, apply_delta};
+use super::{Aggregation, StrategyError};
 
 /// Floats of update data a robust strategy holds at once while finalizing (4 MiB).
 pub const BLOCK_FLOATS: usize = 1 << 20;
@@ -213,28 +212,24 @@ fn coordinatewise<S: SpillStore>(
 /// Coordinate-wise median of the deltas (the mean of the two middle values for even counts).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Median<S> {
-    client: ClientConfig,
     store: S,
 }
 
 impl<S: SpillStore> Median<S> {
-    pub fn new(client: ClientConfig, store: S) -> Self {
-        Median { client, store }
+    pub fn new(store: S) -> Self {
+        Median { store }
     }
     pub fn store(&self) -> &S {
         &self.store
     }
 }
 
-impl<S: SpillStore> Strategy for Median<S> {
+impl<S: SpillStore> Aggregation for Median<S> {
     fn name(&self) -> &'static str {
         "median"
     }
     fn dim(&self) -> usize {
         self.store.dim()
-    }
-    fn configure(&self, _round: RoundId) -> ClientConfig {
-        self.client.clone()
     }
     fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
         spill(&mut self.store, delta, weight)
@@ -242,7 +237,7 @@ impl<S: SpillStore> Strategy for Median<S> {
     fn folded(&self) -> u64 {
         self.store.len() as u64
     }
-    fn finalize(&mut self, global: &[f32]) -> Result<Vec<f32>, StrategyError> {
+    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
         let n = self.store.len();
         if n == 0 {
             return Err(StrategyError::TooFewUpdates {
@@ -258,9 +253,8 @@ impl<S: SpillStore> Strategy for Median<S> {
                 (c[n / 2 - 1] as f64 + c[n / 2] as f64) / 2.0
             }
         })?;
-        let out = apply_delta(global, &med)?;
         self.store.clear()?;
-        Ok(out)
+        Ok(med)
     }
     fn abort_round(&mut self) {
         let _ = self.store.clear();
@@ -271,35 +265,30 @@ impl<S: SpillStore> Strategy for Median<S> {
 /// coordinate, average the rest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrimmedMean<S> {
-    client: ClientConfig,
     trim_fraction: f64,
     store: S,
 }
 
 impl<S: SpillStore> TrimmedMean<S> {
-    pub fn new(client: ClientConfig, trim_fraction: f64, store: S) -> Result<Self, StrategyError> {
+    pub fn new(trim_fraction: f64, store: S) -> Result<Self, StrategyError> {
         if !(0.0..0.5).contains(&trim_fraction) {
             return Err(StrategyError::BadParameter(format!(
                 "trim_fraction must be in [0, 0.5), got {trim_fraction}"
             )));
         }
         Ok(TrimmedMean {
-            client,
             trim_fraction,
             store,
         })
     }
 }
 
-impl<S: SpillStore> Strategy for TrimmedMean<S> {
+impl<S: SpillStore> Aggregation for TrimmedMean<S> {
     fn name(&self) -> &'static str {
         "trimmed_mean"
     }
     fn dim(&self) -> usize {
         self.store.dim()
-    }
-    fn configure(&self, _round: RoundId) -> ClientConfig {
-        self.client.clone()
     }
     fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
         spill(&mut self.store, delta, weight)
@@ -307,7 +296,7 @@ impl<S: SpillStore> Strategy for TrimmedMean<S> {
     fn folded(&self) -> u64 {
         self.store.len() as u64
     }
-    fn finalize(&mut self, global: &[f32]) -> Result<Vec<f32>, StrategyError> {
+    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
         let n = self.store.len();
         let k = (self.trim_fraction * n as f64).floor() as usize;
         if n == 0 || n <= 2 * k {
@@ -321,9 +310,8 @@ impl<S: SpillStore> Strategy for TrimmedMean<S> {
         let mean = coordinatewise(&self.store, |c| {
             c[k..n - k].iter().map(|&x| x as f64).sum::<f64>() / kept
         })?;
-        let out = apply_delta(global, &mean)?;
         self.store.clear()?;
-        Ok(out)
+        Ok(mean)
     }
     fn abort_round(&mut self) {
         let _ = self.store.clear();
@@ -335,7 +323,6 @@ impl<S: SpillStore> Strategy for TrimmedMean<S> {
 /// `n ≥ 2f + 3`. Cost O(n²·dim) time, O(n² + BLOCK_FLOATS) memory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Krum<S> {
-    client: ClientConfig,
     byzantine: usize,
     select: usize,
     store: S,
@@ -343,7 +330,6 @@ pub struct Krum<S> {
 
 impl<S: SpillStore> Krum<S> {
     pub fn new(
-        client: ClientConfig,
         byzantine: usize,
         select: usize,
         store: S,
@@ -354,7 +340,6 @@ impl<S: SpillStore> Krum<S> {
             ));
         }
         Ok(Krum {
-            client,
             byzantine,
             select,
             store,
@@ -408,15 +393,12 @@ impl<S: SpillStore> Krum<S> {
     }
 }
 
-impl<S: SpillStore> Strategy for Krum<S> {
+impl<S: SpillStore> Aggregation for Krum<S> {
     fn name(&self) -> &'static str {
         "krum"
     }
     fn dim(&self) -> usize {
         self.store.dim()
-    }
-    fn configure(&self, _round: RoundId) -> ClientConfig {
-        self.client.clone()
     }
     fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
         spill(&mut self.store, delta, weight)
@@ -424,7 +406,7 @@ impl<S: SpillStore> Strategy for Krum<S> {
     fn folded(&self) -> u64 {
         self.store.len() as u64
     }
-    fn finalize(&mut self, global: &[f32]) -> Result<Vec<f32>, StrategyError> {
+    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
         let mut chosen = self.selection()?;
         chosen.sort_by_key(|&i| (self.store.key(i), self.store.weight(i)));
         let dim = self.store.dim();
@@ -443,9 +425,8 @@ impl<S: SpillStore> Strategy for Krum<S> {
         }
         let k = chosen.len() as f64;
         mean.iter_mut().for_each(|m| *m /= k);
-        let out = apply_delta(global, &mean)?;
         self.store.clear()?;
-        Ok(out)
+        Ok(mean)
     }
     fn abort_round(&mut self) {
         let _ = self.store.clear();
