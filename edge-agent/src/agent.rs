@@ -12,7 +12,7 @@ use fedfleet_protocol::{Digest, ModelRef};
 use rand::RngCore;
 
 use crate::clients::{Aggregator, Registry, UploadReply};
-use crate::lifecycle::{Action, Input, Lifecycle, LifecycleError, Millis, SlotModel, UploadOutcome};
+use crate::lifecycle::{Action, AgentError, DurableLifecycle, Input, Millis, SlotModel, UploadOutcome};
 use crate::ml;
 use crate::store::write_atomic;
 
@@ -80,7 +80,7 @@ impl Default for ShellConfig {
 
 /// One agent: lifecycle core + clients + data + serving handle.
 pub struct Agent<A, R> {
-    core: Lifecycle,
+    core: DurableLifecycle,
     agg: Arc<A>,
     reg: Arc<R>,
     key: SigningKey,
@@ -90,12 +90,10 @@ pub struct Agent<A, R> {
     cfg: ShellConfig,
 }
 
-/// Errors that stop an agent (persistence); everything else is retried or reported.
-pub type AgentError = LifecycleError;
 
 impl<A: Aggregator, R: Registry> Agent<A, R> {
     pub fn new(
-        core: Lifecycle,
+        core: DurableLifecycle,
         agg: Arc<A>,
         reg: Arc<R>,
         key: SigningKey,
@@ -106,10 +104,10 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg }
     }
 
-    pub fn core(&self) -> &Lifecycle {
+    pub fn core(&self) -> &DurableLifecycle {
         &self.core
     }
-    pub fn core_mut(&mut self) -> &mut Lifecycle {
+    pub fn core_mut(&mut self) -> &mut DurableLifecycle {
         &mut self.core
     }
     pub fn serving(&self) -> Serving {
@@ -161,7 +159,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         loop {
             let now = self.now();
             if self.core.poll_timeout().is_some_and(|t| t <= now) {
-                self.core.handle_timeout(now);
+                self.core.handle_timeout(now)?;
             }
             let Some(action) = self.core.poll_action() else { return Ok(n) };
             n += 1;
@@ -212,7 +210,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 self.input(input)?;
             }
             Action::Upload { outbox_id } => {
-                let Some(e) = self.core.store().outbox_entry(outbox_id)? else { return Ok(()) };
+                let Some(e) = self.core.outbox_entry(outbox_id).cloned() else { return Ok(()) };
                 let outcome = match self.agg.upload(&e.header, &e.payload).await {
                     Ok(UploadReply::Receipt(r)) => UploadOutcome::Receipt(r),
                     Ok(UploadReply::Rejected(r)) => UploadOutcome::Rejected(r),

@@ -21,7 +21,7 @@ use fedfleet_aggregator_client::client::AggregatorClient;
 use fedfleet_registry_client::client::RegistryClient;
 use crate::config::{AgentConfig, IdentityPaths};
 use crate::inference;
-use crate::lifecycle::{CoreConfig, Lifecycle, SlotModel};
+use crate::lifecycle::{CoreConfig, DurableLifecycle, SlotModel};
 use crate::store::{AgentStore, write_atomic};
 
 /// Loads the local data set and splits off the holdout.
@@ -97,7 +97,7 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
     } else {
         (None, None)
     };
-    let core = Lifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
+    let core = DurableLifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
     let shell = ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
     Ok(Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell))
 }

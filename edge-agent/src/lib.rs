@@ -1,7 +1,8 @@
 //! fedfleet-agent: the edge agent.
 //!
-//! - [`lifecycle`]: the sans-IO core (rounds, outbox, A/B slots, installs), persisted through
-//!   [`store`] before every action. **Architecture invariant:** no sockets, clocks or async.
+//! - [`lifecycle`]: the sans-IO core (`fedfleet-agent-core`: rounds, outbox, A/B slots,
+//!   installs) joined to [`store`] by [`DurableLifecycle`], which writes what the core returns
+//!   before every action. The core's crate cannot reach sockets, files, clocks or async.
 //! - [`clients`]: the `Aggregator` and `Registry` traits the service clients implement (their
 //!   in-memory fakes live in `fedfleet-testkit`).
 //! - [`agent`]: the tokio shell executing the core's actions (same code for daemon and simulation).
@@ -22,5 +23,5 @@ pub mod store;
 
 pub use agent::{Agent, Clock, LocalData, Serving, ShellConfig, SystemClock, run_agent};
 pub use clients::{Aggregator, BaseModel, Registry, TransportError, UploadReply};
-pub use lifecycle::{Action, CoreConfig, HealthReport, Input, Lifecycle, LifecycleError, SlotModel};
+pub use lifecycle::{Action, AgentError, CoreConfig, DurableLifecycle, HealthReport, Input, Lifecycle, LifecycleError, SlotModel};
 pub use store::{AgentStore, OutboxEntry, StoreError};

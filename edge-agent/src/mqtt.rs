@@ -389,7 +389,7 @@ pub async fn run_agent_with_wake<A: Aggregator, R: Registry>(
     poll: Duration,
     wake: Arc<Notify>,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), crate::agent::AgentError> {
+) -> Result<(), crate::lifecycle::AgentError> {
     tokio::pin!(shutdown);
     loop {
         let mut woken = false;

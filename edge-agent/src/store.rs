@@ -6,8 +6,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use fedfleet_protocol::{Digest, RoundId};
-use serde::{Deserialize, Serialize};
+use fedfleet_protocol::Digest;
+
 
 /// Why the store refused.
 #[derive(Debug, thiserror::Error)]
@@ -38,22 +38,9 @@ impl StoreError {
     }
 }
 
-/// A signed update waiting for the aggregator's receipt.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OutboxEntry {
-    pub id: u64,
-    pub round: RoundId,
-    pub nonce: [u8; 16],
-    pub payload_digest: Digest,
-    /// The encoded `SignedUpdate` envelope, exactly as signed.
-    pub header: Vec<u8>,
-    /// The safetensors payload.
-    pub payload: Vec<u8>,
-    pub created_at_ms: u64,
-}
+pub use fedfleet_agent_core::{OutboxEntry, Persist, Saved};
 
 const STATE_KEY: &[u8] = b"state";
-const NEXT_OUTBOX_KEY: &[u8] = b"next_outbox_id";
 
 /// Durable store of one agent. One process per store (sled locks the directory).
 pub struct AgentStore {
@@ -92,20 +79,18 @@ impl AgentStore {
         Ok(())
     }
 
-    /// Allocates the next outbox id (persisted, so ids are never reused).
-    pub fn next_outbox_id(&self) -> Result<u64, StoreError> {
-        let id = self
-            .state
-            .get(NEXT_OUTBOX_KEY)?
-            .map(|v| {
-                <[u8; 8]>::try_from(v.as_ref())
-                    .map(u64::from_be_bytes)
-                    .map_err(|_| StoreError::Corrupt { key: "next_outbox_id".into(), detail: "not 8 bytes".into() })
-            })
-            .transpose()?
-            .unwrap_or(1);
-        self.state.insert(NEXT_OUTBOX_KEY, &(id + 1).to_be_bytes())?;
-        Ok(id)
+    /// What the lifecycle core needs to open: the saved state and the outbox.
+    pub fn saved(&self) -> Result<Saved, StoreError> {
+        Ok(Saved { state: self.load_state_raw()?, outbox: self.outbox()? })
+    }
+
+    /// Makes one of the core's writes durable (each write flushes).
+    pub fn apply(&self, write: &Persist) -> Result<(), StoreError> {
+        match write {
+            Persist::State(bytes) => self.save_state_raw(bytes),
+            Persist::PutOutbox(entry) => self.put_outbox(entry),
+            Persist::RemoveOutbox(id) => self.remove_outbox(*id),
+        }
     }
 
     /// Adds an entry and flushes.

@@ -14,7 +14,7 @@ use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, RoundAnnounce
 use fedfleet_agent::agent::{Agent, LocalData, ShellConfig};
 use crate::clock::FakeClock;
 use crate::fakes::{FakeAggregator, FakeRegistry};
-use fedfleet_agent::lifecycle::{CoreConfig, HealthPolicy, Lifecycle, LifecycleError, SlotModel};
+use fedfleet_agent::lifecycle::{AgentError, CoreConfig, DurableLifecycle, HealthPolicy, SlotModel};
 use fedfleet_agent::store::AgentStore;
 
 /// A simulated fleet.
@@ -42,7 +42,7 @@ pub struct RoundSummary {
 
 impl SimFleet {
     /// `n` agents on IID partitions of the digits training split, under `dir`.
-    pub fn new(dir: &Path, n: usize, seed: u64) -> Result<Self, LifecycleError> {
+    pub fn new(dir: &Path, n: usize, seed: u64) -> Result<Self, AgentError> {
         let clock = Arc::new(FakeClock::new(1_700_000_000_000));
         let agg = Arc::new(FakeAggregator::new());
         let reg = Arc::new(FakeRegistry::new(seed as u8, u64::MAX / 2));
@@ -67,7 +67,7 @@ impl SimFleet {
             cfg.rng_seed = seed ^ i as u64;
             cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
             let initial = SlotModel { model: global_ref.clone(), spec: spec_json.clone() };
-            let core = Lifecycle::open(cfg, store, Some(reg.pinned_root()), Some(initial), 0)?;
+            let core = DurableLifecycle::open(cfg, store, Some(reg.pinned_root()), Some(initial), 0)?;
             let shell = ShellConfig { latency_samples: 8, ..Default::default() };
             agents.push(Agent::new(core, agg.clone(), reg.clone(), key, LocalData { train: tr, holdout }, clock.clone(), shell));
         }
@@ -75,7 +75,7 @@ impl SimFleet {
     }
 
     /// Polls and drives every agent once.
-    pub async fn step(&mut self) -> Result<(), LifecycleError> {
+    pub async fn step(&mut self) -> Result<(), AgentError> {
         for a in &mut self.agents {
             a.poll_control().await?;
             a.drive().await?;
@@ -85,7 +85,7 @@ impl SimFleet {
 
     /// One federated round: announce, train everywhere, FedAvg the accepted updates, publish the
     /// result and roll it out to every agent.
-    pub async fn run_round(&mut self, round: u64, config: RoundConfig) -> Result<RoundSummary, LifecycleError> {
+    pub async fn run_round(&mut self, round: u64, config: RoundConfig) -> Result<RoundSummary, AgentError> {
         let now = fedfleet_protocol::ids::RoundId(round);
         self.agg.set_round(Some(RoundAnnouncement {
             fleet: self.fleet.clone(),
@@ -256,7 +256,7 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
             cfg.rng_seed = o.partition_seed ^ i as u64;
             cfg.backoff = o.backoff;
             cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
-            let core = Lifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
+            let core = DurableLifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
             let shell = ShellConfig { latency_samples: 8, ..Default::default() };
             aggs.push(agg);
             agents.push(Agent::new(core, agent_agg, agent_reg, key, LocalData { train: tr, holdout }, clock.clone(), shell));
@@ -265,7 +265,7 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
     }
 
     /// Polls the services and drives every agent once (in turn).
-    pub async fn step(&mut self) -> Result<(), LifecycleError> {
+    pub async fn step(&mut self) -> Result<(), AgentError> {
         for a in &mut self.agents {
             a.poll_control().await?;
             a.drive().await?;
@@ -274,7 +274,7 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
     }
 
     /// Steps (every 50 ms) until `cond` holds or `timeout` passes; returns whether it held.
-    pub async fn run_until(&mut self, mut cond: impl FnMut(&Self) -> bool, timeout: std::time::Duration) -> Result<bool, LifecycleError> {
+    pub async fn run_until(&mut self, mut cond: impl FnMut(&Self) -> bool, timeout: std::time::Duration) -> Result<bool, AgentError> {
         let end = tokio::time::Instant::now() + timeout;
         loop {
             if cond(self) {

@@ -7,7 +7,7 @@ use fedfleet_protocol::{DeviceState, RejectReason, Rejection};
 
 use crate::support::*;
 
-fn train_and_finish(lc: &mut fedfleet_agent::Lifecycle, round: u64, base: &fedfleet_protocol::ModelRef, payload: &[u8], nonce: u8) -> u64 {
+fn train_and_finish(lc: &mut fedfleet_agent::DurableLifecycle, round: u64, base: &fedfleet_protocol::ModelRef, payload: &[u8], nonce: u8) -> u64 {
     lc.handle(T0, Input::RoundAnnounced(announcement(round, base))).unwrap();
     let acts = drain(lc);
     assert!(acts.iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == round)), "{acts:?}");
@@ -35,9 +35,9 @@ fn upload_retried_with_backoff_until_receipt() {
         assert!(at - now >= d / 2 && at - now <= d, "attempt {attempt}: delay {} not in [{}, {d}]", at - now, d / 2);
         assert!(d > prev_max || attempt == 1);
         prev_max = d;
-        lc.handle_timeout(at - 1);
+        lc.handle_timeout(at - 1).unwrap();
         assert!(uploads(&drain(&mut lc)).is_empty(), "not before the timer");
-        lc.handle_timeout(at);
+        lc.handle_timeout(at).unwrap();
         assert_eq!(uploads(&drain(&mut lc)), vec![id]);
         now = at;
     }
@@ -46,7 +46,7 @@ fn upload_retried_with_backoff_until_receipt() {
     assert_eq!(lc.pending_uploads(), vec![id]);
     assert!(lc.store().outbox_entry(id).unwrap().is_some());
     let at = lc.poll_timeout().unwrap();
-    lc.handle_timeout(at);
+    lc.handle_timeout(at).unwrap();
     assert_eq!(uploads(&drain(&mut lc)), vec![id]);
     lc.handle(at, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Receipt(receipt(1, b"delta-1", 1)) }).unwrap();
     assert!(lc.pending_uploads().is_empty());
@@ -133,9 +133,9 @@ fn unavailable_base_model_is_asked_again_until_the_deadline() {
     assert!(matches!(lc.state().last_state, DeviceState::Training { .. }));
     let at = lc.poll_timeout().expect("a retry is scheduled");
     assert!(at > T0 && at < deadline, "{at}");
-    lc.handle_timeout(at - 1);
+    lc.handle_timeout(at - 1).unwrap();
     assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "not before the backoff");
-    lc.handle_timeout(at);
+    lc.handle_timeout(at).unwrap();
     assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == 7)), "asked again");
     // Once the next ask would land after the deadline, the round is given up with the reason.
     lc.handle(deadline - 1, Input::BaseModelUnavailable { round, reason: "connection lost".into() }).unwrap();
@@ -163,7 +163,7 @@ fn participation_conditions_gate_training() {
 }
 
 /// Drives an install of `v2` up to the health check; returns the staged model ref.
-async fn install_to_health_check(lc: &mut fedfleet_agent::Lifecycle, reg: &FakeRegistry, v2: &fedfleet_protocol::ModelRef) {
+async fn install_to_health_check(lc: &mut fedfleet_agent::DurableLifecycle, reg: &FakeRegistry, v2: &fedfleet_protocol::ModelRef) {
     drain(lc);
     lc.handle(T0, Input::Assignment(FakeRegistry::notice(&fleet(), 1, v2))).unwrap();
     let acts = drain(lc);
@@ -336,7 +336,7 @@ async fn failed_downloads_are_retried_then_given_up() {
     for _ in 0..4 {
         lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: "reset".into() }).unwrap();
         now = lc.poll_timeout().expect("retry scheduled");
-        lc.handle_timeout(now);
+        lc.handle_timeout(now).unwrap();
         assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Download { .. })));
     }
     lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: "reset".into() }).unwrap();

@@ -12,7 +12,7 @@ use ed25519_dalek::SigningKey;
 use fedfleet_agent::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock};
 use fedfleet_agent::clients::{Aggregator, BaseModel, TransportError, UploadReply};
 use fedfleet_testkit::fakes::FakeRegistry;
-use fedfleet_agent::lifecycle::{Backoff, CoreConfig, HealthPolicy, Lifecycle};
+use fedfleet_agent::lifecycle::{Backoff, CoreConfig, DurableLifecycle, HealthPolicy};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
 use fedfleet_agent::AgentStore;
 use fedfleet_certs::{AllowList, CA_DAYS, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
@@ -144,7 +144,7 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
     cfg.backoff = Backoff { base_ms: 50, max_ms: 200 };
     cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
     let store = AgentStore::open(dir.path().join("agent")).unwrap();
-    let core = Lifecycle::open(cfg, store, Some(FakeRegistry::new(3, u64::MAX / 2).pinned_root()), None, clock.now_ms()).unwrap();
+    let core = DurableLifecycle::open(cfg, store, Some(FakeRegistry::new(3, u64::MAX / 2).pinned_root()), None, clock.now_ms()).unwrap();
     let shell = ShellConfig { latency_samples: 8, ..Default::default() };
     let mut agent = Agent::new(core, agg.clone(), reg, identity.signing_key(), LocalData { train: tr, holdout }, clock.clone(), shell);
 

@@ -1,6 +1,6 @@
 use ed25519_dalek::SigningKey;
 use fedfleet_testkit::fakes::FakeRegistry;
-use fedfleet_agent::lifecycle::{Action, Backoff, CoreConfig, HealthPolicy, Lifecycle, SlotModel};
+use fedfleet_agent::lifecycle::{Action, Backoff, CoreConfig, DurableLifecycle, HealthPolicy, SlotModel};
 use fedfleet_agent::AgentStore;
 use fedfleet_protocol::{
     DType, DeviceId, Digest, FleetId, ModelRef, Receipt, RoundAnnouncement, RoundConfig, RoundId, Selection, Signed,
@@ -37,10 +37,10 @@ pub fn registry() -> (FakeRegistry, ModelRef) {
     (reg, v1)
 }
 
-pub fn open(dir: &Path, reg: &FakeRegistry, active: &ModelRef) -> Lifecycle {
+pub fn open(dir: &Path, reg: &FakeRegistry, active: &ModelRef) -> DurableLifecycle {
     let store = AgentStore::open(dir).unwrap();
     let initial = SlotModel { model: active.clone(), spec: SPEC.into() };
-    Lifecycle::open(core_cfg(), store, Some(reg.pinned_root()), Some(initial), T0).unwrap()
+    DurableLifecycle::open(core_cfg(), store, Some(reg.pinned_root()), Some(initial), T0).unwrap()
 }
 
 pub fn announcement(round: u64, base: &ModelRef) -> RoundAnnouncement {
@@ -81,7 +81,7 @@ pub fn receipt(round: u64, payload: &[u8], nonce: u8) -> Receipt {
     }
 }
 
-pub fn drain(lc: &mut Lifecycle) -> Vec<Action> {
+pub fn drain(lc: &mut DurableLifecycle) -> Vec<Action> {
     std::iter::from_fn(|| lc.poll_action()).collect()
 }
 

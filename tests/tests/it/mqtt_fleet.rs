@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use fedfleet_agent::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock};
 use fedfleet_agent::clients::{Aggregator, BaseModel, TransportError, UploadReply};
-use fedfleet_agent::lifecycle::{Backoff, CoreConfig, HealthPolicy, Lifecycle};
+use fedfleet_agent::lifecycle::{Backoff, CoreConfig, DurableLifecycle, HealthPolicy};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
 use fedfleet_agent::remote::{RemoteAggregator, RemoteRegistry};
 use fedfleet_agent::AgentStore;
@@ -202,7 +202,7 @@ fn build_agent<A: Aggregator, R: fedfleet_agent::clients::Registry>(
     let (train, holdout) = part.split(0.2, 1);
     cfg.local_samples = train.len() as u64;
     cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
-    let core = Lifecycle::open(cfg, store, Some(pinned_root.clone()), None, clock.now_ms()).unwrap();
+    let core = DurableLifecycle::open(cfg, store, Some(pinned_root.clone()), None, clock.now_ms()).unwrap();
     let shell = ShellConfig { latency_samples: 8, ..Default::default() };
     Agent::new(core, agg, reg, id.signing_key(), LocalData { train, holdout }, clock.clone(), shell)
 }

@@ -1,0 +1,1021 @@
+//! The agent lifecycle: a sans-IO state machine.
+//!
+//! **Architecture invariant:** no sockets, no clock reads, no async here. Time (`now`, unix
+//! milliseconds) is passed in; inputs go to [`Lifecycle::handle`] and
+//! [`Lifecycle::handle_timeout`]; the shell polls [`Lifecycle::poll_action`] and
+//! [`Lifecycle::poll_timeout`]. The core owns no store: every transition is returned as a
+//! [`Persist`] (the new state, an outbox write or removal; [`Lifecycle::poll_persist`]) that the
+//! shell writes and flushes **before** it takes the next [`Action`], as quinn-proto hands out
+//! transmits. A crash at any point restarts into a state consistent with what was done:
+//! [`Lifecycle::open`] takes what the shell saved ([`Saved`]) and re-queues whatever was in
+//! flight.
+//!
+//! Slots: the active model serves inference; a new version is verified (the registry's TUF
+//! [`Verifier`], held and persisted here), staged in the other slot, health-checked, and only
+//! then activated, by one state write that flips the slots. A crash before that write leaves the
+//! previous model active.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use fedfleet_protocol::{
+    DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, Receipt, RejectReason, Rejection,
+    RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate,
+};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::tuf::Verifier;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+/// A signed update waiting for the aggregator's receipt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutboxEntry {
+    pub id: u64,
+    pub round: RoundId,
+    pub nonce: [u8; 16],
+    pub payload_digest: Digest,
+    /// The encoded `SignedUpdate` envelope, exactly as signed.
+    pub header: Vec<u8>,
+    /// The safetensors payload.
+    pub payload: Vec<u8>,
+    pub created_at_ms: u64,
+}
+
+/// A write the shell must make durable before it runs the next [`Action`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Persist {
+    /// The whole persisted state (JSON), replacing the previous one.
+    State(Vec<u8>),
+    /// A new outbox entry.
+    PutOutbox(OutboxEntry),
+    /// An outbox entry acknowledged or dropped.
+    RemoveOutbox(u64),
+}
+
+/// What the shell saved: the last [`Persist::State`] and the outbox entries.
+#[derive(Debug, Clone, Default)]
+pub struct Saved {
+    pub state: Option<Vec<u8>>,
+    pub outbox: Vec<OutboxEntry>,
+}
+
+/// Unix time in milliseconds.
+pub type Millis = u64;
+
+/// Errors of the lifecycle (only persistence can fail; bad inputs are reported, not errors).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LifecycleError {
+    #[error("saved agent state is unreadable ({0}); move the store aside and enroll again")]
+    CorruptState(String),
+    #[error("no persisted state and no pinned registry root: run `fedfleet-agent enroll` first")]
+    NotEnrolled,
+    #[error("pinned registry root refused: {0}")]
+    BadRoot(fedfleet_protocol::tuf::TufError),
+    #[error("persisted state belongs to device {found}, but the identity is {expected}")]
+    WrongDevice { expected: DeviceId, found: DeviceId },
+}
+
+/// Which slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Slot {
+    A,
+    B,
+}
+
+impl Slot {
+    pub fn other(self) -> Slot {
+        match self {
+            Slot::A => Slot::B,
+            Slot::B => Slot::A,
+        }
+    }
+}
+
+/// A model held in a slot: its reference and its spec (JSON, as in the signed targets).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlotModel {
+    pub model: ModelRef,
+    pub spec: String,
+}
+
+/// Local conditions for joining rounds (from config or the device's status file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Conditions {
+    pub idle: bool,
+    pub charging: bool,
+    /// Samples collected since the last round this device trained in.
+    pub fresh_samples: u64,
+}
+
+impl Default for Conditions {
+    fn default() -> Self {
+        Conditions { idle: true, charging: true, fresh_samples: u64::MAX }
+    }
+}
+
+/// When the device may train.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ParticipationPolicy {
+    pub require_idle: bool,
+    pub require_charging: bool,
+    pub min_fresh_samples: u64,
+}
+
+impl Default for ParticipationPolicy {
+    fn default() -> Self {
+        ParticipationPolicy { require_idle: true, require_charging: false, min_fresh_samples: 0 }
+    }
+}
+
+/// Health-check thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HealthPolicy {
+    /// Budget for the p99 single-example latency on the local holdout.
+    pub max_latency_ms: f64,
+    /// The candidate may be at most this much less accurate than the active model (0.02 = 2 points).
+    pub accuracy_margin: f64,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        HealthPolicy { max_latency_ms: 50.0, accuracy_margin: 0.02 }
+    }
+}
+
+/// Retry timing: exponential backoff with jitter, `delay = d/2 + U(0, d/2)`, `d = min(max,
+/// base·2^(attempt-1))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Backoff {
+    pub base_ms: u64,
+    pub max_ms: u64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { base_ms: 1_000, max_ms: 300_000 }
+    }
+}
+
+impl Backoff {
+    /// The delay before attempt `attempt + 1`, given `attempt >= 1` failures.
+    pub fn delay(&self, attempt: u32, rng: &mut impl Rng) -> u64 {
+        let exp = attempt.saturating_sub(1).min(32);
+        let d = self.base_ms.saturating_mul(1u64 << exp).min(self.max_ms).max(1);
+        d / 2 + rng.gen_range(0..=d - d / 2)
+    }
+}
+
+/// Static configuration of the core.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CoreConfig {
+    pub device: DeviceId,
+    pub fleet: FleetId,
+    /// Named rollout cohort of this device, if any.
+    pub cohort: Option<String>,
+    /// Size of the local training set.
+    pub local_samples: u64,
+    pub participation: ParticipationPolicy,
+    pub health: HealthPolicy,
+    pub backoff: Backoff,
+    /// Metadata/download attempts before an install is given up (and reported failed).
+    pub max_install_attempts: u32,
+    /// Seed of the jitter RNG (from the OS in the daemon, fixed in tests).
+    pub rng_seed: u64,
+}
+
+impl CoreConfig {
+    pub fn new(device: DeviceId, fleet: FleetId) -> Self {
+        CoreConfig {
+            device,
+            fleet,
+            cohort: None,
+            local_samples: 0,
+            participation: ParticipationPolicy::default(),
+            health: HealthPolicy::default(),
+            backoff: Backoff::default(),
+            max_install_attempts: 5,
+            rng_seed: 0,
+        }
+    }
+}
+
+/// Where an install is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum InstallPhase {
+    /// Fetching signed metadata (root updates, timestamp, targets).
+    Metadata,
+    /// Metadata verified; downloading `length` bytes.
+    Downloading { length: u64, spec: String },
+    /// Artifact verified and staged in the inactive slot; health check pending.
+    Staged,
+}
+
+/// An install in progress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstallJob {
+    pub rollout_id: u64,
+    pub model: ModelRef,
+    pub phase: InstallPhase,
+    pub attempts: u32,
+}
+
+/// Everything that survives a restart (besides the outbox and blobs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PersistedState {
+    pub format: u32,
+    pub device: DeviceId,
+    pub fleet: FleetId,
+    /// The slot the active model is in; the staged one is in the other.
+    pub active_slot: Slot,
+    pub active: Option<SlotModel>,
+    pub staged: Option<SlotModel>,
+    /// The model active before the current one (for rollout roll-backs).
+    pub previous: Option<SlotModel>,
+    /// A round the device is training for (re-trained after a crash).
+    pub round: Option<RoundAnnouncement>,
+    /// Highest round this device trained for or gave up on.
+    pub last_round: Option<RoundId>,
+    pub install: Option<InstallJob>,
+    /// Last install that failed (rollout id, digest): not retried for the same rollout.
+    pub last_failed: Option<(u64, Digest)>,
+    pub verifier: Verifier,
+    pub last_state: DeviceState,
+    /// The next outbox id (ids are never reused).
+    #[serde(default)]
+    pub next_outbox_id: u64,
+}
+
+/// What the health check measured (the shell runs it; the core judges it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HealthReport {
+    pub holdout: usize,
+    /// Candidate outputs contained NaN or Inf.
+    pub non_finite: bool,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    pub candidate_accuracy: f64,
+    /// `None` when there is no active model (first install).
+    pub active_accuracy: Option<f64>,
+}
+
+/// Outcome of one upload attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum UploadOutcome {
+    Receipt(Receipt),
+    Rejected(Rejection),
+    TransportError(String),
+}
+
+/// Signed metadata as fetched from the registry.
+#[derive(Debug, Clone)]
+pub struct MetadataSet {
+    /// Root versions after the trusted one, in order (usually empty).
+    pub roots: Vec<SignedMetadata<Root>>,
+    pub timestamp: SignedMetadata<Timestamp>,
+    pub targets: SignedMetadata<Targets>,
+}
+
+/// Inputs to the core.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Input {
+    Conditions(Conditions),
+    RoundAnnounced(RoundAnnouncement),
+    /// Training finished: the encoded `SignedUpdate` and its payload.
+    TrainingDone { round: RoundId, header: Vec<u8>, payload: Vec<u8> },
+    TrainingFailed { round: RoundId, reason: String },
+    /// The round's base model could not be fetched (a transient failure): retried with
+    /// backoff while the round is open.
+    BaseModelUnavailable { round: RoundId, reason: String },
+    UploadResult { outbox_id: u64, outcome: UploadOutcome },
+    Assignment(RolloutNotice),
+    Metadata { model: ModelRef, result: Result<MetadataSet, String> },
+    /// The artifact is fully downloaded (partial file complete); length and digest as computed
+    /// while writing it.
+    DownloadDone { model: ModelRef, length: u64, digest: Digest },
+    DownloadFailed { model: ModelRef, reason: String },
+    HealthResult { model: ModelRef, result: Result<HealthReport, String> },
+}
+
+/// Actions for the shell, polled in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Load this model for inference (on start and after activation/rollback).
+    Serve { slot: Slot, model: SlotModel },
+    /// Train for this round (base model by digest; fetch it if not cached).
+    Train(RoundAnnouncement),
+    /// Send outbox entry `outbox_id`.
+    Upload { outbox_id: u64 },
+    /// Fetch signed metadata for an install (the trusted root version is in the verifier).
+    FetchMetadata { model: ModelRef, root_version: u64 },
+    /// Download (resume) the artifact into the partial file, at most `length` bytes.
+    Download { model: ModelRef, length: u64 },
+    /// Discard a downloaded or staged artifact that failed.
+    Discard { digest: Digest },
+    /// Health-check the staged candidate against the active model.
+    HealthCheck { slot: Slot, candidate: SlotModel, active: Option<SlotModel> },
+    /// The candidate was refused; the active model keeps serving.
+    Rollback { model: ModelRef, reason: String },
+    /// Report status to the control plane.
+    Report(DeviceStatus),
+}
+
+#[derive(Debug, Clone, Default)]
+struct UploadTrack {
+    attempts: u32,
+    next_at: Option<Millis>,
+    in_flight: bool,
+}
+
+/// The lifecycle core.
+pub struct Lifecycle {
+    cfg: CoreConfig,
+    state: PersistedState,
+    /// Entries not yet acknowledged, as saved.
+    outbox: BTreeMap<u64, OutboxEntry>,
+    /// Writes the shell makes durable before the next action.
+    persists: VecDeque<Persist>,
+    conditions: Conditions,
+    uploads: BTreeMap<u64, UploadTrack>,
+    install_retry_at: Option<Millis>,
+    /// When to ask for the current round's base model again.
+    train_retry_at: Option<Millis>,
+    /// Failed asks for the current round's base model.
+    train_attempts: u32,
+    actions: VecDeque<Action>,
+    rng: ChaCha8Rng,
+}
+
+const FORMAT: u32 = 1;
+
+impl Lifecycle {
+    /// Opens the core on what the shell saved. Without a saved state, `pinned_root` (from enrollment)
+    /// starts the verifier and `initial` becomes the active model (e.g. a factory model). With
+    /// persisted state both are ignored, and whatever was in flight is queued again: the active
+    /// model is served, an interrupted round retrained, an unfinished install resumed (a staged
+    /// candidate is health-checked again, never activated unchecked), and every outbox entry
+    /// re-sent.
+    pub fn open(
+        cfg: CoreConfig,
+        saved: Saved,
+        pinned_root: Option<SignedMetadata<Root>>,
+        initial: Option<SlotModel>,
+        now: Millis,
+    ) -> Result<Self, LifecycleError> {
+        let mut persists = VecDeque::new();
+        let state = match saved.state {
+            Some(raw) => {
+                let st: PersistedState = serde_json::from_slice(&raw)
+                    .map_err(|e| LifecycleError::CorruptState(e.to_string()))?;
+                if st.device != cfg.device {
+                    return Err(LifecycleError::WrongDevice { expected: cfg.device.clone(), found: st.device });
+                }
+                st
+            }
+            None => {
+                let root = pinned_root.ok_or(LifecycleError::NotEnrolled)?;
+                let verifier = Verifier::new(root).map_err(LifecycleError::BadRoot)?;
+                let st = PersistedState {
+                    format: FORMAT,
+                    device: cfg.device.clone(),
+                    fleet: cfg.fleet.clone(),
+                    active_slot: Slot::A,
+                    active: initial,
+                    staged: None,
+                    previous: None,
+                    round: None,
+                    last_round: None,
+                    install: None,
+                    last_failed: None,
+                    verifier,
+                    last_state: DeviceState::Idle,
+                    next_outbox_id: 0,
+                };
+                persists.push_back(Persist::State(serde_json::to_vec(&st).expect("state serializes")));
+                st
+            }
+        };
+        let rng = ChaCha8Rng::seed_from_u64(cfg.rng_seed);
+        let mut lc = Lifecycle {
+            cfg,
+            state,
+            outbox: saved.outbox.into_iter().map(|e| (e.id, e)).collect(),
+            persists,
+            conditions: Conditions::default(),
+            uploads: BTreeMap::new(),
+            install_retry_at: None,
+            train_retry_at: None,
+            train_attempts: 0,
+            actions: VecDeque::new(),
+            rng,
+        };
+        lc.resume(now)?;
+        Ok(lc)
+    }
+
+    fn resume(&mut self, now: Millis) -> Result<(), LifecycleError> {
+        if let Some(m) = self.state.active.clone() {
+            self.actions.push_back(Action::Serve { slot: self.state.active_slot, model: m });
+        }
+        let outbox: Vec<OutboxEntry> = self.outbox.values().cloned().collect();
+        // A crash after the outbox write but before the state write: the round is done.
+        if let Some(r) = &self.state.round
+            && outbox.iter().any(|e| e.round == r.round)
+        {
+            let mut next = self.state.clone();
+            next.last_round = Some(r.round);
+            next.round = None;
+            self.commit(next)?;
+        }
+        for e in &outbox {
+            self.uploads.insert(e.id, UploadTrack { in_flight: true, ..Default::default() });
+            self.actions.push_back(Action::Upload { outbox_id: e.id });
+        }
+        if let Some(r) = self.state.round.clone() {
+            self.actions.push_back(Action::Train(r));
+        }
+        if let Some(job) = self.state.install.clone() {
+            self.queue_install_step(&job, now);
+        }
+        Ok(())
+    }
+
+    // ----- getters -----
+
+    pub fn state(&self) -> &PersistedState {
+        &self.state
+    }
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+    /// An outbox entry not yet acknowledged.
+    pub fn outbox_entry(&self, id: u64) -> Option<&OutboxEntry> {
+        self.outbox.get(&id)
+    }
+    /// Every outbox entry not yet acknowledged, oldest first.
+    pub fn outbox(&self) -> impl Iterator<Item = &OutboxEntry> {
+        self.outbox.values()
+    }
+    pub fn active(&self) -> Option<&SlotModel> {
+        self.state.active.as_ref()
+    }
+    pub fn staged(&self) -> Option<&SlotModel> {
+        self.state.staged.as_ref()
+    }
+    pub fn conditions(&self) -> Conditions {
+        self.conditions
+    }
+    /// Outbox ids not yet acknowledged.
+    pub fn pending_uploads(&self) -> Vec<u64> {
+        self.uploads.keys().copied().collect()
+    }
+    /// The status report as of now.
+    pub fn status(&self, now: Millis) -> DeviceStatus {
+        DeviceStatus {
+            fleet: self.state.fleet.clone(),
+            device: self.state.device.clone(),
+            reported_at_unix_ms: now,
+            state: self.state.last_state.clone(),
+            active: self.state.active.as_ref().map(|m| m.model.clone()),
+            staged: self.state.staged.as_ref().map(|m| m.model.clone()),
+            rollout_id: self.state.install.as_ref().map(|j| j.rollout_id),
+        }
+    }
+
+    // ----- outputs -----
+
+    /// The next write to make durable. The shell drains these (and flushes) before every
+    /// [`poll_action`](Self::poll_action): an action never runs ahead of the state it implies.
+    pub fn poll_persist(&mut self) -> Option<Persist> {
+        self.persists.pop_front()
+    }
+
+    /// The next action; `None` while writes are pending (see [`poll_persist`](Self::poll_persist)).
+    pub fn poll_action(&mut self) -> Option<Action> {
+        if !self.persists.is_empty() {
+            return None;
+        }
+        self.actions.pop_front()
+    }
+
+    /// The earliest time [`handle_timeout`](Self::handle_timeout) has work.
+    pub fn poll_timeout(&self) -> Option<Millis> {
+        self.uploads
+            .values()
+            .filter_map(|t| t.next_at)
+            .chain(self.install_retry_at)
+            .chain(self.train_retry_at)
+            .min()
+    }
+
+    // ----- inputs -----
+
+    pub fn handle_timeout(&mut self, now: Millis) {
+        for (id, t) in self.uploads.iter_mut() {
+            if t.next_at.is_some_and(|at| at <= now) {
+                t.next_at = None;
+                t.in_flight = true;
+                self.actions.push_back(Action::Upload { outbox_id: *id });
+            }
+        }
+        if self.train_retry_at.is_some_and(|at| at <= now) {
+            self.train_retry_at = None;
+            if let Some(round) = self.state.round.clone() {
+                self.actions.push_back(Action::Train(round));
+            }
+        }
+        if self.install_retry_at.is_some_and(|at| at <= now) {
+            self.install_retry_at = None;
+            if let Some(job) = self.state.install.clone() {
+                self.queue_install_step(&job, now);
+            }
+        }
+    }
+
+    /// Feeds one input. Errors are persistence failures: the transition did not happen.
+    pub fn handle(&mut self, now: Millis, input: Input) -> Result<(), LifecycleError> {
+        match input {
+            Input::Conditions(c) => {
+                self.conditions = c;
+                Ok(())
+            }
+            Input::RoundAnnounced(a) => self.on_round(now, a),
+            Input::TrainingDone { round, header, payload } => self.on_trained(now, round, header, payload),
+            Input::BaseModelUnavailable { round, reason } => {
+                let Some(deadline) = self.state.round.as_ref().filter(|r| r.round == round).map(|r| r.deadline_unix_ms) else {
+                    return Ok(());
+                };
+                self.train_attempts += 1;
+                let at = now + self.cfg.backoff.delay(self.train_attempts, &mut self.rng);
+                if at >= deadline {
+                    return self.handle(now, Input::TrainingFailed { round, reason });
+                }
+                tracing::info!(%round, attempt = self.train_attempts, retry_in_ms = at - now, %reason, "base model unavailable; will ask again");
+                self.train_retry_at = Some(at);
+                Ok(())
+            }
+            Input::TrainingFailed { round, reason } => {
+                if self.state.round.as_ref().map(|r| r.round) != Some(round) {
+                    return Ok(());
+                }
+                self.train_retry_at = None;
+                tracing::warn!(%round, %reason, "training failed; skipping the round");
+                let mut next = self.state.clone();
+                next.round = None;
+                next.last_round = Some(round);
+                next.last_state = DeviceState::Failed { reason: format!("training round {round}: {reason}") };
+                self.commit(next)?;
+                self.report(now);
+                Ok(())
+            }
+            Input::UploadResult { outbox_id, outcome } => self.on_upload(now, outbox_id, outcome),
+            Input::Assignment(n) => self.on_assignment(now, n),
+            Input::Metadata { model, result } => self.on_metadata(now, model, result),
+            Input::DownloadDone { model, length, digest } => self.on_downloaded(now, model, length, digest),
+            Input::DownloadFailed { model, reason } => {
+                if !self.install_is(&model) {
+                    return Ok(());
+                }
+                self.install_retry(now, format!("download: {reason}"))
+            }
+            Input::HealthResult { model, result } => self.on_health(now, model, result),
+        }
+    }
+
+    // ----- rounds -----
+
+    /// Why the device would not join `a` now, or `None` if it would.
+    pub fn round_refusal(&self, now: Millis, a: &RoundAnnouncement) -> Option<String> {
+        let p = &self.cfg.participation;
+        let c = &self.conditions;
+        if a.fleet != self.state.fleet {
+            return Some(format!("round for fleet {}, device is in {}", a.fleet, self.state.fleet));
+        }
+        if self.state.last_round.is_some_and(|r| r >= a.round) {
+            return Some(format!("round {} already done", a.round));
+        }
+        if let Some(r) = &self.state.round {
+            return Some(format!("busy training round {}", r.round));
+        }
+        if now >= a.deadline_unix_ms {
+            return Some("deadline passed".into());
+        }
+        if !a.selection.selects(&self.state.device) {
+            return Some("not selected".into());
+        }
+        if p.require_idle && !c.idle {
+            return Some("device not idle".into());
+        }
+        if p.require_charging && !c.charging {
+            return Some("device not charging".into());
+        }
+        if c.fresh_samples < p.min_fresh_samples {
+            return Some(format!("{} fresh samples, {} required", c.fresh_samples, p.min_fresh_samples));
+        }
+        if self.cfg.local_samples < a.config.min_samples {
+            return Some(format!("{} local samples, round needs {}", self.cfg.local_samples, a.config.min_samples));
+        }
+        None
+    }
+
+    fn on_round(&mut self, now: Millis, a: RoundAnnouncement) -> Result<(), LifecycleError> {
+        if let Some(why) = self.round_refusal(now, &a) {
+            tracing::debug!(round = %a.round, %why, "not joining round");
+            return Ok(());
+        }
+        let mut next = self.state.clone();
+        next.round = Some(a.clone());
+        next.last_state = DeviceState::Training { round: a.round };
+        self.commit(next)?;
+        self.train_retry_at = None;
+        self.train_attempts = 0;
+        self.actions.push_back(Action::Train(a));
+        self.report(now);
+        Ok(())
+    }
+
+    fn on_trained(&mut self, now: Millis, round: RoundId, header: Vec<u8>, payload: Vec<u8>) -> Result<(), LifecycleError> {
+        if self.state.round.as_ref().map(|r| r.round) != Some(round) {
+            tracing::warn!(%round, "training result for a round not in progress; dropped");
+            return Ok(());
+        }
+        let signed = match SignedUpdate::decode(&header) {
+            Ok(s) if s.body().round == round && s.body().device == self.state.device => s,
+            Ok(_) => return self.handle(now, Input::TrainingFailed { round, reason: "update header names another round or device".into() }),
+            Err(e) => return self.handle(now, Input::TrainingFailed { round, reason: format!("update header: {e}") }),
+        };
+        let h = signed.body();
+        let entry = OutboxEntry {
+            id: self.next_outbox_id(),
+            round,
+            nonce: h.nonce,
+            payload_digest: h.payload_digest,
+            header,
+            payload,
+            created_at_ms: now,
+        };
+        // Commit point 1: the result is durable before anything else happens.
+        self.persists.push_back(Persist::PutOutbox(entry.clone()));
+        self.outbox.insert(entry.id, entry.clone());
+        self.train_retry_at = None;
+        let mut next = self.state.clone();
+        next.round = None;
+        next.last_round = Some(round);
+        next.last_state = DeviceState::Idle;
+        self.commit(next)?;
+        self.uploads.insert(entry.id, UploadTrack { in_flight: true, ..Default::default() });
+        self.actions.push_back(Action::Upload { outbox_id: entry.id });
+        self.report(now);
+        Ok(())
+    }
+
+    fn on_upload(&mut self, now: Millis, id: u64, outcome: UploadOutcome) -> Result<(), LifecycleError> {
+        let Some(entry) = self.outbox.get(&id).cloned() else {
+            self.uploads.remove(&id);
+            return Ok(());
+        };
+        let retry = |lc: &mut Self, why: String| {
+            let t = lc.uploads.entry(id).or_default();
+            t.attempts += 1;
+            t.in_flight = false;
+            let delay = lc.cfg.backoff.delay(t.attempts, &mut lc.rng);
+            t.next_at = Some(now + delay);
+            tracing::info!(outbox_id = id, attempt = t.attempts, delay_ms = delay, %why, "upload will be retried");
+        };
+        match outcome {
+            UploadOutcome::Receipt(r) => {
+                let valid = r.device == self.state.device
+                    && r.fleet == self.state.fleet
+                    && r.round == entry.round
+                    && r.nonce == entry.nonce
+                    && r.payload_digest == entry.payload_digest;
+                if !valid {
+                    retry(self, "receipt does not match the update".into());
+                    return Ok(());
+                }
+                self.remove_outbox(id);
+                self.uploads.remove(&id);
+                tracing::info!(outbox_id = id, round = %entry.round, "update acknowledged");
+            }
+            UploadOutcome::Rejected(rej) => match rej.reason {
+                // The aggregator already holds this update (a lost receipt): acknowledged.
+                RejectReason::Replay | RejectReason::Duplicate => {
+                    self.remove_outbox(id);
+                    self.uploads.remove(&id);
+                    tracing::info!(outbox_id = id, reason = %rej.reason, "update already held by the aggregator");
+                }
+                RejectReason::Overloaded | RejectReason::Internal => retry(self, format!("{}: {}", rej.reason, rej.detail)),
+                reason => {
+                    // A named, permanent refusal: resending the same bytes cannot succeed.
+                    self.remove_outbox(id);
+                    self.uploads.remove(&id);
+                    tracing::warn!(outbox_id = id, %reason, detail = %rej.detail, "update rejected; dropped");
+                    let mut next = self.state.clone();
+                    next.last_state = DeviceState::Failed { reason: format!("update for round {} rejected: {reason}", entry.round) };
+                    self.commit(next)?;
+                    self.report(now);
+                }
+            },
+            UploadOutcome::TransportError(e) => retry(self, e),
+        }
+        Ok(())
+    }
+
+    // ----- installs -----
+
+    fn install_is(&self, model: &ModelRef) -> bool {
+        self.state.install.as_ref().is_some_and(|j| &j.model == model)
+    }
+
+    fn on_assignment(&mut self, now: Millis, n: RolloutNotice) -> Result<(), LifecycleError> {
+        if n.fleet != self.state.fleet || !n.includes(&self.state.device, self.cfg.cohort.as_deref()) {
+            return Ok(());
+        }
+        match n.action.clone() {
+            RolloutAction::Install => self.start_install(now, n.rollout_id, n.model),
+            RolloutAction::RollBack { to } => self.start_install(now, n.rollout_id, to),
+            RolloutAction::Pause => Ok(()),
+            RolloutAction::Abort => {
+                let Some(job) = self.state.install.clone().filter(|j| j.rollout_id == n.rollout_id) else {
+                    return Ok(());
+                };
+                self.fail_install(now, job, "rollout aborted".into(), true)
+            }
+        }
+    }
+
+    fn start_install(&mut self, now: Millis, rollout_id: u64, model: ModelRef) -> Result<(), LifecycleError> {
+        if self.state.active.as_ref().is_some_and(|a| a.model == model) {
+            if self.state.install.is_none() && self.state.last_state != DeviceState::Active {
+                let mut next = self.state.clone();
+                next.last_state = DeviceState::Active;
+                self.commit(next)?;
+                self.report(now);
+            }
+            return Ok(());
+        }
+        if self.install_is(&model) || self.state.last_failed == Some((rollout_id, model.digest)) {
+            return Ok(());
+        }
+        if self.state.install.is_some() {
+            tracing::info!(model = %model.name, version = %model.version, "install in progress; newer assignment replaces it");
+        }
+        // Roll back to the previous model: it passed its health check before; re-verify anyway.
+        let job = InstallJob { rollout_id, model, phase: InstallPhase::Metadata, attempts: 0 };
+        let mut next = self.state.clone();
+        if let Some(staged) = next.staged.take() {
+            self.actions.push_back(Action::Discard { digest: staged.model.digest });
+        }
+        next.install = Some(job.clone());
+        next.last_state = DeviceState::Downloading;
+        self.commit(next)?;
+        self.install_retry_at = None;
+        self.queue_install_step(&job, now);
+        self.report(now);
+        Ok(())
+    }
+
+    fn queue_install_step(&mut self, job: &InstallJob, _now: Millis) {
+        match &job.phase {
+            InstallPhase::Metadata => self.actions.push_back(Action::FetchMetadata {
+                model: job.model.clone(),
+                root_version: self.state.verifier.root().version,
+            }),
+            InstallPhase::Downloading { length, .. } => {
+                self.actions.push_back(Action::Download { model: job.model.clone(), length: *length })
+            }
+            InstallPhase::Staged => {
+                if let Some(c) = self.state.staged.clone() {
+                    self.actions.push_back(Action::HealthCheck {
+                        slot: self.state.active_slot.other(),
+                        candidate: c,
+                        active: self.state.active.clone(),
+                    });
+                }
+            }
+        }
+    }
+
+    fn install_retry(&mut self, now: Millis, reason: String) -> Result<(), LifecycleError> {
+        let Some(mut job) = self.state.install.clone() else { return Ok(()) };
+        job.attempts += 1;
+        if job.attempts >= self.cfg.max_install_attempts {
+            return self.fail_install(now, job, format!("{reason} (after {} attempts)", self.cfg.max_install_attempts), false);
+        }
+        let mut next = self.state.clone();
+        next.install = Some(job.clone());
+        self.commit(next)?;
+        let delay = self.cfg.backoff.delay(job.attempts, &mut self.rng);
+        tracing::info!(%reason, attempt = job.attempts, delay_ms = delay, "install step will be retried");
+        self.install_retry_at = Some(now + delay);
+        Ok(())
+    }
+
+    /// Ends an install without activating; the active model keeps serving.
+    fn fail_install(&mut self, now: Millis, job: InstallJob, reason: String, rolled_back: bool) -> Result<(), LifecycleError> {
+        let mut next = self.state.clone();
+        let staged = next.staged.take();
+        next.install = None;
+        next.last_failed = Some((job.rollout_id, job.model.digest));
+        next.last_state = if rolled_back || staged.is_some() {
+            DeviceState::RolledBack { reason: reason.clone() }
+        } else {
+            DeviceState::Failed { reason: reason.clone() }
+        };
+        self.commit(next)?;
+        self.install_retry_at = None;
+        tracing::warn!(model = %job.model.name, version = %job.model.version, %reason, "install failed; active model unchanged");
+        self.actions.push_back(Action::Discard { digest: job.model.digest });
+        // The report names the failed candidate (as `staged`) and its rollout: the registry
+        // attributes a failure to the staged model, else to the active one, which did not fail.
+        let mut failed = self.status(now);
+        failed.staged = Some(job.model.clone());
+        failed.rollout_id = Some(job.rollout_id);
+        if staged.is_some() || rolled_back {
+            self.actions.push_back(Action::Rollback { model: job.model, reason });
+        }
+        self.actions.push_back(Action::Report(failed));
+        Ok(())
+    }
+
+    fn on_metadata(&mut self, now: Millis, model: ModelRef, result: Result<MetadataSet, String>) -> Result<(), LifecycleError> {
+        let Some(job) = self.state.install.clone().filter(|j| j.model == model && j.phase == InstallPhase::Metadata) else {
+            return Ok(());
+        };
+        let set = match result {
+            Ok(s) => s,
+            Err(e) => return self.install_retry(now, format!("metadata fetch: {e}")),
+        };
+        // Verify on a copy: nothing is trusted unless the whole chain verifies.
+        let mut v = self.state.verifier.clone();
+        let checked = (|| {
+            for r in &set.roots {
+                v.update_root(r)?;
+            }
+            v.update_timestamp(&set.timestamp, now)?;
+            v.update_targets(&set.targets, now)?;
+            v.target(&model.name, model.version, now).cloned()
+        })();
+        let target = match checked {
+            Ok(t) => t,
+            Err(e) => return self.fail_install(now, job, format!("metadata refused: {e}"), false),
+        };
+        if target.digest != model.digest {
+            return self.fail_install(
+                now,
+                job,
+                format!("assignment digest {} differs from signed targets' {}", model.digest, target.digest),
+                false,
+            );
+        }
+        let spec = target.custom.spec.to_string();
+        let mut next = self.state.clone();
+        next.verifier = v;
+        let job = InstallJob { phase: InstallPhase::Downloading { length: target.length, spec }, attempts: 0, ..job };
+        next.install = Some(job.clone());
+        self.commit(next)?;
+        self.queue_install_step(&job, now);
+        Ok(())
+    }
+
+    fn on_downloaded(&mut self, now: Millis, model: ModelRef, length: u64, digest: Digest) -> Result<(), LifecycleError> {
+        let Some(job) = self.state.install.clone().filter(|j| j.model == model) else { return Ok(()) };
+        let InstallPhase::Downloading { spec, .. } = &job.phase else { return Ok(()) };
+        if let Err(e) = self.state.verifier.verify_artifact_digest(&model.name, model.version, length, digest, now) {
+            return self.fail_install(now, job, format!("artifact refused: {e}"), false);
+        }
+        let candidate = SlotModel { model: model.clone(), spec: spec.clone() };
+        let mut next = self.state.clone();
+        next.staged = Some(candidate);
+        let job = InstallJob { phase: InstallPhase::Staged, ..job };
+        next.install = Some(job.clone());
+        next.last_state = DeviceState::Verified;
+        // Commit point: staged in the inactive slot; the active model is untouched.
+        self.commit(next)?;
+        self.report(now);
+        self.queue_install_step(&job, now);
+        Ok(())
+    }
+
+    /// Judges a health report against the policy.
+    pub fn judge(&self, r: &HealthReport) -> Result<(), String> {
+        let p = &self.cfg.health;
+        if r.holdout == 0 {
+            return Err("no holdout examples to check the model on".into());
+        }
+        if r.non_finite {
+            return Err("outputs contain NaN/Inf".into());
+        }
+        if !(r.latency_p99_ms <= p.max_latency_ms) {
+            return Err(format!("p99 latency {:.2} ms over the {:.2} ms budget", r.latency_p99_ms, p.max_latency_ms));
+        }
+        if !r.candidate_accuracy.is_finite() {
+            return Err("accuracy is not finite".into());
+        }
+        if let Some(a) = r.active_accuracy
+            && r.candidate_accuracy < a - p.accuracy_margin
+        {
+            return Err(format!(
+                "holdout accuracy {:.4} is worse than the active model's {:.4} by more than {:.4}",
+                r.candidate_accuracy, a, p.accuracy_margin
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_health(&mut self, now: Millis, model: ModelRef, result: Result<HealthReport, String>) -> Result<(), LifecycleError> {
+        let Some(job) = self.state.install.clone().filter(|j| j.model == model && j.phase == InstallPhase::Staged) else {
+            return Ok(());
+        };
+        let verdict = result.and_then(|r| self.judge(&r));
+        if let Err(reason) = verdict {
+            return self.fail_install(now, job, format!("health check failed: {reason}"), true);
+        }
+        let mut healthy = self.status(now);
+        healthy.state = DeviceState::Healthy;
+        self.actions.push_back(Action::Report(healthy));
+        let mut next = self.state.clone();
+        let candidate = next.staged.take().expect("staged phase has a staged model");
+        next.previous = next.active.replace(candidate.clone());
+        next.active_slot = next.active_slot.other();
+        next.install = None;
+        next.last_state = DeviceState::Active;
+        // Commit point: the one write that activates (flips the slots).
+        self.commit(next)?;
+        self.actions.push_back(Action::Serve { slot: self.state.active_slot, model: candidate });
+        self.report(now);
+        Ok(())
+    }
+
+    // ----- helpers -----
+
+    fn commit(&mut self, next: PersistedState) -> Result<(), LifecycleError> {
+        self.persists.push_back(Persist::State(serde_json::to_vec(&next).expect("state serializes")));
+        self.state = next;
+        Ok(())
+    }
+
+    fn remove_outbox(&mut self, id: u64) {
+        self.outbox.remove(&id);
+        self.persists.push_back(Persist::RemoveOutbox(id));
+    }
+
+    /// A fresh outbox id, above every id saved so far; the counter is saved with the state
+    /// written right after the entry (a crash between the two finds the entry, and skips it).
+    fn next_outbox_id(&mut self) -> u64 {
+        let above_saved = self.outbox.keys().next_back().map_or(0, |id| id + 1);
+        let id = self.state.next_outbox_id.max(above_saved);
+        self.state.next_outbox_id = id + 1;
+        id
+    }
+
+    fn report(&mut self, now: Millis) {
+        self.actions.push_back(Action::Report(self.status(now)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ed25519_dalek::SigningKey;
+    use fedfleet_protocol::ModelVersion;
+
+    fn pinned_root() -> SignedMetadata<Root> {
+        let k = SigningKey::from_bytes(&[7; 32]);
+        let body = Root::new(1, u64::MAX / 2, (&[&k.verifying_key()], 1), (&[&k.verifying_key()], 1), (&[&k.verifying_key()], 1));
+        SignedMetadata::sign(&body, &[&k])
+    }
+
+    fn cfg() -> CoreConfig {
+        CoreConfig::new(DeviceId::new("cam-1").unwrap(), FleetId::new("f").unwrap())
+    }
+
+    fn initial() -> SlotModel {
+        let model = fedfleet_protocol::ModelRef { name: "m".into(), version: ModelVersion(1), digest: Digest::of(b"v1") };
+        SlotModel { model, spec: "{}".into() }
+    }
+
+    /// The core hands out what to persist first, and holds its actions back until the shell
+    /// took every write: an action never runs ahead of the state it implies.
+    #[test]
+    fn writes_come_before_the_actions_they_imply_and_reopen_from_them() {
+        let mut lc = Lifecycle::open(cfg(), Saved::default(), Some(pinned_root()), Some(initial()), 1_000).unwrap();
+        let Some(Persist::State(saved)) = lc.poll_persist() else { panic!("the first state is persisted first") };
+        assert!(lc.poll_persist().is_none());
+        assert!(matches!(lc.poll_action(), Some(Action::Serve { .. })));
+
+        lc.handle(2_000, Input::Conditions(Conditions { idle: true, charging: true, fresh_samples: 10 })).unwrap();
+        while lc.poll_action().is_some() {}
+        // Reopening on the saved bytes gives the same state, with nothing to write.
+        let again = Lifecycle::open(cfg(), Saved { state: Some(saved), outbox: vec![] }, None, None, 3_000).unwrap();
+        assert_eq!(again.active(), lc.active());
+        assert!(matches!(
+            Lifecycle::open(cfg(), Saved { state: Some(b"{".to_vec()), outbox: vec![] }, None, None, 0),
+            Err(LifecycleError::CorruptState(_))
+        ));
+    }
+}
