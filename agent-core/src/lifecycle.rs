@@ -74,6 +74,9 @@ pub enum LifecycleError {
     BadRoot(fedfleet_protocol::tuf::TufError),
     #[error("persisted state belongs to device {found}, but the identity is {expected}")]
     WrongDevice { expected: DeviceId, found: DeviceId },
+    /// Rounds of the configured fleet would all be refused as another fleet's: refuse to start.
+    #[error("this device's store is in fleet {saved}, but the config says fleet {configured}: fix `fleet` in the config (or move the store aside to enroll the device in the new fleet)")]
+    WrongFleet { configured: FleetId, saved: FleetId },
 }
 
 /// Which slot.
@@ -346,6 +349,8 @@ pub struct Lifecycle {
     train_retry_at: Option<Millis>,
     /// Failed asks for the current round's base model.
     train_attempts: u32,
+    /// The last round refusal logged at INFO (logged once per round and reason).
+    last_refusal: Option<(RoundId, String)>,
     actions: VecDeque<Action>,
     rng: ChaCha8Rng,
 }
@@ -373,6 +378,9 @@ impl Lifecycle {
                     .map_err(|e| LifecycleError::CorruptState(e.to_string()))?;
                 if st.device != cfg.device {
                     return Err(LifecycleError::WrongDevice { expected: cfg.device.clone(), found: st.device });
+                }
+                if st.fleet != cfg.fleet {
+                    return Err(LifecycleError::WrongFleet { configured: cfg.fleet.clone(), saved: st.fleet });
                 }
                 st
             }
@@ -410,6 +418,7 @@ impl Lifecycle {
             install_retry_at: None,
             train_retry_at: None,
             train_attempts: 0,
+            last_refusal: None,
             actions: VecDeque::new(),
             rng,
         };
@@ -624,7 +633,16 @@ impl Lifecycle {
 
     fn on_round(&mut self, now: Millis, a: RoundAnnouncement) -> Result<(), LifecycleError> {
         if let Some(why) = self.round_refusal(now, &a) {
-            tracing::debug!(round = %a.round, %why, "not joining round");
+            // A round this device skips says why at INFO, once per round and reason; a round it
+            // already did or is training for is routine (every poll sees it again).
+            let routine = self.state.last_round.is_some_and(|r| r >= a.round) || self.state.round.is_some();
+            let said = self.last_refusal.as_ref().is_some_and(|(r, w)| *r == a.round && *w == why);
+            if routine || said {
+                tracing::debug!(round = %a.round, %why, "not joining round");
+            } else {
+                tracing::info!(round = %a.round, %why, "not joining round");
+                self.last_refusal = Some((a.round, why));
+            }
             return Ok(());
         }
         let mut next = self.state.clone();
@@ -1017,5 +1035,20 @@ mod tests {
             Lifecycle::open(cfg(), Saved { state: Some(b"{".to_vec()), outbox: vec![] }, None, None, 0),
             Err(LifecycleError::CorruptState(_))
         ));
+    }
+
+    /// An agent whose config names another fleet than its saved state would drop every round
+    /// (issue: silently); it now refuses to start and says which setting to fix.
+    #[test]
+    fn a_config_naming_another_fleet_than_the_store_is_refused_at_start() {
+        let mut lc = Lifecycle::open(cfg(), Saved::default(), Some(pinned_root()), Some(initial()), 1_000).unwrap();
+        let Some(Persist::State(saved)) = lc.poll_persist() else { panic!() };
+        let mut moved = cfg();
+        moved.fleet = FleetId::new("other").unwrap();
+        match Lifecycle::open(moved, Saved { state: Some(saved), outbox: vec![] }, None, None, 2_000) {
+            Err(e @ LifecycleError::WrongFleet { .. }) => assert!(e.to_string().contains("fix `fleet` in the config"), "{e}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("opened a store of fleet f with fleet other configured"),
+        }
     }
 }

@@ -34,7 +34,7 @@ use crate::config::{Config, FoldBackend};
 use crate::coordinator::FoldMode;
 use crate::engine::{
     CampaignId, CampaignSpec, EngineConfig, EngineEvent, Millis, RoundEngine, RoundPolicy,
-    Selection, UpdateMeta,
+    Invitation, UpdateMeta,
 };
 use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, ModelRecord, Store};
 use crate::publish::{PublishRequest, Publisher};
@@ -1088,7 +1088,7 @@ impl Aggregator {
             base_version: base.version,
             base_digest: base.digest,
             client: strategy.configure(RoundId(0)),
-            selection: Selection::Rate { rate: d.sampling_rate },
+            selection: Invitation::Rate { rate: d.sampling_rate },
             policy: RoundPolicy {
                 target_count: target,
                 min_quorum: o.min_quorum.unwrap_or(d.quorum).min(target),

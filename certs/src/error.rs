@@ -39,6 +39,10 @@ pub enum CertError {
     /// The peer presented no certificate.
     #[error("peer presented no certificate")]
     NoPeerCertificate,
+    /// A certificate does not chain to the fleet CA it is used with (another fleet's, expired,
+    /// not yet valid, or forged).
+    #[error("{}: not a valid certificate of the fleet CA {}: {reason}", path.display(), ca.display())]
+    NotIssuedByCa { path: PathBuf, ca: PathBuf, reason: String },
     /// The device is not in the allow-list.
     #[error("device {0} is not enrolled")]
     NotEnrolled(String),

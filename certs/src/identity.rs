@@ -194,6 +194,11 @@ impl DeviceIdentity {
         let mut chain = x509::load_pem_certs(cert)?;
         let der = chain.swap_remove(0);
         let signing = load_key_matching(cert, &der, key)?;
+        crate::tls::verify_issued_by(&ca, &der, &chain).map_err(|reason| CertError::NotIssuedByCa {
+            path: cert.to_owned(),
+            ca: ca.path().to_owned(),
+            reason,
+        })?;
         let id = crate::device_id_from_peer(std::slice::from_ref(&der))
             .map_err(|e| CertError::malformed(cert, e.to_string()))?;
         Ok(DeviceIdentity {

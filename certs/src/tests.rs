@@ -278,3 +278,20 @@ fn inspect_describes_each_kind_of_file() {
     let s = inspect::describe(&pki.allow_list_path(), None).unwrap();
     assert!(s.contains("d1") && s.contains("REVOKED"), "{s}");
 }
+
+#[test]
+fn a_device_identity_from_another_fleets_ca_is_refused_at_load() {
+    let (ours, theirs) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let our_pki = Pki::init(ours.path(), &fleet(), CA_DAYS, false).unwrap();
+    let their_pki = Pki::init(theirs.path(), &FleetId::new("other").unwrap(), CA_DAYS, false).unwrap();
+    let mine = our_pki.enroll_device(&id("cam-1"), LEAF_DAYS, false).unwrap();
+    let foreign = their_pki.enroll_device(&id("cam-1"), LEAF_DAYS, false).unwrap();
+    DeviceIdentity::from_files(&mine.cert_path, &mine.key_path, &our_pki.ca_cert_path()).unwrap();
+    match DeviceIdentity::from_files(&foreign.cert_path, &foreign.key_path, &our_pki.ca_cert_path()) {
+        Err(CertError::NotIssuedByCa { path, reason, .. }) => {
+            assert_eq!(path, foreign.cert_path);
+            assert!(!reason.is_empty());
+        }
+        other => panic!("a certificate of another fleet's CA was accepted: {other:?}"),
+    }
+}

@@ -39,6 +39,22 @@ pub struct RevocationCheckingVerifier {
     revocation: Arc<RevocationWatcher>,
 }
 
+/// Checks `leaf` (with `intermediates`) the way the fleet's servers will on every handshake:
+/// issued by `ca`, valid now, usable as a client certificate. The reason, in rustls's words.
+pub fn verify_issued_by(
+    ca: &CaCert,
+    leaf: &rustls::pki_types::CertificateDer<'static>,
+    intermediates: &[rustls::pki_types::CertificateDer<'static>],
+) -> Result<(), String> {
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store().map_err(|e| e.to_string())?), provider())
+        .build()
+        .map_err(|e| e.to_string())?;
+    verifier
+        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
 impl RevocationCheckingVerifier {
     pub fn new(ca: &CaCert, revocation: Arc<RevocationWatcher>) -> Result<Self, CertError> {
         let inner =

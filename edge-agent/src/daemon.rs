@@ -73,6 +73,12 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
     let data = load_data(cfg)?;
     let store = AgentStore::open(cfg.store_dir())?;
     let fleet = FleetId::new(&cfg.fleet).map_err(|e| anyhow::anyhow!("fleet: {e}"))?;
+    // The fleet CA names its fleet: a config naming another one would join no round, ever.
+    if let Some(ca_fleet) = identity.ca().fleet()
+        && *ca_fleet != fleet
+    {
+        bail!("config fleet \"{fleet}\" differs from the fleet of this device's CA ({ca_fleet}): set `fleet = \"{ca_fleet}\"` in the config");
+    }
     let mut core_cfg = CoreConfig::new(identity.device_id().clone(), fleet);
     core_cfg.cohort = cfg.cohort.clone();
     core_cfg.local_samples = data.train.len() as u64;
@@ -229,8 +235,9 @@ async fn run_with<A: Aggregator, R: Registry>(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let socket = cfg.socket_path();
     let serving = agent.serving();
+    let scale = cfg.data.csv_scale;
     let mut rx1 = stop_rx.clone();
-    let server = tokio::spawn(async move { inference::serve_unix(&socket, serving, async move { let _ = rx1.changed().await; }).await });
+    let server = tokio::spawn(async move { inference::serve_unix(&socket, serving, scale, async move { let _ = rx1.changed().await; }).await });
     tokio::spawn(async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
@@ -313,7 +320,7 @@ pub async fn infer(config: &Path, input: &Path) -> Result<String> {
         Ok(r) => r,
         Err(_) => {
             let served = load_active_offline(&cfg.store_dir())?;
-            inference::answer(Some(served), &req)
+            inference::answer(Some(served), &req, cfg.data.csv_scale)
         }
     };
     if let Some(e) = resp.error {

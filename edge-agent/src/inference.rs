@@ -40,16 +40,19 @@ impl Response {
     }
 }
 
-/// Answers one request with the served model (blocking).
-pub fn answer(served: Option<Served>, req: &Request) -> Response {
+/// Answers one request with the served model (blocking). Rows are raw feature values; `scale`
+/// is the `[data] csv_scale` the model was trained with, applied here so that inference sees
+/// what training saw.
+pub fn answer(served: Option<Served>, req: &Request, scale: Option<f32>) -> Response {
     let Some(s) = served else { return Response::error("no active model") };
     let n_in = s.predictor.model().spec().input_len();
     let mut flat = Vec::with_capacity(req.inputs.len() * n_in);
     for (i, row) in req.inputs.iter().enumerate() {
-        if row.len() != n_in && row.len() != n_in + 1 {
-            return Response::error(format!("row {i} has {} values, the model takes {n_in}", row.len()));
+        if row.len() != n_in {
+            let hint = if row.len() == n_in + 1 { " (is the label column still in?)" } else { "" };
+            return Response::error(format!("row {i} has {} values, the model takes {n_in}{hint}", row.len()));
         }
-        flat.extend_from_slice(&row[..n_in]);
+        flat.extend(row.iter().map(|&x| scale.map_or(x, |f| x * f)));
     }
     match s.predictor.predict_batch(&flat, req.inputs.len()) {
         Ok(b) => Response { model: Some(s.model), predictions: b.predictions, latency_us: b.latency.as_micros() as u64, error: None },
@@ -58,7 +61,7 @@ pub fn answer(served: Option<Served>, req: &Request) -> Response {
 }
 
 /// Serves `serving` on a unix socket at `path` until `shutdown` resolves.
-pub async fn serve_unix(path: &Path, serving: Serving, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
+pub async fn serve_unix(path: &Path, serving: Serving, scale: Option<f32>, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path)?;
     tracing::info!(socket = %path.display(), "inference endpoint listening");
@@ -70,7 +73,7 @@ pub async fn serve_unix(path: &Path, serving: Serving, shutdown: impl std::futur
                 let (stream, _) = r?;
                 let serving = serving.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, serving).await {
+                    if let Err(e) = handle(stream, serving, scale).await {
                         tracing::debug!(error = %e, "inference connection ended");
                     }
                 });
@@ -81,7 +84,7 @@ pub async fn serve_unix(path: &Path, serving: Serving, shutdown: impl std::futur
     Ok(())
 }
 
-async fn handle(stream: UnixStream, serving: Serving) -> std::io::Result<()> {
+async fn handle(stream: UnixStream, serving: Serving, scale: Option<f32>) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut lines = BufReader::new(r).lines();
     while let Some(line) = lines.next_line().await? {
@@ -91,7 +94,7 @@ async fn handle(stream: UnixStream, serving: Serving) -> std::io::Result<()> {
         let resp = match serde_json::from_str::<Request>(&line) {
             Ok(req) => {
                 let served = serving.get();
-                tokio::task::spawn_blocking(move || answer(served, &req))
+                tokio::task::spawn_blocking(move || answer(served, &req, scale))
                     .await
                     .unwrap_or_else(|e| Response::error(format!("inference panicked: {e}")))
             }
@@ -128,4 +131,36 @@ pub fn parse_csv_rows(text: &str) -> Result<Vec<Vec<f32>>, String> {
         rows.push(row.map_err(|e| format!("line {}: {e}", i + 1))?);
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn served() -> Served {
+        let spec = fedfleet_learning::ModelSpec::digits_mlp();
+        let bytes = fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode();
+        let spec_json = serde_json::to_string(&spec).unwrap();
+        let model = fedfleet_protocol::ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(1), digest: fedfleet_protocol::Digest::of(&bytes) };
+        Served { model, predictor: Arc::new(crate::ml::predictor(&spec_json, &bytes).unwrap()) }
+    }
+
+    #[test]
+    fn a_row_with_the_label_column_is_refused_with_a_hint() {
+        let req = Request { inputs: vec![vec![1.0; 65]] };
+        let err = answer(Some(served()), &req, None).error.expect("refused");
+        assert!(err.contains("has 65 values, the model takes 64 (is the label column still in?)"), "{err}");
+    }
+
+    #[test]
+    fn raw_rows_are_scaled_as_in_training() {
+        let raw = Request { inputs: vec![(0..64).map(|i| (i % 17) as f32).collect()] };
+        let scaled = Request { inputs: vec![raw.inputs[0].iter().map(|x| x / 16.0).collect()] };
+        let a = answer(Some(served()), &raw, Some(1.0 / 16.0));
+        let b = answer(Some(served()), &scaled, None);
+        assert_eq!(a.predictions[0].probs, b.predictions[0].probs);
+        let unscaled = answer(Some(served()), &raw, None);
+        assert_ne!(unscaled.predictions[0].probs, b.predictions[0].probs);
+    }
 }

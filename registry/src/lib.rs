@@ -56,7 +56,7 @@ pub use fedfleet_protocol::tuf;
 pub use fedfleet_registry_client::{client, wire};
 pub use fedfleet_rollout as rollout;
 pub use rollout::{
-    Assignment, Audience, DeviceState, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError,
+    Assignment, Audience, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError, VersionReport,
     RolloutPlan, Status as RolloutStatus,
 };
 pub use store::{

@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use crate::RegistryError;
 use crate::metadata::MetadataSigner;
 use crate::metrics::Metrics;
-use crate::rollout::{DeviceState, Event as RolloutEvent, Rollout, RolloutPlan, Status};
+use crate::rollout::{VersionReport, Event as RolloutEvent, Rollout, RolloutPlan, Status};
 use crate::store::{Manifest, NewVersion, Store};
 use crate::wire::{
     AdminRequest, AssignmentBody, AssignmentSource, MetadataSet, RolloutCommand, RolloutStart,
@@ -62,17 +62,17 @@ fn event_name(e: &RolloutEvent) -> &'static str {
 }
 
 /// The rollout engine's view of a protocol device state (`None`: not about an install).
-fn engine_state(s: &fedfleet_protocol::DeviceState) -> Option<DeviceState> {
+fn engine_state(s: &fedfleet_protocol::DeviceState) -> Option<VersionReport> {
     use fedfleet_protocol::DeviceState as P;
     Some(match s {
-        P::Downloaded => DeviceState::Downloaded,
-        P::Verified => DeviceState::Verified,
-        P::Healthy => DeviceState::Healthy,
-        P::Active => DeviceState::Active,
-        P::RolledBack { reason } => DeviceState::RolledBack {
+        P::Downloaded => VersionReport::Downloaded,
+        P::Verified => VersionReport::Verified,
+        P::Healthy => VersionReport::Healthy,
+        P::Active => VersionReport::Active,
+        P::RolledBack { reason } => VersionReport::RolledBack {
             reason: reason.clone(),
         },
-        P::Failed { reason } => DeviceState::Failed {
+        P::Failed { reason } => VersionReport::Failed {
             reason: reason.clone(),
         },
         _ => return None,
@@ -225,7 +225,7 @@ impl Registry {
             return Ok(());
         };
         let about = match state {
-            DeviceState::Active => status.active.as_ref().or(status.staged.as_ref()),
+            VersionReport::Active => status.active.as_ref().or(status.staged.as_ref()),
             _ => status.staged.as_ref().or(status.active.as_ref()),
         };
         let Some(model) = about else {

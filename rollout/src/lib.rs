@@ -21,7 +21,7 @@
 //! alias at the target ([`Event::SetAlias`]); until then the alias keeps the previous version and
 //! only the audience is told to run the target.
 //!
-//! Device reports ([`DeviceState`]) drive the failure rate: among audience devices that reported
+//! Device reports ([`VersionReport`]) drive the failure rate: among audience devices that reported
 //! an *outcome* for the target (healthy, active, failed, rolled back), the share that failed or
 //! rolled back. Downloads and verifications are recorded but are not outcomes. When at least
 //! `min_sample` devices reported an outcome and the share exceeds `failure_threshold`, the rollout
@@ -153,7 +153,7 @@ pub enum Status {
 /// A device's report about one version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum DeviceState {
+pub enum VersionReport {
     Downloaded,
     Verified,
     Healthy,
@@ -162,13 +162,13 @@ pub enum DeviceState {
     Failed { reason: String },
 }
 
-impl DeviceState {
+impl VersionReport {
     /// `Some(true)` for a success outcome, `Some(false)` for a failure, `None` while in progress.
     pub fn outcome(&self) -> Option<bool> {
         match self {
-            DeviceState::Downloaded | DeviceState::Verified => None,
-            DeviceState::Healthy | DeviceState::Active => Some(true),
-            DeviceState::RolledBack { .. } | DeviceState::Failed { .. } => Some(false),
+            VersionReport::Downloaded | VersionReport::Verified => None,
+            VersionReport::Healthy | VersionReport::Active => Some(true),
+            VersionReport::RolledBack { .. } | VersionReport::Failed { .. } => Some(false),
         }
     }
 }
@@ -177,7 +177,7 @@ impl DeviceState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceRecord {
     pub version: ModelVersion,
-    pub state: DeviceState,
+    pub state: VersionReport,
     pub at: u64,
     /// First phase whose audience includes the device (`None`: in no phase). Cached at report.
     pub first_phase: Option<usize>,
@@ -438,7 +438,7 @@ impl Rollout {
         now: u64,
         device: DeviceId,
         version: ModelVersion,
-        state: DeviceState,
+        state: VersionReport,
     ) {
         let first_phase = self.first_phase(&device);
         self.devices.insert(

@@ -101,7 +101,7 @@ impl fmt::Display for CampaignId {
 /// Which devices a round invites.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Selection {
+pub enum Invitation {
     /// Each device is selected independently with probability `rate × over_selection` (capped at
     /// 1, in parts per million), decided by the wire protocol's
     /// [`Selection::Sample`](WireSelection::Sample) hash of the round's seed ([`round_seed`]) and
@@ -153,7 +153,7 @@ pub struct CampaignSpec {
     pub base_digest: Digest,
     /// What clients do each round (from `Strategy::configure`).
     pub client: ClientConfig,
-    pub selection: Selection,
+    pub selection: Invitation,
     pub policy: RoundPolicy,
     /// Seed of every round's sampling (see [`round_seed`]). Chosen
     /// by the shell (randomly, or fixed for reproducible runs).
@@ -164,7 +164,7 @@ pub struct CampaignSpec {
 
 /// What the shell broadcasts when a round opens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RoundAnnouncement {
+pub struct OpenedRound {
     pub fleet: FleetId,
     pub campaign: CampaignId,
     pub round: RoundId,
@@ -296,7 +296,7 @@ impl CampaignOutcome {
 #[serde(rename_all = "snake_case")]
 pub enum EngineEvent {
     /// Broadcast the announcement.
-    RoundOpened(RoundAnnouncement),
+    RoundOpened(OpenedRound),
     /// The quorum was missing at the deadline; the deadline moved once.
     RoundExtended {
         round: RoundId,
@@ -787,15 +787,15 @@ impl RoundEngine {
         let policy = &c.spec.policy;
         let deadline = now.saturating_add(policy.duration_ms);
         let selection = match &c.spec.selection {
-            Selection::Rate { rate } => WireSelection::Sample {
+            Invitation::Rate { rate } => WireSelection::Sample {
                 rate_ppm: effective_ppm(*rate, policy),
                 seed: round_seed(&c.spec.seed, id),
             },
-            Selection::Explicit { devices } => {
+            Invitation::Explicit { devices } => {
                 WireSelection::Devices(devices.iter().cloned().collect())
             }
         };
-        let announcement = RoundAnnouncement {
+        let announcement = OpenedRound {
             fleet: self.fleet.clone(),
             campaign: c.spec.id,
             round: id,
@@ -874,8 +874,8 @@ fn effective_ppm(rate: f64, policy: &RoundPolicy) -> u32 {
 
 fn selected(spec: &CampaignSpec, announced: &WireSelection, device: &DeviceId) -> bool {
     match &spec.selection {
-        Selection::Rate { .. } => announced.selects(device),
-        Selection::Explicit { devices } => devices.contains(device),
+        Invitation::Rate { .. } => announced.selects(device),
+        Invitation::Explicit { devices } => devices.contains(device),
     }
 }
 
@@ -907,10 +907,10 @@ fn validate(spec: &CampaignSpec) -> Result<(), EngineError> {
         return bad("max_consecutive_failures must be >= 1".into());
     }
     match &spec.selection {
-        Selection::Rate { rate } if !(*rate > 0.0 && *rate <= 1.0) || rate_to_ppm(*rate) == 0 => {
+        Invitation::Rate { rate } if !(*rate > 0.0 && *rate <= 1.0) || rate_to_ppm(*rate) == 0 => {
             bad(format!("rate must be in [1e-6, 1], got {rate}"))
         }
-        Selection::Explicit { devices } if (devices.len() as u64) < p.min_quorum as u64 => {
+        Invitation::Explicit { devices } if (devices.len() as u64) < p.min_quorum as u64 => {
             bad(format!(
                 "{} explicit devices can never reach min_quorum {}",
                 devices.len(),

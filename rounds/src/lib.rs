@@ -52,8 +52,8 @@ pub mod strategy;
 pub use coordinator::{Coordinator, FinalizeError};
 pub use engine::{
     Accepted, CampaignId, CampaignOutcome, CampaignSpec, CloseCause, Contribution, EngineConfig,
-    EngineError, EngineEvent, FailReason, Millis, Nonce, Reject, RoundAnnouncement, RoundEngine,
-    RoundPolicy, RoundStatus, Selection, UpdateMeta, rate_to_ppm, round_seed,
+    EngineError, EngineEvent, FailReason, Millis, Nonce, Reject, OpenedRound, RoundEngine,
+    RoundPolicy, RoundStatus, Invitation, UpdateMeta, rate_to_ppm, round_seed,
 };
 pub use reject::RejectReason;
 pub use strategy::{

@@ -163,7 +163,7 @@ fn abort_stops_new_assignments() {
         T0 + 1,
         healthy.clone(),
         ModelVersion(2),
-        DeviceState::Active,
+        VersionReport::Active,
     );
     r.abort(T0 + 2, "operator: wrong model").unwrap();
     assert!(events(&mut r).contains(&Event::Aborted {
@@ -205,7 +205,7 @@ fn failure_threshold_auto_aborts() {
     events(&mut r);
     // Progress reports are not outcomes.
     for d in &cohort[..10] {
-        r.handle_report(T0 + 1, d.clone(), ModelVersion(2), DeviceState::Downloaded);
+        r.handle_report(T0 + 1, d.clone(), ModelVersion(2), VersionReport::Downloaded);
     }
     // Four failures: below the minimum sample of five, no verdict yet.
     for d in &cohort[..4] {
@@ -213,7 +213,7 @@ fn failure_threshold_auto_aborts() {
             T0 + 2,
             d.clone(),
             ModelVersion(2),
-            DeviceState::Failed {
+            VersionReport::Failed {
                 reason: "NaN output".into(),
             },
         );
@@ -223,13 +223,13 @@ fn failure_threshold_auto_aborts() {
         T0 + 2,
         dev(999),
         ModelVersion(2),
-        DeviceState::Failed { reason: "x".into() },
+        VersionReport::Failed { reason: "x".into() },
     );
     r.handle_report(
         T0 + 2,
         cohort[10].clone(),
         ModelVersion(1),
-        DeviceState::Failed { reason: "x".into() },
+        VersionReport::Failed { reason: "x".into() },
     );
     assert_eq!(r.status(), Status::Running);
     assert_eq!(r.summary().failure_rate, Some(1.0));
@@ -243,7 +243,7 @@ fn failure_threshold_auto_aborts() {
         T0 + 3,
         cohort[5].clone(),
         ModelVersion(2),
-        DeviceState::Healthy,
+        VersionReport::Healthy,
     );
     assert_eq!(r.status(), Status::Aborted);
     assert_eq!(
@@ -272,12 +272,12 @@ fn failures_under_threshold_do_not_abort() {
         T0,
         cohort[0].clone(),
         ModelVersion(2),
-        DeviceState::RolledBack {
+        VersionReport::RolledBack {
             reason: "latency".into(),
         },
     );
     for d in &cohort[1..10] {
-        r.handle_report(T0, d.clone(), ModelVersion(2), DeviceState::Healthy);
+        r.handle_report(T0, d.clone(), ModelVersion(2), VersionReport::Healthy);
     }
     assert_eq!(r.status(), Status::Running);
     assert_eq!(r.summary().failure_rate, Some(0.1));
@@ -420,13 +420,13 @@ fn min_healthy_gates_advancing() {
         T0 + 5 * SOAK,
         beta[0].clone(),
         ModelVersion(2),
-        DeviceState::Active,
+        VersionReport::Active,
     );
     r.handle_report(
         T0 + 5 * SOAK,
         beta[1].clone(),
         ModelVersion(2),
-        DeviceState::Healthy,
+        VersionReport::Healthy,
     );
     r.handle_timeout(T0 + 5 * SOAK + 1);
     assert_eq!(r.phase(), 1);
@@ -437,7 +437,7 @@ fn state_serializes_mid_rollout() {
     let mut r = standard();
     r.handle_timeout(T0 + SOAK);
     let d = device_in_phase(&r, 0);
-    r.handle_report(T0 + SOAK, d.clone(), ModelVersion(2), DeviceState::Verified);
+    r.handle_report(T0 + SOAK, d.clone(), ModelVersion(2), VersionReport::Verified);
     r.pause(T0 + SOAK + 5).unwrap();
     let json = serde_json::to_string(&r).unwrap();
     let mut back: Rollout = serde_json::from_str(&json).unwrap();

@@ -43,7 +43,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
         base_version: ModelVersion(1),
         base_digest: base(),
         client: ClientConfig::default(),
-        selection: fedfleet_rounds::Selection::Explicit {
+        selection: fedfleet_rounds::Invitation::Explicit {
             devices: (0..devices).map(dev).collect(),
         },
         policy,
@@ -52,7 +52,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
     }
 }
 
-fn engine_with(spec: CampaignSpec) -> (RoundEngine, RoundAnnouncement) {
+fn engine_with(spec: CampaignSpec) -> (RoundEngine, OpenedRound) {
     let mut e = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
     e.start_campaign(T0, spec).unwrap();
     let Some(EngineEvent::RoundOpened(a)) = e.poll_event() else {
@@ -417,7 +417,7 @@ fn rate_sampling_is_deterministic_and_close_to_the_rate() {
     let mut p = policy(100, 10, 0);
     p.over_selection = 1.5;
     let mut s = spec(0, p);
-    s.selection = fedfleet_rounds::Selection::Rate { rate: 0.1 };
+    s.selection = fedfleet_rounds::Invitation::Rate { rate: 0.1 };
     let (e, ann) = engine_with(s);
     let Selection::Sample { rate_ppm, seed } = ann.selection.clone() else {
         panic!()
@@ -516,7 +516,7 @@ fn invalid_specs_are_refused() {
         Err(EngineError::InvalidSpec(_))
     ));
     let mut s = spec(10, policy(3, 2, 0));
-    s.selection = fedfleet_rounds::Selection::Rate { rate: 0.0 };
+    s.selection = fedfleet_rounds::Invitation::Rate { rate: 0.0 };
     assert!(matches!(
         e.start_campaign(T0, s),
         Err(EngineError::InvalidSpec(_))

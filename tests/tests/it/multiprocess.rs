@@ -298,8 +298,8 @@ impl Fleet {
     fn start_agent(&mut self, i: usize) {
         let name = self.devices[i].clone();
         let config = self.agent_config(i);
-        // The lifecycle's debug lines say why a device does not join a round: proof that it
-        // heard the announcement.
+        // The lifecycle says why a device does not join a round (INFO for a round it skips,
+        // debug for routine repeats): proof that it heard the announcement.
         let log = self.log(&name);
         self.agents[i] = Some(Proc::spawn(
             &name,
@@ -307,7 +307,7 @@ impl Fleet {
             &["run", "--config", &config],
             &self.root,
             &log,
-            "info,fedfleet_agent::lifecycle=debug",
+            "info,fedfleet_agent_core::lifecycle=debug",
         ));
     }
 
