@@ -85,6 +85,12 @@ pub enum LearningError {
     /// Bad training configuration.
     #[error("invalid training config: {0}")]
     InvalidConfig(String),
+    /// A PyTorch `state_dict` does not match the model description (every problem listed).
+    #[error("state_dict does not match the model: {0}")]
+    StateDict(crate::interop::StateDictProblems),
+    /// A safetensors file could not be parsed or written.
+    #[error("safetensors: {0}")]
+    Safetensors(String),
     /// Reading a tensor back from burn failed.
     #[error("tensor read failed: {0}")]
     Tensor(String),

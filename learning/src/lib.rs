@@ -19,6 +19,8 @@
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod graph;
+pub mod interop;
 pub mod model;
 pub mod partition;
 pub mod rng;
@@ -28,10 +30,11 @@ pub mod train;
 
 pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};
 pub use error::{DataError, LearningError};
-pub use eval::{evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
+pub use eval::{anomaly_scores, evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
+pub use graph::{FineTune, GraphSpec, Layer, Task};
 pub use model::Model;
 pub use partition::Partition;
-pub use spec::ModelSpec;
+pub use spec::{ModelSpec, TensorRole};
 pub use train::{
     train_local, train_local_scaffold, OptimizerConfig, ScaffoldOutcome, ScaffoldState,
     TrainConfig, TrainMetrics, TrainOutcome,

@@ -2,6 +2,7 @@
 
 mod conversion;
 mod data;
+mod golden;
 mod partition;
 mod sim;
 mod train;
