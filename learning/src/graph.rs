@@ -134,6 +134,9 @@ pub enum Layer {
     Linear {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        in_features: Option<usize>,
         out_features: usize,
         #[serde(default = "yes")]
         bias: bool,
@@ -142,6 +145,9 @@ pub enum Layer {
     Conv1d {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        in_channels: Option<usize>,
         out_channels: usize,
         kernel_size: usize,
         #[serde(default = "one")]
@@ -159,6 +165,9 @@ pub enum Layer {
     Conv2d {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        in_channels: Option<usize>,
         out_channels: usize,
         kernel_size: usize,
         #[serde(default = "one")]
@@ -177,6 +186,9 @@ pub enum Layer {
     SeparableConv2d {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        in_channels: Option<usize>,
         out_channels: usize,
         kernel_size: usize,
         #[serde(default = "one")]
@@ -192,6 +204,9 @@ pub enum Layer {
     BatchNorm {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        num_features: Option<usize>,
         #[serde(default = "eps_default")]
         eps: Real,
         #[serde(default = "bn_momentum")]
@@ -255,6 +270,9 @@ pub enum Layer {
     Gru {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        input_size: Option<usize>,
         hidden_size: usize,
         #[serde(default)]
         output: RnnOutput,
@@ -263,6 +281,9 @@ pub enum Layer {
     Lstm {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// Optional declared input size, checked against the inferred one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        input_size: Option<usize>,
         hidden_size: usize,
         #[serde(default)]
         output: RnnOutput,
@@ -705,6 +726,22 @@ impl Builder<'_> {
                 Ok(())
             }
         };
+        let declared = match layer {
+            Layer::Linear { in_features: Some(n), .. } => Some(("in_features", *n, *input.last().expect("non-empty"), "features")),
+            Layer::Conv1d { in_channels: Some(n), .. }
+            | Layer::Conv2d { in_channels: Some(n), .. }
+            | Layer::SeparableConv2d { in_channels: Some(n), .. } => Some(("in_channels", *n, input[0], "channels")),
+            Layer::BatchNorm { num_features: Some(n), .. } => Some(("num_features", *n, input[0], "channels")),
+            Layer::Gru { input_size: Some(n), .. } | Layer::Lstm { input_size: Some(n), .. } => {
+                Some(("input_size", *n, input.get(1).copied().unwrap_or(0), "features per step"))
+            }
+            _ => None,
+        };
+        if let Some((field, want, got, what)) = declared
+            && want != got
+        {
+            return Err(bad(format!("{field} {want} but input {input:?} has {got} {what}")));
+        }
         let (op, output) = match layer {
             Layer::Linear { out_features, bias, .. } => {
                 positive("out_features", *out_features)?;

@@ -140,7 +140,7 @@ impl ModelSpec {
     /// `[flatten, fc1, relu, ..., fcN]`; CNN per channel entry `conv{i}` (3x3, padding 1), relu,
     /// 2x2 max-pool while both sides are >= 2, then flatten and the `fc` stack.
     pub fn to_graph(&self) -> GraphSpec {
-        let linear = |i: usize, out: usize| Layer::Linear { name: Some(format!("fc{i}")), out_features: out, bias: true };
+        let linear = |i: usize, out: usize| Layer::Linear { name: Some(format!("fc{i}")), in_features: None, out_features: out, bias: true };
         let head = |hidden: &[usize], classes: usize, layers: &mut Vec<Layer>| {
             for (i, &h) in hidden.iter().enumerate() {
                 layers.push(linear(i + 1, h));
@@ -161,6 +161,7 @@ impl ModelSpec {
                 for (i, &c) in channels.iter().enumerate() {
                     layers.push(Layer::Conv2d {
                         name: Some(format!("conv{}", i + 1)),
+                        in_channels: None,
                         out_channels: c,
                         kernel_size: 3,
                         stride: 1,

@@ -272,6 +272,9 @@ fn train_inner(
     let plain = crate::cpu_device();
     let mut net = Net::from_bundle(spec, global, &device)?;
     let plan = net.plan().clone();
+    if !plan.slots.iter().any(|s| s.trainable) {
+        return Err(LearningError::InvalidConfig("the model has no trainable tensors".into()));
+    }
     let task = plan.task;
     // Constants (no autodiff) for the proximal and SCAFFOLD terms, in the engine's layout.
     let anchor: Option<Vec<Tensor<1>>> =

@@ -4,6 +4,7 @@ mod conversion;
 mod data;
 mod golden;
 mod partition;
+mod reference;
 mod sim;
 mod train;
 
