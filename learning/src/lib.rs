@@ -19,6 +19,7 @@
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod finetune;
 pub mod graph;
 pub mod interop;
 pub mod model;

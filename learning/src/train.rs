@@ -133,8 +133,11 @@ pub struct TrainMetrics {
     pub wall_time: Duration,
     /// `examples_processed / wall_time`.
     pub examples_per_sec: f64,
-    /// `||local - global||₂` over all parameters.
+    /// `||local - global||₂` over the tensors of the update.
     pub delta_norm: f64,
+    /// Size of the update (the delta as safetensors bytes, f32).
+    #[serde(default)]
+    pub update_bytes: usize,
 }
 
 /// Result of [`train_local`].
@@ -359,6 +362,7 @@ fn train_inner(
         plan.slots.iter().zip(&updated).filter(|(s, u)| **u && !s.exchanged).map(|(s, _)| s.name.as_str()).collect();
     let local_state = subset(&local, &kept)?;
     let delta_norm = sim::l2_norm(&delta);
+    let update_bytes = delta.encode().len();
     Ok(TrainOutcome {
         delta,
         local_state,
@@ -370,6 +374,7 @@ fn train_inner(
             wall_time,
             examples_per_sec: processed as f64 / wall_time.as_secs_f64().max(1e-9),
             delta_norm,
+            update_bytes,
         },
     })
 }

@@ -3,6 +3,7 @@
 mod conversion;
 mod data;
 mod golden;
+mod graph;
 mod partition;
 mod reference;
 mod sim;
