@@ -63,7 +63,7 @@ pub enum Normalization {
 }
 
 impl Normalization {
-    fn apply(&self, v: &mut [f32]) {
+    pub(crate) fn apply(&self, v: &mut [f32]) {
         match *self {
             Normalization::None => {}
             Normalization::Scale(f) => v.iter_mut().for_each(|x| *x *= f),

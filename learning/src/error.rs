@@ -42,6 +42,22 @@ pub enum DataError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A `.npy` / `.npz` file is malformed or holds an unsupported dtype.
+    #[error("{what}: {reason}")]
+    Npy {
+        /// Which input (file, or `archive:entry.npy`).
+        what: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An image does not decode.
+    #[error("image {path}: {reason}")]
+    Image {
+        /// The file.
+        path: PathBuf,
+        /// The decoder's message.
+        reason: String,
+    },
     /// The inputs are individually valid but do not fit together (e.g. image/label counts).
     #[error("{0}")]
     Mismatch(String),

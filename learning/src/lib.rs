@@ -19,6 +19,7 @@
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod files;
 pub mod finetune;
 pub mod graph;
 pub mod interop;
@@ -30,6 +31,7 @@ pub mod spec;
 pub mod train;
 
 pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};
+pub use files::ImageFolderOptions;
 pub use error::{DataError, LearningError};
 pub use eval::{anomaly_scores, evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
 pub use graph::{FineTune, GraphSpec, Layer, Task};

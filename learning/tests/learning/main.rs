@@ -2,6 +2,7 @@
 
 mod conversion;
 mod data;
+mod files;
 mod golden;
 mod graph;
 mod partition;
