@@ -208,7 +208,7 @@ impl Predictor {
         if self.model.spec().task() != Task::Classification {
             return Err(LearningError::InvalidConfig("class predictions need a classification model; use outputs()".into()));
         }
-        let classes = self.model.spec().classes();
+        let classes: usize = self.model.net().plan().output.iter().product();
         let logits = logits_of(&self.model, features, n)?;
         let predictions = logits
             .chunks(classes)

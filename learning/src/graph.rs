@@ -758,6 +758,9 @@ impl Builder<'_> {
                 for (what, v) in [("out_channels", *out_channels), ("kernel_size", *kernel_size), ("stride", *stride), ("dilation", *dilation), ("groups", *groups)] {
                     positive(what, v)?;
                 }
+                if *padding > 1 << 20 {
+                    return Err(bad(format!("padding {padding} must be at most 1048576")));
+                }
                 let cin = input[0];
                 if cin % groups != 0 || out_channels % groups != 0 {
                     return Err(bad(format!(
@@ -772,7 +775,10 @@ impl Builder<'_> {
                 }
                 let mut wshape = vec![*out_channels, cin / groups];
                 wshape.extend(std::iter::repeat_n(*kernel_size, dims));
-                let fan_in = cin / groups * kernel_size.pow(dims as u32);
+                let fan_in = (cin / groups)
+                    .checked_mul(kernel_size.pow(dims as u32))
+                    .filter(|&n| n <= MAX_ELEMENTS)
+                    .ok_or_else(|| bad(format!("kernel {kernel_size} over {cin} channels is too large")))?;
                 let (weight, bias, lora) = self.weight_bias(prefix, wshape, fan_in, *bias, false);
                 let op = Op::Conv { dims, weight, bias, stride: *stride, padding: *padding, dilation: 1.max(*dilation), groups: *groups, lora };
                 (op, out)
@@ -781,6 +787,9 @@ impl Builder<'_> {
                 rank(3, "[channels, height, width]")?;
                 for (what, v) in [("out_channels", *out_channels), ("kernel_size", *kernel_size), ("stride", *stride)] {
                     positive(what, v)?;
+                }
+                if *padding > 1 << 20 {
+                    return Err(bad(format!("padding {padding} must be at most 1048576")));
                 }
                 let c = input[0];
                 let mut mid = vec![c];

@@ -1,5 +1,8 @@
-//! fedfleet learning: burn models, datasets and loaders, partitioners, local training,
-//! evaluation, inference, and conversion between burn modules and tensor bundles.
+//! fedfleet learning: models described as JSON layer graphs (with the MLP and CNN as presets)
+//! run by one burn engine, datasets and loaders (CSV, IDX, NPY/NPZ, image folders),
+//! partitioners, local training for classification, regression and reconstruction with full,
+//! frozen or LoRA fine-tuning, evaluation, inference, PyTorch `state_dict` interop, and
+//! conversion between the engine and tensor bundles.
 //!
 //! Everything runs on burn's pure-Rust CPU backend (`Device::flex()`; single-threaded in this
 //! build, which is what makes training bit-for-bit reproducible from a seed). See the crate

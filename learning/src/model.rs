@@ -8,7 +8,7 @@
 //! operations of the hand-written modules they replaced, bit for bit.
 
 use crate::error::LearningError;
-use crate::graph::{LoraSlots, Node, Op, Plan, SlotKind};
+use crate::graph::{LoraSlots, Node, Op, Plan};
 use crate::rng::{self, SeededRng, streams};
 use crate::spec::ModelSpec;
 use burn::module::{Module, Param};
@@ -612,6 +612,5 @@ pub fn init_bundle(spec: &ModelSpec, seed: u64) -> Result<TensorBundle, Learning
         };
         bundle.insert_f32(&s.name, s.shape.clone(), values)?;
     }
-    let _ = SlotKind::Param;
     Ok(bundle)
 }

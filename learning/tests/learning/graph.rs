@@ -40,6 +40,10 @@ fn the_readme_example_parses_compiles_and_round_trips() {
     assert_eq!(layout["layers.6.weight"], vec![8, 8, 3]);
     assert_eq!(layout["head.weight"], vec![4, 8]);
     assert_eq!(spec.classes(), 4);
+    // The 0-dimensional counter survives the protocol's codec.
+    let b = init_bundle(&spec, 1).unwrap();
+    let decoded = TensorBundle::decode(&b.encode(), &fedfleet_protocol::bundle::BundleLimits::default()).unwrap();
+    assert_eq!(bits(&decoded), bits(&b));
     let roles: std::collections::HashMap<_, _> = spec.roles().into_iter().collect();
     assert_eq!(roles["head.weight"], TensorRole::Sent);
     assert_eq!(roles["block1.layers.1.running_mean"], TensorRole::Sent);
@@ -88,6 +92,8 @@ fn bad_json_is_an_error_not_a_panic() {
         r#"{"arch":"graph","input":[0],"layers":[{"type":"relu"}]}"#,
         r#"{"arch":"graph","input":[1,1,1,1],"layers":[{"type":"relu"}]}"#,
         r#"{"arch":"graph","input":[4],"layers":[{"type":"transformer"}]}"#,
+        r#"{"arch":"graph","input":[4],"layers":[{"type":"relu"}],"bogus":1}"#,
+        r#"{"arch":"graph","input":[4],"task":"ranking","layers":[{"type":"relu"}]}"#,
         r#"{"arch":"graph","input":[4],"layers":[{"type":"linear","out_features":2,"extra":1}]}"#,
         r#"{"arch":"graph","input":[4],"layers":[{"type":"linear","out_features":0}]}"#,
         r#"{"arch":"graph","input":[4],"layers":[{"type":"linear","out_features":-1}]}"#,
@@ -99,6 +105,9 @@ fn bad_json_is_an_error_not_a_panic() {
         r#"{"arch":"graph","input":[99999999,99999999],"layers":[{"type":"relu"}]}"#,
         r#"{"arch":"graph","input":[4],"layers":[{"type":"linear","out_features":2}],"finetune":{"mode":"lora","rank":0,"alpha":1}}"#,
         r#"{"arch":"graph","input":[4],"layers":[{"type":"linear","out_features":2}],"finetune":{"mode":"freeze","frozen":["*"]}}"#,
+        r#"{"arch":"graph","input":[4,4,4],"layers":[{"type":"conv2d","out_channels":2,"kernel_size":3,"padding":18446744073709551615}]}"#,
+        r#"{"arch":"graph","input":[4,4,4],"layers":[{"type":"conv2d","out_channels":2,"kernel_size":1048576,"padding":1048576}]}"#,
+        r#"{"arch":"graph","input":[4],"layers":[{"type":"reshape","shape":[18446744073709551615,2]}]}"#,
     ] {
         assert!(matches!(graph(bad), Err(LearningError::InvalidSpec(_))), "{bad}");
     }

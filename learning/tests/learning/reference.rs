@@ -68,16 +68,12 @@ fn export_import_round_trip_is_byte_identical() {
 /// outputs (so the loss has a gradient).
 fn training_set(c: &Case) -> Dataset {
     let n = c.input_shape[0];
-    let f = c.input.len() / n;
-    let k = c.output.len() / n;
     let mut features = Vec::new();
     let mut targets = Vec::new();
     for r in 0..4 {
         features.extend_from_slice(&c.input);
         targets.extend(c.output.iter().enumerate().map(|(i, y)| y + 0.1 * ((i + r) % 3) as f32 - 0.1));
     }
-    let _ = f;
-    let _ = k;
     Dataset { features, labels: vec![0; 4 * n], targets, shape: c.input_shape[1..].to_vec(), num_classes: 2 }
 }
 
