@@ -762,7 +762,7 @@ impl Builder<'_> {
                     return Err(bad(format!("padding {padding} must be at most 1048576")));
                 }
                 let cin = input[0];
-                if cin % groups != 0 || out_channels % groups != 0 {
+                if !cin.is_multiple_of(*groups) || !out_channels.is_multiple_of(*groups) {
                     return Err(bad(format!(
                         "groups {groups} must divide in_channels {cin} and out_channels {out_channels}"
                     )));
@@ -816,7 +816,7 @@ impl Builder<'_> {
                 return Ok(Node { op: Op::Sequence(vec![depthwise, pointwise]), input, output: out });
             }
             Layer::BatchNorm { eps, momentum, local, .. } => {
-                if !(eps.0.is_finite() && eps.0 > 0.0) || !(0.0..=1.0).contains(&momentum.0) {
+                if !(eps.0.is_finite() && eps.0 > 0.0 && (0.0..=1.0).contains(&momentum.0)) {
                     return Err(bad(format!("eps {} must be > 0 and momentum {} in [0, 1]", eps.0, momentum.0)));
                 }
                 let c = input[0];
@@ -914,7 +914,7 @@ impl Builder<'_> {
                 rank(2, "[sequence, embed_dim]")?;
                 positive("num_heads", *num_heads)?;
                 let e = input[1];
-                if e % num_heads != 0 {
+                if !e.is_multiple_of(*num_heads) {
                     return Err(bad(format!("embed_dim {e} is not divisible by num_heads {num_heads}")));
                 }
                 // PyTorch: xavier_uniform on in_proj_weight, zero biases, out_proj like Linear.

@@ -381,3 +381,25 @@ fn a_mismatched_state_dict_lists_every_problem() {
     assert!(!text.contains("stem.weight"), "F64 is converted: {text}");
     assert!(matches!(import_state_dict(&spec, b"not safetensors"), Err(LearningError::Safetensors(_))));
 }
+
+#[test]
+fn scaffold_works_on_the_update_layout_of_a_partial_model() {
+    use fedfleet_learning::{ScaffoldState, train_local_scaffold};
+    let (train, _) = Dataset::digits_split().unwrap();
+    let spec = mlp_with(r#","finetune":{"mode":"lora","rank":2,"alpha":2}"#);
+    let g = init_bundle(&spec, 1).unwrap();
+    let zeros = |layout: fedfleet_protocol::bundle::Layout| {
+        let mut b = TensorBundle::new();
+        for (n, s) in layout {
+            let len = s.iter().product();
+            b.insert_f32(n, s, vec![0.0; len]).unwrap();
+        }
+        b
+    };
+    let state = ScaffoldState { server_c: zeros(spec.update_layout()), client_c: zeros(spec.update_layout()) };
+    let cfg = TrainConfig { epochs: 1, ..TrainConfig::default() };
+    let (out, sc) = train_local_scaffold(&spec, &g, &train, &cfg, 1, &state).unwrap();
+    // With zero variates SCAFFOLD is plain training.
+    assert_eq!(bits(&out.delta), bits(&train_local(&spec, &g, &train, &cfg, 1).unwrap().delta));
+    assert_eq!(sc.client_c.layout(), spec.update_layout());
+}
