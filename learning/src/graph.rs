@@ -355,7 +355,7 @@ impl Layer {
         }
     }
 
-    fn explicit_name(&self) -> Option<&str> {
+    pub(crate) fn explicit_name(&self) -> Option<&str> {
         match self {
             Layer::Linear { name, .. }
             | Layer::Conv1d { name, .. }

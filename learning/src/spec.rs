@@ -280,6 +280,61 @@ impl ModelSpec {
         })
     }
 
+    /// One line per layer: position, kind, tensor prefix, input → output shape and the number
+    /// of values in its tensors (like `torchinfo.summary`), then the totals.
+    pub fn summary(&self) -> Result<String, LearningError> {
+        use crate::graph::{Node, Op};
+        fn slots_of(op: &Op, out: &mut Vec<usize>) {
+            match op {
+                Op::Linear { weight, bias, lora } | Op::Conv { weight, bias, lora, .. } => {
+                    out.push(*weight);
+                    out.extend(bias);
+                    if let Some(l) = lora {
+                        out.extend([l.a, l.b]);
+                    }
+                }
+                Op::BatchNorm { weight, bias, mean, var, count, .. } => out.extend([*weight, *bias, *mean, *var, *count]),
+                Op::LayerNorm { weight, bias, .. } => out.extend([*weight, *bias]),
+                Op::Embedding { weight, .. } => out.push(*weight),
+                Op::Gru { w_ih, w_hh, b_ih, b_hh, .. } | Op::Lstm { w_ih, w_hh, b_ih, b_hh, .. } => {
+                    out.extend([*w_ih, *w_hh, *b_ih, *b_hh])
+                }
+                Op::Attention { in_w, in_b, out_w, out_b, .. } => out.extend([*in_w, *in_b, *out_w, *out_b]),
+                Op::Residual { body, shortcut } => body.iter().chain(shortcut).for_each(|n| slots_of(&n.op, out)),
+                Op::Sequence(nodes) => nodes.iter().for_each(|n| slots_of(&n.op, out)),
+                _ => {}
+            }
+        }
+        let plan = self.plan()?;
+        let graph = self.to_graph();
+        let mut lines = Vec::new();
+        fn walk(layers: &[Layer], nodes: &[Node], plan: &Plan, path: &str, names: &str, lines: &mut Vec<String>) {
+            for (i, (layer, node)) in layers.iter().zip(nodes).enumerate() {
+                let mut slots = Vec::new();
+                slots_of(&node.op, &mut slots);
+                let values: usize = slots.iter().map(|&s| plan.slots[s].len()).sum();
+                let prefix = layer.explicit_name().map_or_else(|| format!("{names}.{i}"), str::to_string);
+                let shown = if slots.is_empty() && !matches!(layer, Layer::Residual { .. }) { "" } else { prefix.as_str() };
+                let at = format!("{path}{i}");
+                lines.push(format!("{at:<6} {:<20} {shown:<24} {:?} -> {:?}  {values}", layer.kind(), node.input, node.output));
+                if let (Layer::Residual { layers: body, shortcut, .. }, Op::Residual { body: bn, shortcut: sn }) = (layer, &node.op) {
+                    walk(body, bn, plan, &format!("{at}."), &format!("{prefix}.layers"), lines);
+                    walk(shortcut, sn, plan, &format!("{at}.shortcut."), &format!("{prefix}.shortcut"), lines);
+                }
+            }
+        }
+        walk(&graph.layers, &plan.nodes, &plan, "", "layers", &mut lines);
+        lines.push(format!(
+            "{} tensors, {} values, {} trainable; task {:?}; output {:?}",
+            plan.slots.len(),
+            self.num_params(),
+            self.num_trainable(),
+            plan.task,
+            plan.output
+        ));
+        Ok(lines.join("\n"))
+    }
+
     /// JSON for manifests.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("spec serialises")

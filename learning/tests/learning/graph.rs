@@ -53,6 +53,27 @@ fn the_readme_example_parses_compiles_and_round_trips() {
 }
 
 #[test]
+fn the_readme_example_trains_and_summarises() {
+    let spec = example();
+    let mut r = fedfleet_learning::rng::rng(3, 50);
+    let n = 24;
+    let features = (0..n * 3 * 16 * 16).map(|_| fedfleet_learning::rng::uniform(&mut r, 0.0, 1.0) as f32).collect();
+    let data = Dataset { features, labels: (0..n as u32).map(|i| i % 4).collect(), targets: vec![], shape: vec![3, 16, 16], num_classes: 4 };
+    let g = init_bundle(&spec, 1).unwrap();
+    let cfg = TrainConfig { epochs: 1, batch_size: 8, ..TrainConfig::default() };
+    let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
+    assert_eq!(out.delta.layout(), spec.update_layout());
+    assert!(out.delta.check_finite().is_ok() && out.metrics.delta_norm > 0.0);
+    assert!(out.delta.get("stem.weight").is_none() && out.delta.get("stem_bn.weight").is_none());
+    assert!(out.delta.get("block1.layers.1.num_batches_tracked").is_some());
+    let summary = spec.summary().unwrap();
+    assert!(summary.contains("3.0    separable_conv2d     block1.layers.0 "), "{summary}");
+    assert!(summary.contains("3      residual             block1 "), "{summary}");
+    assert!(summary.contains("[8, 64] -> [8, 64]"), "{summary}");
+    assert!(summary.ends_with("19 tensors, 670 values, 204 trainable; task Classification; output [4]"), "{summary}");
+}
+
+#[test]
 fn errors_name_the_layer() {
     let e = err(r#"{"arch":"graph","input":[16,8,8],"layers":[
         {"type":"conv2d","out_channels":16,"kernel_size":3,"padding":1},
