@@ -72,7 +72,7 @@ impl Normalization {
     }
 }
 
-/// Options of [`Dataset::from_csv_reader`] / [`Dataset::load_csv`].
+/// Options of [`Dataset::from_csv_bytes`] / [`Dataset::load_csv`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CsvOptions {
     /// Label column.

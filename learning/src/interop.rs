@@ -177,6 +177,15 @@ pub fn export_state_dict(spec: &ModelSpec, bundle: &TensorBundle) -> Result<Vec<
     safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| LearningError::Safetensors(e.to_string()))
 }
 
+/// Pre-trained weights for a model that fine-tunes with LoRA: the file holds the base model's
+/// `state_dict` (no adapters), checked against [`crate::finetune::base_spec`]; fresh adapters
+/// from `seed` are added ([`crate::finetune::attach_adapters`]). For other modes this is
+/// [`import_state_dict`].
+pub fn import_pretrained(spec: &ModelSpec, bytes: &[u8], seed: u64) -> Result<TensorBundle, LearningError> {
+    let base = import_state_dict(&crate::finetune::base_spec(spec), bytes)?;
+    crate::finetune::attach_adapters(spec, &base, seed)
+}
+
 /// [`import_state_dict`] from a file.
 pub fn load_state_dict(spec: &ModelSpec, path: impl AsRef<Path>) -> Result<TensorBundle, LearningError> {
     let path = path.as_ref();

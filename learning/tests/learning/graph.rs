@@ -262,6 +262,10 @@ fn lora_trains_only_adapters_and_merges_into_the_base_weights() {
     let g0 = init_bundle(&base, 4).unwrap();
     let pre = sim::apply_delta(&g0, &train_local(&base, &g0, &train, &cfg, 1).unwrap().delta, 1.0).unwrap();
     let start = attach_adapters(&lora, &pre, 11).unwrap();
+    // The same start from a PyTorch file of the base model.
+    let file = export_state_dict(&base, &pre).unwrap();
+    assert_eq!(bits(&fedfleet_learning::interop::import_pretrained(&lora, &file, 11).unwrap()), bits(&start));
+    assert!(import_state_dict(&lora, &file).is_err(), "the adapters are missing from a base file");
     assert_eq!(bits(&merge_lora(&lora, &start).unwrap()), bits(&pre));
     let out = train_local(&lora, &start, &train, &TrainConfig { epochs: 1, lr: 0.02, ..TrainConfig::default() }, 2).unwrap();
     let names: Vec<_> = out.delta.layout().into_keys().collect();
