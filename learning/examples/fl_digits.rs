@@ -99,6 +99,7 @@ fn split_indices(full: &Dataset) -> (Vec<usize>, Vec<usize>) {
     let index_set = Dataset {
         features: (0..full.len()).map(|i| i as f32).collect(),
         labels: full.labels.clone(),
+        targets: Vec::new(),
         shape: vec![1],
         num_classes: full.num_classes,
     };

@@ -25,8 +25,10 @@ pub const DIGITS_TEST_FRACTION: f64 = 0.2;
 pub struct Dataset {
     /// All feature values, example after example.
     pub features: Vec<f32>,
-    /// One label per example, `< num_classes`.
+    /// One label per example, `< num_classes` (classification; 0 for other tasks).
     pub labels: Vec<u32>,
+    /// Regression targets, row-major `[len, targets per example]`; empty for other tasks.
+    pub targets: Vec<f32>,
     /// Shape of one example, e.g. `[64]` or `[1, 28, 28]`.
     pub shape: Vec<usize>,
     /// Number of classes.
@@ -61,7 +63,7 @@ pub enum Normalization {
 }
 
 impl Normalization {
-    fn apply(&self, v: &mut [f32]) {
+    pub(crate) fn apply(&self, v: &mut [f32]) {
         match *self {
             Normalization::None => {}
             Normalization::Scale(f) => v.iter_mut().for_each(|x| *x *= f),
@@ -70,7 +72,7 @@ impl Normalization {
     }
 }
 
-/// Options of [`Dataset::from_csv_reader`] / [`Dataset::load_csv`].
+/// Options of [`Dataset::from_csv_bytes`] / [`Dataset::load_csv`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CsvOptions {
     /// Label column.
@@ -146,6 +148,11 @@ impl Dataset {
         self.shape.iter().product()
     }
 
+    /// Regression targets per example (0 without targets).
+    pub fn targets_per_example(&self) -> usize {
+        if self.labels.is_empty() { 0 } else { self.targets.len() / self.labels.len() }
+    }
+
     /// Features of example `i`.
     pub fn example(&self, i: usize) -> &[f32] {
         let n = self.example_len();
@@ -157,11 +164,14 @@ impl Dataset {
         let n = self.example_len();
         let mut features = Vec::with_capacity(indices.len() * n);
         let mut labels = Vec::with_capacity(indices.len());
+        let k = self.targets_per_example();
+        let mut targets = Vec::with_capacity(indices.len() * k);
         for &i in indices {
             features.extend_from_slice(self.example(i));
             labels.push(self.labels[i]);
+            targets.extend_from_slice(&self.targets[i * k..(i + 1) * k]);
         }
-        Dataset { features, labels, shape: self.shape.clone(), num_classes: self.num_classes }
+        Dataset { features, labels, targets, shape: self.shape.clone(), num_classes: self.num_classes }
     }
 
     /// Same data, another example shape of the same size (e.g. `[64]` → `[1, 8, 8]`).
@@ -298,7 +308,7 @@ impl Dataset {
             .unwrap_or_else(|| labels.iter().max().map_or(0, |&m| m as usize + 1))
             .max(2);
         options.normalization.apply(&mut features);
-        Ok(Dataset { features, labels, shape, num_classes })
+        Ok(Dataset { features, labels, targets: Vec::new(), shape, num_classes })
     }
 
     /// Loads an MNIST-style pair of IDX files (optionally gzip-compressed): images
@@ -347,6 +357,7 @@ impl Dataset {
         Ok(Dataset {
             features,
             labels: lab.data.iter().map(|&l| l as u32).collect(),
+            targets: Vec::new(),
             shape: vec![1, img.dims[1], img.dims[2]],
             num_classes: 10,
         })

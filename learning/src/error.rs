@@ -42,6 +42,22 @@ pub enum DataError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A `.npy` / `.npz` file is malformed or holds an unsupported dtype.
+    #[error("{what}: {reason}")]
+    Npy {
+        /// Which input (file, or `archive:entry.npy`).
+        what: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An image does not decode.
+    #[error("image {path}: {reason}")]
+    Image {
+        /// The file.
+        path: PathBuf,
+        /// The decoder's message.
+        reason: String,
+    },
     /// The inputs are individually valid but do not fit together (e.g. image/label counts).
     #[error("{0}")]
     Mismatch(String),
@@ -85,6 +101,12 @@ pub enum LearningError {
     /// Bad training configuration.
     #[error("invalid training config: {0}")]
     InvalidConfig(String),
+    /// A PyTorch `state_dict` does not match the model description (every problem listed).
+    #[error("state_dict does not match the model: {0}")]
+    StateDict(crate::interop::StateDictProblems),
+    /// A safetensors file could not be parsed or written.
+    #[error("safetensors: {0}")]
+    Safetensors(String),
     /// Reading a tensor back from burn failed.
     #[error("tensor read failed: {0}")]
     Tensor(String),

@@ -3,6 +3,7 @@
 
 use crate::data::Dataset;
 use crate::error::LearningError;
+use crate::graph::Task;
 use crate::model::{Model, read};
 use crate::spec::ModelSpec;
 use crate::train::{argmax_rows, check_data};
@@ -14,17 +15,43 @@ use std::time::{Duration, Instant};
 /// Evaluation of a model on a labelled set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalReport {
-    /// Mean cross-entropy (natural log).
+    /// The task evaluated.
+    pub task: Task,
+    /// Classification: mean cross-entropy (natural log). Regression and reconstruction: mean
+    /// squared error over every output value.
     pub loss: f64,
-    /// Fraction of examples whose arg-max class is the label.
+    /// Classification: fraction of examples whose arg-max class is the label. Other tasks: 0.
     pub accuracy: f64,
+    /// Regression/reconstruction: root mean squared error.
+    pub rmse: Option<f64>,
+    /// Regression/reconstruction: mean absolute error.
+    pub mae: Option<f64>,
     /// Examples evaluated.
     pub num_examples: usize,
-    /// `confusion[true][predicted]` counts.
+    /// Classification: `confusion[true][predicted]` counts. Empty for other tasks.
     pub confusion: Vec<Vec<u64>>,
 }
 
 impl EvalReport {
+    /// The task's headline metric oriented so that higher is better, for health checks and
+    /// promotion gates: accuracy for classification, `-RMSE` for regression and
+    /// reconstruction.
+    pub fn score(&self) -> f64 {
+        match self.task {
+            Task::Classification => self.accuracy,
+            Task::Regression | Task::Reconstruction => -self.rmse.unwrap_or(f64::INFINITY),
+        }
+    }
+
+    /// Name of the metric behind [`EvalReport::score`] (`"accuracy"` or `"rmse"`), and whether
+    /// that metric itself is better when higher.
+    pub fn metric(&self) -> (&'static str, f64, bool) {
+        match self.task {
+            Task::Classification => ("accuracy", self.accuracy, true),
+            Task::Regression | Task::Reconstruction => ("rmse", self.rmse.unwrap_or(f64::INFINITY), false),
+        }
+    }
+
     /// Per-class recall (`None` for classes absent from the data).
     pub fn per_class_accuracy(&self) -> Vec<Option<f64>> {
         self.confusion
@@ -48,28 +75,79 @@ pub fn evaluate(spec: &ModelSpec, bundle: &TensorBundle, data: &Dataset) -> Resu
 pub fn evaluate_model(model: &Model, data: &Dataset) -> Result<EvalReport, LearningError> {
     let spec = model.spec();
     check_data(spec, data)?;
-    let classes = spec.classes();
+    let task = spec.task();
+    let k = spec.output_len();
     let f = data.example_len();
-    let mut confusion = vec![vec![0u64; classes]; classes];
-    let mut loss = 0.0f64;
+    let mut confusion = if task == Task::Classification { vec![vec![0u64; k]; k] } else { Vec::new() };
+    let (mut loss, mut abs) = (0.0f64, 0.0f64);
     let mut correct = 0usize;
     let idx: Vec<usize> = (0..data.len()).collect();
     for batch in idx.chunks(256) {
         let lo = batch[0] * f;
         let hi = (batch[batch.len() - 1] + 1) * f;
-        let logits = logits_of(model, &data.features[lo..hi], batch.len())?;
-        for (row, (&i, p)) in batch.iter().zip(argmax_rows(&logits, classes)).enumerate() {
-            let y = data.labels[i] as usize;
-            let z = &logits[row * classes..(row + 1) * classes];
-            let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-            let lse = m + z.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
-            loss += lse - z[y] as f64;
-            confusion[y][p] += 1;
-            correct += usize::from(p == y);
+        let out = logits_of(model, &data.features[lo..hi], batch.len())?;
+        for (row, &i) in batch.iter().enumerate() {
+            let z = &out[row * k..(row + 1) * k];
+            match task {
+                Task::Classification => {
+                    let y = data.labels[i] as usize;
+                    let p = argmax_rows(z, k).next().unwrap_or(0);
+                    let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                    let lse = m + z.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+                    loss += lse - z[y] as f64;
+                    confusion[y][p] += 1;
+                    correct += usize::from(p == y);
+                }
+                Task::Regression | Task::Reconstruction => {
+                    let t = if task == Task::Regression { &data.targets[i * k..(i + 1) * k] } else { data.example(i) };
+                    for (&o, &y) in z.iter().zip(t) {
+                        let e = o as f64 - y as f64;
+                        loss += e * e;
+                        abs += e.abs();
+                    }
+                }
+            }
         }
     }
     let n = data.len();
-    Ok(EvalReport { loss: loss / n as f64, accuracy: correct as f64 / n as f64, num_examples: n, confusion })
+    Ok(match task {
+        Task::Classification => EvalReport {
+            task,
+            loss: loss / n as f64,
+            accuracy: correct as f64 / n as f64,
+            rmse: None,
+            mae: None,
+            num_examples: n,
+            confusion,
+        },
+        Task::Regression | Task::Reconstruction => {
+            let mse = loss / (n * k) as f64;
+            EvalReport {
+                task,
+                loss: mse,
+                accuracy: 0.0,
+                rmse: Some(mse.sqrt()),
+                mae: Some(abs / (n * k) as f64),
+                num_examples: n,
+                confusion,
+            }
+        }
+    })
+}
+
+/// Per-example anomaly score of an autoencoder: the mean squared reconstruction error of each
+/// example (higher = more anomalous).
+pub fn anomaly_scores(model: &Model, features: &[f32], n: usize) -> Result<Vec<f32>, LearningError> {
+    if model.spec().task() != Task::Reconstruction {
+        return Err(LearningError::InvalidConfig("anomaly scores need a reconstruction model".into()));
+    }
+    let out = logits_of(model, features, n)?;
+    let f = model.spec().input_len();
+    Ok(out
+        .chunks(f)
+        .zip(features.chunks(f))
+        .map(|(o, x)| (o.iter().zip(x).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / f as f64) as f32)
+        .collect())
 }
 
 fn logits_of(model: &Model, features: &[f32], n: usize) -> Result<Vec<f32>, LearningError> {
@@ -81,7 +159,7 @@ fn logits_of(model: &Model, features: &[f32], n: usize) -> Result<Vec<f32>, Lear
         )));
     }
     let x: Tensor<2> = Tensor::from_data(TensorData::new(features.to_vec(), [n, f]), model.device());
-    read(model.forward(x))
+    read(model.forward(x)?)
 }
 
 /// One prediction.
@@ -127,7 +205,10 @@ impl Predictor {
     /// Predicts `n` examples given as `n * input_len` values.
     pub fn predict_batch(&self, features: &[f32], n: usize) -> Result<BatchPrediction, LearningError> {
         let start = Instant::now();
-        let classes = self.model.spec().classes();
+        if self.model.spec().task() != Task::Classification {
+            return Err(LearningError::InvalidConfig("class predictions need a classification model; use outputs()".into()));
+        }
+        let classes: usize = self.model.net().plan().output.iter().product();
         let logits = logits_of(&self.model, features, n)?;
         let predictions = logits
             .chunks(classes)
@@ -141,6 +222,16 @@ impl Predictor {
             })
             .collect();
         Ok(BatchPrediction { predictions, latency: start.elapsed() })
+    }
+
+    /// Raw outputs (logits, regression values or reconstructions), `output_len` per example.
+    pub fn outputs(&self, features: &[f32], n: usize) -> Result<Vec<f32>, LearningError> {
+        logits_of(&self.model, features, n)
+    }
+
+    /// Anomaly scores of a reconstruction model (see [`anomaly_scores`]).
+    pub fn anomaly_scores(&self, features: &[f32], n: usize) -> Result<Vec<f32>, LearningError> {
+        anomaly_scores(&self.model, features, n)
     }
 
     /// Predicts one example; returns the prediction and its latency.

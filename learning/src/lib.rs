@@ -1,5 +1,8 @@
-//! fedfleet learning: burn models, datasets and loaders, partitioners, local training,
-//! evaluation, inference, and conversion between burn modules and tensor bundles.
+//! fedfleet learning: models described as JSON layer graphs (with the MLP and CNN as presets)
+//! run by one burn engine, datasets and loaders (CSV, IDX, NPY/NPZ, image folders),
+//! partitioners, local training for classification, regression and reconstruction with full,
+//! frozen or LoRA fine-tuning, evaluation, inference, PyTorch `state_dict` interop, and
+//! conversion between the engine and tensor bundles.
 //!
 //! Everything runs on burn's pure-Rust CPU backend (`Device::flex()`; single-threaded in this
 //! build, which is what makes training bit-for-bit reproducible from a seed). See the crate
@@ -19,6 +22,10 @@
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod files;
+pub mod finetune;
+pub mod graph;
+pub mod interop;
 pub mod model;
 pub mod partition;
 pub mod rng;
@@ -27,11 +34,13 @@ pub mod spec;
 pub mod train;
 
 pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};
+pub use files::ImageFolderOptions;
 pub use error::{DataError, LearningError};
-pub use eval::{evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
+pub use eval::{anomaly_scores, evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
+pub use graph::{FineTune, GraphSpec, Layer, Task};
 pub use model::Model;
 pub use partition::Partition;
-pub use spec::ModelSpec;
+pub use spec::{ModelSpec, TensorRole};
 pub use train::{
     train_local, train_local_scaffold, OptimizerConfig, ScaffoldOutcome, ScaffoldState,
     TrainConfig, TrainMetrics, TrainOutcome,

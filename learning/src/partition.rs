@@ -216,7 +216,7 @@ pub fn synthetic(cfg: &SyntheticConfig, seed: u64) -> Vec<Dataset> {
                 features.extend(x.iter().map(|&f| f as f32));
                 labels.push(best.1 as u32);
             }
-            Dataset { features, labels, shape: vec![cfg.dim], num_classes: cfg.classes }
+            Dataset { features, labels, targets: Vec::new(), shape: vec![cfg.dim], num_classes: cfg.classes }
         })
         .collect()
 }

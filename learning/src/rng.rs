@@ -28,6 +28,8 @@ pub mod streams {
     pub const SPLIT: u64 = 4;
     /// Synthetic data generation.
     pub const SYNTHETIC: u64 = 5;
+    /// Dropout masks during training.
+    pub const DROPOUT: u64 = 6;
 }
 
 /// Uniform in [lo, hi).

@@ -40,6 +40,31 @@ pub fn apply_delta(base: &TensorBundle, delta: &TensorBundle, factor: f32) -> Re
     Ok(out)
 }
 
+/// `base + factor * update` for the tensors an update carries (frozen, LoRA or FedBN
+/// training sends a subset of the model); the other tensors of `base` are copied unchanged.
+/// Every tensor of `update` must be in `base` with the same shape.
+pub fn apply_update(base: &TensorBundle, update: &TensorBundle, factor: f32) -> Result<TensorBundle, LearningError> {
+    let layout = base.layout();
+    for (name, shape) in update.layout() {
+        match layout.get(&name) {
+            Some(s) if *s == shape => {}
+            Some(s) => return Err(LearningError::Layout(format!("update {name} has shape {shape:?}, the model {s:?}"))),
+            None => return Err(LearningError::Layout(format!("update tensor {name} is not in the model"))),
+        }
+    }
+    let mut out = TensorBundle::new();
+    for (name, t) in base.iter() {
+        if update.get(name).is_some() {
+            let b = values(base, name)?;
+            let d = values(update, name)?;
+            out.insert_f32(name, t.shape.clone(), b.iter().zip(&d).map(|(x, y)| x + factor * y).collect())?;
+        } else {
+            out.insert(name, t.clone())?;
+        }
+    }
+    Ok(out)
+}
+
 /// `factor * bundle`.
 pub fn scale(bundle: &TensorBundle, factor: f32) -> Result<TensorBundle, LearningError> {
     let mut out = TensorBundle::new();

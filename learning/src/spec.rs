@@ -2,6 +2,7 @@
 //! component can rebuild the module and check a bundle's layout.
 
 use crate::error::LearningError;
+use crate::graph::{FineTune, GraphSpec, Layer, Plan, SlotKind, Task};
 use crate::model::Model;
 use serde::{Deserialize, Serialize};
 
@@ -10,7 +11,11 @@ use serde::{Deserialize, Serialize};
 /// ```json
 /// {"arch":"mlp","input":[64],"hidden":[64],"classes":10}
 /// {"arch":"cnn","input":[1,8,8],"channels":[16,32],"hidden":[64],"classes":10}
+/// {"arch":"graph","input":[64],"task":"classification","layers":[{"type":"linear","out_features":10}]}
 /// ```
+///
+/// `mlp` and `cnn` are presets: they compile to the same layer graph as [`ModelSpec::to_graph`]
+/// returns, with their historical tensor names (`fc1`, `conv1`, ...).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "arch", rename_all = "lowercase", deny_unknown_fields)]
 pub enum ModelSpec {
@@ -37,6 +42,8 @@ pub enum ModelSpec {
         /// Number of classes.
         classes: usize,
     },
+    /// A user model: a layer graph with a task and a fine-tuning mode (see [`GraphSpec`]).
+    Graph(GraphSpec),
 }
 
 /// One parameter tensor of a spec: its name and shape as stored in bundles (PyTorch layout).
@@ -48,6 +55,17 @@ pub struct ParamInfo {
     pub shape: Vec<usize>,
     /// Fan-in used by the default initialisation.
     pub fan_in: usize,
+}
+
+/// Where a tensor goes after local training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorRole {
+    /// Trained (or, for statistics, updated) and sent in the update.
+    Sent,
+    /// Trained or updated but kept on the device (FedBN `local` batch norms).
+    Local,
+    /// Never changed by local training (frozen by the fine-tuning mode).
+    Fixed,
 }
 
 impl ModelSpec {
@@ -66,11 +84,12 @@ impl ModelSpec {
         ModelSpec::Cnn { input: vec![1, 28, 28], channels: vec![16, 32], hidden: vec![128], classes: 10 }
     }
 
-    /// Architecture name (`"mlp"` or `"cnn"`).
+    /// Architecture name (`"mlp"`, `"cnn"` or `"graph"`).
     pub fn arch(&self) -> &'static str {
         match self {
             ModelSpec::Mlp { .. } => "mlp",
             ModelSpec::Cnn { .. } => "cnn",
+            ModelSpec::Graph(_) => "graph",
         }
     }
 
@@ -78,6 +97,7 @@ impl ModelSpec {
     pub fn input_shape(&self) -> &[usize] {
         match self {
             ModelSpec::Mlp { input, .. } | ModelSpec::Cnn { input, .. } => input,
+            ModelSpec::Graph(g) => &g.input,
         }
     }
 
@@ -86,16 +106,95 @@ impl ModelSpec {
         self.input_shape().iter().product()
     }
 
-    /// Number of classes.
-    pub fn classes(&self) -> usize {
+    /// The task (the presets are classifiers).
+    pub fn task(&self) -> Task {
         match self {
-            ModelSpec::Mlp { classes, .. } | ModelSpec::Cnn { classes, .. } => *classes,
+            ModelSpec::Graph(g) => g.task,
+            _ => Task::Classification,
         }
     }
 
-    /// Checks sizes are usable.
-    pub fn validate(&self) -> Result<(), LearningError> {
+    /// The fine-tuning mode (the presets train fully).
+    pub fn finetune(&self) -> FineTune {
+        match self {
+            ModelSpec::Graph(g) => g.finetune.clone(),
+            _ => FineTune::Full,
+        }
+    }
+
+    /// Number of output values per example: the classes of a classifier, the targets of a
+    /// regression, the input size of an autoencoder. 0 for an invalid graph.
+    pub fn classes(&self) -> usize {
+        match self {
+            ModelSpec::Mlp { classes, .. } | ModelSpec::Cnn { classes, .. } => *classes,
+            ModelSpec::Graph(_) => self.output_len(),
+        }
+    }
+
+    /// Number of output values per example (0 for an invalid spec).
+    pub fn output_len(&self) -> usize {
+        self.plan().map_or(0, |p| p.output.iter().product())
+    }
+
+    /// The equivalent layer graph. Presets keep their historical tensor names: MLP
+    /// `[flatten, fc1, relu, ..., fcN]`; CNN per channel entry `conv{i}` (3x3, padding 1), relu,
+    /// 2x2 max-pool while both sides are >= 2, then flatten and the `fc` stack.
+    pub fn to_graph(&self) -> GraphSpec {
+        let linear = |i: usize, out: usize| Layer::Linear { name: Some(format!("fc{i}")), in_features: None, out_features: out, bias: true };
+        let head = |hidden: &[usize], classes: usize, layers: &mut Vec<Layer>| {
+            for (i, &h) in hidden.iter().enumerate() {
+                layers.push(linear(i + 1, h));
+                layers.push(Layer::Relu);
+            }
+            layers.push(linear(hidden.len() + 1, classes));
+        };
+        match self {
+            ModelSpec::Graph(g) => g.clone(),
+            ModelSpec::Mlp { input, hidden, classes } => {
+                let mut layers = vec![Layer::Flatten];
+                head(hidden, *classes, &mut layers);
+                GraphSpec { input: input.clone(), task: Task::Classification, layers, finetune: FineTune::Full }
+            }
+            ModelSpec::Cnn { input, channels, hidden, classes } => {
+                let mut layers = Vec::new();
+                let (mut h, mut w) = (input.get(1).copied().unwrap_or(0), input.get(2).copied().unwrap_or(0));
+                for (i, &c) in channels.iter().enumerate() {
+                    layers.push(Layer::Conv2d {
+                        name: Some(format!("conv{}", i + 1)),
+                        in_channels: None,
+                        out_channels: c,
+                        kernel_size: 3,
+                        stride: 1,
+                        padding: 1,
+                        dilation: 1,
+                        groups: 1,
+                        bias: true,
+                    });
+                    layers.push(Layer::Relu);
+                    if h >= 2 && w >= 2 {
+                        layers.push(Layer::MaxPool2d { kernel_size: 2, stride: None, padding: 0 });
+                        h /= 2;
+                        w /= 2;
+                    }
+                }
+                layers.push(Layer::Flatten);
+                head(hidden, *classes, &mut layers);
+                GraphSpec { input: input.clone(), task: Task::Classification, layers, finetune: FineTune::Full }
+            }
+        }
+    }
+
+    /// Validates and compiles the model: shapes of every layer and the tensor list.
+    pub fn plan(&self) -> Result<Plan, LearningError> {
+        self.validate_preset()?;
+        self.to_graph().compile()
+    }
+
+    fn validate_preset(&self) -> Result<(), LearningError> {
         let bad = |m: String| Err(LearningError::InvalidSpec(m));
+        if let ModelSpec::Graph(_) = self {
+            return Ok(());
+        }
         if self.classes() < 2 {
             return bad(format!("classes must be >= 2, got {}", self.classes()));
         }
@@ -122,61 +221,22 @@ impl ModelSpec {
                     return bad(format!("channels {channels:?} / hidden {hidden:?} must be in 1..=65536"));
                 }
             }
+            ModelSpec::Graph(_) => {}
         }
         Ok(())
     }
 
-    /// Spatial size after the convolution stack of a CNN, as `(C, H, W)`.
-    pub(crate) fn cnn_out(&self) -> Option<(usize, usize, usize)> {
-        match self {
-            ModelSpec::Cnn { input, channels, .. } => {
-                let (mut h, mut w) = (input[1], input[2]);
-                for _ in channels {
-                    if h >= 2 && w >= 2 {
-                        h /= 2;
-                        w /= 2;
-                    }
-                }
-                Some((*channels.last()?, h, w))
-            }
-            ModelSpec::Mlp { .. } => None,
-        }
+    /// Checks the spec is usable (every layer's shapes, sizes, fine-tuning patterns).
+    pub fn validate(&self) -> Result<(), LearningError> {
+        self.plan().map(|_| ())
     }
 
-    /// Widths of the linear stack `[in, h1, ..., classes]`.
-    pub(crate) fn linear_widths(&self) -> Vec<usize> {
-        let (first, hidden) = match self {
-            ModelSpec::Mlp { hidden, .. } => (self.input_len(), hidden),
-            ModelSpec::Cnn { hidden, .. } => {
-                let (c, h, w) = self.cnn_out().expect("cnn");
-                (c * h * w, hidden)
-            }
-        };
-        let mut v = vec![first];
-        v.extend(hidden.iter().copied());
-        v.push(self.classes());
-        v
-    }
-
-    /// Every parameter, in a fixed order, with its bundle (PyTorch) name and shape.
+    /// Every tensor (parameters and batch-norm statistics), in initialisation order, with its
+    /// bundle (PyTorch `state_dict`) name and shape. Empty for an invalid spec.
     pub fn params(&self) -> Vec<ParamInfo> {
-        let mut out = Vec::new();
-        if let ModelSpec::Cnn { input, channels, .. } = self {
-            let mut cin = input[0];
-            for (i, &cout) in channels.iter().enumerate() {
-                let fan_in = cin * 9;
-                out.push(ParamInfo { name: format!("conv{}.weight", i + 1), shape: vec![cout, cin, 3, 3], fan_in });
-                out.push(ParamInfo { name: format!("conv{}.bias", i + 1), shape: vec![cout], fan_in });
-                cin = cout;
-            }
-        }
-        let widths = self.linear_widths();
-        for (i, pair) in widths.windows(2).enumerate() {
-            let (din, dout) = (pair[0], pair[1]);
-            out.push(ParamInfo { name: format!("fc{}.weight", i + 1), shape: vec![dout, din], fan_in: din });
-            out.push(ParamInfo { name: format!("fc{}.bias", i + 1), shape: vec![dout], fan_in: din });
-        }
-        out
+        self.plan()
+            .map(|p| p.slots.into_iter().map(|s| ParamInfo { name: s.name, shape: s.shape, fan_in: s.fan_in }).collect())
+            .unwrap_or_default()
     }
 
     /// Parameter layout (name → PyTorch shape), as the protocol's bundles check it.
@@ -184,9 +244,95 @@ impl ModelSpec {
         self.params().into_iter().map(|p| (p.name, p.shape)).collect()
     }
 
-    /// Total number of scalar parameters.
+    /// What local training does with each tensor (by name). Empty for an invalid spec.
+    pub fn roles(&self) -> Vec<(String, TensorRole)> {
+        let Ok(plan) = self.plan() else { return Vec::new() };
+        let updated = crate::train::updated_slots(&plan);
+        plan.slots
+            .iter()
+            .zip(updated)
+            .map(|(s, changed)| {
+                let role = match (changed, s.exchanged) {
+                    (false, _) => TensorRole::Fixed,
+                    (true, true) => TensorRole::Sent,
+                    (true, false) => TensorRole::Local,
+                };
+                (s.name.clone(), role)
+            })
+            .collect()
+    }
+
+    /// Layout of a training update (the tensors [`crate::train_local`]'s delta carries).
+    pub fn update_layout(&self) -> fedfleet_protocol::bundle::Layout {
+        let roles: std::collections::HashMap<String, TensorRole> = self.roles().into_iter().collect();
+        self.layout().into_iter().filter(|(n, _)| roles.get(n) == Some(&TensorRole::Sent)).collect()
+    }
+
+    /// Total number of scalar values over every tensor (parameters and statistics).
     pub fn num_params(&self) -> usize {
         self.params().iter().map(|p| p.shape.iter().product::<usize>()).sum()
+    }
+
+    /// Number of trainable scalars under the fine-tuning mode.
+    pub fn num_trainable(&self) -> usize {
+        self.plan().map_or(0, |p| {
+            p.slots.iter().filter(|s| s.trainable && s.kind == SlotKind::Param).map(|s| s.len()).sum()
+        })
+    }
+
+    /// One line per layer: position, kind, tensor prefix, input → output shape and the number
+    /// of values in its tensors (like `torchinfo.summary`), then the totals.
+    pub fn summary(&self) -> Result<String, LearningError> {
+        use crate::graph::{Node, Op};
+        fn slots_of(op: &Op, out: &mut Vec<usize>) {
+            match op {
+                Op::Linear { weight, bias, lora } | Op::Conv { weight, bias, lora, .. } => {
+                    out.push(*weight);
+                    out.extend(bias);
+                    if let Some(l) = lora {
+                        out.extend([l.a, l.b]);
+                    }
+                }
+                Op::BatchNorm { weight, bias, mean, var, count, .. } => out.extend([*weight, *bias, *mean, *var, *count]),
+                Op::LayerNorm { weight, bias, .. } => out.extend([*weight, *bias]),
+                Op::Embedding { weight, .. } => out.push(*weight),
+                Op::Gru { w_ih, w_hh, b_ih, b_hh, .. } | Op::Lstm { w_ih, w_hh, b_ih, b_hh, .. } => {
+                    out.extend([*w_ih, *w_hh, *b_ih, *b_hh])
+                }
+                Op::Attention { in_w, in_b, out_w, out_b, .. } => out.extend([*in_w, *in_b, *out_w, *out_b]),
+                Op::Residual { body, shortcut } => body.iter().chain(shortcut).for_each(|n| slots_of(&n.op, out)),
+                Op::Sequence(nodes) => nodes.iter().for_each(|n| slots_of(&n.op, out)),
+                _ => {}
+            }
+        }
+        let plan = self.plan()?;
+        let graph = self.to_graph();
+        let mut lines = Vec::new();
+        fn walk(layers: &[Layer], nodes: &[Node], plan: &Plan, path: &str, names: &str, lines: &mut Vec<String>) {
+            for (i, (layer, node)) in layers.iter().zip(nodes).enumerate() {
+                let mut slots = Vec::new();
+                slots_of(&node.op, &mut slots);
+                let values: usize = slots.iter().map(|&s| plan.slots[s].len()).sum();
+                let prefix = layer.explicit_name().map_or_else(|| format!("{names}.{i}"), str::to_string);
+                let shown = if slots.is_empty() && !matches!(layer, Layer::Residual { .. }) { "" } else { prefix.as_str() };
+                let at = format!("{path}{i}");
+                lines.push(format!("{at:<6} {:<20} {shown:<24} {:?} -> {:?}  {values}", layer.kind(), node.input, node.output));
+                if let (Layer::Residual { layers: body, shortcut, .. }, Op::Residual { body: bn, shortcut: sn }) = (layer, &node.op) {
+                    walk(body, bn, plan, &format!("{at}."), &format!("{prefix}.layers"), lines);
+                    walk(shortcut, sn, plan, &format!("{at}.shortcut."), &format!("{prefix}.shortcut"), lines);
+                }
+            }
+        }
+        walk(&graph.layers, &plan.nodes, &plan, "", "layers", &mut lines);
+        lines.push(format!(
+            "{} tensors, {} values, {} trainable; task {:?}; output {:?}",
+            plan.slots.len(),
+            self.num_params(),
+            self.num_trainable(),
+            plan.task,
+            plan.output
+        ));
+        Ok(lines.join("\n"))
     }
 
     /// JSON for manifests.
@@ -202,8 +348,8 @@ impl ModelSpec {
         Ok(spec)
     }
 
-    /// A freshly initialised model (PyTorch's default init: U(±1/√fan_in) for weights and
-    /// biases), reproducible from `seed`. Panics if the spec is invalid; see [`Model::init`].
+    /// A freshly initialised model, reproducible from `seed`. Panics if the spec is invalid;
+    /// see [`Model::init`] for the fallible form.
     pub fn init(&self, seed: u64) -> Model {
         Model::init(self, seed).expect("valid model spec")
     }

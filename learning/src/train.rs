@@ -3,7 +3,8 @@
 
 use crate::data::Dataset;
 use crate::error::LearningError;
-use crate::model::{Net, read};
+use crate::graph::{Node, Op, Plan, Task};
+use crate::model::{Net, TrainCtx, read};
 use crate::rng::{self, streams};
 use crate::sim;
 use crate::spec::ModelSpec;
@@ -111,9 +112,11 @@ impl TrainConfig {
 /// Loss and accuracy of one epoch, over the mini-batches as they were trained.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EpochMetrics {
-    /// Mean cross-entropy (without the proximal/SCAFFOLD terms).
+    /// Mean task loss (cross-entropy, or MSE for regression/reconstruction), without the
+    /// proximal/SCAFFOLD terms.
     pub loss: f64,
-    /// Fraction of examples predicted right (before each step's update).
+    /// Classification: fraction of examples predicted right (before each step's update).
+    /// Other tasks: 0.
     pub accuracy: f64,
 }
 
@@ -130,15 +133,23 @@ pub struct TrainMetrics {
     pub wall_time: Duration,
     /// `examples_processed / wall_time`.
     pub examples_per_sec: f64,
-    /// `||local - global||₂` over all parameters.
+    /// `||local - global||₂` over the tensors of the update.
     pub delta_norm: f64,
+    /// Size of the update (the delta as safetensors bytes, f32).
+    #[serde(default)]
+    pub update_bytes: usize,
 }
 
 /// Result of [`train_local`].
 #[derive(Clone, Debug)]
 pub struct TrainOutcome {
-    /// `local - global`, tensor by tensor, f32, same names/shapes as the global bundle.
+    /// `local - global` for the tensors an update carries ([`ModelSpec::update_layout`]): with
+    /// full fine-tuning every tensor, frozen ones and FedBN-local ones left out, under LoRA only
+    /// the adapters. f32.
     pub delta: TensorBundle,
+    /// The trained values of tensors kept on the device (FedBN `local` batch norms); empty
+    /// otherwise. Overlay them on the next global model before training again.
+    pub local_state: TensorBundle,
     /// Number of distinct local examples (the FedAvg weight).
     pub num_examples: usize,
     /// Training metrics.
@@ -197,6 +208,59 @@ pub fn train_local_scaffold(
     Ok((outcome, ScaffoldOutcome { client_c, client_c_delta }))
 }
 
+/// Per slot: whether local training changes it (trainable parameters, and the statistics of
+/// batch norms whose weight trains).
+pub(crate) fn updated_slots(plan: &Plan) -> Vec<bool> {
+    fn walk(nodes: &[Node], plan: &Plan, out: &mut [bool]) {
+        for n in nodes {
+            match &n.op {
+                Op::BatchNorm { weight, mean, var, count, .. } if plan.slots[*weight].trainable => {
+                    for s in [mean, var, count] {
+                        out[*s] = true;
+                    }
+                }
+                Op::Residual { body, shortcut } => {
+                    walk(body, plan, out);
+                    walk(shortcut, plan, out);
+                }
+                Op::Sequence(nodes) => walk(nodes, plan, out),
+                _ => {}
+            }
+        }
+    }
+    let mut out: Vec<bool> = plan.slots.iter().map(|s| s.trainable).collect();
+    walk(&plan.nodes, plan, &mut out);
+    out
+}
+
+/// The trainable tensors of `bundle` (a bundle with at least those), flat in the engine's
+/// layout, on `device`: the constants of the FedProx and SCAFFOLD terms.
+fn trainable_constants(plan: &Plan, bundle: &TensorBundle, device: &Device) -> Result<Vec<Tensor<1>>, LearningError> {
+    let mut out = Vec::new();
+    for s in plan.slots.iter().filter(|s| s.trainable) {
+        let t = bundle.get(&s.name).ok_or_else(|| LearningError::Layout(format!("tensor {} missing", s.name)))?;
+        if t.shape != s.shape {
+            return Err(LearningError::Layout(format!("{} has shape {:?}, expected {:?}", s.name, t.shape, s.shape)));
+        }
+        let mut v = t.to_f32_vec();
+        if s.transposed {
+            v = crate::model::transpose(&v, s.shape[0], s.shape[1]);
+        }
+        let n = v.len();
+        out.push(Tensor::from_data(TensorData::new(v, [n]), device));
+    }
+    Ok(out)
+}
+
+fn subset(bundle: &TensorBundle, names: &[&str]) -> Result<TensorBundle, LearningError> {
+    let mut out = TensorBundle::new();
+    for &n in names {
+        let t = bundle.get(n).ok_or_else(|| LearningError::Layout(format!("tensor {n} missing")))?;
+        out.insert(n, t.clone())?;
+    }
+    Ok(out)
+}
+
 fn train_inner(
     spec: &ModelSpec,
     global: &TensorBundle,
@@ -210,16 +274,22 @@ fn train_inner(
     let device = crate::train_device();
     let plain = crate::cpu_device();
     let mut net = Net::from_bundle(spec, global, &device)?;
-    // Constants (no autodiff) for the proximal and SCAFFOLD terms, in burn's layout.
+    let plan = net.plan().clone();
+    if !plan.slots.iter().any(|s| s.trainable) {
+        return Err(LearningError::InvalidConfig("the model has no trainable tensors".into()));
+    }
+    let task = plan.task;
+    // Constants (no autodiff) for the proximal and SCAFFOLD terms, in the engine's layout.
     let anchor: Option<Vec<Tensor<1>>> =
-        (config.prox_mu > 0.0).then(|| Net::from_bundle(spec, global, &plain).map(|n| n.flat_params())).transpose()?;
-    let corr: Option<Vec<Tensor<1>>> =
-        correction.map(|c| Net::from_bundle(spec, c, &plain).map(|n| n.flat_params())).transpose()?;
+        (config.prox_mu > 0.0).then(|| trainable_constants(&plan, global, &plain)).transpose()?;
+    let corr: Option<Vec<Tensor<1>>> = correction.map(|c| trainable_constants(&plan, c, &plain)).transpose()?;
     let mut optim = config.optimizer.build();
     let mut r = rng::rng(seed, streams::SHUFFLE);
+    // Dropout draws from its own stream so shuffling stays what it was for models without it.
+    let mut dropout_rng = rng::rng(seed, streams::DROPOUT);
     let n = data.len();
     let f = data.example_len();
-    let classes = spec.classes();
+    let out_len: usize = plan.output.iter().product();
     let mut order: Vec<usize> = (0..n).collect();
     let mut epochs = Vec::new();
     let mut steps = 0usize;
@@ -236,23 +306,35 @@ fn train_inner(
                 break 'outer;
             }
             let b = batch.len();
-            let (x, onehot) = batch_tensors(data, batch, f, classes, &device);
-            let logits = net.forward_flat(spec, x);
-            let logits_val = read(logits.clone().without_autodiff())?;
-            correct += count_correct(&logits_val, &data.labels, batch, classes);
-            let ce = (log_softmax(logits, 1) * onehot).sum().mul_scalar(-1.0 / b as f64);
-            let ce_val = ce.clone().into_scalar::<f32>();
-            if !ce_val.is_finite() {
+            let (x, target) = batch_tensors(data, task, batch, f, out_len, &device);
+            let mut ctx = TrainCtx { rng: &mut dropout_rng, updates: Vec::new() };
+            let out = net.forward(x, Some(&mut ctx))?;
+            let updates = ctx.updates;
+            let task_loss = match task {
+                Task::Classification => {
+                    let logits_val = read(out.clone().without_autodiff())?;
+                    correct += count_correct(&logits_val, &data.labels, batch, out_len);
+                    (log_softmax(out, 1) * target).sum().mul_scalar(-1.0 / b as f64)
+                }
+                // Mean over every output value, as torch.nn.MSELoss.
+                Task::Regression | Task::Reconstruction => {
+                    (out - target).powi_scalar(2).sum().mul_scalar(1.0 / (b * out_len) as f64)
+                }
+            };
+            let loss_val = task_loss.clone().into_scalar::<f32>();
+            if !loss_val.is_finite() {
                 return Err(LearningError::NonFinite { step: steps });
             }
-            let mut loss = ce;
+            let mut loss = task_loss;
             if let Some(anchor) = &anchor {
                 let mut prox: Option<Tensor<1>> = None;
                 for (p, p0) in net.flat_params().into_iter().zip(anchor) {
                     let t = (p - p0.clone()).powi_scalar(2).sum();
                     prox = Some(match prox { Some(acc) => acc + t, None => t });
                 }
-                loss = loss + prox.expect("params").mul_scalar(config.prox_mu / 2.0);
+                if let Some(prox) = prox {
+                    loss = loss + prox.mul_scalar(config.prox_mu / 2.0);
+                }
             }
             if let Some(corr) = &corr {
                 for (p, c) in net.flat_params().into_iter().zip(corr) {
@@ -260,21 +342,30 @@ fn train_inner(
                 }
             }
             let grads = loss.backward();
-            let grads = GradientsParams::from_grads(grads, &net);
-            net = optim.step(config.lr, net, grads);
+            let grads = GradientsParams::from_grads(grads, &net.params);
+            net.params = optim.step(config.lr, net.params, grads);
+            net.apply_updates(updates);
             steps += 1;
-            loss_sum += ce_val as f64 * b as f64;
+            loss_sum += loss_val as f64 * b as f64;
             seen += b;
             processed += b;
         }
         epochs.push(EpochMetrics { loss: loss_sum / seen.max(1) as f64, accuracy: correct as f64 / seen.max(1) as f64 });
     }
     let wall_time = start.elapsed();
+    let updated = updated_slots(&plan);
+    let sent: Vec<&str> =
+        plan.slots.iter().zip(&updated).filter(|(s, u)| **u && s.exchanged).map(|(s, _)| s.name.as_str()).collect();
     let local = net.to_bundle()?;
-    let delta = sim::apply_delta(&local, global, -1.0)?;
+    let delta = sim::apply_delta(&subset(&local, &sent)?, &subset(global, &sent)?, -1.0)?;
+    let kept: Vec<&str> =
+        plan.slots.iter().zip(&updated).filter(|(s, u)| **u && !s.exchanged).map(|(s, _)| s.name.as_str()).collect();
+    let local_state = subset(&local, &kept)?;
     let delta_norm = sim::l2_norm(&delta);
+    let update_bytes = delta.encode().len();
     Ok(TrainOutcome {
         delta,
+        local_state,
         num_examples: n,
         metrics: TrainMetrics {
             epochs,
@@ -283,11 +374,13 @@ fn train_inner(
             wall_time,
             examples_per_sec: processed as f64 / wall_time.as_secs_f64().max(1e-9),
             delta_norm,
+            update_bytes,
         },
     })
 }
 
-/// Checks the data fits the model.
+/// Checks the data fits the model (and the task: labels below the classes, or one float
+/// target per output value).
 pub(crate) fn check_data(spec: &ModelSpec, data: &Dataset) -> Result<(), LearningError> {
     spec.validate()?;
     if data.is_empty() {
@@ -305,23 +398,52 @@ pub(crate) fn check_data(spec: &ModelSpec, data: &Dataset) -> Result<(), Learnin
     if data.features.len() != data.len() * data.example_len() {
         return Err(LearningError::InputMismatch("feature buffer length does not match labels".into()));
     }
-    if let Some(&l) = data.labels.iter().find(|&&l| l as usize >= spec.classes()) {
-        return Err(LearningError::InputMismatch(format!("label {l} is not below {} classes", spec.classes())));
+    match spec.task() {
+        Task::Classification => {
+            if let Some(&l) = data.labels.iter().find(|&&l| l as usize >= spec.classes()) {
+                return Err(LearningError::InputMismatch(format!("label {l} is not below {} classes", spec.classes())));
+            }
+        }
+        Task::Regression => {
+            let k = spec.output_len();
+            if data.targets.len() != data.len() * k {
+                return Err(LearningError::InputMismatch(format!(
+                    "regression needs {k} float targets per example ({} in all), the data set has {}",
+                    data.len() * k,
+                    data.targets.len()
+                )));
+            }
+            if let Some(i) = data.targets.iter().position(|t| !t.is_finite()) {
+                return Err(LearningError::InputMismatch(format!("target {} of example {} is not finite", i % k, i / k)));
+            }
+        }
+        Task::Reconstruction => {}
     }
     Ok(())
 }
 
-fn batch_tensors(data: &Dataset, batch: &[usize], f: usize, classes: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+/// Inputs `[b, f]` and the task's target: one-hot `[b, classes]`, float targets `[b, k]`, or
+/// the inputs themselves (reconstruction).
+fn batch_tensors(data: &Dataset, task: Task, batch: &[usize], f: usize, out_len: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
     let b = batch.len();
     let mut xs = Vec::with_capacity(b * f);
-    let mut ys = vec![0.0f32; b * classes];
-    for (row, &i) in batch.iter().enumerate() {
+    for &i in batch {
         xs.extend_from_slice(data.example(i));
-        ys[row * classes + data.labels[i] as usize] = 1.0;
     }
+    let ys = match task {
+        Task::Classification => {
+            let mut ys = vec![0.0f32; b * out_len];
+            for (row, &i) in batch.iter().enumerate() {
+                ys[row * out_len + data.labels[i] as usize] = 1.0;
+            }
+            ys
+        }
+        Task::Regression => batch.iter().flat_map(|&i| data.targets[i * out_len..(i + 1) * out_len].iter().copied()).collect(),
+        Task::Reconstruction => xs.clone(),
+    };
     (
         Tensor::from_data(TensorData::new(xs, [b, f]), device),
-        Tensor::from_data(TensorData::new(ys, [b, classes]), device),
+        Tensor::from_data(TensorData::new(ys, [b, out_len]), device),
     )
 }
 

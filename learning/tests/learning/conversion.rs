@@ -85,7 +85,7 @@ fn bundle_layout_is_pytorch_out_in() {
     let x = [0.5f32, -1.0, 2.0, 0.25, 1.5];
     let model = Model::from_bundle(&spec, &b).unwrap();
     let y: Vec<f32> = model
-        .forward(Tensor::from_data(TensorData::new(x.to_vec(), [1, 5]), model.device()))
+        .forward(Tensor::from_data(TensorData::new(x.to_vec(), [1, 5]), model.device())).unwrap()
         .into_data()
         .try_into_vec::<f32>()
         .unwrap();

@@ -2,7 +2,11 @@
 
 mod conversion;
 mod data;
+mod files;
+mod golden;
+mod graph;
 mod partition;
+mod reference;
 mod sim;
 mod train;
 

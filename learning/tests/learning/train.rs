@@ -147,7 +147,7 @@ fn training_rejects_bad_inputs() {
     let img = train.clone().reshaped(vec![1, 8, 8]).unwrap();
     // shape [1,8,8] has 64 values: fine for the MLP; the CNN wants exactly that too
     assert!(train_local(&spec, &g, &img, &TrainConfig { max_steps: Some(1), ..TrainConfig::default() }, 1).is_ok());
-    let narrow = Dataset { features: vec![0.0; 10], labels: vec![0; 1], shape: vec![10], num_classes: 10 };
+    let narrow = Dataset { features: vec![0.0; 10], labels: vec![0; 1], targets: vec![], shape: vec![10], num_classes: 10 };
     assert!(matches!(train_local(&spec, &g, &narrow, &TrainConfig::default(), 1), Err(LearningError::InputMismatch(_))));
     let empty = train.subset(&[]);
     assert!(matches!(train_local(&spec, &g, &empty, &TrainConfig::default(), 1), Err(LearningError::InputMismatch(_))));
