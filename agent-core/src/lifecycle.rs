@@ -250,6 +250,10 @@ pub struct PersistedState {
     /// The next outbox id (ids are never reused).
     #[serde(default)]
     pub next_outbox_id: u64,
+    /// The aggregator refused an update because this device's certificate is revoked: the
+    /// device trains no more rounds (until it is enrolled again with a new store).
+    #[serde(default)]
+    pub revoked: bool,
 }
 
 /// What the health check measured (the shell runs it; the core judges it).
@@ -402,6 +406,7 @@ impl Lifecycle {
                     verifier,
                     last_state: DeviceState::Idle,
                     next_outbox_id: 0,
+                    revoked: false,
                 };
                 persists.push_back(Persist::State(serde_json::to_vec(&st).expect("state serializes")));
                 st
@@ -604,6 +609,9 @@ impl Lifecycle {
         if a.fleet != self.state.fleet {
             return Some(format!("round for fleet {}, device is in {}", a.fleet, self.state.fleet));
         }
+        if self.state.revoked {
+            return Some("this device's certificate was revoked (the aggregator refused its update as revoked)".into());
+        }
         if self.state.last_round.is_some_and(|r| r >= a.round) {
             return Some(format!("round {} already done", a.round));
         }
@@ -734,6 +742,10 @@ impl Lifecycle {
                     tracing::warn!(outbox_id = id, %reason, detail = %rej.detail, "update rejected; dropped");
                     let mut next = self.state.clone();
                     next.last_state = DeviceState::Failed { reason: format!("update for round {} rejected: {reason}", entry.round) };
+                    if reason == RejectReason::Revoked {
+                        tracing::warn!("this device's certificate is revoked: it joins no more rounds");
+                        next.revoked = true;
+                    }
                     self.commit(next)?;
                     self.report(now);
                 }

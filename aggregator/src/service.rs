@@ -78,21 +78,72 @@ struct Base {
     version: ModelVersion,
     layout: Layout,
     values: Arc<Vec<f32>>,
+    sent: Arc<Sent>,
+}
+
+/// The part of the model an update carries: the spec's update layout (every tensor, or only the
+/// trainable ones when the spec freezes layers, trains LoRA adapters or keeps batch norms local).
+/// Strategies fold and step over these coordinates only; the rest of the model is carried over.
+struct Sent {
+    layout: Layout,
+    /// Where each sent tensor lies in the full flat model, in (sorted-name) bundle order.
+    ranges: Vec<std::ops::Range<usize>>,
+    dim: usize,
+}
+
+impl Sent {
+    fn of(full: &Layout, sent: &Layout) -> Sent {
+        let mut ranges = Vec::new();
+        let mut offset = 0;
+        for (name, shape) in full {
+            let n: usize = shape.iter().product();
+            if sent.contains_key(name) {
+                ranges.push(offset..offset + n);
+            }
+            offset += n;
+        }
+        Sent { layout: sent.clone(), dim: ranges.iter().map(|r| r.len()).sum(), ranges }
+    }
 }
 
 impl Base {
+    fn new(digest: Digest, version: ModelVersion, layout: Layout, values: Vec<f32>, sent_layout: &Layout) -> Self {
+        let sent = Arc::new(Sent::of(&layout, sent_layout));
+        Base { digest, version, layout, values: Arc::new(values), sent }
+    }
+    /// Coordinates an update carries (what strategies fold).
     fn dim(&self) -> usize {
-        self.values.len()
+        self.sent.dim
     }
     fn max_payload(&self) -> u64 {
-        self.dim() as u64 * 4 + HEADER_SLACK + self.layout.len() as u64 * 512
+        self.dim() as u64 * 4 + HEADER_SLACK + self.sent.layout.len() as u64 * 512
     }
     fn limits(&self) -> BundleLimits {
         BundleLimits {
             max_bytes: self.max_payload() as usize,
-            max_tensors: self.layout.len(),
+            max_tensors: self.sent.layout.len(),
             max_params: self.dim(),
         }
+    }
+    /// The base's values at the sent coordinates: the global model the strategy steps.
+    fn global(&self) -> Vec<f32> {
+        if self.sent.dim == self.values.len() {
+            return self.values.to_vec();
+        }
+        self.sent.ranges.iter().flat_map(|r| self.values[r.clone()].iter().copied()).collect()
+    }
+    /// The full model: the base with the sent coordinates replaced by `sent_values`.
+    fn merged(&self, sent_values: Vec<f32>) -> Vec<f32> {
+        if self.sent.dim == self.values.len() {
+            return sent_values;
+        }
+        let mut out = self.values.to_vec();
+        let mut offset = 0;
+        for r in &self.sent.ranges {
+            out[r.clone()].copy_from_slice(&sent_values[offset..offset + r.len()]);
+            offset += r.len();
+        }
+        out
     }
 }
 
@@ -205,6 +256,12 @@ fn abort_on_commit_failure(e: crate::persist::StoreError) -> ! {
     std::process::abort()
 }
 
+/// Scalars an update carries for `spec` (all of them unless it freezes layers, trains LoRA
+/// adapters or keeps batch norms local).
+fn update_dim(spec: &ModelSpec) -> usize {
+    spec.update_layout().values().map(|shape| shape.iter().product::<usize>()).sum()
+}
+
 /// Streaming unless the tensor path is on and `strategy` is a weighted mean.
 fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
     if tensor && strategy.is_mean_based() { FoldMode::Deferred } else { FoldMode::Streaming }
@@ -213,7 +270,7 @@ fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
 /// The delta of an accepted update, read back from the update store and decoded again.
 fn stored_delta(store: &Store, rec: &AcceptedRecord, base: &Base, dtype: DType) -> Result<Vec<f32>, String> {
     let bytes = store.read_update(&rec.payload_digest).map_err(|e| e.to_string())?;
-    decode_update(&bytes, &base.layout, &base.limits(), dtype, base.dim())
+    decode_update(&bytes, &base.sent.layout, &base.limits(), dtype, base.dim())
         .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))
 }
 
@@ -252,7 +309,7 @@ impl Aggregator {
             Some(b) => postcard::from_bytes(&b).map_err(|e| {
                 other(format!("{}: strategy snapshot: {e}", cfg.data_dir.display()))
             })?,
-            None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, spec.num_params())
+            None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, update_dim(&spec))
                 .map_err(other)?,
         };
         let tensor_device = match cfg.compute.fold {
@@ -277,12 +334,7 @@ impl Aggregator {
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(other)?;
-            core.base = Some(Base {
-                digest: g.digest,
-                version: g.version,
-                layout,
-                values: Arc::new(values),
-            });
+            core.base = Some(Base::new(g.digest, g.version, layout, values, &spec.update_layout()));
         }
         // Refold the current round (open, or closed and not yet published).
         let current = core
@@ -706,7 +758,7 @@ impl Aggregator {
         dtype: DType,
     ) -> Result<Signed<Receipt>, Rejection> {
         let sh = &self.shared;
-        let delta = decode_update(&payload, &base.layout, &base.limits(), dtype, base.dim())?;
+        let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
         sh.store
             .put_update(&h.payload_digest, &payload)
             .map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
@@ -836,6 +888,21 @@ impl Aggregator {
                 }
                 EngineEvent::RoundExtended { round, deadline, accepted } => {
                     tracing::info!(round = %round, deadline, accepted, "quorum not met: deadline extended once");
+                    // Devices check the signed deadline: re-issue the announcement with the new
+                    // one, or devices arriving after the old deadline skip a round still open.
+                    let extended = core
+                        .campaign
+                        .announcement
+                        .as_deref()
+                        .and_then(|b| Signed::<fedfleet_protocol::RoundAnnouncement>::decode(b).ok())
+                        .map(|signed| signed.body().clone())
+                        .filter(|ann| ann.round == round);
+                    if let Some(mut ann) = extended {
+                        ann.deadline_unix_ms = deadline;
+                        core.campaign.announcement = Some(Signed::sign(ann, &sh.key).encode());
+                        sh.announce.send_replace(core.campaign.announcement.clone());
+                        boundary = true;
+                    }
                 }
                 EngineEvent::DeviceRevoked { device, contributed_to } => {
                     tracing::warn!(device = %device, ?contributed_to, "device revoked");
@@ -923,7 +990,7 @@ impl Aggregator {
                         .iter()
                         .map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
                     let r = core.coord.finalize_with(now_ms(), round, |s| {
-                        s.finalize_on(&crate::accel::TensorBackend::new(device), &base.values, updates)
+                        s.finalize_on(&crate::accel::TensorBackend::new(device), &base.global(), updates)
                     });
                     let elapsed = t0.elapsed();
                     if r.is_ok() {
@@ -933,10 +1000,10 @@ impl Aggregator {
                     tracing::info!(round = %round, updates = records.len(), ms = elapsed.as_millis() as u64, "tensor fold");
                     r
                 }
-                _ => core.coord.finalize(now_ms(), round, &base.values),
+                _ => core.coord.finalize(now_ms(), round, &base.global()),
             };
             match result {
-                Ok(model) => Ok(Some((model, base))),
+                Ok(sent) => Ok(Some((base.merged(sent), base))),
                 Err(e) => {
                     core.closing = None;
                     me.drain(&mut core, now_ms());
@@ -998,7 +1065,7 @@ impl Aggregator {
             }
             core.closing = None;
             core.global = Some(GlobalRef { version, digest });
-            core.base = Some(Base { digest, version, layout: base.layout.clone(), values: Arc::new(model) });
+            core.base = Some(Base::new(digest, version, base.layout.clone(), model, &base.sent.layout));
             me.shared.metrics.round("published");
             tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
             let now = now_ms();
@@ -1056,7 +1123,7 @@ impl Aggregator {
         let mut core = self.lock();
         if core.global.is_none() {
             core.global = Some(GlobalRef { version, digest });
-            core.base = Some(Base { digest, version, layout, values: Arc::new(values) });
+            core.base = Some(Base::new(digest, version, layout, values, &sh.spec.update_layout()));
         }
         Ok(())
     }

@@ -232,6 +232,9 @@ async fn run_with<A: Aggregator, R: Registry>(
         AbortOnDrop(tokio::spawn(crate::mqtt::heartbeats(p, initial, every, move || c.now_ms())))
     });
     tracing::info!(device = %agent.core().state().device, fleet = %cfg.fleet, pending = agent.core().pending_uploads().len(), "agent started");
+    if agent.core().state().revoked {
+        tracing::warn!("this device's certificate was revoked: it serves inference but joins no rounds; enroll it again to rejoin");
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let socket = cfg.socket_path();
     let serving = agent.serving();

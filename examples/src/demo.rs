@@ -98,6 +98,17 @@ pub struct DemoOptions {
     pub byzantine: Option<usize>,
     /// `attacks[i]`: agent `i` is hostile (see [`crate::attack`]); empty: every agent is honest.
     pub attacks: Vec<Option<Attack>>,
+    /// The model the campaign starts from: a team's own spec and (pre-trained) weights. `None`:
+    /// the digits MLP from a seeded initialisation.
+    pub model: Option<ModelSetup>,
+}
+
+/// A team's own model for the loopback fleet: its spec (any layer graph, fine-tuning mode
+/// included) and the weights of version 1.
+#[derive(Debug, Clone)]
+pub struct ModelSetup {
+    pub spec: ModelSpec,
+    pub initial: TensorBundle,
 }
 
 impl Default for DemoOptions {
@@ -126,6 +137,7 @@ impl Default for DemoOptions {
             trim_fraction: None,
             byzantine: None,
             attacks: Vec::new(),
+            model: None,
         }
     }
 }
@@ -339,18 +351,17 @@ pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<Campaig
     })
 }
 
-/// Writes the seeded initial model, opens the service (sled state under `dir`) and serves it.
+/// Writes the initial model (version 1), opens the service (sled state under `dir`) and serves it.
 pub async fn start_aggregator(
     dir: &Path,
     pki: &Pki,
     spec: &ModelSpec,
+    bundle: &TensorBundle,
     campaign: CampaignDefaults,
-    seed: u64,
     publisher: Box<dyn Publisher>,
 ) -> anyhow::Result<(Aggregator, Running)> {
     std::fs::create_dir_all(dir)?;
     let initial = dir.join("initial.safetensors");
-    let bundle = init_bundle(spec, seed)?;
     std::fs::write(&initial, bundle.encode())?;
     let cfg = AggConfig {
         listen: ([127, 0, 0, 1], 0).into(),
@@ -850,7 +861,7 @@ impl Loopback {
         ui.line(format!("[2/8] registry: QUIC (mTLS) on {}, TUF root pinned by every device", reg_run.addr));
 
         // Data and round target (agents with training data; a share can be empty under label skew).
-        let spec = ModelSpec::digits_mlp();
+        let spec = o.model.as_ref().map_or_else(ModelSpec::digits_mlp, |m| m.spec.clone());
         let (train, test) = Dataset::digits_split()?;
         let partition = Partition::Dirichlet { alpha: o.alpha };
         let sizes = crate::fleet::shares(&partition, o.agents, o.seed)?;
@@ -862,7 +873,11 @@ impl Loopback {
             RegistryPublisher::connect_lazy(pki.dir(), "aggregator", reg_run.addr, SERVER_NAME)
                 .map_err(|e| anyhow::anyhow!("{e}"))?,
         );
-        let started = start_aggregator(&work.join("aggregator"), &pki, &spec, campaign, o.seed, publisher).await;
+        let initial = match &o.model {
+            Some(m) => m.initial.clone(),
+            None => init_bundle(&spec, o.seed)?,
+        };
+        let started = start_aggregator(&work.join("aggregator"), &pki, &spec, &initial, campaign, publisher).await;
         let (aggregator, agg_run) = match started {
             Ok(x) => x,
             Err(e) => {

@@ -333,3 +333,125 @@ async fn publish(lb: &Loopback, model: &TensorBundle, parent: ModelVersion) -> a
     let version = r["version"].as_u64().with_context(|| format!("publish answered {r}"))?;
     Ok(ModelRef { name: MODEL_NAME.into(), version: ModelVersion(version), digest: fedfleet_protocol::Digest::of(&bytes) })
 }
+
+// ----- transfer: bring your own pre-trained model -----
+
+/// The `transfer` scenario's settings.
+#[derive(Debug, Clone)]
+pub struct TransferOptions {
+    pub agents: usize,
+    pub rounds: u32,
+    pub seed: u64,
+    /// Epochs of central pre-training on MNIST (downsampled to 8x8).
+    pub pretrain_epochs: usize,
+    /// Rank of the LoRA adapters (on `fc2` and `fc3`; alpha = rank, so the scale is 1).
+    pub lora_rank: usize,
+    /// The agents' learning rate (plain SGD), the same for every mode: fine-tuning a
+    /// pre-trained model wants a smaller step than the demo's training from scratch.
+    pub lr: f32,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions { agents: 20, rounds: 15, seed: 42, pretrain_epochs: 8, lora_rank: 2, lr: 0.05 }
+    }
+}
+
+/// One fine-tuning mode of the `transfer` table.
+#[derive(Debug, Clone)]
+pub struct TransferRow {
+    /// `full`, `head` (only `fc3` trains) or `lora`.
+    pub mode: &'static str,
+    /// Scalars each update carries.
+    pub trainable: usize,
+    /// Mean payload bytes per accepted update, as the aggregator counted them.
+    pub bytes_per_update: f64,
+    /// Digits test accuracy of version 1 (the pre-trained model) and of the final global model.
+    pub before: f64,
+    pub after: f64,
+}
+
+/// What [`transfer`] measured.
+#[derive(Debug, Clone)]
+pub struct TransferReport {
+    /// The pre-trained model's accuracy on held-out MNIST (its own distribution).
+    pub source_accuracy: f64,
+    pub rows: Vec<TransferRow>,
+}
+
+/// The vendored MNIST test set, downsampled to the digits' grid: the 2-pixel border cropped
+/// (28 → 24), then 3x3 means (24 → 8), values in [0, 1] like the digits' `x / 16`.
+pub fn mnist_as_digits() -> anyhow::Result<fedfleet_learning::Dataset> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mnist-t10k");
+    let m = fedfleet_learning::Dataset::load_idx(dir.join("t10k-images-idx3-ubyte.gz"), dir.join("t10k-labels-idx1-ubyte.gz"))
+        .context("the vendored MNIST test set")?;
+    let mut features = Vec::with_capacity(m.len() * 64);
+    for i in 0..m.len() {
+        let img = m.example(i);
+        for by in 0..8 {
+            for bx in 0..8 {
+                let mut sum = 0.0;
+                for y in 0..3 {
+                    for x in 0..3 {
+                        sum += img[(2 + by * 3 + y) * 28 + 2 + bx * 3 + x];
+                    }
+                }
+                features.push(sum / 9.0);
+            }
+        }
+    }
+    Ok(fedfleet_learning::Dataset { features, labels: m.labels.clone(), targets: Vec::new(), shape: vec![64], num_classes: 10 })
+}
+
+/// A model pre-trained centrally on MNIST (8x8) is version 1; the fleet fine-tunes it on the
+/// digits set, a shifted distribution, three times: every weight (`full`), the last layer only
+/// (`head`), and LoRA adapters (`lora`). Each row is a campaign over the real services.
+pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow)) -> anyhow::Result<TransferReport> {
+    use fedfleet_learning::graph::{FineTune, Real};
+    use fedfleet_learning::{ModelSpec, finetune::attach_adapters, model::init_bundle};
+
+    let mlp = ModelSpec::Mlp { input: vec![64], hidden: vec![128, 64], classes: 10 }.to_graph();
+    let full = ModelSpec::Graph(mlp.clone());
+    let (source_train, source_test) = mnist_as_digits()?.split(0.2, o.seed);
+    let (seed, epochs) = (o.seed, o.pretrain_epochs);
+    let spec = full.clone();
+    let pretrained = tokio::task::spawn_blocking(move || -> anyhow::Result<TensorBundle> {
+        let init = init_bundle(&spec, seed)?;
+        let cfg = TrainConfig { epochs, batch_size: 32, lr: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
+        let out = fedfleet_learning::train_local(&spec, &init, &source_train, &cfg, seed)?;
+        Ok(lsim::apply_delta(&init, &out.delta, 1.0)?)
+    })
+    .await??;
+    let source_accuracy = evaluate(&full, &pretrained, &source_test)?.accuracy;
+
+    let with = |finetune: FineTune| {
+        let mut g = mlp.clone();
+        g.finetune = finetune;
+        ModelSpec::Graph(g)
+    };
+    let head = with(FineTune::Freeze { trainable: Some(vec!["fc3.*".into()]), frozen: Vec::new() });
+    let rank = o.lora_rank;
+    let lora = with(FineTune::Lora { rank, alpha: Real(rank as f64), targets: Some(vec!["fc2".into(), "fc3".into()]) });
+    let lora_initial = attach_adapters(&lora, &pretrained, o.seed)?;
+    let mut rows = Vec::new();
+    for (mode, spec, initial) in [("full", full, pretrained.clone()), ("head", head, pretrained.clone()), ("lora", lora, lora_initial)] {
+        let d = DemoOptions {
+            alpha: 1.0,
+            lr: o.lr,
+            mqtt: false,
+            model: Some(crate::demo::ModelSetup { spec: spec.clone(), initial: initial.clone() }),
+            ..quiet_options(o.agents, o.rounds, o.seed)
+        };
+        let (row, _) = on_loopback(&d, &Ui::quiet(), async |lb, report| {
+            let before = evaluate(&spec, &initial, &lb.test)?.accuracy;
+            lb.train(&Ui::quiet(), d.rounds, report).await?;
+            let after = evaluate(&spec, &lb.global_model()?, &lb.test)?.accuracy;
+            let (bytes, updates) = report.rounds.iter().fold((0u64, 0u64), |(b, n), r| (b + r.bytes_up, n + r.participants));
+            Ok(TransferRow { mode, trainable: spec.num_trainable(), bytes_per_update: bytes as f64 / updates.max(1) as f64, before, after })
+        })
+        .await?;
+        on_row(&row);
+        rows.push(row);
+    }
+    Ok(TransferReport { source_accuracy, rows })
+}

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use fedfleet::demo::Ui;
 use fedfleet::scenarios::{
-    PersonalizeOptions, PoisonedOptions, RolloutScenarioOptions, personalize, poisoned, rollout_with_abort,
+    PersonalizeOptions, PoisonedOptions, RolloutScenarioOptions, TransferOptions, personalize, poisoned,
+    rollout_with_abort, transfer,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,4 +38,20 @@ async fn broken_version_is_aborted_and_the_fleet_stays_on_the_good_one() {
     assert_eq!(r.broken_rollout, "aborted", "{r:#?}");
     assert!(r.failed_health_checks >= 1, "{r:#?}");
     assert_eq!((r.on_good, r.on_broken), (8, 0), "{r:#?}");
+}
+
+/// Bring your own model: a pre-trained model fine-tuned over the real services in three modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pretrained_model_is_fine_tuned_full_head_only_and_with_lora() {
+    let o = TransferOptions { agents: 8, rounds: 6, pretrain_epochs: 4, ..Default::default() };
+    let r = transfer(&o, |_| {}).await.expect("pre-training and three campaigns ran");
+    let [full, head, lora] = r.rows.as_slice() else { panic!("three modes: {r:#?}") };
+    assert!(r.source_accuracy > 0.85, "pre-training worked on its own distribution: {r:#?}");
+    // Updates carry only the trainable tensors, and the aggregator folds exactly those.
+    assert_eq!((full.trainable, head.trainable), (17_226, 650), "{r:#?}");
+    assert!(head.bytes_per_update <= 0.05 * full.bytes_per_update, "{r:#?}");
+    assert!(lora.bytes_per_update <= 0.05 * full.bytes_per_update, "{r:#?}");
+    for row in &r.rows {
+        assert!(row.after > row.before, "{} does not beat the pre-trained model: {r:#?}", row.mode);
+    }
 }

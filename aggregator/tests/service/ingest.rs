@@ -181,3 +181,34 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     op.campaign(Request::CampaignStop).await.unwrap();
     svc.shutdown().await;
 }
+
+/// A round whose quorum is not met at its deadline is extended once; the signed announcement
+/// devices read must carry the new deadline (it kept the old one, so late devices skipped it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extended_round_is_announced_with_its_new_deadline() {
+    let f = Fleet::new(3);
+    let mut cfg = f.config("ext", 3, 1);
+    cfg.campaign.quorum = 2;
+    cfg.campaign.deadline_secs = 1;
+    cfg.campaign.extension_secs = 60;
+    let svc = start(cfg);
+    let op = f.operator(svc.addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    let d0 = f.device_client(0, svc.addr).await;
+    let deadline = |info: fedfleet_aggregator::client::RoundInfo| {
+        let ann = info.announcement.expect("a round is open");
+        ann.verify(&info.receipt_key).expect("signed by the aggregator").deadline_unix_ms
+    };
+    let first = deadline(d0.current_round().await.unwrap());
+    let t0 = std::time::Instant::now();
+    let extended = loop {
+        let now = deadline(d0.current_round().await.unwrap());
+        if now != first {
+            break now;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the announcement still carries the first deadline");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!(extended >= first + 59_000, "extended by the configured 60 s: {first} -> {extended}");
+    svc.shutdown().await;
+}

@@ -118,6 +118,29 @@ fn crash_during_training_retrains_and_permanent_rejection_drops() {
     assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("stale_round")))), "{acts:?}");
 }
 
+/// A device whose update is refused as revoked stops training, and still knows it after a
+/// restart (it trained every round before, each refused).
+#[test]
+fn a_device_refused_as_revoked_joins_no_more_rounds_even_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reg, v1) = registry();
+    {
+        let mut lc = open(dir.path(), &reg, &v1);
+        drain(&mut lc);
+        let id = train_and_finish(&mut lc, 1, &v1, b"delta-1", 1);
+        lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Revoked, "cam revoked")) }).unwrap();
+        drain(&mut lc);
+        lc.handle(T0, Input::RoundAnnounced(announcement(2, &v1))).unwrap();
+        assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "trained after being revoked");
+    }
+    let mut lc = open(dir.path(), &reg, &v1);
+    drain(&mut lc);
+    let round = announcement(3, &v1);
+    assert!(lc.round_refusal(T0, &round).is_some_and(|why| why.contains("revoked")));
+    lc.handle(T0, Input::RoundAnnounced(round)).unwrap();
+    assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "trained after a restart");
+}
+
 #[test]
 fn unavailable_base_model_is_asked_again_until_the_deadline() {
     let dir = tempfile::tempdir().unwrap();
