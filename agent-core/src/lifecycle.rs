@@ -264,9 +264,13 @@ pub struct HealthReport {
     pub non_finite: bool,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
-    pub candidate_accuracy: f64,
+    /// The task's metric on the holdout, higher is better: accuracy for classification, minus
+    /// the RMSE for regression and reconstruction (named in `metric`).
+    pub candidate_score: f64,
     /// `None` when there is no active model (first install).
-    pub active_accuracy: Option<f64>,
+    pub active_score: Option<f64>,
+    /// What the scores are (`accuracy`, `-rmse`).
+    pub metric: String,
 }
 
 /// Outcome of one upload attempt.
@@ -943,15 +947,15 @@ impl Lifecycle {
         if !(r.latency_p99_ms <= p.max_latency_ms) {
             return Err(format!("p99 latency {:.2} ms over the {:.2} ms budget", r.latency_p99_ms, p.max_latency_ms));
         }
-        if !r.candidate_accuracy.is_finite() {
-            return Err("accuracy is not finite".into());
+        if !r.candidate_score.is_finite() {
+            return Err(format!("{} is not finite", r.metric));
         }
-        if let Some(a) = r.active_accuracy
-            && r.candidate_accuracy < a - p.accuracy_margin
+        if let Some(a) = r.active_score
+            && r.candidate_score < a - p.accuracy_margin
         {
             return Err(format!(
-                "holdout accuracy {:.4} is worse than the active model's {:.4} by more than {:.4}",
-                r.candidate_accuracy, a, p.accuracy_margin
+                "holdout {} {:.4} is worse than the active model's {:.4} by more than {:.4}",
+                r.metric, r.candidate_score, a, p.accuracy_margin
             ));
         }
         Ok(())

@@ -38,13 +38,19 @@ enum Cmd {
         #[command(subcommand)]
         action: CampaignCmd,
     },
-    /// Write a seeded initial model (safetensors) for `model.spec` of the config.
+    /// Write the initial model (version 1 of the campaign) for `model.spec` of the config: a
+    /// seeded initialisation, or a team's pre-trained weights (`--pretrained`).
     InitModel {
         #[arg(long, short)]
         config: PathBuf,
-        /// Initialization seed.
+        /// Initialization seed (of the whole model, or of fresh LoRA adapters with --pretrained).
         #[arg(long, default_value_t = 7)]
         seed: u64,
+        /// A PyTorch `state_dict` in safetensors (PyTorch names and layouts) with the weights of
+        /// `model.spec`'s base model; every mismatch is listed. Under a LoRA spec, fresh adapters
+        /// are added.
+        #[arg(long)]
+        pretrained: Option<PathBuf>,
         /// Output path (default: the config's `model.initial`).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -127,14 +133,27 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Serve { config, listen } => serve(config, listen).await,
-        Cmd::InitModel { config, seed, out } => {
+        Cmd::InitModel { config, seed, pretrained, out } => {
             let cfg = Config::load(&config)?;
             let out = out.unwrap_or(cfg.model.initial.clone());
-            let bundle = fedfleet_learning::model::init_bundle(&cfg.model.spec, seed)
-                .map_err(|e| anyhow!("model.spec: {e}"))?;
+            let (bundle, from) = match &pretrained {
+                None => (
+                    fedfleet_learning::model::init_bundle(&cfg.model.spec, seed).map_err(|e| anyhow!("model.spec: {e}"))?,
+                    format!("seed {seed}"),
+                ),
+                Some(path) => {
+                    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+                    let bundle = fedfleet_learning::interop::import_pretrained(&cfg.model.spec, &bytes, seed)
+                        .map_err(|e| anyhow!("{} does not fit model.spec: {e}", path.display()))?;
+                    (bundle, format!("pre-trained weights of {}", path.display()))
+                }
+            };
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            }
             fedfleet_aggregator::persist::write_atomic(&out, &bundle.encode())
                 .with_context(|| format!("writing {}", out.display()))?;
-            println!("wrote {} ({} parameters, seed {seed})", out.display(), bundle.num_params());
+            println!("wrote {} ({} parameters, {from})", out.display(), bundle.num_params());
             Ok(())
         }
         Cmd::Campaign { action } => {

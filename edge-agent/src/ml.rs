@@ -103,7 +103,8 @@ pub fn accuracy(p: &Predictor, data: &Dataset) -> Result<(f64, bool), String> {
 }
 
 /// Health check: the candidate loads, runs on the holdout without NaN/Inf, per-example latency
-/// (p50/p99 over up to `latency_samples` examples), and accuracy of both models.
+/// (p50/p99 over up to `latency_samples` examples), and the task's metric (accuracy, or minus
+/// the RMSE for regression and reconstruction) of both models on the holdout.
 pub fn health_check(
     candidate: (&str, &[u8]),
     active: Option<(&str, &[u8])>,
@@ -117,11 +118,12 @@ pub fn health_check(
             non_finite: false,
             latency_p50_ms: 0.0,
             latency_p99_ms: 0.0,
-            candidate_accuracy: 0.0,
-            active_accuracy: None,
+            candidate_score: 0.0,
+            active_score: None,
+            metric: "accuracy".into(),
         });
     }
-    let (acc, finite) = accuracy(&p, holdout).map_err(|e| format!("run: {e}"))?;
+    let (candidate_score, metric, finite) = task_score(candidate, holdout)?;
     let mut lat = Vec::new();
     for i in 0..holdout.len().min(latency_samples.max(1)) {
         let t = Instant::now();
@@ -130,9 +132,9 @@ pub fn health_check(
     }
     lat.sort_by(f64::total_cmp);
     let q = |f: f64| lat[((lat.len() - 1) as f64 * f).round() as usize];
-    let active_accuracy = match active {
-        Some((s, b)) => match predictor(s, b) {
-            Ok(ap) => Some(accuracy(&ap, holdout)?.0),
+    let active_score = match active {
+        Some(model) => match task_score(model, holdout) {
+            Ok((score, _, _)) => Some(score),
             Err(e) => {
                 tracing::warn!(error = %e, "active model does not load for comparison");
                 None
@@ -145,9 +147,20 @@ pub fn health_check(
         non_finite: !finite,
         latency_p50_ms: q(0.5),
         latency_p99_ms: q(0.99),
-        candidate_accuracy: acc,
-        active_accuracy,
+        candidate_score,
+        active_score,
+        metric,
     })
+}
+
+/// The task's score of a model on `data` (higher is better), its name, and whether the loss was
+/// finite.
+fn task_score((spec_json, bytes): (&str, &[u8]), data: &Dataset) -> Result<(f64, String, bool), String> {
+    let (spec, bundle) = load_model(spec_json, bytes)?;
+    let r = fedfleet_learning::evaluate(&spec, &bundle, data).map_err(|e| format!("run: {e}"))?;
+    let (name, _, higher_is_better) = r.metric();
+    let metric = if higher_is_better { name.to_owned() } else { format!("-{name}") };
+    Ok((r.score(), metric, r.loss.is_finite() && r.score().is_finite()))
 }
 
 /// Latency quantile helper for figures: `(p50, p99)` in ms.

@@ -13,3 +13,43 @@ fn missing_config_is_a_one_line_error() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("fedfleet-aggregator: cannot read /nonexistent/aggregator.toml"), "{err}");
 }
+
+/// A team's pre-trained PyTorch state_dict becomes the campaign's initial model in one command;
+/// one that does not fit the spec is refused with the mismatch named.
+#[test]
+fn init_model_imports_a_pretrained_state_dict_and_names_a_mismatch() {
+    use fedfleet_learning::{ModelSpec, interop, model::init_bundle};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = ModelSpec::Mlp { input: vec![8], hidden: vec![4], classes: 3 };
+    let pretrained = init_bundle(&spec, 99).unwrap();
+    let state_dict = dir.path().join("pretrained.safetensors");
+    std::fs::write(&state_dict, interop::export_state_dict(&spec, &pretrained).unwrap()).unwrap();
+    let config = dir.path().join("aggregator.toml");
+    let initial = dir.path().join("models/initial.safetensors");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:0\"\npki_dir = \"pki\"\ndata_dir = \"data\"\n[model]\nname = \"m\"\n\
+             spec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\ninitial = {initial:?}\n"
+        ),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
+            .args(["init-model", "--config", config.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--pretrained", state_dict.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let written = fedfleet_protocol::TensorBundle::decode(&std::fs::read(&initial).unwrap(), &Default::default()).unwrap();
+    assert_eq!(written, pretrained, "the initial model is the pre-trained weights, in a directory init-model created");
+
+    let other = ModelSpec::Mlp { input: vec![8], hidden: vec![5], classes: 3 };
+    std::fs::write(&state_dict, interop::export_state_dict(&other, &init_bundle(&other, 1).unwrap()).unwrap()).unwrap();
+    let out = run(&["--pretrained", state_dict.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("does not fit model.spec") && err.contains("fc1.weight"), "{err}");
+}

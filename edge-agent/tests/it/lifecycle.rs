@@ -202,7 +202,7 @@ async fn install_to_health_check(lc: &mut fedfleet_agent::DurableLifecycle, reg:
 }
 
 fn report(cand: f64, active: f64) -> HealthReport {
-    HealthReport { holdout: 50, non_finite: false, latency_p50_ms: 1.0, latency_p99_ms: 2.0, candidate_accuracy: cand, active_accuracy: Some(active) }
+    HealthReport { holdout: 50, non_finite: false, latency_p50_ms: 1.0, latency_p99_ms: 2.0, candidate_score: cand, active_score: Some(active), metric: "accuracy".into() }
 }
 
 #[tokio::test]
