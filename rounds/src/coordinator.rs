@@ -24,7 +24,7 @@ pub enum FinalizeError {
 }
 
 /// Where accepted deltas go.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum FoldMode {
     /// Folded into the strategy as they arrive (the exact streaming fold).
     #[default]
@@ -41,10 +41,13 @@ pub struct Coordinator<S> {
     strategy: S,
     /// The round the strategy's folded updates belong to.
     folding: Option<RoundId>,
-    #[serde(default)]
+    /// How the shell folds: its choice, made again at every open ([`Coordinator::set_mode`]),
+    /// so never part of the persisted state.
+    #[serde(skip)]
     mode: FoldMode,
-    /// Updates of the `folding` round held back in [`FoldMode::Deferred`].
-    #[serde(default)]
+    /// Updates of the `folding` round held back in [`FoldMode::Deferred`] (counted again when
+    /// the shell refolds the round after a restart).
+    #[serde(skip)]
     deferred: u64,
 }
 

@@ -673,6 +673,17 @@ impl RoundEngine {
             device,
             contributed_to,
         });
+        // The open round may have every update it can still get.
+        let reached = match &self.campaign {
+            Some(c) => match &c.phase {
+                Phase::Open(r) => r.contributions.len() as u32 >= self.round_target(c),
+                _ => false,
+            },
+            None => false,
+        };
+        if reached {
+            self.close_round(CloseCause::TargetReached);
+        }
     }
 
     /// Undoes [`revoke`](Self::revoke) (a re-enrolled device).
@@ -762,13 +773,28 @@ impl RoundEngine {
             return Err(self.reject(RejectReason::BadSampleCount));
         }
         let accepted = r.contributions.len() as u32 + 1;
+        let target = self.round_target(c);
         Ok(Accepted {
             round: r.id,
             weight: meta.num_examples.min(MAX_WEIGHT),
             accepted,
-            target: policy.target_count,
-            closed_round: accepted >= policy.target_count,
+            target,
+            closed_round: accepted >= target,
         })
+    }
+
+    /// Updates that close a round early: the policy's target, or fewer when an explicit
+    /// invitation has fewer devices left that are not revoked (a revoked device's update never
+    /// comes; waiting for it would hold every round to its deadline). Never below the quorum.
+    fn round_target(&self, c: &Campaign) -> u32 {
+        let policy = &c.spec.policy;
+        match &c.spec.selection {
+            Invitation::Explicit { devices } => {
+                let reachable = devices.iter().filter(|d| !self.revoked.contains(*d)).count() as u32;
+                policy.target_count.min(reachable).max(policy.min_quorum)
+            }
+            Invitation::Rate { .. } => policy.target_count,
+        }
     }
 
     fn open_round(&mut self, now: Millis) {

@@ -681,3 +681,30 @@ fn a_non_finite_model_is_never_handed_out_and_the_round_fails() {
     let failed = std::iter::from_fn(|| c.poll_event()).any(|ev| matches!(ev, EngineEvent::RoundFailed { round, .. } if round == a.round));
     assert!(failed, "the round is reported failed");
 }
+
+/// A round whose invited devices are all in but a revoked one closes at once: the revoked
+/// device's update never comes, so the round does not wait for its deadline.
+#[test]
+fn revoking_the_last_missing_invited_device_closes_the_round() {
+    let (mut e, a) = engine_with(spec(3, policy(3, 1, 0)));
+    e.handle_update(T0, meta(0, a.round, 0)).unwrap();
+    let second = e.handle_update(T0 + 1, meta(1, a.round, 0)).unwrap();
+    assert!(!second.closed_round, "device 2 may still come");
+    events(&mut e);
+    e.revoke(dev(2));
+    let evs = events(&mut e);
+    assert!(
+        evs.iter().any(|ev| matches!(ev, EngineEvent::RoundClosed { round, cause: CloseCause::TargetReached, .. } if *round == a.round)),
+        "{evs:?}"
+    );
+    // The next round's early close counts only the devices that can still take part.
+    let Some(EngineEvent::RoundOpened(b)) = evs.iter().find(|ev| matches!(ev, EngineEvent::RoundOpened(_))).cloned().or_else(|| {
+        e.model_ready(T0 + 2, a.round, ModelVersion(2), Digest::of(b"v2")).unwrap();
+        e.poll_event()
+    }) else {
+        panic!("the next round opens")
+    };
+    let on_v2 = |device| UpdateMeta { base_digest: b.base_digest, ..meta(device, b.round, 1) };
+    e.handle_update(T0 + 3, on_v2(0)).unwrap();
+    assert!(e.handle_update(T0 + 4, on_v2(1)).unwrap().closed_round, "2 of the 2 devices left");
+}
