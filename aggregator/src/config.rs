@@ -5,7 +5,7 @@
 //! pki_dir = "/etc/fedfleet/pki"      # fedfleet-certs directory (ca.crt, devices.json, revoked.json, servers/)
 //! server_name = "aggregator"         # servers/<server_name>.crt|.key: this service's identity
 //! data_dir = "/var/lib/fedfleet-aggregator"
-//! metrics_addr = "127.0.0.1:9464"    # Prometheus /metrics (optional; loopback unless metrics_public = true)
+//! metrics_addr = "127.0.0.1:9465"    # Prometheus /metrics (optional; loopback unless metrics_public = true)
 //! operators = ["operator"]           # service certificates allowed to run `campaign ...`
 //! publish_dir = "/var/lib/fedfleet-aggregator/published"  # DirPublisher target (default: data_dir/published)
 //!
