@@ -5,13 +5,11 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::serde_hex;
 use crate::{Digest, ModelVersion};
 
 /// One chunk of an artifact, in order. Every chunk but the last is `chunk_size` long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkRef {
-    #[serde(with = "serde_hex::digest")]
     pub digest: Digest,
     pub len: u32,
 }
@@ -23,7 +21,6 @@ pub struct Manifest {
     pub version: ModelVersion,
     pub spec: serde_json::Value,
     pub length: u64,
-    #[serde(with = "serde_hex::digest")]
     pub digest: Digest,
     pub parent: Option<ModelVersion>,
     pub metrics: BTreeMap<String, f64>,

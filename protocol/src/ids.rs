@@ -115,9 +115,36 @@ number_id!(
     ModelVersion
 );
 
-/// A BLAKE3-256 content digest.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+/// A BLAKE3-256 content digest. Human-readable formats (JSON: status files, `--json` output,
+/// saved agent state) carry it as 64 lowercase hex digits, like every log line; binary formats
+/// (postcard on the wire) as its 32 bytes.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Digest(pub [u8; 32]);
+
+impl Serialize for Digest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() { s.serialize_str(&self.to_hex()) } else { self.0.serialize(s) }
+    }
+}
+
+impl<'de> Deserialize<'de> for Digest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if !d.is_human_readable() {
+            return <[u8; 32]>::deserialize(d).map(Digest);
+        }
+        /// Hex, or the array of 32 numbers JSON written before hex (saved agent state).
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Text {
+            Hex(String),
+            Bytes([u8; 32]),
+        }
+        match Text::deserialize(d)? {
+            Text::Hex(s) => s.parse().map_err(serde::de::Error::custom),
+            Text::Bytes(b) => Ok(Digest(b)),
+        }
+    }
+}
 
 impl Digest {
     pub fn of(bytes: &[u8]) -> Self {
@@ -167,6 +194,21 @@ impl FromStr for Digest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn digests_are_hex_in_json_and_bytes_in_postcard() {
+        let d = Digest::of(b"x");
+        let json = serde_json::to_string(&d).unwrap();
+        assert_eq!(json, format!("\"{}\"", d.to_hex()));
+        assert_eq!(serde_json::from_str::<Digest>(&json).unwrap(), d);
+        // JSON saved before hex (an array of 32 numbers) still reads.
+        let old = serde_json::to_string(&d.0).unwrap();
+        assert_eq!(serde_json::from_str::<Digest>(&old).unwrap(), d);
+        let wire = postcard::to_stdvec(&d).unwrap();
+        assert_eq!(wire, d.0.to_vec());
+        assert_eq!(postcard::from_bytes::<Digest>(&wire).unwrap(), d);
+        assert!(serde_json::from_str::<Digest>("\"zz\"").is_err());
+    }
 
     #[test]
     fn ids_are_validated() {

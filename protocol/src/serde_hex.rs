@@ -1,21 +1,8 @@
-//! Serde helpers: digests and keys as lowercase hex strings in JSON (readable, and the form the
-//! signed metadata uses), instead of the default array of 32 numbers.
+//! Serde helpers: keys and signatures as lowercase hex strings in JSON (readable, and the form
+//! the signed metadata uses), instead of the default array of numbers. ([`crate::Digest`] does
+//! this itself.)
 
-use crate::Digest;
 use serde::{Deserialize, Deserializer, Serializer};
-
-pub mod digest {
-    use super::*;
-
-    pub fn serialize<S: Serializer>(d: &Digest, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&d.to_hex())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Digest, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
 
 pub mod bytes32 {
     use super::*;

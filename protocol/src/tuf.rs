@@ -231,7 +231,6 @@ pub struct TargetInfo {
     pub name: String,
     pub version: ModelVersion,
     pub length: u64,
-    #[serde(with = "serde_hex::digest")]
     pub digest: Digest,
     pub custom: TargetCustom,
 }
@@ -273,7 +272,6 @@ impl Targets {
 pub struct MetaRef {
     pub version: u64,
     pub length: u64,
-    #[serde(with = "serde_hex::digest")]
     pub digest: Digest,
 }
 

@@ -49,7 +49,6 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 
-use fedfleet_protocol::serde_hex;
 pub use fedfleet_protocol::artifact::{ChunkRef, Manifest};
 
 /// Default chunk size: 1 MiB.
@@ -143,7 +142,6 @@ impl Default for StoreConfig {
 /// A stored blob: its digest (BLAKE3 of all bytes), length, and chunk list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Artifact {
-    #[serde(with = "serde_hex::digest")]
     pub digest: Digest,
     pub length: u64,
     pub chunk_size: u32,
@@ -174,7 +172,6 @@ pub struct VersionRecord {
     pub version: ModelVersion,
     pub spec: serde_json::Value,
     pub length: u64,
-    #[serde(with = "serde_hex::digest")]
     pub digest: Digest,
     pub parent: Option<ModelVersion>,
     pub metrics: BTreeMap<String, f64>,
