@@ -194,6 +194,14 @@ pub struct DataConfig {
     pub holdout_fraction: f64,
 }
 
+impl DataConfig {
+    /// How features read from files are scaled, in training and at inference alike (the
+    /// embedded digits partition comes already scaled).
+    pub fn normalization(&self) -> fedfleet_learning::Normalization {
+        self.csv_scale.map_or(fedfleet_learning::Normalization::None, fedfleet_learning::Normalization::Scale)
+    }
+}
+
 fn default_holdout() -> f64 {
     0.2
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use fedfleet_certs::DeviceIdentity;
-use fedfleet_learning::{CsvOptions, Dataset, Normalization, Partition};
+use fedfleet_learning::{CsvOptions, Dataset, Partition};
 use fedfleet_protocol::{Digest, FleetId, ModelRef, ModelVersion};
 use fedfleet_protocol::tuf::{Root, SignedMetadata};
 use fedfleet_protocol::tuf::Verifier;
@@ -32,10 +32,7 @@ pub fn load_data(cfg: &AgentConfig) -> Result<LocalData> {
         Partition::Iid.split_dataset(&train, p.clients, p.seed).swap_remove(p.index)
     } else {
         let path = d.csv.as_ref().expect("validated: csv or partition");
-        let mut opts = CsvOptions::default();
-        if let Some(s) = d.csv_scale {
-            opts.normalization = Normalization::Scale(s);
-        }
+        let opts = CsvOptions { normalization: d.normalization(), ..CsvOptions::default() };
         Dataset::load_csv(path, &opts).with_context(|| format!("cannot load data set {}", path.display()))?
     };
     if d.holdout_fraction <= 0.0 {
@@ -238,9 +235,9 @@ async fn run_with<A: Aggregator, R: Registry>(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let socket = cfg.socket_path();
     let serving = agent.serving();
-    let scale = cfg.data.csv_scale;
+    let normalization = cfg.data.normalization();
     let mut rx1 = stop_rx.clone();
-    let server = tokio::spawn(async move { inference::serve_unix(&socket, serving, scale, async move { let _ = rx1.changed().await; }).await });
+    let server = tokio::spawn(async move { inference::serve_unix(&socket, serving, normalization, async move { let _ = rx1.changed().await; }).await });
     tokio::spawn(async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
@@ -323,7 +320,7 @@ pub async fn infer(config: &Path, input: &Path) -> Result<String> {
         Ok(r) => r,
         Err(_) => {
             let served = load_active_offline(&cfg.store_dir())?;
-            inference::answer(Some(served), &req, cfg.data.csv_scale)
+            inference::answer(Some(served), &req, &cfg.data.normalization())
         }
     };
     if let Some(e) = resp.error {

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use fedfleet_learning::Prediction;
+use fedfleet_learning::{Normalization, Prediction};
 use fedfleet_protocol::ModelRef;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -40,10 +40,10 @@ impl Response {
     }
 }
 
-/// Answers one request with the served model (blocking). Rows are raw feature values; `scale`
-/// is the `[data] csv_scale` the model was trained with, applied here so that inference sees
-/// what training saw.
-pub fn answer(served: Option<Served>, req: &Request, scale: Option<f32>) -> Response {
+/// Answers one request with the served model (blocking). Rows are raw feature values;
+/// `normalization` is the one the model was trained with (`[data]`), applied here so that
+/// inference sees what training saw.
+pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalization) -> Response {
     let Some(s) = served else { return Response::error("no active model") };
     let n_in = s.predictor.model().spec().input_len();
     let mut flat = Vec::with_capacity(req.inputs.len() * n_in);
@@ -52,8 +52,9 @@ pub fn answer(served: Option<Served>, req: &Request, scale: Option<f32>) -> Resp
             let hint = if row.len() == n_in + 1 { " (is the label column still in?)" } else { "" };
             return Response::error(format!("row {i} has {} values, the model takes {n_in}{hint}", row.len()));
         }
-        flat.extend(row.iter().map(|&x| scale.map_or(x, |f| x * f)));
+        flat.extend_from_slice(row);
     }
+    normalization.apply(&mut flat);
     match s.predictor.predict_batch(&flat, req.inputs.len()) {
         Ok(b) => Response { model: Some(s.model), predictions: b.predictions, latency_us: b.latency.as_micros() as u64, error: None },
         Err(e) => Response::error(e.to_string()),
@@ -61,7 +62,7 @@ pub fn answer(served: Option<Served>, req: &Request, scale: Option<f32>) -> Resp
 }
 
 /// Serves `serving` on a unix socket at `path` until `shutdown` resolves.
-pub async fn serve_unix(path: &Path, serving: Serving, scale: Option<f32>, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
+pub async fn serve_unix(path: &Path, serving: Serving, normalization: Normalization, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path)?;
     tracing::info!(socket = %path.display(), "inference endpoint listening");
@@ -73,7 +74,7 @@ pub async fn serve_unix(path: &Path, serving: Serving, scale: Option<f32>, shutd
                 let (stream, _) = r?;
                 let serving = serving.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, serving, scale).await {
+                    if let Err(e) = handle(stream, serving, normalization).await {
                         tracing::debug!(error = %e, "inference connection ended");
                     }
                 });
@@ -84,7 +85,7 @@ pub async fn serve_unix(path: &Path, serving: Serving, scale: Option<f32>, shutd
     Ok(())
 }
 
-async fn handle(stream: UnixStream, serving: Serving, scale: Option<f32>) -> std::io::Result<()> {
+async fn handle(stream: UnixStream, serving: Serving, normalization: Normalization) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut lines = BufReader::new(r).lines();
     while let Some(line) = lines.next_line().await? {
@@ -94,7 +95,7 @@ async fn handle(stream: UnixStream, serving: Serving, scale: Option<f32>) -> std
         let resp = match serde_json::from_str::<Request>(&line) {
             Ok(req) => {
                 let served = serving.get();
-                tokio::task::spawn_blocking(move || answer(served, &req, scale))
+                tokio::task::spawn_blocking(move || answer(served, &req, &normalization))
                     .await
                     .unwrap_or_else(|e| Response::error(format!("inference panicked: {e}")))
             }
@@ -149,7 +150,7 @@ mod tests {
     #[test]
     fn a_row_with_the_label_column_is_refused_with_a_hint() {
         let req = Request { inputs: vec![vec![1.0; 65]] };
-        let err = answer(Some(served()), &req, None).error.expect("refused");
+        let err = answer(Some(served()), &req, &Normalization::None).error.expect("refused");
         assert!(err.contains("has 65 values, the model takes 64 (is the label column still in?)"), "{err}");
     }
 
@@ -157,10 +158,10 @@ mod tests {
     fn raw_rows_are_scaled_as_in_training() {
         let raw = Request { inputs: vec![(0..64).map(|i| (i % 17) as f32).collect()] };
         let scaled = Request { inputs: vec![raw.inputs[0].iter().map(|x| x / 16.0).collect()] };
-        let a = answer(Some(served()), &raw, Some(1.0 / 16.0));
-        let b = answer(Some(served()), &scaled, None);
+        let a = answer(Some(served()), &raw, &Normalization::Scale(1.0 / 16.0));
+        let b = answer(Some(served()), &scaled, &Normalization::None);
         assert_eq!(a.predictions[0].probs, b.predictions[0].probs);
-        let unscaled = answer(Some(served()), &raw, None);
+        let unscaled = answer(Some(served()), &raw, &Normalization::None);
         assert_ne!(unscaled.predictions[0].probs, b.predictions[0].probs);
     }
 }

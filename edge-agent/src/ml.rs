@@ -90,18 +90,6 @@ pub fn train_update(
     })
 }
 
-/// Accuracy of a predictor on `data` (one batch).
-pub fn accuracy(p: &Predictor, data: &Dataset) -> Result<(f64, bool), String> {
-    let b = p.predict_batch(&data.features, data.len()).map_err(|e| e.to_string())?;
-    let mut correct = 0usize;
-    let mut finite = true;
-    for (pred, &label) in b.predictions.iter().zip(&data.labels) {
-        finite &= pred.probs.iter().all(|v| v.is_finite());
-        correct += (pred.label == label as usize) as usize;
-    }
-    Ok((correct as f64 / data.len().max(1) as f64, finite))
-}
-
 /// Health check: the candidate loads, runs on the holdout without NaN/Inf, per-example latency
 /// (p50/p99 over up to `latency_samples` examples), and the task's metric (accuracy, or minus
 /// the RMSE for regression and reconstruction) of both models on the holdout.

@@ -63,7 +63,9 @@ pub enum Normalization {
 }
 
 impl Normalization {
-    pub(crate) fn apply(&self, v: &mut [f32]) {
+    /// Applies the normalization to feature values in place (training data and inference
+    /// inputs alike).
+    pub fn apply(&self, v: &mut [f32]) {
         match *self {
             Normalization::None => {}
             Normalization::Scale(f) => v.iter_mut().for_each(|x| *x *= f),

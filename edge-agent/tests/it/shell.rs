@@ -30,7 +30,7 @@ async fn fleet_trains_uploads_aggregates_and_rolls_out() {
     assert_eq!(serving.get().unwrap().model, s.model);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let path = sock.clone();
-    let server = tokio::spawn(async move { inference::serve_unix(&path, serving, None, async { let _ = rx.await; }).await });
+    let server = tokio::spawn(async move { inference::serve_unix(&path, serving, fedfleet_learning::Normalization::None, async { let _ = rx.await; }).await });
     let rows: Vec<Vec<f32>> = (0..3).map(|i| fleet.test.example(i).to_vec()).collect();
     let mut resp = None;
     for _ in 0..100 {
