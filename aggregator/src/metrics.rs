@@ -23,7 +23,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use fedfleet_control::Presence;
-use fedfleet_http::prometheus_client::encoding::EncodeLabelSet;
 use fedfleet_http::prometheus_client::metrics::counter::Counter;
 use fedfleet_http::prometheus_client::metrics::family::Family;
 use fedfleet_http::prometheus_client::metrics::gauge::Gauge;
@@ -35,20 +34,7 @@ pub use fedfleet_http::process_memory as memory;
 /// Round events counted in `rounds_total`.
 pub const ROUND_EVENTS: [&str; 5] = ["opened", "closed", "failed", "published", "tensor_folded"];
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct EventLabel {
-    event: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabel {
-    reason: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DeviceLabel {
-    device: String,
-}
+use fedfleet_http::labels::{Device as DeviceLabel, Event as EventLabel, Reason as ReasonLabel};
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 

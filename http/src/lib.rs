@@ -21,6 +21,29 @@ pub use prometheus_client;
 /// The content type of the OpenMetrics text prometheus-client writes.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// Label sets both services use.
+pub mod labels {
+    use prometheus_client::encoding::EncodeLabelSet;
+
+    /// `reason`: a refusal's named reason.
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    pub struct Reason {
+        pub reason: String,
+    }
+
+    /// `event`: what happened (round events, rollout events).
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    pub struct Event {
+        pub event: String,
+    }
+
+    /// `device`: a device id.
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    pub struct Device {
+        pub device: String,
+    }
+}
+
 /// Something that renders its metrics as exposition text at scrape time.
 pub trait MetricsSource: Send + Sync + 'static {
     fn render(&self) -> String;

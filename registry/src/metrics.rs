@@ -19,6 +19,7 @@ use fedfleet_http::prometheus_client::encoding::EncodeLabelSet;
 use fedfleet_http::prometheus_client::metrics::counter::Counter;
 use fedfleet_http::prometheus_client::metrics::family::Family;
 use fedfleet_http::prometheus_client::metrics::gauge::Gauge;
+use fedfleet_http::labels::{Device, Event, Reason};
 use fedfleet_http::prometheus_client::registry::Registry;
 
 /// One label, named after what it carries.
@@ -27,20 +28,8 @@ struct Kind {
     kind: String,
 }
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Reason {
-    reason: String,
-}
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Event {
-    event: String,
-}
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct State {
     state: String,
-}
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Device {
-    device: String,
 }
 
 /// The registry's metrics; handles are cheap clones of what the registry encodes.
