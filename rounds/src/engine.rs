@@ -470,7 +470,7 @@ impl RoundEngine {
                 deadline: r.deadline,
                 extended: r.extended,
                 accepted: r.contributions.len() as u32,
-                target: c.spec.policy.target_count,
+                target: self.round_target(c),
                 quorum: c.spec.policy.min_quorum,
             }),
             Phase::AwaitingModel { .. } => None,

@@ -704,6 +704,7 @@ fn revoking_the_last_missing_invited_device_closes_the_round() {
     }) else {
         panic!("the next round opens")
     };
+    assert_eq!(e.round_status().unwrap().target, 2, "the status reports the target the round closes at");
     let on_v2 = |device| UpdateMeta { base_digest: b.base_digest, ..meta(device, b.round, 1) };
     e.handle_update(T0 + 3, on_v2(0)).unwrap();
     assert!(e.handle_update(T0 + 4, on_v2(1)).unwrap().closed_round, "2 of the 2 devices left");
