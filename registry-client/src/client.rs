@@ -254,10 +254,6 @@ impl RegistryClient {
         self.wire_bytes.load(Ordering::Relaxed)
     }
 
-    async fn forget_connection(&self) {
-        self.rpc.forget().await;
-    }
-
     /// Opens a stream and sends `req` (finishing our side unless `more` follows).
     async fn start(&self, req: &Request, more: bool) -> Result<FramedStream, ClientError> {
         let mut s = self.rpc.open_stream().await?;
@@ -358,24 +354,14 @@ impl RegistryClient {
             offset,
             max_len,
         };
-        let mut attempt = 0;
-        loop {
-            let res = async {
+        self.rpc
+            .retry(self.max_retries, ClientError::is_transport, || async {
                 let mut s = self.start(&req, false).await?;
                 let r = self.read_range_body(&mut s).await;
                 self.wire_bytes.fetch_add(s.bytes_read(), Ordering::Relaxed);
                 r
-            }
-            .await;
-            match res {
-                Err(e) if e.is_transport() && attempt < self.max_retries => {
-                    attempt += 1;
-                    self.forget_connection().await;
-                    tokio::time::sleep(backoff(attempt)).await;
-                }
-                r => return r,
-            }
-        }
+            })
+            .await
     }
 
     async fn read_range_body(&self, s: &mut FramedStream) -> Result<Vec<u8>, ClientError> {
@@ -511,7 +497,7 @@ impl RegistryClient {
                         failures += 1;
                         report.reconnects += 1;
                         tracing::debug!(error = %e, failures, "chunk stream broke; reconnecting");
-                        self.forget_connection().await;
+                        self.rpc.forget().await;
                         if failures > self.max_retries {
                             return Err(ClientError::GaveUp {
                                 attempts: failures,
