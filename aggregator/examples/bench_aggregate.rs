@@ -7,6 +7,11 @@
 //!
 //! `tensor GB/s` is the `[compute] fold = "tensor"` path (`accel::TensorBackend`) on `--device`
 //! (`cpu` = burn flex; `gpu` needs `--features wgpu`), including the host→device upload.
+//! After each P's fold rows, one `step` row: a FedAdam server step (`AdaptiveOptimizer::step`:
+//! upload of global, m, v; the Adam update; read-back) on the device beside the same step in the
+//! exact CPU backend, and the device's own bandwidth (`a + b` then a sum, read back: 16·P bytes
+//! through device memory), so the fold's figures can be read against what the device can move.
+//! `benches/gpu.sh` runs this with the GPU feature up to P = 100M, N = 1,000.
 //!
 //! Deltas are generated on the fly from a seeded xorshift into one reused buffer, so memory stays
 //! flat whatever N is; the end-to-end part cycles through 4 pre-encoded, signed payloads (the
@@ -19,7 +24,10 @@ use std::time::Instant;
 use ed25519_dalek::SigningKey;
 use fedfleet_aggregator::service::decode_update;
 use fedfleet_aggregator::accel::TensorBackend;
-use fedfleet_aggregator::strategy::{Backend, ClientConfig, ServerStrategy, Strategy, StrategyConfig};
+use fedfleet_aggregator::strategy::{
+    AdaptiveOptimizer, Backend, ClientConfig, Exact, FedOptKind, FedOptParams, ServerOptimizer, ServerStrategy, Strategy,
+    StrategyConfig,
+};
 use fedfleet_protocol::{
     BundleLimits, DType, DeviceId, Digest, FleetId, PayloadCheck, RoundId, Signed, TensorBundle, UpdateHeader,
 };
@@ -53,10 +61,11 @@ fn gbps(bytes: f64, secs: f64) -> f64 {
 
 fn main() {
     let device_name = arg_text("--device", "cpu");
-    let device = fedfleet_aggregator::accel::select_device(&device_name).unwrap_or_else(|e| {
+    let picked = fedfleet_aggregator::accel::select_device(&device_name).unwrap_or_else(|e| {
         eprintln!("--device {device_name}: {e}");
         std::process::exit(2)
     });
+    let device = picked.device;
     let params = arg("--params", "1000000,10000000");
     let updates = arg("--updates", "10,100,1000");
     let e2e_max = arg("--e2e-max", "1000")[0];
@@ -66,6 +75,7 @@ fn main() {
         updates.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","),
     );
     println!("profile: {}", if cfg!(debug_assertions) { "debug" } else { "release" });
+    println!("tensor device: {}", picked.adapter);
     println!(
         "{:>10} {:>6} {:>12} {:>12} {:>12} {:>14} {:>12}",
         "P", "N", "fold GB/s", "tensor GB/s", "memcpy GB/s", "ingest GB/s", "peak RSS MB"
@@ -169,5 +179,50 @@ fn main() {
                 ingest_secs.map(|s| format!(" ingest_seconds={s:.6}")).unwrap_or_default()
             );
         }
+        server_step_row(&device, p);
     }
+}
+
+/// Seconds for one call of `f`, after one warm-up call.
+fn time_once(f: &dyn Fn()) -> f64 {
+    f();
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+/// One FedAdam server step on the device and in the exact CPU backend, and the device's
+/// bandwidth; each timed once after one warm-up.
+fn server_step_row(device: &burn::tensor::Device, p: usize) {
+    let backend = TensorBackend::new(device);
+    let mut global = vec![0f32; p];
+    fill(&mut global, 77);
+    let mut delta = vec![0f32; p];
+    fill(&mut delta, 78);
+    let opt = ServerOptimizer::Adaptive(AdaptiveOptimizer::new(FedOptKind::Adam, FedOptParams::adam(), p).unwrap());
+    let on_device = backend.upload(&delta);
+    let device_secs = time_once(&|| {
+        std::hint::black_box(opt.clone().step(&backend, &global, &on_device).unwrap());
+    });
+    let exact_delta: Vec<f64> = delta.iter().map(|&x| x as f64).collect();
+    let exact_secs = time_once(&|| {
+        std::hint::black_box(opt.clone().step(&Exact, &global, &exact_delta).unwrap());
+    });
+    let a = backend.upload(&global);
+    let bandwidth_secs = time_once(&|| {
+        let s = backend.add(&a, &on_device).sum();
+        std::hint::black_box(s.into_data());
+    });
+    println!(
+        "{:>10} {:>6} fedadam step: device {:.1} ms, exact CPU {:.1} ms; device bandwidth {:.2} GB/s",
+        p,
+        "step",
+        device_secs * 1e3,
+        exact_secs * 1e3,
+        gbps(16.0 * p as f64, bandwidth_secs)
+    );
+    println!(
+        "RESULT step params={p} device_seconds={device_secs:.6} exact_seconds={exact_secs:.6} device_bandwidth_gbps={:.3}",
+        gbps(16.0 * p as f64, bandwidth_secs)
+    );
 }

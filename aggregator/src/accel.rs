@@ -17,34 +17,109 @@ use crate::strategy::{Backend, StrategyError};
 pub enum AccelError {
     #[error("unknown compute device {0:?}; expected cpu, gpu or auto")]
     UnknownDevice(String),
-    #[error("compute device gpu needs a build with the `wgpu` feature")]
+    #[error("compute device gpu needs a build with the `wgpu` feature (cargo build --features wgpu)")]
     GpuNotBuilt,
+    #[error(
+        "compute device gpu: no wgpu adapter found (looked for Vulkan, Metal, DX12 and OpenGL adapters: {0}); \
+         install a GPU driver (or Mesa's software Vulkan driver, Debian package mesa-vulkan-drivers) or set [compute] device = \"cpu\""
+    )]
+    NoAdapter(String),
 }
 
-/// The device named in config: `cpu` (burn flex), `gpu` (burn wgpu, with the `wgpu` feature) or
-/// `auto` (`BURN_DEVICE` when set, else gpu when compiled in, else cpu). Named explicitly because
-/// burn's default device prefers a GPU backend without probing for a driver.
-pub fn select_device(name: &str) -> Result<Device, AccelError> {
+/// What the tensor path runs on, as the log and `/metrics` name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterInfo {
+    /// `cpu` or `gpu`: the configured kind the device was picked for.
+    pub kind: &'static str,
+    /// The adapter's name (`llvmpipe (LLVM 15.0.6, 256 bits)`, `NVIDIA H200`, or `burn flex` on the CPU).
+    pub name: String,
+    /// The graphics API (`Vulkan`, `Metal`, ...) or `flex` on the CPU.
+    pub backend: String,
+    /// Driver name and version as the adapter reports them (empty on the CPU).
+    pub driver: String,
+    /// The adapter type wgpu reports (`DiscreteGpu`, `Cpu` for a software driver, ...).
+    pub device_type: String,
+}
+
+impl std::fmt::Display for AdapterInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} on {} ({}", self.kind, self.name, self.backend)?;
+        if !self.driver.is_empty() {
+            write!(f, ", driver {}", self.driver)?;
+        }
+        write!(f, ", type {})", self.device_type)
+    }
+}
+
+/// A burn device picked for the tensor path, with what it is.
+#[derive(Debug, Clone)]
+pub struct ComputeDevice {
+    pub device: Device,
+    pub adapter: AdapterInfo,
+}
+
+/// The device named in config: `cpu` (burn flex), `gpu` (burn wgpu, with the `wgpu` feature; an
+/// error when no adapter exists) or `auto` (`BURN_DEVICE=cpu` forces the CPU; else the GPU when
+/// compiled in and an adapter exists, falling back to the CPU with a warning). Named explicitly
+/// because burn's default device prefers a GPU backend without probing for a driver.
+pub fn select_device(name: &str) -> Result<ComputeDevice, AccelError> {
     match name {
-        "cpu" => Ok(Device::flex()),
+        "cpu" => Ok(cpu_device()),
         "gpu" => gpu_device(),
         "auto" => match std::env::var("BURN_DEVICE").ok().as_deref() {
-            Some("flex" | "cpu") => Ok(Device::flex()),
-            _ if cfg!(feature = "wgpu") => gpu_device(),
-            _ => Ok(Device::flex()),
+            Some("flex" | "cpu") => Ok(cpu_device()),
+            _ if cfg!(feature = "wgpu") => gpu_device().or_else(|e| {
+                tracing::warn!(error = %e, "[compute] device = \"auto\": no GPU adapter, folding on the CPU");
+                Ok(cpu_device())
+            }),
+            _ => Ok(cpu_device()),
         },
         other => Err(AccelError::UnknownDevice(other.to_string())),
     }
 }
 
+fn cpu_device() -> ComputeDevice {
+    let adapter = AdapterInfo {
+        kind: "cpu",
+        name: "burn flex".into(),
+        backend: "flex".into(),
+        driver: String::new(),
+        device_type: "Cpu".into(),
+    };
+    ComputeDevice { device: Device::flex(), adapter }
+}
+
+/// burn's wgpu runtime is process-wide and initializes once, so the first pick is kept and
+/// every later service in the process (tests start many) shares it.
 #[cfg(feature = "wgpu")]
-fn gpu_device() -> Result<Device, AccelError> {
-    Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice))
+fn gpu_device() -> Result<ComputeDevice, AccelError> {
+    static GPU: std::sync::OnceLock<Result<ComputeDevice, AccelError>> = std::sync::OnceLock::new();
+    GPU.get_or_init(|| {
+        let (device, setup) = Device::wgpu_options()
+            .init_with_setup()
+            .map_err(|e| AccelError::NoAdapter(e.to_string().replace('\n', " ")))?;
+        let info = setup.adapter.get_info();
+        let adapter = AdapterInfo {
+            kind: "gpu",
+            name: info.name,
+            backend: format!("{:?}", info.backend),
+            driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
+            device_type: format!("{:?}", info.device_type),
+        };
+        Ok(ComputeDevice { device, adapter })
+    })
+    .clone()
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn gpu_device() -> Result<Device, AccelError> {
+fn gpu_device() -> Result<ComputeDevice, AccelError> {
     Err(AccelError::GpuNotBuilt)
+}
+
+/// The device kinds this build can fold on: `cpu` always, `gpu` with the `wgpu` feature. The
+/// tensor-path tests run on each (CI runs the wgpu build on Mesa's software Vulkan driver).
+pub fn compiled_devices() -> Vec<&'static str> {
+    if cfg!(feature = "wgpu") { vec!["cpu", "gpu"] } else { vec!["cpu"] }
 }
 
 /// The core's arithmetic on one burn device, in `f32`.
@@ -148,7 +223,15 @@ mod tests {
     /// The same strategy, three rounds, exact streaming fold vs the tensor backend.
     #[test]
     fn tensor_backend_matches_the_exact_backend_for_every_mean_based_strategy() {
-        let backend = TensorBackend::new(&select_device("cpu").unwrap());
+        for name in compiled_devices() {
+            matches_the_exact_backend_on(name);
+        }
+    }
+
+    fn matches_the_exact_backend_on(name: &str) {
+        let device = select_device(name).unwrap();
+        eprintln!("tensor backend test device: {}", device.adapter);
+        let backend = TensorBackend::new(&device.device);
         let ups = updates();
         let global: Vec<f32> = (0..257).map(|j| j as f32 * 0.001).collect();
         let client = ClientConfig::default();
@@ -175,20 +258,22 @@ mod tests {
     }
 
     #[test]
-    fn canonical_order_is_reproducible() {
-        let backend = TensorBackend::new(&select_device("cpu").unwrap());
-        let config = StrategyConfig::FedAvg { client: ClientConfig::default() };
-        let global = vec![0.0f32; 257];
-        let run = || {
-            let mut s = ServerStrategy::new(&config, 257).unwrap();
-            s.finalize_on(&backend, &global, updates().into_iter().map(Ok)).unwrap()
-        };
-        assert_eq!(run(), run());
+    fn tensor_canonical_order_is_reproducible() {
+        for name in compiled_devices() {
+            let backend = TensorBackend::new(&select_device(name).unwrap().device);
+            let config = StrategyConfig::FedAvg { client: ClientConfig::default() };
+            let global = vec![0.0f32; 257];
+            let run = || {
+                let mut s = ServerStrategy::new(&config, 257).unwrap();
+                s.finalize_on(&backend, &global, updates().into_iter().map(Ok)).unwrap()
+            };
+            assert_eq!(run(), run(), "{name}");
+        }
     }
 
     #[test]
-    fn bad_inputs_are_refused() {
-        let backend = TensorBackend::new(&select_device("cpu").unwrap());
+    fn tensor_bad_inputs_are_refused() {
+        let backend = TensorBackend::new(&select_device("cpu").unwrap().device);
         let mut sum = backend.new_sum(3);
         assert!(backend.mean(&sum).is_err());
         assert!(backend.fold(&mut sum, &[1.0], 1, 1.0).is_err());
@@ -196,6 +281,7 @@ mod tests {
         assert!(matches!(select_device("tpu"), Err(AccelError::UnknownDevice(_))));
         if !cfg!(feature = "wgpu") {
             assert_eq!(select_device("gpu").err(), Some(AccelError::GpuNotBuilt));
+            assert_eq!(select_device("auto").unwrap().adapter.kind, "cpu");
         }
         let median = StrategyConfig::Median { client: ClientConfig::default(), max_updates: 4 };
         let mut s = ServerStrategy::new(&median, 3).unwrap();

@@ -18,6 +18,7 @@
 //! | `fedfleet_aggregator_devices_online` | gauge | devices with a verified status within `presence_ttl_secs` |
 //! | `fedfleet_aggregator_devices_known` | gauge | devices ever heard from over MQTT |
 //! | `fedfleet_aggregator_device_last_seen_seconds` | gauge | `device`: Unix time of its last verified status |
+//! | `fedfleet_aggregator_compute_adapter` | gauge (1) | `kind`, `name`, `backend`, `driver`, `device_type`: the tensor path's device (absent with the exact fold) |
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -56,6 +57,7 @@ pub struct Metrics {
     last_seen: Family<DeviceLabel, FloatGauge>,
     resident: Gauge,
     peak_resident: Gauge,
+    compute_adapter: Family<Vec<(String, String)>, Gauge>,
     presence: Mutex<Presence>,
     pub presence_ttl_ms: AtomicU64,
     registry: Registry,
@@ -86,6 +88,7 @@ impl Metrics {
             last_seen: Family::default(),
             resident: Gauge::default(),
             peak_resident: Gauge::default(),
+            compute_adapter: Family::default(),
             presence: Mutex::new(Presence::default()),
             presence_ttl_ms: AtomicU64::new(0),
             registry: Registry::default(),
@@ -113,6 +116,7 @@ impl Metrics {
         registry.register("device_last_seen_seconds", "Unix time of the device's last verified status", m.last_seen.clone());
         registry.register("resident_memory_bytes", "Resident set size", m.resident.clone());
         registry.register("peak_resident_memory_bytes", "Peak resident set size", m.peak_resident.clone());
+        registry.register("compute_adapter", "The device the tensor fold runs on (value 1)", m.compute_adapter.clone());
         Metrics { registry, ..m }
     }
 
@@ -141,6 +145,18 @@ impl Metrics {
     }
     pub fn last_seen(&self, device: &DeviceId) -> Option<u64> {
         self.presence.lock().unwrap_or_else(|p| p.into_inner()).last_seen(device)
+    }
+    /// Names the tensor path's device in `compute_adapter`.
+    pub fn compute_adapter(&self, adapter: &crate::accel::AdapterInfo) {
+        let labels = [
+            ("kind", adapter.kind.to_string()),
+            ("name", adapter.name.clone()),
+            ("backend", adapter.backend.clone()),
+            ("driver", adapter.driver.clone()),
+            ("device_type", adapter.device_type.clone()),
+        ];
+        let labels = labels.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        self.compute_adapter.get_or_create(&labels).set(1);
     }
     pub fn round_count(&self, event: &str) -> u64 {
         self.rounds.get_or_create(&EventLabel { event: event.into() }).get()

@@ -15,11 +15,11 @@ const N: usize = 5;
 /// Below the norm of most test deltas, so clipping really scales them.
 const CLIP: f64 = 0.02;
 
-fn tensor_config(fleet: &Fleet, data: &str, rounds: u32, strategy: &str) -> Config {
+fn tensor_config(fleet: &Fleet, data: &str, rounds: u32, strategy: &str, device: &str) -> Config {
     let mut cfg = fleet.config(data, N as u32, rounds);
     cfg.campaign.strategy = strategy.into();
     cfg.campaign.clip_norm = CLIP;
-    cfg.compute = ComputeConfig { fold: FoldBackend::Tensor, device: "cpu".into() };
+    cfg.compute = ComputeConfig { fold: FoldBackend::Tensor, device: device.into() };
     cfg
 }
 
@@ -62,21 +62,25 @@ fn assert_close(a: &[f32], b: &[f32], tol: f32) {
     assert!(worst <= tol, "largest relative difference {worst}");
 }
 
+/// On every device this build can fold on (the CPU; the wgpu adapter with `--features wgpu`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensor_fold_is_order_independent_and_matches_the_exact_fold() {
     let fleet = Fleet::new(N);
     let forward: Vec<usize> = (0..N).collect();
     let backward: Vec<usize> = (0..N).rev().collect();
-    for strategy in ["fedavg", "clipped_fedavg", "fedadam"] {
-        let a = campaign(&fleet, tensor_config(&fleet, &format!("{strategy}-t1"), 2, strategy), &forward).await;
-        let b = campaign(&fleet, tensor_config(&fleet, &format!("{strategy}-t2"), 2, strategy), &backward).await;
-        assert!(a == b, "{strategy}: the tensor fold depends on arrival order");
-        let mut exact = fleet.config(&format!("{strategy}-exact"), N as u32, 2);
-        exact.campaign.strategy = strategy.into();
-        exact.campaign.clip_norm = CLIP;
-        let initial = std::fs::read(&exact.model.initial).unwrap();
-        let e = campaign(&fleet, exact, &forward).await;
-        assert_close(&values(&a), &values(&e), 1e-5);
-        assert_ne!(values(&a), values(&initial), "{strategy}: the model did not move");
+    for device in fedfleet_aggregator::accel::compiled_devices() {
+        for strategy in ["fedavg", "clipped_fedavg", "fedadam"] {
+            let name = format!("{strategy}-{device}");
+            let a = campaign(&fleet, tensor_config(&fleet, &format!("{name}-t1"), 2, strategy, device), &forward).await;
+            let b = campaign(&fleet, tensor_config(&fleet, &format!("{name}-t2"), 2, strategy, device), &backward).await;
+            assert!(a == b, "{name}: the tensor fold depends on arrival order");
+            let mut exact = fleet.config(&format!("{name}-exact"), N as u32, 2);
+            exact.campaign.strategy = strategy.into();
+            exact.campaign.clip_norm = CLIP;
+            let initial = std::fs::read(&exact.model.initial).unwrap();
+            let e = campaign(&fleet, exact, &forward).await;
+            assert_close(&values(&a), &values(&e), 1e-5);
+            assert_ne!(values(&a), values(&initial), "{name}: the model did not move");
+        }
     }
 }

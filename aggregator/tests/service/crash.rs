@@ -123,25 +123,29 @@ async fn sigkill_and_restart_give_the_bit_identical_model() {
     assert!(clean == crashed, "the crashed run published a different model");
 }
 
-/// The same on the tensor path (`[compute] fold = "tensor"`, FedAdam): the restarted service
-/// folds the stored updates in digest order, so the crash changes no bit either.
+/// The same on the tensor path (`[compute] fold = "tensor"`, FedAdam), on every device this
+/// build can fold on: the restarted service folds the stored updates in digest order, so the
+/// crash changes no bit either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_and_restart_give_the_bit_identical_model_on_the_tensor_path() {
     use fedfleet_aggregator::config::{ComputeConfig, FoldBackend};
     let fleet = Fleet::new(N);
-    let cfg = |data: &str| {
-        let mut c = fleet.config(data, N as u32, ROUNDS);
-        c.campaign.strategy = "fedadam".into();
-        c.compute = ComputeConfig { fold: FoldBackend::Tensor, device: "cpu".into() };
-        c
-    };
-    let clean = campaign_with(&fleet, cfg("tensor-clean"), &[]).await;
-    let crashed_cfg = cfg("tensor-crashed");
-    let log = crashed_cfg.data_dir.with_extension("log");
-    let crashed = campaign_with(&fleet, crashed_cfg, &[(0, 2), (0, N), (1, 4)]).await;
-    assert!(clean == crashed, "the crashed run published a different model");
-    let log = std::fs::read_to_string(log).unwrap();
-    assert!(log.contains("tensor fold"), "the child did not fold on tensors:\n{log}");
+    for device in fedfleet_aggregator::accel::compiled_devices() {
+        let cfg = |data: &str| {
+            let mut c = fleet.config(&format!("{data}-{device}"), N as u32, ROUNDS);
+            c.campaign.strategy = "fedadam".into();
+            c.compute = ComputeConfig { fold: FoldBackend::Tensor, device: device.into() };
+            c
+        };
+        let clean = campaign_with(&fleet, cfg("tensor-clean"), &[]).await;
+        let crashed_cfg = cfg("tensor-crashed");
+        let log = crashed_cfg.data_dir.with_extension("log");
+        let crashed = campaign_with(&fleet, crashed_cfg, &[(0, 2), (0, N), (1, 4)]).await;
+        assert!(clean == crashed, "{device}: the crashed run published a different model");
+        let log = std::fs::read_to_string(log).unwrap();
+        assert!(log.contains("tensor fold"), "{device}: the child did not fold on tensors:\n{log}");
+        assert!(log.contains(&format!("folded on burn tensors: {device} on")), "{device}: the log does not name the adapter:\n{log}");
+    }
 }
 
 /// Robust strategies hold every update of the round: a restart rebuilds them from the stored

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU benchmark, ready for the day a real GPU is available: builds the aggregator with
+# burn's wgpu backend and prints, in one run, the exact CPU fold (the service's default), the
+# tensor fold on the GPU (host->device upload included), one FedAdam server step on the GPU
+# beside the same step in the exact CPU backend, and the GPU's own memory bandwidth, for
+# P up to 100M parameters and N up to 1,000 updates.
+#
+#   bash benches/gpu.sh            # P = 1M,10M,100M; N = 10,100,1000
+#   bash benches/gpu.sh --quick    # P = 1M,10M;      N = 10,100
+#
+# Needs a wgpu adapter (Vulkan, Metal, DX12 or GL); with none it stops with one line saying
+# what it looked for. On a machine without a GPU, Mesa's software Vulkan driver (Debian
+# package mesa-vulkan-drivers: lavapipe) makes it run on the CPU: the figures are then not GPU
+# speed. The build goes to target/gpu so the default (CPU-only) build is left alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+params=1000000,10000000,100000000
+updates=10,100,1000
+e2e_max=100
+if [ "${1:-}" = "--quick" ]; then
+    params=1000000,10000000
+    updates=10,100
+    shift
+fi
+if [ "$#" -gt 0 ]; then
+    echo "usage: bash benches/gpu.sh [--quick]" >&2
+    exit 2
+fi
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/gpu}"
+cargo build --release -p fedfleet-aggregator --features wgpu --example bench_aggregate
+echo "machine: $(nproc) CPU cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+exec "$CARGO_TARGET_DIR/release/examples/bench_aggregate" \
+    --params "$params" --updates "$updates" --e2e-max "$e2e_max" --device gpu
