@@ -3,7 +3,7 @@
 //! ```toml
 //! listen = "0.0.0.0:7400"            # QUIC (mTLS, ALPN fedfleet/1)
 //! pki_dir = "/etc/fedfleet/pki"      # fedfleet-certs directory (ca.crt, devices.json, revoked.json, servers/)
-//! server_name = "aggregator"         # servers/<server_name>.crt|.key: this service's identity
+//! server_identity = "aggregator"     # servers/<server_identity>.crt|.key: this service's identity
 //! data_dir = "/var/lib/fedfleet-aggregator"
 //! metrics_addr = "127.0.0.1:9465"    # Prometheus /metrics (optional; loopback unless metrics_public = true)
 //! operators = ["operator"]           # service certificates allowed to run `campaign ...`
@@ -11,7 +11,7 @@
 //!
 //! [publish]                          # optional: publish into a registry instead of publish_dir
 //! registry = "127.0.0.1:7443"        # the registry's QUIC address; its `operators` must name
-//! server_name = "localhost"          #   this service's certificate (server_name above)
+//! server_name = "localhost"          #   this service's certificate (server_identity above); the TLS name of the registry
 //!
 //! [model]
 //! name = "digits"
@@ -82,8 +82,10 @@ pub enum ConfigError {
 pub struct Config {
     pub listen: SocketAddr,
     pub pki_dir: PathBuf,
-    #[serde(default = "default_server_name")]
-    pub server_name: String,
+    /// This service's identity: `servers/<server_identity>.crt|.key` in `pki_dir` (a file name,
+    /// not a TLS name; the key was called `server_name` before and that spelling still reads).
+    #[serde(default = "default_server_name", alias = "server_name")]
+    pub server_identity: String,
     pub data_dir: PathBuf,
     #[serde(default)]
     pub metrics_addr: Option<SocketAddr>,

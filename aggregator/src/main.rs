@@ -71,6 +71,9 @@ struct Conn {
     /// TLS server name to expect.
     #[arg(long, default_value = "localhost")]
     server_name: String,
+    /// Print the status as JSON (one object per line) instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -92,6 +95,10 @@ enum CampaignCmd {
         /// Sampling seed (random if unset).
         #[arg(long)]
         seed: Option<u64>,
+        /// Wait until the campaign ends, printing each completed round; the exit status is 0
+        /// only if it completed.
+        #[arg(long)]
+        wait: bool,
     },
     /// Show the running campaign and the current global model.
     Status {
@@ -157,8 +164,11 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Campaign { action } => {
+            let mut wait = false;
             let (conn, req) = match action {
-                CampaignCmd::Start { conn, rounds, target, quorum, deadline_secs, seed } => (
+                CampaignCmd::Start { conn, rounds, target, quorum, deadline_secs, seed, wait: w } => {
+                    wait = w;
+                    (
                     conn,
                     Request::CampaignStart(CampaignOverrides {
                         rounds,
@@ -167,12 +177,16 @@ async fn run(cli: Cli) -> Result<()> {
                         deadline_secs,
                         seed,
                     }),
-                ),
+                )
+                }
                 CampaignCmd::Status { conn } => (conn, Request::CampaignStatus),
                 CampaignCmd::Stop { conn } => (conn, Request::CampaignStop),
             };
             let status = operator_call(&conn, req).await?;
-            print_status(&status);
+            print_status(&status, conn.json);
+            if wait {
+                wait_for_campaign_end(&conn, status).await?;
+            }
             Ok(())
         }
     }
@@ -189,11 +203,11 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
         Some(p) => {
             tracing::info!(registry = %p.registry, "publishing into the registry");
             Box::new(
-                RegistryPublisher::connect_lazy(&cfg.pki_dir, &cfg.server_name, p.registry, &p.server_name)
+                RegistryPublisher::connect_lazy(&cfg.pki_dir, &cfg.server_identity, p.registry, &p.server_name)
                     .with_context(|| format!("[publish] registry = {}", p.registry))?,
             )
         }
-        None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_name))),
+        None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_identity))),
     };
     let (metrics_addr, metrics_public) = (cfg.metrics_addr, cfg.metrics_public);
     let agg = Aggregator::open(cfg, publisher)?;
@@ -254,17 +268,41 @@ async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
     Ok(status)
 }
 
-fn print_status(s: &CampaignStatus) {
+/// Polls the campaign until it ends, printing each completed round and the final status.
+async fn wait_for_campaign_end(conn: &Conn, mut status: CampaignStatus) -> Result<()> {
+    let mut reported = status.rounds_completed.unwrap_or(0);
+    while status.campaign.is_some() {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        status = operator_call(conn, Request::CampaignStatus).await?;
+        let done = status.rounds_completed.unwrap_or(reported);
+        if done > reported && !conn.json {
+            reported = done;
+            let global = status.global.as_ref().map(|(v, d)| format!(": global model version {v}, digest {d}"));
+            println!("round {done} completed{}", global.unwrap_or_default());
+        }
+    }
+    print_status(&status, conn.json);
+    match status.last_outcome.as_deref() {
+        Some("completed") => Ok(()),
+        other => Err(anyhow!("the campaign ended {}", other.unwrap_or("without an outcome"))),
+    }
+}
+
+fn print_status(s: &CampaignStatus, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(s).unwrap_or_default());
+        return;
+    }
     match s.campaign {
         Some(c) => {
             println!("campaign {c} running ({})", s.strategy.as_deref().unwrap_or("?"));
             println!("rounds completed: {}", s.rounds_completed.unwrap_or(0));
             match s.open_round {
                 Some(r) => println!(
-                    "open round {r}: {}/{} updates, deadline {} ms",
+                    "open round {r}: {}/{} updates, deadline {}",
                     s.accepted,
                     s.target,
-                    s.deadline_unix_ms.unwrap_or(0)
+                    s.deadline_unix_ms.map_or("none".into(), |ms| fedfleet_certs::inspect::rfc3339((ms / 1000) as i64))
                 ),
                 None => println!("no open round (finalizing)"),
             }

@@ -122,7 +122,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     let (broker, broker_config, host, port) = match cfg.mode {
         MqttMode::Off => return Ok(None),
         MqttMode::Embedded => {
-            let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_name);
+            let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_identity);
             let mut bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
             let broker = EmbeddedBroker::start(bc.clone())
                 .await
@@ -148,7 +148,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     }
     let receipt_key = Arc::new(receipt_key);
     let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
-    let id = ServerIdentity::load(pki, &scfg.server_name)?;
+    let id = ServerIdentity::load(pki, &scfg.server_identity)?;
     let tls = service_tls(&ca, &id).map_err(other)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
     let options = ClientOptions::service(host.clone(), port, cfg.client_id.clone(), fleet, cfg.reconnect_max_secs);

@@ -278,6 +278,17 @@ impl Aggregator {
     /// Opens the data directory (refusing damaged state), loads identities, restores the
     /// coordinator and refolds the current round's accepted updates.
     pub fn open(cfg: Config, publisher: Box<dyn Publisher>) -> Result<Aggregator, ServiceError> {
+        // The compute device first: a missing GPU refuses the start before any state is touched.
+        let metrics = Arc::new(Metrics::default());
+        let tensor_device = match cfg.compute.fold {
+            FoldBackend::Exact => None,
+            FoldBackend::Tensor => {
+                let picked = crate::accel::select_device(&cfg.compute.device).map_err(other)?;
+                tracing::info!("FedAvg-family rounds are folded on burn tensors: {}", picked.adapter);
+                metrics.compute_adapter(&picked.adapter);
+                Some(picked.device)
+            }
+        };
         let store = Store::open(&cfg.data_dir)?;
         let key = crate::keys::load_or_create(&cfg.data_dir)
             .map_err(|e| other(format!("receipt key in {}: {e}", cfg.data_dir.display())))?;
@@ -312,13 +323,6 @@ impl Aggregator {
             None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, update_dim(&spec))
                 .map_err(other)?,
         };
-        let tensor_device = match cfg.compute.fold {
-            FoldBackend::Exact => None,
-            FoldBackend::Tensor => Some(crate::accel::select_device(&cfg.compute.device).map_err(other)?),
-        };
-        if let Some(d) = &tensor_device {
-            tracing::info!(device = ?d, "FedAvg-family rounds are folded on burn tensors");
-        }
         let global = store.global()?;
         let campaign = store.campaign_meta()?;
         let mode = fold_mode(tensor_device.is_some(), &strategy);
@@ -361,7 +365,6 @@ impl Aggregator {
             core.closing = core.coord.engine().awaiting_model();
         }
         let _ = store.gc_updates(current.unwrap_or(RoundId(u64::MAX)), true);
-        let metrics = Arc::new(Metrics::default());
         if let Some(s) = core.coord.engine().round_status() {
             metrics.open_round.set(s.round.0 as i64);
             metrics.round_accepted.set(s.accepted as i64);
@@ -417,7 +420,7 @@ impl Aggregator {
     pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
         let cfg = &self.shared.cfg;
         let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
-        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_name)?;
+        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)?;
         let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
         let tls = fedfleet_certs::tls::server_config(&ca, &id, revocation, &[fedfleet_certs::ALPN_V1])?;
         // Clients of a crashed predecessor are reset at once (keys seeded from this identity).

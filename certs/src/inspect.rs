@@ -14,7 +14,8 @@ use crate::identity::CaCert;
 use crate::revocation::RevocationList;
 use crate::{fsutil, keys, layout, x509};
 
-fn rfc3339(unix: i64) -> String {
+/// Unix seconds as an RFC 3339 time (UTC), for people reading operator output.
+pub fn rfc3339(unix: i64) -> String {
     OffsetDateTime::from_unix_timestamp(unix)
         .ok()
         .and_then(|t| t.format(&Rfc3339).ok())

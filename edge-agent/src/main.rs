@@ -17,12 +17,12 @@ struct Cli {
 enum Command {
     /// Run the daemon.
     Run {
-        #[arg(long, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
+        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
         config: PathBuf,
     },
     /// Print the last status the daemon reported.
     Status {
-        #[arg(long, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
+        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
         config: PathBuf,
     },
     /// Install identity files made by `fedfleet-certs enroll-device` and the pinned registry root.
@@ -45,7 +45,7 @@ enum Command {
     Infer {
         #[arg(long)]
         input: PathBuf,
-        #[arg(long, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
+        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
         config: PathBuf,
     },
 }

@@ -341,7 +341,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let spec = spec_of(args);
     let setup = Instant::now();
     let fleet_id = FleetId::new(FLEET)?;
-    let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices)?;
+    let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices, 30)?;
     let (registry, registry_service) = fedfleet::demo::start_registry(&dir.join("registry"), &pki).await?;
     let pinned_root = registry.signer().context("the registry has no signer")?.root().clone();
 
@@ -666,7 +666,7 @@ fn aggregator_toml(args: &Args, pki: &Pki, dir: &Path, initial: &Path, metrics: 
     format!(
         r#"listen = "127.0.0.1:0"
 pki_dir = {pki_dir:?}
-server_name = "aggregator"
+server_identity = "aggregator"
 data_dir = {data_dir:?}
 metrics_addr = "{metrics}"
 operators = ["operator"]

@@ -260,15 +260,15 @@ impl Ui {
 // ----- 1. PKI -----
 
 /// A throwaway fleet PKI: CA, `registry`, `aggregator` and `operator` service identities, and one
-/// device identity per agent.
-pub fn make_pki(dir: &Path, fleet: &FleetId, devices: &[DeviceId]) -> anyhow::Result<Pki> {
-    let pki = Pki::init(dir, fleet, 30, false).context("creating the fleet CA")?;
+/// device identity per agent, valid for `days`.
+pub fn make_pki(dir: &Path, fleet: &FleetId, devices: &[DeviceId], days: u32) -> anyhow::Result<Pki> {
+    let pki = Pki::init(dir, fleet, days, false).context("creating the fleet CA")?;
     let sans = vec![SERVER_NAME.to_owned(), "127.0.0.1".to_owned()];
     for name in ["registry", "aggregator", "operator"] {
-        pki.issue_server(name, &sans, 30, false).with_context(|| format!("issuing the {name} identity"))?;
+        pki.issue_server(name, &sans, days, false).with_context(|| format!("issuing the {name} identity"))?;
     }
     for d in devices {
-        pki.enroll_device(d, 30, false).with_context(|| format!("enrolling {d}"))?;
+        pki.enroll_device(d, days, false).with_context(|| format!("enrolling {d}"))?;
     }
     Ok(pki)
 }
@@ -366,7 +366,7 @@ pub async fn start_aggregator(
     let cfg = AggConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         pki_dir: pki.dir().to_owned(),
-        server_name: "aggregator".into(),
+        server_identity: "aggregator".into(),
         data_dir: dir.join("data"),
         metrics_addr: None,
         metrics_public: false,
@@ -848,7 +848,7 @@ impl Loopback {
 
         // 1. PKI
         let t = Instant::now();
-        let pki = make_pki(&work.join("pki"), &fleet_id, &devices)?;
+        let pki = make_pki(&work.join("pki"), &fleet_id, &devices, 30)?;
         ui.line(format!(
             "[1/8] PKI: fleet CA (ed25519), identities for registry, aggregator, operator and {} devices ({:.1} s)",
             devices.len(),

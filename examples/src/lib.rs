@@ -1,8 +1,10 @@
-//! The `fedfleet` umbrella crate: the one-command fleet demo ([`demo`]), the in-process fleet
+//! The `fedfleet` umbrella crate: the one-command fleet demo ([`demo`]), a ready local
+//! deployment for the hand-run tour ([`local`], `fedfleet init-local`), the in-process fleet
 //! of real agents it drives ([`fleet`]), and the hostile agents of the `poisoned` example
 //! ([`attack`]).
 
 pub mod attack;
 pub mod demo;
 pub mod fleet;
+pub mod local;
 pub mod scenarios;

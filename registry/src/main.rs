@@ -169,6 +169,10 @@ struct StartArgs {
     /// Rollout id (default: MODEL-ALIAS-vN-<ms>).
     #[arg(long)]
     id: Option<String>,
+    /// Wait until the rollout ends, printing each phase; the exit status is 0 only if it
+    /// completed (not aborted or rolled back).
+    #[arg(long)]
+    wait: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -350,8 +354,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Rollout { cmd } => {
+            let mut wait = false;
             let req = match cmd {
-                RolloutCmd::Start(a) => AdminRequest::RolloutStart(start_request(a)?),
+                RolloutCmd::Start(a) => {
+                    wait = a.wait;
+                    AdminRequest::RolloutStart(start_request(a)?)
+                }
                 RolloutCmd::Pause { id } => AdminRequest::Rollout {
                     id,
                     command: RolloutCommand::Pause,
@@ -372,6 +380,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let out = rt.block_on(admin(&cfg, req, None))?;
             print_out(&out, true, |_| String::new());
+            if wait {
+                rt.block_on(wait_for_rollout_end(&cfg, &out))?;
+            }
             Ok(())
         }
         Cmd::Device {
@@ -380,6 +391,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let out = rt.block_on(admin(&cfg, AdminRequest::DeviceStatus { device: id }, None))?;
             print_out(&out, true, |_| String::new());
             Ok(())
+        }
+    }
+}
+
+/// Polls a started rollout until it leaves `running`/`paused`, printing each phase change.
+async fn wait_for_rollout_end(cfg: &Config, started: &serde_json::Value) -> anyhow::Result<()> {
+    let id = started["id"].as_str().context("the registry's answer names no rollout id")?.to_string();
+    let mut last = (started["status"].clone(), started["phase"].clone());
+    loop {
+        let s = admin(cfg, AdminRequest::RolloutStatus { id: Some(id.clone()) }, None).await?;
+        let now = (s["status"].clone(), s["phase"].clone());
+        if now != last {
+            println!("rollout {id}: {} (phase {})", now.0.as_str().unwrap_or("?"), now.1);
+            last = now;
+        }
+        match s["status"].as_str() {
+            Some("running" | "paused") => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
+            Some("completed") => return Ok(()),
+            other => bail!(
+                "rollout {id} ended {}: {} devices healthy, {} failed",
+                other.unwrap_or("?"),
+                s["healthy"],
+                s["failed"]
+            ),
         }
     }
 }

@@ -53,3 +53,57 @@ fn init_model_imports_a_pretrained_state_dict_and_names_a_mismatch() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("does not fit model.spec") && err.contains("fc1.weight"), "{err}");
 }
+
+/// Starts `serve` on a minimal config whose `[compute]` asks for `device`, with the Vulkan loader
+/// pointed at no driver (so a wgpu build finds no adapter either); returns (exit code, stderr).
+fn serve_with_compute_device(device: &str) -> (Option<i32>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("aggregator.toml");
+    let d = dir.path().display();
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:0\"\npki_dir = \"{d}/pki\"\ndata_dir = \"{d}/data\"\nmetrics_addr = \"127.0.0.1:0\"\n\
+             [model]\nname = \"m\"\nspec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\n\
+             initial = \"{d}/initial.safetensors\"\n[compute]\nfold = \"tensor\"\ndevice = \"{device}\"\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .env("VK_ICD_FILENAMES", "/nonexistent/icd.json")
+        .env("VK_DRIVER_FILES", "/nonexistent/icd.json")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// `[compute] device = "gpu"` with no adapter refuses to start, in one line naming what it
+/// looked for (a default build says which feature it lacks).
+#[test]
+fn gpu_device_without_an_adapter_is_a_one_line_error() {
+    let (code, err) = serve_with_compute_device("gpu");
+    assert_eq!(code, Some(2), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("fedfleet-aggregator: compute device gpu"), "{err}");
+    if cfg!(feature = "wgpu") {
+        assert!(last.contains("no wgpu adapter found") && last.contains("Vulkan"), "{err}");
+    } else {
+        assert!(last.contains("`wgpu` feature"), "{err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// `auto` without an adapter folds on the CPU: the start goes past the device (it stops later, at
+/// the missing PKI), with a warning in a wgpu build.
+#[test]
+fn auto_device_without_an_adapter_falls_back_to_the_cpu() {
+    let (code, err) = serve_with_compute_device("auto");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(!err.contains("compute device gpu:") || err.contains("WARN"), "{err}");
+    assert!(err.lines().last().unwrap_or_default().contains("pki"), "stopped at the PKI, after the device:\n{err}");
+    if cfg!(feature = "wgpu") {
+        assert!(err.contains("no GPU adapter, folding on the CPU"), "{err}");
+    }
+}

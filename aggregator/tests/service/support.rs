@@ -57,7 +57,7 @@ impl Fleet {
         Config {
             listen: "127.0.0.1:0".parse().unwrap(),
             pki_dir: self.pki_dir(),
-            server_name: "aggregator".into(),
+            server_identity: "aggregator".into(),
             data_dir: self.dir.path().join(data),
             metrics_addr: None,
             metrics_public: false,

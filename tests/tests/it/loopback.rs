@@ -42,7 +42,7 @@ async fn body() {
     let cfg = Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         pki_dir: pki_dir.clone(),
-        server_name: "aggregator".into(),
+        server_identity: "aggregator".into(),
         data_dir: root_dir.join("aggregator"),
         metrics_addr: None,
         metrics_public: false,

@@ -4,4 +4,5 @@ mod inproc;
 mod loopback;
 mod multiprocess;
 mod procs;
+mod tour;
 mod mqtt_fleet;
