@@ -114,10 +114,12 @@ enum CampaignCmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // wgpu logs each graphics API it probes and does not find as ERROR; the device selection
+    // reports what it found in one line instead.
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wgpu_hal=off")),
         )
         .with_writer(std::io::stderr)
         .init();

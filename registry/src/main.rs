@@ -606,7 +606,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let tls = fedfleet_certs::tls::server_config(
         pki.ca(),
         &identity,
-        revocation,
+        revocation.clone(),
         &[fedfleet_certs::ALPN_V1],
     )?;
     let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
@@ -617,7 +617,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         pki.fleet().clone(),
         Some(signer),
         metrics.clone(),
-    )?);
+    )?
+    .with_revocation(revocation));
     // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
     let endpoint = fedfleet_net::server_endpoint_restartable(
         cfg.listen,

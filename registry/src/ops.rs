@@ -37,6 +37,9 @@ pub struct Registry {
     rollouts: Mutex<BTreeMap<String, Rollout>>,
     signer: Option<MetadataSigner>,
     metrics: Arc<Metrics>,
+    /// The fleet's revocation list: device status marks revoked devices (their last report
+    /// alone would still read "active").
+    revocation: Option<Arc<fedfleet_certs::RevocationWatcher>>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -105,9 +108,28 @@ impl Registry {
             rollouts: Mutex::new(rollouts),
             signer,
             metrics,
+            revocation: None,
         };
         reg.refresh_metadata(crate::unix_ms())?;
         Ok(reg)
+    }
+
+    /// Device status answers mark the devices this list revokes.
+    pub fn with_revocation(mut self, revocation: Arc<fedfleet_certs::RevocationWatcher>) -> Self {
+        self.revocation = Some(revocation);
+        self
+    }
+
+    /// A stored status record as JSON, with `"revoked": true` for a revoked device.
+    fn device_status_json(&self, device: &str, record: &[u8]) -> Value {
+        let mut v = serde_json::from_slice::<Value>(record).unwrap_or(Value::Null);
+        let revoked = self.revocation.as_ref().is_some_and(|w| {
+            fedfleet_protocol::DeviceId::new(device).is_ok_and(|id| w.is_revoked(&id))
+        });
+        if let Value::Object(m) = &mut v {
+            m.insert("revoked".into(), Value::Bool(revoked));
+        }
+        v
     }
 
     pub fn store(&self) -> &Store {
@@ -425,21 +447,19 @@ impl Registry {
                     ),
                 }
             }
-            AdminRequest::DeviceStatus { device } => {
-                let parse = |b: &[u8]| serde_json::from_slice::<Value>(b).unwrap_or(Value::Null);
-                match device {
-                    Some(d) => self
-                        .store
-                        .device_status(&d)?
-                        .map(|b| parse(&b))
-                        .ok_or_else(|| {
-                            RegistryError::NotFound(format!("no report from device {d:?}"))
-                        }),
-                    None => Ok(
-                        json!({"devices": self.store.device_statuses()?.iter().map(|(_, b)| parse(b)).collect::<Vec<_>>()}),
-                    ),
-                }
-            }
+            AdminRequest::DeviceStatus { device } => match device {
+                Some(d) => self
+                    .store
+                    .device_status(&d)?
+                    .map(|b| self.device_status_json(&d, &b))
+                    .ok_or_else(|| RegistryError::NotFound(format!("no report from device {d:?}"))),
+                None => Ok(json!({"devices": self
+                    .store
+                    .device_statuses()?
+                    .iter()
+                    .map(|(d, b)| self.device_status_json(d, b))
+                    .collect::<Vec<_>>()})),
+            },
         }
     }
 

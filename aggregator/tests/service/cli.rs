@@ -55,7 +55,8 @@ fn init_model_imports_a_pretrained_state_dict_and_names_a_mismatch() {
 }
 
 /// Starts `serve` on a minimal config whose `[compute]` asks for `device`, with the Vulkan loader
-/// pointed at no driver (so a wgpu build finds no adapter either); returns (exit code, stderr).
+/// and the EGL (OpenGL) loader pointed at no driver (so a wgpu build finds no adapter either);
+/// returns (exit code, stderr).
 fn serve_with_compute_device(device: &str) -> (Option<i32>, String) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("aggregator.toml");
@@ -73,6 +74,7 @@ fn serve_with_compute_device(device: &str) -> (Option<i32>, String) {
         .args(["serve", "--config", config.to_str().unwrap()])
         .env("VK_ICD_FILENAMES", "/nonexistent/icd.json")
         .env("VK_DRIVER_FILES", "/nonexistent/icd.json")
+        .env("__EGL_VENDOR_LIBRARY_FILENAMES", "/nonexistent/egl.json")
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();

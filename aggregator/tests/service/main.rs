@@ -8,3 +8,4 @@ mod crash;
 mod ingest;
 mod mqtt;
 mod support;
+mod tensor;

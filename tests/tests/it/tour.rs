@@ -92,6 +92,7 @@ fn readme_quick_tour_runs_as_written() {
     let right = labels.iter().zip(&test.labels).filter(|(a, b)| a == b).count();
     assert!(right >= 3, "the trained model gets {right} of 5 held-out digits right:\n{predictions}");
     assert!(out.contains("model digits v4") || out.contains("version 4"), "the agents did not report v4:\n{report}");
+    assert!(out.contains("\"revoked\": true"), "the registry's device status does not mark agent-3 revoked:\n{report}");
 
     // A normal run (start, training, rollout, a revocation, SIGTERM) logs no ERROR line.
     let errors: Vec<&str> = logs.lines().filter(|l| l.contains(" ERROR ")).collect();
