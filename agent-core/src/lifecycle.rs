@@ -254,6 +254,11 @@ pub struct PersistedState {
     /// device trains no more rounds (until it is enrolled again with a new store).
     #[serde(default)]
     pub revoked: bool,
+    /// The latest time this device has seen (Unix ms), never lowered: every input is judged at
+    /// no earlier a time, so a clock stepped back (after a restart too) does not make expired
+    /// metadata fresh again or push timers into the future. Saved with the next commit.
+    #[serde(default)]
+    pub latest_time: Millis,
 }
 
 /// What the health check measured (the shell runs it; the core judges it).
@@ -411,6 +416,7 @@ impl Lifecycle {
                     last_state: DeviceState::Idle,
                     next_outbox_id: 0,
                     revoked: false,
+                    latest_time: now,
                 };
                 persists.push_back(Persist::State(serde_json::to_vec(&st).expect("state serializes")));
                 st
@@ -532,7 +538,14 @@ impl Lifecycle {
 
     // ----- inputs -----
 
+    /// `now`, or the latest time already seen if the clock went back; remembers it.
+    fn observe(&mut self, now: Millis) -> Millis {
+        self.state.latest_time = self.state.latest_time.max(now);
+        self.state.latest_time
+    }
+
     pub fn handle_timeout(&mut self, now: Millis) {
+        let now = self.observe(now);
         for (id, t) in self.uploads.iter_mut() {
             if t.next_at.is_some_and(|at| at <= now) {
                 t.next_at = None;
@@ -556,6 +569,7 @@ impl Lifecycle {
 
     /// Feeds one input. Errors are persistence failures: the transition did not happen.
     pub fn handle(&mut self, now: Millis, input: Input) -> Result<(), LifecycleError> {
+        let now = self.observe(now);
         match input {
             Input::Conditions(c) => {
                 self.conditions = c;

@@ -31,6 +31,65 @@ impl Clock for SystemClock {
     }
 }
 
+/// The agent's clock: Unix ms that never go backwards. It is the system clock while that moves
+/// forward; when the system clock steps back (a bad NTP answer, a reset RTC) it keeps counting from
+/// where it was on the monotonic clock, so pending retries fire on time instead of waiting out
+/// the step. The daemon raises it to the latest time the store saw, so a restart on a
+/// stepped-back clock does not undo that.
+pub struct MonotonicClock {
+    wall: Box<dyn Fn() -> Millis + Send + Sync>,
+    elapsed: Box<dyn Fn() -> Millis + Send + Sync>,
+    last: std::sync::Mutex<Reading>,
+}
+
+/// The clock's last reading, the monotonic clock at it, and whether the wall clock was behind.
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    at: Millis,
+    elapsed: Millis,
+    behind: bool,
+}
+
+impl MonotonicClock {
+    /// Over the system clock and `std::time::Instant`.
+    pub fn system() -> Self {
+        let start = std::time::Instant::now();
+        Self::with_sources(move || SystemClock.now_ms(), move || start.elapsed().as_millis() as u64)
+    }
+
+    /// Over a wall clock and a monotonic one (ms since any origin): tests step the wall clock.
+    pub fn with_sources(wall: impl Fn() -> Millis + Send + Sync + 'static, elapsed: impl Fn() -> Millis + Send + Sync + 'static) -> Self {
+        let last = std::sync::Mutex::new(Reading { at: wall(), elapsed: elapsed(), behind: false });
+        MonotonicClock { wall: Box::new(wall), elapsed: Box::new(elapsed), last }
+    }
+
+    /// Never reads earlier than `t` from now on.
+    pub fn raise_to(&self, t: Millis) {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        last.at = last.at.max(t);
+    }
+}
+
+/// How far behind the wall clock may fall before it counts as a step back (and is logged).
+const STEP_BACK_MS: Millis = 1_000;
+
+impl Clock for MonotonicClock {
+    fn now_ms(&self) -> Millis {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let elapsed = (self.elapsed)();
+        let wall = (self.wall)();
+        // The wall clock while it moves forward (no drift of our own); the monotonic clock's
+        // count from the last reading while the wall clock is behind it.
+        let now = if wall >= last.at { wall } else { last.at + elapsed.saturating_sub(last.elapsed) };
+        let behind = wall + STEP_BACK_MS < now;
+        if behind && !last.behind {
+            tracing::warn!(behind_ms = now - wall, "system clock stepped back; agent time keeps counting forward");
+        }
+        *last = Reading { at: now, elapsed, behind };
+        now
+    }
+}
+
 /// The model serving inference.
 #[derive(Clone)]
 pub struct Served {
@@ -358,5 +417,50 @@ pub async fn run_agent<A: Aggregator, R: Registry>(
             _ = &mut shutdown => return Ok(()),
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::{Clock, MonotonicClock};
+
+    const DAY: u64 = 86_400_000;
+
+    /// A wall clock and a monotonic clock the test moves by hand.
+    fn clock(wall0: u64) -> (MonotonicClock, Arc<AtomicU64>, Arc<AtomicU64>) {
+        let (wall, mono) = (Arc::new(AtomicU64::new(wall0)), Arc::new(AtomicU64::new(0)));
+        let (w, m) = (wall.clone(), mono.clone());
+        let c = MonotonicClock::with_sources(move || w.load(Ordering::SeqCst), move || m.load(Ordering::SeqCst));
+        (c, wall, mono)
+    }
+
+    #[test]
+    fn a_step_back_is_counted_through_and_the_wall_clock_is_followed_again_once_it_catches_up() {
+        let (c, wall, mono) = clock(10 * DAY);
+        assert_eq!(c.now_ms(), 10 * DAY);
+        // A retry due in 2 s, then the system clock steps back a day.
+        let due = c.now_ms() + 2_000;
+        wall.fetch_sub(DAY, Ordering::SeqCst);
+        mono.fetch_add(500, Ordering::SeqCst);
+        wall.fetch_add(500, Ordering::SeqCst);
+        assert_eq!(c.now_ms(), 10 * DAY + 500, "no step back");
+        mono.fetch_add(1_500, Ordering::SeqCst);
+        wall.fetch_add(1_500, Ordering::SeqCst);
+        assert!(c.now_ms() >= due, "the retry is due after 2 s, not after a day");
+        // The wall clock is set right again (forwards): followed at once.
+        wall.store(10 * DAY + 60_000, Ordering::SeqCst);
+        assert_eq!(c.now_ms(), 10 * DAY + 60_000);
+    }
+
+    #[test]
+    fn a_restart_on_a_stepped_back_clock_starts_from_the_latest_time_seen() {
+        let (c, _wall, mono) = clock(9 * DAY);
+        c.raise_to(10 * DAY);
+        assert_eq!(c.now_ms(), 10 * DAY);
+        mono.fetch_add(1_000, Ordering::SeqCst);
+        assert_eq!(c.now_ms(), 10 * DAY + 1_000);
     }
 }

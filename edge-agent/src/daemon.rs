@@ -12,7 +12,7 @@ use fedfleet_protocol::tuf::{Root, SignedMetadata};
 use fedfleet_protocol::tuf::Verifier;
 use rand::RngCore;
 
-use crate::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock, run_agent};
+use crate::agent::{Agent, Clock, LocalData, MonotonicClock, ShellConfig, run_agent};
 use crate::clients::{Aggregator, Registry, Unlinked};
 use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use crate::remote::{RemoteAggregator, RemoteRegistry};
@@ -221,8 +221,11 @@ async fn run_with<A: Aggregator, R: Registry>(
     heartbeat: Option<(StatusPublisher, Duration)>,
     wake: Option<Arc<tokio::sync::Notify>>,
 ) -> Result<()> {
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let monotonic = Arc::new(MonotonicClock::system());
+    let clock: Arc<dyn Clock> = monotonic.clone();
     let mut agent = build_agent(cfg, agg, reg, clock.clone())?;
+    // A restart on a clock stepped back still starts from the latest time this device saw.
+    monotonic.raise_to(agent.core().state().latest_time);
     let _heartbeats = heartbeat.map(|(p, every)| {
         let initial = agent.core().status(clock.now_ms());
         let c = clock.clone();

@@ -21,7 +21,7 @@ pub mod ml;
 pub mod mqtt;
 pub mod store;
 
-pub use agent::{Agent, Clock, LocalData, Serving, ShellConfig, SystemClock, run_agent};
+pub use agent::{Agent, Clock, LocalData, MonotonicClock, Serving, ShellConfig, SystemClock, run_agent};
 pub use clients::{Aggregator, BaseModel, Registry, TransportError, UploadReply};
 pub use lifecycle::{Action, AgentError, CoreConfig, DurableLifecycle, HealthReport, Input, Lifecycle, LifecycleError, SlotModel};
 pub use store::{AgentStore, OutboxEntry, StoreError};

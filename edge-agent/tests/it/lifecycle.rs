@@ -367,3 +367,39 @@ async fn failed_downloads_are_retried_then_given_up() {
     assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("after 5 attempts")))), "{acts:?}");
     assert!(lc.state().install.is_none());
 }
+
+#[tokio::test]
+async fn a_clock_stepped_back_does_not_make_expired_metadata_fresh_again() {
+    const HOUR: u64 = 3_600_000;
+    let dir = tempfile::tempdir().unwrap();
+    let reg = FakeRegistry::new(1, T0 + HOUR);
+    let v1 = reg.publish("digits", SPEC, b"model v1 bytes".to_vec());
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let try_install = |lc: &mut fedfleet_agent::DurableLifecycle, now: u64, rollout: u64, set| {
+        lc.handle(now, Input::Assignment(FakeRegistry::notice(&fleet(), rollout, &v2))).unwrap();
+        drain(lc);
+        lc.handle(now, Input::Metadata { model: v2.clone(), result: Ok(set) }).unwrap();
+        drain(lc)
+    };
+    let expired = |acts: &[Action]| {
+        !acts.iter().any(|a| matches!(a, Action::Download { .. }))
+            && acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("expired"))))
+    };
+    {
+        let mut lc = open(dir.path(), &reg, &v1);
+        drain(&mut lc);
+        // Two hours on, the metadata (expiring an hour after T0) is refused.
+        let acts = try_install(&mut lc, T0 + 2 * HOUR, 1, reg.metadata(1).await.unwrap());
+        assert!(expired(&acts), "{acts:?}");
+        // The clock steps back a day: still expired.
+        let acts = try_install(&mut lc, T0 - 24 * HOUR, 2, reg.metadata(1).await.unwrap());
+        assert!(expired(&acts), "{acts:?}");
+    }
+    // And after a restart on the stepped-back clock.
+    let mut lc = open(dir.path(), &reg, &v1);
+    drain(&mut lc);
+    assert_eq!(lc.state().latest_time, T0 + 2 * HOUR);
+    let acts = try_install(&mut lc, T0 - 24 * HOUR, 3, reg.metadata(1).await.unwrap());
+    assert!(expired(&acts), "{acts:?}");
+    assert_eq!(lc.active().unwrap().model, v1);
+}
