@@ -2,8 +2,9 @@
 # The GPU benchmark, ready for the day a real GPU is available: builds the aggregator with
 # burn's wgpu backend and prints, in one run, the exact CPU fold (the service's default), the
 # tensor fold on the GPU (host->device upload included), one FedAdam server step on the GPU
-# beside the same step in the exact CPU backend, and the GPU's own memory bandwidth, for
-# P up to 100M parameters and N up to 1,000 updates.
+# beside the same step in the exact CPU backend, the GPU's memory bandwidth (an `a + b` on the
+# device, synced) and the host<->device transfer rate, for P up to 100M parameters and N up to
+# 1,000 updates.
 #
 #   bash benches/gpu.sh            # P = 1M,10M,100M; N = 10,100,1000
 #   bash benches/gpu.sh --quick    # P = 1M,10M;      N = 10,100

@@ -9,8 +9,9 @@
 //! (`cpu` = burn flex; `gpu` needs `--features wgpu`), including the host→device upload.
 //! After each P's fold rows, one `step` row: a FedAdam server step (`AdaptiveOptimizer::step`:
 //! upload of global, m, v; the Adam update; read-back) on the device beside the same step in the
-//! exact CPU backend, and the device's own bandwidth (`a + b` then a sum, read back: 16·P bytes
-//! through device memory), so the fold's figures can be read against what the device can move.
+//! exact CPU backend, the device's memory bandwidth (`a + b` on the device, synced: 12·P bytes)
+//! and the host<->device transfer rate (upload P floats, add 1, read them back: 8·P bytes
+//! across), which bounds the tensor fold since every update is uploaded.
 //! `benches/gpu.sh` runs this with the GPU feature up to P = 100M, N = 1,000.
 //!
 //! Deltas are generated on the fly from a seeded xorshift into one reused buffer, so memory stays
@@ -192,7 +193,7 @@ fn time_once(f: &dyn Fn()) -> f64 {
 }
 
 /// One FedAdam server step on the device and in the exact CPU backend, and the device's
-/// bandwidth; each timed once after one warm-up.
+/// host<->device transfer rate; each timed after one warm-up.
 fn server_step_row(device: &burn::tensor::Device, p: usize) {
     let backend = TensorBackend::new(device);
     let mut global = vec![0f32; p];
@@ -208,21 +209,37 @@ fn server_step_row(device: &burn::tensor::Device, p: usize) {
     let exact_secs = time_once(&|| {
         std::hint::black_box(opt.clone().step(&Exact, &global, &exact_delta).unwrap());
     });
+    // Device memory: `a + b` kept alive, then a device sync (reads 8·P, writes 4·P bytes).
+    // Reductions are no use here: burn's fusion answered repeated sums of an unchanged tensor,
+    // and an `a + b` feeding a sum, faster than memory can be read.
     let a = backend.upload(&global);
-    let bandwidth_secs = time_once(&|| {
-        let s = backend.add(&a, &on_device).sum();
-        std::hint::black_box(s.into_data());
-    });
+    const ADDS: u32 = 5;
+    let device_secs_per_add = time_once(&|| {
+        let sums: Vec<_> = (0..ADDS).map(|_| backend.add(&a, &on_device)).collect();
+        device.sync().expect("device sync");
+        std::hint::black_box(sums);
+    }) / ADDS as f64;
+    // Host <-> device transfer, which bounds the tensor fold (every update is uploaded): upload
+    // P floats, add 1 on the device, read all P back.
+    const COPIES: u32 = 3;
+    let transfer_secs = time_once(&|| {
+        for _ in 0..COPIES {
+            let on_device = backend.upload(&global).add_scalar(1.0);
+            std::hint::black_box(backend.download(on_device).unwrap());
+        }
+    }) / COPIES as f64;
     println!(
-        "{:>10} {:>6} fedadam step: device {:.1} ms, exact CPU {:.1} ms; device bandwidth {:.2} GB/s",
+        "{:>10} {:>6} fedadam step: device {:.1} ms, exact CPU {:.1} ms; device memory {:.2} GB/s, host<->device {:.2} GB/s",
         p,
         "step",
         device_secs * 1e3,
         exact_secs * 1e3,
-        gbps(16.0 * p as f64, bandwidth_secs)
+        gbps(12.0 * p as f64, device_secs_per_add),
+        gbps(8.0 * p as f64, transfer_secs)
     );
     println!(
-        "RESULT step params={p} device_seconds={device_secs:.6} exact_seconds={exact_secs:.6} device_bandwidth_gbps={:.3}",
-        gbps(16.0 * p as f64, bandwidth_secs)
+        "RESULT step params={p} device_seconds={device_secs:.6} exact_seconds={exact_secs:.6} device_memory_gbps={:.3} transfer_gbps={:.3}",
+        gbps(12.0 * p as f64, device_secs_per_add),
+        gbps(8.0 * p as f64, transfer_secs)
     );
 }
