@@ -7,12 +7,13 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ed25519_dalek::SigningKey;
-use fedfleet_learning::{Dataset, Predictor};
+use fedfleet_learning::{Dataset, Normalization, Predictor};
 use fedfleet_protocol::{Digest, ModelRef};
 use rand::RngCore;
 
 use crate::clients::{Aggregator, Registry, UploadReply};
-use crate::lifecycle::{Action, AgentError, DurableLifecycle, Input, Millis, SlotModel, UploadOutcome};
+use crate::inbox::Inbox;
+use crate::lifecycle::{Action, AgentError, Conditions, DurableLifecycle, Input, Millis, SlotModel, UploadOutcome};
 use crate::ml;
 use crate::store::write_atomic;
 
@@ -147,6 +148,8 @@ pub struct Agent<A, R> {
     serving: Serving,
     clock: Arc<dyn Clock>,
     cfg: ShellConfig,
+    /// Examples the application pushed, with the normalisation of the configured data.
+    inbox: Option<(Inbox, Normalization)>,
 }
 
 
@@ -160,7 +163,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         clock: Arc<dyn Clock>,
         cfg: ShellConfig,
     ) -> Self {
-        Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg }
+        Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg, inbox: None }
     }
 
     pub fn core(&self) -> &DurableLifecycle {
@@ -175,6 +178,28 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
     pub fn data(&self) -> &LocalData {
         &self.data
     }
+
+    /// The inbox, if any (the local endpoint takes pushes into it).
+    pub fn inbox(&self) -> Option<Inbox> {
+        self.inbox.as_ref().map(|(i, _)| i.clone())
+    }
+
+    /// Trains (and health-checks) on the inbox's examples too, from the next round on.
+    pub fn set_inbox(&mut self, inbox: Inbox, normalization: Normalization) {
+        self.inbox = Some((inbox, normalization));
+    }
+
+    /// The data a round trains and checks on: the configured data, plus the inbox (and the
+    /// inbox sequence number everything trained on is below).
+    fn round_data(&self) -> Result<(Arc<LocalData>, Option<u64>), AgentError> {
+        match &self.inbox {
+            Some((inbox, norm)) if inbox.in_use()? => {
+                let upto = inbox.next_seq()?;
+                Ok((Arc::new(inbox.merged_with(&self.data, norm)?), Some(upto)))
+            }
+            _ => Ok((self.data.clone(), None)),
+        }
+    }
     fn now(&self) -> Millis {
         self.clock.now_ms()
     }
@@ -187,14 +212,20 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
 
     /// Asks the services for the open round and this device's assignment.
     pub async fn poll_control(&mut self) -> Result<(), AgentError> {
-        if let Some(path) = &self.cfg.conditions_file {
-            match std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
-                Ok(c) => self.input(Input::Conditions(c))?,
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "conditions file unreadable; not training");
-                    self.input(Input::Conditions(crate::lifecycle::Conditions { idle: false, charging: false, fresh_samples: 0 }))?;
-                }
-            }
+        let mut conditions = self.cfg.conditions_file.as_ref().map(|path| {
+            std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())).unwrap_or_else(|e| {
+                tracing::warn!(path = %path.display(), error = %e, "conditions file unreadable; not training");
+                Conditions { idle: false, charging: false, fresh_samples: 0 }
+            })
+        });
+        // Once the application feeds the inbox, its untrained examples are the fresh samples.
+        if let Some((inbox, _)) = &self.inbox
+            && inbox.in_use()?
+        {
+            conditions.get_or_insert_with(Conditions::default).fresh_samples = inbox.fresh()?;
+        }
+        if let Some(c) = conditions {
+            self.input(Input::Conditions(c))?;
         }
         let fleet = self.core.state().fleet.clone();
         match self.agg.current_round(&fleet).await {
@@ -241,10 +272,10 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             },
             Action::Train(a) => {
                 let round = a.round;
+                let (data, inbox_upto) = self.round_data()?;
                 let input = match self.base_model(&a.base_model).await {
                     Err(reason) => Input::BaseModelUnavailable { round, reason },
                     Ok((spec, bytes)) => {
-                        let data = self.data.clone();
                         let key = self.key.clone();
                         let device = self.core.state().device.clone();
                         let mut nonce = [0u8; 16];
@@ -260,6 +291,9 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                             Ok((u, took)) => {
                                 let train_ms = took.as_secs_f64() * 1e3;
                                 tracing::info!(%round, examples = u.num_examples, loss = ?u.final_loss, bytes = u.payload.len(), train_ms, "trained");
+                                if let (Some((inbox, _)), Some(upto)) = (&self.inbox, inbox_upto) {
+                                    inbox.mark_trained(upto)?;
+                                }
                                 Input::TrainingDone { round, header: u.header, payload: u.payload }
                             }
                             Err(reason) => Input::TrainingFailed { round, reason },
@@ -299,7 +333,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 let model = candidate.model.clone();
                 let cand = self.load_blob(&candidate);
                 let act = active.as_ref().map(|a| self.load_blob(a).map(|b| (a.spec.clone(), b)));
-                let data = self.data.clone();
+                let (data, _) = self.round_data()?;
                 let samples = self.cfg.latency_samples;
                 let result = match cand {
                     Err(e) => Err(format!("does not load: {e}")),

@@ -27,6 +27,9 @@
 //! [inference]
 //! # socket = "<state_dir>/agent.sock"
 //!
+//! [inbox]           # labelled examples the application pushes through the socket
+//! # max_examples = 10000; max_bytes = 16777216; holdout_every = 5   (oldest dropped first)
+//!
 //! [aggregator]      # QUIC + mTLS with the device identity; absent: no training
 //! addr = "10.0.0.5:7400"
 //! server_name = "localhost"                    # name in the aggregator's certificate
@@ -75,6 +78,9 @@ pub struct AgentConfig {
     pub initial_model: Option<InitialModel>,
     #[serde(default)]
     pub inference: InferenceConfig,
+    /// Bounds of the inbox the application pushes labelled examples into (`inbox.rs`).
+    #[serde(default)]
+    pub inbox: crate::inbox::InboxConfig,
     /// The aggregator to train with (absent: the agent does not train).
     #[serde(default)]
     pub aggregator: Option<AggregatorEndpoint>,

@@ -13,6 +13,7 @@ use fedfleet_protocol::tuf::Verifier;
 use rand::RngCore;
 
 use crate::agent::{Agent, Clock, LocalData, MonotonicClock, ShellConfig, run_agent};
+use crate::inbox::{ExampleShape, Inbox};
 use crate::clients::{Aggregator, Registry, Unlinked};
 use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use crate::remote::{RemoteAggregator, RemoteRegistry};
@@ -100,9 +101,12 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
     } else {
         (None, None)
     };
+    let inbox = Inbox::open(&store, cfg.inbox, ExampleShape::of(&data.train))?;
     let core = DurableLifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
     let shell = ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
-    Ok(Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell))
+    let mut agent = Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell);
+    agent.set_inbox(inbox, cfg.data.normalization());
+    Ok(agent)
 }
 
 /// `fedfleet-agent run`.
@@ -240,7 +244,10 @@ async fn run_with<A: Aggregator, R: Registry>(
     let serving = agent.serving();
     let normalization = cfg.data.normalization();
     let mut rx1 = stop_rx.clone();
-    let server = tokio::spawn(async move { inference::serve_unix(&socket, serving, normalization, async move { let _ = rx1.changed().await; }).await });
+    let inbox = agent.inbox();
+    let server = tokio::spawn(async move {
+        inference::serve_unix_with_inbox(&socket, serving, normalization, inbox, async move { let _ = rx1.changed().await; }).await
+    });
     tokio::spawn(async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);

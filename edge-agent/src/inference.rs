@@ -6,6 +6,11 @@
 //! [{"label": 3, "probs": [...]}, ...], "latency_us": 812}` or `{"error": "..."}`.
 //! Any number of requests per connection. The model is read from [`Serving`] per request, so
 //! activations during updates take effect on the next request without dropping connections.
+//!
+//! With an [`Inbox`], the application also pushes labelled examples for training:
+//! `{"examples": [{"input": [f32, ...], "label": 3}, ...]}` (regression: `"target": [f32, ...]`)
+//! is answered, once they are durably stored, with `{"inbox": {"stored":.., "examples":..,
+//! "bytes":.., "dropped":.., "fresh":..}}` or `{"error": "example 2: ..."}` (nothing stored).
 
 use std::path::Path;
 
@@ -16,6 +21,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::{Served, Serving};
+use crate::inbox::{Example, Inbox, InboxStats};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Request {
@@ -32,12 +38,26 @@ pub struct Response {
     pub latency_us: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The inbox after a push.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inbox: Option<InboxStats>,
 }
 
 impl Response {
     fn error(e: impl Into<String>) -> Self {
-        Response { model: None, predictions: Vec::new(), latency_us: 0, error: Some(e.into()) }
+        Response { model: None, predictions: Vec::new(), latency_us: 0, error: Some(e.into()), inbox: None }
     }
+
+    fn pushed(stats: InboxStats) -> Self {
+        Response { model: None, predictions: Vec::new(), latency_us: 0, error: None, inbox: Some(stats) }
+    }
+}
+
+/// A push of labelled examples into the inbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Push {
+    pub examples: Vec<Example>,
 }
 
 /// Answers one request with the served model (blocking). Rows are raw feature values;
@@ -56,13 +76,24 @@ pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalizati
     }
     normalization.apply(&mut flat);
     match s.predictor.predict_batch(&flat, req.inputs.len()) {
-        Ok(b) => Response { model: Some(s.model), predictions: b.predictions, latency_us: b.latency.as_micros() as u64, error: None },
+        Ok(b) => Response { model: Some(s.model), predictions: b.predictions, latency_us: b.latency.as_micros() as u64, error: None, inbox: None },
         Err(e) => Response::error(e.to_string()),
     }
 }
 
 /// Serves `serving` on a unix socket at `path` until `shutdown` resolves.
 pub async fn serve_unix(path: &Path, serving: Serving, normalization: Normalization, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
+    serve_unix_with_inbox(path, serving, normalization, None, shutdown).await
+}
+
+/// [`serve_unix`], also taking pushes into `inbox`.
+pub async fn serve_unix_with_inbox(
+    path: &Path,
+    serving: Serving,
+    normalization: Normalization,
+    inbox: Option<Inbox>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path)?;
     tracing::info!(socket = %path.display(), "inference endpoint listening");
@@ -73,8 +104,9 @@ pub async fn serve_unix(path: &Path, serving: Serving, normalization: Normalizat
             r = listener.accept() => {
                 let (stream, _) = r?;
                 let serving = serving.clone();
+                let inbox = inbox.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, serving, normalization).await {
+                    if let Err(e) = handle(stream, serving, normalization, inbox).await {
                         tracing::debug!(error = %e, "inference connection ended");
                     }
                 });
@@ -85,14 +117,29 @@ pub async fn serve_unix(path: &Path, serving: Serving, normalization: Normalizat
     Ok(())
 }
 
-async fn handle(stream: UnixStream, serving: Serving, normalization: Normalization) -> std::io::Result<()> {
+async fn handle(stream: UnixStream, serving: Serving, normalization: Normalization, inbox: Option<Inbox>) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut lines = BufReader::new(r).lines();
     while let Some(line) = lines.next_line().await? {
         if line.trim().is_empty() {
             continue;
         }
-        let resp = match serde_json::from_str::<Request>(&line) {
+        let resp = if line.contains("\"examples\"") {
+            match (&inbox, serde_json::from_str::<Push>(&line)) {
+                (None, _) => Response::error("this agent has no inbox"),
+                (Some(_), Err(e)) => Response::error(format!("bad push: {e}")),
+                (Some(inbox), Ok(push)) => {
+                    let inbox = inbox.clone();
+                    // The push is flushed to disk before it is acknowledged.
+                    match tokio::task::spawn_blocking(move || inbox.push(&push.examples)).await {
+                        Ok(Ok(stats)) => Response::pushed(stats),
+                        Ok(Err(e)) => Response::error(e.to_string()),
+                        Err(e) => Response::error(format!("inbox push panicked: {e}")),
+                    }
+                }
+            }
+        } else {
+            match serde_json::from_str::<Request>(&line) {
             Ok(req) => {
                 let served = serving.get();
                 tokio::task::spawn_blocking(move || answer(served, &req, &normalization))
@@ -100,6 +147,7 @@ async fn handle(stream: UnixStream, serving: Serving, normalization: Normalizati
                     .unwrap_or_else(|e| Response::error(format!("inference panicked: {e}")))
             }
             Err(e) => Response::error(format!("bad request: {e}")),
+            }
         };
         let mut out = serde_json::to_vec(&resp).expect("response serializes");
         out.push(b'\n');
@@ -108,8 +156,8 @@ async fn handle(stream: UnixStream, serving: Serving, normalization: Normalizati
     Ok(())
 }
 
-/// A client: sends one request and reads the answer.
-pub async fn query(path: &Path, req: &Request) -> std::io::Result<Response> {
+/// A client: sends one request (a [`Request`] or a [`Push`]) and reads the answer.
+pub async fn query(path: &Path, req: &impl Serialize) -> std::io::Result<Response> {
     let stream = UnixStream::connect(path).await?;
     let (r, mut w) = stream.into_split();
     let mut line = serde_json::to_vec(req).expect("request serializes");

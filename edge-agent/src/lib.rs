@@ -8,12 +8,15 @@
 //! - [`agent`]: the tokio shell executing the core's actions (same code for daemon and simulation).
 //! - [`ml`]: training, health checks, model loading via `fedfleet-learning`.
 //! - [`inference`]: the local endpoint (unix socket, line-delimited JSON) and CSV input parsing.
+//! - [`inbox`]: labelled examples the device's application pushes through that endpoint, kept
+//!   bounded in the store and trained on from the next round.
 //! - [`config`], [`daemon`]: `agent.toml`, identity files, the `run`/`status`/`enroll` commands.
 
 pub mod agent;
 pub mod clients;
 pub mod config;
 pub mod daemon;
+pub mod inbox;
 pub mod inference;
 pub mod lifecycle;
 pub mod remote;

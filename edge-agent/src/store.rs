@@ -63,6 +63,11 @@ impl AgentStore {
         Ok(AgentStore { dir, db, state, outbox })
     }
 
+    /// Another tree of the same database (e.g. the inbox's), flushed by its owner.
+    pub fn tree(&self, name: &str) -> Result<sled::Tree, StoreError> {
+        Ok(self.db.open_tree(name)?)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -80,3 +80,62 @@ async fn lost_receipts_and_resets_still_deliver_exactly_once() {
     assert_eq!(acc.len(), 1, "accepted exactly once");
     assert_eq!(acc[0].0.body().payload_dtype, DType::I8);
 }
+
+/// The application pushes labelled examples through the local socket; they are bounded, and the
+/// next round trains on them beside the configured data (every 5th held out for health checks).
+#[tokio::test]
+async fn inbox_examples_pushed_through_the_socket_are_what_the_next_round_trains_on() {
+    use fedfleet_agent::inbox::{Example, ExampleShape, Inbox, InboxConfig};
+    use fedfleet_agent::inference::Push;
+    use fedfleet_protocol::{RoundAnnouncement, RoundId, Selection};
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 1, 3).unwrap();
+    let base_train = fleet.agents[0].data().train.len();
+    let cfg = InboxConfig { max_examples: 30, max_bytes: 1 << 20, holdout_every: 5 };
+    let shape = ExampleShape::of(&fleet.agents[0].data().train);
+    let inbox = Inbox::open(fleet.agents[0].core().store(), cfg, shape).unwrap();
+    fleet.agents[0].set_inbox(inbox.clone(), fedfleet_learning::Normalization::None);
+
+    let sock = dir.path().join("agent.sock");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (path, serving, endpoint_inbox) = (sock.clone(), fleet.agents[0].serving(), fleet.agents[0].inbox());
+    let server = tokio::spawn(async move {
+        inference::serve_unix_with_inbox(&path, serving, fedfleet_learning::Normalization::None, endpoint_inbox, async { let _ = rx.await; }).await
+    });
+    let examples: Vec<Example> =
+        (0..40).map(|i| Example { input: fleet.test.example(i).to_vec(), label: fleet.test.labels[i], target: vec![] }).collect();
+    let mut resp = None;
+    for _ in 0..100 {
+        match inference::query(&sock, &Push { examples: examples.clone() }).await {
+            Ok(r) => {
+                resp = Some(r);
+                break;
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+        }
+    }
+    let stats = resp.expect("endpoint answers").inbox.expect("push acknowledged");
+    assert_eq!((stats.stored, stats.examples, stats.dropped, stats.fresh), (30, 30, 10, 30), "{stats:?}");
+    let bad = Push { examples: vec![Example { input: vec![0.0; 63], label: 1, target: vec![] }] };
+    let err = inference::query(&sock, &bad).await.unwrap().error.expect("refused");
+    assert!(err.contains("example 0: 63 input values, the model takes 64"), "{err}");
+
+    fleet.agg.set_round(Some(RoundAnnouncement {
+        fleet: fleet.fleet.clone(),
+        round: RoundId(1),
+        base_model: fleet.global_ref.clone(),
+        config: round_config(),
+        deadline_unix_ms: u64::MAX,
+        selection: Selection::All,
+    }));
+    fleet.agg.add_base_model(&fleet.spec.to_json(), fleet.global.encode());
+    fleet.step().await.unwrap();
+    let accepted = fleet.agg.accepted();
+    assert_eq!(accepted.len(), 1);
+    // 30 kept (sequence numbers 10..39); 10, 15, ..., 35 held out: 24 trained on.
+    assert_eq!(accepted[0].0.body().sample_count, (base_train + 24) as u64);
+    assert_eq!(inbox.fresh().unwrap(), 0, "trained on: no longer fresh");
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
