@@ -10,6 +10,17 @@ fn round_config() -> RoundConfig {
     RoundConfig { local_epochs: 2, batch_size: 16, learning_rate: 0.1, quantization: DType::F16, ..Default::default() }
 }
 
+/// `req` on the endpoint at `sock`, once it listens (the server task was just spawned).
+async fn query_once_listening(sock: &std::path::Path, req: &impl serde::Serialize) -> inference::Response {
+    for _ in 0..100 {
+        if let Ok(r) = inference::query(sock, req).await {
+            return r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the endpoint at {} never answered", sock.display());
+}
+
 #[tokio::test]
 async fn fleet_trains_uploads_aggregates_and_rolls_out() {
     let dir = tempfile::tempdir().unwrap();
@@ -32,17 +43,7 @@ async fn fleet_trains_uploads_aggregates_and_rolls_out() {
     let path = sock.clone();
     let server = tokio::spawn(async move { inference::serve_unix(&path, serving, fedfleet_learning::Normalization::None, async { let _ = rx.await; }).await });
     let rows: Vec<Vec<f32>> = (0..3).map(|i| fleet.test.example(i).to_vec()).collect();
-    let mut resp = None;
-    for _ in 0..100 {
-        match inference::query(&sock, &Request { inputs: rows.clone() }).await {
-            Ok(r) => {
-                resp = Some(r);
-                break;
-            }
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
-        }
-    }
-    let resp = resp.expect("endpoint answers");
+    let resp = query_once_listening(&sock, &Request { inputs: rows.clone() }).await;
     assert_eq!(resp.error, None);
     assert_eq!(resp.predictions.len(), 3);
     assert_eq!(resp.model.unwrap(), s.model);
@@ -105,17 +106,7 @@ async fn inbox_examples_pushed_through_the_socket_are_what_the_next_round_trains
     });
     let examples: Vec<Example> =
         (0..40).map(|i| Example { input: fleet.test.example(i).to_vec(), label: fleet.test.labels[i], target: vec![] }).collect();
-    let mut resp = None;
-    for _ in 0..100 {
-        match inference::query(&sock, &Push { examples: examples.clone() }).await {
-            Ok(r) => {
-                resp = Some(r);
-                break;
-            }
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
-        }
-    }
-    let stats = resp.expect("endpoint answers").inbox.expect("push acknowledged");
+    let stats = query_once_listening(&sock, &Push { examples }).await.inbox.expect("push acknowledged");
     assert_eq!((stats.stored, stats.examples, stats.dropped, stats.fresh), (30, 30, 10, 30), "{stats:?}");
     let bad = Push { examples: vec![Example { input: vec![0.0; 63], label: 1, target: vec![] }] };
     let err = inference::query(&sock, &bad).await.unwrap().error.expect("refused");
