@@ -1,0 +1,241 @@
+//! One upload from either transport: cheap checks first, then decode, admission, fold and the
+//! durable commit that the signed receipt stands on.
+
+use super::*;
+
+/// Flattens a delta bundle in canonical (sorted-name) order, dequantizing to f32.
+pub fn flatten(bundle: &TensorBundle, dim: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(dim);
+    for (_, t) in bundle.iter() {
+        match &t.data {
+            fedfleet_protocol::TensorData::F32(v) => out.extend_from_slice(v),
+            _ => out.extend(t.to_f32_vec()),
+        }
+    }
+    out
+}
+
+/// Splits a flat model into a bundle with `layout` (sorted-name order).
+pub fn unflatten(layout: &Layout, values: &[f32]) -> TensorBundle {
+    let mut b = TensorBundle::new();
+    let mut off = 0;
+    for (name, shape) in layout {
+        let n: usize = shape.iter().product();
+        b.insert_f32(name, shape.clone(), values[off..off + n].to_vec())
+            .expect("layout from a valid bundle");
+        off += n;
+    }
+    b
+}
+
+/// Decodes and checks an update payload against the base model: limits, layout, dtype, finite.
+pub fn decode_update(
+    payload: &[u8],
+    base_layout: &Layout,
+    limits: &BundleLimits,
+    dtype: DType,
+    dim: usize,
+) -> Result<Vec<f32>, Rejection> {
+    let bundle = TensorBundle::decode(payload, limits).map_err(|e| reject(e.reason(), e.to_string()))?;
+    bundle
+        .check_layout(base_layout)
+        .map_err(|e| reject(e.reason(), e.to_string()))?;
+    if let Some((name, t)) = bundle.iter().find(|(_, t)| t.dtype() != dtype) {
+        return Err(reject(
+            RejectReason::WrongDtype,
+            format!("tensor {name:?} is {}, the header signs {}", t.dtype().as_str(), dtype.as_str()),
+        ));
+    }
+    bundle
+        .check_finite()
+        .map_err(|e| reject(e.reason(), e.to_string()))?;
+    Ok(flatten(&bundle, dim))
+}
+
+pub(super) fn decode_base(bytes: &[u8]) -> Result<(Layout, Vec<f32>), String> {
+    let b = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
+    b.check_finite().map_err(|e| e.to_string())?;
+    let layout = b.layout();
+    let dim = b.num_params();
+    Ok((layout, flatten(&b, dim)))
+}
+
+/// The delta of an accepted update, read back from the update store and decoded again.
+pub(super) fn stored_delta(store: &Store, rec: &AcceptedRecord, base: &Base, dtype: DType) -> Result<Vec<f32>, String> {
+    let bytes = store.read_update(&rec.payload_digest).map_err(|e| e.to_string())?;
+    decode_update(&bytes, &base.sent.layout, &base.limits(), dtype, base.dim())
+        .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))
+}
+
+impl Aggregator {
+
+    // ----- ingest -----
+
+    /// Checks, folds and commits one upload from either transport; the answer is the signed
+    /// receipt. `peer` is the identity the transport authenticated (the QUIC client certificate,
+    /// or the MQTT topic's device, whose key the control client already checked). The caller
+    /// counts and reports a rejection.
+    pub async fn ingest(&self, peer: &PeerIdentity, update: SignedUpdate, payload: Payload<'_>) -> Result<Signed<Receipt>, Rejection> {
+        let sh = &self.shared;
+        let h = update.body().clone();
+        // 1. The connection's certificate must be the header's device.
+        match peer {
+            PeerIdentity::Device(id) if *id == h.device => {}
+            PeerIdentity::Device(id) => {
+                return Err(reject(
+                    RejectReason::IdentityMismatch,
+                    format!("certificate is for device {id}, the header names {}", h.device),
+                ));
+            }
+            PeerIdentity::Service(n) => {
+                return Err(reject(RejectReason::NotPermitted, format!("service {n} cannot upload updates")));
+            }
+        }
+        // 2. Enrollment and revocation (the allow-list is re-read when it changes).
+        let key = match sh.allow.status(&h.device) {
+            DeviceStatus::Unknown => return Err(reject(RejectReason::UnknownDevice, format!("{} is not enrolled", h.device))),
+            DeviceStatus::Revoked => {
+                self.lock().coord.engine_mut().revoke(h.device.clone());
+                return Err(reject(RejectReason::Revoked, format!("{} is revoked", h.device)));
+            }
+            DeviceStatus::Enrolled(k) => k,
+        };
+        // 3. Signature.
+        update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
+        // 4. A resend of an accepted update gets its receipt again (once the record is durable:
+        // the first attempt may still be waiting for its flush).
+        if let Ok(Some(rec)) = sh.store.accepted(&h.device, &h.nonce)
+            && rec.payload_digest == h.payload_digest
+            && rec.round == h.round
+        {
+            sh.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
+            return Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")));
+        }
+        // 5. Round, replay, duplicate, selection, sample count; size.
+        let meta = UpdateMeta::from(&h);
+        let (base, dtype) = {
+            let mut core = self.lock();
+            let now = now_ms();
+            let r = core.coord.check_update(now, &meta);
+            self.drain(&mut core, now);
+            r.map_err(|r| reject(r.reason, format!("round {}: {}", h.round, r.reason)))?;
+            let base = core.base.clone().ok_or_else(|| reject(RejectReason::Internal, "no base model"))?;
+            (base, core.campaign.payload_dtype())
+        };
+        if h.payload_dtype != dtype {
+            return Err(reject(
+                RejectReason::WrongDtype,
+                format!("the round asks for {}, the header signs {}", dtype.as_str(), h.payload_dtype.as_str()),
+            ));
+        }
+        if h.payload_len > base.max_payload() {
+            return Err(reject(
+                RejectReason::TooLarge,
+                format!("payload of {} bytes; the limit for this model is {}", h.payload_len, base.max_payload()),
+            ));
+        }
+        // 6. The payload through the digest/length check (streamed over QUIC).
+        let mut check = PayloadCheck::new(&h);
+        let stream = match payload {
+            Payload::Bytes(bytes) => {
+                sh.metrics.update_bytes.inc_by(bytes.len() as u64);
+                check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
+                check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
+                return self.commit_blocking(h, meta, bytes, base, dtype).await;
+            }
+            Payload::Quic(stream) => stream,
+        };
+        let mut payload = Vec::with_capacity(h.payload_len as usize);
+        loop {
+            match stream.recv().await {
+                Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
+                    sh.metrics.update_bytes.inc_by(body.len() as u64);
+                    check.update(&body).map_err(|e| reject(e.reason(), e.to_string()))?;
+                    payload.extend_from_slice(&body);
+                }
+                Ok(Some(Frame { kind: FrameKind::End, .. })) => break,
+                Ok(Some(f)) => return Err(reject(RejectReason::Malformed, format!("unexpected {:?} frame in a payload", f.kind))),
+                Ok(None) => return Err(reject(RejectReason::Malformed, "stream ended before the End frame")),
+                Err(e) => return Err(reject(RejectReason::Malformed, e.to_string())),
+            }
+        }
+        check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
+        self.commit_blocking(h, meta, payload, base, dtype).await
+    }
+
+    /// 7. Decode, check, fold and commit, off the async threads.
+    pub(super) async fn commit_blocking(
+        &self,
+        h: fedfleet_protocol::UpdateHeader,
+        meta: UpdateMeta,
+        payload: Vec<u8>,
+        base: Base,
+        dtype: DType,
+    ) -> Result<Signed<Receipt>, Rejection> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.fold_and_commit(h, meta, payload, base, dtype))
+            .await
+            .map_err(|e| reject(RejectReason::Internal, e.to_string()))?
+    }
+
+    pub(super) fn fold_and_commit(
+        &self,
+        h: fedfleet_protocol::UpdateHeader,
+        meta: UpdateMeta,
+        payload: Vec<u8>,
+        base: Base,
+        dtype: DType,
+    ) -> Result<Signed<Receipt>, Rejection> {
+        let sh = &self.shared;
+        let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
+        sh.store
+            .put_update(&h.payload_digest, &payload)
+            .map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
+        drop(payload);
+        let mut core = self.lock();
+        if core.base.as_ref().map(|b| b.digest) != Some(base.digest) {
+            return Err(reject(RejectReason::StaleRound, "the round changed while the payload streamed"));
+        }
+        let now = now_ms();
+        let t = Instant::now();
+        let accepted = core.coord.handle_update(now, meta, &delta);
+        let accepted = match accepted {
+            Ok(a) => a,
+            Err(r) => {
+                self.drain(&mut core, now);
+                return Err(reject(r.reason, format!("round {}: {}", h.round, r.reason)));
+            }
+        };
+        if core.coord.mode() == FoldMode::Streaming {
+            sh.metrics.folded(delta.len() as u64 * 4, t.elapsed());
+        }
+        let receipt = Signed::sign(
+            Receipt {
+                fleet: h.fleet.clone(),
+                device: h.device.clone(),
+                round: h.round,
+                nonce: h.nonce,
+                payload_digest: h.payload_digest,
+                accepted_at_unix_ms: now,
+            },
+            &sh.key,
+        );
+        let rec = AcceptedRecord {
+            round: accepted.round,
+            device: h.device.clone(),
+            payload_digest: h.payload_digest,
+            weight: accepted.weight,
+            receipt: receipt.encode(),
+        };
+        let seq = sh.store.apply_update(&core.coord.engine().to_bytes(), &h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
+        sh.metrics.accepted.inc();
+        sh.metrics.round_accepted.set(accepted.accepted as i64);
+        tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
+            target = accepted.target, "update accepted");
+        self.drain(&mut core, now);
+        drop(core);
+        // Durable before the receipt leaves; concurrent uploads share this flush.
+        sh.store.sync(seq).unwrap_or_else(|e| abort_on_commit_failure(e));
+        Ok(receipt)
+    }
+}

@@ -1,0 +1,322 @@
+//! The service shell: QUIC ingest, the round driver, sled state and publishing around the
+//! sans-IO [`Coordinator`].
+//!
+//! Shaped like mini-redis: [`Aggregator::run`] `select!`s the accept loop against a shutdown
+//! future; every connection and stream handler holds a clone of a completion sender, and
+//! shutdown stops accepting, lets in-flight requests finish (each commit point is atomic, so a
+//! cut-off upload simply gets no receipt), then flushes.
+//!
+//! One lock ([`Core`], a `std` mutex never held across an `.await`) guards the coordinator. An
+//! upload does every check it can without it (identity, signature, size, digest, decoding,
+//! layout, finite values) and takes it for admission + fold + commit, so the engine sees
+//! updates one at a time. CPU-heavy work runs in `spawn_blocking`.
+//!
+//! See [`crate::wire`] for the protocol and [`crate::persist`] for the commit points.
+//!
+//! Here: opening (recovery of the state and the current round) and status. By concern:
+//! `quic` (bind, accept loop, one request per stream), `ingest` (one upload from either
+//! transport, to its durable commit), `rounds` (engine events, deadlines, finalizing and
+//! publishing a round, starting campaigns), `base` (the round's base model and the tensors an
+//! update carries).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ed25519_dalek::SigningKey;
+use fedfleet_certs::{AllowList, DeviceStatus, PeerIdentity};
+use fedfleet_learning::{Dataset, ModelSpec};
+use fedfleet_net::FramedStream;
+use fedfleet_protocol::framing::{Frame, FrameKind};
+use fedfleet_protocol::messages::{self, ModelRef, RoundConfig};
+use fedfleet_protocol::{
+    BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
+    Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
+};
+use tokio::sync::{Notify, watch};
+
+use crate::config::{Config, FoldBackend};
+use crate::coordinator::FoldMode;
+use crate::engine::{
+    CampaignId, CampaignSpec, EngineConfig, EngineEvent, Millis, RoundEngine, RoundPolicy,
+    Invitation, UpdateMeta,
+};
+use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, ModelRecord, Store};
+use crate::publish::{PublishRequest, Publisher};
+use crate::strategy::{ServerStrategy, Strategy};
+use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
+use crate::{Coordinator, metrics::Metrics};
+
+mod base;
+mod ingest;
+mod quic;
+mod rounds;
+
+use base::Base;
+use ingest::{decode_base, stored_delta};
+pub use ingest::{decode_update, flatten, unflatten};
+
+/// Connections served at once.
+const MAX_CONNECTIONS: usize = 1024;
+/// Safetensors header slack allowed above `4 × params` in an update payload.
+const HEADER_SLACK: u64 = 64 * 1024;
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Store(#[from] crate::persist::StoreError),
+    #[error(transparent)]
+    Certs(#[from] fedfleet_certs::CertError),
+    #[error(transparent)]
+    Net(#[from] fedfleet_net::NetError),
+    #[error("{0}")]
+    Other(String),
+}
+
+fn other(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Other(e.to_string())
+}
+
+pub fn now_ms() -> Millis {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+struct Core {
+    coord: Coordinator<ServerStrategy>,
+    base: Option<Base>,
+    global: Option<GlobalRef>,
+    campaign: CampaignMeta,
+    /// A closed round waiting for the driver to finalize and publish it.
+    closing: Option<RoundId>,
+}
+
+struct Shared {
+    cfg: Config,
+    spec: ModelSpec,
+    spec_json: String,
+    store: Store,
+    key: SigningKey,
+    allow: AllowList,
+    metrics: Arc<Metrics>,
+    publisher: Box<dyn Publisher>,
+    validation: Option<Dataset>,
+    /// `[compute] fold = "tensor"`: the burn device the FedAvg family's rounds are folded on.
+    tensor_device: Option<burn::tensor::Device>,
+    core: Mutex<Core>,
+    wake: Notify,
+    /// The open round's signed announcement (encoded), for the MQTT control plane.
+    announce: watch::Sender<Option<Vec<u8>>>,
+}
+
+/// Where an upload's payload comes from. Both transports go through [`Aggregator::ingest`].
+pub enum Payload<'a> {
+    /// QUIC: `Chunk` frames up to `End`, read only after the header passed every cheap check.
+    Quic(&'a mut FramedStream),
+    /// MQTT: the reassembled payload bytes.
+    Bytes(Vec<u8>),
+}
+
+/// The aggregator service. Cheap to clone.
+#[derive(Clone)]
+pub struct Aggregator {
+    shared: Arc<Shared>,
+}
+
+/// A refusal: counted under its reason and sent to the peer.
+fn reject(reason: RejectReason, detail: impl Into<String>) -> Rejection {
+    Rejection::new(reason, detail)
+}
+
+/// Memory is ahead of disk: the only safe move is to stop and restart from disk.
+fn abort_on_commit_failure(e: crate::persist::StoreError) -> ! {
+    tracing::error!(error = %e, "cannot commit accepted updates to disk; aborting so a restart resumes from disk");
+    std::process::abort()
+}
+
+/// Scalars an update carries for `spec` (all of them unless it freezes layers, trains LoRA
+/// adapters or keeps batch norms local).
+fn update_dim(spec: &ModelSpec) -> usize {
+    spec.update_layout().values().map(|shape| shape.iter().product::<usize>()).sum()
+}
+
+/// Streaming unless the tensor path is on and `strategy` is a weighted mean.
+fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
+    if tensor && strategy.is_mean_based() { FoldMode::Deferred } else { FoldMode::Streaming }
+}
+impl Aggregator {
+    /// Opens the data directory (refusing damaged state), loads identities, restores the
+    /// coordinator and refolds the current round's accepted updates.
+    pub fn open(cfg: Config, publisher: Box<dyn Publisher>) -> Result<Aggregator, ServiceError> {
+        // The compute device first: a missing GPU refuses the start before any state is touched.
+        let metrics = Arc::new(Metrics::default());
+        let tensor_device = match cfg.compute.fold {
+            FoldBackend::Exact => None,
+            FoldBackend::Tensor => {
+                let picked = crate::accel::select_device(&cfg.compute.device).map_err(other)?;
+                tracing::info!("FedAvg-family rounds are folded on burn tensors: {}", picked.adapter);
+                metrics.compute_adapter(&picked.adapter);
+                Some(picked.device)
+            }
+        };
+        let store = Store::open(&cfg.data_dir)?;
+        let key = crate::keys::load_or_create(&cfg.data_dir)
+            .map_err(|e| other(format!("receipt key in {}: {e}", cfg.data_dir.display())))?;
+        let allow = AllowList::load(fedfleet_certs::layout::allow_list(&cfg.pki_dir))?;
+        let fleet = allow.fleet();
+        let spec = cfg.model.spec.clone();
+        let spec_json = cfg.spec_json();
+        let validation = match cfg.model.validation.as_deref() {
+            Some("digits") => Some(
+                Dataset::digits_split()
+                    .map_err(|e| other(format!("validation split: {e}")))?
+                    .1,
+            ),
+            _ => None,
+        };
+        let engine = match store.engine()? {
+            Some(b) => RoundEngine::from_bytes(&b).map_err(|e| {
+                other(format!("{}: engine snapshot: {e}", cfg.data_dir.display()))
+            })?,
+            None => RoundEngine::new(
+                fleet,
+                EngineConfig {
+                    nonce_retention_rounds: 8,
+                },
+                RoundId(1),
+            ),
+        };
+        let strategy = match store.strategy()? {
+            Some(b) => postcard::from_bytes(&b).map_err(|e| {
+                other(format!("{}: strategy snapshot: {e}", cfg.data_dir.display()))
+            })?,
+            None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, update_dim(&spec))
+                .map_err(other)?,
+        };
+        let global = store.global()?;
+        let campaign = store.campaign_meta()?;
+        let mode = fold_mode(tensor_device.is_some(), &strategy);
+        let mut coord = Coordinator::new(engine, strategy);
+        coord.set_mode(mode);
+        let mut core = Core {
+            coord,
+            base: None,
+            global,
+            campaign,
+            closing: None,
+        };
+        if let Some(g) = global {
+            let bytes = store.read_model(&g.digest)?;
+            let (layout, values) = decode_base(&bytes).map_err(other)?;
+            core.base = Some(Base::new(g.digest, g.version, layout, values, &spec.update_layout()));
+        }
+        // Refold the current round (open, or closed and not yet published).
+        let current = core
+            .coord
+            .engine()
+            .round_status()
+            .map(|s| s.round)
+            .or_else(|| core.coord.engine().awaiting_model());
+        if let Some(round) = current {
+            let base = core.base.clone().ok_or_else(|| other("a round is open but no global model is recorded"))?;
+            let dtype = core.campaign.payload_dtype();
+            let records = store.accepted_in(round)?;
+            // A deferred fold only counts here; its payloads are read when the round closes.
+            let deferred = core.coord.mode() == FoldMode::Deferred;
+            for rec in &records {
+                let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(other)? };
+                core.coord
+                    .resume_fold(round, &delta, rec.weight)
+                    .map_err(|e| other(format!("refold of {}: {e}", rec.payload_digest)))?;
+            }
+            if !records.is_empty() {
+                tracing::info!(round = %round, updates = records.len(), "refolded the current round after restart");
+            }
+            core.closing = core.coord.engine().awaiting_model();
+        }
+        let _ = store.gc_updates(current.unwrap_or(RoundId(u64::MAX)), true);
+        if let Some(s) = core.coord.engine().round_status() {
+            metrics.open_round.set(s.round.0 as i64);
+            metrics.round_accepted.set(s.accepted as i64);
+        }
+        let announce = watch::Sender::new(core.campaign.announcement.clone());
+        let agg = Aggregator {
+            shared: Arc::new(Shared {
+                announce,
+                cfg,
+                spec,
+                spec_json,
+                store,
+                key,
+                allow,
+                metrics,
+                publisher,
+                validation,
+                tensor_device,
+                core: Mutex::new(core),
+                wake: Notify::new(),
+            }),
+        };
+        {
+            let mut core = agg.lock();
+            agg.drain(&mut core, now_ms());
+        }
+        Ok(agg)
+    }
+
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.shared.metrics.clone()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.cfg
+    }
+
+    /// The open round's encoded `Signed<RoundAnnouncement>` (`None` between rounds); changes
+    /// when a round opens or ends.
+    pub fn announcements(&self) -> watch::Receiver<Option<Vec<u8>>> {
+        self.shared.announce.subscribe()
+    }
+
+    pub fn receipt_key(&self) -> ed25519_dalek::VerifyingKey {
+        self.shared.key.verifying_key()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.shared.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the campaign stands.
+    pub fn status(&self) -> CampaignStatus {
+        let core = self.lock();
+        let e = core.coord.engine();
+        let rs = e.round_status();
+        CampaignStatus {
+            campaign: e.campaign_id().map(|c| c.0),
+            strategy: e.campaign_id().map(|_| core.coord.strategy().name().to_owned()),
+            rounds_completed: e.rounds_completed(),
+            open_round: rs.as_ref().map(|s| s.round),
+            accepted: rs.as_ref().map(|s| s.accepted).unwrap_or(0),
+            target: rs.as_ref().map(|s| s.target).unwrap_or(0),
+            deadline_unix_ms: rs.as_ref().map(|s| s.deadline),
+            global: core.global.map(|g| (g.version, g.digest)),
+            last_outcome: core.campaign.last_outcome.clone(),
+        }
+    }
+
+    /// The current global model's digest and bytes, if any.
+    pub fn global_model(&self) -> Option<(GlobalRef, Vec<u8>)> {
+        let g = self.lock().global?;
+        self.shared.store.read_model(&g.digest).ok().map(|b| (g, b))
+    }
+}
+
+impl std::fmt::Debug for Aggregator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Aggregator").finish_non_exhaustive()
+    }
+}

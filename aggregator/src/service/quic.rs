@@ -1,0 +1,209 @@
+//! The QUIC shell: bind, the accept loop with graceful shutdown, and one request per stream.
+
+use super::*;
+
+impl Aggregator {
+
+    /// Binds the QUIC endpoint of the config.
+    pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
+        let cfg = &self.shared.cfg;
+        let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
+        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)?;
+        let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
+        let tls = fedfleet_certs::tls::server_config(&ca, &id, revocation, &[fedfleet_certs::ALPN_V1])?;
+        // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
+        let secret = id.derive_secret("fedfleet-aggregator 2026 QUIC endpoint");
+        Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &secret)?)
+    }
+
+    /// Serves `endpoint` until `shutdown` resolves, then lets in-flight requests finish.
+    pub async fn run(self, endpoint: quinn::Endpoint, shutdown: impl std::future::Future<Output = ()>) {
+        let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+        let driver = {
+            let me = self.clone();
+            let mut stop = stop_tx.subscribe();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = me.drive() => {}
+                    _ = stop.recv() => {}
+                }
+            })
+        };
+        let handlers = fedfleet_net::serve::accept_until(
+            &endpoint,
+            MAX_CONNECTIONS,
+            async {
+                shutdown.await;
+                tracing::info!("shutting down: no new connections");
+            },
+            || self.shared.metrics.rejected(RejectReason::Overloaded),
+            |incoming| {
+                let me = self.clone();
+                let stop = stop_tx.subscribe();
+                async move { me.connection(incoming, stop).await }
+            },
+        )
+        .await;
+        let _ = stop_tx.send(());
+        // In-flight uploads finish (their handlers stop taking new streams), but not forever.
+        fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(20)).await;
+        let _ = driver.await;
+        tracing::info!("stopped");
+    }
+
+    pub(super) async fn connection(
+        &self,
+        incoming: quinn::Incoming,
+        mut stop: tokio::sync::broadcast::Receiver<()>,
+    ) {
+        let conn = match incoming.await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "handshake failed");
+                return;
+            }
+        };
+        let peer = conn
+            .peer_identity()
+            .and_then(|any| any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
+            .and_then(|certs| fedfleet_certs::peer_identity(&certs).ok());
+        let Some(peer) = peer else {
+            conn.close(1u32.into(), b"no fleet identity");
+            return;
+        };
+        // The connection's handler ends when its in-flight streams do (graceful shutdown).
+        let mut streams = tokio::task::JoinSet::new();
+        loop {
+            let (send, recv) = tokio::select! {
+                r = conn.accept_bi() => match r {
+                    Ok(s) => s,
+                    Err(_) => break,
+                },
+                _ = stop.recv() => break,
+            };
+            while streams.try_join_next().is_some() {}
+            let me = self.clone();
+            let peer = peer.clone();
+            streams.spawn(async move {
+                let mut stream = FramedStream::new(send, recv);
+                me.stream(&peer, &mut stream).await;
+            });
+        }
+        while streams.join_next().await.is_some() {}
+    }
+
+    pub(super) async fn stream(&self, peer: &PeerIdentity, stream: &mut FramedStream) {
+        let first = match stream.recv().await {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "bad first frame");
+                self.shared.metrics.rejected(RejectReason::Malformed);
+                return;
+            }
+        };
+        match first.kind {
+            FrameKind::Signed => {
+                let answer = match SignedUpdate::decode(&first.body) {
+                    Ok(update) => self.ingest(peer, update, Payload::Quic(stream)).await,
+                    Err(e) => Err(reject(e.reason(), e.to_string())),
+                };
+                let sent = match answer {
+                    Ok(receipt) => stream.send(FrameKind::Signed, &receipt.encode()).await,
+                    Err(r) => {
+                        self.shared.metrics.rejected(r.reason);
+                        tracing::info!(peer = ?peer, reason = %r.reason, detail = %r.detail, "update refused");
+                        let body = Message::Rejection(r).encode().expect("rejection encodes");
+                        stream.send(FrameKind::Message, &body).await
+                    }
+                };
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, "answer not delivered");
+                }
+                stream.finish();
+            }
+            FrameKind::Message => {
+                let resp = match messages::decode::<Request>(&first.body, MAX_WIRE_MESSAGE) {
+                    Ok(req) => self.request(peer, req, stream).await,
+                    Err(e) => Some(Response::Error(reject(e.reason(), e.to_string()))),
+                };
+                if let Some(resp) = resp {
+                    if let Response::Error(r) = &resp {
+                        self.shared.metrics.rejected(r.reason);
+                    }
+                    let body = messages::encode(&resp, MAX_WIRE_MESSAGE).expect("response encodes");
+                    let _ = stream.send(FrameKind::Message, &body).await;
+                }
+                stream.finish();
+            }
+            _ => {
+                self.shared.metrics.rejected(RejectReason::Malformed);
+                let r = reject(RejectReason::Malformed, "a stream starts with a Signed or Message frame");
+                let _ = stream.send(FrameKind::Message, &Message::Rejection(r).encode().expect("encodes")).await;
+                stream.finish();
+            }
+        }
+    }
+
+    /// Handles a non-upload request. `None` when the answer was already sent (a model).
+    pub(super) async fn request(&self, peer: &PeerIdentity, req: Request, stream: &mut FramedStream) -> Option<Response> {
+        let is_operator = matches!(peer, PeerIdentity::Service(n) if self.shared.cfg.operators.contains(n));
+        match req {
+            Request::GetRound => {
+                let core = self.lock();
+                Some(Response::Round {
+                    announcement: core.campaign.announcement.clone(),
+                    receipt_key: self.shared.key.verifying_key().to_bytes(),
+                })
+            }
+            Request::GetModel { digest } => {
+                let known = self.shared.store.model_record(&digest).ok().flatten();
+                let Some(rec) = known else {
+                    return Some(Response::Error(reject(RejectReason::UnknownRound, format!("no model {digest}"))));
+                };
+                let store_bytes = {
+                    let me = self.clone();
+                    tokio::task::spawn_blocking(move || me.shared.store.read_model(&digest)).await
+                };
+                let bytes = match store_bytes {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(e)) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
+                    Err(e) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
+                };
+                let head = Response::Model { spec: rec.spec, length: bytes.len() as u64 };
+                let body = messages::encode(&head, MAX_WIRE_MESSAGE).expect("encodes");
+                if stream.send(FrameKind::Message, &body).await.is_err() {
+                    return None;
+                }
+                for chunk in bytes.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
+                    if stream.send(FrameKind::Chunk, chunk).await.is_err() {
+                        return None;
+                    }
+                }
+                let _ = stream.send(FrameKind::End, &[]).await;
+                None
+            }
+            Request::CampaignStart(_) | Request::CampaignStatus | Request::CampaignStop if !is_operator => {
+                Some(Response::Error(reject(
+                    RejectReason::NotPermitted,
+                    "campaign requests need an operator service certificate",
+                )))
+            }
+            Request::CampaignStart(o) => Some(match self.start_campaign(o).await {
+                Ok(s) => Response::Status(s),
+                Err(e) => Response::Error(reject(RejectReason::Internal, e)),
+            }),
+            Request::CampaignStatus => Some(Response::Status(self.status())),
+            Request::CampaignStop => {
+                let mut core = self.lock();
+                let r = core.coord.engine_mut().stop_campaign(now_ms());
+                self.drain(&mut core, now_ms());
+                drop(core);
+                Some(match r {
+                    Ok(()) => Response::Status(self.status()),
+                    Err(e) => Response::Error(reject(RejectReason::Internal, e.to_string())),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! The round driver: engine events, deadlines, finalizing a round into a signed, published
+//! global model, and starting campaigns.
+
+use super::*;
+
+impl Aggregator {
+
+    // ----- events, rounds, campaigns -----
+
+    /// Processes engine events; commits a round boundary when one happened.
+    pub(super) fn drain(&self, core: &mut Core, now: Millis) {
+        let sh = &self.shared;
+        let mut boundary = false;
+        while let Some(ev) = core.coord.poll_event() {
+            match ev {
+                EngineEvent::RoundOpened(a) => {
+                    tracing::info!(round = %a.round, deadline = a.deadline, "round opened");
+                    sh.metrics.round("opened");
+                    sh.metrics.open_round.set(a.round.0 as i64);
+                    sh.metrics.round_accepted.set(0);
+                    let dtype = core.campaign.payload_dtype();
+                    let ann = fedfleet_protocol::RoundAnnouncement {
+                        fleet: a.fleet,
+                        round: a.round,
+                        base_model: ModelRef {
+                            name: sh.cfg.model.name.clone(),
+                            version: a.base_version,
+                            digest: a.base_digest,
+                        },
+                        config: RoundConfig {
+                            local_epochs: a.client.local_epochs,
+                            batch_size: a.client.batch_size,
+                            learning_rate: a.client.lr,
+                            optimizer: "sgd".into(),
+                            fedprox_mu: a.client.proximal_mu,
+                            quantization: dtype,
+                            min_samples: 1,
+                            max_samples: Some(a.max_sample_count),
+                            seed: a.round.0,
+                        },
+                        deadline_unix_ms: a.deadline,
+                        selection: a.selection,
+                    };
+                    core.campaign.announcement = Some(Signed::sign(ann, &sh.key).encode());
+                    sh.announce.send_replace(core.campaign.announcement.clone());
+                    // The round driver may be sleeping on an older (or no) timer: it must
+                    // re-read the deadline (a campaign started on an idle service opens its
+                    // first round outside the driver).
+                    sh.wake.notify_one();
+                    boundary = true;
+                }
+                EngineEvent::RoundClosed { round, cause, contributions, .. } => {
+                    tracing::info!(round = %round, ?cause, updates = contributions.len(), "round closed");
+                    sh.metrics.round("closed");
+                    sh.metrics.open_round.set(0);
+                    core.campaign.announcement = None;
+                    sh.announce.send_replace(None);
+                    core.closing = Some(round);
+                    sh.wake.notify_one();
+                }
+                EngineEvent::RoundFailed { round, reason } => {
+                    tracing::warn!(round = %round, reason = reason.as_str(), "round failed");
+                    sh.metrics.round("failed");
+                    sh.metrics.open_round.set(0);
+                    // Only the failed round's own updates are discarded (after a restart the
+                    // strategy may already hold the refolded updates of a later round).
+                    if core.coord.folding() == Some(round) || core.coord.folding().is_none() {
+                        core.coord.discard_held();
+                    }
+                    core.campaign.announcement = None;
+                    sh.announce.send_replace(None);
+                    if core.closing == Some(round) {
+                        core.closing = None;
+                    }
+                    boundary = true;
+                }
+                EngineEvent::CampaignFinished { campaign, outcome, rounds_completed } => {
+                    tracing::info!(campaign = %campaign, outcome = outcome.as_str(), rounds_completed, "campaign finished");
+                    core.campaign.last_outcome = Some(outcome.as_str().to_owned());
+                    core.campaign.announcement = None;
+                    sh.announce.send_replace(None);
+                    boundary = true;
+                }
+                EngineEvent::RoundExtended { round, deadline, accepted } => {
+                    tracing::info!(round = %round, deadline, accepted, "quorum not met: deadline extended once");
+                    // Devices check the signed deadline: re-issue the announcement with the new
+                    // one, or devices arriving after the old deadline skip a round still open.
+                    let extended = core
+                        .campaign
+                        .announcement
+                        .as_deref()
+                        .and_then(|b| Signed::<fedfleet_protocol::RoundAnnouncement>::decode(b).ok())
+                        .map(|signed| signed.body().clone())
+                        .filter(|ann| ann.round == round);
+                    if let Some(mut ann) = extended {
+                        ann.deadline_unix_ms = deadline;
+                        core.campaign.announcement = Some(Signed::sign(ann, &sh.key).encode());
+                        sh.announce.send_replace(core.campaign.announcement.clone());
+                        boundary = true;
+                    }
+                }
+                EngineEvent::DeviceRevoked { device, contributed_to } => {
+                    tracing::warn!(device = %device, ?contributed_to, "device revoked");
+                }
+            }
+        }
+        if boundary {
+            self.commit_boundary(core, now);
+        }
+    }
+
+    pub(super) fn commit_boundary(&self, core: &mut Core, _now: Millis) {
+        let sh = &self.shared;
+        let strategy = (core.coord.strategy().folded() == 0)
+            .then(|| postcard::to_stdvec(core.coord.strategy()).expect("strategy serializes"));
+        let engine = core.coord.engine().to_bytes();
+        let r = sh.store.commit_boundary(Boundary {
+            engine: &engine,
+            strategy: strategy.as_deref(),
+            global: core.global,
+            campaign: Some(&core.campaign),
+        });
+        if let Err(e) = r {
+            tracing::error!(error = %e, "cannot commit a round boundary; aborting so a restart resumes from disk");
+            std::process::abort();
+        }
+        let keep = core
+            .coord
+            .engine()
+            .round_status()
+            .map(|s| s.round)
+            .unwrap_or(RoundId(u64::MAX));
+        let _ = sh.store.gc_updates(keep, false);
+    }
+
+    /// The round driver: deadlines and finalize/publish of closed rounds.
+    pub(super) async fn drive(&self) {
+        loop {
+            let closing = self.lock().closing;
+            if let Some(round) = closing {
+                if let Err(e) = self.finalize(round).await {
+                    tracing::error!(round = %round, error = %e, "publishing failed; retrying in 5 s");
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+                continue;
+            }
+            let next = self.lock().coord.poll_timeout();
+            let sleep = match next {
+                Some(t) => Duration::from_millis(t.saturating_sub(now_ms()).max(1)),
+                None => Duration::from_secs(3600),
+            };
+            tokio::select! {
+                _ = self.shared.wake.notified() => {}
+                _ = tokio::time::sleep(sleep) => {
+                    let mut core = self.lock();
+                    let now = now_ms();
+                    core.coord.handle_timeout(now);
+                    self.drain(&mut core, now);
+                }
+            }
+        }
+    }
+
+    /// Finalizes the closed `round`, evaluates, publishes, records, and opens the next round.
+    pub(super) async fn finalize(&self, round: RoundId) -> Result<(), String> {
+        let sh = self.shared.clone();
+        let me = self.clone();
+        // Finalize under the lock (CPU), off the async threads.
+        let out = tokio::task::spawn_blocking(move || {
+            // Every update folded into this model is durable before the model exists.
+            me.shared.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
+            let mut core = me.lock();
+            if core.closing != Some(round) {
+                return Ok(None);
+            }
+            let base = core.base.clone().ok_or("no base model")?;
+            let result = match (core.coord.mode(), &me.shared.tensor_device) {
+                (FoldMode::Deferred, Some(device)) => {
+                    // Every accepted payload is on disk: fold them on the device in digest order.
+                    let t0 = Instant::now();
+                    let dtype = core.campaign.payload_dtype();
+                    let mut records = me.shared.store.accepted_in(round).map_err(|e| e.to_string())?;
+                    records.sort_by_key(|r| r.payload_digest);
+                    let updates = records
+                        .iter()
+                        .map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
+                    let r = core.coord.finalize_with(now_ms(), round, |s| {
+                        s.finalize_on(&crate::accel::TensorBackend::new(device), &base.global(), updates)
+                    });
+                    let elapsed = t0.elapsed();
+                    if r.is_ok() {
+                        me.shared.metrics.folded(records.len() as u64 * base.dim() as u64 * 4, elapsed);
+                        me.shared.metrics.round("tensor_folded");
+                    }
+                    tracing::info!(round = %round, updates = records.len(), ms = elapsed.as_millis() as u64, "tensor fold");
+                    r
+                }
+                _ => core.coord.finalize(now_ms(), round, &base.global()),
+            };
+            match result {
+                Ok(sent) => Ok(Some((base.merged(sent), base))),
+                Err(e) => {
+                    core.closing = None;
+                    me.drain(&mut core, now_ms());
+                    Err(format!("finalize failed, round aborted: {e}"))
+                }
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        let Some((model, base)) = out else { return Ok(()) };
+        // Evaluate and encode (CPU).
+        let spec = sh.spec.clone();
+        let sh2 = sh.clone();
+        let layout = base.layout.clone();
+        let (bytes, metrics, model) = tokio::task::spawn_blocking(move || {
+            let bundle = unflatten(&layout, &model);
+            let mut metrics = BTreeMap::new();
+            if let Some(v) = &sh2.validation {
+                match fedfleet_learning::evaluate(&spec, &bundle, v) {
+                    Ok(r) => {
+                        metrics.insert("accuracy".to_owned(), r.accuracy);
+                        metrics.insert("loss".to_owned(), r.loss);
+                        metrics.insert("eval_examples".to_owned(), r.num_examples as f64);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "server-side evaluation failed"),
+                }
+            }
+            (bundle.encode(), metrics, model)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let digest = Digest::of(&bytes);
+        let req = PublishRequest {
+            name: sh.cfg.model.name.clone(),
+            bundle: bytes,
+            spec: sh.spec_json.clone(),
+            parent: Some(base.version),
+            metrics: metrics.clone(),
+            created_at_unix_ms: now_ms(),
+        };
+        let (version, published) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
+        if published != digest {
+            return Err(format!("publisher returned digest {published}, expected {digest}"));
+        }
+        let rec = ModelRecord {
+            name: req.name.clone(),
+            version,
+            length: req.bundle.len() as u64,
+            spec: req.spec.clone(),
+            parent: req.parent,
+            metrics: metrics.into_iter().collect(),
+        };
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            me.shared.store.put_model(&digest, &req.bundle, &rec).map_err(|e| e.to_string())?;
+            let mut core = me.lock();
+            if core.closing != Some(round) {
+                return Ok(());
+            }
+            core.closing = None;
+            core.global = Some(GlobalRef { version, digest });
+            core.base = Some(Base::new(digest, version, base.layout.clone(), model, &base.sent.layout));
+            me.shared.metrics.round("published");
+            tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
+            let now = now_ms();
+            core.coord
+                .model_ready(now, round, version, digest)
+                .map_err(|e| e.to_string())?;
+            me.drain(&mut core, now);
+            Ok::<(), String>(())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// Imports the configured initial model as the first global version (once).
+    pub(super) async fn ensure_global(&self) -> Result<(), String> {
+        if self.lock().global.is_some() {
+            return Ok(());
+        }
+        let sh = &self.shared;
+        let path = &sh.cfg.model.initial;
+        let bytes = std::fs::read(path).map_err(|e| {
+            format!("initial model {}: {e} (create it with `fedfleet-aggregator init-model`)", path.display())
+        })?;
+        let (layout, values) = decode_base(&bytes).map_err(|e| format!("initial model {}: {e}", path.display()))?;
+        let expected: Layout = sh.spec.params().into_iter().map(|p| (p.name, p.shape)).collect();
+        if layout != expected {
+            return Err(format!("initial model {} does not match model.spec", path.display()));
+        }
+        let mut metrics = BTreeMap::new();
+        if let Some(v) = &sh.validation {
+            let b = TensorBundle::decode(&bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
+            if let Ok(r) = fedfleet_learning::evaluate(&sh.spec, &b, v) {
+                metrics.insert("accuracy".to_owned(), r.accuracy);
+                metrics.insert("loss".to_owned(), r.loss);
+            }
+        }
+        let req = PublishRequest {
+            name: sh.cfg.model.name.clone(),
+            bundle: bytes,
+            spec: sh.spec_json.clone(),
+            parent: None,
+            metrics: metrics.clone(),
+            created_at_unix_ms: now_ms(),
+        };
+        let (version, digest) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
+        let rec = ModelRecord {
+            name: req.name.clone(),
+            version,
+            length: req.bundle.len() as u64,
+            spec: req.spec.clone(),
+            parent: None,
+            metrics: metrics.into_iter().collect(),
+        };
+        sh.store.put_model(&digest, &req.bundle, &rec).map_err(|e| e.to_string())?;
+        let mut core = self.lock();
+        if core.global.is_none() {
+            core.global = Some(GlobalRef { version, digest });
+            core.base = Some(Base::new(digest, version, layout, values, &sh.spec.update_layout()));
+        }
+        Ok(())
+    }
+
+    /// Starts a campaign from the config defaults and `o`.
+    pub async fn start_campaign(&self, o: CampaignOverrides) -> Result<CampaignStatus, String> {
+        if let Some(c) = self.lock().coord.engine().campaign_id() {
+            return Err(format!("campaign {c} is still running"));
+        }
+        self.ensure_global().await?;
+        let sh = &self.shared;
+        let d = &sh.cfg.campaign;
+        let strategy_cfg = d.strategy_config().map_err(|e| e.to_string())?;
+        let dtype = d.dtype().map_err(|e| e.to_string())?;
+        let mut core = self.lock();
+        if let Some(c) = core.coord.engine().campaign_id() {
+            return Err(format!("campaign {c} is still running"));
+        }
+        let base = core.base.clone().ok_or("no global model")?;
+        let strategy = ServerStrategy::new(&strategy_cfg, base.dim()).map_err(|e| e.to_string())?;
+        let seed = o.seed.unwrap_or_else(|| rand_core::RngCore::next_u64(&mut rand_core::OsRng));
+        let mut seed32 = [0u8; 32];
+        seed32[..8].copy_from_slice(&seed.to_le_bytes());
+        let id = CampaignId(core.campaign.last_campaign + 1);
+        let target = o.target_count.unwrap_or(d.target);
+        let spec = CampaignSpec {
+            id,
+            rounds: o.rounds.unwrap_or(d.rounds),
+            base_version: base.version,
+            base_digest: base.digest,
+            client: strategy.configure(RoundId(0)),
+            selection: Invitation::Rate { rate: d.sampling_rate },
+            policy: RoundPolicy {
+                target_count: target,
+                min_quorum: o.min_quorum.unwrap_or(d.quorum).min(target),
+                over_selection: d.over_selection,
+                duration_ms: o.deadline_secs.unwrap_or(d.deadline_secs) * 1000,
+                extension_ms: d.extension_secs * 1000,
+                max_sample_count: d.max_sample_count,
+            },
+            seed: seed32,
+            max_consecutive_failures: d.max_consecutive_failures,
+        };
+        let name = strategy.name().to_owned();
+        let mode = fold_mode(self.shared.tensor_device.is_some(), &strategy);
+        if self.shared.tensor_device.is_some() && mode == FoldMode::Streaming {
+            tracing::warn!(strategy = %name, "[compute] fold = \"tensor\" covers the FedAvg family; this strategy folds exactly on the CPU");
+        }
+        let old_mode = core.coord.mode();
+        core.coord.set_mode(mode);
+        let old = std::mem::replace(core.coord.strategy_mut(), strategy);
+        core.campaign.strategy = Some(name.clone());
+        core.campaign.dtype = dtype.code();
+        core.campaign.last_campaign = id.0;
+        core.campaign.last_outcome = None;
+        let now = now_ms();
+        if let Err(e) = core.coord.engine_mut().start_campaign(now, spec) {
+            *core.coord.strategy_mut() = old;
+            core.coord.set_mode(old_mode);
+            return Err(e.to_string());
+        }
+        tracing::info!(campaign = %id, strategy = %name, "campaign started");
+        self.drain(&mut core, now);
+        drop(core);
+        Ok(self.status())
+    }
+}
