@@ -74,12 +74,19 @@ pub enum StoreError {
     #[error("aggregator state in {path} is locked by another process (one aggregator per data dir)")]
     Locked { path: PathBuf },
     #[error("sled: {0}")]
-    Sled(#[from] sled::Error),
+    Sled(sled::Error),
     #[error("I/O on {path}: {source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<sled::Error> for StoreError {
+    fn from(e: sled::Error) -> Self {
+        StoreError::Sled(e)
+    }
 }
 
 type Result<T> = std::result::Result<T, StoreError>;

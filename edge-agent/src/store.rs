@@ -19,7 +19,7 @@ pub enum StoreError {
     )]
     Open { path: PathBuf, detail: String },
     #[error("agent store: {0}")]
-    Sled(#[from] sled::Error),
+    Sled(sled::Error),
     #[error("agent store record {key} does not decode: {detail} (the store may be damaged)")]
     Corrupt { key: String, detail: String },
     #[error("blob {digest} on disk does not match its digest (damaged); it will be fetched again")]
@@ -30,6 +30,13 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<sled::Error> for StoreError {
+    fn from(e: sled::Error) -> Self {
+        StoreError::Sled(e)
+    }
 }
 
 impl StoreError {
@@ -187,4 +194,17 @@ fn decode_entry(id: u64, v: &[u8]) -> Result<OutboxEntry, StoreError> {
 /// Writes `path` atomically and durably (`fedfleet_durable::write_atomic`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     fedfleet_durable::write_atomic(path, bytes, fedfleet_durable::Mode::Public).map_err(|e| StoreError::io(path, e))
+}
+
+#[cfg(test)]
+mod error_tests {
+    /// The CLIs print errors with their chain (`{:#}`): a cause the message already shows must
+    /// not come again as its source (issue 15.6: "an error message that repeats its cause").
+    #[test]
+    fn a_store_error_names_its_cause_once() {
+        let e = super::StoreError::from(sled::Error::Unsupported("no space left on device".into()));
+        let printed = format!("{:#}", anyhow::Error::from(e));
+        assert_eq!(printed.matches("no space left on device").count(), 1, "{printed}");
+        assert!(printed.starts_with("agent store: "), "{printed}");
+    }
 }

@@ -122,9 +122,23 @@ pub async fn scrape(addr: SocketAddr, path: &str) -> Result<(u16, String), Scrap
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
     #[error("connect: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("http: {0}")]
-    Http(#[from] hyper::Error),
+    Http(hyper::Error),
     #[error("request: {0}")]
     Request(String),
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<hyper::Error> for ScrapeError {
+    fn from(e: hyper::Error) -> Self {
+        ScrapeError::Http(e)
+    }
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<std::io::Error> for ScrapeError {
+    fn from(e: std::io::Error) -> Self {
+        ScrapeError::Io(e)
+    }
 }

@@ -30,15 +30,43 @@ pub enum NetError {
     #[error("cannot connect to {addr}: {source}")]
     Connect { addr: SocketAddr, source: quinn::ConnectError },
     #[error("connection lost: {0}")]
-    Connection(#[from] quinn::ConnectionError),
+    Connection(quinn::ConnectionError),
     #[error("write failed: {0}")]
-    Write(#[from] quinn::WriteError),
+    Write(quinn::WriteError),
     #[error("read failed: {0}")]
-    Read(#[from] quinn::ReadError),
+    Read(quinn::ReadError),
     #[error("bad frame: {0}")]
-    Frame(#[from] FrameError),
+    Frame(FrameError),
     #[error("peer closed the stream")]
     Closed,
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<FrameError> for NetError {
+    fn from(e: FrameError) -> Self {
+        NetError::Frame(e)
+    }
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<quinn::ReadError> for NetError {
+    fn from(e: quinn::ReadError) -> Self {
+        NetError::Read(e)
+    }
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<quinn::WriteError> for NetError {
+    fn from(e: quinn::WriteError) -> Self {
+        NetError::Write(e)
+    }
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<quinn::ConnectionError> for NetError {
+    fn from(e: quinn::ConnectionError) -> Self {
+        NetError::Connection(e)
+    }
 }
 
 fn transport() -> Arc<quinn::TransportConfig> {

@@ -126,7 +126,7 @@ pub enum EnvelopeError {
     #[error("expected a {expected:?} envelope, found kind code {found}")]
     WrongKind { expected: Kind, found: u8 },
     #[error("bad id in envelope: {0}")]
-    BadId(#[from] IdError),
+    BadId(IdError),
     #[error("unknown payload dtype code {0}")]
     UnknownDtype(u8),
     #[error("malformed body: {0}")]
@@ -139,6 +139,13 @@ pub enum EnvelopeError {
     LengthMismatch { signed: u64, actual: u64 },
     #[error("payload digest {actual} differs from the signed {signed}")]
     DigestMismatch { signed: Digest, actual: Digest },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<IdError> for EnvelopeError {
+    fn from(e: IdError) -> Self {
+        EnvelopeError::BadId(e)
+    }
 }
 
 impl EnvelopeError {

@@ -48,7 +48,7 @@ const BATCH: usize = 64;
 #[non_exhaustive]
 pub enum ClientError {
     #[error("transport: {0}")]
-    Net(#[from] NetError),
+    Net(NetError),
     #[error("registry refused ({}): {}", .0.reason, .0.detail)]
     Rejected(Rejection),
     #[error("not found: {0}")]
@@ -74,6 +74,13 @@ pub enum ClientError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<NetError> for ClientError {
+    fn from(e: NetError) -> Self {
+        ClientError::Net(e)
+    }
 }
 
 impl ClientError {

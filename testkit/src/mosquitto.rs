@@ -27,7 +27,7 @@ pub enum MosquittoError {
         error: std::io::Error,
     },
     #[error("broker key for mosquitto: {0}")]
-    Key(#[from] fedfleet_certs::CertError),
+    Key(fedfleet_certs::CertError),
     #[error("mosquitto exited ({status}); its log:\n{log}")]
     Exited { status: String, log: String },
     #[error("mosquitto did not listen on {addr} within {secs} s; its log:\n{log}")]
@@ -36,6 +36,13 @@ pub enum MosquittoError {
         secs: u64,
         log: String,
     },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<fedfleet_certs::CertError> for MosquittoError {
+    fn from(e: fedfleet_certs::CertError) -> Self {
+        MosquittoError::Key(e)
+    }
 }
 
 /// The `mosquitto` binary on `PATH` or in the sbin directories (Debian installs it in
