@@ -159,7 +159,7 @@ async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<
     let agg = Arc::new(MqttAggregator::new(agg, control.clone(), events, opts));
     let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
     let hb = (m.heartbeat_interval_ms > 0).then(|| (publisher, Duration::from_millis(m.heartbeat_interval_ms)));
-    let wake = agg.rollout_wake();
+    let wake = agg.wake();
     let r = run_with(cfg, agg, reg, hb, Some(wake)).await;
     control.shutdown().await;
     r

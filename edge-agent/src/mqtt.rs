@@ -83,8 +83,9 @@ struct Heard {
     /// The last verified rollout notice and how many arrived.
     notice: Mutex<Option<RolloutNotice>>,
     notices: AtomicU64,
-    /// Woken by every rollout notice (one stored permit while nobody waits).
-    rollout_wake: Arc<Notify>,
+    /// Woken by every verified round announcement and rollout notice (one stored permit while
+    /// nobody waits): the agent acts on it at once instead of at its next poll.
+    wake: Arc<Notify>,
 }
 
 /// [`Aggregator`] with announcements and an upload path over MQTT; see the module docs.
@@ -112,6 +113,7 @@ impl<A: Aggregator> MqttAggregator<A> {
                         let a = s.body().clone();
                         tracing::info!(round = %a.round, "round announced over MQTT");
                         *h.round.lock().unwrap_or_else(|p| p.into_inner()) = Some(a);
+                        h.wake.notify_one();
                     }
                     ControlEvent::Receipt(s) => {
                         let r = s.body().clone();
@@ -130,7 +132,7 @@ impl<A: Aggregator> MqttAggregator<A> {
                         tracing::info!(rollout = n.rollout_id, phase = n.phase, action = ?n.action, "rollout notice over MQTT; checking the assignment");
                         *h.notice.lock().unwrap_or_else(|p| p.into_inner()) = Some(n);
                         h.notices.fetch_add(1, Ordering::Relaxed);
-                        h.rollout_wake.notify_one();
+                        h.wake.notify_one();
                     }
                     ControlEvent::Connected { count } => tracing::info!(count, "MQTT control plane connected"),
                     ControlEvent::Disconnected { error } => tracing::debug!(%error, "MQTT control plane disconnected"),
@@ -170,10 +172,11 @@ impl<A: Aggregator> MqttAggregator<A> {
         self.mqtt_acks.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Notified by every verified rollout notice: pass it to [`run_agent_with_wake`] so the
-    /// agent asks for its assignment at once instead of at its next poll.
-    pub fn rollout_wake(&self) -> Arc<Notify> {
-        self.heard.rollout_wake.clone()
+    /// Notified by every verified round announcement and rollout notice: pass it to
+    /// [`run_agent_with_wake`] so the agent joins the round or asks for its assignment at once
+    /// instead of at its next poll.
+    pub fn wake(&self) -> Arc<Notify> {
+        self.heard.wake.clone()
     }
 
     /// Verified rollout notices received so far, and the last one.
@@ -381,8 +384,8 @@ pub fn notice_key(root: &fedfleet_protocol::tuf::SignedMetadata<fedfleet_protoco
     ed25519_dalek::VerifyingKey::from_bytes(&k.public).ok()
 }
 
-/// [`run_agent`](crate::agent::run_agent), also woken by `wake` (a rollout notice): the agent
-/// then polls the services at once (its assignment included) instead of sleeping out `poll`.
+/// [`run_agent`](crate::agent::run_agent), also woken by `wake` (a round announcement or a
+/// rollout notice): the agent then polls at once instead of sleeping out `poll`.
 /// Only the sleep between polls is cut short; work in progress is never interrupted.
 pub async fn run_agent_with_wake<A: Aggregator, R: Registry>(
     agent: &mut crate::agent::Agent<A, R>,
@@ -403,7 +406,7 @@ pub async fn run_agent_with_wake<A: Aggregator, R: Registry>(
         if !woken {
             return Ok(());
         }
-        tracing::debug!("woken by a rollout notice");
+        tracing::debug!("woken by the control plane");
     }
 }
 

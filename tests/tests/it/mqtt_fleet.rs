@@ -668,7 +668,7 @@ async fn rollout_body() {
         cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 1.0 };
         let mut agent = build_agent(cfg, part, &root_dir.join("agents").join(device.as_str()), &pinned_root, &id, agg.clone(), reg_client, &clock);
         serving.push(agent.serving());
-        let wake = agg.rollout_wake();
+        let wake = agg.wake();
         aggs.push((agg, control));
         let mut stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
