@@ -117,10 +117,26 @@ struct Meta {
     trained_upto: u64,
 }
 
+impl Meta {
+    /// Examples not yet trained on. The stored sequence numbers are `next_seq - examples ..
+    /// next_seq` (only the oldest are ever dropped), so no scan is needed.
+    fn fresh(&self) -> u64 {
+        self.examples.min(self.next_seq.saturating_sub(self.trained_upto))
+    }
+}
+
 fn key(seq: u64) -> [u8; 9] {
     let mut k = [EXAMPLE; 9];
     k[1..].copy_from_slice(&seq.to_be_bytes());
     k
+}
+
+/// A stored example and its sequence number.
+fn decode_entry(kv: sled::Result<(sled::IVec, sled::IVec)>) -> Result<(u64, Example), StoreError> {
+    let (k, v) = kv?;
+    let seq = u64::from_be_bytes(k[1..9].try_into().expect("9-byte key"));
+    let e = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt { key: format!("inbox {seq}"), detail: e.to_string() })?;
+    Ok((seq, e))
 }
 
 /// The inbox over the agent store's `inbox` tree. Cheap to clone (one tree, one lock).
@@ -167,9 +183,7 @@ impl Inbox {
         while meta.examples > self.cfg.max_examples || meta.bytes > self.cfg.max_bytes {
             let (seq, bytes) = match old.next() {
                 Some(kv) => {
-                    let (k, v) = kv.map_err(StoreError::from)?;
-                    let seq = u64::from_be_bytes(k[1..9].try_into().expect("9-byte key"));
-                    let e: Example = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt { key: format!("inbox {seq}"), detail: e.to_string() })?;
+                    let (seq, e) = decode_entry(kv)?;
                     (seq, e.bytes())
                 }
                 None => new.next().expect("the bounds count only stored examples"),
@@ -184,12 +198,7 @@ impl Inbox {
         batch.insert(META, serde_json::to_vec(&meta).expect("meta serializes"));
         self.tree.apply_batch(batch).map_err(StoreError::from)?;
         self.tree.flush().map_err(StoreError::from)?;
-        let fresh = self.fresh_locked(&meta)?;
-        Ok(InboxStats { stored: accepted, examples: meta.examples, bytes: meta.bytes, dropped: meta.dropped, fresh })
-    }
-
-    fn fresh_locked(&self, meta: &Meta) -> Result<u64, StoreError> {
-        Ok(self.tree.range(key(meta.trained_upto)..key(u64::MAX)).count() as u64)
+        Ok(InboxStats { stored: accepted, examples: meta.examples, bytes: meta.bytes, dropped: meta.dropped, fresh: meta.fresh() })
     }
 
     /// Whether the application ever pushed anything (then `fresh` drives participation).
@@ -199,21 +208,12 @@ impl Inbox {
 
     /// Examples not yet trained on.
     pub fn fresh(&self) -> Result<u64, StoreError> {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.fresh_locked(&self.meta()?)
+        Ok(self.meta()?.fresh())
     }
 
     /// Every stored example with its sequence number, oldest first.
     pub fn examples(&self) -> Result<Vec<(u64, Example)>, StoreError> {
-        self.tree
-            .range(key(0)..key(u64::MAX))
-            .map(|kv| {
-                let (k, v) = kv?;
-                let seq = u64::from_be_bytes(k[1..9].try_into().expect("9-byte key"));
-                let e = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt { key: format!("inbox {seq}"), detail: e.to_string() })?;
-                Ok((seq, e))
-            })
-            .collect()
+        self.tree.range(key(0)..key(u64::MAX)).map(decode_entry).collect()
     }
 
     /// The next sequence number: a round that trained on `examples()` read before it marks
