@@ -17,24 +17,8 @@
 # The full output is also written to benches/flower/out/deploy-last-run.txt; logs, PKI, configs
 # and the raw results of each N stay in benches/flower/out/deploy/n<N>/.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
-VENV="$HERE/.venv"
-PYTHON="${PYTHON:-python3}"
-
-if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c 'import flwr, numpy, cryptography' 2>/dev/null \
-    || [[ ! -x "$VENV/bin/flower-superlink" ]]; then
-    echo "setting up $VENV (flwr, numpy from PyPI) ..." >&2
-    "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -r "$HERE/requirements.txt"
-fi
-
-# Same conditions for both sides: fedfleet's burn/flex training is single-threaded, so keep
-# numpy's BLAS single-threaded too (every SuperNode's ClientApp inherits this environment).
-export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$HERE/out"
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
+ensure_venv "flwr, numpy, cryptography" flower-superlink
 cd "$REPO"
 "$VENV/bin/python" "$HERE/deploy_bench.py" "$@" 2>&1 | tee "$HERE/out/deploy-last-run.txt"
 exit "${PIPESTATUS[0]}"
