@@ -440,6 +440,12 @@ impl Rollout {
         version: ModelVersion,
         state: VersionReport,
     ) {
+        // A device that failed the target goes on reporting the version it still runs (it is
+        // sent back to it); that must not erase the failure the rollout is judged by.
+        let failed_target = |r: &DeviceRecord| r.version == self.plan.target && r.state.outcome() == Some(false);
+        if version != self.plan.target && self.devices.get(&device).is_some_and(failed_target) {
+            return;
+        }
         let first_phase = self.first_phase(&device);
         self.devices.insert(
             device,

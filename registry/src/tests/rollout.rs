@@ -264,6 +264,24 @@ fn failure_threshold_auto_aborts() {
 }
 
 #[test]
+fn a_failed_device_reporting_the_version_it_still_runs_keeps_its_failure_counted() {
+    let cohort: Vec<DeviceId> = (0..3).map(dev).collect();
+    let mut p = plan(vec![Phase::cohort("all", cohort.clone(), SOAK)]);
+    p.min_sample = 3;
+    let mut r = Rollout::start(p, T0).unwrap();
+    events(&mut r);
+    for (i, d) in cohort.iter().enumerate() {
+        let t = T0 + 1 + i as u64;
+        r.handle_report(t, d.clone(), ModelVersion(2), VersionReport::RolledBack { reason: "holdout -rmse worse".into() });
+        // Sent back to v1, the device reports it active again before the next one fails.
+        assert_eq!(r.assignment(d, t).version, Some(ModelVersion(1)));
+        r.handle_report(t, d.clone(), ModelVersion(1), VersionReport::Active);
+    }
+    assert_eq!(r.status(), Status::Aborted, "{:?}", r.summary());
+    assert!(matches!(events(&mut r)[..], [Event::AutoAborted { failed: 3, reporting: 3, .. }]));
+}
+
+#[test]
 fn failures_under_threshold_do_not_abort() {
     let cohort: Vec<DeviceId> = (0..10).map(dev).collect();
     let mut r =
