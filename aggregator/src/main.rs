@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::Config;
@@ -146,6 +146,9 @@ async fn run(cli: Cli) -> Result<()> {
             let cfg = Config::load(&config)?;
             let out = out.unwrap_or(cfg.model.initial.clone());
             let (bundle, from) = match &pretrained {
+                None if !cfg.model.spec.is_builtin() => {
+                    bail!("model.spec declares a custom model (a team's own code): give its initial weights with --pretrained FILE.safetensors")
+                }
                 None => (
                     fedfleet_learning::model::init_bundle(&cfg.model.spec, seed).map_err(|e| anyhow!("model.spec: {e}"))?,
                     format!("seed {seed}"),

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ed25519_dalek::SigningKey;
-use fedfleet_learning::{Dataset, Normalization, Predictor};
+use fedfleet_learning::{Dataset, Normalization};
 use fedfleet_protocol::{Digest, ModelRef};
 use rand::RngCore;
 
@@ -16,6 +16,7 @@ use crate::inbox::Inbox;
 use crate::lifecycle::{Action, AgentError, Conditions, DurableLifecycle, Input, Millis, SlotModel, UploadOutcome};
 use crate::ml;
 use crate::store::write_atomic;
+use crate::trainer::{GraphTrainer, Serve, Trainer};
 
 /// Where the shell gets the time from.
 pub trait Clock: Send + Sync {
@@ -95,7 +96,7 @@ impl Clock for MonotonicClock {
 #[derive(Clone)]
 pub struct Served {
     pub model: ModelRef,
-    pub predictor: Arc<Predictor>,
+    pub predictor: Arc<dyn Serve>,
 }
 
 /// Shared handle to the serving model, swapped atomically on activation.
@@ -150,6 +151,8 @@ pub struct Agent<A, R> {
     cfg: ShellConfig,
     /// Examples the application pushed, with the normalisation of the configured data.
     inbox: Option<(Inbox, Normalization)>,
+    /// The model code rounds, health checks and inference run.
+    trainer: Arc<dyn Trainer>,
 }
 
 
@@ -163,7 +166,15 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         clock: Arc<dyn Clock>,
         cfg: ShellConfig,
     ) -> Self {
-        Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg, inbox: None }
+        let trainer = Arc::new(GraphTrainer);
+        Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg, inbox: None, trainer }
+    }
+
+    /// Runs rounds, health checks and inference with a device team's own model code instead of
+    /// the built-in layer-graph engine.
+    pub fn with_trainer(mut self, trainer: Arc<dyn Trainer>) -> Self {
+        self.trainer = trainer;
+        self
     }
 
     pub fn core(&self) -> &DurableLifecycle {
@@ -261,10 +272,10 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         tracing::debug!(?action, "action");
         match action {
             Action::Serve { slot, model } => match self.load_blob(&model) {
-                Ok(bytes) => match ml::predictor(&model.spec, &bytes) {
+                Ok(bytes) => match ml::load_served(self.trainer.as_ref(), &model.spec, &bytes) {
                     Ok(p) => {
                         tracing::info!(?slot, name = %model.model.name, version = %model.model.version, "serving model");
-                        self.serving.set(Served { model: model.model, predictor: Arc::new(p) });
+                        self.serving.set(Served { model: model.model, predictor: p });
                     }
                     Err(e) => tracing::error!(error = %e, "active model does not load; inference unavailable"),
                 },
@@ -278,12 +289,13 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                     Ok((spec, bytes)) => {
                         let key = self.key.clone();
                         let device = self.core.state().device.clone();
+                        let trainer = self.trainer.clone();
                         let mut nonce = [0u8; 16];
                         rand::rngs::OsRng.fill_bytes(&mut nonce);
                         let res = tokio::task::spawn_blocking(move || {
                             // Timed inside the blocking task: no wait for a free thread.
                             let started = std::time::Instant::now();
-                            ml::train_update(&a, &spec, &bytes, &data.train, &device, &key, nonce).map(|u| (u, started.elapsed()))
+                            ml::train_update(trainer.as_ref(), &a, &spec, &bytes, &data.train, &device, &key, nonce).map(|u| (u, started.elapsed()))
                         })
                         .await
                         .unwrap_or_else(|e| Err(format!("training task panicked: {e}")));
@@ -335,11 +347,13 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 let act = active.as_ref().map(|a| self.load_blob(a).map(|b| (a.spec.clone(), b)));
                 let (data, _) = self.round_data()?;
                 let samples = self.cfg.latency_samples;
+                let trainer = self.trainer.clone();
                 let result = match cand {
                     Err(e) => Err(format!("does not load: {e}")),
                     Ok(cb) => tokio::task::spawn_blocking(move || {
                         let act = act.and_then(|r| r.ok());
                         ml::health_check(
+                            trainer.as_ref(),
                             (&candidate.spec, &cb),
                             act.as_ref().map(|(s, b)| (s.as_str(), b.as_slice())),
                             &data.holdout,

@@ -9,10 +9,15 @@
 //! [identity]        # defaults: <state_dir>/identity/{device.crt,device.key,ca.crt,root.json}
 //! # cert = "..."; key = "..."; ca = "..."; registry_root = "..."
 //!
-//! [data]            # one of csv / digits_partition
+//! [data]            # one of csv / npy / npz / idx / images / digits_partition
 //! csv = "/var/lib/fedfleet-agent/data.csv"     # label in the last column, no header
-//! # csv_scale = 0.0625
+//! # csv_targets = 1                            # regression: the last column is the target
+//! # npy = { features = "x.npy", labels = "y.npy" }  # int labels: classes; float: regression; none: autoencoder
+//! # npz = { path = "data.npz", features = "x", labels = "y" }
+//! # idx = { images = "images-idx3-ubyte.gz", labels = "labels-idx1-ubyte.gz" }
+//! # images = { dir = "photos", shape = [3, 32, 32] }   # one folder per class, PNG/JPEG
 //! # digits_partition = { clients = 10, index = 0, seed = 1 }
+//! # scale = 0.0625                             # features × scale, in training and at inference
 //! holdout_fraction = 0.2
 //!
 //! [participation]   # require_idle = true, require_charging = false, min_fresh_samples = 0
@@ -67,6 +72,8 @@ pub struct AgentConfig {
     pub cohort: Option<String>,
     #[serde(default)]
     pub identity: IdentityFiles,
+    /// Absent: the agent trains only on what the application pushes or its trainer holds.
+    #[serde(default)]
     pub data: DataConfig,
     #[serde(default)]
     pub participation: Participation,
@@ -189,22 +196,94 @@ impl IdentityPaths {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// The device's own data: one source, or none for an agent whose trainer brings its own.
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
+    /// Numeric columns and an integer class label in the last column, no header (gzip ok).
     pub csv: Option<PathBuf>,
-    /// Feature scaling for the CSV (e.g. 0.0625 for 0..16 pixel values).
-    pub csv_scale: Option<f32>,
+    /// The CSV's last K columns are regression targets instead of a class label.
+    pub csv_targets: Option<usize>,
+    /// `.npy` arrays: features `[n, ...]` and optional labels (integers: classes; floats:
+    /// regression targets; none: reconstruction).
+    pub npy: Option<NpyFiles>,
+    /// One `.npz` archive holding the features and optional labels arrays.
+    pub npz: Option<NpzFile>,
+    /// MNIST-style IDX images and labels (gzip ok); pixels scaled to [0, 1].
+    pub idx: Option<IdxFiles>,
+    /// One folder per class of PNG/JPEG images, resized to the model's input.
+    pub images: Option<ImageFolder>,
+    /// A partition of the embedded digits set (demos and tests).
     pub digits_partition: Option<DigitsPartition>,
+    /// Feature scaling for values read from files, in training and at inference alike (e.g.
+    /// 0.0625 for 0..16 pixel counts; images default to 1/255).
+    #[serde(alias = "csv_scale")]
+    pub scale: Option<f32>,
     #[serde(default = "default_holdout")]
     pub holdout_fraction: f64,
 }
 
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NpyFiles {
+    pub features: PathBuf,
+    pub labels: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NpzFile {
+    pub path: PathBuf,
+    /// The features array's name (`np.savez(path, x=..., y=...)`: `"x"`).
+    #[serde(default = "default_features_key")]
+    pub features: String,
+    /// The labels array's name; absent: no labels (reconstruction).
+    pub labels: Option<String>,
+}
+
+fn default_features_key() -> String {
+    "x".into()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdxFiles {
+    pub images: PathBuf,
+    pub labels: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageFolder {
+    pub dir: PathBuf,
+    /// `[channels, height, width]` the images become (channels 1 or 3).
+    pub shape: Vec<usize>,
+}
+
 impl DataConfig {
     /// How features read from files are scaled, in training and at inference alike (the
-    /// embedded digits partition comes already scaled).
+    /// embedded digits partition and IDX images come already scaled).
     pub fn normalization(&self) -> fedfleet_learning::Normalization {
-        self.csv_scale.map_or(fedfleet_learning::Normalization::None, fedfleet_learning::Normalization::Scale)
+        let default = self.images.as_ref().map(|_| 1.0 / 255.0);
+        self.scale.or(default).map_or(fedfleet_learning::Normalization::None, fedfleet_learning::Normalization::Scale)
+    }
+
+    /// The configured sources by their key.
+    fn sources(&self) -> Vec<&'static str> {
+        let set = [
+            ("csv", self.csv.is_some()),
+            ("npy", self.npy.is_some()),
+            ("npz", self.npz.is_some()),
+            ("idx", self.idx.is_some()),
+            ("images", self.images.is_some()),
+            ("digits_partition", self.digits_partition.is_some()),
+        ];
+        set.into_iter().filter(|(_, on)| *on).map(|(k, _)| k).collect()
+    }
+
+    /// Whether a source is configured.
+    pub fn is_configured(&self) -> bool {
+        !self.sources().is_empty()
     }
 }
 
@@ -266,10 +345,16 @@ impl AgentConfig {
 
     pub fn parse(text: &str) -> Result<Self, String> {
         let c: AgentConfig = toml::from_str(text).map_err(|e| e.to_string())?;
-        match (&c.data.csv, &c.data.digits_partition) {
-            (Some(_), Some(_)) => return Err("[data]: set one of csv and digits_partition, not both".into()),
-            (None, None) => return Err("[data]: set csv or digits_partition".into()),
-            _ => {}
+        if let [a, b, ..] = c.data.sources()[..] {
+            return Err(format!("[data]: set one source, not both {a} and {b}"));
+        }
+        if c.data.csv_targets.is_some() && c.data.csv.is_none() {
+            return Err("[data] csv_targets needs csv".into());
+        }
+        if let Some(i) = &c.data.images
+            && !matches!(i.shape[..], [1 | 3, h, w] if h > 0 && w > 0)
+        {
+            return Err(format!("[data] images: shape must be [1 or 3, height, width], got {:?}", i.shape));
         }
         if let Some(p) = c.data.digits_partition
             && (p.clients == 0 || p.index >= p.clients)

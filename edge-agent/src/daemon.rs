@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use fedfleet_certs::DeviceIdentity;
-use fedfleet_learning::{CsvOptions, Dataset, Partition};
+use fedfleet_learning::{CsvOptions, Dataset, ImageFolderOptions, LabelColumn, Partition};
 use fedfleet_protocol::{Digest, FleetId, ModelRef, ModelVersion};
 use fedfleet_protocol::tuf::{Root, SignedMetadata};
 use fedfleet_protocol::tuf::Verifier;
@@ -24,17 +24,32 @@ use crate::config::{AgentConfig, IdentityPaths};
 use crate::inference;
 use crate::lifecycle::{CoreConfig, DurableLifecycle, SlotModel};
 use crate::store::{AgentStore, write_atomic};
+use crate::trainer::{GraphTrainer, Trainer};
 
-/// Loads the local data set and splits off the holdout.
+/// Loads the local data set and splits off the holdout (empty without a `[data]` source).
 pub fn load_data(cfg: &AgentConfig) -> Result<LocalData> {
     let d = &cfg.data;
+    let norm = d.normalization();
+    let named = |path: &Path| format!("cannot load data set {}", path.display());
     let all = if let Some(p) = d.digits_partition {
         let (train, _) = Dataset::digits_split().context("embedded digits data")?;
         Partition::Iid.split_dataset(&train, p.clients, p.seed).swap_remove(p.index)
+    } else if let Some(path) = &d.csv {
+        let label = d.csv_targets.map_or(LabelColumn::Last, LabelColumn::Targets);
+        let opts = CsvOptions { normalization: norm, label, ..CsvOptions::default() };
+        Dataset::load_csv(path, &opts).with_context(|| named(path))?
+    } else if let Some(n) = &d.npy {
+        Dataset::load_npy(&n.features, n.labels.as_deref(), norm).with_context(|| named(&n.features))?
+    } else if let Some(n) = &d.npz {
+        Dataset::load_npz(&n.path, &n.features, n.labels.as_deref(), norm).with_context(|| named(&n.path))?
+    } else if let Some(i) = &d.idx {
+        Dataset::load_idx(&i.images, &i.labels).with_context(|| named(&i.images))?
+    } else if let Some(i) = &d.images {
+        let mut opts = ImageFolderOptions::for_input(&i.shape)?;
+        opts.normalization = norm;
+        Dataset::load_image_folder(&i.dir, &opts).with_context(|| named(&i.dir))?.0
     } else {
-        let path = d.csv.as_ref().expect("validated: csv or partition");
-        let opts = CsvOptions { normalization: d.normalization(), ..CsvOptions::default() };
-        Dataset::load_csv(path, &opts).with_context(|| format!("cannot load data set {}", path.display()))?
+        return Ok(LocalData { train: Dataset::empty(), holdout: Dataset::empty() });
     };
     if d.holdout_fraction <= 0.0 {
         return Ok(LocalData { holdout: all.subset(&[]), train: all });
@@ -64,8 +79,14 @@ pub fn load_identity(p: &IdentityPaths) -> Result<DeviceIdentity> {
     })
 }
 
-/// Builds the agent of a config with the given clients.
-pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>, clock: Arc<dyn Clock>) -> Result<Agent<A, R>> {
+/// Builds the agent of a config with the given clients and model code.
+pub fn build_agent<A: Aggregator, R: Registry>(
+    cfg: &AgentConfig,
+    agg: Arc<A>,
+    reg: Arc<R>,
+    clock: Arc<dyn Clock>,
+    trainer: Arc<dyn Trainer>,
+) -> Result<Agent<A, R>> {
     let ids = cfg.identity_paths();
     let identity = load_identity(&ids)?;
     let data = load_data(cfg)?;
@@ -79,7 +100,7 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
     }
     let mut core_cfg = CoreConfig::new(identity.device_id().clone(), fleet);
     core_cfg.cohort = cfg.cohort.clone();
-    core_cfg.local_samples = data.train.len() as u64;
+    core_cfg.local_samples = (data.train.len() + trainer.own_examples()) as u64;
     core_cfg.participation = cfg.participation.policy;
     core_cfg.health = cfg.health;
     core_cfg.backoff = cfg.backoff;
@@ -92,7 +113,7 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
             Some(m) => {
                 let spec = std::fs::read_to_string(&m.spec).with_context(|| format!("initial model spec {}", m.spec.display()))?;
                 let bytes = std::fs::read(&m.weights).with_context(|| format!("initial model weights {}", m.weights.display()))?;
-                crate::ml::predictor(&spec, &bytes).map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
+                crate::ml::load_served(trainer.as_ref(), &spec, &bytes).map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
                 let digest = store.put_blob(&bytes)?;
                 Some(SlotModel { model: ModelRef { name: m.name.clone(), version: ModelVersion(m.version), digest }, spec })
             }
@@ -104,14 +125,54 @@ pub fn build_agent<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, r
     let inbox = Inbox::open(&store, cfg.inbox, ExampleShape::of(&data.train))?;
     let core = DurableLifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
     let shell = ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
-    let mut agent = Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell);
+    let mut agent = Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell).with_trainer(trainer);
     agent.set_inbox(inbox, cfg.data.normalization());
     Ok(agent)
 }
 
+/// Runs the agent daemon of a config around a device team's own model code, the way
+/// `fedfleet-agent run` runs the built-in engine: rounds, signing, the outbox, installs, health
+/// checks, rollbacks and the inference socket are the agent's; training, scoring and
+/// predicting are the [`Trainer`]'s.
+///
+/// ```no_run
+/// # async fn f(my_trainer: std::sync::Arc<dyn fedfleet_agent::Trainer>) -> anyhow::Result<()> {
+/// fedfleet_agent::daemon::AgentBuilder::new("agent.toml").trainer(my_trainer).run().await
+/// # }
+/// ```
+pub struct AgentBuilder {
+    config: PathBuf,
+    trainer: Arc<dyn Trainer>,
+}
+
+impl AgentBuilder {
+    /// An agent of `agent.toml` at `config` (the built-in trainer until [`Self::trainer`]).
+    pub fn new(config: impl Into<PathBuf>) -> Self {
+        AgentBuilder { config: config.into(), trainer: Arc::new(GraphTrainer) }
+    }
+
+    /// The model code rounds, health checks and inference run.
+    pub fn trainer(mut self, trainer: Arc<dyn Trainer>) -> Self {
+        self.trainer = trainer;
+        self
+    }
+
+    /// Runs until SIGTERM or Ctrl-C.
+    pub async fn run(self) -> Result<()> {
+        run_daemon(&self.config, self.trainer).await
+    }
+}
+
 /// `fedfleet-agent run`.
 pub async fn run(config: &Path) -> Result<()> {
+    AgentBuilder::new(config).run().await
+}
+
+async fn run_daemon(config: &Path, trainer: Arc<dyn Trainer>) -> Result<()> {
     let cfg = AgentConfig::load(config)?;
+    if !cfg.data.is_configured() && trainer.own_examples() == 0 {
+        tracing::warn!("no [data] source: this agent trains only on what the application pushes into its inbox");
+    }
     let ids = cfg.identity_paths();
     let agg = match &cfg.aggregator {
         Some(a) => Some(Arc::new(remote_aggregator(&ids, a)?)),
@@ -128,17 +189,17 @@ pub async fn run(config: &Path) -> Result<()> {
         }
     };
     match (agg, reg) {
-        (Some(a), Some(r)) => run_maybe_mqtt(&cfg, a, r).await,
-        (Some(a), None) => run_maybe_mqtt(&cfg, a, Arc::new(Unlinked)).await,
-        (None, Some(r)) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), r).await,
-        (None, None) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), Arc::new(Unlinked)).await,
+        (Some(a), Some(r)) => run_maybe_mqtt(&cfg, a, r, trainer).await,
+        (Some(a), None) => run_maybe_mqtt(&cfg, a, Arc::new(Unlinked), trainer).await,
+        (None, Some(r)) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), r, trainer).await,
+        (None, None) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), Arc::new(Unlinked), trainer).await,
     }
 }
 
 /// With `[mqtt]`: wraps the clients in [`MqttAggregator`]/[`MqttRegistry`] and runs status
 /// heartbeats; without: runs them as they are.
-async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>) -> Result<()> {
-    let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, None, None).await };
+async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>, trainer: Arc<dyn Trainer>) -> Result<()> {
+    let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, trainer, None, None).await };
     let ids = cfg.identity_paths();
     let identity = load_identity(&ids)?;
     let key_path = m
@@ -160,7 +221,7 @@ async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<
     let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
     let hb = (m.heartbeat_interval_ms > 0).then(|| (publisher, Duration::from_millis(m.heartbeat_interval_ms)));
     let wake = agg.wake();
-    let r = run_with(cfg, agg, reg, hb, Some(wake)).await;
+    let r = run_with(cfg, agg, reg, trainer, hb, Some(wake)).await;
     control.shutdown().await;
     r
 }
@@ -222,12 +283,13 @@ async fn run_with<A: Aggregator, R: Registry>(
     cfg: &AgentConfig,
     agg: Arc<A>,
     reg: Arc<R>,
+    trainer: Arc<dyn Trainer>,
     heartbeat: Option<(StatusPublisher, Duration)>,
     wake: Option<Arc<tokio::sync::Notify>>,
 ) -> Result<()> {
     let monotonic = Arc::new(MonotonicClock::system());
     let clock: Arc<dyn Clock> = monotonic.clone();
-    let mut agent = build_agent(cfg, agg, reg, clock.clone())?;
+    let mut agent = build_agent(cfg, agg, reg, clock.clone(), trainer)?;
     // A restart on a clock stepped back still starts from the latest time this device saw.
     monotonic.raise_to(agent.core().state().latest_time);
     let _heartbeats = heartbeat.map(|(p, every)| {
@@ -336,9 +398,17 @@ pub async fn infer(config: &Path, input: &Path) -> Result<String> {
     if let Some(e) = resp.error {
         bail!("inference failed: {e}");
     }
+    // One CSV line per row: `label,confidence` (classification), the predicted values
+    // (regression), or the anomaly score (reconstruction).
     let mut out = String::new();
     for p in &resp.predictions {
-        out += &format!("{},{:.6}\n", p.label, p.probs.get(p.label).copied().unwrap_or(0.0));
+        let line = match (p.label, p.anomaly_score) {
+            (Some(label), _) => format!("{label},{:.6}", p.confidence()),
+            (None, Some(score)) => format!("{score:.6}"),
+            (None, None) => p.values.iter().map(|v| format!("{v:.6}")).collect::<Vec<_>>().join(","),
+        };
+        out += &line;
+        out.push('\n');
     }
     Ok(out)
 }
@@ -350,6 +420,6 @@ fn load_active_offline(store_dir: &PathBuf) -> Result<crate::agent::Served> {
     let m = st.active.context("agent has no active model")?;
     let bytes = store.get_blob(&m.model.digest)?.with_context(|| format!("active model blob {} missing", m.model.digest))?;
     let _: Digest = m.model.digest;
-    let p = crate::ml::predictor(&m.spec, &bytes).map_err(|e| anyhow::anyhow!(e))?;
-    Ok(crate::agent::Served { model: m.model, predictor: Arc::new(p) })
+    let predictor = crate::ml::load_served(&GraphTrainer, &m.spec, &bytes).map_err(|e| anyhow::anyhow!(e))?;
+    Ok(crate::agent::Served { model: m.model, predictor })
 }

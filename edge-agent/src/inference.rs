@@ -3,7 +3,9 @@
 //! Request (one line): `{"inputs": [[f32, ...], ...]}` — one row per example, `input_len`
 //! values each (a row with one extra value, e.g. a CSV label, has it ignored).
 //! Response (one line): `{"model": {"name":..,"version":..,"digest":..}, "predictions":
-//! [{"label": 3, "probs": [...]}, ...], "latency_us": 812}` or `{"error": "..."}`.
+//! [{"label": 3, "probs": [...]}, ...], "latency_us": 812}` or `{"error": "..."}`. A regression
+//! model answers `{"values": [...]}` per example, an autoencoder `{"values": [...],
+//! "anomaly_score": 0.013}` (the mean squared reconstruction error).
 //! Any number of requests per connection. The model is read from [`Serving`] per request, so
 //! activations during updates take effect on the next request without dropping connections.
 //!
@@ -65,7 +67,7 @@ pub struct Push {
 /// inference sees what training saw.
 pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalization) -> Response {
     let Some(s) = served else { return Response::error("no active model") };
-    let n_in = s.predictor.model().spec().input_len();
+    let n_in = s.predictor.input_len();
     let mut flat = Vec::with_capacity(req.inputs.len() * n_in);
     for (i, row) in req.inputs.iter().enumerate() {
         if row.len() != n_in {
@@ -75,9 +77,10 @@ pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalizati
         flat.extend_from_slice(row);
     }
     normalization.apply(&mut flat);
-    match s.predictor.predict_batch(&flat, req.inputs.len()) {
-        Ok(b) => Response { model: Some(s.model), predictions: b.predictions, latency_us: b.latency.as_micros() as u64, error: None, inbox: None },
-        Err(e) => Response::error(e.to_string()),
+    let started = std::time::Instant::now();
+    match s.predictor.predict(&flat, req.inputs.len()) {
+        Ok(predictions) => Response { model: Some(s.model), predictions, latency_us: started.elapsed().as_micros() as u64, error: None, inbox: None },
+        Err(e) => Response::error(e),
     }
 }
 
@@ -185,14 +188,13 @@ pub fn parse_csv_rows(text: &str) -> Result<Vec<Vec<f32>>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn served() -> Served {
         let spec = fedfleet_learning::ModelSpec::digits_mlp();
         let bytes = fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode();
         let spec_json = serde_json::to_string(&spec).unwrap();
         let model = fedfleet_protocol::ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(1), digest: fedfleet_protocol::Digest::of(&bytes) };
-        Served { model, predictor: Arc::new(crate::ml::predictor(&spec_json, &bytes).unwrap()) }
+        Served { model, predictor: crate::ml::load_served(&crate::GraphTrainer, &spec_json, &bytes).unwrap() }
     }
 
     #[test]

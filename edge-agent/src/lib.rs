@@ -6,7 +6,8 @@
 //! - [`clients`]: the `Aggregator` and `Registry` traits the service clients implement (their
 //!   in-memory fakes live in `fedfleet-testkit`).
 //! - [`agent`]: the tokio shell executing the core's actions (same code for daemon and simulation).
-//! - [`ml`]: training, health checks, model loading via `fedfleet-learning`.
+//! - [`trainer`]: the `Trainer` trait a device team implements around its own burn model, and
+//!   the built-in `GraphTrainer`; [`ml`] runs rounds, health checks and loading through it.
 //! - [`inference`]: the local endpoint (unix socket, line-delimited JSON) and CSV input parsing.
 //! - [`inbox`]: labelled examples the device's application pushes through that endpoint, kept
 //!   bounded in the store and trained on from the next round.
@@ -23,8 +24,10 @@ pub mod remote;
 pub mod ml;
 pub mod mqtt;
 pub mod store;
+pub mod trainer;
 
 pub use agent::{Agent, Clock, LocalData, MonotonicClock, Serving, ShellConfig, SystemClock, run_agent};
 pub use clients::{Aggregator, BaseModel, Registry, TransportError, UploadReply};
 pub use lifecycle::{Action, AgentError, CoreConfig, DurableLifecycle, HealthReport, Input, Lifecycle, LifecycleError, SlotModel};
 pub use store::{AgentStore, OutboxEntry, StoreError};
+pub use trainer::{Evaluation, GraphTrainer, LocalUpdate, ModelView, RoundJob, Serve, Trainer};

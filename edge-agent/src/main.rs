@@ -41,7 +41,8 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Predict CSV rows with the active model; prints `label,probability` per row.
+    /// Predict CSV rows with the active model: one line per row, `label,confidence` (classification),
+    /// the predicted values (regression) or the anomaly score (autoencoder).
     Infer {
         #[arg(long)]
         input: PathBuf,

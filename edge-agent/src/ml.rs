@@ -1,13 +1,16 @@
-//! Training, health checks and model loading on top of `fedfleet-learning` (blocking; the shell
-//! runs them on tokio's blocking pool).
+//! A round's update, health checks and model loading, run through the agent's [`Trainer`]
+//! (blocking; the shell runs them on tokio's blocking pool). Signing and the checks on what a
+//! trainer returns live here, so that a team's trainer cannot skip them.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_learning::{Dataset, ModelSpec, OptimizerConfig, Predictor, TrainConfig, train_local};
+use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_protocol::{BundleLimits, DType, DeviceId, RoundAnnouncement, Signed, TensorBundle, UpdateHeader};
 
 use crate::lifecycle::HealthReport;
+use crate::trainer::{ModelView, RoundJob, Serve, Trainer};
 
 /// A signed update ready for the outbox.
 #[derive(Debug, Clone)]
@@ -25,31 +28,17 @@ pub fn load_model(spec_json: &str, bytes: &[u8]) -> Result<(ModelSpec, TensorBun
     Ok((spec, bundle))
 }
 
-/// Builds a predictor for a model.
-pub fn predictor(spec_json: &str, bytes: &[u8]) -> Result<Predictor, String> {
-    let (spec, bundle) = load_model(spec_json, bytes)?;
-    Predictor::new(&spec, &bundle).map_err(|e| format!("load: {e}"))
+/// Loads a model for inference with `trainer`.
+pub fn load_served(trainer: &dyn Trainer, spec_json: &str, bytes: &[u8]) -> Result<Arc<dyn Serve>, String> {
+    let (spec, weights) = load_model(spec_json, bytes)?;
+    trainer.load(ModelView { spec: &spec, weights: &weights }).map_err(|e| format!("load: {e}"))
 }
 
-/// Maps a round config to the learning crate's.
-pub fn train_config(a: &RoundAnnouncement) -> TrainConfig {
-    let c = &a.config;
-    TrainConfig {
-        epochs: c.local_epochs.max(1) as usize,
-        batch_size: c.batch_size.max(1) as usize,
-        lr: c.learning_rate as f64,
-        optimizer: if c.optimizer.eq_ignore_ascii_case("adam") {
-            OptimizerConfig::adam()
-        } else {
-            OptimizerConfig::Sgd { momentum: 0.0 }
-        },
-        prox_mu: c.fedprox_mu as f64,
-        max_steps: None,
-    }
-}
-
-/// Fine-tunes the base model on `data`, quantizes the delta per the round config, and signs it.
+/// Fine-tunes the base model with `trainer`, checks what it returned against the spec's update
+/// layout, quantizes the delta per the round config, and signs it.
+#[allow(clippy::too_many_arguments)]
 pub fn train_update(
+    trainer: &dyn Trainer,
     a: &RoundAnnouncement,
     spec_json: &str,
     base_bytes: &[u8],
@@ -64,7 +53,14 @@ pub fn train_update(
         _ => data.clone(),
     };
     let seed = a.config.seed ^ fedfleet_protocol::Digest::of(device.as_str().as_bytes()).0[0] as u64;
-    let out = train_local(&spec, &global, &data, &train_config(a), seed).map_err(|e| format!("training: {e}"))?;
+    let out = trainer
+        .train(ModelView { spec: &spec, weights: &global }, RoundJob { round: a.round, config: &a.config, seed, data: &data })
+        .map_err(|e| format!("training: {e}"))?;
+    out.delta.check_layout(&spec.update_layout()).map_err(|e| format!("the trainer's update does not match the spec's update layout: {e}"))?;
+    out.delta.check_finite().map_err(|e| format!("the trainer's update: {e}"))?;
+    if out.num_examples == 0 {
+        return Err("the trainer trained on no examples".into());
+    }
     let delta = match a.config.quantization {
         DType::F32 => out.delta,
         d => out.delta.quantize(d),
@@ -82,76 +78,57 @@ pub fn train_update(
         payload_dtype: a.config.quantization,
     };
     let signed = Signed::sign(header, key);
-    Ok(TrainedUpdate {
-        header: signed.encode(),
-        payload,
-        num_examples: out.num_examples,
-        final_loss: out.metrics.epochs.last().map(|e| e.loss as f64),
-    })
+    Ok(TrainedUpdate { header: signed.encode(), payload, num_examples: out.num_examples, final_loss: out.loss })
 }
 
-/// Health check: the candidate loads, runs on the holdout without NaN/Inf, per-example latency
-/// (p50/p99 over up to `latency_samples` examples), and the task's metric (accuracy, or minus
-/// the RMSE for regression and reconstruction) of both models on the holdout.
+/// Health check: the candidate loads, its task metric on the holdout (accuracy, or minus the
+/// RMSE for regression and reconstruction) is finite and is compared with the active model's,
+/// and per-example latency (p50/p99 over up to `latency_samples` holdout examples).
 pub fn health_check(
+    trainer: &dyn Trainer,
     candidate: (&str, &[u8]),
     active: Option<(&str, &[u8])>,
     holdout: &Dataset,
     latency_samples: usize,
 ) -> Result<HealthReport, String> {
-    let p = predictor(candidate.0, candidate.1)?;
-    if holdout.is_empty() {
-        return Ok(HealthReport {
-            holdout: 0,
-            non_finite: false,
-            latency_p50_ms: 0.0,
-            latency_p99_ms: 0.0,
-            candidate_score: 0.0,
-            active_score: None,
-            metric: "accuracy".into(),
-        });
-    }
-    let (candidate_score, metric, finite) = task_score(candidate, holdout)?;
+    let (spec, weights) = load_model(candidate.0, candidate.1)?;
+    let view = ModelView { spec: &spec, weights: &weights };
+    let served = trainer.load(view).map_err(|e| format!("load: {e}"))?;
+    let eval = trainer.evaluate(view, holdout).map_err(|e| format!("run: {e}"))?;
     let mut lat = Vec::new();
-    for i in 0..holdout.len().min(latency_samples.max(1)) {
+    let n = holdout.len().min(latency_samples.max(1));
+    for i in 0..n {
         let t = Instant::now();
-        p.predict(holdout.example(i)).map_err(|e| format!("run: {e}"))?;
+        served.predict(holdout.example(i), 1).map_err(|e| format!("run: {e}"))?;
         lat.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    lat.sort_by(f64::total_cmp);
-    let q = |f: f64| lat[((lat.len() - 1) as f64 * f).round() as usize];
+    let (latency_p50_ms, latency_p99_ms) = quantiles_ms(lat);
     let active_score = match active {
-        Some(model) => match task_score(model, holdout) {
-            Ok((score, _, _)) => Some(score),
-            Err(e) => {
-                tracing::warn!(error = %e, "active model does not load for comparison");
-                None
+        Some((spec_json, bytes)) if eval.examples > 0 => {
+            let score = load_model(spec_json, bytes)
+                .and_then(|(s, w)| trainer.evaluate(ModelView { spec: &s, weights: &w }, holdout));
+            match score {
+                Ok(e) => Some(e.score),
+                Err(e) => {
+                    tracing::warn!(error = %e, "active model does not load for comparison");
+                    None
+                }
             }
-        },
-        None => None,
+        }
+        _ => None,
     };
     Ok(HealthReport {
-        holdout: holdout.len(),
-        non_finite: !finite,
-        latency_p50_ms: q(0.5),
-        latency_p99_ms: q(0.99),
-        candidate_score,
+        holdout: eval.examples,
+        non_finite: !eval.finite,
+        latency_p50_ms,
+        latency_p99_ms,
+        candidate_score: if eval.examples > 0 { eval.score } else { 0.0 },
         active_score,
-        metric,
+        metric: eval.metric,
     })
 }
 
-/// The task's score of a model on `data` (higher is better), its name, and whether the loss was
-/// finite.
-fn task_score((spec_json, bytes): (&str, &[u8]), data: &Dataset) -> Result<(f64, String, bool), String> {
-    let (spec, bundle) = load_model(spec_json, bytes)?;
-    let r = fedfleet_learning::evaluate(&spec, &bundle, data).map_err(|e| format!("run: {e}"))?;
-    let (name, _, higher_is_better) = r.metric();
-    let metric = if higher_is_better { name.to_owned() } else { format!("-{name}") };
-    Ok((r.score(), metric, r.loss.is_finite() && r.score().is_finite()))
-}
-
-/// Latency quantile helper for figures: `(p50, p99)` in ms.
+/// Latency quantiles for figures: `(p50, p99)` in ms.
 pub fn quantiles_ms(mut v: Vec<f64>) -> (f64, f64) {
     if v.is_empty() {
         return (0.0, 0.0);

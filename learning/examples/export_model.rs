@@ -33,6 +33,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("wrote {} (test accuracy {acc:.4})", dir.join("model.safetensors").display());
     println!("spec: {}", spec.to_json());
     println!("first test example (label {}): [{}]", test.labels[0], x.join(","));
-    println!("predicted {} with probabilities {:?}", p.label, p.probs);
+    println!("predicted {:?} with probabilities {:?}", p.label, p.probs);
     Ok(())
 }

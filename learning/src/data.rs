@@ -44,6 +44,10 @@ pub enum LabelColumn {
     First,
     /// A 0-based column index.
     Index(usize),
+    /// No label: the last `k` columns are regression targets.
+    Targets(usize),
+    /// No label: every column is a feature (reconstruction, or targets kept elsewhere).
+    None,
 }
 
 /// How feature values are scaled after parsing.
@@ -135,6 +139,11 @@ fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
 }
 
 impl Dataset {
+    /// No examples, of no shape (an agent without a data source of its own).
+    pub fn empty() -> Dataset {
+        Dataset { features: Vec::new(), labels: Vec::new(), targets: Vec::new(), shape: vec![0], num_classes: 0 }
+    }
+
     /// Number of examples.
     pub fn len(&self) -> usize {
         self.labels.len()
@@ -235,13 +244,15 @@ impl Dataset {
 
     /// Parses CSV bytes (optionally gzip-compressed). `what` names the input in errors.
     ///
-    /// Each row: numeric feature columns and one integer label column. Blank lines are skipped.
+    /// Each row: numeric feature columns and, per `options.label`, one integer label column,
+    /// trailing regression target columns, or neither. Blank lines are skipped.
     /// Rejected with the 1-based line number: wrong column count, non-numeric or non-finite
     /// values, negative/non-integer/out-of-range labels, invalid UTF-8.
     pub fn from_csv_bytes(bytes: &[u8], what: &str, options: &CsvOptions) -> Result<Dataset, DataError> {
         let raw = maybe_gunzip(bytes, what)?;
         let mut features = Vec::new();
         let mut labels = Vec::new();
+        let mut targets = Vec::new();
         let mut columns: Option<usize> = None;
         let err = |line: usize, reason: String| DataError::Csv { what: what.to_string(), line, reason };
         for (i, line_bytes) in raw.split(|&b| b == b'\n').enumerate() {
@@ -259,19 +270,34 @@ impl Dataset {
             if fields.len() != ncols {
                 return Err(err(line_no, format!("expected {ncols} columns, found {}", fields.len())));
             }
-            if ncols < 2 {
-                return Err(err(line_no, "need at least one feature column and a label column".into()));
-            }
             let label_col = match options.label {
-                LabelColumn::Last => ncols - 1,
-                LabelColumn::First => 0,
-                LabelColumn::Index(k) if k < ncols => k,
+                LabelColumn::Last => Some(ncols - 1),
+                LabelColumn::First => Some(0),
+                LabelColumn::Index(k) if k < ncols => Some(k),
                 LabelColumn::Index(k) => {
                     return Err(err(line_no, format!("label column {k} but the row has {ncols} columns")));
                 }
+                LabelColumn::Targets(_) | LabelColumn::None => None,
             };
+            let target_cols = match options.label {
+                LabelColumn::Targets(k) => k,
+                _ => 0,
+            };
+            let non_features = usize::from(label_col.is_some()) + target_cols;
+            if ncols <= non_features {
+                return Err(err(line_no, format!("{ncols} columns leave no feature column beside the {non_features} label/target columns")));
+            }
+            if label_col.is_none() {
+                labels.push(0);
+            }
             for (c, f) in fields.iter().enumerate() {
-                if c == label_col {
+                if c >= ncols - target_cols {
+                    let v: f32 = f.parse().map_err(|_| err(line_no, format!("column {}: target {f:?} is not a number", c + 1)))?;
+                    if !v.is_finite() {
+                        return Err(err(line_no, format!("column {}: target {f:?} is not finite", c + 1)));
+                    }
+                    targets.push(v);
+                } else if Some(c) == label_col {
                     let v: f64 = f
                         .parse()
                         .map_err(|_| err(line_no, format!("column {}: label {f:?} is not a number", c + 1)))?;
@@ -298,7 +324,12 @@ impl Dataset {
         let Some(ncols) = columns else {
             return Err(DataError::Empty(what.to_string()));
         };
-        let nfeat = ncols - 1;
+        let nfeat = ncols
+            - match options.label {
+                LabelColumn::Targets(k) => k,
+                LabelColumn::None => 0,
+                _ => 1,
+            };
         let shape = options.shape.clone().unwrap_or_else(|| vec![nfeat]);
         if shape.iter().product::<usize>() != nfeat {
             return Err(DataError::Mismatch(format!(
@@ -310,7 +341,7 @@ impl Dataset {
             .unwrap_or_else(|| labels.iter().max().map_or(0, |&m| m as usize + 1))
             .max(2);
         options.normalization.apply(&mut features);
-        Ok(Dataset { features, labels, targets: Vec::new(), shape, num_classes })
+        Ok(Dataset { features, labels, targets, shape, num_classes })
     }
 
     /// Loads an MNIST-style pair of IDX files (optionally gzip-compressed): images

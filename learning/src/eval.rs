@@ -146,8 +146,13 @@ pub fn anomaly_scores(model: &Model, features: &[f32], n: usize) -> Result<Vec<f
     Ok(out
         .chunks(f)
         .zip(features.chunks(f))
-        .map(|(o, x)| (o.iter().zip(x).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / f as f64) as f32)
+        .map(|(o, x)| reconstruction_error(o, x))
         .collect())
+}
+
+/// Mean squared error between a reconstruction and its input.
+fn reconstruction_error(out: &[f32], x: &[f32]) -> f32 {
+    (out.iter().zip(x).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / x.len().max(1) as f64) as f32
 }
 
 fn logits_of(model: &Model, features: &[f32], n: usize) -> Result<Vec<f32>, LearningError> {
@@ -162,13 +167,38 @@ fn logits_of(model: &Model, features: &[f32], n: usize) -> Result<Vec<f32>, Lear
     read(model.forward(x)?)
 }
 
-/// One prediction.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One prediction: the fields of the model's task are set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
-    /// Arg-max class.
-    pub label: usize,
-    /// Softmax probabilities.
+    /// Classification: arg-max class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<usize>,
+    /// Classification: softmax probabilities.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub probs: Vec<f32>,
+    /// Regression: the predicted targets. Reconstruction: the reconstructed input.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub values: Vec<f32>,
+    /// Reconstruction: the mean squared reconstruction error (higher = more anomalous).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anomaly_score: Option<f32>,
+}
+
+impl Prediction {
+    /// A classifier's answer from its logits.
+    pub fn from_logits(z: &[f32]) -> Prediction {
+        let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let e: Vec<f32> = z.iter().map(|&v| (v - m).exp()).collect();
+        let s: f32 = e.iter().sum();
+        let probs: Vec<f32> = e.iter().map(|v| v / s).collect();
+        let label = argmax_rows(z, z.len()).next().unwrap_or(0);
+        Prediction { label: Some(label), probs, ..Prediction::default() }
+    }
+
+    /// The probability of the predicted class (0 when there is none).
+    pub fn confidence(&self) -> f32 {
+        self.label.and_then(|l| self.probs.get(l)).copied().unwrap_or(0.0)
+    }
 }
 
 /// Predictions for a batch, with the time the forward pass took.
@@ -202,23 +232,24 @@ impl Predictor {
         &self.model
     }
 
-    /// Predicts `n` examples given as `n * input_len` values.
+    /// Predicts `n` examples given as `n * input_len` values: classes and probabilities
+    /// (classification), values (regression), or reconstructions with their anomaly scores.
     pub fn predict_batch(&self, features: &[f32], n: usize) -> Result<BatchPrediction, LearningError> {
         let start = Instant::now();
-        if self.model.spec().task() != Task::Classification {
-            return Err(LearningError::InvalidConfig("class predictions need a classification model; use outputs()".into()));
-        }
-        let classes: usize = self.model.net().plan().output.iter().product();
-        let logits = logits_of(&self.model, features, n)?;
-        let predictions = logits
-            .chunks(classes)
-            .map(|z| {
-                let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let e: Vec<f32> = z.iter().map(|&v| (v - m).exp()).collect();
-                let s: f32 = e.iter().sum();
-                let probs: Vec<f32> = e.iter().map(|v| v / s).collect();
-                let label = argmax_rows(z, classes).next().unwrap_or(0);
-                Prediction { label, probs }
+        let width: usize = self.model.net().plan().output.iter().product();
+        let out = logits_of(&self.model, features, n)?;
+        let task = self.model.spec().task();
+        let f = self.model.spec().input_len();
+        let predictions = out
+            .chunks(width.max(1))
+            .enumerate()
+            .map(|(i, z)| match task {
+                Task::Classification => Prediction::from_logits(z),
+                Task::Regression => Prediction { values: z.to_vec(), ..Prediction::default() },
+                Task::Reconstruction => {
+                    let x = &features[i * f..(i + 1) * f];
+                    Prediction { values: z.to_vec(), anomaly_score: Some(reconstruction_error(z, x)), ..Prediction::default() }
+                }
             })
             .collect();
         Ok(BatchPrediction { predictions, latency: start.elapsed() })

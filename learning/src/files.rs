@@ -19,6 +19,22 @@ pub struct NpyArray {
     pub integer: bool,
 }
 
+/// Writes `values` as a little-endian f32 `.npy` array of `shape` (C order), as
+/// `np.save(path, x.astype(np.float32))` would: exports of device data and test fixtures.
+pub fn write_npy(path: impl AsRef<Path>, shape: &[usize], values: &[f32]) -> Result<(), DataError> {
+    use npyz::WriterBuilder;
+    let path = path.as_ref();
+    let io = |source| DataError::Io { path: path.to_path_buf(), source };
+    if shape.iter().product::<usize>() != values.len() {
+        return Err(DataError::Mismatch(format!("{}: {} values for shape {shape:?}", path.display(), values.len())));
+    }
+    let file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    let mut w = npyz::WriteOptions::new().default_dtype().shape(&dims).writer(file).begin_nd().map_err(io)?;
+    w.extend(values.iter().copied()).map_err(io)?;
+    w.finish().map_err(io)
+}
+
 fn npy_err(what: &str, reason: impl Into<String>) -> DataError {
     DataError::Npy { what: what.to_string(), reason: reason.into() }
 }

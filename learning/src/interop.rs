@@ -80,12 +80,12 @@ fn float_values(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 /// f32 bundle (counters as their f32 value). Every mismatch is reported in one
 /// [`LearningError::StateDict`].
 pub fn import_state_dict(spec: &ModelSpec, bytes: &[u8]) -> Result<TensorBundle, LearningError> {
-    let plan = spec.plan()?;
+    let slots = state_dict_slots(spec)?;
     let file = SafeTensors::deserialize(bytes).map_err(|e| LearningError::Safetensors(e.to_string()))?;
     let views: HashMap<String, _> = file.tensors().into_iter().collect();
     let mut problems = Vec::new();
     let mut bundle = TensorBundle::new();
-    for slot in &plan.slots {
+    for slot in &slots {
         let Some(view) = views.get(&slot.name) else {
             problems.push(StateDictProblem::Missing { name: slot.name.clone(), shape: slot.shape.clone() });
             continue;
@@ -130,11 +130,28 @@ pub fn import_state_dict(spec: &ModelSpec, bytes: &[u8]) -> Result<TensorBundle,
     let mut names: Vec<&String> = views.keys().collect();
     names.sort();
     for name in names {
-        if plan.slot(name).is_none() {
+        if !slots.iter().any(|s| &s.name == name) {
             problems.push(StateDictProblem::Unexpected { name: name.clone(), shape: views[name].shape().to_vec() });
         }
     }
     if problems.is_empty() { Ok(bundle) } else { Err(LearningError::StateDict(StateDictProblems(problems))) }
+}
+
+/// One tensor of a `state_dict` as the spec declares it.
+struct StateSlot {
+    name: String,
+    shape: Vec<usize>,
+    /// Stored as I64 (batch norm's `num_batches_tracked`).
+    integer: bool,
+}
+
+/// The tensors of `spec`'s `state_dict`: the compiled plan's, or a custom model's declared ones.
+fn state_dict_slots(spec: &ModelSpec) -> Result<Vec<StateSlot>, LearningError> {
+    if !spec.is_builtin() {
+        spec.validate()?;
+        return Ok(spec.params().into_iter().map(|p| StateSlot { name: p.name, shape: p.shape, integer: false }).collect());
+    }
+    Ok(spec.plan()?.slots.into_iter().map(|s| StateSlot { name: s.name, shape: s.shape, integer: s.integer }).collect())
 }
 
 struct Owned {
@@ -161,10 +178,10 @@ impl View for Owned {
 /// Writes `bundle` (checked against `spec`) as a PyTorch `state_dict` in safetensors form:
 /// F32 tensors, `num_batches_tracked` as I64.
 pub fn export_state_dict(spec: &ModelSpec, bundle: &TensorBundle) -> Result<Vec<u8>, LearningError> {
-    let plan = spec.plan()?;
+    let slots = state_dict_slots(spec)?;
     crate::model::check_layout(spec, bundle)?;
-    let mut views = Vec::with_capacity(plan.slots.len());
-    for slot in &plan.slots {
+    let mut views = Vec::with_capacity(slots.len());
+    for slot in &slots {
         let v = bundle.to_f32(&slot.name).ok_or_else(|| LearningError::Layout(format!("tensor {} missing", slot.name)))?;
         let (dtype, bytes) = if slot.integer {
             (Dtype::I64, v.iter().flat_map(|x| (*x as i64).to_le_bytes()).collect())
@@ -182,6 +199,9 @@ pub fn export_state_dict(spec: &ModelSpec, bundle: &TensorBundle) -> Result<Vec<
 /// from `seed` are added ([`crate::finetune::attach_adapters`]). For other modes this is
 /// [`import_state_dict`].
 pub fn import_pretrained(spec: &ModelSpec, bytes: &[u8], seed: u64) -> Result<TensorBundle, LearningError> {
+    if !spec.is_builtin() {
+        return import_state_dict(spec, bytes);
+    }
     let base = import_state_dict(&crate::finetune::base_spec(spec), bytes)?;
     crate::finetune::attach_adapters(spec, &base, seed)
 }

@@ -40,7 +40,7 @@ pub use eval::{anomaly_scores, evaluate, BatchPrediction, EvalReport, Prediction
 pub use graph::{FineTune, GraphSpec, Layer, Task};
 pub use model::Model;
 pub use partition::Partition;
-pub use spec::{ModelSpec, TensorRole};
+pub use spec::{CustomSpec, ModelSpec, TensorDecl, TensorRole};
 pub use train::{
     train_local, train_local_scaffold, OptimizerConfig, ScaffoldOutcome, ScaffoldState,
     TrainConfig, TrainMetrics, TrainOutcome,

@@ -157,7 +157,7 @@ impl Net {
     /// spec's tensors (see [`check_layout`]).
     pub fn from_bundle(spec: &ModelSpec, bundle: &TensorBundle, device: &Device) -> Result<Net, LearningError> {
         let plan = Arc::new(spec.plan()?);
-        check_plan_layout(spec, &plan, bundle)?;
+        check_layout(spec, bundle)?;
         Net::from_plan(plan, bundle, device)
     }
 
@@ -490,11 +490,8 @@ impl Net {
 
 /// Checks that the bundle has exactly the spec's tensors and shapes, naming every difference.
 pub fn check_layout(spec: &ModelSpec, bundle: &TensorBundle) -> Result<(), LearningError> {
-    check_plan_layout(spec, &spec.plan()?, bundle)
-}
-
-fn check_plan_layout(spec: &ModelSpec, plan: &Plan, bundle: &TensorBundle) -> Result<(), LearningError> {
-    let want: fedfleet_protocol::bundle::Layout = plan.slots.iter().map(|s| (s.name.clone(), s.shape.clone())).collect();
+    spec.validate()?;
+    let want = spec.layout();
     let got = bundle.layout();
     if want == got {
         return Ok(());

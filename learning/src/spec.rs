@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 /// {"arch":"mlp","input":[64],"hidden":[64],"classes":10}
 /// {"arch":"cnn","input":[1,8,8],"channels":[16,32],"hidden":[64],"classes":10}
 /// {"arch":"graph","input":[64],"task":"classification","layers":[{"type":"linear","out_features":10}]}
+/// {"arch":"custom","kind":"acme/kws","input":[40,16],"output":12,"tensors":[{"name":"head.weight","shape":[12,64]}]}
 /// ```
 ///
 /// `mlp` and `cnn` are presets: they compile to the same layer graph as [`ModelSpec::to_graph`]
@@ -44,6 +45,78 @@ pub enum ModelSpec {
     },
     /// A user model: a layer graph with a task and a fine-tuning mode (see [`GraphSpec`]).
     Graph(GraphSpec),
+    /// A model the device team runs with its own code (a `Trainer` in the agent): the spec
+    /// declares only its tensors and which of them an update carries, which is all the
+    /// aggregator and the registry need. No built-in engine runs it.
+    Custom(CustomSpec),
+}
+
+/// A team's own model, declared by its tensors (see [`ModelSpec::Custom`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CustomSpec {
+    /// The team's name for the architecture, e.g. `"acme/keyword-spotter"` (shown, not interpreted).
+    pub kind: String,
+    /// Shape of one input example.
+    pub input: Vec<usize>,
+    /// The task (default classification): picks the health check's metric.
+    #[serde(default)]
+    pub task: Task,
+    /// Output values per example (the classes of a classifier).
+    pub output: usize,
+    /// Every tensor of the model's `state_dict`, in order.
+    pub tensors: Vec<TensorDecl>,
+    /// Glob patterns of the tensors local training changes and an update carries
+    /// (default: every tensor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable: Option<Vec<String>>,
+}
+
+/// One declared tensor of a [`CustomSpec`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorDecl {
+    /// `state_dict` name, e.g. `conv1.weight`.
+    pub name: String,
+    /// PyTorch shape.
+    pub shape: Vec<usize>,
+}
+
+impl CustomSpec {
+    fn is_trainable(&self, name: &str) -> bool {
+        self.trainable.as_ref().is_none_or(|globs| globs.iter().any(|g| crate::graph::glob_match(g, name)))
+    }
+
+    fn validate(&self) -> Result<(), LearningError> {
+        let bad = |m: String| Err(LearningError::InvalidSpec(format!("custom model \"{}\": {m}", self.kind)));
+        if self.input.is_empty() || self.input.contains(&0) {
+            return bad(format!("input shape {:?} is empty", self.input));
+        }
+        if self.output == 0 {
+            return bad("output must be at least 1".into());
+        }
+        if self.tensors.is_empty() {
+            return bad("declares no tensors".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for t in &self.tensors {
+            if t.name.is_empty() || !seen.insert(t.name.as_str()) {
+                return bad(format!("tensor name {:?} is empty or declared twice", t.name));
+            }
+            if t.shape.contains(&0) || t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none_or(|n| n > 1 << 28) {
+                return bad(format!("tensor {} has shape {:?} (empty or too large)", t.name, t.shape));
+            }
+        }
+        for g in self.trainable.iter().flatten() {
+            if !self.tensors.iter().any(|t| crate::graph::glob_match(g, &t.name)) {
+                return bad(format!("trainable pattern {g:?} matches no tensor"));
+            }
+        }
+        if !self.tensors.iter().any(|t| self.is_trainable(&t.name)) {
+            return bad("no tensor is trainable".into());
+        }
+        Ok(())
+    }
 }
 
 /// One parameter tensor of a spec: its name and shape as stored in bundles (PyTorch layout).
@@ -90,6 +163,7 @@ impl ModelSpec {
             ModelSpec::Mlp { .. } => "mlp",
             ModelSpec::Cnn { .. } => "cnn",
             ModelSpec::Graph(_) => "graph",
+            ModelSpec::Custom(_) => "custom",
         }
     }
 
@@ -98,6 +172,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp { input, .. } | ModelSpec::Cnn { input, .. } => input,
             ModelSpec::Graph(g) => &g.input,
+            ModelSpec::Custom(c) => &c.input,
         }
     }
 
@@ -110,6 +185,7 @@ impl ModelSpec {
     pub fn task(&self) -> Task {
         match self {
             ModelSpec::Graph(g) => g.task,
+            ModelSpec::Custom(c) => c.task,
             _ => Task::Classification,
         }
     }
@@ -127,18 +203,27 @@ impl ModelSpec {
     pub fn classes(&self) -> usize {
         match self {
             ModelSpec::Mlp { classes, .. } | ModelSpec::Cnn { classes, .. } => *classes,
-            ModelSpec::Graph(_) => self.output_len(),
+            ModelSpec::Graph(_) | ModelSpec::Custom(_) => self.output_len(),
         }
     }
 
     /// Number of output values per example (0 for an invalid spec).
     pub fn output_len(&self) -> usize {
-        self.plan().map_or(0, |p| p.output.iter().product())
+        match self {
+            ModelSpec::Custom(c) => c.output,
+            _ => self.plan().map_or(0, |p| p.output.iter().product()),
+        }
+    }
+
+    /// Whether a built-in engine runs this model (every spec but [`ModelSpec::Custom`]).
+    pub fn is_builtin(&self) -> bool {
+        !matches!(self, ModelSpec::Custom(_))
     }
 
     /// The equivalent layer graph. Presets keep their historical tensor names: MLP
     /// `[flatten, fc1, relu, ..., fcN]`; CNN per channel entry `conv{i}` (3x3, padding 1), relu,
-    /// 2x2 max-pool while both sides are >= 2, then flatten and the `fc` stack.
+    /// 2x2 max-pool while both sides are >= 2, then flatten and the `fc` stack. A custom model
+    /// has no layers here.
     pub fn to_graph(&self) -> GraphSpec {
         let linear = |i: usize, out: usize| Layer::Linear { name: Some(format!("fc{i}")), in_features: None, out_features: out, bias: true };
         let head = |hidden: &[usize], classes: usize, layers: &mut Vec<Layer>| {
@@ -150,6 +235,7 @@ impl ModelSpec {
         };
         match self {
             ModelSpec::Graph(g) => g.clone(),
+            ModelSpec::Custom(c) => GraphSpec { input: c.input.clone(), task: c.task, layers: Vec::new(), finetune: FineTune::Full },
             ModelSpec::Mlp { input, hidden, classes } => {
                 let mut layers = vec![Layer::Flatten];
                 head(hidden, *classes, &mut layers);
@@ -186,13 +272,19 @@ impl ModelSpec {
 
     /// Validates and compiles the model: shapes of every layer and the tensor list.
     pub fn plan(&self) -> Result<Plan, LearningError> {
+        if let ModelSpec::Custom(c) = self {
+            return Err(LearningError::InvalidSpec(format!(
+                "custom model \"{}\" has no built-in engine: the device team's Trainer runs it",
+                c.kind
+            )));
+        }
         self.validate_preset()?;
         self.to_graph().compile()
     }
 
     fn validate_preset(&self) -> Result<(), LearningError> {
         let bad = |m: String| Err(LearningError::InvalidSpec(m));
-        if let ModelSpec::Graph(_) = self {
+        if let ModelSpec::Graph(_) | ModelSpec::Custom(_) = self {
             return Ok(());
         }
         if self.classes() < 2 {
@@ -221,19 +313,26 @@ impl ModelSpec {
                     return bad(format!("channels {channels:?} / hidden {hidden:?} must be in 1..=65536"));
                 }
             }
-            ModelSpec::Graph(_) => {}
+            ModelSpec::Graph(_) | ModelSpec::Custom(_) => {}
         }
         Ok(())
     }
 
     /// Checks the spec is usable (every layer's shapes, sizes, fine-tuning patterns).
     pub fn validate(&self) -> Result<(), LearningError> {
-        self.plan().map(|_| ())
+        match self {
+            ModelSpec::Custom(c) => c.validate(),
+            _ => self.plan().map(|_| ()),
+        }
     }
 
     /// Every tensor (parameters and batch-norm statistics), in initialisation order, with its
     /// bundle (PyTorch `state_dict`) name and shape. Empty for an invalid spec.
     pub fn params(&self) -> Vec<ParamInfo> {
+        if let ModelSpec::Custom(c) = self {
+            let fan_in = |s: &[usize]| s.iter().skip(1).product::<usize>().max(1);
+            return c.tensors.iter().map(|t| ParamInfo { name: t.name.clone(), shape: t.shape.clone(), fan_in: fan_in(&t.shape) }).collect();
+        }
         self.plan()
             .map(|p| p.slots.into_iter().map(|s| ParamInfo { name: s.name, shape: s.shape, fan_in: s.fan_in }).collect())
             .unwrap_or_default()
@@ -246,6 +345,10 @@ impl ModelSpec {
 
     /// What local training does with each tensor (by name). Empty for an invalid spec.
     pub fn roles(&self) -> Vec<(String, TensorRole)> {
+        if let ModelSpec::Custom(c) = self {
+            let role = |n: &str| if c.is_trainable(n) { TensorRole::Sent } else { TensorRole::Fixed };
+            return c.tensors.iter().map(|t| (t.name.clone(), role(&t.name))).collect();
+        }
         let Ok(plan) = self.plan() else { return Vec::new() };
         let updated = crate::train::updated_slots(&plan);
         plan.slots
@@ -275,6 +378,9 @@ impl ModelSpec {
 
     /// Number of trainable scalars under the fine-tuning mode.
     pub fn num_trainable(&self) -> usize {
+        if let ModelSpec::Custom(_) = self {
+            return self.update_layout().values().map(|s| s.iter().product::<usize>()).sum();
+        }
         self.plan().map_or(0, |p| {
             p.slots.iter().filter(|s| s.trainable && s.kind == SlotKind::Param).map(|s| s.len()).sum()
         })
@@ -304,6 +410,16 @@ impl ModelSpec {
                 Op::Sequence(nodes) => nodes.iter().for_each(|n| slots_of(&n.op, out)),
                 _ => {}
             }
+        }
+        if let ModelSpec::Custom(c) = self {
+            self.validate()?;
+            let roles: std::collections::HashMap<_, _> = self.roles().into_iter().collect();
+            let mut lines: Vec<String> = c.tensors.iter().map(|t| format!("{:<32} {:?}  {:?}", t.name, t.shape, roles[&t.name])).collect();
+            lines.push(format!(
+                "custom model \"{}\": {} tensors, {} values, {} trainable; task {:?}; output {}",
+                c.kind, c.tensors.len(), self.num_params(), self.num_trainable(), c.task, c.output
+            ));
+            return Ok(lines.join("\n"));
         }
         let plan = self.plan()?;
         let graph = self.to_graph();

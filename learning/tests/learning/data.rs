@@ -177,3 +177,18 @@ fn idx_loader_reads_the_real_mnist_t10k() {
     let (tr, te) = d.split(0.2, 1);
     assert_eq!((tr.len(), te.len()), (8000, 2000));
 }
+
+#[test]
+fn csv_columns_can_be_regression_targets_or_all_features() {
+    let text = b"1,2,3,0.5\n4,5,6,1.5\n";
+    let r = Dataset::from_csv_bytes(text, "r", &CsvOptions { label: LabelColumn::Targets(1), ..CsvOptions::default() }).unwrap();
+    assert_eq!((r.features.len(), r.targets.clone(), r.shape.clone(), r.targets_per_example()), (6, vec![0.5, 1.5], vec![3], 1));
+    let two = Dataset::from_csv_bytes(text, "r", &CsvOptions { label: LabelColumn::Targets(2), ..CsvOptions::default() }).unwrap();
+    assert_eq!((two.shape.clone(), two.targets), (vec![2], vec![3.0, 0.5, 6.0, 1.5]));
+    let all = Dataset::from_csv_bytes(b"1 2 3\n4 5 6\n", "a", &CsvOptions { label: LabelColumn::None, delimiter: ' ', ..CsvOptions::default() }).unwrap();
+    assert_eq!((all.len(), all.shape, all.targets.len()), (2, vec![3], 0));
+    let err = Dataset::from_csv_bytes(b"1,x\n", "r", &CsvOptions { label: LabelColumn::Targets(1), ..CsvOptions::default() }).unwrap_err();
+    assert!(err.to_string().contains("target \"x\" is not a number"), "{err}");
+    let err = Dataset::from_csv_bytes(b"1,2\n", "r", &CsvOptions { label: LabelColumn::Targets(2), ..CsvOptions::default() }).unwrap_err();
+    assert!(err.to_string().contains("no feature column"), "{err}");
+}

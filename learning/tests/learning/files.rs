@@ -97,3 +97,15 @@ fn image_folders_become_resized_chw_examples() {
     assert!(matches!(&err, DataError::Image { path, .. } if path.ends_with("cats/broken.png")), "{err}");
     assert!(ImageFolderOptions::for_input(&[2, 8, 8]).is_err());
 }
+
+#[test]
+fn written_npy_arrays_read_back_as_features_and_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let x: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 1.0).collect();
+    fedfleet_learning::files::write_npy(dir.path().join("x.npy"), &[3, 4], &x).unwrap();
+    fedfleet_learning::files::write_npy(dir.path().join("t.npy"), &[3], &[0.5, 1.5, -2.0]).unwrap();
+    let d = Dataset::load_npy(dir.path().join("x.npy"), Some(&dir.path().join("t.npy")), Normalization::None).unwrap();
+    assert_eq!((d.features, d.targets, d.shape), (x, vec![0.5, 1.5, -2.0], vec![4]));
+    let bad = fedfleet_learning::files::write_npy(dir.path().join("y.npy"), &[2, 2], &[1.0]).unwrap_err();
+    assert!(bad.to_string().contains("1 values for shape [2, 2]"), "{bad}");
+}

@@ -186,8 +186,9 @@ fn regression_trains_and_reports_rmse_as_a_score() {
     assert!(after.mae.unwrap() <= rmse + 1e-12);
     assert!(after.score() > before.score());
     assert!((after.loss - rmse * rmse).abs() < 1e-9);
-    // Class predictions make no sense for a regression model.
-    assert!(Predictor::new(&spec, &g).unwrap().predict(data.example(0)).is_err());
+    // A regression model answers with values, not classes.
+    let (p, _) = Predictor::new(&spec, &g).unwrap().predict(data.example(0)).unwrap();
+    assert_eq!((p.label, p.values.len(), p.anomaly_score), (None, spec.output_len(), None));
     // Targets must be there, one per output.
     let mut missing = data.clone();
     missing.targets.pop();
@@ -217,6 +218,9 @@ fn an_autoencoder_scores_outliers_higher() {
     let normal = p.anomaly_scores(data.example(0), 1).unwrap()[0];
     let outlier = p.anomaly_scores(&[1.0, -1.0, 1.0, 1.0, -1.0, 1.0], 1).unwrap()[0];
     assert!(outlier > 10.0 * normal, "outlier {outlier} normal {normal}");
+    // Inference answers with the reconstruction and the same score.
+    let (answer, _) = p.predict(data.example(0)).unwrap();
+    assert_eq!((answer.label, answer.values.len(), answer.anomaly_score), (None, 6, Some(normal)));
 }
 
 fn mlp_with(finetune: &str) -> ModelSpec {
@@ -427,4 +431,32 @@ fn scaffold_works_on_the_update_layout_of_a_partial_model() {
     // With zero variates SCAFFOLD is plain training.
     assert_eq!(bits(&out.delta), bits(&train_local(&spec, &g, &train, &cfg, 1).unwrap().delta));
     assert_eq!(sc.client_c.layout(), spec.update_layout());
+}
+
+#[test]
+fn a_custom_model_declares_its_tensors_and_which_an_update_carries() {
+    let spec = ModelSpec::from_json(
+        r#"{"arch":"custom","kind":"acme/kws","input":[40,16],"output":12,"trainable":["head.*"],
+            "tensors":[{"name":"conv.weight","shape":[8,16,3]},{"name":"conv.bias","shape":[8]},
+                       {"name":"head.weight","shape":[12,8]},{"name":"head.bias","shape":[12]}]}"#,
+    )
+    .unwrap();
+    assert_eq!((spec.arch(), spec.input_len(), spec.output_len(), spec.classes()), ("custom", 640, 12, 12));
+    assert!(!spec.is_builtin());
+    assert_eq!(spec.layout().len(), 4);
+    assert_eq!(spec.update_layout().keys().cloned().collect::<Vec<_>>(), ["head.bias", "head.weight"]);
+    assert_eq!((spec.num_params(), spec.num_trainable()), (8 * 48 + 8 + 96 + 12, 108));
+    assert!(spec.summary().unwrap().contains("custom model \"acme/kws\""));
+    let err = spec.plan().unwrap_err().to_string();
+    assert!(err.contains("Trainer"), "{err}");
+    for (bad, says) in [
+        (r#""tensors":[{"name":"a","shape":[2]},{"name":"a","shape":[3]}]"#, "declared twice"),
+        (r#""tensors":[{"name":"a","shape":[0,2]}]"#, "empty or too large"),
+        (r#""tensors":[{"name":"a","shape":[2]}],"trainable":["b*"]"#, "matches no tensor"),
+        (r#""tensors":[]"#, "declares no tensors"),
+    ] {
+        let json = format!(r#"{{"arch":"custom","kind":"k","input":[4],"output":2,{bad}}}"#);
+        let err = ModelSpec::from_json(&json).unwrap_err().to_string();
+        assert!(err.contains(says), "{bad}: {err}");
+    }
 }

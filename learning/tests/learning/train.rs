@@ -38,7 +38,7 @@ fn centralized_mlp_on_digits_reaches_95_percent() {
     // predictions agree between batch, single and evaluation
     let p = Predictor::new(&spec, &local).unwrap();
     let batch = p.predict_batch(&test.features, test.len()).unwrap();
-    let correct = batch.predictions.iter().zip(&test.labels).filter(|(p, l)| p.label == **l as usize).count();
+    let correct = batch.predictions.iter().zip(&test.labels).filter(|(p, l)| p.label == Some(**l as usize)).count();
     assert_eq!(correct as f64 / test.len() as f64, r.accuracy);
     for i in 0..5 {
         let (one, latency) = p.predict(test.example(i)).unwrap();

@@ -25,9 +25,15 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// Longest a one-shot CLI command may run (coreutils `timeout` kills it): a `--wait` that
+/// never ends fails the test instead of hanging the suite.
+const CLI_TIMEOUT_SECS: &str = "300";
+
 /// Runs a CLI command to completion; panics with its output unless it succeeds. Returns stdout.
 pub fn cli(name: &str, args: &[&str], cwd: &Path) -> String {
-    let out = Command::new(bin(name))
+    let out = Command::new("timeout")
+        .arg(CLI_TIMEOUT_SECS)
+        .arg(bin(name))
         .args(args)
         .current_dir(cwd)
         .env("NO_COLOR", "1")

@@ -1,0 +1,126 @@
+//! A local deployment written by `fedfleet init-local` and run as real processes, for tests that
+//! change its model, data or campaign first: the registry, the aggregator and N agents on
+//! loopback, steered through the operator CLIs.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::procs::{Proc, cli};
+
+pub struct Deployment {
+    _work: tempfile::TempDir,
+    pub dir: PathBuf,
+    pub agents: usize,
+    services: Vec<Proc>,
+    pub agent_procs: Vec<Proc>,
+}
+
+/// A TOML inline value for a JSON value (the configs are TOML, specs JSON).
+pub fn toml_inline(v: &serde_json::Value) -> String {
+    use serde_json::Value::*;
+    match v {
+        Null => "\"\"".into(),
+        Bool(b) => b.to_string(),
+        Number(n) => n.to_string(),
+        String(s) => format!("{s:?}"),
+        Array(a) => format!("[{}]", a.iter().map(toml_inline).collect::<Vec<_>>().join(", ")),
+        Object(o) => format!("{{ {} }}", o.iter().map(|(k, v)| format!("{k} = {}", toml_inline(v))).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+impl Deployment {
+    /// `fedfleet init-local` with `agents` agents, on four ports of its own.
+    pub fn init(agents: usize) -> Deployment {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        // Consecutive ports below the ephemeral range, apart from the README tour's 7400.
+        let base = 20_000 + (std::process::id() % 500) * 16 + NEXT.fetch_add(1, Ordering::SeqCst) % 4 * 4;
+        let work = tempfile::Builder::new().prefix("deployment-").tempdir().unwrap();
+        let dir = work.path().join("fleet");
+        let n = agents.to_string();
+        cli("fedfleet", &["init-local", dir.to_str().unwrap(), "--agents", &n, "--base-port", &base.to_string()], work.path());
+        Deployment { _work: work, dir, agents, services: Vec::new(), agent_procs: Vec::new() }
+    }
+
+    /// Replaces the line starting with `key = ` in the config `file` by `key = value`.
+    pub fn set(&self, file: &str, key: &str, value: &str) {
+        let path = self.dir.join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let prefix = format!("{key} = ");
+        let line = text.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("{file} has no `{key}` line")).to_owned();
+        std::fs::write(&path, text.replace(&line, &format!("{key} = {value}"))).unwrap();
+    }
+
+    /// The aggregator's `[model] spec`.
+    pub fn set_spec(&self, spec: &fedfleet_learning::ModelSpec) {
+        let json: serde_json::Value = serde_json::from_str(&spec.to_json()).unwrap();
+        self.set("aggregator.toml", "spec", &toml_inline(&json));
+    }
+
+    /// Agent `i`'s (1-based) `[data]` source, replacing its digits partition.
+    pub fn set_agent_data(&self, i: usize, source: &str) {
+        let file = format!("agents/agent-{i}.toml");
+        let text = std::fs::read_to_string(self.dir.join(&file)).unwrap();
+        let line = text.lines().find(|l| l.starts_with("digits_partition = ")).unwrap().to_owned();
+        std::fs::write(self.dir.join(&file), text.replace(&line, source)).unwrap();
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.join(rel)
+    }
+
+    pub fn log(&self, name: &str) -> PathBuf {
+        self.dir.join("logs").join(format!("{name}.log"))
+    }
+
+    /// Runs a CLI in the deployment directory; panics unless it succeeds. Returns stdout.
+    pub fn cli(&self, bin: &str, args: &[&str]) -> String {
+        cli(bin, args, &self.dir)
+    }
+
+    /// Starts the registry, the aggregator and the agents (`agent_bin run --config ...`).
+    pub fn start(&mut self, agent_bin: &str) {
+        let dir = self.dir.clone();
+        self.services.push(Proc::spawn("registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &dir, &self.log("registry"), "info"));
+        self.services.push(Proc::spawn("aggregator", "fedfleet-aggregator", &["serve", "--config", "aggregator.toml"], &dir, &self.log("aggregator"), "info"));
+        for i in 1..=self.agents {
+            let name = format!("agent-{i}");
+            let config = format!("agents/{name}.toml");
+            self.agent_procs.push(Proc::spawn(&name, agent_bin, &["run", "--config", &config], &dir, &self.log(&name), "info"));
+        }
+    }
+
+    /// The `metric` of every version of the model in the registry, oldest first.
+    pub fn version_metrics(&self, model: &str, metric: &str) -> Vec<f64> {
+        let list: serde_json::Value = serde_json::from_str(&self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model])).unwrap();
+        let latest = list["version"].as_u64().expect("show names the version");
+        (1..=latest)
+            .map(|v| {
+                let out = self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model, "--version", &v.to_string()]);
+                let record: serde_json::Value = serde_json::from_str(&out).unwrap();
+                record["metrics"][metric].as_f64().unwrap_or_else(|| panic!("v{v} has no {metric} metric: {out}"))
+            })
+            .collect()
+    }
+
+    /// Every agent's log.
+    pub fn agent_logs(&self) -> String {
+        (1..=self.agents).map(|i| std::fs::read_to_string(self.log(&format!("agent-{i}"))).unwrap_or_default()).collect()
+    }
+
+    /// Stops the agents with SIGTERM (each must exit cleanly); the services are killed on drop.
+    pub fn stop_agents(&mut self) {
+        for mut a in self.agent_procs.drain(..) {
+            a.stop();
+        }
+    }
+}
+
+/// Writes CSV rows for `fedfleet-agent infer`.
+pub fn write_rows(path: &Path, data: &fedfleet_learning::Dataset) {
+    use std::fmt::Write as _;
+    let mut rows = String::new();
+    for i in 0..data.len() {
+        let _ = writeln!(rows, "{}", data.example(i).iter().map(|v| format!("{v}")).collect::<Vec<_>>().join(","));
+    }
+    std::fs::write(path, rows).unwrap();
+}
