@@ -17,7 +17,9 @@
 //! name = "digits"
 //! spec = { arch = "mlp", input = [64], hidden = [64], classes = 10 }
 //! initial = "initial.safetensors"    # written by `fedfleet-aggregator init-model`
-//! validation = "digits"              # server-side evaluation: "digits" (test split) or absent
+//! validation = "digits"              # server-side evaluation: "digits" (test split), or arrays:
+//!                                    # { features = "val-x.npy", labels = "val-y.npy" } (labels:
+//!                                    # int classes, float regression targets, absent for autoencoders)
 //!
 //! [campaign]                         # defaults of `campaign start`
 //! rounds = 5
@@ -239,7 +241,34 @@ pub struct ModelConfig {
     pub spec: fedfleet_learning::ModelSpec,
     pub initial: PathBuf,
     #[serde(default)]
-    pub validation: Option<String>,
+    pub validation: Option<Validation>,
+}
+
+/// The data the aggregator scores each new global model on (its metrics go into the registry).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Validation {
+    /// A built-in set: `"digits"` (the digits test split).
+    Builtin(String),
+    /// `.npy` arrays, as the agents' `[data] npy` reads them.
+    Npy {
+        features: PathBuf,
+        #[serde(default)]
+        labels: Option<PathBuf>,
+    },
+}
+
+impl Validation {
+    /// Loads the set.
+    pub fn load(&self) -> Result<fedfleet_learning::Dataset, String> {
+        use fedfleet_learning::{Dataset, Normalization};
+        match self {
+            Validation::Builtin(name) if name == "digits" => Dataset::digits_split().map(|(_, test)| test).map_err(|e| e.to_string()),
+            Validation::Builtin(name) => Err(format!("{name:?}: only \"digits\" (the digits test split) is built in")),
+            Validation::Npy { features, labels } => Dataset::load_npy(features, labels.as_deref(), Normalization::None)
+                .map_err(|e| format!("{}: {e}", features.display())),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -421,6 +450,10 @@ impl Config {
         fix(&mut self.pki_dir);
         fix(&mut self.data_dir);
         fix(&mut self.model.initial);
+        if let Some(Validation::Npy { features, labels }) = &mut self.model.validation {
+            fix(features);
+            labels.iter_mut().for_each(fix);
+        }
         if let Some(p) = &mut self.publish_dir {
             fix(p);
         }
@@ -433,11 +466,11 @@ impl Config {
             .map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
         self.campaign.strategy_config()?;
         self.campaign.dtype()?;
-        if let Some(v) = &self.model.validation
-            && v != "digits"
+        if let Some(Validation::Builtin(name)) = &self.model.validation
+            && name != "digits"
         {
             return Err(ConfigError::Invalid(format!(
-                "model.validation {v:?}: only \"digits\" (the digits test split) is built in"
+                "model.validation {name:?}: only \"digits\" (the digits test split) is built in, or {{ features = \"x.npy\", labels = \"y.npy\" }}"
             )));
         }
         Ok(())

@@ -4,6 +4,7 @@
 //! ([`attack`]).
 
 pub mod attack;
+pub mod datasets;
 pub mod demo;
 pub mod fleet;
 pub mod local;

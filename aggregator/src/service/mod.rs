@@ -170,13 +170,9 @@ impl Aggregator {
         let fleet = allow.fleet();
         let spec = cfg.model.spec.clone();
         let spec_json = cfg.spec_json();
-        let validation = match cfg.model.validation.as_deref() {
-            Some("digits") => Some(
-                Dataset::digits_split()
-                    .map_err(|e| other(format!("validation split: {e}")))?
-                    .1,
-            ),
-            _ => None,
+        let validation = match &cfg.model.validation {
+            Some(v) => Some(v.load().map_err(|e| other(format!("model.validation: {e}")))?),
+            None => None,
         };
         let engine = match store.engine()? {
             Some(b) => RoundEngine::from_bytes(&b).map_err(|e| {

@@ -216,11 +216,10 @@ impl Aggregator {
         let (bytes, metrics, model) = tokio::task::spawn_blocking(move || {
             let bundle = unflatten(&layout, &model);
             let mut metrics = BTreeMap::new();
-            if let Some(v) = &sh2.validation {
+            if let Some(v) = sh2.validation.as_ref().filter(|_| spec.is_builtin()) {
                 match fedfleet_learning::evaluate(&spec, &bundle, v) {
                     Ok(r) => {
-                        metrics.insert("accuracy".to_owned(), r.accuracy);
-                        metrics.insert("loss".to_owned(), r.loss);
+                        metrics.extend(eval_metrics(&r));
                         metrics.insert("eval_examples".to_owned(), r.num_examples as f64);
                     }
                     Err(e) => tracing::warn!(error = %e, "server-side evaluation failed"),
@@ -290,11 +289,10 @@ impl Aggregator {
             return Err(format!("initial model {} does not match model.spec", path.display()));
         }
         let mut metrics = BTreeMap::new();
-        if let Some(v) = &sh.validation {
+        if let Some(v) = sh.validation.as_ref().filter(|_| sh.spec.is_builtin()) {
             let b = TensorBundle::decode(&bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
             if let Ok(r) = fedfleet_learning::evaluate(&sh.spec, &b, v) {
-                metrics.insert("accuracy".to_owned(), r.accuracy);
-                metrics.insert("loss".to_owned(), r.loss);
+                metrics.extend(eval_metrics(&r));
             }
         }
         let req = PublishRequest {
@@ -385,4 +383,11 @@ impl Aggregator {
         drop(core);
         Ok(self.status())
     }
+}
+
+/// The registry metrics of a server-side evaluation: the loss and the task's metric
+/// (`accuracy`, or `rmse` for regression and reconstruction).
+fn eval_metrics(r: &fedfleet_learning::EvalReport) -> [(String, f64); 2] {
+    let (name, value, _) = r.metric();
+    [(name.to_owned(), value), ("loss".to_owned(), r.loss)]
 }

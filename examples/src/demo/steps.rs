@@ -123,7 +123,7 @@ pub async fn start_aggregator(
             name: MODEL_NAME.into(),
             spec: spec.clone(),
             initial,
-            validation: Some("digits".into()),
+            validation: Some(fedfleet_aggregator::config::Validation::Builtin("digits".into())),
         },
         campaign,
         compute: Default::default(),
