@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, Normalization};
-use fedfleet_protocol::{Digest, ModelRef};
+use fedfleet_protocol::{Digest, ModelRef, TensorBundle};
 use rand::RngCore;
 
 use crate::clients::{Aggregator, Registry, UploadReply};
@@ -272,7 +272,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         tracing::debug!(?action, "action");
         match action {
             Action::Serve { slot, model } => match self.load_blob(&model) {
-                Ok(bytes) => match ml::load_served(self.trainer.as_ref(), &model.spec, &bytes) {
+                Ok(bytes) => match ml::load_served(self.trainer.as_ref(), &model.spec, &bytes, self.local_state()?.as_ref()) {
                     Ok(p) => {
                         tracing::info!(?slot, name = %model.model.name, version = %model.model.version, "serving model");
                         self.serving.set(Served { model: model.model, predictor: p });
@@ -290,12 +290,13 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                         let key = self.key.clone();
                         let device = self.core.state().device.clone();
                         let trainer = self.trainer.clone();
+                        let local = self.local_state()?;
                         let mut nonce = [0u8; 16];
                         rand::rngs::OsRng.fill_bytes(&mut nonce);
                         let res = tokio::task::spawn_blocking(move || {
                             // Timed inside the blocking task: no wait for a free thread.
                             let started = std::time::Instant::now();
-                            ml::train_update(trainer.as_ref(), &a, &spec, &bytes, &data.train, &device, &key, nonce).map(|u| (u, started.elapsed()))
+                            ml::train_update(trainer.as_ref(), &a, &spec, &bytes, &data.train, local.as_ref(), &device, &key, nonce).map(|u| (u, started.elapsed()))
                         })
                         .await
                         .unwrap_or_else(|e| Err(format!("training task panicked: {e}")));
@@ -303,6 +304,9 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                             Ok((u, took)) => {
                                 let train_ms = took.as_secs_f64() * 1e3;
                                 tracing::info!(%round, examples = u.num_examples, loss = ?u.final_loss, bytes = u.payload.len(), train_ms, "trained");
+                                if !u.local_state.is_empty() {
+                                    self.core.store().put_local_state(&u.local_state.encode())?;
+                                }
                                 if let (Some((inbox, _)), Some(upto)) = (&self.inbox, inbox_upto) {
                                     inbox.mark_trained(upto)?;
                                 }
@@ -348,6 +352,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 let (data, _) = self.round_data()?;
                 let samples = self.cfg.latency_samples;
                 let trainer = self.trainer.clone();
+                let local = self.local_state()?;
                 let result = match cand {
                     Err(e) => Err(format!("does not load: {e}")),
                     Ok(cb) => tokio::task::spawn_blocking(move || {
@@ -357,6 +362,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                             (&candidate.spec, &cb),
                             act.as_ref().map(|(s, b)| (s.as_str(), b.as_slice())),
                             &data.holdout,
+                            local.as_ref(),
                             samples,
                         )
                     })
@@ -381,6 +387,18 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             }
         }
         Ok(())
+    }
+
+    /// This device's local tensors (FedBN), if it trained a model that keeps any.
+    fn local_state(&self) -> Result<Option<TensorBundle>, AgentError> {
+        let Some(bytes) = self.core.store().local_state()? else { return Ok(None) };
+        match TensorBundle::decode(&bytes, &fedfleet_protocol::BundleLimits::default()) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) => {
+                tracing::warn!(error = %e, "stored local tensors do not decode; training from the global model's");
+                Ok(None)
+            }
+        }
     }
 
     fn load_blob(&self, m: &SlotModel) -> Result<Vec<u8>, String> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use fedfleet_certs::DeviceIdentity;
 use fedfleet_learning::{CsvOptions, Dataset, ImageFolderOptions, LabelColumn, Partition};
-use fedfleet_protocol::{Digest, FleetId, ModelRef, ModelVersion};
+use fedfleet_protocol::{FleetId, ModelRef, ModelVersion};
 use fedfleet_protocol::tuf::{Root, SignedMetadata};
 use fedfleet_protocol::tuf::Verifier;
 use rand::RngCore;
@@ -113,7 +113,7 @@ pub fn build_agent<A: Aggregator, R: Registry>(
             Some(m) => {
                 let spec = std::fs::read_to_string(&m.spec).with_context(|| format!("initial model spec {}", m.spec.display()))?;
                 let bytes = std::fs::read(&m.weights).with_context(|| format!("initial model weights {}", m.weights.display()))?;
-                crate::ml::load_served(trainer.as_ref(), &spec, &bytes).map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
+                crate::ml::load_served(trainer.as_ref(), &spec, &bytes, None).map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
                 let digest = store.put_blob(&bytes)?;
                 Some(SlotModel { model: ModelRef { name: m.name.clone(), version: ModelVersion(m.version), digest }, spec })
             }
@@ -419,7 +419,7 @@ fn load_active_offline(store_dir: &PathBuf) -> Result<crate::agent::Served> {
     let st: crate::lifecycle::PersistedState = serde_json::from_slice(&raw)?;
     let m = st.active.context("agent has no active model")?;
     let bytes = store.get_blob(&m.model.digest)?.with_context(|| format!("active model blob {} missing", m.model.digest))?;
-    let _: Digest = m.model.digest;
-    let predictor = crate::ml::load_served(&GraphTrainer, &m.spec, &bytes).map_err(|e| anyhow::anyhow!(e))?;
+    let local = store.local_state()?.and_then(|b| fedfleet_protocol::TensorBundle::decode(&b, &fedfleet_protocol::BundleLimits::default()).ok());
+    let predictor = crate::ml::load_served(&GraphTrainer, &m.spec, &bytes, local.as_ref()).map_err(|e| anyhow::anyhow!(e))?;
     Ok(crate::agent::Served { model: m.model, predictor })
 }

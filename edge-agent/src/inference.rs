@@ -194,7 +194,7 @@ mod tests {
         let bytes = fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode();
         let spec_json = serde_json::to_string(&spec).unwrap();
         let model = fedfleet_protocol::ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(1), digest: fedfleet_protocol::Digest::of(&bytes) };
-        Served { model, predictor: crate::ml::load_served(&crate::GraphTrainer, &spec_json, &bytes).unwrap() }
+        Served { model, predictor: crate::ml::load_served(&crate::GraphTrainer, &spec_json, &bytes, None).unwrap() }
     }
 
     #[test]

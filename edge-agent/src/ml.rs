@@ -12,13 +12,28 @@ use fedfleet_protocol::{BundleLimits, DType, DeviceId, RoundAnnouncement, Signed
 use crate::lifecycle::HealthReport;
 use crate::trainer::{ModelView, RoundJob, Serve, Trainer};
 
-/// A signed update ready for the outbox.
+/// A signed update ready for the outbox, and the tensors the device keeps.
 #[derive(Debug, Clone)]
 pub struct TrainedUpdate {
     pub header: Vec<u8>,
     pub payload: Vec<u8>,
     pub num_examples: usize,
     pub final_loss: Option<f64>,
+    /// FedBN's local tensors after this round (empty for most models).
+    pub local_state: TensorBundle,
+}
+
+/// `weights` with this device's local tensors laid over them (FedBN: its own batch norms, not
+/// the global model's). Local tensors that no longer fit the model (another architecture) are
+/// ignored, with a warning.
+pub fn with_local(weights: TensorBundle, local: Option<&TensorBundle>) -> TensorBundle {
+    match local.filter(|l| !l.is_empty()) {
+        None => weights,
+        Some(l) => fedfleet_learning::finetune::overlay_local(&weights, l).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "this device's local tensors do not fit the model; using the model's own");
+            weights
+        }),
+    }
 }
 
 /// Decodes a model: spec JSON + safetensors bytes.
@@ -28,14 +43,16 @@ pub fn load_model(spec_json: &str, bytes: &[u8]) -> Result<(ModelSpec, TensorBun
     Ok((spec, bundle))
 }
 
-/// Loads a model for inference with `trainer`.
-pub fn load_served(trainer: &dyn Trainer, spec_json: &str, bytes: &[u8]) -> Result<Arc<dyn Serve>, String> {
+/// Loads a model for inference with `trainer` (with the device's local tensors).
+pub fn load_served(trainer: &dyn Trainer, spec_json: &str, bytes: &[u8], local: Option<&TensorBundle>) -> Result<Arc<dyn Serve>, String> {
     let (spec, weights) = load_model(spec_json, bytes)?;
+    let weights = with_local(weights, local);
     trainer.load(ModelView { spec: &spec, weights: &weights }).map_err(|e| format!("load: {e}"))
 }
 
-/// Fine-tunes the base model with `trainer`, checks what it returned against the spec's update
-/// layout, quantizes the delta per the round config, and signs it.
+/// Fine-tunes the base model (with the device's local tensors) with `trainer`, checks what it
+/// returned against the spec's update layout, quantizes the delta per the round config, and
+/// signs it.
 #[allow(clippy::too_many_arguments)]
 pub fn train_update(
     trainer: &dyn Trainer,
@@ -43,11 +60,13 @@ pub fn train_update(
     spec_json: &str,
     base_bytes: &[u8],
     data: &Dataset,
+    local: Option<&TensorBundle>,
     device: &DeviceId,
     key: &SigningKey,
     nonce: [u8; 16],
 ) -> Result<TrainedUpdate, String> {
     let (spec, global) = load_model(spec_json, base_bytes)?;
+    let global = with_local(global, local);
     let data = match a.config.max_samples {
         Some(max) if (data.len() as u64) > max => data.subset(&(0..max as usize).collect::<Vec<_>>()),
         _ => data.clone(),
@@ -78,7 +97,7 @@ pub fn train_update(
         payload_dtype: a.config.quantization,
     };
     let signed = Signed::sign(header, key);
-    Ok(TrainedUpdate { header: signed.encode(), payload, num_examples: out.num_examples, final_loss: out.loss })
+    Ok(TrainedUpdate { header: signed.encode(), payload, num_examples: out.num_examples, final_loss: out.loss, local_state: out.local_state })
 }
 
 /// Health check: the candidate loads, its task metric on the holdout (accuracy, or minus the
@@ -89,9 +108,11 @@ pub fn health_check(
     candidate: (&str, &[u8]),
     active: Option<(&str, &[u8])>,
     holdout: &Dataset,
+    local: Option<&TensorBundle>,
     latency_samples: usize,
 ) -> Result<HealthReport, String> {
     let (spec, weights) = load_model(candidate.0, candidate.1)?;
+    let weights = with_local(weights, local);
     let view = ModelView { spec: &spec, weights: &weights };
     let served = trainer.load(view).map_err(|e| format!("load: {e}"))?;
     let eval = trainer.evaluate(view, holdout).map_err(|e| format!("run: {e}"))?;
@@ -106,7 +127,7 @@ pub fn health_check(
     let active_score = match active {
         Some((spec_json, bytes)) if eval.examples > 0 => {
             let score = load_model(spec_json, bytes)
-                .and_then(|(s, w)| trainer.evaluate(ModelView { spec: &s, weights: &w }, holdout));
+                .and_then(|(s, w)| trainer.evaluate(ModelView { spec: &s, weights: &with_local(w, local) }, holdout));
             match score {
                 Ok(e) => Some(e.score),
                 Err(e) => {

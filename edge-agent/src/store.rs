@@ -48,6 +48,7 @@ impl StoreError {
 pub use fedfleet_agent_core::{OutboxEntry, Persist, Saved};
 
 const STATE_KEY: &[u8] = b"state";
+const LOCAL_STATE_KEY: &[u8] = b"local_state";
 
 /// Durable store of one agent. One process per store (sled locks the directory).
 pub struct AgentStore {
@@ -68,6 +69,19 @@ impl AgentStore {
         let state = db.open_tree("state")?;
         let outbox = db.open_tree("outbox")?;
         Ok(AgentStore { dir, db, state, outbox })
+    }
+
+    /// The tensors this device keeps out of its updates (FedBN's local batch norms), as
+    /// safetensors bytes.
+    pub fn local_state(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.state.get(LOCAL_STATE_KEY)?.map(|v| v.to_vec()))
+    }
+
+    /// Replaces the local tensors and flushes.
+    pub fn put_local_state(&self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.state.insert(LOCAL_STATE_KEY, bytes)?;
+        self.db.flush()?;
+        Ok(())
     }
 
     /// Another tree of the same database (e.g. the inbox's), flushed by its owner.

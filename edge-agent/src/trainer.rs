@@ -56,6 +56,10 @@ pub struct LocalUpdate {
     pub num_examples: usize,
     /// The last epoch's mean loss, for the log.
     pub loss: Option<f64>,
+    /// Trained values of tensors that stay on the device (FedBN's local batch norms): the agent
+    /// keeps them and lays them over every later global model, for training and inference.
+    /// Empty for most models.
+    pub local_state: TensorBundle,
 }
 
 /// A model's score on the device's holdout.
@@ -116,7 +120,8 @@ impl Trainer for GraphTrainer {
         builtin_only(model.spec)?;
         let out = fedfleet_learning::train_local(model.spec, model.weights, job.data, &job.train_config(), job.seed)
             .map_err(|e| e.to_string())?;
-        Ok(LocalUpdate { delta: out.delta, num_examples: out.num_examples, loss: out.metrics.epochs.last().map(|e| e.loss as f64) })
+        let loss = out.metrics.epochs.last().map(|e| e.loss as f64);
+        Ok(LocalUpdate { delta: out.delta, num_examples: out.num_examples, loss, local_state: out.local_state })
     }
 
     fn evaluate(&self, model: ModelView<'_>, holdout: &Dataset) -> Result<Evaluation, String> {

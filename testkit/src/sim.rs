@@ -43,13 +43,17 @@ pub struct RoundSummary {
 impl SimFleet {
     /// `n` agents on IID partitions of the digits training split, under `dir`.
     pub fn new(dir: &Path, n: usize, seed: u64) -> Result<Self, AgentError> {
+        Self::with_spec(dir, n, seed, ModelSpec::digits_mlp())
+    }
+
+    /// The same, training `spec` (any model over 64 digit pixels) from a fresh initialisation.
+    pub fn with_spec(dir: &Path, n: usize, seed: u64, spec: ModelSpec) -> Result<Self, AgentError> {
         let clock = Arc::new(FakeClock::new(1_700_000_000_000));
         let agg = Arc::new(FakeAggregator::new());
         let reg = Arc::new(FakeRegistry::new(seed as u8, u64::MAX / 2));
         let fleet = FleetId::new("sim").expect("valid");
-        let spec = ModelSpec::digits_mlp();
         let spec_json = spec.to_json();
-        let global = init_bundle(&spec, seed).expect("digits spec is valid");
+        let global = init_bundle(&spec, seed).expect("SimFleet needs a valid spec");
         let bytes = global.encode();
         let global_ref = reg.publish("digits", &spec_json, bytes.clone());
         let (train, test) = Dataset::digits_split().expect("embedded data");
@@ -107,7 +111,7 @@ impl SimFleet {
         if !deltas.is_empty() {
             let refs: Vec<(&TensorBundle, f64)> = deltas.iter().map(|(b, w)| (b, *w)).collect();
             let avg = fsim::weighted_average(&refs).expect("same layout");
-            self.global = fsim::apply_delta(&self.global, &avg, 1.0).expect("same layout");
+            self.global = fsim::apply_update(&self.global, &avg, 1.0).expect("same layout");
             self.global_ref = self.reg.publish("digits", &self.spec.to_json(), self.global.encode());
             self.reg.assign_all(Some(FakeRegistry::notice(&self.fleet, round, &self.global_ref)));
             self.step().await?;

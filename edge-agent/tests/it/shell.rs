@@ -130,3 +130,40 @@ async fn inbox_examples_pushed_through_the_socket_are_what_the_next_round_trains
     tx.send(()).unwrap();
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn fedbn_batch_norms_stay_on_the_device_and_are_used_for_training_and_inference() {
+    use fedfleet_learning::{ModelSpec, Predictor, finetune::overlay_local};
+    use fedfleet_protocol::{BundleLimits, TensorBundle};
+    let spec = ModelSpec::from_json(
+        r#"{"arch":"graph","input":[64],"layers":[{"type":"linear","name":"fc1","out_features":32},
+            {"type":"batch_norm","name":"bn","local":true},{"type":"relu"},{"type":"linear","name":"fc2","out_features":10}]}"#,
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::with_spec(dir.path(), 2, 3, spec.clone()).unwrap();
+    fleet.run_round(1, round_config()).await.unwrap();
+    // The updates leave the batch norm out; each device kept its own.
+    let local = |fleet: &SimFleet, i: usize| {
+        let bytes = fleet.agents[i].core().store().local_state().unwrap().expect("local tensors kept after training");
+        TensorBundle::decode(&bytes, &BundleLimits::default()).unwrap()
+    };
+    let (a, b) = (local(&fleet, 0), local(&fleet, 1));
+    assert_eq!(a.layout().keys().cloned().collect::<Vec<_>>(), ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight"]);
+    assert_ne!(a.to_f32("bn.running_mean"), fleet.global.to_f32("bn.running_mean"), "the device's statistics moved");
+    assert_ne!(a.to_f32("bn.running_mean"), b.to_f32("bn.running_mean"), "each device has its own");
+    assert_eq!(fleet.global.to_f32("bn.running_mean"), fedfleet_learning::model::init_bundle(&spec, 3).unwrap().to_f32("bn.running_mean"));
+
+    // The second round starts from the global model with the device's own batch norm, and the
+    // installed model serves with it: the device's predictions, not the global model's.
+    fleet.run_round(2, round_config()).await.unwrap();
+    let a2 = local(&fleet, 0);
+    assert!(a2.to_f32("bn.num_batches_tracked").unwrap()[0] > a.to_f32("bn.num_batches_tracked").unwrap()[0], "round 2 continued from round 1's statistics");
+    let served = fleet.agents[0].serving().get().expect("serving the installed model");
+    let x = fleet.test.example(0);
+    let got = served.predictor.predict(x, 1).unwrap().remove(0);
+    let own = Predictor::new(&spec, &overlay_local(&fleet.global, &a2).unwrap()).unwrap().predict(x).unwrap().0;
+    let global_only = Predictor::new(&spec, &fleet.global).unwrap().predict(x).unwrap().0;
+    assert_eq!(got.probs, own.probs);
+    assert_ne!(got.probs, global_only.probs);
+}

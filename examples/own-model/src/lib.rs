@@ -168,7 +168,7 @@ impl Trainer for GatedTrainer {
             let d = t.to_f32_vec().iter().zip(&g).map(|(a, b)| a - b).collect();
             delta.insert_f32(name, t.shape.clone(), d).map_err(|e| e.to_string())?;
         }
-        Ok(LocalUpdate { delta, num_examples: data.len(), loss: last_loss })
+        Ok(LocalUpdate { delta, num_examples: data.len(), loss: last_loss, local_state: TensorBundle::new() })
     }
 
     fn evaluate(&self, model: ModelView<'_>, holdout: &Dataset) -> Result<Evaluation, String> {
