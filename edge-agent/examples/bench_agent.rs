@@ -69,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..n {
         let row = test.example(i % test.len()).to_vec();
         let t = Instant::now();
-        let resp = query(&socket, &Request { inputs: vec![row] }).await?;
+        let resp = query(&socket, &Request { inputs: vec![row], feedback: false }).await?;
         rtt.push(t.elapsed().as_secs_f64() * 1e3);
         anyhow::ensure!(resp.error.is_none(), "endpoint error: {:?}", resp.error);
         model_us.push(resp.latency_us as f64 / 1e3);

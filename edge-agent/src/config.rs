@@ -34,6 +34,7 @@
 //!
 //! [inbox]           # labelled examples the application pushes through the socket
 //! # max_examples = 10000; max_bytes = 16777216; holdout_every = 5   (oldest dropped first)
+//! # max_asked = 1000                           # predictions asked with "feedback": true kept for answers
 //!
 //! [aggregator]      # QUIC + mTLS with the device identity; absent: no training
 //! addr = "10.0.0.5:7400"

@@ -387,7 +387,7 @@ pub async fn infer(config: &Path, input: &Path) -> Result<String> {
     let cfg = AgentConfig::load(config)?;
     let text = std::fs::read_to_string(input).with_context(|| format!("cannot read {}", input.display()))?;
     let rows = inference::parse_csv_rows(&text).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
-    let req = inference::Request { inputs: rows };
+    let req = inference::Request { inputs: rows, feedback: false };
     let resp = match inference::query(&cfg.socket_path(), &req).await {
         Ok(r) => r,
         Err(_) => {

@@ -5,6 +5,12 @@
 //! an acknowledged example survives a kill -9. Every `holdout_every`-th example goes to the
 //! health check's holdout instead of training. The count of examples not yet trained on is the
 //! participation policy's `fresh_samples`.
+//!
+//! Feedback on a prediction: an inference request with `"feedback": true` keeps its inputs
+//! (the last `max_asked`) and answers with one id per row; `{"feedback": [{"id": 17, "label":
+//! 3}]}` later turns the kept input and the application's answer into an example. The kept
+//! inputs are written without a flush: after a crash the newest ids may be unknown, and the
+//! application pushes the example itself.
 
 use std::sync::{Arc, Mutex};
 
@@ -22,12 +28,28 @@ pub struct InboxConfig {
     pub max_bytes: u64,
     /// Every n-th example pushed is held out for health checks (0: none).
     pub holdout_every: u64,
+    /// Predictions whose inputs are kept for feedback (the newest).
+    pub max_asked: u64,
 }
 
 impl Default for InboxConfig {
     fn default() -> Self {
-        InboxConfig { max_examples: 10_000, max_bytes: 16 << 20, holdout_every: 5 }
+        InboxConfig { max_examples: 10_000, max_bytes: 16 << 20, holdout_every: 5, max_asked: 1_000 }
     }
+}
+
+/// The application's answer to a prediction it asked for with `"feedback": true`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Feedback {
+    /// The id the prediction was answered with.
+    pub id: u64,
+    /// The true class (classification).
+    #[serde(default)]
+    pub label: u32,
+    /// The true targets (regression).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub target: Vec<f32>,
 }
 
 /// One labelled example, raw feature values as the application sees them (the `[data]`
@@ -104,6 +126,7 @@ impl ExampleShape {
 }
 
 const EXAMPLE: u8 = b'e';
+const ASKED: u8 = b'a';
 const META: &[u8] = b"m/meta";
 
 /// Counters kept beside the examples, written in the same batch.
@@ -115,6 +138,9 @@ struct Meta {
     dropped: u64,
     /// Examples with a sequence number below this were trained on.
     trained_upto: u64,
+    /// The id the next prediction kept for feedback gets.
+    #[serde(default)]
+    next_asked: u64,
 }
 
 impl Meta {
@@ -126,8 +152,16 @@ impl Meta {
 }
 
 fn key(seq: u64) -> [u8; 9] {
-    let mut k = [EXAMPLE; 9];
-    k[1..].copy_from_slice(&seq.to_be_bytes());
+    prefixed(EXAMPLE, seq)
+}
+
+fn asked_key(id: u64) -> [u8; 9] {
+    prefixed(ASKED, id)
+}
+
+fn prefixed(prefix: u8, n: u64) -> [u8; 9] {
+    let mut k = [prefix; 9];
+    k[1..].copy_from_slice(&n.to_be_bytes());
     k
 }
 
@@ -163,12 +197,62 @@ impl Inbox {
 
     /// Stores `examples` (all or none), drops the oldest beyond the bounds, flushes.
     pub fn push(&self, examples: &[Example]) -> Result<InboxStats, InboxError> {
-        for (index, e) in examples.iter().enumerate() {
-            self.shape.check(e).map_err(|detail| InboxError::Invalid { index, detail })?;
-        }
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.store(examples, &[])
+    }
+
+    /// Keeps the raw inputs of predictions for [`Inbox::feedback`]; returns their ids. Only the
+    /// newest `max_asked` are kept.
+    pub fn remember(&self, inputs: &[Vec<f32>]) -> Result<Vec<u64>, StoreError> {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut meta = self.meta()?;
         let mut batch = sled::Batch::default();
+        let first = meta.next_asked;
+        for input in inputs {
+            batch.insert(&asked_key(meta.next_asked), serde_json::to_vec(input).expect("input serializes"));
+            meta.next_asked += 1;
+        }
+        let keep_from = meta.next_asked.saturating_sub(self.cfg.max_asked);
+        for kv in self.tree.range(asked_key(0)..asked_key(keep_from)) {
+            batch.remove(kv?.0);
+        }
+        batch.insert(META, serde_json::to_vec(&meta).expect("meta serializes"));
+        self.tree.apply_batch(batch)?;
+        Ok((first..meta.next_asked).collect())
+    }
+
+    /// Turns answers to kept predictions into examples (all or none; each id once), stored as a
+    /// push is.
+    pub fn feedback(&self, answers: &[Feedback]) -> Result<InboxStats, InboxError> {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut examples = Vec::with_capacity(answers.len());
+        let mut ids = Vec::with_capacity(answers.len());
+        for (index, a) in answers.iter().enumerate() {
+            let invalid = |detail: String| InboxError::Invalid { index, detail };
+            if ids.contains(&a.id) {
+                return Err(invalid(format!("prediction {} is answered twice", a.id)));
+            }
+            let input = self.tree.get(asked_key(a.id)).map_err(StoreError::from)?.ok_or_else(|| {
+                invalid(format!("prediction {} is unknown or no longer kept (the newest {} are)", a.id, self.cfg.max_asked))
+            })?;
+            let input = serde_json::from_slice(&input).map_err(|e| StoreError::Corrupt { key: format!("asked {}", a.id), detail: e.to_string() })?;
+            examples.push(Example { input, label: a.label, target: a.target.clone() });
+            ids.push(a.id);
+        }
+        self.store(&examples, &ids)
+    }
+
+    /// One atomic, flushed write: `examples` in, the kept predictions `answered` out, the oldest
+    /// examples dropped beyond the bounds. The caller holds the lock.
+    fn store(&self, examples: &[Example], answered: &[u64]) -> Result<InboxStats, InboxError> {
+        for (index, e) in examples.iter().enumerate() {
+            self.shape.check(e).map_err(|detail| InboxError::Invalid { index, detail })?;
+        }
+        let mut meta = self.meta()?;
+        let mut batch = sled::Batch::default();
+        for id in answered {
+            batch.remove(&asked_key(*id));
+        }
         for e in examples {
             batch.insert(&key(meta.next_seq), serde_json::to_vec(e).expect("example serializes"));
             meta.next_seq += 1;
@@ -263,7 +347,7 @@ mod tests {
     #[test]
     fn bounded_oldest_dropped_first_and_kept_across_a_crash() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = InboxConfig { max_examples: 5, max_bytes: 1 << 20, holdout_every: 0 };
+        let cfg = InboxConfig { max_examples: 5, max_bytes: 1 << 20, holdout_every: 0, ..InboxConfig::default() };
         {
             let store = AgentStore::open(dir.path()).unwrap();
             let inbox = Inbox::open(&store, cfg, SHAPE).unwrap();
@@ -288,7 +372,7 @@ mod tests {
     fn the_byte_bound_holds_even_for_one_oversized_push() {
         let dir = tempfile::tempdir().unwrap();
         let store = AgentStore::open(dir.path()).unwrap();
-        let cfg = InboxConfig { max_examples: 100, max_bytes: 50, holdout_every: 0 };
+        let cfg = InboxConfig { max_examples: 100, max_bytes: 50, holdout_every: 0, ..InboxConfig::default() };
         let inbox = Inbox::open(&store, cfg, SHAPE).unwrap();
         let s = inbox.push(&(0..4).map(|i| ex(i as f32, 0)).collect::<Vec<_>>()).unwrap();
         assert_eq!((s.stored, s.examples, s.bytes, s.dropped), (2, 2, 40, 2));
@@ -311,6 +395,31 @@ mod tests {
         }
         assert!(inbox.examples().unwrap().is_empty());
         assert!(!inbox.in_use().unwrap());
+    }
+
+    #[test]
+    fn feedback_turns_a_kept_prediction_into_an_example_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = AgentStore::open(dir.path()).unwrap();
+        let cfg = InboxConfig { max_asked: 3, ..InboxConfig::default() };
+        let inbox = Inbox::open(&store, cfg, SHAPE).unwrap();
+        let ids = inbox.remember(&[vec![1.0; 4], vec![2.0; 4]]).unwrap();
+        assert_eq!(ids, vec![0, 1]);
+        let answer = |id, label| Feedback { id, label, target: vec![] };
+        let s = inbox.feedback(&[answer(1, 2)]).unwrap();
+        assert_eq!((s.stored, s.examples, s.fresh), (1, 1, 1));
+        assert_eq!(inbox.examples().unwrap()[0].1, ex(2.0, 2));
+        // Each prediction is answered once; a bad answer stores nothing of the batch.
+        let again = inbox.feedback(&[answer(0, 1), answer(1, 0)]).unwrap_err().to_string();
+        assert!(again.starts_with("example 1: prediction 1 is unknown or no longer kept"), "{again}");
+        let bad = inbox.feedback(&[answer(0, 7)]).unwrap_err().to_string();
+        assert!(bad.contains("label 7 is not below the 3 classes"), "{bad}");
+        assert_eq!(inbox.examples().unwrap().len(), 1);
+        // Only the newest max_asked inputs are kept.
+        assert_eq!(inbox.remember(&[vec![3.0; 4], vec![4.0; 4], vec![5.0; 4]]).unwrap(), vec![2, 3, 4]);
+        let gone = inbox.feedback(&[answer(0, 1)]).unwrap_err().to_string();
+        assert!(gone.contains("the newest 3 are"), "{gone}");
+        assert_eq!(inbox.feedback(&[answer(4, 1)]).unwrap().examples, 2);
     }
 
     #[test]

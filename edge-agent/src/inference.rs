@@ -23,14 +23,18 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::agent::{Served, Serving};
-use crate::inbox::{Example, Inbox, InboxStats};
+use crate::inbox::{Example, Feedback, Inbox, InboxError, InboxStats};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Request {
     pub inputs: Vec<Vec<f32>>,
+    /// Keep the inputs so that the application can answer the predictions later
+    /// (`{"feedback": [...]}`); the response then carries one id per row.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub feedback: bool,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Response {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelRef>,
@@ -43,15 +47,18 @@ pub struct Response {
     /// The inbox after a push.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inbox: Option<InboxStats>,
+    /// With `"feedback": true`: the id of each prediction, for `{"feedback": [...]}`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ids: Vec<u64>,
 }
 
 impl Response {
     fn error(e: impl Into<String>) -> Self {
-        Response { model: None, predictions: Vec::new(), latency_us: 0, error: Some(e.into()), inbox: None }
+        Response { error: Some(e.into()), ..Response::default() }
     }
 
     fn pushed(stats: InboxStats) -> Self {
-        Response { model: None, predictions: Vec::new(), latency_us: 0, error: None, inbox: Some(stats) }
+        Response { inbox: Some(stats), ..Response::default() }
     }
 }
 
@@ -60,6 +67,13 @@ impl Response {
 #[serde(deny_unknown_fields)]
 pub struct Push {
     pub examples: Vec<Example>,
+}
+
+/// Answers to predictions asked with `"feedback": true`, for the inbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeedbackPush {
+    pub feedback: Vec<Feedback>,
 }
 
 /// Answers one request with the served model (blocking). Rows are raw feature values;
@@ -79,7 +93,7 @@ pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalizati
     normalization.apply(&mut flat);
     let started = std::time::Instant::now();
     match s.predictor.predict(&flat, req.inputs.len()) {
-        Ok(predictions) => Response { model: Some(s.model), predictions, latency_us: started.elapsed().as_micros() as u64, error: None, inbox: None },
+        Ok(predictions) => Response { model: Some(s.model), predictions, latency_us: started.elapsed().as_micros() as u64, ..Response::default() },
         Err(e) => Response::error(e),
     }
 }
@@ -127,36 +141,56 @@ async fn handle(stream: UnixStream, serving: Serving, normalization: Normalizati
         if line.trim().is_empty() {
             continue;
         }
-        let resp = if line.contains("\"examples\"") {
-            match (&inbox, serde_json::from_str::<Push>(&line)) {
-                (None, _) => Response::error("this agent has no inbox"),
-                (Some(_), Err(e)) => Response::error(format!("bad push: {e}")),
-                (Some(inbox), Ok(push)) => {
-                    let inbox = inbox.clone();
-                    // The push is flushed to disk before it is acknowledged.
-                    match tokio::task::spawn_blocking(move || inbox.push(&push.examples)).await {
-                        Ok(Ok(stats)) => Response::pushed(stats),
-                        Ok(Err(e)) => Response::error(e.to_string()),
-                        Err(e) => Response::error(format!("inbox push panicked: {e}")),
-                    }
-                }
-            }
-        } else {
-            match serde_json::from_str::<Request>(&line) {
-            Ok(req) => {
-                let served = serving.get();
-                tokio::task::spawn_blocking(move || answer(served, &req, &normalization))
-                    .await
-                    .unwrap_or_else(|e| Response::error(format!("inference panicked: {e}")))
-            }
-            Err(e) => Response::error(format!("bad request: {e}")),
-            }
-        };
+        let resp = respond(&line, &serving, normalization, inbox.as_ref()).await;
         let mut out = serde_json::to_vec(&resp).expect("response serializes");
         out.push(b'\n');
         w.write_all(&out).await?;
     }
     Ok(())
+}
+
+/// The answer to one line: a push, feedback, or an inference request (told apart by their key).
+async fn respond(line: &str, serving: &Serving, normalization: Normalization, inbox: Option<&Inbox>) -> Response {
+    let keys = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(line).unwrap_or_default();
+    // Storing into the inbox flushes to disk before it is acknowledged.
+    let store = async |what: &str, work: Box<dyn FnOnce(Inbox) -> Result<InboxStats, InboxError> + Send>| {
+        let Some(inbox) = inbox.cloned() else { return Response::error("this agent has no inbox") };
+        match tokio::task::spawn_blocking(move || work(inbox)).await {
+            Ok(Ok(stats)) => Response::pushed(stats),
+            Ok(Err(e)) => Response::error(e.to_string()),
+            Err(e) => Response::error(format!("inbox {what} panicked: {e}")),
+        }
+    };
+    if keys.contains_key("examples") {
+        return match serde_json::from_str::<Push>(line) {
+            Ok(push) => store("push", Box::new(move |inbox| inbox.push(&push.examples))).await,
+            Err(e) => Response::error(format!("bad push: {e}")),
+        };
+    }
+    if keys.contains_key("feedback") && !keys.contains_key("inputs") {
+        return match serde_json::from_str::<FeedbackPush>(line) {
+            Ok(f) => store("feedback", Box::new(move |inbox| inbox.feedback(&f.feedback))).await,
+            Err(e) => Response::error(format!("bad feedback: {e}")),
+        };
+    }
+    let req = match serde_json::from_str::<Request>(line) {
+        Ok(req) => req,
+        Err(e) => return Response::error(format!("bad request: {e}")),
+    };
+    let (served, inbox) = (serving.get(), inbox.cloned());
+    tokio::task::spawn_blocking(move || {
+        let mut resp = answer(served, &req, &normalization);
+        if req.feedback && resp.error.is_none() {
+            match inbox.map(|i| i.remember(&req.inputs)) {
+                Some(Ok(ids)) => resp.ids = ids,
+                Some(Err(e)) => return Response::error(format!("cannot keep the inputs for feedback: {e}")),
+                None => return Response::error("this agent has no inbox to take feedback"),
+            }
+        }
+        resp
+    })
+    .await
+    .unwrap_or_else(|e| Response::error(format!("inference panicked: {e}")))
 }
 
 /// A client: sends one request (a [`Request`] or a [`Push`]) and reads the answer.
@@ -199,15 +233,15 @@ mod tests {
 
     #[test]
     fn a_row_with_the_label_column_is_refused_with_a_hint() {
-        let req = Request { inputs: vec![vec![1.0; 65]] };
+        let req = Request { inputs: vec![vec![1.0; 65]], feedback: false };
         let err = answer(Some(served()), &req, &Normalization::None).error.expect("refused");
         assert!(err.contains("has 65 values, the model takes 64 (is the label column still in?)"), "{err}");
     }
 
     #[test]
     fn raw_rows_are_scaled_as_in_training() {
-        let raw = Request { inputs: vec![(0..64).map(|i| (i % 17) as f32).collect()] };
-        let scaled = Request { inputs: vec![raw.inputs[0].iter().map(|x| x / 16.0).collect()] };
+        let raw = Request { inputs: vec![(0..64).map(|i| (i % 17) as f32).collect()], feedback: false };
+        let scaled = Request { inputs: vec![raw.inputs[0].iter().map(|x| x / 16.0).collect()], feedback: false };
         let a = answer(Some(served()), &raw, &Normalization::Scale(1.0 / 16.0));
         let b = answer(Some(served()), &scaled, &Normalization::None);
         assert_eq!(a.predictions[0].probs, b.predictions[0].probs);

@@ -43,11 +43,11 @@ async fn fleet_trains_uploads_aggregates_and_rolls_out() {
     let path = sock.clone();
     let server = tokio::spawn(async move { inference::serve_unix(&path, serving, fedfleet_learning::Normalization::None, async { let _ = rx.await; }).await });
     let rows: Vec<Vec<f32>> = (0..3).map(|i| fleet.test.example(i).to_vec()).collect();
-    let resp = query_once_listening(&sock, &Request { inputs: rows.clone() }).await;
+    let resp = query_once_listening(&sock, &Request { inputs: rows.clone(), feedback: false }).await;
     assert_eq!(resp.error, None);
     assert_eq!(resp.predictions.len(), 3);
     assert_eq!(resp.model.unwrap(), s.model);
-    let bad = inference::query(&sock, &Request { inputs: vec![vec![1.0; 3]] }).await.unwrap();
+    let bad = inference::query(&sock, &Request { inputs: vec![vec![1.0; 3]], feedback: false }).await.unwrap();
     assert!(bad.error.unwrap().contains("model takes 64"));
     tx.send(()).unwrap();
     server.await.unwrap().unwrap();
@@ -93,7 +93,7 @@ async fn inbox_examples_pushed_through_the_socket_are_what_the_next_round_trains
     let dir = tempfile::tempdir().unwrap();
     let mut fleet = SimFleet::new(dir.path(), 1, 3).unwrap();
     let base_train = fleet.agents[0].data().train.len();
-    let cfg = InboxConfig { max_examples: 30, max_bytes: 1 << 20, holdout_every: 5 };
+    let cfg = InboxConfig { max_examples: 30, max_bytes: 1 << 20, holdout_every: 5, ..InboxConfig::default() };
     let shape = ExampleShape::of(&fleet.agents[0].data().train);
     let inbox = Inbox::open(fleet.agents[0].core().store(), cfg, shape).unwrap();
     fleet.agents[0].set_inbox(inbox.clone(), fedfleet_learning::Normalization::None);
@@ -166,4 +166,52 @@ async fn fedbn_batch_norms_stay_on_the_device_and_are_used_for_training_and_infe
     let global_only = Predictor::new(&spec, &fleet.global).unwrap().predict(x).unwrap().0;
     assert_eq!(got.probs, own.probs);
     assert_ne!(got.probs, global_only.probs);
+}
+
+#[tokio::test]
+async fn feedback_on_a_prediction_becomes_an_example_the_next_round_trains_on() {
+    use fedfleet_agent::inbox::{ExampleShape, Feedback, Inbox, InboxConfig};
+    use fedfleet_agent::inference::FeedbackPush;
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 1, 3).unwrap();
+    fleet.run_round(1, round_config()).await.unwrap();
+    let base_train = fleet.agents[0].data().train.len();
+    let shape = ExampleShape::of(&fleet.agents[0].data().train);
+    let inbox = Inbox::open(fleet.agents[0].core().store(), InboxConfig::default(), shape).unwrap();
+    fleet.agents[0].set_inbox(inbox, fedfleet_learning::Normalization::None);
+    let sock = dir.path().join("agent.sock");
+    let (_tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (path, serving, endpoint_inbox) = (sock.clone(), fleet.agents[0].serving(), fleet.agents[0].inbox());
+    tokio::spawn(async move {
+        inference::serve_unix_with_inbox(&path, serving, fedfleet_learning::Normalization::None, endpoint_inbox, async { let _ = rx.await; }).await
+    });
+
+    // The application asks for predictions it may answer later.
+    let rows: Vec<Vec<f32>> = (0..3).map(|i| fleet.test.example(i).to_vec()).collect();
+    let asked = query_once_listening(&sock, &Request { inputs: rows, feedback: true }).await;
+    assert_eq!((asked.error.as_deref(), asked.predictions.len(), asked.ids.clone()), (None, 3, vec![0, 1, 2]));
+    let plain = inference::query(&sock, &Request { inputs: vec![fleet.test.example(0).to_vec()], feedback: false }).await.unwrap();
+    assert!(plain.ids.is_empty(), "inputs are kept only when asked");
+    // It answers two of them with the true label; an unknown id is refused.
+    let answers = |ids: &[u64]| FeedbackPush { feedback: ids.iter().map(|&id| Feedback { id, label: fleet.test.labels[id as usize], target: vec![] }).collect() };
+    let stats = inference::query(&sock, &answers(&[1, 2])).await.unwrap().inbox.expect("feedback stored");
+    assert_eq!((stats.stored, stats.examples, stats.fresh), (2, 2, 2));
+    let err = inference::query(&sock, &answers(&[9])).await.unwrap().error.expect("refused");
+    assert!(err.contains("prediction 9 is unknown"), "{err}");
+
+    // The next round trains on them (the first example of the inbox is held out: 1 of 2).
+    fleet.agg.set_round(Some(fedfleet_protocol::RoundAnnouncement {
+        fleet: fleet.fleet.clone(),
+        round: fedfleet_protocol::RoundId(2),
+        base_model: fleet.global_ref.clone(),
+        config: round_config(),
+        deadline_unix_ms: u64::MAX,
+        selection: fedfleet_protocol::Selection::All,
+    }));
+    fleet.agg.add_base_model(&fleet.spec.to_json(), fleet.global.encode());
+    fleet.step().await.unwrap();
+    let accepted = fleet.agg.drain_accepted();
+    assert_eq!(accepted.len(), 1);
+    assert_eq!(accepted[0].0.body().sample_count, (base_train + 1) as u64);
 }
