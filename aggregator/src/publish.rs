@@ -40,6 +40,9 @@ pub struct PublishRequest {
     pub parent: Option<ModelVersion>,
     pub metrics: BTreeMap<String, f64>,
     pub created_at_unix_ms: u64,
+    /// Set when `bundle` is a LoRA model with its adapters merged in: kept by the registry
+    /// with the version. ([`DirPublisher`] does not record it.)
+    pub adapter: Option<fedfleet_protocol::artifact::AdapterLineage>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -190,12 +193,12 @@ impl RegistryPublisher {
 impl Publisher for RegistryPublisher {
     fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a> {
         Box::pin(async move {
-            let admin = fedfleet_registry_client::wire::AdminRequest::Publish {
-                name: req.name.clone(),
-                spec_json: req.spec.clone(),
-                parent: req.parent,
-                metrics: req.metrics.clone(),
-                publisher: self.publisher.clone(),
+            use fedfleet_registry_client::wire::AdminRequest;
+            let (name, spec_json, parent, metrics, publisher) =
+                (req.name.clone(), req.spec.clone(), req.parent, req.metrics.clone(), self.publisher.clone());
+            let admin = match req.adapter.clone() {
+                None => AdminRequest::Publish { name, spec_json, parent, metrics, publisher },
+                Some(adapter) => AdminRequest::PublishAdapted { name, spec_json, parent, metrics, publisher, adapter },
             };
             let v = self
                 .client

@@ -369,6 +369,10 @@ pub struct TransferRow {
     /// Digits test accuracy of version 1 (the pre-trained model) and of the final global model.
     pub before: f64,
     pub after: f64,
+    /// The registry's last version: its record (spec, parent, adapter lineage) and the accuracy
+    /// of the weights it serves (under LoRA: the adapters merged in).
+    pub published: fedfleet_registry::VersionRecord,
+    pub published_accuracy: f64,
 }
 
 /// What [`transfer`] measured.
@@ -447,7 +451,14 @@ pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow))
             lb.train(&Ui::quiet(), d.rounds, report).await?;
             let after = evaluate(&spec, &lb.global_model()?, &lb.test)?.accuracy;
             let (bytes, updates) = report.rounds.iter().fold((0u64, 0u64), |(b, n), r| (b + r.bytes_up, n + r.participants));
-            Ok(TransferRow { mode, trainable: spec.num_trainable(), bytes_per_update: bytes as f64 / updates.max(1) as f64, before, after })
+            let store = lb.registry.store();
+            let latest = store.latest(MODEL_NAME)?.context("the registry holds the campaign's versions")?;
+            let published = store.version(MODEL_NAME, latest)?;
+            let served_spec = ModelSpec::from_json(&published.spec.to_string())?;
+            let weights = TensorBundle::decode(&store.read_artifact(&published.digest)?, &fedfleet_protocol::BundleLimits::default())?;
+            let published_accuracy = evaluate(&served_spec, &weights, &lb.test)?.accuracy;
+            let bytes_per_update = bytes as f64 / updates.max(1) as f64;
+            Ok(TransferRow { mode, trainable: spec.num_trainable(), bytes_per_update, before, after, published, published_accuracy })
         })
         .await?;
         on_row(&row);

@@ -53,5 +53,15 @@ async fn a_pretrained_model_is_fine_tuned_full_head_only_and_with_lora() {
     assert!(lora.bytes_per_update <= 0.05 * full.bytes_per_update, "{r:#?}");
     for row in &r.rows {
         assert!(row.after > row.before, "{} does not beat the pre-trained model: {r:#?}", row.mode);
+        // The registry serves what the campaign trained; it names the version trained from.
+        assert_eq!(row.published_accuracy, row.after, "{}", row.mode);
+        assert_eq!(row.published.parent.map(|p| p.0), Some(row.published.version.0 - 1), "{}", row.mode);
     }
+    // Under LoRA it publishes the merged model (a plain MLP, no adapter tensors) and keeps the
+    // lineage: the rank and the weights the adapters were merged into.
+    assert_eq!(lora.published.spec["layers"][1]["name"], "fc1");
+    assert!(lora.published.spec.get("finetune").is_none(), "{}", lora.published.spec);
+    let adapter = lora.published.adapter.as_ref().expect("LoRA lineage recorded");
+    assert_eq!((adapter.method.as_str(), adapter.rank, adapter.tensors.clone()), ("lora", o.lora_rank as u32, vec!["fc2.weight".to_string(), "fc3.weight".to_string()]));
+    assert!(full.published.adapter.is_none() && head.published.adapter.is_none());
 }

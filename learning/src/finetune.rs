@@ -34,6 +34,14 @@ pub fn attach_adapters(spec: &ModelSpec, base: &TensorBundle, seed: u64) -> Resu
     Ok(out)
 }
 
+/// A LoRA spec's adapters: rank, alpha, and the base weights they adapt (`fc2.weight`, ...).
+/// `None` for the other fine-tuning modes.
+pub fn lora_adapters(spec: &ModelSpec) -> Option<(usize, f64, Vec<String>)> {
+    let FineTune::Lora { rank, alpha, .. } = spec.finetune() else { return None };
+    let adapted = spec.layout().keys().filter_map(|n| n.strip_suffix(".lora_A").map(|layer| format!("{layer}.weight"))).collect();
+    Some((rank, alpha.0, adapted))
+}
+
 /// Folds every adapter into its layer: `W + (alpha / r) · B·A` (B·A reshaped to W's shape),
 /// computed in f64 and rounded once. Returns the bundle of [`base_spec`] (no adapter tensors).
 /// A spec without LoRA returns the bundle unchanged.

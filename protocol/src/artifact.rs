@@ -7,6 +7,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Digest, ModelVersion};
 
+/// How a version was derived from its parent by adapter fine-tuning (LoRA): the published
+/// model has the adapters merged into its weights, and this says which. Kept by the registry
+/// with the version so that a merged model can be traced to its parent and its adapters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdapterLineage {
+    /// `"lora"`.
+    pub method: String,
+    pub rank: u32,
+    /// The scaling numerator (updates were scaled by alpha / rank).
+    pub alpha: f64,
+    /// The base weights the adapters were merged into, e.g. `fc2.weight`.
+    pub tensors: Vec<String>,
+}
+
 /// One chunk of an artifact, in order. Every chunk but the last is `chunk_size` long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkRef {
@@ -26,6 +40,9 @@ pub struct Manifest {
     pub metrics: BTreeMap<String, f64>,
     pub created_at: u64,
     pub publisher: String,
+    /// Set when the version is a merged adapter fine-tune of its parent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterLineage>,
     pub chunk_size: u32,
     pub chunks: Vec<ChunkRef>,
 }

@@ -598,7 +598,7 @@ impl RegistryClient {
         req: AdminRequest,
         mut r: impl std::io::Read,
     ) -> Result<serde_json::Value, ClientError> {
-        if !matches!(req, AdminRequest::Publish { .. }) {
+        if !matches!(req, AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. }) {
             return Err(ClientError::Protocol(
                 "publish needs AdminRequest::Publish".into(),
             ));

@@ -233,6 +233,17 @@ pub enum AdminRequest {
     DeviceStatus {
         device: Option<String>,
     },
+    /// [`AdminRequest::Publish`] of a model whose adapters (LoRA) were merged into it: the
+    /// registry keeps the lineage with the version. (A variant of its own: postcard is
+    /// positional, and older operator tools still send `Publish`.)
+    PublishAdapted {
+        name: String,
+        spec_json: String,
+        parent: Option<ModelVersion>,
+        metrics: BTreeMap<String, f64>,
+        publisher: String,
+        adapter: fedfleet_protocol::artifact::AdapterLineage,
+    },
 }
 
 /// What `rollout start` asks for; the registry fills in the previous version from the alias.

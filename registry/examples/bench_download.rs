@@ -94,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
             metrics: Default::default(),
             created_at: 0,
             publisher: "bench".into(),
+            adapter: None,
         },
         model.as_slice(),
     )?;

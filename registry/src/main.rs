@@ -540,6 +540,7 @@ async fn admin(
                             metrics,
                             created_at: now,
                             publisher,
+                            adapter: None,
                         },
                         std::io::BufReader::with_capacity(
                             1 << 20,

@@ -493,6 +493,7 @@ mod tests {
                 metrics: Default::default(),
                 created_at: 1,
                 publisher: "t".into(),
+                adapter: None,
             };
             reg.publish(meta, body).unwrap();
         }

@@ -357,7 +357,7 @@ impl Registry {
     /// [`Registry::publish`]). Returns JSON for the CLI to print.
     pub fn admin(&self, req: AdminRequest, now: u64) -> Result<Value, RegistryError> {
         match req {
-            AdminRequest::Publish { .. } => Err(RegistryError::Invalid(
+            AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. } => Err(RegistryError::Invalid(
                 "publish carries the artifact bytes; use Registry::publish".into(),
             )),
             AdminRequest::List => {

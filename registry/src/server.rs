@@ -233,7 +233,7 @@ fn request_kind(r: &Request) -> &'static str {
         Request::Range { .. } => "range",
         Request::Assignment { .. } => "assignment",
         Request::Report(_) => "report",
-        Request::Admin(AdminRequest::Publish { .. }) => "admin_publish",
+        Request::Admin(AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. }) => "admin_publish",
         Request::Admin(_) => "admin",
     }
 }
@@ -337,16 +337,14 @@ async fn stream(
         },
         Request::Admin(req) => match peer {
             PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => match req {
-                AdminRequest::Publish {
-                    name,
-                    spec_json,
-                    parent,
-                    metrics,
-                    publisher,
-                } => match publish(ctx, s, name, spec_json, parent, metrics, publisher, n).await {
-                    Ok(r) => r,
-                    Err(e) => error_response(ctx, e),
-                },
+                AdminRequest::Publish { name, spec_json, parent, metrics, publisher } => {
+                    let meta = PublishMeta { name, spec_json, parent, metrics, publisher, adapter: None };
+                    publish(ctx, s, meta, n).await.unwrap_or_else(|e| error_response(ctx, e))
+                }
+                AdminRequest::PublishAdapted { name, spec_json, parent, metrics, publisher, adapter } => {
+                    let meta = PublishMeta { name, spec_json, parent, metrics, publisher, adapter: Some(adapter) };
+                    publish(ctx, s, meta, n).await.unwrap_or_else(|e| error_response(ctx, e))
+                }
                 req => match blocking(move || reg.admin(req, now)).await {
                     Ok(v) => Response::Admin(v.to_string()),
                     Err(e) => error_response(ctx, e),
@@ -362,16 +360,18 @@ async fn stream(
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn publish(
-    ctx: &Arc<Ctx>,
-    s: &mut FramedStream,
+/// What a publish request says about the version besides its bytes.
+struct PublishMeta {
     name: String,
     spec_json: String,
     parent: Option<fedfleet_protocol::ModelVersion>,
     metrics: std::collections::BTreeMap<String, f64>,
     publisher: String,
-    peer_name: &str,
-) -> Result<Response, RegistryError> {
+    adapter: Option<fedfleet_protocol::artifact::AdapterLineage>,
+}
+
+async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, meta: PublishMeta, peer_name: &str) -> Result<Response, RegistryError> {
+    let PublishMeta { name, spec_json, parent, metrics, publisher, adapter } = meta;
     use tokio::io::AsyncWriteExt;
     let spec: serde_json::Value = serde_json::from_str(&spec_json)
         .map_err(|e| RegistryError::Invalid(format!("spec is not JSON: {e}")))?;
@@ -432,6 +432,7 @@ async fn publish(
                     metrics,
                     created_at: crate::unix_ms(),
                     publisher,
+                    adapter,
                 },
                 std::io::BufReader::with_capacity(1 << 20, file),
             )

@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 
-pub use fedfleet_protocol::artifact::{ChunkRef, Manifest};
+pub use fedfleet_protocol::artifact::{AdapterLineage, ChunkRef, Manifest};
 
 /// Default chunk size: 1 MiB.
 pub const DEFAULT_CHUNK_SIZE: u32 = 1 << 20;
@@ -163,6 +163,9 @@ pub struct NewVersion {
     pub created_at: u64,
     /// Who published: an operator name, or the aggregator's identity.
     pub publisher: String,
+    /// The adapters merged into this version, if it is an adapter fine-tune of `parent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterLineage>,
 }
 
 /// A committed version as stored in the `versions` tree.
@@ -177,6 +180,8 @@ pub struct VersionRecord {
     pub metrics: BTreeMap<String, f64>,
     pub created_at: u64,
     pub publisher: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterLineage>,
 }
 
 /// The manifest of a stored version.
@@ -191,6 +196,7 @@ fn manifest_of(rec: VersionRecord, art: Artifact) -> Manifest {
         metrics: rec.metrics,
         created_at: rec.created_at,
         publisher: rec.publisher,
+        adapter: rec.adapter,
         chunk_size: art.chunk_size,
         chunks: art.chunks,
     }
@@ -573,6 +579,7 @@ impl Store {
                     metrics: meta.metrics.clone(),
                     created_at: meta.created_at,
                     publisher: meta.publisher.clone(),
+                    adapter: meta.adapter.clone(),
                 };
                 if a.get(digest.0)?.is_none() {
                     a.insert(&digest.0, art_bytes.as_slice())?;

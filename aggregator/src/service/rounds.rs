@@ -230,29 +230,32 @@ impl Aggregator {
         .await
         .map_err(|e| e.to_string())?;
         let digest = Digest::of(&bytes);
+        let (for_registry, served_spec, adapter) = registry_form(&sh.spec, &sh.spec_json, &bytes, true)?;
         let req = PublishRequest {
             name: sh.cfg.model.name.clone(),
-            bundle: bytes,
-            spec: sh.spec_json.clone(),
+            bundle: for_registry,
+            spec: served_spec,
             parent: Some(base.version),
             metrics: metrics.clone(),
             created_at_unix_ms: now_ms(),
+            adapter,
         };
         let (version, published) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
-        if published != digest {
-            return Err(format!("publisher returned digest {published}, expected {digest}"));
+        if published != Digest::of(&req.bundle) {
+            return Err(format!("publisher returned digest {published}, expected {}", Digest::of(&req.bundle)));
         }
+        // The service keeps the model as it trains it (under LoRA: base weights + adapters).
         let rec = ModelRecord {
             name: req.name.clone(),
             version,
-            length: req.bundle.len() as u64,
-            spec: req.spec.clone(),
+            length: bytes.len() as u64,
+            spec: sh.spec_json.clone(),
             parent: req.parent,
             metrics: metrics.into_iter().collect(),
         };
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
-            me.shared.store.put_model(&digest, &req.bundle, &rec).map_err(|e| e.to_string())?;
+            me.shared.store.put_model(&digest, &bytes, &rec).map_err(|e| e.to_string())?;
             let mut core = me.lock();
             if core.closing != Some(round) {
                 return Ok(());
@@ -295,24 +298,29 @@ impl Aggregator {
                 metrics.extend(eval_metrics(&r));
             }
         }
+        // Version 1 is the pre-trained base: under LoRA its (zero-effect) adapters are merged
+        // away and no lineage is recorded.
+        let (for_registry, served_spec, _) = registry_form(&sh.spec, &sh.spec_json, &bytes, false)?;
         let req = PublishRequest {
             name: sh.cfg.model.name.clone(),
-            bundle: bytes,
-            spec: sh.spec_json.clone(),
+            bundle: for_registry,
+            spec: served_spec,
             parent: None,
             metrics: metrics.clone(),
             created_at_unix_ms: now_ms(),
+            adapter: None,
         };
-        let (version, digest) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
+        let (version, _) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
+        let digest = Digest::of(&bytes);
         let rec = ModelRecord {
             name: req.name.clone(),
             version,
-            length: req.bundle.len() as u64,
-            spec: req.spec.clone(),
+            length: bytes.len() as u64,
+            spec: sh.spec_json.clone(),
             parent: None,
             metrics: metrics.into_iter().collect(),
         };
-        sh.store.put_model(&digest, &req.bundle, &rec).map_err(|e| e.to_string())?;
+        sh.store.put_model(&digest, &bytes, &rec).map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if core.global.is_none() {
             core.global = Some(GlobalRef { version, digest });
@@ -390,4 +398,21 @@ impl Aggregator {
 fn eval_metrics(r: &fedfleet_learning::EvalReport) -> [(String, f64); 2] {
     let (name, value, _) = r.metric();
     [(name.to_owned(), value), ("loss".to_owned(), r.loss)]
+}
+
+/// What goes to the registry for a model the service holds (safetensors `bytes` of `spec`):
+/// under LoRA the adapters merged into the base weights, with the base spec (devices serve a
+/// plain model) and, if `lineage`, the adapters that were merged; otherwise the model as it is.
+fn registry_form(
+    spec: &fedfleet_learning::ModelSpec,
+    spec_json: &str,
+    bytes: &[u8],
+    lineage: bool,
+) -> Result<(Vec<u8>, String, Option<fedfleet_protocol::artifact::AdapterLineage>), String> {
+    use fedfleet_learning::finetune::{base_spec, lora_adapters, merge_lora};
+    let Some((rank, alpha, tensors)) = lora_adapters(spec) else { return Ok((bytes.to_vec(), spec_json.to_owned(), None)) };
+    let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
+    let merged = merge_lora(spec, &bundle).map_err(|e| format!("merging the LoRA adapters: {e}"))?;
+    let adapter = lineage.then(|| fedfleet_protocol::artifact::AdapterLineage { method: "lora".into(), rank: rank as u32, alpha, tensors });
+    Ok((merged.encode(), base_spec(spec).to_json(), adapter))
 }

@@ -26,6 +26,7 @@ fn meta(name: &str, parent: Option<u64>) -> NewVersion {
         )]),
         created_at: 1_700_000_000_000 + parent.unwrap_or(0),
         publisher: "test".into(),
+        adapter: None,
     }
 }
 

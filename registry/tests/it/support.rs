@@ -113,6 +113,7 @@ impl Harness {
                     metrics: Default::default(),
                     created_at: 1,
                     publisher: "test".into(),
+                    adapter: None,
                 },
                 data,
             )

@@ -629,6 +629,7 @@ async fn rollout_body() {
             metrics: Default::default(),
             created_at: fedfleet_registry::unix_ms(),
             publisher: "test".into(),
+            adapter: None,
         };
         reg.publish(meta, &bytes[..]).unwrap();
     }
