@@ -1,0 +1,713 @@
+//! CI smoke run of the fuzz corpus: every committed input of every fuzz target in `fuzz/corpus/`
+//! goes through the same decoder calls as its target (`fuzz/fuzz_targets/`), on stable Rust and
+//! without libFuzzer. It asserts only what the targets assert: nothing panics, and what decodes
+//! re-encodes as the target expects.
+//!
+//! The corpus itself comes from coverage-guided fuzzing (see `fuzz/README.md`). The hand-made
+//! starting inputs are written by the ignored test [`write_seed_inputs`]:
+//! `cargo test -p fedfleet-protocol --test fuzz_corpus -- --ignored write_seed_inputs`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
+
+use ed25519_dalek::SigningKey;
+use fedfleet_protocol::artifact::{ChunkRef, Manifest};
+use fedfleet_protocol::envelope::Signable;
+use fedfleet_protocol::messages::ModelManifest;
+use fedfleet_protocol::tuf::{
+    Metadata, Root, SignedMetadata, TargetCustom, TargetInfo, Targets, Timestamp, Verifier,
+};
+use fedfleet_protocol::*;
+
+const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus");
+
+/// Every fuzz target and the harness that mirrors it.
+const TARGETS: &[(&str, fn(&[u8]))] = &[
+    ("bundle_decode", bundle_decode),
+    ("envelope_decode", envelope_decode),
+    ("frame_decode", frame_decode),
+    ("manifest_decode", manifest_decode),
+    ("message_decode", message_decode),
+    ("signed_update_decode", signed_update_decode),
+    ("tuf_decode", tuf_decode),
+    ("tuf_verifier", tuf_verifier),
+];
+
+fn inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
+    let dir = Path::new(CORPUS).join(target);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
+        .map(|entry| entry.expect("corpus entry").path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn every_corpus_input_decodes_without_panicking() {
+    let mut failed = Vec::new();
+    let mut total = 0;
+    for (target, harness) in TARGETS {
+        let files = inputs(target);
+        assert!(!files.is_empty(), "fuzz/corpus/{target} is empty");
+        for (path, bytes) in files {
+            total += 1;
+            if std::panic::catch_unwind(|| harness(&bytes)).is_err() {
+                failed.push(format!(
+                    "{target}: {} ({})",
+                    path.display(),
+                    hex::encode(&bytes)
+                ));
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {total} corpus inputs panicked:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+// ---- The harnesses: keep each in step with fuzz/fuzz_targets/<name>.rs. ----
+
+fn bundle_decode(data: &[u8]) {
+    let limits = BundleLimits {
+        max_bytes: 1 << 20,
+        max_tensors: 256,
+        max_params: 1 << 20,
+    };
+    if let Ok(bundle) = TensorBundle::decode(data, &limits) {
+        let again =
+            TensorBundle::decode(&bundle.encode(), &limits).expect("re-encoded bundle decodes");
+        assert_eq!(again.layout(), bundle.layout());
+        let _ = bundle.check_finite();
+        let _ = bundle.dequantize();
+    }
+}
+
+fn frame_decode(data: &[u8]) {
+    let Some((&split, rest)) = data.split_first() else {
+        return;
+    };
+    let mut decoder = FrameDecoder::new();
+    for chunk in rest.chunks(usize::from(split).max(1)) {
+        decoder.push(chunk);
+        while let Ok(Some(_)) = decoder.poll() {}
+    }
+    let _ = decoder.finish();
+}
+
+fn message_decode(data: &[u8]) {
+    if let Ok(message) = Message::decode(data) {
+        let _ = message.encode();
+    }
+}
+
+fn signed_update_decode(data: &[u8]) {
+    if let Ok(signed) = SignedUpdate::decode(data) {
+        assert_eq!(signed.encode(), data);
+    }
+    if let Ok(header) = UpdateHeader::from_canonical_bytes(data) {
+        assert_eq!(header.canonical_bytes(), data);
+    }
+    let _ = SignedRelay::decode(data);
+    let _ = Signed::<Receipt>::decode(data);
+    let _ = Signed::<RoundAnnouncement>::decode(data);
+    let _ = Signed::<DeviceStatus>::decode(data);
+}
+
+fn envelope<T: Signable>(data: &[u8]) -> Option<Signed<T>> {
+    let signed = Signed::<T>::decode(data).ok()?;
+    assert_eq!(signed.encode(), data, "{:?} envelope re-encodes", T::KIND);
+    let _ = signed.signing_message();
+    Some(signed)
+}
+
+fn envelope_decode(data: &[u8]) {
+    let device = DeviceId::new("dev-1").expect("valid id");
+
+    if let Some(s) = envelope::<UpdateHeader>(data) {
+        let _ = verify_payload(s.body(), data);
+    }
+    if let Some(s) = envelope::<RelayHeader>(data) {
+        let mut check = PayloadCheck::new(s.body());
+        for chunk in data.chunks(7) {
+            if check.update(chunk).is_err() {
+                break;
+            }
+        }
+        let _ = check.received();
+        let _ = check.finish();
+    }
+    let _ = envelope::<Receipt>(data);
+    if let Some(s) = envelope::<RoundAnnouncement>(data) {
+        let _ = s.body().selection.selects(&device);
+    }
+    if let Some(s) = envelope::<RolloutNotice>(data) {
+        let _ = s.body().includes(&device, Some("lab"));
+        let _ = s.body().includes(&device, None);
+    }
+    let _ = envelope::<DeviceStatus>(data);
+    if let Some(s) = envelope::<ModelManifest>(data) {
+        let _ = s.body().spec_json();
+        let _ = s.body().model_ref();
+    }
+
+    if let Ok(h) = RelayHeader::from_canonical_bytes(data) {
+        assert_eq!(h.canonical_bytes(), data);
+    }
+    if let Ok(r) = Receipt::from_canonical_bytes(data) {
+        assert_eq!(r.canonical_bytes(), data);
+    }
+    if let Ok(a) = RoundAnnouncement::from_canonical_bytes(data) {
+        RoundAnnouncement::from_canonical_bytes(&a.canonical_bytes()).expect("re-encoded round");
+    }
+    if let Ok(n) = RolloutNotice::from_canonical_bytes(data) {
+        let again = RolloutNotice::from_canonical_bytes(&n.canonical_bytes()).expect("re-encoded");
+        assert_eq!(again, n);
+    }
+    if let Ok(s) = DeviceStatus::from_canonical_bytes(data) {
+        let again = DeviceStatus::from_canonical_bytes(&s.canonical_bytes()).expect("re-encoded");
+        assert_eq!(again, s);
+        let _ = s.state.as_str();
+    }
+    if let Ok(m) = ModelManifest::from_canonical_bytes(data) {
+        ModelManifest::from_canonical_bytes(&m.canonical_bytes()).expect("re-encoded manifest");
+    }
+}
+
+fn tuf_decode(data: &[u8]) {
+    if let Ok(root) = serde_json::from_slice::<SignedMetadata<Root>>(data) {
+        let _ = root.message();
+        if let Ok(body) = root.body_unverified() {
+            let _ = body.validate();
+        }
+        let _ = Verifier::new(root);
+    }
+    if let Ok(targets) = serde_json::from_slice::<SignedMetadata<Targets>>(data)
+        && targets.body_unverified().is_ok()
+    {
+        let _ = Timestamp::for_targets(1, 2, &targets);
+    }
+    if let Ok(timestamp) = serde_json::from_slice::<SignedMetadata<Timestamp>>(data) {
+        let _ = timestamp.body_unverified();
+    }
+    if let Ok(root) = serde_json::from_slice::<Root>(data) {
+        let _ = root.validate();
+    }
+    let _ = serde_json::from_slice::<Targets>(data);
+    let _ = serde_json::from_slice::<Timestamp>(data);
+    if let Ok(verifier) = serde_json::from_slice::<Verifier>(data) {
+        let _ = verifier.target("m", ModelVersion(1), 0);
+        let _ = serde_json::to_vec(&verifier);
+    }
+}
+
+fn manifest_decode(data: &[u8]) {
+    if let Ok(manifest) = serde_json::from_slice::<Manifest>(data) {
+        for i in 0..=manifest.chunks.len() {
+            let _ = manifest.chunk_offset(i);
+        }
+        let _ = TargetInfo::from_manifest(&manifest);
+        let _ = serde_json::to_vec(&manifest);
+    }
+    let _ = serde_json::from_slice::<Digest>(data);
+    let _ = serde_json::from_slice::<DeviceId>(data);
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = text.parse::<Digest>();
+        let _ = text.parse::<DeviceId>();
+        let _ = text.parse::<FleetId>();
+        let _ = text.parse::<DType>();
+    }
+}
+
+// tuf_verifier: the harness signs the fuzzer's body text with these keys.
+const TUF_EXPIRES: u64 = 20_000;
+const TUF_MAX_OPS: usize = 6;
+
+static TUF_KEYS: LazyLock<Vec<SigningKey>> = LazyLock::new(|| {
+    (1..=5u8)
+        .map(|i| SigningKey::from_bytes(&[i; 32]))
+        .collect()
+});
+
+struct TufFixture {
+    verifier: Verifier,
+    root: SignedMetadata<Root>,
+    targets: SignedMetadata<Targets>,
+    timestamp: SignedMetadata<Timestamp>,
+}
+
+static TUF_FIXTURE: LazyLock<TufFixture> = LazyLock::new(|| {
+    let k = &*TUF_KEYS;
+    let vk = |i: usize| k[i].verifying_key();
+    let root = Root::new(
+        1,
+        TUF_EXPIRES,
+        (&[&vk(0)], 1),
+        (&[&vk(1)], 1),
+        (&[&vk(2)], 1),
+    );
+    let root = SignedMetadata::sign(&root, &[&k[0]]);
+    let verifier = Verifier::new(root.clone()).expect("the fixture root is valid");
+    let targets = SignedMetadata::new(&Targets {
+        version: 1,
+        expires: TUF_EXPIRES,
+        targets: Vec::new(),
+    });
+    let timestamp = SignedMetadata::new(
+        &Timestamp::for_targets(1, TUF_EXPIRES, &targets).expect("fixture targets parse"),
+    );
+    TufFixture {
+        verifier,
+        root,
+        targets,
+        timestamp,
+    }
+});
+
+fn tuf_signed<T: Metadata + Clone>(
+    template: &SignedMetadata<T>,
+    text: String,
+    signers: u8,
+) -> SignedMetadata<T> {
+    let mut s = template.clone();
+    s.signed = text;
+    s.signatures.clear();
+    for (i, key) in TUF_KEYS.iter().enumerate() {
+        if signers & (1 << i) != 0 {
+            s.add_signature(key);
+        }
+    }
+    s
+}
+
+fn tuf_verifier(data: &[u8]) {
+    let fx = &*TUF_FIXTURE;
+    let mut verifier = fx.verifier.clone();
+    let mut rest = data;
+    for _ in 0..TUF_MAX_OPS {
+        let Some((&[op, signers, version, hi, lo], tail)) = rest.split_first_chunk::<5>() else {
+            break;
+        };
+        let len = usize::from(u16::from_be_bytes([hi, lo])).min(tail.len());
+        let (body, tail) = tail.split_at(len);
+        rest = tail;
+        let now = u64::from(op >> 3) * 1000;
+        let text = String::from_utf8_lossy(body).into_owned();
+        match op & 7 {
+            0 => {
+                let _ = verifier.update_root(&tuf_signed(&fx.root, text, signers));
+            }
+            1 => {
+                let _ = verifier.update_timestamp(&tuf_signed(&fx.timestamp, text, signers), now);
+            }
+            2 => {
+                let _ = verifier.update_targets(&tuf_signed(&fx.targets, text, signers), now);
+            }
+            3 => {
+                let targets = tuf_signed(&fx.targets, text, signers);
+                if let Ok(ts) = Timestamp::for_targets(u64::from(version), TUF_EXPIRES, &targets) {
+                    let ts_text = serde_json::to_string(&ts).expect("timestamp serializes");
+                    let ts = tuf_signed(&fx.timestamp, ts_text, 1 << 2);
+                    if verifier.update_timestamp(&ts, now).is_ok() {
+                        let _ = verifier.update_targets(&targets, now);
+                    }
+                }
+            }
+            _ => {
+                let version = ModelVersion(u64::from(version));
+                let _ = verifier.verify_artifact("m", version, body, now);
+                let _ = verifier.verify_artifact_digest(
+                    "m",
+                    version,
+                    body.len() as u64,
+                    Digest::of(body),
+                    now,
+                );
+            }
+        }
+        if op & 0x80 != 0 {
+            let json = serde_json::to_vec(&verifier).expect("verifier serializes");
+            verifier = serde_json::from_slice(&json).expect("persisted verifier reads back");
+        }
+        let _ = (verifier.root(), verifier.timestamp(), verifier.targets());
+    }
+}
+
+// ---- Seed inputs: valid encodings of everything, the fuzzers' starting points. ----
+
+fn model() -> ModelRef {
+    ModelRef {
+        name: "mnist-mlp".into(),
+        version: ModelVersion(3),
+        digest: Digest::of(b"model"),
+    }
+}
+
+fn seed_messages() -> Vec<Message> {
+    let fleet = FleetId::new("eu").unwrap();
+    let device = DeviceId::new("cam-1").unwrap();
+    let announcement = |selection| RoundAnnouncement {
+        fleet: fleet.clone(),
+        round: RoundId(4),
+        base_model: model(),
+        config: RoundConfig {
+            quantization: DType::I8,
+            fedprox_mu: 0.01,
+            max_samples: Some(1000),
+            ..RoundConfig::default()
+        },
+        deadline_unix_ms: 1_700_000_000_000,
+        selection,
+    };
+    let status = |state| DeviceStatus {
+        fleet: fleet.clone(),
+        device: device.clone(),
+        reported_at_unix_ms: 7,
+        state,
+        active: Some(model()),
+        staged: None,
+        rollout_id: Some(2),
+    };
+    let rollout = |action, cohort| RolloutNotice {
+        fleet: fleet.clone(),
+        rollout_id: 2,
+        alias: "stable".into(),
+        model: model(),
+        length: 1234,
+        phase: 1,
+        percent_bp: 1000,
+        cohort,
+        action,
+        issued_at_unix_ms: 9,
+    };
+    vec![
+        Message::RoundAnnouncement(announcement(Selection::Sample {
+            rate_ppm: 250_000,
+            seed: 9,
+        })),
+        Message::RoundAnnouncement(announcement(Selection::All)),
+        Message::RoundAnnouncement(announcement(Selection::Devices(vec![device.clone()]))),
+        Message::Receipt(Receipt {
+            fleet: fleet.clone(),
+            device: device.clone(),
+            round: RoundId(4),
+            nonce: [3; 16],
+            payload_digest: Digest::of(b"p"),
+            accepted_at_unix_ms: 5,
+        }),
+        Message::Rejection(Rejection::new(
+            RejectReason::StaleRound,
+            "round 3 is closed",
+        )),
+        Message::Manifest(ModelManifest {
+            name: "mnist-mlp".into(),
+            version: ModelVersion(3),
+            length: 1234,
+            digest: Digest::of(b"model"),
+            spec: r#"{"arch":"mlp","input":[784]}"#.into(),
+            parent: Some(ModelVersion(2)),
+            metrics: BTreeMap::from([("accuracy".to_owned(), 0.97)]),
+            created_at_unix_ms: 1,
+            publisher: "ci".into(),
+        }),
+        Message::Rollout(rollout(RolloutAction::Install, Some("lab".into()))),
+        Message::Rollout(rollout(RolloutAction::RollBack { to: model() }, None)),
+        Message::Status(status(DeviceState::Idle)),
+        Message::Status(status(DeviceState::Training { round: RoundId(4) })),
+        Message::Status(status(DeviceState::Failed {
+            reason: "health check".into(),
+        })),
+    ]
+}
+
+fn update_header(payload: &[u8]) -> UpdateHeader {
+    UpdateHeader {
+        device: DeviceId::new("cam-1").unwrap(),
+        fleet: FleetId::new("eu").unwrap(),
+        round: RoundId(7),
+        base_model: Digest([0xAB; 32]),
+        nonce: [0x11; 16],
+        sample_count: 600,
+        payload_len: payload.len() as u64,
+        payload_digest: Digest::of(payload),
+        payload_dtype: DType::I8,
+    }
+}
+
+fn relay_header(payload: &[u8]) -> RelayHeader {
+    RelayHeader {
+        relay: DeviceId::new("relay-1").unwrap(),
+        fleet: FleetId::new("eu").unwrap(),
+        round: RoundId(7),
+        base_model: Digest([0xAB; 32]),
+        nonce: [0x22; 16],
+        update_count: 3,
+        total_samples: 1800,
+        payload_len: payload.len() as u64,
+        payload_digest: Digest::of(payload),
+        payload_dtype: DType::F16,
+    }
+}
+
+/// (target, name, bytes) of every seed input.
+fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
+    let key = SigningKey::from_bytes(&[7; 32]);
+    let mut out: Vec<(&'static str, String, Vec<u8>)> = Vec::new();
+    let mut add = |target: &'static str, name: String, bytes: Vec<u8>| {
+        out.push((target, name, bytes));
+    };
+
+    // Messages and the envelopes that carry them.
+    let mut envelopes = Vec::new();
+    for (i, m) in seed_messages().into_iter().enumerate() {
+        add(
+            "message_decode",
+            format!("message-{i}"),
+            m.encode().unwrap(),
+        );
+        let (body, env) = match m {
+            Message::RoundAnnouncement(a) => (a.canonical_bytes(), Signed::sign(a, &key).encode()),
+            Message::Receipt(r) => (r.canonical_bytes(), Signed::sign(r, &key).encode()),
+            Message::Rollout(n) => (n.canonical_bytes(), Signed::sign(n, &key).encode()),
+            Message::Status(s) => (s.canonical_bytes(), Signed::sign(s, &key).encode()),
+            Message::Manifest(m) => (m.canonical_bytes(), Signed::sign(m, &key).encode()),
+            Message::Rejection(_) => continue,
+        };
+        add("envelope_decode", format!("body-{i}"), body);
+        add("envelope_decode", format!("envelope-{i}"), env.clone());
+        envelopes.push(env);
+    }
+    let update = Signed::sign(update_header(b"payload"), &key);
+    let relay = Signed::sign(relay_header(b"partial sum"), &key);
+    for (name, bytes) in [
+        ("update", update.encode()),
+        ("update-header", update.body().canonical_bytes()),
+        ("relay", relay.encode()),
+        ("relay-header", relay.body().canonical_bytes()),
+    ] {
+        add("envelope_decode", name.to_owned(), bytes.clone());
+        add("signed_update_decode", name.to_owned(), bytes);
+    }
+    for (i, env) in envelopes.iter().enumerate() {
+        add("signed_update_decode", format!("envelope-{i}"), env.clone());
+    }
+
+    // Frames: one of each kind, cut at a few read sizes.
+    let mut stream = Vec::new();
+    stream.extend(encode_frame(FrameKind::Message, &seed_messages()[3].encode().unwrap()).unwrap());
+    stream.extend(encode_frame(FrameKind::Signed, &update.encode()).unwrap());
+    stream.extend(encode_frame(FrameKind::Chunk, b"payload").unwrap());
+    stream.extend(encode_frame(FrameKind::End, b"").unwrap());
+    for split in [1u8, 5, 64] {
+        let mut input = vec![split];
+        input.extend_from_slice(&stream);
+        add("frame_decode", format!("stream-{split}"), input);
+    }
+
+    // Bundles: every dtype, a scalar and a matrix.
+    let mut bundle = TensorBundle::new();
+    bundle
+        .insert_f32(
+            "fc1.weight",
+            vec![2, 3],
+            vec![0.5, -1.0, 2.0, 0.0, 3.25, -0.125],
+        )
+        .unwrap();
+    bundle
+        .insert_f32("fc1.bias", vec![3], vec![0.1, 0.2, 0.3])
+        .unwrap();
+    bundle.insert_f32("scale", vec![], vec![4.0]).unwrap();
+    for dtype in DType::ALL {
+        add(
+            "bundle_decode",
+            format!("bundle-{dtype}"),
+            bundle.quantize(dtype).encode(),
+        );
+    }
+    add(
+        "bundle_decode",
+        "empty".into(),
+        TensorBundle::new().encode(),
+    );
+
+    // TUF metadata, signed with the tuf_verifier harness keys.
+    let k = &*TUF_KEYS;
+    let vk: Vec<_> = k.iter().map(|k| k.verifying_key()).collect();
+    let root1 = Root::new(
+        1,
+        TUF_EXPIRES,
+        (&[&vk[0]], 1),
+        (&[&vk[1]], 1),
+        (&[&vk[2]], 1),
+    );
+    let root2 = Root::new(
+        2,
+        TUF_EXPIRES,
+        (&[&vk[0], &vk[3]], 2),
+        (&[&vk[4]], 1),
+        (&[&vk[2]], 1),
+    );
+    let artifact = b"model bytes".to_vec();
+    let target = TargetInfo {
+        name: "m".into(),
+        version: ModelVersion(1),
+        length: artifact.len() as u64,
+        digest: Digest::of(&artifact),
+        custom: TargetCustom {
+            spec: serde_json::json!({"arch": "mlp", "input": [784]}),
+            metrics: BTreeMap::from([("accuracy".to_owned(), 0.9)]),
+            parent: None,
+        },
+    };
+    let targets = Targets {
+        version: 1,
+        expires: TUF_EXPIRES,
+        targets: vec![target],
+    };
+    let signed_root1 = SignedMetadata::sign(&root1, &[&k[0]]);
+    let signed_root2 = SignedMetadata::sign(&root2, &[&k[0], &k[3]]);
+    let signed_targets = SignedMetadata::sign(&targets, &[&k[1]]);
+    let timestamp = Timestamp::for_targets(1, TUF_EXPIRES, &signed_targets).unwrap();
+    let signed_timestamp = SignedMetadata::sign(&timestamp, &[&k[2]]);
+    let mut verifier = Verifier::new(signed_root1.clone()).unwrap();
+    verifier.update_timestamp(&signed_timestamp, 1000).unwrap();
+    verifier.update_targets(&signed_targets, 1000).unwrap();
+    let json = |v: &dyn erased::Json| v.json();
+    for (name, text) in [
+        ("root", json(&signed_root1)),
+        ("root-v2", json(&signed_root2)),
+        ("targets", json(&signed_targets)),
+        ("timestamp", json(&signed_timestamp)),
+        ("root-body", signed_root1.signed.clone()),
+        ("targets-body", signed_targets.signed.clone()),
+        ("timestamp-body", signed_timestamp.signed.clone()),
+        ("verifier", serde_json::to_string(&verifier).unwrap()),
+    ] {
+        add("tuf_decode", name.to_owned(), text.into_bytes());
+    }
+    // tuf_verifier operations: `op | signers | version | len u16 | body`; the clock is op >> 3.
+    let op = |op: u8, signers: u8, version: u8, body: &[u8]| {
+        let mut v = vec![op, signers, version];
+        v.extend_from_slice(&(body.len() as u16).to_be_bytes());
+        v.extend_from_slice(body);
+        v
+    };
+    let t1 = 1 << 3; // now = 1000
+    let rotate = op(t1, 0b1001, 0, signed_root2.signed.as_bytes());
+    let publish = op(t1 | 3, 0b0010, 1, signed_targets.signed.as_bytes());
+    let timestamp_only = op(t1 | 1, 0b0100, 0, signed_timestamp.signed.as_bytes());
+    let targets_only = op(t1 | 2, 0b0010, 0, signed_targets.signed.as_bytes());
+    let publish_rotated = op(t1 | 3, 0b1_0000, 1, signed_targets.signed.as_bytes());
+    let install = op(t1 | 4, 0, 1, &artifact);
+    let persist = op(0x80 | t1 | 4, 0, 1, &artifact);
+    for (name, parts) in [
+        ("publish-install", vec![&publish, &install]),
+        (
+            "timestamp-targets-install",
+            vec![&timestamp_only, &targets_only, &persist],
+        ),
+        ("rotate-publish", vec![&rotate, &publish_rotated, &install]),
+        ("rotate-twice", vec![&rotate, &rotate, &timestamp_only]),
+    ] {
+        add(
+            "tuf_verifier",
+            name.to_owned(),
+            parts.into_iter().flatten().copied().collect(),
+        );
+    }
+
+    // Artifact manifests and the string forms of ids and digests.
+    let manifest = Manifest {
+        name: "m".into(),
+        version: ModelVersion(1),
+        spec: serde_json::json!({"arch": "mlp"}),
+        length: 100,
+        digest: Digest::of(b"artifact"),
+        parent: Some(ModelVersion(0)),
+        metrics: BTreeMap::from([("loss".to_owned(), 0.25)]),
+        created_at: 5,
+        publisher: "ci".into(),
+        adapter: Some(fedfleet_protocol::artifact::AdapterLineage {
+            method: "lora".into(),
+            rank: 4,
+            alpha: 8.0,
+            tensors: vec!["fc2.weight".into()],
+        }),
+        chunk_size: 64,
+        chunks: vec![
+            ChunkRef {
+                digest: Digest::of(b"a"),
+                len: 64,
+            },
+            ChunkRef {
+                digest: Digest::of(b"b"),
+                len: 36,
+            },
+        ],
+    };
+    let mut plain = manifest.clone();
+    plain.adapter = None;
+    for (name, text) in [
+        ("manifest", serde_json::to_string(&manifest).unwrap()),
+        ("manifest-plain", serde_json::to_string(&plain).unwrap()),
+        (
+            "digest-json",
+            serde_json::to_string(&Digest::of(b"x")).unwrap(),
+        ),
+        (
+            "digest-array",
+            serde_json::to_string(&Digest::of(b"x").0).unwrap(),
+        ),
+        ("digest-hex", Digest::of(b"x").to_hex()),
+        ("device-json", "\"cam-1\"".into()),
+        ("dtype", "bf16".into()),
+    ] {
+        add("manifest_decode", name.to_owned(), text.into_bytes());
+    }
+    out
+}
+
+/// JSON of any signed metadata role, behind one type for the seed table.
+mod erased {
+    use fedfleet_protocol::tuf::{Metadata, SignedMetadata};
+
+    pub trait Json {
+        fn json(&self) -> String;
+    }
+    impl<T: Metadata> Json for SignedMetadata<T> {
+        fn json(&self) -> String {
+            serde_json::to_string(self).expect("metadata serializes")
+        }
+    }
+}
+
+#[test]
+fn seeds_pass_their_harnesses() {
+    for (target, _name, bytes) in seeds() {
+        let harness = TARGETS.iter().find(|(t, _)| *t == target).unwrap().1;
+        harness(&bytes);
+    }
+}
+
+/// Writes the seed inputs into `fuzz/corpus/<target>/seed-<name>` (run before the first fuzzing
+/// of a new target; `cargo fuzz cmin` then keeps what adds coverage).
+#[test]
+#[ignore = "writes into the source tree; run by hand"]
+fn write_seed_inputs() {
+    for (target, name, bytes) in seeds() {
+        let dir = Path::new(CORPUS).join(target);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(format!("seed-{name}")), bytes).unwrap();
+    }
+}
