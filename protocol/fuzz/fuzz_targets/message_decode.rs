@@ -1,10 +1,6 @@
 #![no_main]
 
-use fedfleet_protocol::Message;
-use libfuzzer_sys::fuzz_target;
+#[path = "../harness.rs"]
+mod harness;
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok(message) = Message::decode(data) {
-        let _ = message.encode();
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| harness::message_decode(data));
