@@ -1,7 +1,9 @@
 //! PyTorch interop against the numpy reference fixtures (`tests/fixtures/make_reference.py`):
 //! one small model per layer kind, its state_dict written with PyTorch names/layouts/dtypes,
 //! fixed inputs and the reference forward pass. Also: two training runs over each model give
-//! finite, non-zero deltas, and export → import → export is byte-identical.
+//! finite, non-zero deltas, a federated round over each (three devices' deltas in the
+//! aggregator's exact fold) gives the same finite aggregate in any order, and export → import →
+//! export is byte-identical.
 
 use fedfleet_learning::interop::{export_state_dict, import_state_dict, load_state_dict};
 use fedfleet_learning::{Dataset, Model, ModelSpec, TrainConfig, train_local};
@@ -89,5 +91,37 @@ fn two_training_runs_over_each_layer_kind_give_finite_deltas() {
             assert!(out.delta.check_finite().is_ok(), "{} seed {seed}: non-finite delta", c.name);
             assert!(out.metrics.delta_norm > 0.0 && out.metrics.delta_norm.is_finite(), "{} seed {seed}", c.name);
         }
+    }
+}
+
+#[test]
+fn a_federated_round_over_each_layer_kind_aggregates_finitely_and_in_any_order() {
+    use fedfleet_rounds::strategy::fixed::PartialSum;
+    for c in cases() {
+        let weights = load_state_dict(&c.spec, dir().join(format!("{}.safetensors", c.name))).unwrap();
+        let data = training_set(&c);
+        let cfg = TrainConfig { epochs: 1, batch_size: 4, lr: 0.01, ..TrainConfig::default() };
+        // Three devices: their own seeds and example counts (the FedAvg weights).
+        let deltas: Vec<(Vec<f32>, u64)> = [(1, 4), (2, 7), (3, 12)]
+            .into_iter()
+            .map(|(seed, weight)| {
+                let out = train_local(&c.spec, &weights, &data, &cfg, seed).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+                let flat: Vec<f32> = out.delta.iter().flat_map(|(_, t)| t.to_f32_vec()).collect();
+                (flat, weight)
+            })
+            .collect();
+        let fold = |order: [usize; 3]| {
+            let mut sum = PartialSum::new(deltas[0].0.len());
+            for i in order {
+                sum.fold(&deltas[i].0, deltas[i].1).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            }
+            sum.mean().unwrap()
+        };
+        let (a, b, d) = (fold([0, 1, 2]), fold([2, 0, 1]), fold([1, 2, 0]));
+        assert!(a.iter().all(|v| v.is_finite()), "{}: non-finite aggregate", c.name);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b), "{}: the aggregate depends on arrival order", c.name);
+        assert_eq!(bits(&a), bits(&d), "{}: the aggregate depends on arrival order", c.name);
+        assert!(a.iter().any(|v| *v != 0.0), "{}: nothing aggregated", c.name);
     }
 }
