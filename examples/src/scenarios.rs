@@ -408,6 +408,21 @@ pub fn mnist_as_digits() -> anyhow::Result<fedfleet_learning::Dataset> {
     Ok(fedfleet_learning::Dataset { features, labels: m.labels.clone(), targets: Vec::new(), shape: vec![64], num_classes: 10 })
 }
 
+/// The transfer scenario's model: an MLP 64-128-64-10 pre-trained centrally on
+/// [`mnist_as_digits`] (80 % of it; `epochs` of SGD with momentum), and its accuracy on the
+/// other 20 %. `fedfleet demo --pretrained` starts from it too.
+pub fn mnist_pretrained(seed: u64, epochs: usize) -> anyhow::Result<(crate::demo::ModelSetup, f64)> {
+    use fedfleet_learning::{ModelSpec, model::init_bundle};
+    let spec = ModelSpec::Graph(ModelSpec::Mlp { input: vec![64], hidden: vec![128, 64], classes: 10 }.to_graph());
+    let (source_train, source_test) = mnist_as_digits()?.split(0.2, seed);
+    let init = init_bundle(&spec, seed)?;
+    let cfg = TrainConfig { epochs, batch_size: 32, lr: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
+    let out = fedfleet_learning::train_local(&spec, &init, &source_train, &cfg, seed)?;
+    let initial = lsim::apply_delta(&init, &out.delta, 1.0)?;
+    let accuracy = evaluate(&spec, &initial, &source_test)?.accuracy;
+    Ok((crate::demo::ModelSetup { spec, initial }, accuracy))
+}
+
 /// One `side`x`side` greyscale image (values in [0, 1]) as 8x8 block counts of its normalised
 /// 32x32 bitmap, in [0, 1].
 fn optdigits_blocks(img: &[f32], side: usize) -> Vec<f32> {
@@ -446,21 +461,12 @@ fn optdigits_blocks(img: &[f32], side: usize) -> Vec<f32> {
 /// (`head`), and LoRA adapters (`lora`). Each row is a campaign over the real services.
 pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow)) -> anyhow::Result<TransferReport> {
     use fedfleet_learning::graph::{FineTune, Real};
-    use fedfleet_learning::{ModelSpec, finetune::attach_adapters, model::init_bundle};
+    use fedfleet_learning::{ModelSpec, finetune::attach_adapters};
 
-    let mlp = ModelSpec::Mlp { input: vec![64], hidden: vec![128, 64], classes: 10 }.to_graph();
-    let full = ModelSpec::Graph(mlp.clone());
-    let (source_train, source_test) = mnist_as_digits()?.split(0.2, o.seed);
     let (seed, epochs) = (o.seed, o.pretrain_epochs);
-    let spec = full.clone();
-    let pretrained = tokio::task::spawn_blocking(move || -> anyhow::Result<TensorBundle> {
-        let init = init_bundle(&spec, seed)?;
-        let cfg = TrainConfig { epochs, batch_size: 32, lr: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
-        let out = fedfleet_learning::train_local(&spec, &init, &source_train, &cfg, seed)?;
-        Ok(lsim::apply_delta(&init, &out.delta, 1.0)?)
-    })
-    .await??;
-    let source_accuracy = evaluate(&full, &pretrained, &source_test)?.accuracy;
+    let (setup, source_accuracy) = tokio::task::spawn_blocking(move || mnist_pretrained(seed, epochs)).await??;
+    let (full, pretrained) = (setup.spec, setup.initial);
+    let mlp = full.to_graph();
 
     let with = |finetune: FineTune| {
         let mut g = mlp.clone();
