@@ -391,14 +391,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
 
     /// This device's local tensors (FedBN), if it trained a model that keeps any.
     fn local_state(&self) -> Result<Option<TensorBundle>, AgentError> {
-        let Some(bytes) = self.core.store().local_state()? else { return Ok(None) };
-        match TensorBundle::decode(&bytes, &fedfleet_protocol::BundleLimits::default()) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) => {
-                tracing::warn!(error = %e, "stored local tensors do not decode; training from the global model's");
-                Ok(None)
-            }
-        }
+        Ok(self.core.store().local_state()?)
     }
 
     fn load_blob(&self, m: &SlotModel) -> Result<Vec<u8>, String> {

@@ -419,7 +419,7 @@ fn load_active_offline(store_dir: &PathBuf) -> Result<crate::agent::Served> {
     let st: crate::lifecycle::PersistedState = serde_json::from_slice(&raw)?;
     let m = st.active.context("agent has no active model")?;
     let bytes = store.get_blob(&m.model.digest)?.with_context(|| format!("active model blob {} missing", m.model.digest))?;
-    let local = store.local_state()?.and_then(|b| fedfleet_protocol::TensorBundle::decode(&b, &fedfleet_protocol::BundleLimits::default()).ok());
+    let local = store.local_state()?;
     let predictor = crate::ml::load_served(&GraphTrainer, &m.spec, &bytes, local.as_ref()).map_err(|e| anyhow::anyhow!(e))?;
     Ok(crate::agent::Served { model: m.model, predictor })
 }

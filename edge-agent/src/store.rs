@@ -71,10 +71,17 @@ impl AgentStore {
         Ok(AgentStore { dir, db, state, outbox })
     }
 
-    /// The tensors this device keeps out of its updates (FedBN's local batch norms), as
-    /// safetensors bytes.
-    pub fn local_state(&self) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.state.get(LOCAL_STATE_KEY)?.map(|v| v.to_vec()))
+    /// The tensors this device keeps out of its updates (FedBN's local batch norms). Bytes that
+    /// no longer decode are ignored with a warning: the model's own tensors serve instead.
+    pub fn local_state(&self) -> Result<Option<fedfleet_protocol::TensorBundle>, StoreError> {
+        let Some(bytes) = self.state.get(LOCAL_STATE_KEY)? else { return Ok(None) };
+        match fedfleet_protocol::TensorBundle::decode(&bytes, &fedfleet_protocol::BundleLimits::default()) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) => {
+                tracing::warn!(error = %e, "stored local tensors do not decode; using the model's own");
+                Ok(None)
+            }
+        }
     }
 
     /// Replaces the local tensors and flushes.
