@@ -160,6 +160,10 @@ struct StartArgs {
     /// Devices that must report healthy before a phase advances.
     #[arg(long, default_value_t = 0)]
     min_healthy: u32,
+    /// Most running time a phase may wait for --min-healthy healthy devices before the rollout
+    /// stops as stalled (default: the soak plus 1h; 0 waits forever).
+    #[arg(long, value_parser = parse_duration_ms)]
+    deadline: Option<u64>,
     /// Auto-abort when failed/reporting exceeds this share.
     #[arg(long, default_value_t = 0.2)]
     failure_threshold: f64,
@@ -420,6 +424,7 @@ async fn wait_for_rollout_end(cfg: &Config, started: &serde_json::Value) -> anyh
 }
 
 fn start_request(a: StartArgs) -> anyhow::Result<RolloutStart> {
+    let deadline = a.deadline.unwrap_or(a.soak + 3_600_000);
     let mut phases = Vec::new();
     if let Some(c) = &a.cohort {
         let (name, devs) = c
@@ -433,11 +438,13 @@ fn start_request(a: StartArgs) -> anyhow::Result<RolloutStart> {
             .map_err(|e| anyhow::anyhow!("--cohort: {e}"))?;
         let mut p = Phase::cohort(name, devices, a.soak);
         p.min_healthy = a.min_healthy;
+        p.deadline_ms = deadline;
         phases.push(p);
     }
     for pct in &a.phases {
         let mut p = Phase::percent(*pct, a.soak);
         p.min_healthy = a.min_healthy;
+        p.deadline_ms = deadline;
         phases.push(p);
     }
     if phases.is_empty() {

@@ -61,6 +61,7 @@ fn event_name(e: &RolloutEvent) -> &'static str {
         RolloutEvent::Aborted { .. } => "aborted",
         RolloutEvent::AutoAborted { .. } => "auto_aborted",
         RolloutEvent::RolledBack { .. } => "rolled_back",
+        RolloutEvent::Stalled { .. } => "stalled",
     }
 }
 

@@ -69,6 +69,10 @@ pub struct Phase {
     /// Devices of the audience that must report the target healthy/active before advancing.
     #[serde(default)]
     pub min_healthy: u32,
+    /// Most running time, in ms, the phase may take to meet `min_healthy`; past it the rollout
+    /// stops as stalled ([`Event::Stalled`]) instead of waiting forever. 0: no deadline.
+    #[serde(default)]
+    pub deadline_ms: u64,
 }
 
 impl Phase {
@@ -77,6 +81,7 @@ impl Phase {
             audience: Audience::Percent(p),
             soak_ms,
             min_healthy: 0,
+            deadline_ms: 0,
         }
     }
 
@@ -88,6 +93,7 @@ impl Phase {
             },
             soak_ms,
             min_healthy: 0,
+            deadline_ms: 0,
         }
     }
 }
@@ -124,6 +130,9 @@ impl RolloutPlan {
                 && !(x > 0.0 && x <= 100.0)
             {
                 return bad(format!("phase {i}: percentage {x} outside (0, 100]"));
+            }
+            if p.deadline_ms != 0 && p.deadline_ms < p.soak_ms {
+                return bad(format!("phase {i}: deadline {} ms is shorter than its soak {} ms", p.deadline_ms, p.soak_ms));
             }
         }
         if !(0.0..=1.0).contains(&self.failure_threshold) {
@@ -250,6 +259,14 @@ pub enum Event {
     },
     RolledBack {
         to: Option<ModelVersion>,
+    },
+    /// The phase cannot meet `min_healthy`: its deadline passed, or too few devices of a named
+    /// audience are left that could still report healthy. The rollout is aborted.
+    Stalled {
+        phase: usize,
+        healthy: u32,
+        min_healthy: u32,
+        failed: u32,
     },
 }
 
@@ -409,27 +426,66 @@ impl Rollout {
         }
     }
 
+    /// How many devices the audience of phases 0..=`phase` holds, when every one is named
+    /// (cohorts only); `None` when a percentage makes it depend on the fleet's size.
+    fn known_audience(&self, phase: usize) -> Option<u32> {
+        let mut named = BTreeSet::new();
+        for p in &self.plan.phases[..=phase] {
+            match &p.audience {
+                Audience::Percent(_) => return None,
+                Audience::Cohort { devices, .. } => named.extend(devices),
+            }
+        }
+        Some(named.len() as u32)
+    }
+
     fn check_failures(&mut self, now: u64) {
         if !self.active() {
             return;
         }
         let (ok, failed, _) = self.counts();
         let reporting = ok + failed;
-        if reporting == 0 || reporting < self.plan.min_sample {
-            return;
+        let audience = self.known_audience(self.phase);
+        // Every device of a named audience has an outcome: judge now, however few they are
+        // (otherwise a one-device canary that failed would leave the rollout waiting forever).
+        let all_reported = audience.is_some_and(|n| reporting >= n);
+        if reporting > 0 && (reporting >= self.plan.min_sample || all_reported) {
+            let rate = failed as f64 / reporting as f64;
+            if rate > self.plan.failure_threshold {
+                self.end_aborted(now);
+                tracing::warn!(rollout = %self.plan.id, phase = self.phase, rate, "auto-abort");
+                self.events.push_back(Event::AutoAborted {
+                    phase: self.phase,
+                    failure_rate: rate,
+                    failed,
+                    reporting,
+                });
+                return;
+            }
         }
-        let rate = failed as f64 / reporting as f64;
-        if rate > self.plan.failure_threshold {
-            self.status = Status::Aborted;
-            self.ended_at = Some(now);
-            tracing::warn!(rollout = %self.plan.id, phase = self.phase, rate, "auto-abort");
-            self.events.push_back(Event::AutoAborted {
-                phase: self.phase,
-                failure_rate: rate,
-                failed,
-                reporting,
-            });
+        let min_healthy = self.plan.phases[self.phase].min_healthy;
+        if self.status == Status::Running
+            && audience.is_some_and(|n| n.saturating_sub(failed) < min_healthy)
+        {
+            self.stall(now, ok, failed);
         }
+    }
+
+    fn end_aborted(&mut self, now: u64) {
+        self.status = Status::Aborted;
+        self.ended_at = Some(now);
+    }
+
+    fn stall(&mut self, now: u64, healthy: u32, failed: u32) {
+        let min_healthy = self.plan.phases[self.phase].min_healthy;
+        self.end_aborted(now);
+        tracing::warn!(rollout = %self.plan.id, phase = self.phase, healthy, min_healthy, failed, "stalled");
+        self.events.push_back(Event::Stalled {
+            phase: self.phase,
+            healthy,
+            min_healthy,
+            failed,
+        });
     }
 
     /// A device's report. Recorded in every state; judged only while running or paused.
@@ -467,8 +523,14 @@ impl Rollout {
             if soaked < phase.soak_ms {
                 return;
             }
-            if phase.min_healthy > 0 && self.counts().0 < phase.min_healthy {
-                return;
+            if phase.min_healthy > 0 {
+                let (healthy, failed, _) = self.counts();
+                if healthy < phase.min_healthy {
+                    if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {
+                        self.stall(now, healthy, failed);
+                    }
+                    return;
+                }
             }
             if self.phase + 1 == self.plan.phases.len() {
                 self.status = Status::Completed;
@@ -489,6 +551,8 @@ impl Rollout {
                 phase: self.phase,
                 at: now,
             });
+            // The new phase's gate may already be out of reach of its named audience.
+            self.check_failures(now);
         }
     }
 
@@ -498,6 +562,8 @@ impl Rollout {
         if self.status != Status::Running {
             return None;
         }
+        // Past the soak this stays in the past: a phase waiting for healthy reports (or for its
+        // deadline) is judged on every later timeout.
         let soak = self.plan.phases[self.phase].soak_ms;
         Some(self.running_since + soak.saturating_sub(self.soaked_ms))
     }

@@ -5,6 +5,9 @@ use super::*;
 
 // ----- 8. rollout -----
 
+/// How long past its soak a phase may wait for its devices to report the target healthy.
+const PHASE_DEADLINE: Duration = Duration::from_secs(120);
+
 /// A phased rollout: percent of the fleet per phase, soak per phase, and the auto-abort rule.
 #[derive(Debug, Clone)]
 pub struct RolloutPlan {
@@ -71,6 +74,8 @@ pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &M
                 Phase::percent(*p, soak.as_millis() as u64)
             };
             ph.min_healthy = a.len() as u32;
+            // A phase whose devices never all report healthy ends the rollout instead of the demo.
+            ph.deadline_ms = ph.soak_ms + PHASE_DEADLINE.as_millis() as u64;
             ph
         })
         .collect();

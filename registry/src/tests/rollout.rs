@@ -487,3 +487,75 @@ fn invalid_plans_are_refused() {
         Err(RolloutError::InvalidPlan(_))
     ));
 }
+
+#[test]
+fn a_one_device_canary_that_fails_aborts_the_rollout_below_min_sample() {
+    // min_sample 5 can never be reached by a one-device canary: once every named device has an
+    // outcome, the rollout is judged on what it has instead of waiting forever.
+    let canary = dev(0);
+    let mut ph = Phase::cohort("canary", [canary.clone()], SOAK);
+    ph.min_healthy = 1;
+    let mut r = Rollout::start(plan(vec![ph, Phase::percent(100.0, SOAK)]), T0).unwrap();
+    events(&mut r);
+    r.handle_report(T0 + 10, canary, ModelVersion(2), VersionReport::Failed { reason: "health check".into() });
+    assert_eq!(r.status(), Status::Aborted);
+    assert_eq!(
+        events(&mut r),
+        vec![Event::AutoAborted { phase: 0, failure_rate: 1.0, failed: 1, reporting: 1 }]
+    );
+    assert_eq!(r.poll_timeout(), None);
+}
+
+#[test]
+fn a_named_audience_that_can_no_longer_meet_min_healthy_stalls() {
+    let beta: Vec<DeviceId> = (0..10).map(dev).collect();
+    let mut ph = Phase::cohort("beta", beta.clone(), SOAK);
+    ph.min_healthy = 10;
+    let mut r = Rollout::start(plan(vec![ph, Phase::percent(100.0, SOAK)]), T0).unwrap();
+    events(&mut r);
+    r.handle_report(T0 + 10, beta[0].clone(), ModelVersion(2), VersionReport::Healthy);
+    assert_eq!(r.status(), Status::Running);
+    // One failure of ten is under the failure threshold's sample, but nine devices can no
+    // longer make ten healthy.
+    r.handle_report(T0 + 20, beta[1].clone(), ModelVersion(2), VersionReport::RolledBack { reason: "crash".into() });
+    assert_eq!(r.status(), Status::Aborted);
+    assert_eq!(
+        events(&mut r),
+        vec![Event::Stalled { phase: 0, healthy: 1, min_healthy: 10, failed: 1 }]
+    );
+}
+
+#[test]
+fn a_phase_past_its_deadline_without_enough_healthy_devices_stalls() {
+    let mut ph = Phase::percent(10.0, SOAK);
+    ph.min_healthy = 3;
+    ph.deadline_ms = 5 * SOAK;
+    let mut r = Rollout::start(plan(vec![ph, Phase::percent(100.0, SOAK)]), T0).unwrap();
+    events(&mut r);
+    let d = device_in_phase(&r, 0);
+    r.handle_report(T0 + SOAK, d, ModelVersion(2), VersionReport::Healthy);
+    r.handle_timeout(T0 + 5 * SOAK - 1);
+    assert_eq!((r.status(), r.phase()), (Status::Running, 0));
+    // Paused time does not count toward the deadline, as it does not count toward the soak.
+    r.pause(T0 + 5 * SOAK - 1).unwrap();
+    r.resume(T0 + 9 * SOAK).unwrap();
+    r.handle_timeout(T0 + 9 * SOAK);
+    assert_eq!(r.status(), Status::Running);
+    r.handle_timeout(T0 + 9 * SOAK + 1);
+    assert_eq!(r.status(), Status::Aborted);
+    assert_eq!(
+        events(&mut r),
+        vec![
+            Event::Paused { phase: 0 },
+            Event::Resumed { phase: 0 },
+            Event::Stalled { phase: 0, healthy: 1, min_healthy: 3, failed: 0 },
+        ]
+    );
+}
+
+#[test]
+fn a_deadline_shorter_than_the_soak_is_refused() {
+    let mut ph = Phase::percent(10.0, SOAK);
+    ph.deadline_ms = SOAK - 1;
+    assert!(matches!(Rollout::start(plan(vec![ph]), T0), Err(RolloutError::InvalidPlan(m)) if m.contains("deadline")));
+}

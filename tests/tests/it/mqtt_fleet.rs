@@ -690,7 +690,7 @@ async fn rollout_body() {
         model: MODEL.into(),
         alias: "stable".into(),
         target: ModelVersion(2),
-        phases: vec![Phase { audience: Audience::Percent(100.0), soak_ms: 200, min_healthy: DEVICES as u32 }],
+        phases: vec![Phase { audience: Audience::Percent(100.0), soak_ms: 200, min_healthy: DEVICES as u32, deadline_ms: 0 }],
         failure_threshold: 0.5,
         min_sample: 1,
     };
