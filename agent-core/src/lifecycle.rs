@@ -139,7 +139,7 @@ pub struct HealthPolicy {
     /// Budget for the p99 single-example latency on the local holdout.
     pub max_latency_ms: f64,
     /// The candidate may be at most this much less accurate than the active model (0.02 = 2
-    /// points), or one standard error of the holdout accuracy where that is larger.
+    /// points), or one standard error of the accuracy difference on the holdout where that is larger.
     pub accuracy_margin: f64,
 }
 
@@ -279,16 +279,21 @@ pub struct HealthReport {
     pub metric: String,
 }
 
-/// One standard error of an accuracy `a` measured on `n` examples (0 for other metrics). On a
-/// device's small holdout a gap under it is noise, not a regression: at 85 % on 14 examples one
-/// example is 7 points and the standard error 9.5, so a 2-point margin alone would refuse a
-/// better model about as often as a coin flip.
-fn accuracy_standard_error(metric: &str, a: f64, n: usize) -> f64 {
+/// One standard error of the difference of two accuracies measured on the same `n` examples
+/// (0 for other metrics), Agresti–Caffo (one right and one wrong answer added to each, so a
+/// perfect score on a few examples still has an error). On a device's small holdout a gap under
+/// it is noise, not a regression: on 14 examples, 14 right against 13 right is one example,
+/// 7 points, and a fixed 2-point margin would refuse that model on chance alone.
+fn accuracy_difference_error(metric: &str, active: f64, candidate: f64, n: usize) -> f64 {
     if metric != "accuracy" || n == 0 {
         return 0.0;
     }
-    let a = a.clamp(0.0, 1.0);
-    (a * (1.0 - a) / n as f64).sqrt()
+    let n = n as f64;
+    let variance = |a: f64| {
+        let p = (a.clamp(0.0, 1.0) * n + 1.0) / (n + 2.0);
+        p * (1.0 - p) / (n + 2.0)
+    };
+    (variance(active) + variance(candidate)).sqrt()
 }
 
 /// Outcome of one upload attempt.
@@ -978,7 +983,7 @@ impl Lifecycle {
             return Err(format!("{} is not finite", r.metric));
         }
         if let Some(a) = r.active_score {
-            let allowed = p.accuracy_margin.max(accuracy_standard_error(&r.metric, a, r.holdout));
+            let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, a, r.candidate_score, r.holdout));
             if r.candidate_score < a - allowed {
                 return Err(format!(
                     "holdout {} {:.4} is worse than the active model's {:.4} by more than {:.4}",

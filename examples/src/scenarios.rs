@@ -359,7 +359,7 @@ impl Default for TransferOptions {
             agents: 20,
             rounds: 15,
             seed: 42,
-            pretrain_epochs: 8,
+            pretrain_epochs: PRETRAIN_EPOCHS,
             lora_rank: 1,
             lora_targets: vec!["fc1".into(), "fc2".into(), "fc3".into()],
             lr: [0.2, 0.5, 0.2],
@@ -407,6 +407,9 @@ pub fn mnist_as_digits() -> anyhow::Result<fedfleet_learning::Dataset> {
     }
     Ok(fedfleet_learning::Dataset { features, labels: m.labels.clone(), targets: Vec::new(), shape: vec![64], num_classes: 10 })
 }
+
+/// Epochs of the central MNIST pre-training (transfer scenario, `fedfleet demo --pretrained`).
+pub const PRETRAIN_EPOCHS: usize = 8;
 
 /// The transfer scenario's model: an MLP 64-128-64-10 pre-trained centrally on
 /// [`mnist_as_digits`] (80 % of it; `epochs` of SGD with momentum), and its accuracy on the
