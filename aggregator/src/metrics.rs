@@ -18,12 +18,13 @@
 //! | `fedfleet_aggregator_devices_online` | gauge | devices with a verified status within `presence_ttl_secs` |
 //! | `fedfleet_aggregator_devices_known` | gauge | devices ever heard from over MQTT |
 //! | `fedfleet_aggregator_device_last_seen_seconds` | gauge | `device`: Unix time of its last verified status |
+//! | `fedfleet_aggregator_broker_refused_total` | counter | `reason` = oversized, acl, client_id, malformed: MQTT connections the embedded broker closed |
 //! | `fedfleet_aggregator_compute_adapter` | gauge (1) | `kind`, `name`, `backend`, `driver`, `device_type`: the tensor path's device (absent with the exact fold) |
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use fedfleet_control::Presence;
+use fedfleet_control::{BrokerMetrics, Presence};
 use fedfleet_http::prometheus_client::metrics::counter::Counter;
 use fedfleet_http::prometheus_client::metrics::family::Family;
 use fedfleet_http::prometheus_client::metrics::gauge::Gauge;
@@ -60,6 +61,8 @@ pub struct Metrics {
     compute_adapter: Family<Vec<(String, String)>, Gauge>,
     presence: Mutex<Presence>,
     pub presence_ttl_ms: AtomicU64,
+    /// The embedded MQTT broker's refusals (`broker_refused_total{reason}`), handed to it.
+    pub broker: BrokerMetrics,
     registry: Registry,
 }
 
@@ -91,6 +94,7 @@ impl Metrics {
             compute_adapter: Family::default(),
             presence: Mutex::new(Presence::default()),
             presence_ttl_ms: AtomicU64::new(0),
+            broker: BrokerMetrics::default(),
             registry: Registry::default(),
         };
         // Every label value is present from the start (a scrape sees zeros, not gaps).
@@ -116,6 +120,7 @@ impl Metrics {
         registry.register("device_last_seen_seconds", "Unix time of the device's last verified status", m.last_seen.clone());
         registry.register("resident_memory_bytes", "Resident set size", m.resident.clone());
         registry.register("peak_resident_memory_bytes", "Peak resident set size", m.peak_resident.clone());
+        m.broker.register(&mut registry);
         registry.register("compute_adapter", "The device the tensor fold runs on (value 1)", m.compute_adapter.clone());
         Metrics { registry, ..m }
     }

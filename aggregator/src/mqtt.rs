@@ -124,6 +124,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
         MqttMode::Embedded => {
             let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_identity);
             let mut bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
+            bc.metrics = agg.metrics().broker.clone();
             let broker = EmbeddedBroker::start(bc.clone())
                 .await
                 .map_err(|e| other(format!("[mqtt] embedded broker on {}: {e}", cfg.listen)))?;

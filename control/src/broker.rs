@@ -1,40 +1,53 @@
-//! The embedded MQTT broker: rumqttd, in-process, TLS with the fleet CA and client certificates
-//! required (rumqttd's `verify-client-cert` feature).
+//! The embedded MQTT broker: rumqttd, in-process, behind a gate that holds the fleet's access
+//! rules.
 //!
-//! rumqttd has no way to stop: its router and listener threads run until the process ends. So
-//! rumqttd listens on a private loopback port picked here, and the fleet-facing port is a small
-//! TCP relay in front of it (bytes only; TLS is end to end between the client and rumqttd). Stopping
-//! the broker closes the fleet-facing listener and every relayed connection, exactly what
-//! clients see when a broker goes away; the rumqttd instance behind it is left idle (two threads
-//! and a TLS-only loopback port that nothing connects to), and [`EmbeddedBroker::start`] starts a
-//! fresh one, so a restart also loses retained messages like a real broker restart does (the
-//! aggregator's [`ControlClient`](crate::ControlClient) republishes its retained messages on
-//! every reconnect).
+//! The gate is the fleet-facing listener. It terminates TLS itself with the fleet's mTLS
+//! configuration (client certificate of the fleet CA required, revoked devices refused on every
+//! handshake), reads the client's MQTT packets with rumqttc's codec and applies the rules of
+//! [`topics::may_publish`] and [`topics::may_subscribe`] by the identity in the client
+//! certificate: a device publishes only its own status and updates and hears only the fleet's
+//! announcements and its own receipts. A device must connect under its own id as MQTT client id
+//! (the broker drops an older session with the same id, so another id would be a way to cut a
+//! device off). What breaks a rule closes the connection (MQTT 3.1.1 has no per-message refusal)
+//! and is counted by reason in [`BrokerMetrics`], as is a packet over `max_payload_bytes`.
+//! Packets that pass are forwarded as they came; the broker's answers flow back untouched.
 //!
-//! The relay also covers a rumqttd weakness: it runs each TLS handshake inline in its accept loop,
-//! so one silent connection would stall every other one. The relay only opens the backend
-//! connection once the client has sent its first bytes, and drops clients that send nothing for
-//! [`FIRST_BYTES_TIMEOUT`].
+//! rumqttd listens on a private loopback port that only the gate can use: it asks for a
+//! password drawn at start, which the gate puts in every CONNECT.
 //!
-//! Known rumqttd limits (use an external broker such as mosquitto where they matter): the broker
-//! does not check the revocation list (revoked devices' messages are still refused by signature
-//! checks, against the allow-list); it takes the certificate's `O=` as a tenant and refuses
-//! non-alphanumeric ones, so the fleet id must be alphanumeric (checked at start).
+//! rumqttd has no way to stop: its router and listener threads run until the process ends.
+//! Stopping the broker closes the gate's listener and every client connection, exactly what
+//! clients see when a broker goes away; the rumqttd instance behind it is left idle, and
+//! [`EmbeddedBroker::start`] starts a fresh one, so a restart also loses retained messages like
+//! a real broker restart does (the owners of retained messages — the aggregator's and the
+//! registry's [`ControlClient`](crate::ControlClient)s, each device for its status — republish
+//! them on every reconnect).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use std::path::Path;
-
-use fedfleet_certs::{CaCert, ServerIdentity};
+use bytes::{Bytes, BytesMut};
+use fedfleet_certs::{CaCert, PeerIdentity, RevocationWatcher, ServerIdentity};
+use fedfleet_protocol::FleetId;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use rumqttc::mqttbytes::{self, PacketType};
+use rumqttc::tokio_rustls::TlsAcceptor;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-/// A client must send its first bytes (the TLS ClientHello) within this time.
-pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::topics;
+
+/// A client must finish its TLS handshake within this time.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The user name the gate logs in to rumqttd with.
+const GATE_USER: &str = "fedfleet-gate";
 
 /// Where and how the embedded broker listens.
 #[derive(Debug, Clone)]
@@ -43,13 +56,18 @@ pub struct BrokerConfig {
     pub listen: SocketAddr,
     /// The fleet CA certificate (PEM): clients must present a certificate it issued.
     pub ca_cert: PathBuf,
+    /// The CA-signed revocation list checked on every handshake (default: `revoked.json` beside
+    /// the CA certificate, where the PKI keeps it).
+    pub revocation_list: PathBuf,
     /// The broker's server certificate and key (PEM), e.g. the aggregator's.
     pub server_cert: PathBuf,
     pub server_key: PathBuf,
-    /// Largest MQTT packet payload accepted.
+    /// Largest MQTT packet payload accepted; a larger one closes the connection and is counted.
     pub max_payload_bytes: usize,
     /// Most concurrent client connections.
     pub max_connections: usize,
+    /// Where refusals are counted (share it with the service's metrics registry).
+    pub metrics: BrokerMetrics,
 }
 
 impl BrokerConfig {
@@ -61,12 +79,73 @@ impl BrokerConfig {
     ) -> Self {
         BrokerConfig {
             listen,
+            revocation_list: ca_cert.with_file_name(fedfleet_certs::layout::REVOKED_JSON),
             ca_cert,
             server_cert,
             server_key,
             max_payload_bytes: 2 * 1024 * 1024,
             max_connections: 10_000,
+            metrics: BrokerMetrics::default(),
         }
+    }
+}
+
+/// Why the gate closed a client's connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A packet larger than `max_payload_bytes`.
+    Oversized,
+    /// A publish or subscription outside the client's topics.
+    Acl,
+    /// A device connecting under another client id than its device id.
+    ClientId,
+    /// Bytes that are not MQTT 3.1.1.
+    Malformed,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 4] = [Refusal::Oversized, Refusal::Acl, Refusal::ClientId, Refusal::Malformed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Oversized => "oversized",
+            Refusal::Acl => "acl",
+            Refusal::ClientId => "client_id",
+            Refusal::Malformed => "malformed",
+        }
+    }
+}
+
+/// The broker's counters, prometheus-client handles: register them in the service's registry
+/// with [`BrokerMetrics::register`]; clones count into the same values.
+#[derive(Debug, Clone, Default)]
+pub struct BrokerMetrics {
+    refused: Family<Vec<(String, String)>, Counter>,
+}
+
+impl BrokerMetrics {
+    /// Adds `broker_refused_total{reason}` to `registry`, every reason present from the start.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        for r in Refusal::ALL {
+            let _ = self.refused.get_or_create(&Self::labels(r));
+        }
+        registry.register(
+            "broker_refused",
+            "MQTT connections the embedded broker closed, by reason (oversized, acl, client_id, malformed)",
+            self.refused.clone(),
+        );
+    }
+
+    pub fn refused(&self, reason: Refusal) -> u64 {
+        self.refused.get_or_create(&Self::labels(reason)).get()
+    }
+
+    fn count(&self, reason: Refusal) {
+        self.refused.get_or_create(&Self::labels(reason)).inc();
+    }
+
+    fn labels(reason: Refusal) -> Vec<(String, String)> {
+        vec![("reason".into(), reason.as_str().into())]
     }
 }
 
@@ -75,11 +154,6 @@ impl BrokerConfig {
 pub enum BrokerError {
     #[error("broker certificates: {0}")]
     Certs(#[from] fedfleet_certs::CertError),
-    #[error(
-        "fleet id {0:?} is not alphanumeric: rumqttd refuses client certificates whose O= holds \
-         other characters; use an alphanumeric fleet id or an external broker (e.g. mosquitto)"
-    )]
-    FleetName(String),
     #[error("the CA certificate names no fleet (O=)")]
     NoFleet,
     #[error("cannot listen on {addr}: {source}")]
@@ -96,7 +170,7 @@ pub enum BrokerError {
 pub struct EmbeddedBroker {
     local_addr: SocketAddr,
     stop: watch::Sender<bool>,
-    relay: Option<JoinHandle<()>>,
+    gate: Option<JoinHandle<()>>,
 }
 
 fn free_loopback_port() -> std::io::Result<u16> {
@@ -104,23 +178,19 @@ fn free_loopback_port() -> std::io::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-fn rumqttd_config(cfg: &BrokerConfig, backend: SocketAddr) -> rumqttd::Config {
+fn rumqttd_config(cfg: &BrokerConfig, backend: SocketAddr, password: &str) -> rumqttd::Config {
     let connections = rumqttd::ConnectionSettings {
         connection_timeout_ms: 10_000,
         max_payload_size: cfg.max_payload_bytes,
         max_inflight_count: 256,
-        auth: None,
+        auth: Some(HashMap::from([(GATE_USER.to_string(), password.to_string())])),
         external_auth: None,
         dynamic_filters: true,
     };
     let server = rumqttd::ServerSettings {
         name: "fedfleet-v4".into(),
         listen: backend,
-        tls: Some(rumqttd::TlsConfig::Rustls {
-            capath: Some(cfg.ca_cert.display().to_string()),
-            certpath: cfg.server_cert.display().to_string(),
-            keypath: cfg.server_key.display().to_string(),
-        }),
+        tls: None,
         next_connection_delay_ms: 0,
         connections,
     };
@@ -139,17 +209,25 @@ fn rumqttd_config(cfg: &BrokerConfig, backend: SocketAddr) -> rumqttd::Config {
     }
 }
 
+/// What every gated connection shares.
+struct Gate {
+    tls: TlsAcceptor,
+    fleet: FleetId,
+    backend: SocketAddr,
+    password: String,
+    max_payload_bytes: usize,
+    metrics: BrokerMetrics,
+}
+
 impl EmbeddedBroker {
-    /// Checks the certificates, starts rumqttd on a private loopback port and the relay on
-    /// `config.listen`. Needs a tokio runtime (the relay runs on it).
+    /// Checks the certificates, starts rumqttd on a private loopback port and the gate on
+    /// `config.listen`. Needs a tokio runtime (the gate runs on it).
     pub async fn start(config: BrokerConfig) -> Result<EmbeddedBroker, BrokerError> {
-        // Fail here with a clear error rather than on every connection inside rumqttd.
         let ca = CaCert::load(&config.ca_cert)?;
-        let fleet = ca.fleet().ok_or(BrokerError::NoFleet)?;
-        if !fleet.as_str().chars().all(|c| c.is_ascii_alphanumeric()) {
-            return Err(BrokerError::FleetName(fleet.to_string()));
-        }
-        ServerIdentity::from_files(&config.server_cert, &config.server_key)?;
+        let fleet = ca.fleet().ok_or(BrokerError::NoFleet)?.clone();
+        let identity = ServerIdentity::from_files(&config.server_cert, &config.server_key)?;
+        let revocation = Arc::new(RevocationWatcher::new(&config.revocation_list, &ca)?);
+        let tls = fedfleet_certs::tls::server_config(&ca, &identity, revocation, &[])?;
 
         let listener =
             TcpListener::bind(config.listen)
@@ -170,7 +248,12 @@ impl EmbeddedBroker {
             source,
         })?;
         let backend = SocketAddr::from(([127, 0, 0, 1], port));
-        let rcfg = rumqttd_config(&config, backend);
+        let password = {
+            let mut secret = [0u8; 24];
+            rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut secret);
+            secret.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        };
+        let rcfg = rumqttd_config(&config, backend, &password);
         std::thread::Builder::new()
             .name("fedfleet-rumqttd".into())
             .spawn(move || {
@@ -180,7 +263,6 @@ impl EmbeddedBroker {
                 }
             })
             .map_err(|e| BrokerError::Rumqttd(e.to_string()))?;
-        // Wait until rumqttd listens (a probe connection costs it one failed handshake).
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             if TcpStream::connect(backend).await.is_ok() {
@@ -194,13 +276,21 @@ impl EmbeddedBroker {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
 
+        let gate = Arc::new(Gate {
+            tls: TlsAcceptor::from(Arc::new(tls)),
+            fleet,
+            backend,
+            password,
+            max_payload_bytes: config.max_payload_bytes,
+            metrics: config.metrics.clone(),
+        });
         let (stop, stopped) = watch::channel(false);
-        let relay = tokio::spawn(relay(listener, backend, stopped));
+        let gate = tokio::spawn(accept_loop(listener, gate, stopped));
         tracing::info!(%local_addr, %backend, "embedded MQTT broker listening");
         Ok(EmbeddedBroker {
             local_addr,
             stop,
-            relay: Some(relay),
+            gate: Some(gate),
         })
     }
 
@@ -212,8 +302,8 @@ impl EmbeddedBroker {
     /// Closes the listener and every client connection, and waits until the port is free.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
-        if let Some(relay) = self.relay.take() {
-            let _ = relay.await;
+        if let Some(gate) = self.gate.take() {
+            let _ = gate.await;
         }
     }
 }
@@ -224,18 +314,19 @@ impl Drop for EmbeddedBroker {
     }
 }
 
-async fn relay(listener: TcpListener, backend: SocketAddr, mut stopped: watch::Receiver<bool>) {
+async fn accept_loop(listener: TcpListener, gate: Arc<Gate>, mut stopped: watch::Receiver<bool>) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             _ = stopped.changed() => break,
             accepted = listener.accept() => match accepted {
-                Ok((client, _)) => {
+                Ok((client, peer)) => {
                     let mut stop = stopped.clone();
+                    let gate = gate.clone();
                     conns.spawn(async move {
                         tokio::select! {
                             _ = stop.changed() => {}
-                            _ = relay_one(client, backend) => {}
+                            _ = serve_client(gate, client, peer) => {}
                         }
                     });
                 }
@@ -251,18 +342,109 @@ async fn relay(listener: TcpListener, backend: SocketAddr, mut stopped: watch::R
     conns.shutdown().await;
 }
 
-async fn relay_one(mut client: TcpStream, backend: SocketAddr) {
+async fn serve_client(gate: Arc<Gate>, client: TcpStream, peer: SocketAddr) {
     let _ = client.set_nodelay(true);
-    let mut probe = [0u8; 1];
-    match tokio::time::timeout(FIRST_BYTES_TIMEOUT, client.peek(&mut probe)).await {
-        Ok(Ok(n)) if n > 0 => {}
-        _ => return,
-    }
-    let Ok(mut server) = TcpStream::connect(backend).await else {
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, gate.tls.accept(client)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "MQTT client refused at the TLS handshake");
+            return;
+        }
+        Err(_) => return,
+    };
+    let who = match tls.get_ref().1.peer_certificates().map(fedfleet_certs::peer_identity) {
+        Some(Ok(who)) => who,
+        _ => return, // the verifier admits only fleet identities; nothing else gets here
+    };
+    let Ok(server) = TcpStream::connect(gate.backend).await else {
         return;
     };
     let _ = server.set_nodelay(true);
-    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+    let (client_rx, mut client_tx) = tokio::io::split(tls);
+    let (server_rx, server_tx) = server.into_split();
+    let refused = tokio::select! {
+        r = forward_checked(&gate, &who, client_rx, server_tx) => r,
+        _ = async { let mut server_rx = server_rx; tokio::io::copy(&mut server_rx, &mut client_tx).await } => None,
+    };
+    if let Some((reason, detail)) = refused {
+        gate.metrics.count(reason);
+        tracing::warn!(client = ?who, %peer, reason = reason.as_str(), detail, "MQTT connection closed by the broker's rules");
+    }
+}
+
+/// Copies the client's packets to rumqttd, each checked against the rules. Returns why it
+/// stopped when a rule did it (`None`: the client or the broker went away).
+async fn forward_checked(
+    gate: &Gate,
+    who: &PeerIdentity,
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+) -> Option<(Refusal, String)> {
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    loop {
+        let header = match mqttbytes::check(buf.iter(), gate.max_payload_bytes) {
+            Ok(h) => h,
+            Err(mqttbytes::Error::InsufficientBytes(_)) => {
+                match from.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => return None,
+                    Ok(_) => continue,
+                }
+            }
+            Err(mqttbytes::Error::PayloadSizeLimitExceeded(n)) => {
+                return Some((Refusal::Oversized, format!("{n} byte packet, limit {}", gate.max_payload_bytes)));
+            }
+            Err(e) => return Some((Refusal::Malformed, e.to_string())),
+        };
+        let frame = buf.split_to(header.frame_length()).freeze();
+        let out = match judge(gate, who, header, frame) {
+            Ok(out) => out,
+            Err(refused) => return Some(refused),
+        };
+        if to.write_all(&out).await.is_err() {
+            return None;
+        }
+    }
+}
+
+/// The bytes to forward for one client packet, or why it breaks the rules.
+fn judge(
+    gate: &Gate,
+    who: &PeerIdentity,
+    header: mqttbytes::FixedHeader,
+    frame: Bytes,
+) -> Result<Bytes, (Refusal, String)> {
+    let malformed = |e: mqttbytes::Error| (Refusal::Malformed, e.to_string());
+    match header.packet_type().map_err(malformed)? {
+        PacketType::Connect => {
+            let mut connect = rumqttc::Connect::read(header, frame).map_err(malformed)?;
+            if let PeerIdentity::Device(id) = who
+                && connect.client_id != id.as_str()
+            {
+                return Err((Refusal::ClientId, format!("client id {:?}", connect.client_id)));
+            }
+            // Whoever the client claimed to be, rumqttd admits only the gate.
+            connect.login = Some(rumqttc::Login::new(GATE_USER, gate.password.clone()));
+            let mut out = BytesMut::new();
+            connect.write(&mut out).map_err(malformed)?;
+            Ok(out.freeze())
+        }
+        PacketType::Publish => {
+            let publish = rumqttc::Publish::read(header, frame.clone()).map_err(malformed)?;
+            let topic = &publish.topic;
+            if !topics::may_publish(who, &gate.fleet, topic) {
+                return Err((Refusal::Acl, format!("publish on {topic}")));
+            }
+            Ok(frame)
+        }
+        PacketType::Subscribe => {
+            let subscribe = rumqttc::Subscribe::read(header, frame.clone()).map_err(malformed)?;
+            if let Some(f) = subscribe.filters.iter().find(|f| !topics::may_subscribe(who, &gate.fleet, &f.path)) {
+                return Err((Refusal::Acl, format!("subscribe to {}", f.path)));
+            }
+            Ok(frame)
+        }
+        _ => Ok(frame),
+    }
 }
 
 /// Writes `key` (an ed25519 PKCS#8 PEM key as `fedfleet-certs` writes it) to `dest` as PKCS#8

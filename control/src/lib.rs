@@ -26,7 +26,7 @@ pub mod upload;
 pub mod verify;
 
 #[cfg(feature = "broker")]
-pub use broker::{BrokerConfig, BrokerError, EmbeddedBroker, export_key_pkcs8_v1};
+pub use broker::{BrokerConfig, BrokerError, BrokerMetrics, EmbeddedBroker, Refusal, export_key_pkcs8_v1};
 pub use client::{
     ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Role,
     default_service_reconnect_max, device_tls, service_tls,

@@ -13,6 +13,7 @@
 //! contain the MQTT separators or wildcards `/`, `+`, `#`. A breaking change to any payload gets a
 //! `v2` prefix; `v1` subscribers never see it.
 
+use fedfleet_certs::PeerIdentity;
 use fedfleet_protocol::{DeviceId, FleetId};
 use rumqttc::QoS;
 
@@ -97,6 +98,66 @@ impl Topic {
             | Topic::Rejections { device, .. } => Some(device),
         }
     }
+}
+
+/// Whether `client` (by the identity in its certificate) may publish on `topic` in `fleet` — the embedded broker's access rule. A
+/// device publishes only its own status and updates; a fleet service (aggregator, registry)
+/// anything of the fleet's schema. So no device can forge another's status or plant a retained
+/// announcement that later devices would see instead of the real one.
+pub fn may_publish(client: &PeerIdentity, fleet: &FleetId, topic: &str) -> bool {
+    match client {
+        PeerIdentity::Service(_) => in_fleet(fleet, topic),
+        PeerIdentity::Device(me) => matches!(parse(topic),
+            Ok(Topic::Status { fleet: f, device } | Topic::Updates { fleet: f, device })
+                if &f == fleet && &device == me),
+    }
+}
+
+/// Whether `client` may subscribe to `filter` in `fleet`. A device hears the fleet's
+/// announcements and rollout notices and its own receipts and refusals, never another
+/// device's topics (no wildcards); a service any filter under the fleet's prefix.
+pub fn may_subscribe(client: &PeerIdentity, fleet: &FleetId, filter: &str) -> bool {
+    match client {
+        PeerIdentity::Service(_) => in_fleet(fleet, filter),
+        PeerIdentity::Device(me) => match parse(filter) {
+            Ok(Topic::Rounds { fleet: f } | Topic::Rollouts { fleet: f }) => &f == fleet,
+            Ok(Topic::Receipts { fleet: f, device } | Topic::Rejections { fleet: f, device }) => {
+                &f == fleet && &device == me
+            }
+            _ => false,
+        },
+    }
+}
+
+/// The same rules as [`may_publish`] and [`may_subscribe`] as a mosquitto `acl_file`, for a
+/// fleet on an external broker run with `use_identity_as_username true` (the certificate's CN
+/// is the user name: a device's id, a service's name). `services` are the service names
+/// (e.g. `aggregator`, `registry`) that may use every topic of the fleet.
+pub fn mosquitto_acl(fleet: &FleetId, services: &[&str]) -> String {
+    let f = format!("{PREFIX}/{fleet}");
+    let mut acl = format!(
+        "# fedfleet access rules for fleet {fleet} (mosquitto acl_file; needs use_identity_as_username true)\n\
+         # Devices: their own status and updates; the fleet's announcements, their own receipts and refusals.\n\
+         pattern write {f}/devices/%u/status\n\
+         pattern write {f}/devices/%u/updates\n\
+         pattern read {f}/devices/%u/receipts\n\
+         pattern read {f}/devices/%u/rejections\n\
+         pattern read {f}/rounds\n\
+         pattern read {f}/rollouts\n\
+         # Services: every topic of the fleet.\n"
+    );
+    for s in services {
+        acl.push_str(&format!("user {s}\ntopic readwrite {f}/#\n"));
+    }
+    acl
+}
+
+fn in_fleet(fleet: &FleetId, topic: &str) -> bool {
+    topic
+        .strip_prefix(PREFIX)
+        .and_then(|r| r.strip_prefix('/'))
+        .and_then(|r| r.strip_prefix(fleet.as_str()))
+        .is_some_and(|r| r.starts_with('/'))
 }
 
 /// Why a topic string is not part of the schema.
@@ -225,5 +286,46 @@ mod tests {
             parse("fedfleet/v1//rounds"),
             Err(TopicError::BadId(_))
         ));
+    }
+
+    #[test]
+    fn devices_publish_only_their_own_topics_and_services_the_fleets() {
+        use fedfleet_certs::PeerIdentity;
+        let fleet = FleetId::new("demo").unwrap();
+        let other = FleetId::new("other").unwrap();
+        let me = DeviceId::new("cam-1").unwrap();
+        let peer = DeviceId::new("cam-2").unwrap();
+        let device = PeerIdentity::Device(me.clone());
+        let service = PeerIdentity::Service("aggregator".into());
+        assert!(may_publish(&device, &fleet, &status(&fleet, &me)));
+        assert!(may_publish(&device, &fleet, &updates(&fleet, &me)));
+        for forbidden in [
+            rounds(&fleet),
+            rollouts(&fleet),
+            status(&fleet, &peer),
+            updates(&fleet, &peer),
+            receipts(&fleet, &me),
+            rejections(&fleet, &me),
+            status(&other, &me),
+            "fedfleet/v1/demo/devices/cam-1/status/extra".into(),
+            "fedfleet/v1/demo/#".into(),
+            "elsewhere".into(),
+        ] {
+            assert!(!may_publish(&device, &fleet, &forbidden), "{forbidden}");
+        }
+        for topic in [rounds(&fleet), rollouts(&fleet), receipts(&fleet, &peer), status(&fleet, &peer)] {
+            assert!(may_publish(&service, &fleet, &topic), "{topic}");
+        }
+        assert!(!may_publish(&service, &fleet, &rounds(&other)));
+        assert!(!may_publish(&service, &fleet, "fedfleet/v1/demonstration/rounds"));
+
+        for allowed in [rounds(&fleet), rollouts(&fleet), receipts(&fleet, &me), rejections(&fleet, &me)] {
+            assert!(may_subscribe(&device, &fleet, &allowed), "{allowed}");
+        }
+        for forbidden in [all_status(&fleet), all_updates(&fleet), receipts(&fleet, &peer), "#".into(), "fedfleet/v1/demo/#".into()] {
+            assert!(!may_subscribe(&device, &fleet, &forbidden), "{forbidden}");
+        }
+        assert!(may_subscribe(&service, &fleet, &all_status(&fleet)));
+        assert!(!may_subscribe(&service, &fleet, "#"));
     }
 }

@@ -70,6 +70,9 @@ pub struct MosquittoConfig {
     pub work_dir: PathBuf,
     /// Largest MQTT packet accepted; the update chunks must fit.
     pub max_packet_size: u32,
+    /// Access rules (`acl_file` text, e.g. `fedfleet_control::topics::mosquitto_acl`); `None`:
+    /// every client may use every topic.
+    pub acl: Option<String>,
 }
 
 impl MosquittoConfig {
@@ -89,6 +92,7 @@ impl MosquittoConfig {
             key,
             work_dir,
             max_packet_size: 4 * 1024 * 1024,
+            acl: None,
         }
     }
 }
@@ -119,6 +123,10 @@ impl Mosquitto {
         // Debian 12's OpenSSL 3.0 cannot read the PKCS#8 v2 keys fedfleet-certs writes.
         let key = cfg.work_dir.join("broker-v1.key");
         export_key_pkcs8_v1(&cfg.key, &key)?;
+        if let Some(acl) = &cfg.acl {
+            let path = cfg.work_dir.join("acl");
+            std::fs::write(&path, acl).map_err(io(&path))?;
+        }
         let conf = cfg.work_dir.join("mosquitto.conf");
         std::fs::write(&conf, config_text(&cfg, addr, &key)).map_err(io(&conf))?;
         let mut m = Mosquitto {
@@ -248,6 +256,9 @@ fn config_text(cfg: &MosquittoConfig, addr: SocketAddr, key: &Path) -> String {
         key = key.display(),
         max = cfg.max_packet_size,
     );
+    if cfg.acl.is_some() {
+        conf.push_str(&format!("acl_file {}\n", cfg.work_dir.join("acl").display()));
+    }
     // As root, mosquitto drops to the `mosquitto` user, which cannot read the 0600 key.
     if running_as_root() {
         conf.push_str("user root\n");

@@ -33,8 +33,12 @@ pub struct Fleet {
 
 impl Fleet {
     pub fn new(n: usize) -> Fleet {
+        Self::with_fleet(n, "demo")
+    }
+
+    pub fn with_fleet(n: usize, fleet: &str) -> Fleet {
         let dir = tempfile::tempdir().unwrap();
-        let fleet = FleetId::new("demo").unwrap();
+        let fleet = FleetId::new(fleet).unwrap();
         let pki = Pki::init(dir.path().join("pki"), &fleet, CA_DAYS, false).unwrap();
         pki.issue_server("aggregator", &[], LEAF_DAYS, false)
             .unwrap();
@@ -90,6 +94,16 @@ impl Fleet {
             limits: AssemblerLimits::default(),
         };
         ControlClient::start(self.options(port, "aggregator"), tls, role)
+    }
+
+    /// A client with a fleet service's certificate that hears nothing: it publishes what a
+    /// compromised service (or any client of a broker without access rules) could.
+    pub fn rogue_service(&self, port: u16) -> (ControlClient, ControlEvents) {
+        let id = ServerIdentity::load(self.pki.dir(), "aggregator").unwrap();
+        let tls = service_tls(self.pki.ca(), &id).unwrap();
+        let keys = Arc::new(AllowList::load(self.pki.allow_list_path()).unwrap());
+        let role = Role::Service { keys, status: false, updates: false, limits: AssemblerLimits::default() };
+        ControlClient::start(self.options(port, "rogue"), tls, role)
     }
 
     pub fn device(&self, port: u16, id: &DeviceId) -> (ControlClient, ControlEvents, SigningKey) {

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use fedfleet_control::{
-    BrokerError, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, QoS, Role,
+    ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, QoS, Role,
     encode_frames, topics,
 };
 use fedfleet_protocol::{DeviceId, FleetId, RejectReason, RoundAnnouncement, Signed};
@@ -44,10 +44,12 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     let (agg, mut agg_events) = f.aggregator(port);
     let (dev_a, mut a_events, key_a) = f.device(port, a);
     let (dev_b, mut b_events, key_b) = f.device(port, b);
+    let (rogue, mut rogue_events) = f.rogue_service(port);
     for (what, events) in [
         ("aggregator", &mut agg_events),
         ("a", &mut a_events),
         ("b", &mut b_events),
+        ("rogue", &mut rogue_events),
     ] {
         wait_for(events, what, |e| {
             matches!(e, ControlEvent::Connected { .. }).then_some(())
@@ -55,11 +57,12 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
         .await;
     }
 
-    // An announcement signed by the wrong key, published straight to the broker (by device b,
-    // whose certificate the broker accepts: the broker enforces no topic access).
+    // An announcement signed by the wrong key, published straight to the broker by a client
+    // with a service certificate (the broker lets services publish on every fleet topic; a
+    // device could not: see the_broker_closes_a_device_publishing_outside_its_own_topics).
     let mut ann = f.announcement(5).into_body();
     let forged = Signed::sign(ann.clone(), &key_b);
-    dev_b
+    rogue
         .publish_raw(
             &topics::rounds(&f.fleet),
             forged.encode(),
@@ -83,7 +86,7 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     // Right key, another fleet's announcement replayed into ours.
     ann.fleet = FleetId::new("other").unwrap();
     let other_fleet: Signed<RoundAnnouncement> = Signed::sign(ann, &f.aggregator_key);
-    dev_b
+    rogue
         .publish_raw(
             &topics::rounds(&f.fleet),
             other_fleet.encode(),
@@ -143,7 +146,7 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     ];
     for (what, frames, reason) in cases {
         for frame in frames {
-            dev_b
+            rogue
                 .publish_raw(&topic_a, frame, QoS::AtLeastOnce, false)
                 .await
                 .unwrap();
@@ -167,7 +170,7 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
         &p,
         16 * 1024,
     ) {
-        dev_b
+        rogue
             .publish_raw(
                 &topics::updates(&f.fleet, &ghost),
                 frame,
@@ -213,9 +216,104 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     let s = dev_a.stats();
     assert_eq!(s.rejected(RejectReason::BadSignature), 1, "{s:?}");
     assert_eq!(s.rejected(RejectReason::WrongFleet), 1, "{s:?}");
-    for c in [&agg, &dev_a, &dev_b] {
+    for c in [&agg, &dev_a, &dev_b, &rogue] {
         c.shutdown().await;
     }
+    broker.shutdown().await;
+}
+
+/// Issue 14.5: a device could publish a retained forgery on the fleet's announcement topic, and
+/// devices connecting later saw only it. The broker now holds each device to its own topics:
+/// the publish closes the device's connection, is counted, and never reaches anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_closes_a_device_publishing_outside_its_own_topics() {
+    let f = Fleet::new(3);
+    let config = f.broker_config(0);
+    let metrics = config.metrics.clone();
+    let broker = EmbeddedBroker::start(config).await.unwrap();
+    let port = broker.local_addr().port();
+    let (a, b, late) = (&f.devices[0], &f.devices[1], &f.devices[2]);
+    let (agg, mut agg_events) = f.aggregator(port);
+    let (dev_b, mut b_events, key_b) = f.device(port, b);
+    for (what, events) in [("aggregator", &mut agg_events), ("b", &mut b_events)] {
+        wait_for(events, what, |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
+    }
+    agg.publish_announcement(&f.announcement(6)).await.unwrap();
+
+    // b plants a retained announcement signed with its own key.
+    let forged = Signed::sign(f.announcement(7).into_body(), &key_b);
+    dev_b.publish_raw(&topics::rounds(&f.fleet), forged.encode(), QoS::AtLeastOnce, true).await.unwrap();
+    wait_for(&mut b_events, "b disconnected", |e| matches!(e, ControlEvent::Disconnected { .. }).then_some(())).await;
+    dev_b.shutdown().await;
+    assert_eq!(metrics.refused(fedfleet_control::Refusal::Acl), 1);
+
+    // b publishing a's status and subscribing to every device's status are refused as well.
+    let identity = fedfleet_certs::DeviceIdentity::load(f.pki.dir(), b).unwrap();
+    let tls = fedfleet_control::device_tls(&identity).unwrap();
+    for attempt in ["status", "subscribe"] {
+        let mut o = rumqttc::MqttOptions::new(b.as_str(), "127.0.0.1", port);
+        o.set_transport(rumqttc::Transport::tls_with_config(rumqttc::TlsConfiguration::Rustls(tls.clone())));
+        let (client, mut events) = rumqttc::AsyncClient::new(o, 10);
+        match attempt {
+            "status" => client.publish(topics::status(&f.fleet, a), QoS::AtLeastOnce, true, b"forged".to_vec()).await.unwrap(),
+            _ => client.subscribe(topics::all_status(&f.fleet), QoS::AtLeastOnce).await.unwrap(),
+        }
+        let closed = tokio::time::timeout(common::WAIT, async {
+            loop {
+                if events.poll().await.is_err() {
+                    return;
+                }
+            }
+        });
+        closed.await.unwrap_or_else(|_| panic!("{attempt}: the broker kept the connection"));
+    }
+    assert_eq!(metrics.refused(fedfleet_control::Refusal::Acl), 3);
+
+    // A device under another device's client id could cut that device off: refused.
+    let mut o = rumqttc::MqttOptions::new(a.as_str(), "127.0.0.1", port);
+    o.set_transport(rumqttc::Transport::tls_with_config(rumqttc::TlsConfiguration::Rustls(tls.clone())));
+    let (_client, mut events) = rumqttc::AsyncClient::new(o, 10);
+    assert!(events.poll().await.is_err() || events.poll().await.is_err(), "b connected as a");
+    assert_eq!(metrics.refused(fedfleet_control::Refusal::ClientId), 1);
+
+    // A device connecting now hears the real announcement, never the forgery.
+    let (dev_late, mut late_events, _) = f.device(port, late);
+    let round = wait_for(&mut late_events, "retained announcement", |e| match e {
+        ControlEvent::Announcement(s) => Some(s.body().round.0),
+        ControlEvent::Rejected(r) => panic!("the forgery reached a device: {r}"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(round, 6);
+    assert!(dev_late.stats().rejected(RejectReason::BadSignature) == 0);
+    for c in [&agg, &dev_late] {
+        c.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+/// Issue 14.7: a publish over the size limit closes the connection and is counted, instead of
+/// vanishing without a trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_publish_is_counted() {
+    let f = Fleet::new(1);
+    let mut config = f.broker_config(0);
+    config.max_payload_bytes = 64 * 1024;
+    let metrics = config.metrics.clone();
+    let broker = EmbeddedBroker::start(config).await.unwrap();
+    let port = broker.local_addr().port();
+    let a = &f.devices[0];
+    let (dev, mut events, _) = f.device(port, a);
+    wait_for(&mut events, "connected", |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
+    dev.publish_raw(&topics::updates(&f.fleet, a), vec![0u8; 100 * 1024], QoS::AtLeastOnce, false).await.unwrap();
+    wait_for(&mut events, "disconnected", |e| matches!(e, ControlEvent::Disconnected { .. }).then_some(())).await;
+    dev.shutdown().await;
+    assert_eq!(metrics.refused(fedfleet_control::Refusal::Oversized), 1);
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(text.contains("broker_refused_total{reason=\"oversized\"} 1"), "{text}");
     broker.shutdown().await;
 }
 
@@ -251,23 +349,15 @@ async fn the_embedded_broker_requires_a_fleet_client_certificate() {
     broker.shutdown().await;
 }
 
-#[tokio::test]
-async fn the_embedded_broker_refuses_fleet_ids_rumqttd_cannot_take() {
-    let dir = tempfile::tempdir().unwrap();
-    let fleet = FleetId::new("eu-west").unwrap();
-    let pki = fedfleet_certs::Pki::init(dir.path(), &fleet, 30, false).unwrap();
-    let s = pki.issue_server("aggregator", &[], 30, false).unwrap();
-    let cfg = fedfleet_control::BrokerConfig::new(
-        ([127, 0, 0, 1], 0).into(),
-        pki.ca_cert_path(),
-        s.cert_path,
-        s.key_path,
-    );
-    match EmbeddedBroker::start(cfg).await {
-        Err(BrokerError::FleetName(name)) => assert_eq!(name, "eu-west"),
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("started"),
-    }
+/// rumqttd took the certificate's O= as a tenant and refused fleet ids that are not
+/// alphanumeric; the gate terminates TLS itself, so any fleet id works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_broker_takes_any_fleet_id() {
+    let f = Fleet::with_fleet(2, "eu-west");
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    common::round_flow(&f, port, async || false).await;
+    broker.shutdown().await;
 }
 
 /// Refusals of MQTT uploads reach only the device they name, and only when the aggregator
@@ -281,7 +371,10 @@ async fn upload_refusals_are_verified_at_the_device() {
     let (a, b) = (&f.devices[0], &f.devices[1]);
     let (dev_a, mut a_events, key_a) = f.device(port, a);
     let (dev_b, mut b_events, key_b) = f.device(port, b);
-    for (what, events) in [("a", &mut a_events), ("b", &mut b_events)] {
+    // Publishes what only a compromised service could (the broker holds devices to their own
+    // topics): the device must still verify what it hears.
+    let (rogue, mut rogue_events) = f.rogue_service(port);
+    for (what, events) in [("a", &mut a_events), ("b", &mut b_events), ("rogue", &mut rogue_events)] {
         wait_for(events, what, |e| {
             matches!(e, ControlEvent::Connected { .. }).then_some(())
         })
@@ -299,7 +392,7 @@ async fn upload_refusals_are_verified_at_the_device() {
 
     // Signed by device b instead of the aggregator.
     let forged = SignedRejection::sign(refusal.clone(), &key_b);
-    dev_b
+    rogue
         .publish_raw(&topic_a, forged.encode(), QoS::AtLeastOnce, false)
         .await
         .unwrap();
@@ -315,7 +408,7 @@ async fn upload_refusals_are_verified_at_the_device() {
     let mut for_b = refusal.clone();
     for_b.device = b.clone();
     let misdirected = SignedRejection::sign(for_b, &f.aggregator_key);
-    dev_b
+    rogue
         .publish_raw(&topic_a, misdirected.encode(), QoS::AtLeastOnce, false)
         .await
         .unwrap();
@@ -333,7 +426,7 @@ async fn upload_refusals_are_verified_at_the_device() {
 
     // The genuine one, published by the aggregator's key holder.
     let genuine = SignedRejection::sign(refusal.clone(), &f.aggregator_key);
-    dev_b
+    rogue
         .publish_raw(&topic_a, genuine.encode(), QoS::AtLeastOnce, false)
         .await
         .unwrap();
@@ -347,5 +440,6 @@ async fn upload_refusals_are_verified_at_the_device() {
 
     dev_a.shutdown().await;
     dev_b.shutdown().await;
+    rogue.shutdown().await;
     broker.shutdown().await;
 }

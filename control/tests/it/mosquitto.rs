@@ -6,21 +6,61 @@ use std::time::Duration;
 
 use fedfleet_testkit::mosquitto::{self, Mosquitto, MosquittoConfig};
 
-use crate::common::{self, Fleet};
+use fedfleet_control::{ControlEvent, QoS, topics};
+use fedfleet_protocol::Signed;
+
+use crate::common::{self, Fleet, wait_for};
+
+fn binary() -> Option<std::path::PathBuf> {
+    let bin = mosquitto::find_binary();
+    if bin.is_none() {
+        if std::env::var_os("CI").is_some() {
+            panic!("mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)");
+        }
+        eprintln!("NOTE: mosquitto not found on PATH or in /usr/sbin; skipping the external-broker test outside CI");
+    }
+    bin
+}
+
+/// mosquitto under `topics::mosquitto_acl`: a device's retained forgery on the announcement
+/// topic is dropped by the broker, so a device connecting later hears the real announcement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mosquitto_holds_devices_to_their_topics_with_the_fleet_acl() {
+    let Some(bin) = binary() else { return };
+    let f = Fleet::new(2);
+    let (crt, key) = f.server_files();
+    let mut cfg = MosquittoConfig::new(bin, ([127, 0, 0, 1], 0).into(), f.pki.ca_cert_path(), crt, key, f.dir.path().join("mosquitto"));
+    cfg.acl = Some(topics::mosquitto_acl(&f.fleet, &["aggregator"]));
+    let broker = Mosquitto::start(cfg).await.unwrap();
+    let port = broker.port();
+    let (agg, mut agg_events) = f.aggregator(port);
+    let (dev_b, mut b_events, key_b) = f.device(port, &f.devices[1]);
+    for (what, events) in [("aggregator", &mut agg_events), ("b", &mut b_events)] {
+        wait_for(events, what, |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
+    }
+    agg.publish_announcement(&f.announcement(6)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let forged = Signed::sign(f.announcement(7).into_body(), &key_b);
+    dev_b.publish_raw(&topics::rounds(&f.fleet), forged.encode(), QoS::AtLeastOnce, true).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (dev_a, mut a_events, _) = f.device(port, &f.devices[0]);
+    let round = wait_for(&mut a_events, "retained announcement", |e| match e {
+        ControlEvent::Announcement(s) => Some(s.body().round.0),
+        ControlEvent::Rejected(r) => panic!("the forgery reached a device: {r}"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(round, 6);
+    // The aggregator still hears device status (its service rule), and devices their own.
+    for c in [&agg, &dev_a, &dev_b] {
+        c.shutdown().await;
+    }
+    drop(broker);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_flow_and_restart_over_mosquitto() {
-    let Some(bin) = mosquitto::find_binary() else {
-        if std::env::var_os("CI").is_some() {
-            panic!(
-                "mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)"
-            );
-        }
-        eprintln!(
-            "NOTE: mosquitto not found on PATH or in /usr/sbin; skipping the external-broker test outside CI"
-        );
-        return;
-    };
+    let Some(bin) = binary() else { return };
     let f = Fleet::new(3);
     let (crt, key) = f.server_files();
     let cfg = MosquittoConfig::new(
@@ -31,6 +71,7 @@ async fn round_flow_and_restart_over_mosquitto() {
         key,
         f.dir.path().join("mosquitto"),
     );
+    let cfg = MosquittoConfig { acl: Some(topics::mosquitto_acl(&f.fleet, &["aggregator"])), ..cfg };
     let mut broker = Mosquitto::start(cfg).await.unwrap();
     let port = broker.port();
     let broker_ref = &mut broker;

@@ -281,7 +281,6 @@ impl BrokerUnderTest {
 
 async fn body(kind: BrokerKind) {
     let devices = edge_devices(N);
-    // rumqttd takes the certificate's O= (the fleet) as a tenant: alphanumeric only.
     let fleet_dir = FleetDir::new("fleetmqtt", &["registry", "aggregator", "broker"], &devices);
     let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
 
@@ -298,7 +297,8 @@ async fn body(kind: BrokerKind) {
                 servers.join("broker.key"),
                 root_dir.join("mosquitto"),
             );
-            Some(Mosquitto::start(mcfg).await.unwrap())
+            let acl = fedfleet_control::topics::mosquitto_acl(&fleet_id, &["registry", "aggregator"]);
+            Some(Mosquitto::start(MosquittoConfig { acl: Some(acl), ..mcfg }).await.unwrap())
         }
     };
     let mqtt_section = match &mosquitto {
