@@ -317,6 +317,30 @@ async fn an_oversized_publish_is_counted() {
     broker.shutdown().await;
 }
 
+/// The gate checks the fleet's revocation list at every handshake (rumqttd alone did not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_device_cannot_connect_to_the_embedded_broker() {
+    let f = Fleet::new(2);
+    let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
+    let port = broker.local_addr().port();
+    f.pki.revoke(&f.devices[1], "stolen").unwrap();
+    let (ok, mut ok_events, _) = f.device(port, &f.devices[0]);
+    wait_for(&mut ok_events, "enrolled device connected", |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
+    let (revoked, mut events, _) = f.device(port, &f.devices[1]);
+    let connected = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            if let Some(ControlEvent::Connected { .. }) = events.recv().await {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(connected.is_err(), "a revoked device connected");
+    ok.shutdown().await;
+    revoked.shutdown().await;
+    broker.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_broker_requires_a_fleet_client_certificate() {
     let f = Fleet::new(1);
