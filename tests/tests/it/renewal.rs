@@ -163,10 +163,11 @@ async fn a_device_that_renewed_keeps_working_past_its_original_lifetime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_device_is_refused_as_certificate_expired() {
     let fleet = start(&["edge-02"]);
+    // Loaded (and its TLS config built) while the certificate was valid; no connection yet.
     let dev = fleet.device("edge-02");
-    dev.registry.client().metadata(0).await.expect("registry answers a fresh certificate");
 
-    // The device never renewed (it was offline): 400 days on, its certificate has lapsed.
+    // The device never renewed (it was offline): 400 days on, its certificate has lapsed and
+    // its next handshake is refused (mTLS judges a certificate at the handshake).
     fleet.clock.advance(400 * DAY_MS);
     match dev.registry.client().metadata(0).await {
         Err(ClientError::Rejected(r)) => assert_eq!(r.reason, RejectReason::CertificateExpired, "{}", r.detail),
