@@ -57,11 +57,23 @@ pub struct RoundInfo {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error(transparent)]
-    Net(#[from] NetError),
+    Net(NetError),
     #[error("protocol error: {0}")]
     Protocol(String),
     #[error("refused: {} ({})", .0.reason, .0.detail)]
     Refused(Rejection),
+}
+
+impl From<NetError> for ClientError {
+    fn from(e: NetError) -> Self {
+        // A refused certificate arrives as a TLS alert on the connection: name it.
+        let reason = match e.tls_alert() {
+            Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => fedfleet_protocol::RejectReason::CertificateExpired,
+            Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => fedfleet_protocol::RejectReason::Revoked,
+            _ => return ClientError::Net(e),
+        };
+        ClientError::Refused(Rejection { reason, detail: format!("the aggregator refused this certificate ({e})") })
+    }
 }
 
 impl ClientError {
@@ -96,6 +108,11 @@ impl AggregatorClient {
     pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
         // Two quick retries: an agent polls again anyway, and its outbox retries uploads.
         Ok(AggregatorClient { rpc: RpcConnection::new(addr, server_name, tls)?, max_retries: 2 })
+    }
+
+    /// Presents `tls` (a renewed certificate) from the next connection on.
+    pub async fn set_tls(&self, tls: rustls::ClientConfig) -> Result<(), ClientError> {
+        Ok(self.rpc.set_tls(tls).await?)
     }
 
     /// One request and its answer on a new stream, without retries.

@@ -215,7 +215,20 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
         None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_identity))),
     };
     let (metrics_addr, metrics_public) = (cfg.metrics_addr, cfg.metrics_public);
+    let validity = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)
+        .and_then(|i| i.validity())
+        .with_context(|| format!("server identity {:?}", cfg.server_identity))?;
+    let name = cfg.server_identity.clone();
     let agg = Aggregator::open(cfg, publisher)?;
+    // Warn well before this service's own certificate lapses (on start, then hourly).
+    tokio::spawn(fedfleet_http::watch_certificate_expiry(
+        agg.metrics().certificate_expiry_seconds.clone(),
+        std::time::Duration::from_secs(3600),
+        move || {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+            fedfleet_certs::renewal::warn_if_expiring(&name, validity, now)
+        },
+    ));
     let endpoint = agg.bind(addr)?;
     let bound = endpoint.local_addr()?;
     if let Some(m) = metrics_addr {

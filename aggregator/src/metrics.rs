@@ -19,6 +19,7 @@
 //! | `fedfleet_aggregator_devices_known` | gauge | devices ever heard from over MQTT |
 //! | `fedfleet_aggregator_device_last_seen_seconds` | gauge | `device`: Unix time of its last verified status |
 //! | `fedfleet_aggregator_broker_refused_total` | counter | `reason` = oversized, acl, client_id, malformed: MQTT connections the embedded broker closed |
+//! | `fedfleet_aggregator_certificate_expiry_seconds` | gauge | seconds until the aggregator's own certificate expires (negative once expired) |
 //! | `fedfleet_aggregator_compute_adapter` | gauge (1) | `kind`, `name`, `backend`, `driver`, `device_type`: the tensor path's device (absent with the exact fold) |
 
 use std::sync::Mutex;
@@ -59,6 +60,8 @@ pub struct Metrics {
     resident: Gauge,
     peak_resident: Gauge,
     compute_adapter: Family<Vec<(String, String)>, Gauge>,
+    /// Seconds until the aggregator's own certificate expires.
+    pub certificate_expiry_seconds: Gauge,
     presence: Mutex<Presence>,
     pub presence_ttl_ms: AtomicU64,
     /// The embedded MQTT broker's refusals (`broker_refused_total{reason}`), handed to it.
@@ -92,6 +95,7 @@ impl Metrics {
             resident: Gauge::default(),
             peak_resident: Gauge::default(),
             compute_adapter: Family::default(),
+            certificate_expiry_seconds: Gauge::default(),
             presence: Mutex::new(Presence::default()),
             presence_ttl_ms: AtomicU64::new(0),
             broker: BrokerMetrics::default(),
@@ -106,6 +110,7 @@ impl Metrics {
             let _ = m.mqtt_rejected.get_or_create(&ReasonLabel { reason: r.as_str().into() });
         }
         registry.register("rounds", "Round events", m.rounds.clone());
+        registry.register("certificate_expiry_seconds", "Seconds until this service's own certificate expires", m.certificate_expiry_seconds.clone());
         registry.register("updates_accepted", "Updates accepted", m.accepted.clone());
         registry.register("updates_rejected", "Updates and requests refused, by reason", m.rejected.clone());
         registry.register("update_bytes", "Update payload bytes received", m.update_bytes.clone());

@@ -65,6 +65,12 @@ pub enum CertError {
     /// Certificate generation failed inside rcgen.
     #[error("certificate generation failed: {0}")]
     Generate(String),
+    /// A certificate is past its `not_after` at the time it was checked against.
+    #[error("{}: certificate expired at {not_after} (now {now}); a lapsed certificate cannot be renewed over mTLS: re-enroll the device (`fedfleet-certs enroll-device --force`)", path.display())]
+    Expired { path: PathBuf, not_after: String, now: String },
+    /// A renewed certificate is not for the identity it should replace.
+    #[error("renewed certificate refused: {0}")]
+    RenewalMismatch(String),
     /// rustls refused the configuration.
     #[error("TLS configuration: {0}")]
     Tls(String),

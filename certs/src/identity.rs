@@ -146,6 +146,11 @@ impl ServerIdentity {
         })
     }
 
+    /// The leaf certificate's validity.
+    pub fn validity(&self) -> Result<crate::renewal::Validity, CertError> {
+        crate::renewal::Validity::of(&self.chain[0])
+    }
+
     /// The certificate's CN.
     pub fn name(&self) -> &str {
         &self.name
@@ -190,11 +195,37 @@ impl DeviceIdentity {
 
     /// Loads a device identity from explicit files (what an agent is provisioned with).
     pub fn from_files(cert: &Path, key: &Path, ca: &Path) -> Result<Self, CertError> {
+        Self::from_files_at(cert, key, ca, rustls_pki_types::UnixTime::now().as_secs() as i64)
+    }
+
+    /// [`DeviceIdentity::from_files`] judged at `now` (unix seconds, the caller's clock): an
+    /// expired certificate is [`CertError::Expired`], named as such.
+    pub fn from_files_at(cert: &Path, key: &Path, ca: &Path, now: i64) -> Result<Self, CertError> {
         let ca = CaCert::load(ca)?;
         let mut chain = x509::load_pem_certs(cert)?;
         let der = chain.swap_remove(0);
         let signing = load_key_matching(cert, &der, key)?;
-        crate::tls::verify_issued_by(&ca, &der, &chain).map_err(|reason| CertError::NotIssuedByCa {
+        Self::checked(cert, ca, der, chain, signing, now)
+    }
+
+    fn checked(
+        cert: &Path,
+        ca: CaCert,
+        der: CertificateDer<'static>,
+        chain: Vec<CertificateDer<'static>>,
+        signing: SigningKey,
+        now: i64,
+    ) -> Result<Self, CertError> {
+        let validity = crate::renewal::Validity::of(&der).map_err(|e| CertError::malformed(cert, e.to_string()))?;
+        if validity.is_expired(now) {
+            return Err(CertError::Expired {
+                path: cert.to_owned(),
+                not_after: crate::renewal::rfc3339(validity.not_after),
+                now: crate::renewal::rfc3339(now),
+            });
+        }
+        let at = rustls_pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(now.max(0) as u64));
+        crate::tls::verify_issued_by_at(&ca, &der, &chain, at).map_err(|reason| CertError::NotIssuedByCa {
             path: cert.to_owned(),
             ca: ca.path().to_owned(),
             reason,
@@ -207,6 +238,28 @@ impl DeviceIdentity {
             key: signing,
             ca,
         })
+    }
+
+    /// A renewed certificate (PEM, from the renewing service) for this identity: it must name
+    /// the same device, carry the same key and chain to the same CA, valid at `now`.
+    pub fn renewed(&self, pem: &str, now: i64) -> Result<DeviceIdentity, CertError> {
+        let origin = crate::renewal::renewal_origin();
+        let der = crate::renewal::parse_received_pem(&origin, pem)?;
+        let parsed = x509::parse(&der)?;
+        if x509::ed25519_key(&parsed)? != self.key.verifying_key() {
+            return Err(CertError::RenewalMismatch("it carries another key".into()));
+        }
+        drop(parsed);
+        let renewed = Self::checked(&origin, self.ca.clone(), der, Vec::new(), self.key.clone(), now)?;
+        if renewed.id != self.id {
+            return Err(CertError::RenewalMismatch(format!("it names {} instead of {}", renewed.id, self.id)));
+        }
+        Ok(renewed)
+    }
+
+    /// The certificate's validity.
+    pub fn validity(&self) -> crate::renewal::Validity {
+        crate::renewal::Validity::of(&self.cert).expect("checked when loaded")
     }
 
     /// The device id (the certificate's CN).

@@ -24,6 +24,7 @@ pub mod inspect;
 mod keys;
 pub mod layout;
 mod pki;
+pub mod renewal;
 mod revocation;
 pub mod tls;
 mod x509;
@@ -37,6 +38,7 @@ pub use fsutil::SECRET_MODE;
 pub use identity::{CaCert, DeviceIdentity, ServerIdentity};
 pub use keys::{load_signing_key, parse_public_key_hex};
 pub use pki::{CA_DAYS, EnrolledDevice, IssuedServer, LEAF_DAYS, Pki, Revocation};
+pub use renewal::{DeviceIssuer, RenewedCertificate, Validity};
 pub use revocation::{REVOCATION_DOMAIN, RevocationEntry, RevocationList, RevocationWatcher};
 
 use fedfleet_protocol::DeviceId;
@@ -71,6 +73,11 @@ pub fn peer_identity(certs: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertE
         Some(x509::OU_SERVICE) => Ok(PeerIdentity::Service(cn.to_string())),
         _ => Err(CertError::NotADevice(subject.to_string())),
     }
+}
+
+/// The ed25519 public key of a certificate (DER).
+pub fn certificate_key(der: &CertificateDer<'_>) -> Result<ed25519_dalek::VerifyingKey, CertError> {
+    x509::ed25519_key(&x509::parse(der)?)
 }
 
 /// The device id of a peer: the CN of its end-entity certificate, which must be a device

@@ -76,6 +76,50 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// Signs leaf `params` for `subject` with the CA key, valid from `now` (backdated a little) for
+/// `days`, clamped to the CA's own validity.
+pub(crate) fn sign_leaf_at(
+    ca: &CaCert,
+    ca_key: &SigningKey,
+    mut params: CertificateParams,
+    subject: &impl rcgen::PublicKeyData,
+    days: u32,
+    now: OffsetDateTime,
+) -> Result<(rcgen::Certificate, String, OffsetDateTime), CertError> {
+    let ca_parsed = x509::parse(ca.der())?;
+    let mut ca_params = CertificateParams::default();
+    ca_params.distinguished_name = x509::to_rcgen_dn(ca_parsed.subject())?;
+    ca_params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_not_after =
+        OffsetDateTime::from_unix_timestamp(ca_parsed.validity().not_after.timestamp())
+            .map_err(|e| CertError::BadCertificate(format!("CA not_after: {e}")))?;
+    drop(ca_parsed);
+    let issuer = Issuer::new(ca_params, keys::to_rcgen(ca_key)?);
+
+    params.not_before = now - BACKDATE;
+    params.not_after = (now + Duration::days(days.max(1) as i64)).min(ca_not_after);
+    let (serial, serial_hex) = random_serial();
+    params.serial_number = Some(serial);
+    params.use_authority_key_identifier_extension = true;
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    let not_after = params.not_after;
+    let cert = params.signed_by(subject, &issuer)?;
+    Ok((cert, serial_hex, not_after))
+}
+
+/// The subject of a device certificate of `fleet`: O = fleet, OU = device, CN = id.
+pub(crate) fn device_dn(fleet: &FleetId, id: &DeviceId) -> rcgen::DistinguishedName {
+    let mut dn = rcgen::DistinguishedName::new();
+    dn.push(DnType::OrganizationName, fleet.as_str());
+    dn.push(DnType::OrganizationalUnitName, x509::OU_DEVICE);
+    dn.push(DnType::CommonName, id.as_str());
+    dn
+}
+
 fn random_serial() -> (SerialNumber, String) {
     let mut bytes = [0u8; 16];
     rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut bytes);
@@ -176,7 +220,7 @@ impl Pki {
         layout::revocation_list(&self.dir)
     }
 
-    fn ca_signing_key(&self) -> Result<SigningKey, CertError> {
+    pub(crate) fn ca_signing_key(&self) -> Result<SigningKey, CertError> {
         let path = layout::ca_key(&self.dir);
         let key = keys::load_signing_key(&path)?;
         if key.verifying_key() != *self.ca.public_key() {
@@ -188,35 +232,13 @@ impl Pki {
     /// Signs leaf `params` for `subject_key` with the CA. Validity is clamped to the CA's.
     fn sign_leaf(
         &self,
-        mut params: CertificateParams,
+        params: CertificateParams,
         subject_key: &SigningKey,
         days: u32,
     ) -> Result<(rcgen::Certificate, String, OffsetDateTime), CertError> {
         let ca_key = self.ca_signing_key()?;
-        let ca_parsed = x509::parse(self.ca.der())?;
-        let mut ca_params = CertificateParams::default();
-        ca_params.distinguished_name = x509::to_rcgen_dn(ca_parsed.subject())?;
-        ca_params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let ca_not_after =
-            OffsetDateTime::from_unix_timestamp(ca_parsed.validity().not_after.timestamp())
-                .map_err(|e| CertError::BadCertificate(format!("CA not_after: {e}")))?;
-        drop(ca_parsed);
-        let issuer = Issuer::new(ca_params, keys::to_rcgen(&ca_key)?);
-
-        let now = OffsetDateTime::now_utc();
-        params.not_before = now - BACKDATE;
-        params.not_after = (now + Duration::days(days.max(1) as i64)).min(ca_not_after);
-        let (serial, serial_hex) = random_serial();
-        params.serial_number = Some(serial);
-        params.use_authority_key_identifier_extension = true;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        let not_after = params.not_after;
-        let cert = params.signed_by(&keys::to_rcgen(subject_key)?, &issuer)?;
-        Ok((cert, serial_hex, not_after))
+        let subject = crate::renewal::Ed25519Public(subject_key.verifying_key());
+        sign_leaf_at(&self.ca, &ca_key, params, &subject, days, OffsetDateTime::now_utc())
     }
 
     fn leaf_dn(&self, ou: &str, cn: &str) -> rcgen::DistinguishedName {

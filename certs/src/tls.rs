@@ -23,6 +23,34 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The clock TLS judges certificate validity by: the system clock by default, a test's fake
+/// clock (unix milliseconds) through [`clock_time`].
+pub type TimeSource = Arc<dyn rustls::time_provider::TimeProvider>;
+
+/// The system clock.
+pub fn system_time() -> TimeSource {
+    Arc::new(rustls::time_provider::DefaultTimeProvider)
+}
+
+struct ClockTime<F>(F);
+
+impl<F> std::fmt::Debug for ClockTime<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClockTime")
+    }
+}
+
+impl<F: Fn() -> u64 + Send + Sync> rustls::time_provider::TimeProvider for ClockTime<F> {
+    fn current_time(&self) -> Option<UnixTime> {
+        Some(UnixTime::since_unix_epoch(std::time::Duration::from_millis((self.0)())))
+    }
+}
+
+/// A time source reading `now_ms` (unix milliseconds), e.g. a service's or an agent's clock.
+pub fn clock_time(now_ms: impl Fn() -> u64 + Send + Sync + 'static) -> TimeSource {
+    Arc::new(ClockTime(now_ms))
+}
+
 fn tls_err(e: impl std::fmt::Display) -> CertError {
     CertError::Tls(e.to_string())
 }
@@ -46,11 +74,21 @@ pub fn verify_issued_by(
     leaf: &rustls::pki_types::CertificateDer<'static>,
     intermediates: &[rustls::pki_types::CertificateDer<'static>],
 ) -> Result<(), String> {
+    verify_issued_by_at(ca, leaf, intermediates, UnixTime::now())
+}
+
+/// [`verify_issued_by`] at time `now`.
+pub fn verify_issued_by_at(
+    ca: &CaCert,
+    leaf: &rustls::pki_types::CertificateDer<'static>,
+    intermediates: &[rustls::pki_types::CertificateDer<'static>],
+    now: UnixTime,
+) -> Result<(), String> {
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store().map_err(|e| e.to_string())?), provider())
         .build()
         .map_err(|e| e.to_string())?;
     verifier
-        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+        .verify_client_cert(leaf, intermediates, now)
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
@@ -82,9 +120,16 @@ impl ClientCertVerifier for RevocationCheckingVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let verified = self
-            .inner
-            .verify_client_cert(end_entity, intermediates, now)?;
+        let verified = match self.inner.verify_client_cert(end_entity, intermediates, now) {
+            Ok(v) => v,
+            Err(e @ rustls::Error::InvalidCertificate(CertificateError::Expired | CertificateError::ExpiredContext { .. })) => {
+                // The client reads the certificate_expired alert as the named reason.
+                let who = peer_identity(std::slice::from_ref(end_entity)).map(|p| format!("{p:?}")).unwrap_or_default();
+                tracing::info!(peer = %who, reason = "certificate_expired", "refused expired client certificate");
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         match peer_identity(std::slice::from_ref(end_entity)) {
             Ok(PeerIdentity::Device(id)) => {
                 if self.revocation.is_revoked(&id) {
@@ -135,8 +180,19 @@ pub fn server_config(
     revocation: Arc<RevocationWatcher>,
     alpn: &[&[u8]],
 ) -> Result<ServerConfig, CertError> {
+    server_config_at(ca, identity, revocation, alpn, system_time())
+}
+
+/// [`server_config`] judging client certificates' validity by `time`.
+pub fn server_config_at(
+    ca: &CaCert,
+    identity: &ServerIdentity,
+    revocation: Arc<RevocationWatcher>,
+    alpn: &[&[u8]],
+    time: TimeSource,
+) -> Result<ServerConfig, CertError> {
     let verifier = Arc::new(RevocationCheckingVerifier::new(ca, revocation)?);
-    let mut config = ServerConfig::builder_with_provider(provider())
+    let mut config = ServerConfig::builder_with_details(provider(), time)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?
         .with_client_cert_verifier(verifier)
@@ -149,7 +205,14 @@ pub fn server_config(
 fn client_builder(
     ca: &CaCert,
 ) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {
-    Ok(ClientConfig::builder_with_provider(provider())
+    client_builder_at(ca, system_time())
+}
+
+fn client_builder_at(
+    ca: &CaCert,
+    time: TimeSource,
+) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {
+    Ok(ClientConfig::builder_with_details(provider(), time)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?
         .with_root_certificates(ca.root_store()?))
@@ -161,7 +224,17 @@ pub fn client_config(
     device: &DeviceIdentity,
     alpn: &[&[u8]],
 ) -> Result<ClientConfig, CertError> {
-    let mut config = client_builder(ca)?
+    client_config_at(ca, device, alpn, system_time())
+}
+
+/// [`client_config`] judging the server certificate's validity by `time`.
+pub fn client_config_at(
+    ca: &CaCert,
+    device: &DeviceIdentity,
+    alpn: &[&[u8]],
+    time: TimeSource,
+) -> Result<ClientConfig, CertError> {
+    let mut config = client_builder_at(ca, time)?
         .with_client_auth_cert(vec![device.cert().clone()], device.private_key_der()?)
         .map_err(tls_err)?;
     config.alpn_protocols = alpn_vec(alpn);

@@ -46,6 +46,9 @@
 //! server_name = "localhost"
 //! model = "digits"                             # the model whose assignments this device follows
 //!
+//! [renewal]         # the device certificate is renewed through [registry] before it expires
+//! # renew_before_days = 30; check_interval_secs = 3600   (also renewed in its last third)
+//!
 //! [mqtt]            # MQTT control plane (fedfleet-control); absent: QUIC only. With [registry],
 //!                   # rollout notices (verified against the pinned root) trigger an assignment check
 //! host = "10.0.0.5"                            # must match the broker certificate's SAN
@@ -98,6 +101,9 @@ pub struct AgentConfig {
     /// The MQTT control plane (absent: QUIC only).
     #[serde(default)]
     pub mqtt: Option<MqttSection>,
+    /// When the device certificate is renewed (through `[registry]`).
+    #[serde(default)]
+    pub renewal: crate::renewal::RenewalConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]

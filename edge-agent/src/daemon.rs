@@ -67,14 +67,20 @@ pub fn read_root(path: &Path) -> Result<SignedMetadata<Root>> {
     Ok(root)
 }
 
-/// Loads the device identity with an error that names the files.
+/// Loads the device identity with an error that names the files (an expired certificate is
+/// named as such: the fleet refuses it and it cannot renew itself).
 pub fn load_identity(p: &IdentityPaths) -> Result<DeviceIdentity> {
+    load_identity_at(p, crate::agent::SystemClock.now_ms())
+}
+
+/// [`load_identity`] judged at `now_ms` (the agent's clock).
+pub fn load_identity_at(p: &IdentityPaths, now_ms: u64) -> Result<DeviceIdentity> {
     for (what, f) in [("certificate", &p.cert), ("private key", &p.key), ("CA certificate", &p.ca)] {
         if !f.exists() {
             bail!("device {what} {} is missing: produce it with `fedfleet-certs enroll-device` and install it with `fedfleet-agent enroll`", f.display());
         }
     }
-    DeviceIdentity::from_files(&p.cert, &p.key, &p.ca).with_context(|| {
+    DeviceIdentity::from_files_at(&p.cert, &p.key, &p.ca, (now_ms / 1000) as i64).with_context(|| {
         format!("device identity ({}, {}, {}) is not valid", p.cert.display(), p.key.display(), p.ca.display())
     })
 }
@@ -185,6 +191,18 @@ async fn run_daemon(config: &Path, trainer: Arc<dyn Trainer>) -> Result<()> {
         Some(r) => Some(Arc::new(remote_registry(&ids, r)?)),
         None => {
             tracing::warn!("no [registry] in the config: this agent will not install new models");
+            None
+        }
+    };
+    // Fails at start with a named error if the certificate has already lapsed.
+    let validity = load_identity(&ids)?.validity();
+    let _renewal = match &reg {
+        Some(r) => {
+            let renewer = crate::renewal::Renewer::new(ids.clone(), cfg.renewal, r.clone(), agg.clone(), Arc::new(crate::agent::SystemClock));
+            Some(AbortOnDrop(tokio::spawn(renewer.run())))
+        }
+        None => {
+            tracing::warn!(not_after = %fedfleet_certs::renewal::rfc3339(validity.not_after), "no [registry] in the config: this device's certificate is not renewed");
             None
         }
     };

@@ -21,6 +21,7 @@ pub mod inbox;
 pub mod inference;
 pub mod lifecycle;
 pub mod remote;
+pub mod renewal;
 pub mod ml;
 pub mod mqtt;
 pub mod store;

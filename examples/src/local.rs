@@ -96,7 +96,11 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
              server_name = \"{SERVER_NAME}\"\n\
              metrics = \"127.0.0.1:{reg_metrics}\"\n\
              operators = [\"operator\", \"aggregator\"]\n\
-             operator_identity = \"operator\"\n"
+             operator_identity = \"operator\"\n\
+             \n\
+             # Devices renew their certificates here before they expire (the CA key is on this host).\n\
+             [renewal]\n\
+             ca_key = \"pki/ca.key\"\n"
         ),
     )?;
     let n = o.agents;

@@ -44,6 +44,20 @@ pub mod labels {
     }
 }
 
+/// Keeps `gauge` at the seconds until a service's own certificate expires: `check` (which also
+/// logs the warning, e.g. `fedfleet_certs::renewal::warn_if_expiring`) runs now and every
+/// `every` until the task is dropped.
+pub async fn watch_certificate_expiry(
+    gauge: prometheus_client::metrics::gauge::Gauge,
+    every: std::time::Duration,
+    check: impl Fn() -> i64,
+) {
+    loop {
+        gauge.set(check());
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// Something that renders its metrics as exposition text at scrape time.
 pub trait MetricsSource: Send + Sync + 'static {
     fn render(&self) -> String;

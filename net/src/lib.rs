@@ -69,6 +69,34 @@ impl From<quinn::ConnectionError> for NetError {
     }
 }
 
+/// TLS alert `certificate_revoked` (RFC 8446): the server refused a revoked client certificate.
+pub const ALERT_CERTIFICATE_REVOKED: u8 = 44;
+/// TLS alert `certificate_expired`: the server refused a client certificate past its validity.
+pub const ALERT_CERTIFICATE_EXPIRED: u8 = 45;
+
+/// The TLS alert a connection was closed with (QUIC carries it as a crypto error code), if any:
+/// how a client learns why the server refused its certificate.
+pub fn tls_alert(e: &quinn::ConnectionError) -> Option<u8> {
+    let code = match e {
+        quinn::ConnectionError::ConnectionClosed(c) => u64::from(c.error_code),
+        quinn::ConnectionError::TransportError(t) => u64::from(t.code),
+        _ => return None,
+    };
+    (code & !0xff == 0x100).then_some((code & 0xff) as u8)
+}
+
+impl NetError {
+    /// The TLS alert behind this error, if the connection was closed with one.
+    pub fn tls_alert(&self) -> Option<u8> {
+        match self {
+            NetError::Connection(e)
+            | NetError::Read(quinn::ReadError::ConnectionLost(e))
+            | NetError::Write(quinn::WriteError::ConnectionLost(e)) => tls_alert(e),
+            _ => None,
+        }
+    }
+}
+
 fn transport() -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
     transport.max_idle_timeout(Some(IDLE_TIMEOUT.try_into().expect("30 s is a valid idle timeout")));
@@ -126,11 +154,17 @@ fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::End
     quinn::Endpoint::new(endpoint, Some(config), socket, runtime).map_err(|source| NetError::Bind { addr, source })
 }
 
-/// A client endpoint on an ephemeral local port, for configs from `fedfleet_certs::tls::client_config`.
-pub fn client_endpoint(tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
+/// The QUIC client config of a rustls config from `fedfleet_certs::tls::client_config`.
+pub fn quic_client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, NetError> {
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(transport());
+    Ok(config)
+}
+
+/// A client endpoint on an ephemeral local port, for configs from `fedfleet_certs::tls::client_config`.
+pub fn client_endpoint(tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
+    let config = quic_client_config(tls)?;
     let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
     let mut endpoint = quinn::Endpoint::client(addr).map_err(|source| NetError::Bind { addr, source })?;
     endpoint.set_default_client_config(config);

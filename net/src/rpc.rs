@@ -23,6 +23,8 @@ pub struct RpcConnection {
     endpoint: quinn::Endpoint,
     addr: SocketAddr,
     server_name: String,
+    /// The TLS identity new connections present (replaced by [`RpcConnection::set_tls`]).
+    config: std::sync::Mutex<quinn::ClientConfig>,
     conn: Mutex<Option<quinn::Connection>>,
 }
 
@@ -36,8 +38,10 @@ impl RpcConnection {
     /// No handshake yet: the first call connects (a device can start while the server is down).
     /// Must be called inside a tokio runtime.
     pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, NetError> {
+        let config = crate::quic_client_config(tls.clone())?;
         Ok(RpcConnection {
             endpoint: crate::client_endpoint(tls)?,
+            config: std::sync::Mutex::new(config),
             addr,
             server_name: server_name.to_owned(),
             conn: Mutex::new(None),
@@ -56,7 +60,12 @@ impl RpcConnection {
         {
             return Ok(c.clone());
         }
-        let c = crate::connect(&self.endpoint, self.addr, &self.server_name).await?;
+        let config = self.config.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let connecting = self
+            .endpoint
+            .connect_with(config, self.addr, &self.server_name)
+            .map_err(|source| NetError::Connect { addr: self.addr, source })?;
+        let c = connecting.await?;
         *guard = Some(c.clone());
         Ok(c)
     }
@@ -72,6 +81,15 @@ impl RpcConnection {
                 Err(e)
             }
         }
+    }
+
+    /// Presents `tls` (e.g. a renewed certificate) from the next connection on. The current
+    /// connection is not closed: requests in flight on it finish with the old certificate.
+    pub async fn set_tls(&self, tls: rustls::ClientConfig) -> Result<(), NetError> {
+        let config = crate::quic_client_config(tls)?;
+        *self.config.lock().unwrap_or_else(|p| p.into_inner()) = config;
+        self.conn.lock().await.take();
+        Ok(())
     }
 
     /// Drops the current connection (the next call reconnects).

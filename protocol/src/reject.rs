@@ -80,6 +80,9 @@ reasons! {
     IdentityMismatch => "identity_mismatch",
     /// The authenticated peer may not make this request (e.g. a device asking for operator commands).
     NotPermitted => "not_permitted",
+    /// The sender's certificate is past its validity: it must be re-enrolled (renewal needs a
+    /// certificate that is still valid).
+    CertificateExpired => "certificate_expired",
 }
 
 impl fmt::Display for RejectReason {

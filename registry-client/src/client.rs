@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
-use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, Rejection};
+use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, RejectReason, Rejection};
 
 use fedfleet_protocol::tuf::TargetInfo;
 use crate::wire::{
@@ -79,7 +79,16 @@ pub enum ClientError {
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
 impl From<NetError> for ClientError {
     fn from(e: NetError) -> Self {
-        ClientError::Net(e)
+        // A refused certificate arrives as a TLS alert on the connection: name it.
+        let reason = match e.tls_alert() {
+            Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => RejectReason::CertificateExpired,
+            Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => RejectReason::Revoked,
+            _ => return ClientError::Net(e),
+        };
+        ClientError::Rejected(Rejection {
+            reason,
+            detail: format!("the registry refused this certificate ({e})"),
+        })
     }
 }
 
@@ -335,6 +344,21 @@ impl RegistryClient {
             Response::Assignment(a) => Ok(a),
             r => Err(response_error(r)),
         }
+    }
+
+    /// A renewed certificate (PEM) for this device's current one. Not retried: the caller
+    /// checks again at its next interval.
+    pub async fn renew_certificate(&self) -> Result<String, ClientError> {
+        let mut s = self.start(&Request::RenewCertificate, false).await?;
+        match self.read_response(&mut s).await? {
+            Response::Certificate { pem } => Ok(pem),
+            r => Err(response_error(r)),
+        }
+    }
+
+    /// Presents `tls` (a renewed certificate) from the next connection on.
+    pub async fn set_tls(&self, tls: rustls::ClientConfig) -> Result<(), ClientError> {
+        Ok(self.rpc.set_tls(tls).await?)
     }
 
     /// Sends a status report (the registry takes the device id from the certificate and

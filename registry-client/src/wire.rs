@@ -99,6 +99,10 @@ pub enum Request {
     Report(DeviceStatus),
     /// An operator command. Operator service certificates only.
     Admin(AdminRequest),
+    /// A new certificate for the device's current one (same id, fleet and key), issued by a
+    /// registry with `[renewal]`. Device certificates only: the mTLS handshake is the proof of
+    /// the current key.
+    RenewCertificate,
 }
 
 /// An answer.
@@ -126,6 +130,8 @@ pub enum Response {
     Denied(String),
     /// An operator command that does not apply (bad name, rollout in the wrong state, ...).
     Invalid(String),
+    /// The renewed device certificate (PEM), answering `RenewCertificate`.
+    Certificate { pem: String },
 }
 
 /// Signed metadata for agents (postcard carries the signed JSON texts verbatim).

@@ -15,6 +15,10 @@
 //! root_days = 365                  # validity of a root made by init-keys / first serve
 //! max_connections = 4096
 //!
+//! [renewal]                        # optional: renew device certificates over their mTLS identity
+//! ca_key = "pki/ca.key"            # the fleet CA key (this registry then holds it: guard the host)
+//! days = 365                       # validity of a renewed certificate (never past the CA's)
+//!
 //! [mqtt]                           # optional: the MQTT control plane (see `mqtt`)
 //! host = "127.0.0.1"               # the aggregator's embedded broker or an external one
 //! port = 8883
@@ -46,6 +50,25 @@ pub struct Config {
     pub max_connections: usize,
     /// The MQTT control plane (absent: QUIC only).
     pub mqtt: Option<crate::mqtt::MqttConfig>,
+    /// Device certificate renewal (absent: devices' renewal requests are refused).
+    pub renewal: Option<RenewalConfig>,
+}
+
+/// `[renewal]`: the registry signs renewed device certificates with the fleet CA key. The
+/// registry already holds the fleet's device state (reports, revocation); no other service
+/// holds the CA key, so it is configured here explicitly.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewalConfig {
+    /// The fleet CA private key (`ca.key` of the PKI directory); relative to the config file.
+    pub ca_key: PathBuf,
+    /// Validity of a renewed certificate, in days.
+    #[serde(default = "default_renewal_days")]
+    pub days: u32,
+}
+
+fn default_renewal_days() -> u32 {
+    fedfleet_certs::LEAF_DAYS
 }
 
 impl Default for Config {
@@ -66,6 +89,7 @@ impl Default for Config {
             root_days: 365,
             max_connections: 4096,
             mqtt: None,
+            renewal: None,
         }
     }
 }
@@ -80,7 +104,7 @@ impl Config {
         let mut c: Config = toml::from_str(&text)
             .map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        for d in [&mut c.data_dir, &mut c.pki_dir] {
+        for d in [&mut c.data_dir, &mut c.pki_dir].into_iter().chain(c.renewal.as_mut().map(|r| &mut r.ca_key)) {
             if d.is_relative() {
                 *d = base.join(&*d);
             }

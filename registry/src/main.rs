@@ -620,6 +620,25 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
     let signer = MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?;
     let metrics = Arc::new(Metrics::default());
+    // Warn well before this service's own certificate lapses (on start, then hourly).
+    let validity = identity.validity()?;
+    let name = cfg.server_identity.clone();
+    tokio::spawn(fedfleet_http::watch_certificate_expiry(
+        metrics.certificate_expiry_seconds.clone(),
+        std::time::Duration::from_secs(3600),
+        move || fedfleet_certs::renewal::warn_if_expiring(&name, validity, (fedfleet_registry::unix_ms() / 1000) as i64),
+    ));
+    let renewal = match &cfg.renewal {
+        None => None,
+        Some(r) => {
+            let issuer = fedfleet_certs::DeviceIssuer::load(&pki.ca_cert_path(), &r.ca_key)
+                .with_context(|| format!("[renewal] ca_key {}", r.ca_key.display()))?;
+            let allow = fedfleet_certs::AllowList::load(pki.allow_list_path())
+                .with_context(|| format!("[renewal] needs the allow-list {}", pki.allow_list_path().display()))?;
+            tracing::info!(days = r.days, "renewing device certificates");
+            Some(server::Renewal { issuer: Arc::new(issuer), allow_list: Some(Arc::new(allow)), days: r.days })
+        }
+    };
     let reg = Arc::new(Registry::new(
         store,
         pki.fleet().clone(),
@@ -646,6 +665,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let mut opts = ServerOptions::new(cfg.spool_dir());
     opts.operators = cfg.operators.clone();
     opts.max_connections = cfg.max_connections;
+    opts.renewal = renewal;
     server::run(endpoint, reg, opts, shutdown_signal()).await;
     if let Some(m) = mqtt {
         m.shutdown().await;

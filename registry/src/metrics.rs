@@ -10,6 +10,8 @@
 //! | `fedfleet_registry_connections_total` | |
 //! | `fedfleet_registry_rollout_events_total` | `event` |
 //! | `fedfleet_registry_device_reports_total` | `state` |
+//! | `fedfleet_registry_certificates_renewed_total` | |
+//! | `fedfleet_registry_certificate_expiry_seconds` | | (the registry's own certificate; negative once expired)
 //!
 //! Gauges set by the MQTT side ([`crate::mqtt`]): `fedfleet_registry_mqtt_connected`,
 //! `fedfleet_registry_devices_online`, `fedfleet_registry_devices_known`,
@@ -38,6 +40,9 @@ pub struct Metrics {
     pub bytes_served: Counter,
     pub chunks_served: Counter,
     pub connections: Counter,
+    pub certificates_renewed: Counter,
+    /// Seconds until the registry's own certificate expires.
+    pub certificate_expiry_seconds: Gauge,
     requests: Family<Kind, Counter>,
     rejections: Family<Reason, Counter>,
     rollout_events: Family<Event, Counter>,
@@ -62,6 +67,8 @@ impl Metrics {
             bytes_served: Counter::default(),
             chunks_served: Counter::default(),
             connections: Counter::default(),
+            certificates_renewed: Counter::default(),
+            certificate_expiry_seconds: Gauge::default(),
             requests: Family::default(),
             rejections: Family::default(),
             rollout_events: Family::default(),
@@ -77,6 +84,8 @@ impl Metrics {
         registry.register("bytes_served", "Artifact bytes sent to clients", m.bytes_served.clone());
         registry.register("chunks_served", "Chunks sent to clients", m.chunks_served.clone());
         registry.register("connections", "QUIC connections accepted", m.connections.clone());
+        registry.register("certificates_renewed", "Device certificates renewed", m.certificates_renewed.clone());
+        registry.register("certificate_expiry_seconds", "Seconds until this service's own certificate expires", m.certificate_expiry_seconds.clone());
         registry.register("rollout_events", "Rollout engine events", m.rollout_events.clone());
         registry.register("device_reports", "Device reports, by state", m.device_reports.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());

@@ -121,6 +121,11 @@ impl Registry {
         self
     }
 
+    /// Whether the fleet's revocation list (if loaded) names `id`.
+    pub fn is_revoked(&self, id: &fedfleet_protocol::DeviceId) -> bool {
+        self.revocation.as_ref().is_some_and(|w| w.is_revoked(id))
+    }
+
     /// A stored status record as JSON, with `"revoked": true` for a revoked device.
     fn device_status_json(&self, device: &str, record: &[u8]) -> Value {
         let mut v = serde_json::from_slice::<Value>(record).unwrap_or(Value::Null);

@@ -41,6 +41,43 @@ impl Default for Faults {
     }
 }
 
+/// The clock a service judges requests by (unix milliseconds); the system clock unless a test
+/// passes its own.
+#[derive(Clone)]
+pub struct ServiceClock(Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl ServiceClock {
+    pub fn new(now_ms: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        ServiceClock(Arc::new(now_ms))
+    }
+    pub fn now_ms(&self) -> u64 {
+        (self.0)()
+    }
+}
+
+impl Default for ServiceClock {
+    fn default() -> Self {
+        ServiceClock::new(crate::unix_ms)
+    }
+}
+
+impl std::fmt::Debug for ServiceClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServiceClock")
+    }
+}
+
+/// Device certificate renewal (`[renewal]` in `registry.toml`).
+#[derive(Debug, Clone)]
+pub struct Renewal {
+    /// The fleet CA and its key.
+    pub issuer: Arc<fedfleet_certs::DeviceIssuer>,
+    /// `devices.json`: a device must be enrolled, not revoked, with the key it presents.
+    pub allow_list: Option<Arc<fedfleet_certs::AllowList>>,
+    /// Validity of a renewed certificate.
+    pub days: u32,
+}
+
 /// Service options beside the registry itself.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -50,6 +87,9 @@ pub struct ServerOptions {
     pub max_connections: usize,
     /// Directory for incoming publishes (spooled to disk, then published).
     pub spool_dir: std::path::PathBuf,
+    /// Device certificate renewal; `None`: `RenewCertificate` is refused (`not_permitted`).
+    pub renewal: Option<Renewal>,
+    pub clock: ServiceClock,
     #[doc(hidden)]
     pub faults: Arc<Faults>,
 }
@@ -60,6 +100,8 @@ impl ServerOptions {
             operators: vec!["operator".into()],
             max_connections: 4096,
             spool_dir: spool_dir.into(),
+            renewal: None,
+            clock: ServiceClock::default(),
             faults: Arc::new(Faults::default()),
         }
     }
@@ -148,7 +190,11 @@ async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
         Ok(c) => c,
         Err(e) => {
             tracing::debug!(%remote, error = %e, "handshake failed");
-            ctx.reg.metrics().rejection_named("handshake");
+            match fedfleet_net::tls_alert(&e) {
+                Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => ctx.reg.metrics().rejection(RejectReason::CertificateExpired),
+                Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => ctx.reg.metrics().rejection(RejectReason::Revoked),
+                _ => ctx.reg.metrics().rejection_named("handshake"),
+            }
             return;
         }
     };
@@ -235,6 +281,7 @@ fn request_kind(r: &Request) -> &'static str {
         Request::Report(_) => "report",
         Request::Admin(AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. }) => "admin_publish",
         Request::Admin(_) => "admin",
+        Request::RenewCertificate => "renew_certificate",
     }
 }
 
@@ -274,8 +321,12 @@ async fn stream(
     };
     m.request(request_kind(&req));
     let reg = ctx.reg.clone();
-    let now = crate::unix_ms();
+    let now = ctx.opts.clock.now_ms();
     let resp = match req {
+        Request::RenewCertificate => match peer {
+            PeerIdentity::Device(id) => renew_certificate(ctx, conn, id, now),
+            PeerIdentity::Service(n) => denied(ctx, format!("service {n} has no device certificate to renew")),
+        },
         Request::Metadata { have_root_version } => match reg.metadata(have_root_version) {
             Some(md) => Response::Metadata(md),
             None => wire::rejected(
@@ -357,6 +408,51 @@ async fn stream(
         },
     };
     send(s, &resp).await
+}
+
+/// Issues a device a new certificate for the one it is connected with (same id, fleet, key),
+/// after checking it is enrolled with that key and not revoked.
+fn renew_certificate(ctx: &Ctx, conn: &quinn::Connection, id: &fedfleet_protocol::DeviceId, now_ms: u64) -> Response {
+    let m = ctx.reg.metrics();
+    let refuse = |reason: RejectReason, detail: String| {
+        m.rejection(reason);
+        tracing::info!(device = %id, %reason, %detail, "certificate renewal refused");
+        wire::rejected(reason, detail)
+    };
+    let Some(r) = &ctx.opts.renewal else {
+        return refuse(RejectReason::NotPermitted, "this registry does not renew certificates (no [renewal] ca_key)".into());
+    };
+    if ctx.reg.is_revoked(id) {
+        return refuse(RejectReason::Revoked, format!("device {id} is revoked"));
+    }
+    let Some(cert) = conn
+        .peer_identity()
+        .and_then(|a| a.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok())
+        .and_then(|c| c.first().cloned())
+    else {
+        return refuse(RejectReason::Internal, "no peer certificate".into());
+    };
+    if let Some(allow) = &r.allow_list {
+        let presented = fedfleet_certs::certificate_key(&cert).ok();
+        match allow.status(id) {
+            fedfleet_certs::DeviceStatus::Unknown => {
+                return refuse(RejectReason::UnknownDevice, format!("device {id} is not enrolled"));
+            }
+            fedfleet_certs::DeviceStatus::Revoked => return refuse(RejectReason::Revoked, format!("device {id} is revoked")),
+            fedfleet_certs::DeviceStatus::Enrolled(k) if Some(k) != presented => {
+                return refuse(RejectReason::IdentityMismatch, format!("device {id} is enrolled with another key"));
+            }
+            fedfleet_certs::DeviceStatus::Enrolled(_) => {}
+        }
+    }
+    match r.issuer.renew(&cert, r.days, (now_ms / 1000) as i64) {
+        Ok(c) => {
+            m.certificates_renewed.inc();
+            tracing::info!(device = %id, serial = %c.serial, not_after = %fedfleet_certs::renewal::rfc3339(c.not_after), "renewed device certificate");
+            Response::Certificate { pem: c.pem }
+        }
+        Err(e) => refuse(RejectReason::Internal, format!("renewal failed: {e}")),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

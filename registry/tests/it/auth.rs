@@ -72,13 +72,16 @@ async fn identities_are_enforced() {
             ClientError::NotFound(_)
         ));
 
-        // Revocation takes effect on the next handshake.
+        // Revocation takes effect on the next handshake, named from the TLS alert.
         h.pki
             .revoke(&DeviceId::new("dev-1").unwrap(), "stolen")
             .unwrap();
         let mut again = h.client(h.device_tls_no_enroll("dev-1"));
         again.max_retries = 1;
-        assert!(again.metadata(0).await.unwrap_err().is_transport());
+        match again.metadata(0).await.unwrap_err() {
+            ClientError::Rejected(r) => assert_eq!(r.reason, RejectReason::Revoked, "{}", r.detail),
+            e => panic!("expected a revoked refusal, got {e}"),
+        }
 
         let m = h.reg.metrics();
         assert!(m.get("fedfleet_registry_rejections_total", "denied") >= 4);

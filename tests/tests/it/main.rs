@@ -6,6 +6,7 @@ mod inproc;
 mod loopback;
 mod multiprocess;
 mod procs;
+mod renewal;
 mod own_model;
 mod tasks;
 mod tour;
