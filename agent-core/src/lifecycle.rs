@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use fedfleet_protocol::{
     DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, Receipt, RejectReason, Rejection,
-    RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate,
+    RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate, StorageFault,
 };
 use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use fedfleet_protocol::tuf::Verifier;
@@ -332,6 +332,10 @@ pub enum Input {
     /// while writing it.
     DownloadDone { model: ModelRef, length: u64, digest: Digest },
     DownloadFailed { model: ModelRef, reason: String },
+    /// The device's storage refused the artifact (disk full, I/O error): the install is
+    /// deferred, not failed. What was written of it is discarded and the download retried with
+    /// backoff, without limit: the space may come back, and the model is not at fault.
+    StorageFailed { model: ModelRef, fault: StorageFault, detail: String },
     HealthResult { model: ModelRef, result: Result<HealthReport, String> },
 }
 
@@ -380,6 +384,8 @@ pub struct Lifecycle {
     train_retry_at: Option<Millis>,
     /// Failed asks for the current round's base model.
     train_attempts: u32,
+    /// Deferrals of the current install for want of storage (its backoff).
+    storage_attempts: u32,
     /// The last round refusal logged at INFO (logged once per round and reason).
     last_refusal: Option<(RoundId, String)>,
     actions: VecDeque<Action>,
@@ -451,6 +457,7 @@ impl Lifecycle {
             install_retry_at: None,
             train_retry_at: None,
             train_attempts: 0,
+            storage_attempts: 0,
             last_refusal: None,
             actions: VecDeque::new(),
             rng,
@@ -632,6 +639,7 @@ impl Lifecycle {
                 }
                 self.install_retry(now, format!("download: {reason}"))
             }
+            Input::StorageFailed { model, fault, detail } => self.on_storage_failed(now, model, fault, detail),
             Input::HealthResult { model, result } => self.on_health(now, model, result),
         }
     }
@@ -840,6 +848,7 @@ impl Lifecycle {
         next.last_state = DeviceState::Downloading;
         self.commit(next)?;
         self.install_retry_at = None;
+        self.storage_attempts = 0;
         self.queue_install_step(&job, now);
         self.report(now);
         Ok(())
@@ -877,6 +886,25 @@ impl Lifecycle {
         self.commit(next)?;
         let delay = self.cfg.backoff.delay(job.attempts, &mut self.rng);
         tracing::info!(%reason, attempt = job.attempts, delay_ms = delay, "install step will be retried");
+        self.install_retry_at = Some(now + delay);
+        Ok(())
+    }
+
+    fn on_storage_failed(&mut self, now: Millis, model: ModelRef, fault: StorageFault, detail: String) -> Result<(), LifecycleError> {
+        let downloading = |j: &InstallJob| j.model == model && matches!(j.phase, InstallPhase::Downloading { .. });
+        let Some(job) = self.state.install.clone().filter(downloading) else { return Ok(()) };
+        self.storage_attempts += 1;
+        let delay = self.cfg.backoff.delay(self.storage_attempts, &mut self.rng);
+        let mut next = self.state.clone();
+        next.last_state = DeviceState::InstallDeferred { fault, detail: detail.clone() };
+        self.commit(next)?;
+        tracing::warn!(model = %model.name, version = %model.version, %fault, %detail, attempt = self.storage_attempts, retry_in_ms = delay, "install deferred: storage refused it; active model unchanged");
+        // Nothing half-written stays; the retry downloads from the start.
+        self.actions.push_back(Action::Discard { digest: model.digest });
+        // Names the version it could not store, as a failure report does.
+        let mut deferred = self.status(now);
+        deferred.staged = Some(job.model);
+        self.actions.push_back(Action::Report(deferred));
         self.install_retry_at = Some(now + delay);
         Ok(())
     }

@@ -6,6 +6,8 @@
 //!   database. sled 0.34 can reopen a damaged log as a shorter, valid-looking database; a store
 //!   whose own sequence is behind its marker has lost acknowledged commits and must refuse to open.
 //! - [`open_sled`]: opening a sled database, waiting for a lock a just-closed handle still holds.
+//! - [`SpaceReserve`]: bytes held in a file beside a store and given back when the disk is full,
+//!   so the store can still open and commit (sled needs a free 512 KiB segment to open).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -33,6 +35,75 @@ pub fn open_sled(path: &Path) -> sled::Result<sled::Db> {
             }
             other => return other,
         }
+    }
+}
+
+/// Whether `e` says the filesystem is out of space (ENOSPC) or the writer over its quota.
+pub fn is_out_of_space(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded)
+}
+
+/// The same for a sled error (sled reports I/O as `sled::Error::Io`).
+pub fn is_sled_out_of_space(e: &sled::Error) -> bool {
+    matches!(e, sled::Error::Io(io) if is_out_of_space(io))
+}
+
+/// Bytes an unprivileged writer may still put on the filesystem holding `path`.
+pub fn available_space(path: &Path) -> io::Result<u64> {
+    fs2::available_space(path)
+}
+
+/// A file of `bytes` written zeros, kept beside a store as room it can get back: a full disk
+/// (filled by anyone) would otherwise stop the store from opening or committing. Released
+/// when the filesystem runs low, taken again once there is space.
+#[derive(Debug)]
+pub struct SpaceReserve {
+    path: PathBuf,
+    bytes: u64,
+}
+
+impl SpaceReserve {
+    pub fn new(path: impl Into<PathBuf>, bytes: u64) -> Self {
+        SpaceReserve { path: path.into(), bytes }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn is_held(&self) -> bool {
+        fs::metadata(&self.path).is_ok_and(|m| m.len() == self.bytes)
+    }
+
+    fn dir(&self) -> &Path {
+        self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
+    }
+
+    /// Takes the reserve unless held already, if that still leaves `keep_free` bytes available.
+    /// Returns whether it is held.
+    pub fn take(&self, keep_free: u64) -> io::Result<bool> {
+        if self.is_held() {
+            return Ok(true);
+        }
+        if available_space(self.dir())? < self.bytes.saturating_add(keep_free) {
+            return Ok(false);
+        }
+        // Written, not just sized: a sparse file would hold no blocks.
+        write_atomic(&self.path, &vec![0u8; self.bytes as usize], Mode::Public)?;
+        Ok(true)
+    }
+
+    /// Gives the reserve back to the filesystem; returns whether it was held.
+    pub fn release(&self) -> bool {
+        let held = fs::metadata(&self.path).is_ok();
+        held && fs::remove_file(&self.path).is_ok()
+    }
+
+    /// Releases the reserve if fewer than `min_free` bytes are available (or that is unknown).
+    /// Returns whether it released it.
+    pub fn release_if_below(&self, min_free: u64) -> bool {
+        let low = available_space(self.dir()).map_or(true, |free| free < min_free);
+        low && self.release()
     }
 }
 
@@ -143,6 +214,20 @@ mod tests {
         fs::write(target.join("x"), b"x").unwrap();
         assert!(write_atomic(&target, b"new", Mode::Public).is_err());
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_reserve_is_taken_only_with_room_to_spare_and_released_when_low() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = SpaceReserve::new(dir.path().join("reserve"), 4096);
+        assert!(!r.take(u64::MAX / 2).unwrap(), "no filesystem has that much to spare");
+        assert!(!r.is_held());
+        assert!(r.take(0).unwrap());
+        assert!(r.is_held());
+        assert!(!r.release_if_below(0), "not below 0 bytes");
+        assert!(r.release_if_below(u64::MAX));
+        assert!(!r.is_held());
+        assert!(!r.release(), "nothing left to release");
     }
 
     #[test]

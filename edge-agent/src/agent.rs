@@ -8,14 +8,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, Normalization};
-use fedfleet_protocol::{Digest, ModelRef, TensorBundle};
+use fedfleet_protocol::{Digest, ModelRef, StorageFault, TensorBundle};
 use rand::RngCore;
 
 use crate::clients::{Aggregator, Registry, UploadReply};
 use crate::inbox::Inbox;
 use crate::lifecycle::{Action, AgentError, Conditions, DurableLifecycle, Input, Millis, SlotModel, UploadOutcome};
 use crate::ml;
-use crate::store::write_atomic;
+use crate::store::{DOWNLOAD_HEADROOM_BYTES, write_atomic};
 use crate::trainer::{GraphTrainer, Serve, Trainer};
 
 /// Where the shell gets the time from.
@@ -334,7 +334,8 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             Action::Download { model, length } => {
                 let input = match self.download(&model, length).await {
                     Ok((length, digest)) => Input::DownloadDone { model, length, digest },
-                    Err(reason) => Input::DownloadFailed { model, reason },
+                    Err(DownloadError::Transport(reason)) => Input::DownloadFailed { model, reason },
+                    Err(DownloadError::Storage { fault, detail }) => Input::StorageFailed { model, fault, detail },
                 };
                 self.input(input)?;
             }
@@ -421,8 +422,9 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
 
     /// Resumable download into the partial file; returns the length and digest of what is there
     /// once `length` bytes are in. The blob is moved into the store only if its digest is the
-    /// expected one (the core still verifies it against the signed targets).
-    async fn download(&self, model: &ModelRef, length: u64) -> Result<(u64, Digest), String> {
+    /// expected one (the core still verifies it against the signed targets). Refused before
+    /// the first byte when the disk has no room for the rest plus the store's headroom.
+    async fn download(&self, model: &ModelRef, length: u64) -> Result<(u64, Digest), DownloadError> {
         use std::io::Write;
         let store = self.core.store();
         if let Ok(Some(b)) = store.get_blob(&model.digest) {
@@ -434,25 +436,54 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             let _ = std::fs::remove_file(&path);
             have = 0;
         }
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| e.to_string())?;
+        // Space freed since a full disk: the store gets its reserve back first.
+        store.restore_reserve();
+        let dir = path.parent().unwrap_or(store.dir());
+        let available = fedfleet_durable::available_space(dir).map_err(|e| DownloadError::storage(dir, e))?;
+        let needed = (length - have).saturating_add(DOWNLOAD_HEADROOM_BYTES);
+        if available < needed {
+            return Err(DownloadError::Storage {
+                fault: StorageFault::DiskFull,
+                detail: format!(
+                    "{} bytes of the artifact to store and {DOWNLOAD_HEADROOM_BYTES} kept free for the agent's store, {available} available in {}",
+                    length - have,
+                    dir.display()
+                ),
+            });
+        }
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| DownloadError::storage(&path, e))?;
         while have < length {
             let want = (length - have).min(self.cfg.download_chunk as u64) as u32;
-            let chunk = self.reg.download(&model.name, model.version, have, want).await.map_err(|e| e.to_string())?;
+            let chunk = self.reg.download(&model.name, model.version, have, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?;
             if chunk.is_empty() {
-                return Err(format!("registry sent nothing at offset {have} of {length}"));
+                return Err(DownloadError::Transport(format!("registry sent nothing at offset {have} of {length}")));
             }
             let take = chunk.len().min((length - have) as usize);
-            f.write_all(&chunk[..take]).map_err(|e| e.to_string())?;
-            f.sync_data().map_err(|e| e.to_string())?;
+            f.write_all(&chunk[..take]).and_then(|()| f.sync_data()).map_err(|e| DownloadError::storage(&path, e))?;
             have += take as u64;
         }
         drop(f);
-        let bytes = std::fs::read(&path).map_err(|e| e.to_string())?;
+        let bytes = std::fs::read(&path).map_err(|e| DownloadError::storage(&path, e))?;
         let digest = Digest::of(&bytes);
         if digest == model.digest {
-            store.promote_partial(&digest).map_err(|e| e.to_string())?;
+            store.promote_partial(&digest).map_err(|e| DownloadError::Storage { fault: StorageFault::Io, detail: e.to_string() })?;
         }
         Ok((bytes.len() as u64, digest))
+    }
+}
+
+/// Why a download stopped: the registry (retried a bounded number of times) or this device's
+/// storage (the install is deferred, see [`Input::StorageFailed`]).
+#[derive(Debug)]
+enum DownloadError {
+    Transport(String),
+    Storage { fault: StorageFault, detail: String },
+}
+
+impl DownloadError {
+    fn storage(path: &std::path::Path, e: std::io::Error) -> Self {
+        let fault = if fedfleet_durable::is_out_of_space(&e) { StorageFault::DiskFull } else { StorageFault::Io };
+        DownloadError::Storage { fault, detail: format!("{}: {e}", path.display()) }
     }
 }
 

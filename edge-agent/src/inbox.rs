@@ -181,11 +181,13 @@ pub struct Inbox {
     shape: ExampleShape,
     /// Pushes and marks read-modify-write the counters.
     lock: Arc<Mutex<()>>,
+    /// The store's space reserve, released before a write on a nearly full disk.
+    reserve: Arc<fedfleet_durable::SpaceReserve>,
 }
 
 impl Inbox {
     pub fn open(store: &AgentStore, cfg: InboxConfig, shape: ExampleShape) -> Result<Self, StoreError> {
-        Ok(Inbox { tree: store.tree("inbox")?, cfg, shape, lock: Arc::default() })
+        Ok(Inbox { tree: store.tree("inbox")?, cfg, shape, lock: Arc::default(), reserve: store.reserve() })
     }
 
     fn meta(&self) -> Result<Meta, StoreError> {
@@ -217,6 +219,7 @@ impl Inbox {
             batch.remove(kv?.0);
         }
         batch.insert(META, serde_json::to_vec(&meta).expect("meta serializes"));
+        crate::store::make_room(&self.reserve);
         self.tree.apply_batch(batch)?;
         Ok((first..meta.next_asked).collect())
     }
@@ -280,6 +283,7 @@ impl Inbox {
         }
         let accepted = examples.len() as u64 - dropped_now.iter().filter(|s| **s >= first_new).count() as u64;
         batch.insert(META, serde_json::to_vec(&meta).expect("meta serializes"));
+        crate::store::make_room(&self.reserve);
         self.tree.apply_batch(batch).map_err(StoreError::from)?;
         self.tree.flush().map_err(StoreError::from)?;
         Ok(InboxStats { stored: accepted, examples: meta.examples, bytes: meta.bytes, dropped: meta.dropped, fresh: meta.fresh() })
@@ -311,6 +315,7 @@ impl Inbox {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut meta = self.meta()?;
         meta.trained_upto = meta.trained_upto.max(upto);
+        crate::store::make_room(&self.reserve);
         self.tree.insert(META, serde_json::to_vec(&meta).expect("meta serializes"))?;
         self.tree.flush()?;
         Ok(())

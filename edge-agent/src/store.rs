@@ -2,9 +2,16 @@
 //! [`PersistedState`](crate::lifecycle::PersistedState), JSON) and an `outbox` tree (signed updates
 //! not yet acknowledged), plus content-addressed model blobs as files (`blobs/<digest>`), written
 //! temp file + fsync + rename. Every write that is a commit point is flushed before it returns.
+//!
+//! A full disk: `reserve` holds [`STORE_RESERVE_BYTES`] the store gets back when the filesystem
+//! runs low (before a commit, or when sled cannot open for want of space), and takes again once
+//! there is room. Downloads leave [`DOWNLOAD_HEADROOM_BYTES`] free besides.
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use fedfleet_durable::SpaceReserve;
 
 use fedfleet_protocol::Digest;
 
@@ -47,6 +54,12 @@ impl StoreError {
 
 pub use fedfleet_agent_core::{OutboxEntry, Persist, Saved};
 
+/// Room the store can get back on a full disk: two of sled's 512 KiB segments (opening needs a
+/// free one; the other is for the commits that follow).
+pub const STORE_RESERVE_BYTES: u64 = 1 << 20;
+/// What a download leaves free beside the reserve: the store's own growth (state, outbox).
+pub const DOWNLOAD_HEADROOM_BYTES: u64 = 1 << 20;
+
 const STATE_KEY: &[u8] = b"state";
 const LOCAL_STATE_KEY: &[u8] = b"local_state";
 
@@ -56,6 +69,7 @@ pub struct AgentStore {
     db: sled::Db,
     state: sled::Tree,
     outbox: sled::Tree,
+    reserve: Arc<SpaceReserve>,
 }
 
 impl AgentStore {
@@ -65,10 +79,40 @@ impl AgentStore {
         fs::create_dir_all(dir.join("blobs")).map_err(|e| StoreError::io(&dir, e))?;
         fs::create_dir_all(dir.join("partial")).map_err(|e| StoreError::io(&dir, e))?;
         let db_path = dir.join("db");
-        let db = fedfleet_durable::open_sled(&db_path).map_err(|e| StoreError::Open { path: db_path.clone(), detail: e.to_string() })?;
+        let reserve = Arc::new(SpaceReserve::new(dir.join("reserve"), STORE_RESERVE_BYTES));
+        let db = match fedfleet_durable::open_sled(&db_path) {
+            Err(e) if fedfleet_durable::is_sled_out_of_space(&e) && reserve.release() => {
+                tracing::warn!(dir = %dir.display(), "disk full: released the store's space reserve to open it");
+                fedfleet_durable::open_sled(&db_path)
+            }
+            other => other,
+        }
+        .map_err(|e| StoreError::Open { path: db_path.clone(), detail: e.to_string() })?;
         let state = db.open_tree("state")?;
         let outbox = db.open_tree("outbox")?;
-        Ok(AgentStore { dir, db, state, outbox })
+        let store = AgentStore { dir, db, state, outbox, reserve };
+        store.restore_reserve();
+        Ok(store)
+    }
+
+    /// Takes the space reserve again if it was released and the disk has room for it.
+    pub fn restore_reserve(&self) {
+        match self.reserve.take(DOWNLOAD_HEADROOM_BYTES) {
+            Ok(true) => {}
+            Ok(false) => tracing::debug!("disk nearly full: the store's space reserve stays released"),
+            Err(e) => tracing::warn!(error = %e, "cannot write the store's space reserve"),
+        }
+    }
+
+    /// The reserve, for writers of other trees of this database (the inbox).
+    pub fn reserve(&self) -> Arc<SpaceReserve> {
+        self.reserve.clone()
+    }
+
+    /// Before a commit: on a nearly full disk, gives the reserve back so the commit fits (a
+    /// failed sled write would leave the database unusable until it is reopened).
+    pub fn make_room(&self) {
+        make_room(&self.reserve);
     }
 
     /// The tensors this device keeps out of its updates (FedBN's local batch norms). Bytes that
@@ -86,6 +130,7 @@ impl AgentStore {
 
     /// Replaces the local tensors and flushes.
     pub fn put_local_state(&self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.make_room();
         self.state.insert(LOCAL_STATE_KEY, bytes)?;
         self.db.flush()?;
         Ok(())
@@ -107,6 +152,7 @@ impl AgentStore {
 
     /// Writes the state and flushes (a commit point).
     pub fn save_state_raw(&self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.make_room();
         self.state.insert(STATE_KEY, bytes)?;
         self.db.flush()?;
         Ok(())
@@ -129,6 +175,7 @@ impl AgentStore {
     /// Adds an entry and flushes.
     pub fn put_outbox(&self, e: &OutboxEntry) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(e).expect("outbox entry serializes");
+        self.make_room();
         self.outbox.insert(e.id.to_be_bytes(), bytes)?;
         self.db.flush()?;
         Ok(())
@@ -136,6 +183,7 @@ impl AgentStore {
 
     /// Removes an entry and flushes.
     pub fn remove_outbox(&self, id: u64) -> Result<(), StoreError> {
+        self.make_room();
         self.outbox.remove(id.to_be_bytes())?;
         self.db.flush()?;
         Ok(())
@@ -205,6 +253,13 @@ impl AgentStore {
     pub fn remove_blob(&self, digest: &Digest) {
         let _ = fs::remove_file(self.blob_path(digest));
         let _ = fs::remove_file(self.partial_path(digest));
+    }
+}
+
+/// Releases `reserve` when less than [`DOWNLOAD_HEADROOM_BYTES`] is free.
+pub fn make_room(reserve: &SpaceReserve) {
+    if reserve.release_if_below(DOWNLOAD_HEADROOM_BYTES) {
+        tracing::warn!(reserve = %reserve.path().display(), "disk nearly full: released the store's space reserve");
     }
 }
 

@@ -35,6 +35,6 @@ pub use framing::{Frame, FrameDecoder, FrameError, FrameKind, encode_frame};
 pub use ids::{DeviceId, Digest, FleetId, Hasher, IdError, ModelVersion, RoundId};
 pub use messages::{
     DeviceState, DeviceStatus, Message, MessageError, ModelManifest, ModelRef, Receipt, Rejection,
-    RolloutAction, RolloutNotice, RoundAnnouncement, RoundConfig, Selection,
+    RolloutAction, RolloutNotice, RoundAnnouncement, RoundConfig, Selection, StorageFault,
 };
 pub use reject::RejectReason;

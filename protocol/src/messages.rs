@@ -308,6 +308,39 @@ pub enum DeviceState {
     Failed {
         reason: String,
     },
+    /// An install could not be written to the device's storage: nothing of it is kept, the
+    /// active model serves on, and the device retries with backoff. A fault of the device, not
+    /// a verdict on the model, so rollouts do not count it as a failure. (Appended: postcard.)
+    InstallDeferred {
+        fault: StorageFault,
+        detail: String,
+    },
+}
+
+/// Why a device's storage refused an install.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum StorageFault {
+    /// No space left, or less than the artifact's signed length plus the agent's headroom.
+    DiskFull,
+    /// Any other I/O error.
+    Io,
+}
+
+impl StorageFault {
+    /// Stable snake_case name, for logs, metrics and the registry's device status.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            StorageFault::DiskFull => "disk_full",
+            StorageFault::Io => "io",
+        }
+    }
+}
+
+impl std::fmt::Display for StorageFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl DeviceState {
@@ -323,6 +356,7 @@ impl DeviceState {
             DeviceState::Active => "active",
             DeviceState::RolledBack { .. } => "rolled_back",
             DeviceState::Failed { .. } => "failed",
+            DeviceState::InstallDeferred { .. } => "install_deferred",
         }
     }
 }

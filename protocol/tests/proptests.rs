@@ -136,6 +136,7 @@ fn message() -> impl Strategy<Value = Message> {
         Just(DeviceState::Active),
         ".{0,20}".prop_map(|reason| DeviceState::RolledBack { reason }),
         ".{0,20}".prop_map(|reason| DeviceState::Failed { reason }),
+        ".{0,20}".prop_map(|detail| DeviceState::InstallDeferred { fault: StorageFault::DiskFull, detail }),
     ];
     let status = (
         id_string(),

@@ -79,6 +79,8 @@ fn engine_state(s: &fedfleet_protocol::DeviceState) -> Option<VersionReport> {
         P::Failed { reason } => VersionReport::Failed {
             reason: reason.clone(),
         },
+        // The device's storage, not the model: it retries, and the rollout keeps assigning it.
+        P::InstallDeferred { .. } => return None,
         _ => return None,
     })
 }
@@ -234,6 +236,9 @@ impl Registry {
             fedfleet_protocol::DeviceState::RolledBack { reason }
             | fedfleet_protocol::DeviceState::Failed { reason } => {
                 (Some(reason.clone()), status.state.as_str())
+            }
+            fedfleet_protocol::DeviceState::InstallDeferred { fault, detail } => {
+                (Some(format!("{fault}: {detail}")), status.state.as_str())
             }
             s => (None, s.as_str()),
         };

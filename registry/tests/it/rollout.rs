@@ -116,12 +116,39 @@ async fn signed_assignments_follow_the_rollout() {
             Err(AssignmentError::UnderThreshold { .. })
         ));
 
-        // dev-a fails the health check: the failure rate (1/1) passes the threshold → auto-abort.
         let r2 = ModelRef {
             name: "m".into(),
             version: v(2),
             digest: m2.digest,
         };
+        // dev-a's disk is full: a deferred install is recorded, but it is no verdict on v2 (the
+        // rollout runs on, nothing failed) and dev-a stays assigned v2, to retry.
+        a.report(&status(
+            "dev-a",
+            DeviceState::InstallDeferred {
+                fault: fedfleet_protocol::StorageFault::DiskFull,
+                detail: "no space left on device".into(),
+            },
+            Some(r2.clone()),
+        ))
+        .await
+        .unwrap();
+        let st = op
+            .admin(AdminRequest::RolloutStatus {
+                id: Some("r1".into()),
+            })
+            .await
+            .unwrap();
+        assert_eq!((st["status"].as_str(), st["failed"].as_u64()), (Some("running"), Some(0)), "{st}");
+        let body = a
+            .assignment("m")
+            .await
+            .unwrap()
+            .verify(&root, &ida, unix_ms())
+            .unwrap();
+        assert_eq!(body.target.map(|t| t.version), Some(v(2)));
+
+        // dev-a fails the health check: the failure rate (1/1) passes the threshold → auto-abort.
         a.report(&status("dev-a", DeviceState::Downloaded, Some(r2.clone())))
             .await
             .unwrap();
