@@ -93,6 +93,10 @@ struct Core {
     campaign: CampaignMeta,
     /// A closed round waiting for the driver to finalize and publish it.
     closing: Option<RoundId>,
+    /// The model finalized for the closing round, kept until it is published: finalizing
+    /// consumes the round's fold, so a publish that failed (registry down) is retried with this
+    /// model instead of folding again. (After a crash the round is refolded from the store.)
+    finalized: Option<(RoundId, Vec<f32>)>,
 }
 
 struct Shared {
@@ -204,6 +208,7 @@ impl Aggregator {
             global,
             campaign,
             closing: None,
+            finalized: None,
         };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;

@@ -174,6 +174,11 @@ impl Aggregator {
                 return Ok(None);
             }
             let base = core.base.clone().ok_or("no base model")?;
+            if let Some((r, model)) = &core.finalized
+                && *r == round
+            {
+                return Ok(Some((model.clone(), base)));
+            }
             let result = match (core.coord.mode(), &me.shared.tensor_device) {
                 (FoldMode::Deferred, Some(device)) => {
                     // Every accepted payload is on disk: fold them on the device in digest order.
@@ -198,7 +203,11 @@ impl Aggregator {
                 _ => core.coord.finalize(now_ms(), round, &base.global()),
             };
             match result {
-                Ok(sent) => Ok(Some((base.merged(sent), base))),
+                Ok(sent) => {
+                    let model = base.merged(sent);
+                    core.finalized = Some((round, model.clone()));
+                    Ok(Some((model, base)))
+                }
                 Err(e) => {
                     core.closing = None;
                     me.drain(&mut core, now_ms());
@@ -261,6 +270,7 @@ impl Aggregator {
                 return Ok(());
             }
             core.closing = None;
+            core.finalized = None;
             core.global = Some(GlobalRef { version, digest });
             core.base = Some(Base::new(digest, version, base.layout.clone(), model, &base.sent.layout));
             me.shared.metrics.round("published");

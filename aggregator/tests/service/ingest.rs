@@ -212,3 +212,71 @@ async fn an_extended_round_is_announced_with_its_new_deadline() {
     assert!(extended >= first + 59_000, "extended by the configured 60 s: {first} -> {extended}");
     svc.shutdown().await;
 }
+
+/// A publisher whose `lose`-th publish (1-based) fails after reaching the inner publisher (the
+/// registry stored the version, the answer was lost), like a registry killed mid-request.
+struct LosesAnswers {
+    inner: fedfleet_aggregator::publish::DirPublisher,
+    calls: std::sync::atomic::AtomicU32,
+    lose: u32,
+}
+
+impl fedfleet_aggregator::publish::Publisher for LosesAnswers {
+    fn publish<'a>(&'a self, req: &'a fedfleet_aggregator::publish::PublishRequest) -> fedfleet_aggregator::publish::PublishFuture<'a> {
+        Box::pin(async move {
+            use std::sync::atomic::Ordering::SeqCst;
+            let out = self.inner.publish(req).await;
+            if self.calls.fetch_add(1, SeqCst) + 1 == self.lose {
+                return Err(fedfleet_aggregator::publish::PublishError("connection lost".into()));
+            }
+            out
+        })
+    }
+}
+
+/// Found by the kill -9 campaign suite: a publish that failed (registry SIGKILLed) was retried
+/// by folding the round again, which its consumed fold refused, and the campaign stalled for
+/// good. The retry publishes the model it already finalized, and the campaign goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_publish_is_retried_with_the_finalized_model() {
+    let fleet = Fleet::new(2);
+    let cfg = fleet.config("retry", 2, 2);
+    let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir).unwrap();
+    let dir = cfg.publish_dir();
+    let publisher = LosesAnswers {
+        inner: fedfleet_aggregator::publish::DirPublisher::new(dir.clone(), key, "test"),
+        calls: std::sync::atomic::AtomicU32::new(0),
+        lose: 2, // the initial model is the first publish; round 1's model the second
+    };
+    let agg = fedfleet_aggregator::service::Aggregator::open(cfg, Box::new(publisher)).unwrap();
+    let endpoint = agg.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = endpoint.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(agg.clone().run(endpoint, async move {
+        let _ = stopped.await;
+    }));
+    let op = fleet.operator(addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    for round in [RoundId(1), RoundId(2)] {
+        for i in 0..2 {
+            let d = fleet.device_client(i, addr).await;
+            let base = wait_round(&d, round).await;
+            let payload = delta(i as u64 + 10 * round.0).encode();
+            let h = header(&dev(i), round, base, nonce(i, round.0), 10, &payload, DType::F32, &fleet.device_key(i));
+            assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)));
+        }
+    }
+    // Round 1's publish lost its answer; its retry (same bytes: the same version) and round 2
+    // give versions 2 and 3.
+    let t0 = std::time::Instant::now();
+    let latest = loop {
+        let v = fedfleet_aggregator::publish::DirPublisher::latest(&dir, "tiny").unwrap().map(|m| m.version.0);
+        if v == Some(3) || t0.elapsed() > std::time::Duration::from_secs(30) {
+            break v;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(latest, Some(3), "round 2 was never published");
+    drop(stop);
+    task.await.unwrap();
+}
