@@ -428,6 +428,11 @@ impl Fleet {
     /// Starts a one-phase (100 %) rollout of `version` to `stable` that completes only once
     /// every agent reported it healthy.
     fn rollout_start(&self, version: u64, id: &str) {
+        self.rollout_start_soaking(version, id, "0s");
+    }
+
+    /// [`Fleet::rollout_start`], the phase soaking at least `soak` (e.g. `8s`).
+    fn rollout_start_soaking(&self, version: u64, id: &str, soak: &str) {
         cli(
             "fedfleet-registry",
             &[
@@ -442,7 +447,7 @@ impl Fleet {
                 "--phases",
                 "100",
                 "--soak",
-                "0s",
+                soak,
                 "--min-healthy",
                 &AGENTS.to_string(),
                 "--id",
@@ -844,4 +849,103 @@ fn revoked_device_is_locked_out_mid_campaign() {
     let mut expected = [rounds; AGENTS];
     expected[revoked] = 0;
     f.assert_exactly_once(&expected);
+}
+
+/// Which process a [`chaos_run`] kills.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Victim {
+    Aggregator,
+    Registry,
+    /// A different agent (seeded) at each point.
+    Agent,
+}
+
+/// SIGKILLs per process, at least, while the campaign or the rollout runs.
+const KILL_POINTS: usize = 10;
+/// Of which at least this many during the rollout.
+const ROLLOUT_KILL_POINTS: usize = 3;
+const CHAOS_ROUNDS: u32 = 6;
+/// The rollout's soak (its least running time): room for the kills that did not fit into the
+/// campaign, each 0–300 ms apart plus a restart.
+const CHAOS_SOAK: Duration = Duration::from_secs(12);
+
+/// A campaign of [`CHAOS_ROUNDS`] rounds on every agent, then a soaking rollout of its last
+/// version; with a victim, SIGKILLed at seeded random moments (0–300 ms apart) and restarted
+/// each time: while the campaign runs, at most [`KILL_POINTS`] - [`ROLLOUT_KILL_POINTS`] times,
+/// then while the rollout runs until [`KILL_POINTS`] kills landed. Returns the digest of every
+/// version the registry holds, oldest first.
+fn chaos_run(victim: Option<Victim>, rng: &mut SplitMix) -> Vec<String> {
+    let name = victim.map_or("reference".to_owned(), |v| format!("{v:?}").to_lowercase());
+    let t0 = Instant::now();
+    let mut f = Fleet::new(&format!("mp-kill9-{name}"), Plan::every_agent(CHAOS_ROUNDS));
+    f.start_campaign_with(0..AGENTS);
+    let kill = |f: &mut Fleet, rng: &mut SplitMix, victim: Victim, when: &str| {
+        let wait = rng.range(0, 300);
+        std::thread::sleep(Duration::from_millis(wait));
+        match victim {
+            Victim::Aggregator => {
+                f.aggregator.as_mut().unwrap().sigkill();
+                f.start_aggregator();
+            }
+            Victim::Registry => {
+                f.registry.as_mut().unwrap().sigkill();
+                f.start_registry();
+            }
+            Victim::Agent => {
+                let i = rng.range(0, AGENTS as u64 - 1) as usize;
+                f.agents[i].as_mut().unwrap().sigkill();
+                f.start_agent(i);
+            }
+        }
+        eprintln!("[{:.1?}] {name}: SIGKILL {wait} ms after {when}, restarted", t0.elapsed());
+    };
+    let mut kills = 0;
+    if let Some(v) = victim {
+        while kills < KILL_POINTS - ROLLOUT_KILL_POINTS {
+            let (round, accepted) = open_round(&f.aggregator_metrics());
+            if round == 0 {
+                break; // the campaign ended; the rest land in the rollout
+            }
+            kill(&mut f, rng, v, &format!("round {round} had {accepted} updates"));
+            kills += 1;
+        }
+    }
+    let global = f.wait_campaign_completed();
+    let id = format!("{MODEL}-stable-v{global}");
+    let rollout_started = Instant::now();
+    f.rollout_start_soaking(global, &id, &format!("{}s", CHAOS_SOAK.as_secs()));
+    if let Some(v) = victim {
+        while kills < KILL_POINTS {
+            // Within the soak the rollout is running whatever the devices report.
+            let into = rollout_started.elapsed();
+            assert!(into + Duration::from_secs(1) < CHAOS_SOAK, "{name}: kill point {} would come after the rollout's soak; lengthen CHAOS_SOAK", kills + 1);
+            kill(&mut f, rng, v, &format!("{into:.1?} into the rollout"));
+            kills += 1;
+        }
+    }
+    f.wait_rollout_completed(&id);
+    let digest = f.wait_all_active(global);
+    let versions = f.registry_versions();
+    assert_eq!(digest.to_hex(), versions[&global].1, "{name}: agents run the registry's bytes");
+    f.stop_all();
+    f.assert_exactly_once(&[CHAOS_ROUNDS; AGENTS]);
+    eprintln!("[{:.1?}] {name}: {kills} kills; v{global} active on every agent, every update counted once", t0.elapsed());
+    versions.values().map(|(_, digest)| digest.clone()).collect()
+}
+
+/// Issue 14: the aggregator, the registry and an agent each SIGKILLed at 10 seeded random
+/// points during a campaign and the rollout of its result (at least 3 in the rollout); after the restarts every version
+/// the campaign published is bit-identical to the uninterrupted run's, every agent runs the last
+/// one, and the accounting holds (one accepted record per device and round, outboxes empty, no
+/// more acknowledgements than accepted updates).
+#[test]
+fn kill9_at_seeded_points_leaves_every_version_bit_identical() {
+    let _serial = one_at_a_time();
+    let mut rng = SplitMix::from_env("kill9_at_seeded_points_leaves_every_version_bit_identical");
+    let reference = chaos_run(None, &mut rng);
+    assert_eq!(reference.len(), 1 + CHAOS_ROUNDS as usize);
+    for victim in [Victim::Aggregator, Victim::Registry, Victim::Agent] {
+        let versions = chaos_run(Some(victim), &mut rng);
+        assert_eq!(versions, reference, "{victim:?} killed: the versions differ from the uninterrupted run's");
+    }
 }
