@@ -23,7 +23,7 @@
 //! test decides who trains when.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -36,32 +36,32 @@ use crate::procs::{
     scrape, wait_for,
 };
 
-const MODEL: &str = "digits";
+pub(crate) const MODEL: &str = "digits";
 const FLEET: &str = "fleet-mp";
-const AGENTS: usize = 4;
+pub(crate) const AGENTS: usize = 4;
 /// Generous bounds: the tests fail instead of hanging, also on a loaded 2-core machine.
-const CAMPAIGN_TIMEOUT: Duration = Duration::from_secs(150);
-const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const CAMPAIGN_TIMEOUT: Duration = Duration::from_secs(150);
+pub(crate) const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One of these tests at a time: each runs two services and four agent processes.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn one_at_a_time() -> MutexGuard<'static, ()> {
+pub(crate) fn one_at_a_time() -> MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `[campaign]` of the aggregator's config (the defaults of `campaign start`).
-struct Plan {
-    rounds: u32,
-    target: u32,
-    quorum: u32,
-    deadline_secs: u64,
-    extension_secs: u64,
+pub(crate) struct Plan {
+    pub rounds: u32,
+    pub target: u32,
+    pub quorum: u32,
+    pub deadline_secs: u64,
+    pub extension_secs: u64,
 }
 
 impl Plan {
     /// `rounds` rounds that each wait for every agent, with time to spare.
-    fn every_agent(rounds: u32) -> Plan {
+    pub(crate) fn every_agent(rounds: u32) -> Plan {
         let n = AGENTS as u32;
         Plan {
             rounds,
@@ -74,14 +74,16 @@ impl Plan {
 }
 
 /// A fleet in a temporary directory: PKI, configs, and the running children.
-struct Fleet {
-    root: PathBuf,
-    devices: Vec<String>,
+pub(crate) struct Fleet {
+    pub root: PathBuf,
+    pub devices: Vec<String>,
     rounds: u32,
     agg_addr: SocketAddr,
     reg_metrics: SocketAddr,
     agg_metrics: SocketAddr,
-    agents: Vec<Option<Proc>>,
+    /// Command the agents are started under (e.g. `ip netns exec NS`); empty: none.
+    agent_wrapper: Vec<String>,
+    pub agents: Vec<Option<Proc>>,
     aggregator: Option<Proc>,
     registry: Option<Proc>,
     /// Dropped last: the children are gone before their directory is.
@@ -92,6 +94,12 @@ impl Fleet {
     /// Writes the PKI (through `fedfleet-certs`), the registry keys, the aggregator's initial
     /// model and every config. Starts nothing; every device starts idle.
     fn new(test: &str, plan: Plan) -> Fleet {
+        Fleet::new_on(test, plan, Ipv4Addr::LOCALHOST.into())
+    }
+
+    /// [`Fleet::new`] with both services listening on `host` (and the agents and the
+    /// aggregator's publisher dialling it) instead of 127.0.0.1. Metrics stay on loopback.
+    pub(crate) fn new_on(test: &str, plan: Plan, host: IpAddr) -> Fleet {
         let dir = tempfile::Builder::new()
             .prefix(&format!("{test}-"))
             .tempdir()
@@ -130,7 +138,7 @@ impl Fleet {
         std::fs::write(
             root.join("registry.toml"),
             format!(
-                "listen = \"127.0.0.1:{reg_port}\"\ndata_dir = \"{r}/registry\"\npki_dir = \"{r}/pki\"\n\
+                "listen = \"{host}:{reg_port}\"\ndata_dir = \"{r}/registry\"\npki_dir = \"{r}/pki\"\n\
                  metrics = \"{reg_metrics}\"\noperators = [\"operator\", \"aggregator\"]\n"
             ),
         )
@@ -151,9 +159,9 @@ impl Fleet {
         std::fs::write(
             root.join("aggregator.toml"),
             format!(
-                "listen = \"127.0.0.1:{agg_port}\"\npki_dir = \"{r}/pki\"\nserver_name = \"aggregator\"\n\
+                "listen = \"{host}:{agg_port}\"\npki_dir = \"{r}/pki\"\nserver_name = \"aggregator\"\n\
                  data_dir = \"{r}/aggregator\"\nmetrics_addr = \"{agg_metrics}\"\noperators = [\"operator\"]\n\
-                 [publish]\nregistry = \"127.0.0.1:{reg_port}\"\nserver_name = \"localhost\"\n\
+                 [publish]\nregistry = \"{host}:{reg_port}\"\nserver_name = \"localhost\"\n\
                  [model]\nname = \"{MODEL}\"\nspec = {{ arch = \"mlp\", input = [64], hidden = [64], classes = 10 }}\n\
                  initial = \"{r}/initial.safetensors\"\nvalidation = \"digits\"\n\
                  [campaign]\nrounds = {rounds}\ntarget = {target}\nquorum = {quorum}\ndeadline_secs = {deadline_secs}\n\
@@ -196,9 +204,9 @@ impl Fleet {
                      [data]\ndigits_partition = {{ clients = {AGENTS}, index = {i}, seed = 1 }}\n\
                      [participation]\nrequire_idle = true\nstatus_file = \"{r}/conditions/{d}.json\"\n\
                      [health]\nmax_latency_ms = 10000.0\n[backoff]\nbase_ms = 200\nmax_ms = 1000\n\
-                     [aggregator]\naddr = \"127.0.0.1:{agg_port}\"\nserver_name = \"localhost\"\n\
+                     [aggregator]\naddr = \"{host}:{agg_port}\"\nserver_name = \"localhost\"\n\
                      receipt_key = \"{r}/aggregator/receipt.pub\"\n\
-                     [registry]\naddr = \"127.0.0.1:{reg_port}\"\nserver_name = \"localhost\"\nmodel = \"{MODEL}\"\n",
+                     [registry]\naddr = \"{host}:{reg_port}\"\nserver_name = \"localhost\"\nmodel = \"{MODEL}\"\n",
                     state.display()
                 ),
             )
@@ -208,9 +216,10 @@ impl Fleet {
             root,
             devices,
             rounds,
-            agg_addr: ([127, 0, 0, 1], agg_port).into(),
+            agg_addr: (host, agg_port).into(),
             reg_metrics,
             agg_metrics,
+            agent_wrapper: Vec::new(),
             agents: (0..AGENTS).map(|_| None).collect(),
             aggregator: None,
             registry: None,
@@ -222,7 +231,7 @@ impl Fleet {
         fleet
     }
 
-    fn log(&self, name: &str) -> PathBuf {
+    pub(crate) fn log(&self, name: &str) -> PathBuf {
         self.root.join("logs").join(format!("{name}.log"))
     }
 
@@ -265,7 +274,7 @@ impl Fleet {
     }
 
     /// Starts the registry, the aggregator and the agents `agents`, then a campaign (seed 1).
-    fn start_campaign_with(&mut self, agents: impl IntoIterator<Item = usize>) {
+    pub(crate) fn start_campaign_with(&mut self, agents: impl IntoIterator<Item = usize>) {
         self.start_registry();
         self.start_aggregator();
         for i in agents {
@@ -295,13 +304,20 @@ impl Fleet {
         .unwrap();
     }
 
+    /// Starts the agents (from now on) under `wrapper`, e.g. `ip netns exec NS`, which must
+    /// exec the agent (so signals and exit statuses are the agent's).
+    pub(crate) fn run_agents_under(&mut self, wrapper: &[String]) {
+        self.agent_wrapper = wrapper.to_vec();
+    }
+
     fn start_agent(&mut self, i: usize) {
         let name = self.devices[i].clone();
         let config = self.agent_config(i);
         // The lifecycle says why a device does not join a round (INFO for a round it skips,
         // debug for routine repeats): proof that it heard the announcement.
         let log = self.log(&name);
-        self.agents[i] = Some(Proc::spawn(
+        self.agents[i] = Some(Proc::spawn_under(
+            &self.agent_wrapper,
             &name,
             "fedfleet-agent",
             &["run", "--config", &config],
@@ -328,7 +344,7 @@ impl Fleet {
     }
 
     /// The agent's last status report (`status.json`), if it wrote one.
-    fn status_file(&self, i: usize) -> Option<DeviceStatus> {
+    pub(crate) fn status_file(&self, i: usize) -> Option<DeviceStatus> {
         let text = std::fs::read_to_string(
             self.root
                 .join("agents")
@@ -351,7 +367,7 @@ impl Fleet {
         })
     }
 
-    fn aggregator_metrics(&self) -> String {
+    pub(crate) fn aggregator_metrics(&self) -> String {
         wait_for("the aggregator's metrics", STEP_TIMEOUT, || {
             scrape(self.agg_metrics)
         })
@@ -366,7 +382,7 @@ impl Fleet {
 
     /// Polls `campaign status` until the campaign has ended; panics unless it completed with
     /// one version per round on top of the initial model. Returns the global model version.
-    fn wait_campaign_completed(&mut self) -> u64 {
+    pub(crate) fn wait_campaign_completed(&mut self) -> u64 {
         let text = wait_for("the campaign to end", CAMPAIGN_TIMEOUT, || {
             if let Some(a) = self.aggregator.as_mut() {
                 a.assert_running();
@@ -405,7 +421,7 @@ impl Fleet {
     }
 
     /// The registry's versions of the model: version → (parent, digest in hex).
-    fn registry_versions(&self) -> BTreeMap<u64, (Option<u64>, String)> {
+    pub(crate) fn registry_versions(&self) -> BTreeMap<u64, (Option<u64>, String)> {
         let list = self.registry_json(&["list"]);
         let model = list["models"]
             .as_array()
@@ -427,7 +443,7 @@ impl Fleet {
 
     /// Starts a one-phase (100 %) rollout of `version` to `stable` that completes only once
     /// every agent reported it healthy.
-    fn rollout_start(&self, version: u64, id: &str) {
+    pub(crate) fn rollout_start(&self, version: u64, id: &str) {
         cli(
             "fedfleet-registry",
             &[
@@ -452,7 +468,7 @@ impl Fleet {
         );
     }
 
-    fn wait_rollout_completed(&mut self, id: &str) -> serde_json::Value {
+    pub(crate) fn wait_rollout_completed(&mut self, id: &str) -> serde_json::Value {
         let s = wait_for(&format!("rollout {id} to end"), CAMPAIGN_TIMEOUT, || {
             if let Some(r) = self.registry.as_mut() {
                 r.assert_running();
@@ -466,7 +482,7 @@ impl Fleet {
 
     /// Waits until every agent's `status.json` shows `version` active, then checks the same
     /// through `fedfleet-agent status`. Returns the active model's digest.
-    fn wait_all_active(&self, version: u64) -> Digest {
+    pub(crate) fn wait_all_active(&self, version: u64) -> Digest {
         for i in 0..AGENTS {
             wait_for(
                 &format!("{} to run version {version}", self.devices[i]),
@@ -492,7 +508,7 @@ impl Fleet {
     }
 
     /// Stops every child with SIGTERM (clean exits required).
-    fn stop_all(&mut self) {
+    pub(crate) fn stop_all(&mut self) {
         for a in self.agents.iter_mut().flatten() {
             a.stop();
         }
@@ -507,7 +523,7 @@ impl Fleet {
     /// After [`Fleet::stop_all`]: checks that the aggregator's committed records hold exactly
     /// one update per (device, round) for `expected[device]` rounds, that every agent's outbox
     /// is empty, and that agents acknowledged no more updates than they trained.
-    fn assert_exactly_once(&self, expected: &[u32]) {
+    pub(crate) fn assert_exactly_once(&self, expected: &[u32]) {
         let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator"))
             .expect("aggregator store");
         let mut per_device: BTreeMap<String, Vec<RoundId>> = BTreeMap::new();
@@ -561,7 +577,7 @@ impl Fleet {
 }
 
 /// Accuracy of a model (safetensors bytes) on the digits test split.
-fn test_accuracy(bytes: &[u8]) -> f64 {
+pub(crate) fn test_accuracy(bytes: &[u8]) -> f64 {
     let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).expect("model decodes");
     let (_, test) = Dataset::digits_split().expect("digits");
     fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test)
@@ -570,7 +586,7 @@ fn test_accuracy(bytes: &[u8]) -> f64 {
 }
 
 /// The aggregator's open round and its accepted updates (from its metrics).
-fn open_round(metrics: &str) -> (u64, u64) {
+pub(crate) fn open_round(metrics: &str) -> (u64, u64) {
     let get = |n| sample(metrics, n).unwrap_or_else(|| panic!("{n} missing from the metrics"));
     (
         get("fedfleet_aggregator_open_round") as u64,

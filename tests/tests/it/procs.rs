@@ -70,13 +70,35 @@ impl Proc {
         log: &Path,
         rust_log: &str,
     ) -> Proc {
+        Proc::spawn_under(&[], name, binary, args, cwd, log, rust_log)
+    }
+
+    /// [`Proc::spawn`] under `wrapper` (`wrapper... bin args`, e.g. `ip netns exec NS`); the
+    /// wrapper must exec the binary, so the child's pid and signals are the binary's.
+    pub fn spawn_under(
+        wrapper: &[String],
+        name: &str,
+        binary: &str,
+        args: &[&str],
+        cwd: &Path,
+        log: &Path,
+        rust_log: &str,
+    ) -> Proc {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .expect("log file");
-        let _ = writeln!(f, "===== {name}: {binary} {} =====", args.join(" "));
-        let child = Command::new(bin(binary))
+        let _ = writeln!(f, "===== {name}: {}{binary} {} =====", wrapper.iter().map(|w| format!("{w} ")).collect::<String>(), args.join(" "));
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(bin(binary));
+                c
+            }
+            None => Command::new(bin(binary)),
+        };
+        let child = cmd
             .args(args)
             .current_dir(cwd)
             .env("NO_COLOR", "1")
