@@ -23,7 +23,7 @@
 //! test decides who trains when.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -40,7 +40,7 @@ pub(crate) const MODEL: &str = "digits";
 const FLEET: &str = "fleet-mp";
 pub(crate) const AGENTS: usize = 4;
 /// Generous bounds: the tests fail instead of hanging, also on a loaded 2-core machine.
-pub(crate) const CAMPAIGN_TIMEOUT: Duration = Duration::from_secs(150);
+const CAMPAIGN_TIMEOUT: Duration = Duration::from_secs(150);
 pub(crate) const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One of these tests at a time: each runs two services and four agent processes.
@@ -52,11 +52,11 @@ pub(crate) fn one_at_a_time() -> MutexGuard<'static, ()> {
 
 /// `[campaign]` of the aggregator's config (the defaults of `campaign start`).
 pub(crate) struct Plan {
-    pub rounds: u32,
-    pub target: u32,
-    pub quorum: u32,
-    pub deadline_secs: u64,
-    pub extension_secs: u64,
+    rounds: u32,
+    target: u32,
+    quorum: u32,
+    deadline_secs: u64,
+    extension_secs: u64,
 }
 
 impl Plan {
@@ -75,15 +75,16 @@ impl Plan {
 
 /// A fleet in a temporary directory: PKI, configs, and the running children.
 pub(crate) struct Fleet {
-    pub root: PathBuf,
+    root: PathBuf,
     pub devices: Vec<String>,
     rounds: u32,
-    agg_addr: SocketAddr,
+    pub agg_addr: SocketAddr,
+    pub reg_addr: SocketAddr,
     reg_metrics: SocketAddr,
     agg_metrics: SocketAddr,
     /// Command the agents are started under (e.g. `ip netns exec NS`); empty: none.
     agent_wrapper: Vec<String>,
-    pub agents: Vec<Option<Proc>>,
+    agents: Vec<Option<Proc>>,
     aggregator: Option<Proc>,
     registry: Option<Proc>,
     /// Dropped last: the children are gone before their directory is.
@@ -93,13 +94,7 @@ pub(crate) struct Fleet {
 impl Fleet {
     /// Writes the PKI (through `fedfleet-certs`), the registry keys, the aggregator's initial
     /// model and every config. Starts nothing; every device starts idle.
-    fn new(test: &str, plan: Plan) -> Fleet {
-        Fleet::new_on(test, plan, Ipv4Addr::LOCALHOST.into())
-    }
-
-    /// [`Fleet::new`] with both services listening on `host` (and the agents and the
-    /// aggregator's publisher dialling it) instead of 127.0.0.1. Metrics stay on loopback.
-    pub(crate) fn new_on(test: &str, plan: Plan, host: IpAddr) -> Fleet {
+    pub(crate) fn new(test: &str, plan: Plan) -> Fleet {
         let dir = tempfile::Builder::new()
             .prefix(&format!("{test}-"))
             .tempdir()
@@ -138,7 +133,7 @@ impl Fleet {
         std::fs::write(
             root.join("registry.toml"),
             format!(
-                "listen = \"{host}:{reg_port}\"\ndata_dir = \"{r}/registry\"\npki_dir = \"{r}/pki\"\n\
+                "listen = \"127.0.0.1:{reg_port}\"\ndata_dir = \"{r}/registry\"\npki_dir = \"{r}/pki\"\n\
                  metrics = \"{reg_metrics}\"\noperators = [\"operator\", \"aggregator\"]\n"
             ),
         )
@@ -159,9 +154,9 @@ impl Fleet {
         std::fs::write(
             root.join("aggregator.toml"),
             format!(
-                "listen = \"{host}:{agg_port}\"\npki_dir = \"{r}/pki\"\nserver_name = \"aggregator\"\n\
+                "listen = \"127.0.0.1:{agg_port}\"\npki_dir = \"{r}/pki\"\nserver_name = \"aggregator\"\n\
                  data_dir = \"{r}/aggregator\"\nmetrics_addr = \"{agg_metrics}\"\noperators = [\"operator\"]\n\
-                 [publish]\nregistry = \"{host}:{reg_port}\"\nserver_name = \"localhost\"\n\
+                 [publish]\nregistry = \"127.0.0.1:{reg_port}\"\nserver_name = \"localhost\"\n\
                  [model]\nname = \"{MODEL}\"\nspec = {{ arch = \"mlp\", input = [64], hidden = [64], classes = 10 }}\n\
                  initial = \"{r}/initial.safetensors\"\nvalidation = \"digits\"\n\
                  [campaign]\nrounds = {rounds}\ntarget = {target}\nquorum = {quorum}\ndeadline_secs = {deadline_secs}\n\
@@ -204,9 +199,9 @@ impl Fleet {
                      [data]\ndigits_partition = {{ clients = {AGENTS}, index = {i}, seed = 1 }}\n\
                      [participation]\nrequire_idle = true\nstatus_file = \"{r}/conditions/{d}.json\"\n\
                      [health]\nmax_latency_ms = 10000.0\n[backoff]\nbase_ms = 200\nmax_ms = 1000\n\
-                     [aggregator]\naddr = \"{host}:{agg_port}\"\nserver_name = \"localhost\"\n\
+                     [aggregator]\naddr = \"127.0.0.1:{agg_port}\"\nserver_name = \"localhost\"\n\
                      receipt_key = \"{r}/aggregator/receipt.pub\"\n\
-                     [registry]\naddr = \"{host}:{reg_port}\"\nserver_name = \"localhost\"\nmodel = \"{MODEL}\"\n",
+                     [registry]\naddr = \"127.0.0.1:{reg_port}\"\nserver_name = \"localhost\"\nmodel = \"{MODEL}\"\n",
                     state.display()
                 ),
             )
@@ -216,10 +211,11 @@ impl Fleet {
             root,
             devices,
             rounds,
-            agg_addr: (host, agg_port).into(),
+            agg_addr: ([127, 0, 0, 1], agg_port).into(),
+            reg_addr: ([127, 0, 0, 1], reg_port).into(),
+            agent_wrapper: Vec::new(),
             reg_metrics,
             agg_metrics,
-            agent_wrapper: Vec::new(),
             agents: (0..AGENTS).map(|_| None).collect(),
             aggregator: None,
             registry: None,
@@ -292,14 +288,23 @@ impl Fleet {
     }
 
     /// Points agent `i` at `addr` (e.g. a [`Relay`]) instead of the aggregator; before it starts.
-    fn route_agent_to_aggregator_via(&self, i: usize, addr: SocketAddr) {
+    pub(crate) fn route_agent_to_aggregator_via(&self, i: usize, addr: SocketAddr) {
+        self.route_agent_via(i, "aggregator", self.agg_addr, addr);
+    }
+
+    /// Points agent `i` at `addr` instead of the registry; before it starts.
+    pub(crate) fn route_agent_to_registry_via(&self, i: usize, addr: SocketAddr) {
+        self.route_agent_via(i, "registry", self.reg_addr, addr);
+    }
+
+    fn route_agent_via(&self, i: usize, section: &str, service: SocketAddr, addr: SocketAddr) {
         let path = self.agent_config(i);
         let text = std::fs::read_to_string(&path).unwrap();
-        let from = format!("[aggregator]\naddr = \"{}\"", self.agg_addr);
+        let from = format!("[{section}]\naddr = \"{service}\"");
         assert!(text.contains(&from), "{text}");
         std::fs::write(
             &path,
-            text.replace(&from, &format!("[aggregator]\naddr = \"{addr}\"")),
+            text.replace(&from, &format!("[{section}]\naddr = \"{addr}\"")),
         )
         .unwrap();
     }
@@ -577,7 +582,7 @@ impl Fleet {
 }
 
 /// Accuracy of a model (safetensors bytes) on the digits test split.
-pub(crate) fn test_accuracy(bytes: &[u8]) -> f64 {
+fn test_accuracy(bytes: &[u8]) -> f64 {
     let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).expect("model decodes");
     let (_, test) = Dataset::digits_split().expect("digits");
     fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test)
