@@ -34,8 +34,8 @@
 //! Partitions last a few seconds, below QUIC's 30 s idle timeout in `fedfleet-net`: connections
 //! survive them, and requests in flight (an upload, a model download) stall and continue when
 //! the link heals, by QUIC retransmission. With `FEDFLEET_NETFAULTS_LONG=1` they last 32–40 s
-//! instead, past the idle timeout: connections die, uploads and downloads fail and the agents
-//! retry them (from their outbox, from the partial download); about 2 minutes more.
+//! instead, past the idle timeout: connections die and what was in flight is retried on a new
+//! one (the per-agent summary counts upload and install retries); about a minute more.
 //!
 //! Run alone: `cargo build --workspace --bins && cargo test -p fedfleet-tests --test it netfaults
 //! -- --nocapture` (`FEDFLEET_TEST_SEED=<seed>` repeats a run's faults and moments).
