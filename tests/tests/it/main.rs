@@ -5,6 +5,7 @@ mod inbox;
 mod inproc;
 mod loopback;
 mod multiprocess;
+mod netfaults;
 mod procs;
 mod renewal;
 mod own_model;

@@ -36,22 +36,22 @@ use crate::procs::{
     scrape, wait_for,
 };
 
-const MODEL: &str = "digits";
+pub(crate) const MODEL: &str = "digits";
 const FLEET: &str = "fleet-mp";
-const AGENTS: usize = 4;
+pub(crate) const AGENTS: usize = 4;
 /// Generous bounds: the tests fail instead of hanging, also on a loaded 2-core machine.
 const CAMPAIGN_TIMEOUT: Duration = Duration::from_secs(150);
-const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One of these tests at a time: each runs two services and four agent processes.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn one_at_a_time() -> MutexGuard<'static, ()> {
+pub(crate) fn one_at_a_time() -> MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `[campaign]` of the aggregator's config (the defaults of `campaign start`).
-struct Plan {
+pub(crate) struct Plan {
     rounds: u32,
     target: u32,
     quorum: u32,
@@ -61,7 +61,7 @@ struct Plan {
 
 impl Plan {
     /// `rounds` rounds that each wait for every agent, with time to spare.
-    fn every_agent(rounds: u32) -> Plan {
+    pub(crate) fn every_agent(rounds: u32) -> Plan {
         let n = AGENTS as u32;
         Plan {
             rounds,
@@ -74,13 +74,16 @@ impl Plan {
 }
 
 /// A fleet in a temporary directory: PKI, configs, and the running children.
-struct Fleet {
+pub(crate) struct Fleet {
     root: PathBuf,
-    devices: Vec<String>,
+    pub devices: Vec<String>,
     rounds: u32,
-    agg_addr: SocketAddr,
+    pub agg_addr: SocketAddr,
+    pub reg_addr: SocketAddr,
     reg_metrics: SocketAddr,
     agg_metrics: SocketAddr,
+    /// Command the agents are started under (e.g. `ip netns exec NS`); empty: none.
+    agent_wrapper: Vec<String>,
     agents: Vec<Option<Proc>>,
     aggregator: Option<Proc>,
     registry: Option<Proc>,
@@ -91,7 +94,7 @@ struct Fleet {
 impl Fleet {
     /// Writes the PKI (through `fedfleet-certs`), the registry keys, the aggregator's initial
     /// model and every config. Starts nothing; every device starts idle.
-    fn new(test: &str, plan: Plan) -> Fleet {
+    pub(crate) fn new(test: &str, plan: Plan) -> Fleet {
         let dir = tempfile::Builder::new()
             .prefix(&format!("{test}-"))
             .tempdir()
@@ -209,6 +212,8 @@ impl Fleet {
             devices,
             rounds,
             agg_addr: ([127, 0, 0, 1], agg_port).into(),
+            reg_addr: ([127, 0, 0, 1], reg_port).into(),
+            agent_wrapper: Vec::new(),
             reg_metrics,
             agg_metrics,
             agents: (0..AGENTS).map(|_| None).collect(),
@@ -222,7 +227,7 @@ impl Fleet {
         fleet
     }
 
-    fn log(&self, name: &str) -> PathBuf {
+    pub(crate) fn log(&self, name: &str) -> PathBuf {
         self.root.join("logs").join(format!("{name}.log"))
     }
 
@@ -265,7 +270,7 @@ impl Fleet {
     }
 
     /// Starts the registry, the aggregator and the agents `agents`, then a campaign (seed 1).
-    fn start_campaign_with(&mut self, agents: impl IntoIterator<Item = usize>) {
+    pub(crate) fn start_campaign_with(&mut self, agents: impl IntoIterator<Item = usize>) {
         self.start_registry();
         self.start_aggregator();
         for i in agents {
@@ -283,16 +288,31 @@ impl Fleet {
     }
 
     /// Points agent `i` at `addr` (e.g. a [`Relay`]) instead of the aggregator; before it starts.
-    fn route_agent_to_aggregator_via(&self, i: usize, addr: SocketAddr) {
+    pub(crate) fn route_agent_to_aggregator_via(&self, i: usize, addr: SocketAddr) {
+        self.route_agent_via(i, "aggregator", self.agg_addr, addr);
+    }
+
+    /// Points agent `i` at `addr` instead of the registry; before it starts.
+    pub(crate) fn route_agent_to_registry_via(&self, i: usize, addr: SocketAddr) {
+        self.route_agent_via(i, "registry", self.reg_addr, addr);
+    }
+
+    fn route_agent_via(&self, i: usize, section: &str, service: SocketAddr, addr: SocketAddr) {
         let path = self.agent_config(i);
         let text = std::fs::read_to_string(&path).unwrap();
-        let from = format!("[aggregator]\naddr = \"{}\"", self.agg_addr);
+        let from = format!("[{section}]\naddr = \"{service}\"");
         assert!(text.contains(&from), "{text}");
         std::fs::write(
             &path,
-            text.replace(&from, &format!("[aggregator]\naddr = \"{addr}\"")),
+            text.replace(&from, &format!("[{section}]\naddr = \"{addr}\"")),
         )
         .unwrap();
+    }
+
+    /// Starts the agents (from now on) under `wrapper`, e.g. `ip netns exec NS`, which must
+    /// exec the agent (so signals and exit statuses are the agent's).
+    pub(crate) fn run_agents_under(&mut self, wrapper: &[String]) {
+        self.agent_wrapper = wrapper.to_vec();
     }
 
     fn start_agent(&mut self, i: usize) {
@@ -301,7 +321,8 @@ impl Fleet {
         // The lifecycle says why a device does not join a round (INFO for a round it skips,
         // debug for routine repeats): proof that it heard the announcement.
         let log = self.log(&name);
-        self.agents[i] = Some(Proc::spawn(
+        self.agents[i] = Some(Proc::spawn_under(
+            &self.agent_wrapper,
             &name,
             "fedfleet-agent",
             &["run", "--config", &config],
@@ -328,7 +349,7 @@ impl Fleet {
     }
 
     /// The agent's last status report (`status.json`), if it wrote one.
-    fn status_file(&self, i: usize) -> Option<DeviceStatus> {
+    pub(crate) fn status_file(&self, i: usize) -> Option<DeviceStatus> {
         let text = std::fs::read_to_string(
             self.root
                 .join("agents")
@@ -351,7 +372,7 @@ impl Fleet {
         })
     }
 
-    fn aggregator_metrics(&self) -> String {
+    pub(crate) fn aggregator_metrics(&self) -> String {
         wait_for("the aggregator's metrics", STEP_TIMEOUT, || {
             scrape(self.agg_metrics)
         })
@@ -366,7 +387,7 @@ impl Fleet {
 
     /// Polls `campaign status` until the campaign has ended; panics unless it completed with
     /// one version per round on top of the initial model. Returns the global model version.
-    fn wait_campaign_completed(&mut self) -> u64 {
+    pub(crate) fn wait_campaign_completed(&mut self) -> u64 {
         let text = wait_for("the campaign to end", CAMPAIGN_TIMEOUT, || {
             if let Some(a) = self.aggregator.as_mut() {
                 a.assert_running();
@@ -405,7 +426,7 @@ impl Fleet {
     }
 
     /// The registry's versions of the model: version → (parent, digest in hex).
-    fn registry_versions(&self) -> BTreeMap<u64, (Option<u64>, String)> {
+    pub(crate) fn registry_versions(&self) -> BTreeMap<u64, (Option<u64>, String)> {
         let list = self.registry_json(&["list"]);
         let model = list["models"]
             .as_array()
@@ -427,7 +448,7 @@ impl Fleet {
 
     /// Starts a one-phase (100 %) rollout of `version` to `stable` that completes only once
     /// every agent reported it healthy.
-    fn rollout_start(&self, version: u64, id: &str) {
+    pub(crate) fn rollout_start(&self, version: u64, id: &str) {
         self.rollout_start_soaking(version, id, "0s");
     }
 
@@ -457,7 +478,7 @@ impl Fleet {
         );
     }
 
-    fn wait_rollout_completed(&mut self, id: &str) -> serde_json::Value {
+    pub(crate) fn wait_rollout_completed(&mut self, id: &str) -> serde_json::Value {
         let s = wait_for(&format!("rollout {id} to end"), CAMPAIGN_TIMEOUT, || {
             if let Some(r) = self.registry.as_mut() {
                 r.assert_running();
@@ -471,7 +492,7 @@ impl Fleet {
 
     /// Waits until every agent's `status.json` shows `version` active, then checks the same
     /// through `fedfleet-agent status`. Returns the active model's digest.
-    fn wait_all_active(&self, version: u64) -> Digest {
+    pub(crate) fn wait_all_active(&self, version: u64) -> Digest {
         for i in 0..AGENTS {
             wait_for(
                 &format!("{} to run version {version}", self.devices[i]),
@@ -497,7 +518,7 @@ impl Fleet {
     }
 
     /// Stops every child with SIGTERM (clean exits required).
-    fn stop_all(&mut self) {
+    pub(crate) fn stop_all(&mut self) {
         for a in self.agents.iter_mut().flatten() {
             a.stop();
         }
@@ -512,7 +533,7 @@ impl Fleet {
     /// After [`Fleet::stop_all`]: checks that the aggregator's committed records hold exactly
     /// one update per (device, round) for `expected[device]` rounds, that every agent's outbox
     /// is empty, and that agents acknowledged no more updates than they trained.
-    fn assert_exactly_once(&self, expected: &[u32]) {
+    pub(crate) fn assert_exactly_once(&self, expected: &[u32]) {
         let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator"))
             .expect("aggregator store");
         let mut per_device: BTreeMap<String, Vec<RoundId>> = BTreeMap::new();
@@ -575,7 +596,7 @@ fn test_accuracy(bytes: &[u8]) -> f64 {
 }
 
 /// The aggregator's open round and its accepted updates (from its metrics).
-fn open_round(metrics: &str) -> (u64, u64) {
+pub(crate) fn open_round(metrics: &str) -> (u64, u64) {
     let get = |n| sample(metrics, n).unwrap_or_else(|| panic!("{n} missing from the metrics"));
     (
         get("fedfleet_aggregator_open_round") as u64,

@@ -70,13 +70,35 @@ impl Proc {
         log: &Path,
         rust_log: &str,
     ) -> Proc {
+        Proc::spawn_under(&[], name, binary, args, cwd, log, rust_log)
+    }
+
+    /// [`Proc::spawn`] under `wrapper` (`wrapper... bin args`, e.g. `ip netns exec NS`); the
+    /// wrapper must exec the binary, so the child's pid and signals are the binary's.
+    pub fn spawn_under(
+        wrapper: &[String],
+        name: &str,
+        binary: &str,
+        args: &[&str],
+        cwd: &Path,
+        log: &Path,
+        rust_log: &str,
+    ) -> Proc {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .expect("log file");
-        let _ = writeln!(f, "===== {name}: {binary} {} =====", args.join(" "));
-        let child = Command::new(bin(binary))
+        let _ = writeln!(f, "===== {name}: {}{binary} {} =====", wrapper.iter().map(|w| format!("{w} ")).collect::<String>(), args.join(" "));
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(bin(binary));
+                c
+            }
+            None => Command::new(bin(binary)),
+        };
+        let child = cmd
             .args(args)
             .current_dir(cwd)
             .env("NO_COLOR", "1")
@@ -294,23 +316,101 @@ impl SplitMix {
     }
 }
 
-/// A UDP relay on 127.0.0.1 in front of one QUIC service, which the test can cut: while cut,
-/// datagrams in both directions are dropped (a network partition, not a refusal), so a QUIC
-/// request in flight neither completes nor fails until its idle timeout.
+/// What a [`Relay`] does to each datagram (each direction), in the manner of `tc netem`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LinkFaults {
+    /// Datagrams dropped, in percent.
+    pub loss_pct: u64,
+    /// Delay of each datagram: `delay_ms` ± `jitter_ms` (uniform), so later datagrams overtake.
+    pub delay_ms: u64,
+    pub jitter_ms: u64,
+    /// Datagrams sent at once instead of delayed (overtaking those before them), in percent.
+    pub reorder_pct: u64,
+}
+
+impl std::fmt::Display for LinkFaults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "loss {}% delay {}ms ± {}ms reorder {}%",
+            self.loss_pct, self.delay_ms, self.jitter_ms, self.reorder_pct
+        )
+    }
+}
+
+/// Datagrams a relay holds back, sent when due by one thread.
+struct Delayed {
+    due: Instant,
+    seq: u64,
+    bytes: Vec<u8>,
+    socket: std::sync::Arc<UdpSocket>,
+    to: SocketAddr,
+}
+
+impl PartialEq for Delayed {
+    fn eq(&self, o: &Self) -> bool {
+        (self.due, self.seq) == (o.due, o.seq)
+    }
+}
+impl Eq for Delayed {}
+impl PartialOrd for Delayed {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Delayed {
+    /// Reversed: the earliest is the greatest (the top of a `BinaryHeap`).
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.due, o.seq).cmp(&(self.due, self.seq))
+    }
+}
+
+/// One direction's fault decisions: `None` drops the datagram, else its delay.
+struct Impair {
+    rng: SplitMix,
+    faults: std::sync::Arc<std::sync::Mutex<LinkFaults>>,
+}
+
+impl Impair {
+    fn decide(&mut self) -> Option<Duration> {
+        let f = *self.faults.lock().unwrap_or_else(|p| p.into_inner());
+        if f.loss_pct > 0 && self.rng.range(1, 100) <= f.loss_pct {
+            return None;
+        }
+        if f.delay_ms == 0 || (f.reorder_pct > 0 && self.rng.range(1, 100) <= f.reorder_pct) {
+            return Some(Duration::ZERO);
+        }
+        let lo = f.delay_ms.saturating_sub(f.jitter_ms);
+        Some(Duration::from_millis(self.rng.range(lo, f.delay_ms + f.jitter_ms)))
+    }
+}
+
+/// A UDP relay in front of one QUIC service, which the test can cut: while cut, datagrams in
+/// both directions are dropped (a network partition, not a refusal), so a QUIC request in
+/// flight neither completes nor fails until its idle timeout. It can also lose, delay and
+/// reorder datagrams ([`Relay::set_faults`]).
 pub struct Relay {
     pub addr: SocketAddr,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Client-to-service bytes still let through before the relay cuts itself (`i64::MAX`: no limit).
     budget: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    faults: std::sync::Arc<std::sync::Mutex<LinkFaults>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
+    /// A relay on 127.0.0.1, without faults.
     pub fn start(upstream: SocketAddr) -> Relay {
-        use std::collections::HashMap;
-        use std::sync::Arc;
+        Relay::start_on([127, 0, 0, 1].into(), upstream, 0)
+    }
+
+    /// A relay listening on `front` (any free port), forwarding to `upstream` on loopback;
+    /// `seed` seeds its fault decisions.
+    pub fn start_on(front: std::net::IpAddr, upstream: SocketAddr, seed: u64) -> Relay {
+        use std::collections::{BinaryHeap, HashMap};
         use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay socket"));
+        use std::sync::{Arc, Mutex, mpsc};
+        let front = Arc::new(UdpSocket::bind((front, 0)).expect("relay socket"));
         front
             .set_read_timeout(Some(Duration::from_millis(100)))
             .unwrap();
@@ -318,10 +418,59 @@ impl Relay {
         let cut = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
         let budget = Arc::new(AtomicI64::new(i64::MAX));
-        let (c, s, b) = (cut.clone(), stop.clone(), budget.clone());
+        let faults = Arc::new(Mutex::new(LinkFaults::default()));
+
+        // The delay line: datagrams with a delay wait here until due.
+        let (delay_tx, delay_rx) = mpsc::channel::<Delayed>();
+        let s = stop.clone();
+        std::thread::spawn(move || {
+            let mut heap: BinaryHeap<Delayed> = BinaryHeap::new();
+            while !s.load(Ordering::Relaxed) {
+                let now = Instant::now();
+                while heap.peek().is_some_and(|d| d.due <= now) {
+                    let d = heap.pop().unwrap();
+                    let _ = d.socket.send_to(&d.bytes, d.to);
+                }
+                let wait = heap
+                    .peek()
+                    .map(|d| d.due.saturating_duration_since(now))
+                    .unwrap_or(Duration::from_millis(100))
+                    .min(Duration::from_millis(100));
+                match delay_rx.recv_timeout(wait) {
+                    Ok(d) => heap.push(d),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
+        });
+        let seq = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        // Sends `bytes` to `to` through `socket` now or after the delay the faults decide.
+        let forward = {
+            let (delay_tx, seq) = (Mutex::new(delay_tx), seq.clone());
+            Arc::new(move |impair: &mut Impair, bytes: &[u8], socket: &Arc<UdpSocket>, to: SocketAddr| {
+                match impair.decide() {
+                    None => {}
+                    Some(d) if d.is_zero() => {
+                        let _ = socket.send_to(bytes, to);
+                    }
+                    Some(d) => {
+                        let _ = delay_tx.lock().unwrap_or_else(|p| p.into_inner()).send(Delayed {
+                            due: Instant::now() + d,
+                            seq: seq.fetch_add(1, Ordering::Relaxed),
+                            bytes: bytes.to_vec(),
+                            socket: socket.clone(),
+                            to,
+                        });
+                    }
+                }
+            })
+        };
+
+        let (c, s, b, fl) = (cut.clone(), stop.clone(), budget.clone(), faults.clone());
         std::thread::spawn(move || {
             // One upstream socket per client address, with a thread carrying the answers back.
             let mut upstreams: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
+            let mut impair = Impair { rng: SplitMix(seed), faults: fl.clone() };
             let mut buf = vec![0u8; 65536];
             while !s.load(Ordering::Relaxed) {
                 let Ok((n, client)) = front.recv_from(&mut buf) else {
@@ -340,6 +489,11 @@ impl Relay {
                     up.set_read_timeout(Some(Duration::from_millis(100)))
                         .unwrap();
                     let (up2, front2, c2, s2) = (up.clone(), front.clone(), c.clone(), s.clone());
+                    let forward = forward.clone();
+                    let mut impair = Impair {
+                        rng: SplitMix(seed ^ (client.port() as u64).wrapping_mul(0x9E37_79B9)),
+                        faults: fl.clone(),
+                    };
                     std::thread::spawn(move || {
                         let mut buf = vec![0u8; 65536];
                         while !s2.load(Ordering::Relaxed) {
@@ -347,21 +501,27 @@ impl Relay {
                                 continue;
                             };
                             if !c2.load(Ordering::Relaxed) {
-                                let _ = front2.send_to(&buf[..n], client);
+                                forward(&mut impair, &buf[..n], &front2, client);
                             }
                         }
                     });
                     up
                 });
-                let _ = up.send_to(&buf[..n], upstream);
+                forward(&mut impair, &buf[..n], up, upstream);
             }
         });
         Relay {
             addr,
             cut,
             budget,
+            faults,
             stop,
         }
+    }
+
+    /// Loss, delay and reordering from now on, both directions (`LinkFaults::default()`: none).
+    pub fn set_faults(&self, faults: LinkFaults) {
+        *self.faults.lock().unwrap_or_else(|p| p.into_inner()) = faults;
     }
 
     /// Drops (true) or forwards (false, with no byte limit) every datagram from now on.
