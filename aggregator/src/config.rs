@@ -31,8 +31,9 @@
 //! sampling_rate = 1.0
 //! local_epochs = 1
 //! batch_size = 32
-//! lr = 0.1
-//! mu = 0.0                           # FedProx
+//! learning_rate = 0.1                # old key: lr
+//! optimizer = "sgd"                  # the devices' local optimizer: sgd | adam
+//! proximal_mu = 0.0                  # FedProx proximal weight (old keys: mu, fedprox_mu)
 //! quantization = "f32"               # f32 f16 bf16 i8
 //! # clip_norm = 10.0                 # clipped_fedavg: L2 bound of each update
 //! # trim_fraction = 0.1              # trimmed_mean: fraction cut at each end
@@ -285,8 +286,13 @@ pub struct CampaignDefaults {
     pub max_sample_count: u64,
     pub local_epochs: u32,
     pub batch_size: u32,
-    pub lr: f32,
-    pub mu: f32,
+    #[serde(alias = "lr")]
+    pub learning_rate: f32,
+    /// The devices' local optimizer: "sgd" or "adam" (sent in every announcement).
+    pub optimizer: String,
+    /// FedProx proximal weight; > 0 turns FedAvg into FedProx.
+    #[serde(alias = "mu", alias = "fedprox_mu")]
+    pub proximal_mu: f32,
     pub quantization: String,
     /// FedOpt server learning rate (η); other FedOpt parameters take Flower's defaults.
     pub server_lr: Option<f64>,
@@ -314,8 +320,9 @@ impl Default for CampaignDefaults {
             max_sample_count: 1 << 32,
             local_epochs: 1,
             batch_size: 32,
-            lr: 0.1,
-            mu: 0.0,
+            learning_rate: 0.1,
+            optimizer: "sgd".into(),
+            proximal_mu: 0.0,
             quantization: "f32".into(),
             server_lr: None,
             clip_norm: 10.0,
@@ -333,8 +340,8 @@ impl CampaignDefaults {
         ClientConfig {
             local_epochs: self.local_epochs,
             batch_size: self.batch_size,
-            lr: self.lr,
-            proximal_mu: self.mu,
+            learning_rate: self.learning_rate,
+            proximal_mu: self.proximal_mu,
         }
     }
 
@@ -356,14 +363,14 @@ impl CampaignDefaults {
             if let Some(eta) = self.server_lr {
                 p.eta = eta;
             }
-            p.eta_l = self.lr as f64;
+            p.eta_l = self.learning_rate as f64;
             p
         };
         Ok(match self.strategy.as_str() {
             "fedavg" => StrategyConfig::FedAvg { client },
             "fedprox" => StrategyConfig::FedProx {
                 client,
-                mu: self.mu,
+                mu: self.proximal_mu,
             },
             "clipped_fedavg" => StrategyConfig::ClippedFedAvg {
                 client,
@@ -466,6 +473,12 @@ impl Config {
             .map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
         self.campaign.strategy_config()?;
         self.campaign.dtype()?;
+        if !matches!(self.campaign.optimizer.as_str(), "sgd" | "adam") {
+            return Err(ConfigError::Invalid(format!(
+                "campaign.optimizer {:?}: expected sgd or adam",
+                self.campaign.optimizer
+            )));
+        }
         if let Some(Validation::Builtin(name)) = &self.model.validation
             && name != "digits"
         {
@@ -519,6 +532,27 @@ mod tests {
         std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nhost = \"b\"\nport = 1883\n")).unwrap();
         let m = Config::load_all(&p).unwrap().1.unwrap();
         assert_eq!((m.mode, m.host.as_deref(), m.port), (MqttMode::External, Some("b"), Some(1883)));
+    }
+
+    #[test]
+    fn client_keys_take_their_old_names_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.toml");
+        let base = "listen = \"127.0.0.1:1\"\npki_dir = \"p\"\ndata_dir = \"d\"\n[model]\nname = \"m\"\n\
+             spec = { arch = \"mlp\", input = [4], hidden = [4], classes = 2 }\ninitial = \"i\"\n[campaign]\n";
+        for (keys, optimizer) in [
+            ("lr = 0.3\nmu = 0.02\n", "sgd"),
+            ("lr = 0.3\nfedprox_mu = 0.02\n", "sgd"),
+            ("learning_rate = 0.3\nproximal_mu = 0.02\noptimizer = \"adam\"\n", "adam"),
+        ] {
+            std::fs::write(&p, format!("{base}{keys}")).unwrap();
+            let c = Config::load(&p).unwrap().campaign;
+            assert_eq!((c.learning_rate, c.proximal_mu, c.optimizer.as_str()), (0.3, 0.02, optimizer), "{keys}");
+            let client = c.client();
+            assert_eq!((client.learning_rate, client.proximal_mu), (0.3, 0.02));
+        }
+        std::fs::write(&p, format!("{base}optimizer = \"lbfgs\"\n")).unwrap();
+        assert!(Config::load(&p).unwrap_err().to_string().contains("campaign.optimizer \"lbfgs\""));
     }
 
     #[test]

@@ -29,7 +29,7 @@ use fedfleet_certs::{AllowList, DeviceStatus, PeerIdentity};
 use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_net::FramedStream;
 use fedfleet_protocol::framing::{Frame, FrameKind};
-use fedfleet_protocol::messages::{self, ModelRef, RoundConfig};
+use fedfleet_protocol::messages::{self, ModelRef};
 use fedfleet_protocol::{
     BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
     Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
