@@ -190,7 +190,7 @@ impl Aggregator {
             Some(b) => postcard::from_bytes(&b).map_err(|e| {
                 other(format!("{}: strategy snapshot: {e}", cfg.data_dir.display()))
             })?,
-            None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, update_dim(&spec))
+            None => ServerStrategy::new(&cfg.campaign.strategy_config(), update_dim(&spec))
                 .map_err(other)?,
         };
         let global = store.global()?;

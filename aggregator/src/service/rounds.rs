@@ -327,7 +327,7 @@ impl Aggregator {
         self.ensure_global().await?;
         let sh = &self.shared;
         let d = &sh.cfg.campaign;
-        let strategy_cfg = d.strategy_config().map_err(|e| e.to_string())?;
+        let strategy_cfg = d.strategy_config();
         let dtype = d.dtype().map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if let Some(c) = core.coord.engine().campaign_id() {

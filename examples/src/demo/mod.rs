@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use fedfleet_testkit::sim::FleetOptions;
 use fedfleet_aggregator::client::AggregatorClient;
-use fedfleet_aggregator::config::{CampaignDefaults, Config as AggConfig, ModelConfig, MqttConfig};
+use fedfleet_aggregator::config::{CampaignDefaults, CampaignStrategy, Config as AggConfig, ModelConfig, MqttConfig};
 use fedfleet_aggregator::mqtt::Mqtt;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;

@@ -246,10 +246,10 @@ pub enum StrategyConfig {
     FedAvg {
         client: ClientConfig,
     },
-    /// FedAvg on the server; clients add the proximal term `mu/2·‖w − w_global‖²`.
+    /// FedAvg on the server; clients add the proximal term `proximal_mu/2·‖w − w_global‖²`.
     FedProx {
         client: ClientConfig,
-        mu: f32,
+        proximal_mu: f32,
     },
     /// FedAvg with each delta clipped to L2 norm `clip_norm` before folding.
     ClippedFedAvg {
@@ -314,11 +314,11 @@ impl ServerStrategy {
         let plain = |client, aggregation| Self::compose(client, aggregation, ServerOptimizer::Plain);
         Ok(match config.clone() {
             StrategyConfig::FedAvg { client } => plain(client, mean()),
-            StrategyConfig::FedProx { mut client, mu } => {
-                if !(mu.is_finite() && mu >= 0.0) {
-                    return Err(StrategyError::BadParameter(format!("FedProx mu must be >= 0, got {mu}")));
+            StrategyConfig::FedProx { mut client, proximal_mu } => {
+                if !(proximal_mu.is_finite() && proximal_mu >= 0.0) {
+                    return Err(StrategyError::BadParameter(format!("FedProx proximal_mu must be >= 0, got {proximal_mu}")));
                 }
-                client.proximal_mu = mu;
+                client.proximal_mu = proximal_mu;
                 plain(client, mean())
             }
             StrategyConfig::ClippedFedAvg { client, clip_norm } => {

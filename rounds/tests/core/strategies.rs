@@ -63,7 +63,7 @@ fn all_configs(dim_updates: usize) -> Vec<StrategyConfig> {
         StrategyConfig::FedAvg { client: c.clone() },
         StrategyConfig::FedProx {
             client: c.clone(),
-            mu: 0.01,
+            proximal_mu: 0.01,
         },
         StrategyConfig::ClippedFedAvg {
             client: c.clone(),
