@@ -602,37 +602,34 @@ mod tests {
         assert_eq!((m.mode, m.host.as_deref(), m.port), (MqttMode::External, Some("b"), Some(1883)));
     }
 
-    #[test]
-    fn client_keys_take_their_old_names_too() {
+    /// `[campaign]` with `keys` under a minimal config, loaded.
+    fn campaign_of(keys: &str) -> Result<CampaignDefaults, String> {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.toml");
         let base = "listen = \"127.0.0.1:1\"\npki_dir = \"p\"\ndata_dir = \"d\"\n[model]\nname = \"m\"\n\
              spec = { arch = \"mlp\", input = [4], hidden = [4], classes = 2 }\ninitial = \"i\"\n[campaign]\n";
+        std::fs::write(&p, format!("{base}{keys}")).unwrap();
+        Config::load(&p).map(|c| c.campaign).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn client_keys_take_their_old_names_too() {
         for (keys, optimizer) in [
             ("lr = 0.3\nmu = 0.02\n", "sgd"),
             ("lr = 0.3\nfedprox_mu = 0.02\n", "sgd"),
             ("learning_rate = 0.3\nproximal_mu = 0.02\noptimizer = \"adam\"\n", "adam"),
         ] {
-            std::fs::write(&p, format!("{base}{keys}")).unwrap();
-            let c = Config::load(&p).unwrap().campaign;
+            let c = campaign_of(keys).unwrap();
             assert_eq!((c.learning_rate, c.proximal_mu, c.optimizer.as_str()), (0.3, 0.02, optimizer), "{keys}");
             let client = c.client();
             assert_eq!((client.learning_rate, client.proximal_mu), (0.3, 0.02));
         }
-        std::fs::write(&p, format!("{base}optimizer = \"lbfgs\"\n")).unwrap();
-        assert!(Config::load(&p).unwrap_err().to_string().contains("campaign.optimizer \"lbfgs\""));
+        assert!(campaign_of("optimizer = \"lbfgs\"\n").unwrap_err().contains("campaign.optimizer \"lbfgs\""));
     }
 
     #[test]
     fn campaign_reads_the_tagged_strategy() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("a.toml");
-        let base = "listen = \"127.0.0.1:1\"\npki_dir = \"p\"\ndata_dir = \"d\"\n[model]\nname = \"m\"\n\
-             spec = { arch = \"mlp\", input = [4], hidden = [4], classes = 2 }\ninitial = \"i\"\n[campaign]\nrounds = 3\n";
-        let load = |keys: &str| {
-            std::fs::write(&p, format!("{base}{keys}")).map_err(|e| e.to_string())?;
-            Config::load(&p).map(|c| c.campaign).map_err(|e| e.to_string())
-        };
+        let load = |keys: &str| campaign_of(&format!("rounds = 3\n{keys}"));
         let c = load("").unwrap();
         assert_eq!((c.strategy, c.rounds), (CampaignStrategy::FedAvg {}, 3));
         // The flat keys of earlier configs, krum_select included.
