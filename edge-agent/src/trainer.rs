@@ -41,7 +41,7 @@ impl RoundJob<'_> {
             batch_size: c.batch_size.max(1) as usize,
             lr: c.learning_rate as f64,
             optimizer: if c.optimizer.eq_ignore_ascii_case("adam") { OptimizerConfig::adam() } else { OptimizerConfig::Sgd { momentum: 0.0 } },
-            prox_mu: c.fedprox_mu as f64,
+            prox_mu: c.proximal_mu as f64,
             max_steps: None,
         }
     }

@@ -691,7 +691,7 @@ sampling_rate = {rate}
 over_selection = {over_selection}
 local_epochs = {epochs}
 batch_size = {batch}
-lr = 0.1
+learning_rate = 0.1
 quantization = "f32"
 max_updates = {max_updates}
 "#,

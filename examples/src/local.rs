@@ -134,7 +134,7 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
              extension_secs = 60\n\
              local_epochs = 5\n\
              batch_size = 32\n\
-             lr = 0.3\n",
+             learning_rate = 0.3\n",
             rounds = o.rounds,
         ),
     )?;

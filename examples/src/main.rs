@@ -90,8 +90,8 @@ struct DemoArgs {
     #[arg(long, default_value_t = 0.5)]
     alpha: f64,
     /// Local learning rate (SGD on the agents).
-    #[arg(long, default_value_t = DemoOptions::default().lr)]
-    lr: f32,
+    #[arg(long, visible_alias = "lr", default_value_t = DemoOptions::default().learning_rate)]
+    learning_rate: f32,
     /// Local epochs per round.
     #[arg(long, default_value_t = DemoOptions::default().local_epochs)]
     local_epochs: u32,
@@ -209,7 +209,7 @@ fn demo_main(a: DemoArgs) -> ExitCode {
         .into(),
         seed: a.seed,
         alpha: a.alpha,
-        lr: a.lr,
+        learning_rate: a.learning_rate,
         local_epochs: a.local_epochs,
         server_lr: a.server_lr,
         clip_norm: a.clip_norm,

@@ -485,7 +485,7 @@ pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow))
     for ((mode, spec, initial), lr) in modes.into_iter().zip(o.lr) {
         let d = DemoOptions {
             alpha: 1.0,
-            lr,
+            learning_rate: lr,
             mqtt: false,
             model: Some(crate::demo::ModelSetup { spec: spec.clone(), initial: initial.clone() }),
             ..quiet_options(o.agents, o.rounds, o.seed)

@@ -80,16 +80,24 @@ pub struct ModelRef {
     pub digest: Digest,
 }
 
-/// How devices train in one round.
+/// How devices train in one round (inside the signed announcement).
+///
+/// The client-training vocabulary is `local_epochs`, `batch_size`, `learning_rate`, `optimizer`,
+/// `proximal_mu` everywhere (the round engine's `ClientConfig`, the aggregator's `[campaign]`,
+/// `fedfleet-learning`'s `TrainConfig`); the old config-file keys `lr`, `mu` and `fedprox_mu`
+/// are accepted as aliases by the self-describing formats. postcard is positional: renaming a
+/// field keeps the bytes, so the field order here must not change.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoundConfig {
     pub local_epochs: u32,
     pub batch_size: u32,
+    #[serde(alias = "lr")]
     pub learning_rate: f32,
-    /// Local optimizer name, e.g. "sgd" or "adam".
+    /// Local optimizer name: "sgd" or "adam".
     pub optimizer: String,
     /// FedProx proximal weight; 0 trains plain FedAvg.
-    pub fedprox_mu: f32,
+    #[serde(alias = "fedprox_mu", alias = "mu")]
+    pub proximal_mu: f32,
     /// The dtype devices upload their update in.
     pub quantization: DType,
     /// Devices with fewer local samples skip the round.
@@ -107,7 +115,7 @@ impl Default for RoundConfig {
             batch_size: 32,
             learning_rate: 0.01,
             optimizer: "sgd".to_owned(),
-            fedprox_mu: 0.0,
+            proximal_mu: 0.0,
             quantization: DType::F32,
             min_samples: 1,
             max_samples: None,
@@ -472,7 +480,7 @@ mod tests {
                 base_model: model(),
                 config: RoundConfig {
                     quantization: DType::I8,
-                    fedprox_mu: 0.01,
+                    proximal_mu: 0.01,
                     ..RoundConfig::default()
                 },
                 deadline_unix_ms: 1_700_000_000_000,

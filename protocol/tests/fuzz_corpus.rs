@@ -99,7 +99,7 @@ fn seed_messages() -> Vec<Message> {
         base_model: model(),
         config: RoundConfig {
             quantization: DType::I8,
-            fedprox_mu: 0.01,
+            proximal_mu: 0.01,
             max_samples: Some(1000),
             ..RoundConfig::default()
         },

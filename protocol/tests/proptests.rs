@@ -120,7 +120,7 @@ fn message() -> impl Strategy<Value = Message> {
                     batch_size: c.1,
                     learning_rate: c.2,
                     optimizer: c.3,
-                    fedprox_mu: c.4,
+                    proximal_mu: c.4,
                     quantization: c.5,
                     min_samples: c.6,
                     max_samples: c.7,

@@ -29,7 +29,7 @@ use fedfleet_certs::{AllowList, DeviceStatus, PeerIdentity};
 use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_net::FramedStream;
 use fedfleet_protocol::framing::{Frame, FrameKind};
-use fedfleet_protocol::messages::{self, ModelRef, RoundConfig};
+use fedfleet_protocol::messages::{self, ModelRef};
 use fedfleet_protocol::{
     BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
     Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
@@ -194,7 +194,7 @@ impl Aggregator {
             Some(b) => postcard::from_bytes(&b).map_err(|e| {
                 other(format!("{}: strategy snapshot: {e}", cfg.data_dir.display()))
             })?,
-            None => ServerStrategy::new(&cfg.campaign.strategy_config().map_err(other)?, update_dim(&spec))
+            None => ServerStrategy::new(&cfg.campaign.strategy_config(), update_dim(&spec))
                 .map_err(other)?,
         };
         let global = store.global()?;

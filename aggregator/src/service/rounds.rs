@@ -27,17 +27,7 @@ impl Aggregator {
                             version: a.base_version,
                             digest: a.base_digest,
                         },
-                        config: RoundConfig {
-                            local_epochs: a.client.local_epochs,
-                            batch_size: a.client.batch_size,
-                            learning_rate: a.client.lr,
-                            optimizer: "sgd".into(),
-                            fedprox_mu: a.client.proximal_mu,
-                            quantization: dtype,
-                            min_samples: 1,
-                            max_samples: Some(a.max_sample_count),
-                            seed: a.round.0,
-                        },
+                        config: a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0),
                         deadline_unix_ms: a.deadline,
                         selection: a.selection,
                     };
@@ -347,7 +337,7 @@ impl Aggregator {
         self.ensure_global().await?;
         let sh = &self.shared;
         let d = &sh.cfg.campaign;
-        let strategy_cfg = d.strategy_config().map_err(|e| e.to_string())?;
+        let strategy_cfg = d.strategy_config();
         let dtype = d.dtype().map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if let Some(c) = core.coord.engine().campaign_id() {

@@ -133,7 +133,7 @@ async fn sigkill_and_restart_give_the_bit_identical_model_on_the_tensor_path() {
     for device in fedfleet_aggregator::accel::compiled_devices() {
         let cfg = |data: &str| {
             let mut c = fleet.config(&format!("{data}-{device}"), N as u32, ROUNDS);
-            c.campaign.strategy = "fedadam".into();
+            c.campaign.strategy = CampaignStrategy::named("fedadam").unwrap();
             c.compute = ComputeConfig { fold: FoldBackend::Tensor, device: device.into() };
             c
         };
@@ -156,7 +156,7 @@ async fn sigkill_and_restart_give_the_bit_identical_model_for_robust_strategies(
     for strategy in ["median", "trimmed_mean", "krum"] {
         let cfg = |data: &str| {
             let mut c = fleet.config(&format!("{strategy}-{data}"), N as u32, ROUNDS);
-            c.campaign.strategy = strategy.into();
+            c.campaign.strategy = CampaignStrategy::named(strategy).unwrap();
             c
         };
         let clean = campaign_with(&fleet, cfg("clean"), &[]).await;

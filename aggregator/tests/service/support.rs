@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use ed25519_dalek::SigningKey;
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig};
+pub use fedfleet_aggregator::config::CampaignStrategy;
 use fedfleet_aggregator::publish::DirPublisher;
 use fedfleet_aggregator::service::Aggregator;
 use fedfleet_certs::{ALPN_V1, CaCert, DeviceIdentity, Pki, ServerIdentity};
@@ -80,7 +81,7 @@ impl Fleet {
         let text = format!(
             "listen = \"{}\"\npki_dir = {:?}\ndata_dir = {:?}\n\n[model]\nname = \"tiny\"\n\
              spec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\ninitial = {:?}\n\n\
-             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\nstrategy = {:?}\n\n\
+             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\n{}\n\
              [compute]\nfold = {:?}\ndevice = {:?}\n",
             cfg.listen,
             cfg.pki_dir,
@@ -88,7 +89,7 @@ impl Fleet {
             cfg.model.initial,
             cfg.campaign.rounds,
             cfg.campaign.target,
-            cfg.campaign.strategy,
+            toml::to_string(&cfg.campaign.strategy).unwrap(),
             format!("{:?}", cfg.compute.fold).to_lowercase(),
             cfg.compute.device,
         );

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use fedfleet_testkit::sim::FleetOptions;
 use fedfleet_aggregator::client::AggregatorClient;
-use fedfleet_aggregator::config::{CampaignDefaults, Config as AggConfig, ModelConfig, MqttConfig};
+use fedfleet_aggregator::config::{CampaignDefaults, CampaignStrategy, Config as AggConfig, ModelConfig, MqttConfig};
 use fedfleet_aggregator::mqtt::Mqtt;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
@@ -79,9 +79,9 @@ pub struct DemoOptions {
     pub local_epochs: u32,
     pub batch_size: u32,
     /// Local learning rate (plain SGD on the agents).
-    pub lr: f32,
-    /// FedProx μ (fedprox only).
-    pub mu: f32,
+    pub learning_rate: f32,
+    /// FedProx proximal weight μ (fedprox only).
+    pub proximal_mu: f32,
     /// Server learning rate of FedAdam/FedYogi/FedAdagrad (their default when `None`).
     pub server_lr: Option<f64>,
     /// Where everything goes; a temporary directory when `None`.
@@ -131,8 +131,8 @@ impl Default for DemoOptions {
             alpha: 0.5,
             local_epochs: 2,
             batch_size: 16,
-            lr: 0.3,
-            mu: 0.01,
+            learning_rate: 0.3,
+            proximal_mu: 0.01,
             server_lr: None,
             workdir: None,
             keep: false,

@@ -64,20 +64,34 @@ pub async fn start_registry(dir: &Path, pki: &Pki) -> anyhow::Result<(Arc<Regist
 
 /// The aggregator's campaign settings from the demo options.
 pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<CampaignDefaults> {
-    let strategy = match o.strategy.as_str() {
-        "clipped" | "clipped_fedavg" => "clipped_fedavg",
-        s @ ("fedavg" | "fedprox" | "fedadam" | "fedyogi" | "fedadagrad" | "median" | "trimmed_mean" | "krum") => s,
-        s => bail!("unknown strategy {s:?}: fedavg, fedprox, fedadam, fedyogi, fedadagrad, clipped, median, trimmed_mean, krum"),
+    let name = match o.strategy.as_str() {
+        "clipped" => "clipped_fedavg",
+        s => s,
     };
+    let Ok(mut strategy) = CampaignStrategy::named(name) else {
+        bail!("unknown strategy {name:?}: fedavg, fedprox, fedadam, fedyogi, fedadagrad, clipped, median, trimmed_mean, krum")
+    };
+    match &mut strategy {
+        CampaignStrategy::ClippedFedAvg { clip_norm } => *clip_norm = o.clip_norm.unwrap_or(*clip_norm),
+        CampaignStrategy::FedAdam(k) | CampaignStrategy::FedYogi(k) | CampaignStrategy::FedAdagrad(k) => k.server_lr = o.server_lr,
+        CampaignStrategy::Median { max_updates } => *max_updates = 4096,
+        CampaignStrategy::TrimmedMean { trim_fraction, max_updates } => {
+            *trim_fraction = o.trim_fraction.unwrap_or(*trim_fraction);
+            *max_updates = 4096;
+        }
+        CampaignStrategy::Krum { byzantine, max_updates, .. } => {
+            *byzantine = o.byzantine.unwrap_or(*byzantine);
+            *max_updates = 4096;
+        }
+        CampaignStrategy::FedAvg {} | CampaignStrategy::FedProx {} => {}
+    }
     let quantization = match o.quantization.as_str() {
         "f32" | "f16" | "bf16" => o.quantization.clone(),
         "int8" | "i8" => "i8".into(),
         q => bail!("unknown quantization {q:?}: f32, f16, bf16, int8"),
     };
-    let d = CampaignDefaults::default();
     Ok(CampaignDefaults {
         rounds: o.rounds,
-        strategy: strategy.into(),
         target,
         quorum: target.div_ceil(2).max(1),
         deadline_secs: 120,
@@ -85,15 +99,11 @@ pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<Campaig
         sampling_rate: 1.0,
         local_epochs: o.local_epochs,
         batch_size: o.batch_size,
-        lr: o.lr,
-        mu: if strategy == "fedprox" { o.mu } else { 0.0 },
+        learning_rate: o.learning_rate,
+        proximal_mu: if matches!(strategy, CampaignStrategy::FedProx {}) { o.proximal_mu } else { 0.0 },
         quantization,
-        server_lr: o.server_lr,
-        max_updates: 4096,
-        clip_norm: o.clip_norm.unwrap_or(d.clip_norm),
-        trim_fraction: o.trim_fraction.unwrap_or(d.trim_fraction),
-        byzantine: o.byzantine.unwrap_or(d.byzantine),
-        ..d
+        strategy,
+        ..CampaignDefaults::default()
     })
 }
 

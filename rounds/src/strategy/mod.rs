@@ -45,7 +45,11 @@ pub use robust::{Krum, Median, MemorySpill, SpillError, SpillStore, TrimmedMean}
 
 use crate::reject::RejectReason;
 
-/// What a round asks clients to do (sent in the round announcement).
+/// What a round asks clients to do: the strategy's part of the announcement's
+/// [`RoundConfig`](fedfleet_protocol::RoundConfig), with the same field names (see
+/// [`ClientConfig::round_config`]). Persisted with postcard inside the engine snapshot and the
+/// strategy: fields are positional, so do not reorder or add fields here (the local optimizer,
+/// which is not the strategy's choice, is passed to `round_config`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClientConfig {
     /// Local epochs over the device's data.
@@ -53,9 +57,35 @@ pub struct ClientConfig {
     /// Local mini-batch size.
     pub batch_size: u32,
     /// Client learning rate (FedOpt's `eta_l`).
-    pub lr: f32,
+    #[serde(alias = "lr")]
+    pub learning_rate: f32,
     /// FedProx proximal term `mu` (0 = plain local SGD, i.e. FedAvg).
+    #[serde(alias = "mu", alias = "fedprox_mu")]
     pub proximal_mu: f32,
+}
+
+impl ClientConfig {
+    /// The announcement's round configuration: these settings plus the round's local
+    /// `optimizer`, upload dtype, sample cap and seed.
+    pub fn round_config(
+        &self,
+        optimizer: &str,
+        quantization: fedfleet_protocol::DType,
+        max_samples: Option<u64>,
+        seed: u64,
+    ) -> fedfleet_protocol::RoundConfig {
+        fedfleet_protocol::RoundConfig {
+            local_epochs: self.local_epochs,
+            batch_size: self.batch_size,
+            learning_rate: self.learning_rate,
+            optimizer: optimizer.to_owned(),
+            proximal_mu: self.proximal_mu,
+            quantization,
+            min_samples: 1,
+            max_samples,
+            seed,
+        }
+    }
 }
 
 impl Default for ClientConfig {
@@ -63,7 +93,7 @@ impl Default for ClientConfig {
         ClientConfig {
             local_epochs: 1,
             batch_size: 32,
-            lr: 0.1,
+            learning_rate: 0.1,
             proximal_mu: 0.0,
         }
     }
@@ -216,10 +246,10 @@ pub enum StrategyConfig {
     FedAvg {
         client: ClientConfig,
     },
-    /// FedAvg on the server; clients add the proximal term `mu/2·‖w − w_global‖²`.
+    /// FedAvg on the server; clients add the proximal term `proximal_mu/2·‖w − w_global‖²`.
     FedProx {
         client: ClientConfig,
-        mu: f32,
+        proximal_mu: f32,
     },
     /// FedAvg with each delta clipped to L2 norm `clip_norm` before folding.
     ClippedFedAvg {
@@ -278,17 +308,17 @@ impl ServerStrategy {
         let mean = || A::WeightedMean(WeightedMean::new(dim));
         let adaptive = |mut client: ClientConfig, kind, params: FedOptParams| -> Result<Self, StrategyError> {
             let opt = AdaptiveOptimizer::new(kind, params, dim)?;
-            client.lr = params.eta_l as f32;
+            client.learning_rate = params.eta_l as f32;
             Ok(Self::compose(client, mean(), ServerOptimizer::Adaptive(opt)))
         };
         let plain = |client, aggregation| Self::compose(client, aggregation, ServerOptimizer::Plain);
         Ok(match config.clone() {
             StrategyConfig::FedAvg { client } => plain(client, mean()),
-            StrategyConfig::FedProx { mut client, mu } => {
-                if !(mu.is_finite() && mu >= 0.0) {
-                    return Err(StrategyError::BadParameter(format!("FedProx mu must be >= 0, got {mu}")));
+            StrategyConfig::FedProx { mut client, proximal_mu } => {
+                if !(proximal_mu.is_finite() && proximal_mu >= 0.0) {
+                    return Err(StrategyError::BadParameter(format!("FedProx proximal_mu must be >= 0, got {proximal_mu}")));
                 }
-                client.proximal_mu = mu;
+                client.proximal_mu = proximal_mu;
                 plain(client, mean())
             }
             StrategyConfig::ClippedFedAvg { client, clip_norm } => {

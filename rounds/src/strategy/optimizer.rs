@@ -38,7 +38,7 @@ pub enum FedOptKind {
 pub struct FedOptParams {
     /// Server learning rate η.
     pub eta: f64,
-    /// Client learning rate η_l (sent to clients as `ClientConfig::lr`).
+    /// Client learning rate η_l (sent to clients as `ClientConfig::learning_rate`).
     pub eta_l: f64,
     /// First-moment decay β₁ (Flower's FedAdagrad uses 0).
     pub beta_1: f64,

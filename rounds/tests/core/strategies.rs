@@ -63,7 +63,7 @@ fn all_configs(dim_updates: usize) -> Vec<StrategyConfig> {
         StrategyConfig::FedAvg { client: c.clone() },
         StrategyConfig::FedProx {
             client: c.clone(),
-            mu: 0.01,
+            proximal_mu: 0.01,
         },
         StrategyConfig::ClippedFedAvg {
             client: c.clone(),
@@ -213,7 +213,7 @@ fn fedopt_two_rounds(kind: FedOptKind, beta_1: f64) -> (Vec<f32>, Vec<f32>, Serv
         FedOptKind::Adagrad => StrategyConfig::FedAdagrad { client: client(), params },
     };
     let mut s = ServerStrategy::new(&config, 2).unwrap();
-    assert_eq!(s.configure(RoundId(1)).lr, 0.05);
+    assert_eq!(s.configure(RoundId(1)).learning_rate, 0.05);
     // Round 1: weighted mean of [1, -2]·1 and [3, 2]·3 is [2.5, 1.0].
     s.fold(&[1.0, -2.0], 1).unwrap();
     s.fold(&[3.0, 2.0], 3).unwrap();

@@ -50,7 +50,7 @@ async fn body() {
         publish_dir: None,
         publish: Some(PublishConfig { registry: reg_addr, server_name: "localhost".into() }),
         model: ModelConfig { name: MODEL.into(), spec: spec.clone(), initial, validation: None },
-        campaign: CampaignDefaults { rounds: 3, target: N as u32, quorum: N as u32, deadline_secs: 600, lr: 0.1, ..Default::default() },
+        campaign: CampaignDefaults { rounds: 3, target: N as u32, quorum: N as u32, deadline_secs: 600, learning_rate: 0.1, ..Default::default() },
         compute: Default::default(),
     };
     let (running, agg_addr) = RunningAggregator::start(&cfg, reg_addr, "127.0.0.1:0".parse().unwrap()).await;
