@@ -56,7 +56,7 @@ fn regression_trains_over_rounds_and_the_health_check_compares_rmse() {
             "layers":[{"type":"linear","out_features":32},{"type":"relu"},{"type":"linear","out_features":1}]}"#,
     );
     let rounds = 5;
-    let mut d = deployment(&model, &train, &test, &[("rounds", "5"), ("local_epochs", "5"), ("batch_size", "16"), ("lr", "0.05")]);
+    let mut d = deployment(&model, &train, &test, &[("rounds", "5"), ("local_epochs", "5"), ("batch_size", "16"), ("learning_rate", "0.05")]);
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
 
     // The aggregator scored every global model on the held-out patients.
@@ -108,7 +108,7 @@ fn an_autoencoder_learns_normal_sensor_windows_and_scores_anomalies() {
                       {"type":"linear","out_features":32},{"type":"tanh"},{"type":"linear","out_features":16}]}"#,
     );
     let rounds = 6;
-    let mut d = deployment(&model, &train, &validation, &[("rounds", "6"), ("local_epochs", "5"), ("batch_size", "16"), ("lr", "0.1")]);
+    let mut d = deployment(&model, &train, &validation, &[("rounds", "6"), ("local_epochs", "5"), ("batch_size", "16"), ("learning_rate", "0.1")]);
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
     let rmse = d.version_metrics("digits", "rmse");
     eprintln!("validation reconstruction RMSE by version: {rmse:.3?}");
