@@ -30,9 +30,12 @@ struct Args {
     /// Layers LoRA adapts (comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lora_targets)]
     lora_targets: Vec<String>,
-    /// The agents' learning rate (SGD) for full fine-tuning, head only and LoRA.
+    /// The agents' learning rate for full fine-tuning, head only and LoRA.
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lr)]
     lr: Vec<f32>,
+    /// The agents' local optimizer (sgd or adam) for full fine-tuning, head only and LoRA.
+    #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().optimizers.map(String::from))]
+    optimizers: Vec<String>,
     #[arg(long, default_value_t = 42)]
     seed: u64,
 }
@@ -46,7 +49,25 @@ async fn main() -> ExitCode {
         eprintln!("transfer: --lr takes three values (full, head, lora), e.g. --lr 0.2,0.5,0.2");
         return ExitCode::from(2);
     };
-    let o = TransferOptions { agents: a.agents, rounds: a.rounds, pretrain_epochs: a.pretrain_epochs, lora_rank: a.lora_rank, lora_targets: a.lora_targets, lr: [full_lr, head_lr, lora_lr], seed: a.seed };
+    let optimizer = |i: usize| match a.optimizers.get(i).map(String::as_str) {
+        Some("adam") => Some("adam"),
+        Some("sgd") => Some("sgd"),
+        _ => None,
+    };
+    let (Some(full_opt), Some(head_opt), Some(lora_opt)) = (optimizer(0), optimizer(1), optimizer(2)) else {
+        eprintln!("transfer: --optimizers takes three of sgd|adam (full, head, lora), e.g. --optimizers sgd,sgd,adam");
+        return ExitCode::from(2);
+    };
+    let o = TransferOptions {
+        agents: a.agents,
+        rounds: a.rounds,
+        pretrain_epochs: a.pretrain_epochs,
+        lora_rank: a.lora_rank,
+        lora_targets: a.lora_targets,
+        lr: [full_lr, head_lr, lora_lr],
+        optimizers: [full_opt, head_opt, lora_opt],
+        seed: a.seed,
+    };
     println!("transfer: MLP 64-128-64-10 pre-trained on MNIST (8x8, {} epochs); {} agents fine-tune it on digits for {} rounds per mode", o.pretrain_epochs, o.agents, o.rounds);
     println!();
     println!("{:<5} | {:>9} | {:>14} | {:>9} | {:>9}", "mode", "trainable", "bytes/update", "before", "after");

@@ -348,9 +348,11 @@ pub struct TransferOptions {
     pub lora_rank: usize,
     /// The layers LoRA adapts.
     pub lora_targets: Vec<String>,
-    /// The agents' learning rate (plain SGD) per mode: full, head only, LoRA. Each mode gets
-    /// the step it trains best with (fewer trainable values take a larger one).
+    /// The agents' learning rate per mode: full, head only, LoRA. Each mode gets the step it
+    /// trains best with (fewer trainable values take a larger one).
     pub lr: [f32; 3],
+    /// The agents' local optimizer per mode ("sgd" or "adam").
+    pub optimizers: [&'static str; 3],
 }
 
 impl Default for TransferOptions {
@@ -363,6 +365,7 @@ impl Default for TransferOptions {
             lora_rank: 1,
             lora_targets: vec!["fc1".into(), "fc2".into(), "fc3".into()],
             lr: [0.2, 0.5, 0.2],
+            optimizers: ["sgd", "sgd", "sgd"],
         }
     }
 }
@@ -482,8 +485,9 @@ pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow))
     let lora_initial = attach_adapters(&lora, &pretrained, o.seed)?;
     let mut rows = Vec::new();
     let modes = [("full", full, pretrained.clone()), ("head", head, pretrained.clone()), ("lora", lora, lora_initial)];
-    for ((mode, spec, initial), lr) in modes.into_iter().zip(o.lr) {
+    for (((mode, spec, initial), lr), optimizer) in modes.into_iter().zip(o.lr).zip(o.optimizers) {
         let d = DemoOptions {
+            optimizer: optimizer.into(),
             alpha: 1.0,
             learning_rate: lr,
             mqtt: false,

@@ -80,6 +80,8 @@ pub struct DemoOptions {
     pub batch_size: u32,
     /// Local learning rate (plain SGD on the agents).
     pub learning_rate: f32,
+    /// The agents' local optimizer: "sgd" or "adam".
+    pub optimizer: String,
     /// FedProx proximal weight μ (fedprox only).
     pub proximal_mu: f32,
     /// Server learning rate of FedAdam/FedYogi/FedAdagrad (their default when `None`).
@@ -132,6 +134,7 @@ impl Default for DemoOptions {
             local_epochs: 2,
             batch_size: 16,
             learning_rate: 0.3,
+            optimizer: "sgd".into(),
             proximal_mu: 0.01,
             server_lr: None,
             workdir: None,

@@ -100,6 +100,7 @@ pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<Campaig
         local_epochs: o.local_epochs,
         batch_size: o.batch_size,
         learning_rate: o.learning_rate,
+        optimizer: o.optimizer.clone(),
         proximal_mu: if matches!(strategy, CampaignStrategy::FedProx {}) { o.proximal_mu } else { 0.0 },
         quantization,
         strategy,
