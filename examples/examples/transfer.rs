@@ -30,6 +30,9 @@ struct Args {
     /// Layers LoRA adapts (comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lora_targets)]
     lora_targets: Vec<String>,
+    /// Parameters that also train in full under LoRA (e.g. `*.bias`).
+    #[arg(long, value_delimiter = ',')]
+    lora_also_train: Vec<String>,
     /// The agents' learning rate for full fine-tuning, head only and LoRA.
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lr)]
     lr: Vec<f32>,
@@ -64,6 +67,7 @@ async fn main() -> ExitCode {
         pretrain_epochs: a.pretrain_epochs,
         lora_rank: a.lora_rank,
         lora_targets: a.lora_targets,
+        lora_also_train: a.lora_also_train,
         lr: [full_lr, head_lr, lora_lr],
         optimizers: [full_opt, head_opt, lora_opt],
         seed: a.seed,

@@ -70,6 +70,10 @@ pub enum FineTune {
         /// Layer-name patterns to adapt (absent: every linear and convolution layer).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         targets: Option<Vec<String>>,
+        /// Parameter-name patterns that also train in full beside the adapters, e.g. `*.bias`
+        /// or the classification head (peft's `bias = "all"` and `modules_to_save`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        also_train: Vec<String>,
     },
 }
 
@@ -543,7 +547,7 @@ impl GraphSpec {
             return bad("the graph has no layers".into());
         }
         let targets = match &self.finetune {
-            FineTune::Lora { rank, alpha, targets } => {
+            FineTune::Lora { rank, alpha, targets, .. } => {
                 if *rank == 0 || *rank > 4096 {
                     return bad(format!("lora rank {rank} must be in 1..=4096"));
                 }
@@ -590,6 +594,19 @@ impl GraphSpec {
 }
 
 fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), LearningError> {
+    if let FineTune::Lora { also_train, .. } = finetune {
+        for p in also_train {
+            let mut hit = false;
+            for s in plan.slots.iter_mut().filter(|s| s.kind == SlotKind::Param && glob_match(p, &s.name)) {
+                s.trainable = true;
+                hit = true;
+            }
+            if !hit {
+                return Err(LearningError::InvalidSpec(format!("lora also_train pattern {p:?} matches no parameter")));
+            }
+        }
+        return Ok(());
+    }
     let FineTune::Freeze { trainable, frozen } = finetune else { return Ok(()) };
     let params: Vec<&str> = plan.slots.iter().filter(|s| s.kind == SlotKind::Param).map(|s| s.name.as_str()).collect();
     for p in trainable.iter().flatten().chain(frozen) {
@@ -672,7 +689,7 @@ impl Builder<'_> {
         self.slots[w].transposed = transposed;
         let b = bias.then(|| self.slot(format!("{prefix}.bias"), vec![out], SlotKind::Param, Init::Uniform(bound), fan_in));
         let lora = match self.finetune {
-            FineTune::Lora { rank, alpha, targets } => {
+            FineTune::Lora { rank, alpha, targets, .. } => {
                 let hit = match targets {
                     None => true,
                     Some(t) => {

@@ -293,6 +293,27 @@ fn lora_trains_only_adapters_and_merges_into_the_base_weights() {
 }
 
 #[test]
+fn lora_also_trains_the_named_parameters_in_full_and_merges_them() {
+    let (train, test) = Dataset::digits_split().unwrap();
+    let base = mlp_with("");
+    let lora = mlp_with(r#","finetune":{"mode":"lora","rank":2,"alpha":2,"targets":["body"],"also_train":["head.*"]}"#);
+    let update: Vec<_> = lora.update_layout().into_keys().collect();
+    assert_eq!(update, ["body.lora_A", "body.lora_B", "head.bias", "head.weight"]);
+    let start = attach_adapters(&lora, &init_bundle(&base, 4).unwrap(), 11).unwrap();
+    let out = train_local(&lora, &start, &train, &TrainConfig { epochs: 1, lr: 0.05, ..TrainConfig::default() }, 2).unwrap();
+    assert_eq!(out.delta.layout(), lora.update_layout());
+    let tuned = sim::apply_update(&start, &out.delta, 1.0).unwrap();
+    let merged = merge_lora(&lora, &tuned).unwrap();
+    assert_eq!(merged.to_f32("head.weight"), tuned.to_f32("head.weight"), "the head is merged as trained");
+    let a = Predictor::new(&lora, &tuned).unwrap().outputs(&test.features[..64 * 20], 20).unwrap();
+    let b = Predictor::new(&base, &merged).unwrap().outputs(&test.features[..64 * 20], 20).unwrap();
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4));
+    let bad = err(r#"{"arch":"graph","input":[64],"layers":[{"type":"linear","name":"fc","out_features":3}],
+        "finetune":{"mode":"lora","rank":2,"alpha":2,"also_train":["nope.*"]}}"#);
+    assert!(bad.contains("also_train pattern \"nope.*\" matches no parameter"), "{bad}");
+}
+
+#[test]
 fn batch_norm_updates_statistics_in_training_and_fedbn_keeps_them_local() {
     let spec_json = |local: bool| {
         format!(
