@@ -494,11 +494,17 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
+        Self::parse_all(path, &text)
+    }
+
+    /// [`Config::load_all`] of `text`, the contents of `path` (which is not read: it names the
+    /// file in errors, and relative paths inside are resolved against its directory).
+    pub fn parse_all(path: &Path, text: &str) -> Result<(Config, Option<MqttConfig>), ConfigError> {
         let parse = |e: toml::de::Error| ConfigError::Parse {
             path: path.to_owned(),
             detail: e.message().to_owned(),
         };
-        let mut table: toml::Table = toml::from_str(&text).map_err(parse)?;
+        let mut table: toml::Table = toml::from_str(text).map_err(parse)?;
         let mqtt = match table.remove("mqtt") {
             None => None,
             Some(v) => {

@@ -254,13 +254,10 @@ impl ControlClient {
             Role::Service { .. } => None,
         };
         let driver = Driver {
+            inbound: Inbound::new(options.fleet.clone(), role),
             options: options.clone(),
-            role,
             events: events_tx,
             shared: shared.clone(),
-            assembler: None,
-            last_round: None,
-            last_rollout: None,
         };
         tokio::spawn(driver.run(eventloop, stopped));
         (
@@ -405,9 +402,32 @@ impl ControlClient {
 
 struct Driver {
     options: ClientOptions,
-    role: Role,
     events: mpsc::Sender<ControlEvent>,
     shared: Arc<Shared>,
+    inbound: Inbound,
+}
+
+/// What one incoming publish came to (see [`Inbound::receive`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Received {
+    /// Deliver this (a verified message, or [`ControlEvent::Rejected`] with its reason).
+    Event(ControlEvent),
+    /// A verified repeat (retained redelivery, QoS 1 duplicate, a re-sent upload frame): counted
+    /// as a duplicate, not delivered.
+    Duplicate,
+    /// Nothing to report: a cleared retained message, an upload frame of an upload still in
+    /// progress, or a topic this role does not listen to.
+    Nothing,
+}
+
+/// The receiving half of a [`ControlClient`], sans IO: turns one incoming MQTT publish (topic
+/// and payload bytes) into what the client delivers. It parses the topic, decodes and verifies
+/// the payload for this [`Role`] (pinned keys or the allow-list), drops repeats and refuses stale
+/// announcements and rollout notices, and reassembles upload frames. The connection task calls
+/// it for every publish; it is public so the fuzz harness (`control/fuzz`) drives the same code.
+pub struct Inbound {
+    fleet: FleetId,
+    role: Role,
     assembler: Option<UpdateAssembler>,
     last_round: Option<(RoundId, Vec<u8>)>,
     last_rollout: Option<(u64, Vec<u8>)>,
@@ -428,7 +448,7 @@ impl Driver {
         let mut subs = Vec::new();
         let mut add =
             |path: String| subs.push(rumqttc::SubscribeFilter::new(path, QoS::AtLeastOnce));
-        match &self.role {
+        match &self.inbound.role {
             Role::Device {
                 id, registry_key, ..
             } => {
@@ -474,17 +494,6 @@ impl Driver {
     }
 
     async fn run(mut self, mut eventloop: EventLoop, mut stopped: watch::Receiver<bool>) {
-        if let Role::Service {
-            updates: true,
-            limits,
-            ..
-        } = &self.role
-        {
-            self.assembler = Some(UpdateAssembler::new(
-                self.options.fleet.clone(),
-                limits.clone(),
-            ));
-        }
         let mut backoff = self.options.backoff_initial;
         let mut connected = false;
         // Connected is announced once the broker has acknowledged the subscriptions, so a
@@ -573,13 +582,45 @@ impl Driver {
         self.emit(ControlEvent::Connected { count }).await;
     }
 
-    async fn on_publish(&mut self, topic_str: &str, payload: &[u8]) {
-        let fleet = self.options.fleet.clone();
+    async fn on_publish(&mut self, topic: &str, payload: &[u8]) {
+        match self.inbound.receive(topic, payload, Instant::now()) {
+            Received::Event(event) => self.emit(event).await,
+            Received::Duplicate => self.duplicate(),
+            Received::Nothing => {}
+        }
+    }
+}
+
+impl Inbound {
+    /// The receiver of a client of `role` in `fleet` (with an [`UpdateAssembler`] if the role
+    /// takes uploads).
+    pub fn new(fleet: FleetId, role: Role) -> Self {
+        let assembler = match &role {
+            Role::Service {
+                updates: true,
+                limits,
+                ..
+            } => Some(UpdateAssembler::new(fleet.clone(), limits.clone())),
+            _ => None,
+        };
+        Inbound {
+            fleet,
+            role,
+            assembler,
+            last_round: None,
+            last_rollout: None,
+        }
+    }
+
+    /// One publish received on `topic_str` at `now`.
+    pub fn receive(&mut self, topic_str: &str, payload: &[u8], now: Instant) -> Received {
+        let rejected = |r| Received::Event(ControlEvent::Rejected(r));
+        let fleet = self.fleet.clone();
         let topic = match topics::parse(topic_str) {
             Ok(t) => t,
             Err(e) => {
                 let r = Rejected::new(topic_str, None, RejectReason::Malformed, e.to_string());
-                return self.emit(ControlEvent::Rejected(r)).await;
+                return rejected(r);
             }
         };
         if topic.fleet() != &fleet {
@@ -589,11 +630,11 @@ impl Driver {
                 RejectReason::WrongFleet,
                 "topic of another fleet",
             );
-            return self.emit(ControlEvent::Rejected(r)).await;
+            return rejected(r);
         }
         if payload.is_empty() {
             // A cleared retained message: nothing to verify, nothing to report.
-            return;
+            return Received::Nothing;
         }
         let result = match (&self.role, &topic) {
             (Role::Device { aggregator_key, .. }, Topic::Rounds { .. }) => {
@@ -670,20 +711,20 @@ impl Driver {
                     .assembler
                     .as_mut()
                     .expect("assembler exists for update subscribers");
-                match asm.push(topic_str, device, keys.as_ref(), payload, Instant::now()) {
+                match asm.push(topic_str, device, keys.as_ref(), payload, now) {
                     Ok(Assembled::Complete(v)) => Ok(Some(ControlEvent::Update(v))),
-                    Ok(Assembled::Pending) => return,
+                    Ok(Assembled::Pending) => return Received::Nothing,
                     Ok(Assembled::Ignored) => Ok(None),
                     Err(r) => Err(r),
                 }
             }
             // Something we did not subscribe to (another client's echo, a broker quirk).
-            _ => return,
+            _ => return Received::Nothing,
         };
         match result {
-            Ok(Some(event)) => self.emit(event).await,
-            Ok(None) => self.duplicate(),
-            Err(r) => self.emit(ControlEvent::Rejected(r)).await,
+            Ok(Some(event)) => Received::Event(event),
+            Ok(None) => Received::Duplicate,
+            Err(r) => rejected(r),
         }
     }
 }

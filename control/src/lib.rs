@@ -28,7 +28,8 @@ pub mod verify;
 #[cfg(feature = "broker")]
 pub use broker::{BrokerConfig, BrokerError, BrokerMetrics, EmbeddedBroker, Refusal, export_key_pkcs8_v1};
 pub use client::{
-    ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Role,
+    ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Inbound,
+    Received, Role,
     default_service_reconnect_max, device_tls, service_tls,
 };
 pub use presence::Presence;

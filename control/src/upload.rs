@@ -355,7 +355,9 @@ impl UpdateAssembler {
         if index < up.next {
             return Ok(Assembled::Ignored);
         }
-        let last = index + 1 == up.count;
+        // Checked: a chunk may claim any index, u32::MAX included (found by fuzzing; `index + 1`
+        // overflowed). Past the checks below, index == next < count.
+        let last = index.checked_add(1) == Some(up.count);
         let problem = if count != up.count {
             Some(format!(
                 "chunk says {count} chunks, the header {}",
@@ -500,6 +502,24 @@ mod tests {
         let mut asm = UpdateAssembler::new(fleet, tight);
         let err = asm.push(t, &dev, &keys, &frames[0], now).unwrap_err();
         assert_eq!(err.reason, RejectReason::Overloaded);
+    }
+
+    /// Regression (fuzz target `upload_frames`, corpus file `regression-chunk-index-u32-max`):
+    /// a chunk claiming index u32::MAX after a valid header overflowed `index + 1` (a panic in
+    /// debug builds). It is a gap: refused, and the upload dropped.
+    #[test]
+    fn a_chunk_index_of_u32_max_is_refused_without_overflow() {
+        let (fleet, dev, key, keys) = setup();
+        let payload = vec![3u8; 3000];
+        let now = Instant::now();
+        let frames = encode_frames(&signed(&fleet, &dev, &key, &payload, 6), &payload, 1000);
+        let mut asm = UpdateAssembler::new(fleet, AssemblerLimits::default());
+        assert_eq!(asm.push("t", &dev, &keys, &frames[0], now).unwrap(), Assembled::Pending);
+        let mut chunk = frames[1].clone();
+        chunk[18..22].copy_from_slice(&u32::MAX.to_be_bytes());
+        let e = asm.push("t", &dev, &keys, &chunk, now).unwrap_err();
+        assert_eq!(e.reason, RejectReason::Malformed);
+        assert_eq!((asm.in_progress(), asm.reserved_bytes()), (0, 0));
     }
 
     #[test]

@@ -26,7 +26,7 @@
 //! [health]          # max_latency_ms = 50.0, accuracy_margin = 0.02
 //! [backoff]         # base_ms = 1000, max_ms = 300000
 //!
-//! [initial_model]   # optional factory model for the active slot
+//! # [initial_model] # optional factory model for the active slot (spec and weights required)
 //! # spec = "spec.json"; weights = "model.safetensors"; name = "digits"; version = 0
 //!
 //! [inference]

@@ -101,7 +101,13 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        let mut c: Config = toml::from_str(&text)
+        Self::parse(path, &text)
+    }
+
+    /// [`Config::load`] of `text`, the contents of `path` (which is not read: it names the file
+    /// in errors, and relative directories are taken relative to its directory).
+    pub fn parse(path: &Path, text: &str) -> Result<Self, RegistryError> {
+        let mut c: Config = toml::from_str(text)
             .map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
         let base = path.parent().unwrap_or(Path::new("."));
         for d in [&mut c.data_dir, &mut c.pki_dir].into_iter().chain(c.renewal.as_mut().map(|r| &mut r.ca_key)) {
