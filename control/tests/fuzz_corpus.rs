@@ -5,11 +5,14 @@
 //! The hand-made starting inputs are written by the ignored test [`write_seed_inputs`]:
 //! `cargo test -p fedfleet-control --test fuzz_corpus -- --ignored write_seed_inputs`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 #[path = "../fuzz/harness.rs"]
 mod harness;
 use harness::*;
+
+#[path = "../../protocol/fuzz/replay.rs"]
+mod replay;
 
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus");
 
@@ -21,47 +24,13 @@ const TARGETS: &[(&str, fn(&[u8]))] = &[
     ("upload_frames", upload_frames),
 ];
 
-fn inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = Path::new(CORPUS).join(target);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|entry| entry.expect("corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    files
-        .into_iter()
-        .map(|p| {
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-            (p, bytes)
-        })
-        .collect()
-}
-
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[test]
 fn every_corpus_input_runs_without_panicking() {
-    let mut failed = Vec::new();
-    let mut total = 0;
-    for (target, harness) in TARGETS {
-        let files = inputs(target);
-        assert!(!files.is_empty(), "fuzz/corpus/{target} is empty");
-        for (path, bytes) in files {
-            total += 1;
-            if std::panic::catch_unwind(|| harness(&bytes)).is_err() {
-                failed.push(format!("{target}: {} ({})", path.display(), hex(&bytes)));
-            }
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} of {total} corpus inputs panicked:\n{}",
-        failed.len(),
-        failed.join("\n")
-    );
+    replay::replay(CORPUS, TARGETS, hex);
 }
 
 #[test]

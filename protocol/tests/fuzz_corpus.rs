@@ -8,7 +8,7 @@
 //! `cargo test -p fedfleet-protocol --test fuzz_corpus -- --ignored write_seed_inputs`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_protocol::artifact::{ChunkRef, Manifest};
@@ -22,6 +22,9 @@ use fedfleet_protocol::*;
 #[path = "../fuzz/harness.rs"]
 mod harness;
 use harness::*;
+
+#[path = "../fuzz/replay.rs"]
+mod replay;
 
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus");
 
@@ -37,47 +40,9 @@ const TARGETS: &[(&str, fn(&[u8]))] = &[
     ("tuf_verifier", tuf_verifier),
 ];
 
-fn inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = Path::new(CORPUS).join(target);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|entry| entry.expect("corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    files
-        .into_iter()
-        .map(|p| {
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-            (p, bytes)
-        })
-        .collect()
-}
-
 #[test]
 fn every_corpus_input_decodes_without_panicking() {
-    let mut failed = Vec::new();
-    let mut total = 0;
-    for (target, harness) in TARGETS {
-        let files = inputs(target);
-        assert!(!files.is_empty(), "fuzz/corpus/{target} is empty");
-        for (path, bytes) in files {
-            total += 1;
-            if std::panic::catch_unwind(|| harness(&bytes)).is_err() {
-                failed.push(format!(
-                    "{target}: {} ({})",
-                    path.display(),
-                    hex::encode(&bytes)
-                ));
-            }
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} of {total} corpus inputs panicked:\n{}",
-        failed.len(),
-        failed.join("\n")
-    );
+    replay::replay(CORPUS, TARGETS, |b| hex::encode(b));
 }
 
 // ---- Seed inputs: valid encodings of everything, the fuzzers' starting points. ----
