@@ -966,7 +966,7 @@ impl Lifecycle {
                 false,
             );
         }
-        let spec = target.custom.spec.to_string();
+        let spec = target.spec.to_string();
         let mut next = self.state.clone();
         next.verifier = v;
         let job = InstallJob { phase: InstallPhase::Downloading { length: target.length, spec }, attempts: 0, ..job };

@@ -18,7 +18,7 @@
 //! |            | `global`                 | [`GlobalRef`]: the current global model             |
 //! |            | `campaign`               | [`CampaignMeta`]: strategy name, dtype, last outcome |
 //! | `accepted` | device `\0` nonce        | [`AcceptedRecord`]: round, payload digest, weight, signed receipt |
-//! | `models`   | digest                   | [`ModelRecord`]                                     |
+//! | `models`   | digest                   | [`ModelInfo`]                                     |
 //!
 //! # Commit points
 //!
@@ -52,7 +52,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use fedfleet_protocol::{DType, DeviceId, Digest, ModelVersion, RoundId};
+use fedfleet_protocol::{DType, DeviceId, Digest, ModelInfo, ModelVersion, RoundId};
 use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
@@ -127,17 +127,6 @@ pub struct AcceptedRecord {
     pub weight: u64,
     /// The encoded `Signed<Receipt>` sent to the device (sent again on a resend).
     pub receipt: Vec<u8>,
-}
-
-/// A global model held by the aggregator.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelRecord {
-    pub name: String,
-    pub version: ModelVersion,
-    pub length: u64,
-    pub spec: String,
-    pub parent: Option<ModelVersion>,
-    pub metrics: Vec<(String, f64)>,
 }
 
 /// What a round boundary writes.
@@ -401,7 +390,7 @@ impl Store {
     }
 
     /// Stores a global model file and its record (durably).
-    pub fn put_model(&self, digest: &Digest, bytes: &[u8], rec: &ModelRecord) -> Result<()> {
+    pub fn put_model(&self, digest: &Digest, bytes: &[u8], rec: &ModelInfo) -> Result<()> {
         let p = self.model_path(digest);
         write_atomic(&p, bytes).map_err(io(&p))?;
         self.models.insert(digest.0, enc(rec))?;
@@ -409,7 +398,7 @@ impl Store {
         Ok(())
     }
 
-    pub fn model_record(&self, digest: &Digest) -> Result<Option<ModelRecord>> {
+    pub fn model_record(&self, digest: &Digest) -> Result<Option<ModelInfo>> {
         match self.models.get(digest.0)? {
             None => Ok(None),
             Some(b) => postcard::from_bytes(&b)

@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! <dir>/<name>/<version, 8 digits>/model.safetensors
-//!                                  manifest.json     (ModelManifest as JSON, for people)
-//!                                  manifest.signed   (encoded Signed<ModelManifest>, receipt key)
+//!                                  manifest.json     (ModelInfo as JSON, for people)
+//!                                  manifest.signed   (encoded Signed<ModelInfo>, receipt key)
 //! ```
 //!
 //! A version directory is written under a temporary name, fsynced and renamed, so a crash never
@@ -16,33 +16,25 @@
 //!
 //! [`RegistryPublisher`] publishes into a running `fedfleet-registry` over QUIC (mTLS with the
 //! aggregator's **service** certificate, which the registry's `operators` list must name): an
-//! `AdminRequest::Publish` carrying name, spec, parent, metrics and the publisher name, then the
+//! `AdminRequest::Publish` carrying the [`NewVersion`] (with this publisher's name), then the
 //! artifact. The registry answers with the version; it is idempotent on `(name, parent, digest)`
 //! against the head version (same crash-retry reason as above), and the digest it reports is
 //! checked against the bytes sent.
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_protocol::{Digest, ModelManifest, ModelVersion, Signed};
+use fedfleet_protocol::{Digest, ModelInfo, ModelVersion, NewVersion, Signed};
 
-/// One model to publish.
+/// One model to publish: what the service states about it, and its bytes. Each [`Publisher`]
+/// names itself in `model.publisher`.
 #[derive(Debug, Clone)]
 pub struct PublishRequest {
-    pub name: String,
+    pub model: NewVersion,
     /// safetensors bytes.
     pub bundle: Vec<u8>,
-    /// Model spec JSON.
-    pub spec: String,
-    pub parent: Option<ModelVersion>,
-    pub metrics: BTreeMap<String, f64>,
-    pub created_at_unix_ms: u64,
-    /// Set when `bundle` is a LoRA model with its adapters merged in: kept by the registry
-    /// with the version. ([`DirPublisher`] does not record it.)
-    pub adapter: Option<fedfleet_protocol::artifact::AdapterLineage>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +71,7 @@ impl DirPublisher {
     }
 
     /// The latest published version of `name` and its manifest.
-    pub fn latest(dir: &Path, name: &str) -> std::io::Result<Option<ModelManifest>> {
+    pub fn latest(dir: &Path, name: &str) -> std::io::Result<Option<ModelInfo>> {
         let mut best: Option<u64> = None;
         match std::fs::read_dir(dir.join(name)) {
             Ok(rd) => {
@@ -103,26 +95,18 @@ impl DirPublisher {
 
     fn publish_sync(&self, req: &PublishRequest) -> std::io::Result<(ModelVersion, Digest)> {
         let digest = Digest::of(&req.bundle);
-        let latest = Self::latest(&self.dir, &req.name)?;
+        let name = &req.model.name;
+        let latest = Self::latest(&self.dir, name)?;
         if let Some(m) = &latest
             && m.digest == digest
-            && m.parent == req.parent
+            && m.parent == req.model.parent
         {
             return Ok((m.version, digest)); // a retry after a crash
         }
         let version = ModelVersion(latest.map(|m| m.version.0).unwrap_or(0) + 1);
-        let manifest = ModelManifest {
-            name: req.name.clone(),
-            version,
-            length: req.bundle.len() as u64,
-            digest,
-            spec: req.spec.clone(),
-            parent: req.parent,
-            metrics: req.metrics.clone(),
-            created_at_unix_ms: req.created_at_unix_ms,
-            publisher: self.publisher.clone(),
-        };
-        let model_dir = self.dir.join(&req.name);
+        let new = NewVersion { publisher: self.publisher.clone(), ..req.model.clone() };
+        let manifest = ModelInfo::published(new, version, req.bundle.len() as u64, digest);
+        let model_dir = self.dir.join(name);
         std::fs::create_dir_all(&model_dir)?;
         let tmp = model_dir.join(format!(".{:08}.tmp", version.0));
         let _ = std::fs::remove_dir_all(&tmp);
@@ -194,12 +178,7 @@ impl Publisher for RegistryPublisher {
     fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a> {
         Box::pin(async move {
             use fedfleet_registry_client::wire::AdminRequest;
-            let (name, spec_json, parent, metrics, publisher) =
-                (req.name.clone(), req.spec.clone(), req.parent, req.metrics.clone(), self.publisher.clone());
-            let admin = match req.adapter.clone() {
-                None => AdminRequest::Publish { name, spec_json, parent, metrics, publisher },
-                Some(adapter) => AdminRequest::PublishAdapted { name, spec_json, parent, metrics, publisher, adapter },
-            };
+            let admin = AdminRequest::Publish(NewVersion { publisher: self.publisher.clone(), ..req.model.clone() });
             let v = self
                 .client
                 .publish(admin, req.bundle.as_slice())

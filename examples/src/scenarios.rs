@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use fedfleet_learning::{OptimizerConfig, TrainConfig, evaluate, sim as lsim};
-use fedfleet_protocol::{ModelRef, ModelVersion, TensorBundle};
+use fedfleet_protocol::{ModelRef, ModelVersion, NewVersion, SpecJson, TensorBundle};
 use fedfleet_registry::wire::AdminRequest;
 
 use crate::attack::{Attack, gaussian_like};
@@ -322,13 +322,15 @@ pub async fn rollout_with_abort(o: &RolloutScenarioOptions, ui: &Ui) -> anyhow::
 /// Publishes `model` as the next version of the demo's model (operator, over QUIC).
 async fn publish(lb: &Loopback, model: &TensorBundle, parent: ModelVersion) -> anyhow::Result<ModelRef> {
     let bytes = model.encode();
-    let req = AdminRequest::Publish {
+    let req = AdminRequest::Publish(NewVersion {
         name: MODEL_NAME.into(),
-        spec_json: lb.spec.to_json(),
+        spec: SpecJson::parse(&lb.spec.to_json())?,
         parent: Some(parent),
         metrics: BTreeMap::new(),
+        created_at_unix_ms: 0,
         publisher: "operator".into(),
-    };
+        adapter: None,
+    });
     let r = lb.op.publish(req, bytes.as_slice()).await.map_err(|e| anyhow::anyhow!("publish: {e}"))?;
     let version = r["version"].as_u64().with_context(|| format!("publish answered {r}"))?;
     Ok(ModelRef { name: MODEL_NAME.into(), version: ModelVersion(version), digest: fedfleet_protocol::Digest::of(&bytes) })
@@ -390,7 +392,7 @@ pub struct TransferRow {
     pub after: f64,
     /// The registry's last version: its record (spec, parent, adapter lineage) and the accuracy
     /// of the weights it serves (under LoRA: the adapters merged in).
-    pub published: fedfleet_registry::VersionRecord,
+    pub published: fedfleet_protocol::ModelInfo,
     pub published_accuracy: f64,
 }
 

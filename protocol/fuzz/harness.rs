@@ -8,11 +8,11 @@
 use std::sync::LazyLock;
 
 use ed25519_dalek::SigningKey;
+use fedfleet_protocol::ModelInfo;
 use fedfleet_protocol::artifact::Manifest;
 use fedfleet_protocol::envelope::Signable;
-use fedfleet_protocol::messages::ModelManifest;
 use fedfleet_protocol::tuf::{
-    Metadata, Root, SignedMetadata, TargetInfo, Targets, Timestamp, Verifier,
+    Metadata, Root, SignedMetadata, Targets, Timestamp, Verifier,
 };
 use fedfleet_protocol::*;
 
@@ -95,8 +95,8 @@ pub fn envelope_decode(data: &[u8]) {
         let _ = s.body().includes(&device, None);
     }
     let _ = envelope::<DeviceStatus>(data);
-    if let Some(s) = envelope::<ModelManifest>(data) {
-        let _ = s.body().spec_json();
+    if let Some(s) = envelope::<ModelInfo>(data) {
+        let _ = s.body().spec.to_string();
         let _ = s.body().model_ref();
     }
 
@@ -118,8 +118,8 @@ pub fn envelope_decode(data: &[u8]) {
         assert_eq!(again, s);
         let _ = s.state.as_str();
     }
-    if let Ok(m) = ModelManifest::from_canonical_bytes(data) {
-        ModelManifest::from_canonical_bytes(&m.canonical_bytes()).expect("re-encoded manifest");
+    if let Ok(m) = ModelInfo::from_canonical_bytes(data) {
+        ModelInfo::from_canonical_bytes(&m.canonical_bytes()).expect("re-encoded manifest");
     }
 }
 
@@ -155,8 +155,9 @@ pub fn manifest_decode(data: &[u8]) {
         for i in 0..=manifest.chunks.len() {
             let _ = manifest.chunk_offset(i);
         }
-        let _ = TargetInfo::from_manifest(&manifest);
+        let _ = manifest.validate();
         let _ = serde_json::to_vec(&manifest);
+        let _ = postcard::to_stdvec(&manifest);
     }
     let _ = serde_json::from_slice::<Digest>(data);
     let _ = serde_json::from_slice::<DeviceId>(data);

@@ -1,25 +1,10 @@
 //! What a downloader learns about one published version: the version's record plus its chunk
 //! list. The registry serves it; the TUF target pins its length and digest.
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 
-use crate::{Digest, ModelVersion};
-
-/// How a version was derived from its parent by adapter fine-tuning (LoRA): the published
-/// model has the adapters merged into its weights, and this says which. Kept by the registry
-/// with the version so that a merged model can be traced to its parent and its adapters.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AdapterLineage {
-    /// `"lora"`.
-    pub method: String,
-    pub rank: u32,
-    /// The scaling numerator (updates were scaled by alpha / rank).
-    pub alpha: f64,
-    /// The base weights the adapters were merged into, e.g. `fc2.weight`.
-    pub tensors: Vec<String>,
-}
+use crate::Digest;
+use crate::model::ModelInfo;
 
 /// One chunk of an artifact, in order. Every chunk but the last is `chunk_size` long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,21 +13,12 @@ pub struct ChunkRef {
     pub len: u32,
 }
 
-/// Everything a downloader needs about one version: the version record plus its chunk list.
+/// Everything a downloader needs about one version: what it is, plus its chunk list. **Not
+/// signed**: a client checks `model.length`/`digest` against the trusted TUF target before
+/// trusting it, each chunk against its digest, and the whole against `model.digest`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
-    pub name: String,
-    pub version: ModelVersion,
-    pub spec: serde_json::Value,
-    pub length: u64,
-    pub digest: Digest,
-    pub parent: Option<ModelVersion>,
-    pub metrics: BTreeMap<String, f64>,
-    pub created_at: u64,
-    pub publisher: String,
-    /// Set when the version is a merged adapter fine-tune of its parent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adapter: Option<AdapterLineage>,
+    pub model: ModelInfo,
     pub chunk_size: u32,
     pub chunks: Vec<ChunkRef>,
 }
@@ -51,6 +27,22 @@ impl Manifest {
     /// Byte offset of chunk `i` within the artifact.
     pub fn chunk_offset(&self, i: usize) -> u64 {
         i as u64 * self.chunk_size as u64
+    }
+
+    /// Checks that the chunk lengths add up to the length and that no chunk is empty or over
+    /// the chunk size (a client allocates per chunk).
+    pub fn validate(&self) -> Result<(), String> {
+        let mut total = 0u64;
+        for (i, c) in self.chunks.iter().enumerate() {
+            if c.len == 0 || c.len > self.chunk_size {
+                return Err(format!("chunk {i} has length {}", c.len));
+            }
+            total += c.len as u64;
+        }
+        if total != self.model.length {
+            return Err(format!("chunks add up to {total} bytes, manifest says {}", self.model.length));
+        }
+        Ok(())
     }
 }
 

@@ -14,6 +14,8 @@
 //! - [`reject`]: the named rejection reasons shared by every service.
 //! - [`tuf`]: signed model metadata in the spirit of TUF (root, targets, timestamp) and the
 //!   client-side [`tuf::Verifier`] every device runs; [`artifact`]: a version's chunk manifest.
+//! - [`model`]: the one model-metadata type ([`ModelInfo`]) and what a publisher states
+//!   ([`NewVersion`]).
 
 pub mod artifact;
 pub mod bundle;
@@ -22,6 +24,7 @@ pub mod framing;
 pub mod ids;
 pub mod limits;
 pub mod messages;
+pub mod model;
 pub mod reject;
 pub mod serde_hex;
 pub mod tuf;
@@ -34,7 +37,8 @@ pub use envelope::{
 pub use framing::{Frame, FrameDecoder, FrameError, FrameKind, encode_frame};
 pub use ids::{DeviceId, Digest, FleetId, Hasher, IdError, ModelVersion, RoundId};
 pub use messages::{
-    DeviceState, DeviceStatus, Message, MessageError, ModelManifest, ModelRef, Receipt, Rejection,
+    DeviceState, DeviceStatus, Message, MessageError, ModelRef, Receipt, Rejection,
     RolloutAction, RolloutNotice, RoundAnnouncement, RoundConfig, Selection, StorageFault,
 };
+pub use model::{AdapterLineage, ModelInfo, NewVersion, SpecJson};
 pub use reject::RejectReason;

@@ -9,8 +9,6 @@
 //! [`Receipt`] signs hand-written canonical bytes like the update header; announcements, rollout
 //! notices, device status and manifests sign their postcard bytes.
 
-use std::collections::BTreeMap;
-
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +16,7 @@ use crate::bundle::DType;
 use crate::envelope::{CanonicalReader, CanonicalWriter, EnvelopeError, Kind, Signable};
 use crate::ids::{DeviceId, Digest, FleetId, ModelVersion, RoundId};
 use crate::limits::{MAX_DETAIL_LEN, MAX_MESSAGE_BYTES};
+use crate::model::ModelInfo;
 use crate::reject::RejectReason;
 
 /// Why a message was not encoded or decoded.
@@ -207,38 +206,6 @@ impl Rejection {
     }
 }
 
-/// A published model version.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelManifest {
-    pub name: String,
-    pub version: ModelVersion,
-    /// Artifact length in bytes.
-    pub length: u64,
-    pub digest: Digest,
-    /// Architecture and input shape as JSON text (postcard cannot carry a `serde_json::Value`).
-    pub spec: String,
-    pub parent: Option<ModelVersion>,
-    /// Evaluation metrics, e.g. "accuracy".
-    pub metrics: BTreeMap<String, f64>,
-    pub created_at_unix_ms: u64,
-    pub publisher: String,
-}
-
-impl ModelManifest {
-    pub fn model_ref(&self) -> ModelRef {
-        ModelRef {
-            name: self.name.clone(),
-            version: self.version,
-            digest: self.digest,
-        }
-    }
-
-    /// The spec parsed as JSON.
-    pub fn spec_json(&self) -> Result<serde_json::Value, serde_json::Error> {
-        serde_json::from_str(&self.spec)
-    }
-}
-
 /// What devices in a rollout phase should do.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RolloutAction {
@@ -389,7 +356,7 @@ pub enum Message {
     RoundAnnouncement(RoundAnnouncement),
     Receipt(Receipt),
     Rejection(Rejection),
-    Manifest(ModelManifest),
+    Manifest(ModelInfo),
     Rollout(RolloutNotice),
     Status(DeviceStatus),
 }
@@ -453,7 +420,7 @@ postcard_signable! {
     RoundAnnouncement => Kind::Round,
     RolloutNotice => Kind::Rollout,
     DeviceStatus => Kind::Status,
-    ModelManifest => Kind::Manifest,
+    ModelInfo => Kind::Manifest,
 }
 
 #[cfg(test)]
@@ -501,16 +468,17 @@ mod tests {
                 RejectReason::StaleRound,
                 "round 3 is closed",
             )),
-            Message::Manifest(ModelManifest {
+            Message::Manifest(ModelInfo {
                 name: "mnist-mlp".into(),
                 version: ModelVersion(3),
                 length: 1234,
                 digest: Digest::of(b"model"),
-                spec: r#"{"arch":"mlp","input":[1,28,28]}"#.into(),
+                spec: crate::SpecJson(serde_json::json!({"arch": "mlp", "input": [1, 28, 28]})),
                 parent: Some(ModelVersion(2)),
                 metrics: [("accuracy".to_owned(), 0.97)].into_iter().collect(),
                 created_at_unix_ms: 6,
                 publisher: "aggregator-eu".into(),
+                adapter: None,
             }),
             Message::Rollout(RolloutNotice {
                 fleet: fleet.clone(),

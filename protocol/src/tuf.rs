@@ -5,8 +5,9 @@
 //!   `timestamp`), a version and an expiry. Pinned on the device at enrollment. A new root version
 //!   must be signed by a threshold of the *old* root's root keys **and** a threshold of its *own*
 //!   root keys; this is how keys (any role's) are rotated.
-//! - **targets** ([`Targets`]): every installable model version with its length, digest and
-//!   custom fields (spec/architecture, metrics, parent). Signed offline or by the publisher key.
+//! - **targets** ([`Targets`]): every installable model version as a [`ModelInfo`] (length,
+//!   digest, spec, metrics, parent, publisher, adapter lineage). Signed offline or by the
+//!   publisher key.
 //! - **timestamp** ([`Timestamp`]): the version, length and digest of the current targets
 //!   metadata; signed by an online key with a short expiry, so a frozen mirror is noticed quickly.
 //!
@@ -51,7 +52,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::serde_hex;
-use crate::artifact::Manifest;
+use crate::model::ModelInfo;
 
 /// A metadata role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -216,51 +217,16 @@ impl Root {
     }
 }
 
-/// Custom fields of a target: what the agent needs to decide whether it can run the model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TargetCustom {
-    /// Opaque model spec (architecture, input shape), as published.
-    pub spec: serde_json::Value,
-    pub metrics: BTreeMap<String, f64>,
-    pub parent: Option<ModelVersion>,
-}
-
-/// One installable model version.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TargetInfo {
-    pub name: String,
-    pub version: ModelVersion,
-    pub length: u64,
-    pub digest: Digest,
-    pub custom: TargetCustom,
-}
-
-impl TargetInfo {
-    pub fn from_manifest(m: &Manifest) -> Self {
-        TargetInfo {
-            name: m.name.clone(),
-            version: m.version,
-            length: m.length,
-            digest: m.digest,
-            custom: TargetCustom {
-                spec: m.spec.clone(),
-                metrics: m.metrics.clone(),
-                parent: m.parent,
-            },
-        }
-    }
-}
-
 /// The list of installable versions.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Targets {
     pub version: u64,
     pub expires: u64,
-    pub targets: Vec<TargetInfo>,
+    pub targets: Vec<ModelInfo>,
 }
 
 impl Targets {
-    pub fn get(&self, name: &str, version: ModelVersion) -> Option<&TargetInfo> {
+    pub fn get(&self, name: &str, version: ModelVersion) -> Option<&ModelInfo> {
         self.targets
             .iter()
             .find(|t| t.name == name && t.version == version)
@@ -707,7 +673,7 @@ impl Verifier {
         name: &str,
         version: ModelVersion,
         now: u64,
-    ) -> Result<&TargetInfo, TufError> {
+    ) -> Result<&ModelInfo, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
         let ts = self.timestamp.as_ref().ok_or(TufError::Missing {
             role: Role::Timestamp,
@@ -731,7 +697,7 @@ impl Verifier {
         version: ModelVersion,
         bytes: &[u8],
         now: u64,
-    ) -> Result<&TargetInfo, TufError> {
+    ) -> Result<&ModelInfo, TufError> {
         let t = self.target(name, version, now)?;
         if bytes.len() as u64 != t.length {
             return Err(TufError::LengthMismatch {
@@ -751,7 +717,7 @@ impl Verifier {
         length: u64,
         digest: Digest,
         now: u64,
-    ) -> Result<&TargetInfo, TufError> {
+    ) -> Result<&ModelInfo, TufError> {
         let t = self.target(name, version, now)?;
         if length != t.length {
             return Err(TufError::LengthMismatch {

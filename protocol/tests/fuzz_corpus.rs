@@ -11,11 +11,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ed25519_dalek::SigningKey;
+use fedfleet_protocol::{ModelInfo, SpecJson};
 use fedfleet_protocol::artifact::{ChunkRef, Manifest};
 use fedfleet_protocol::envelope::Signable;
-use fedfleet_protocol::messages::ModelManifest;
 use fedfleet_protocol::tuf::{
-    Root, SignedMetadata, TargetCustom, TargetInfo, Targets, Timestamp, Verifier,
+    Root, SignedMetadata, Targets, Timestamp, Verifier,
 };
 use fedfleet_protocol::*;
 
@@ -111,16 +111,17 @@ fn seed_messages() -> Vec<Message> {
             RejectReason::StaleRound,
             "round 3 is closed",
         )),
-        Message::Manifest(ModelManifest {
+        Message::Manifest(ModelInfo {
             name: "mnist-mlp".into(),
             version: ModelVersion(3),
             length: 1234,
             digest: Digest::of(b"model"),
-            spec: r#"{"arch":"mlp","input":[784]}"#.into(),
+            spec: SpecJson(serde_json::json!({"arch": "mlp", "input": [784]})),
             parent: Some(ModelVersion(2)),
             metrics: BTreeMap::from([("accuracy".to_owned(), 0.97)]),
             created_at_unix_ms: 1,
             publisher: "ci".into(),
+            adapter: None,
         }),
         Message::Rollout(rollout(RolloutAction::Install, Some("lab".into()))),
         Message::Rollout(rollout(RolloutAction::RollBack { to: model() }, None)),
@@ -260,16 +261,17 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         (&[&vk[2]], 1),
     );
     let artifact = b"model bytes".to_vec();
-    let target = TargetInfo {
+    let target = ModelInfo {
         name: "m".into(),
         version: ModelVersion(1),
         length: artifact.len() as u64,
         digest: Digest::of(&artifact),
-        custom: TargetCustom {
-            spec: serde_json::json!({"arch": "mlp", "input": [784]}),
-            metrics: BTreeMap::from([("accuracy".to_owned(), 0.9)]),
-            parent: None,
-        },
+        spec: SpecJson(serde_json::json!({"arch": "mlp", "input": [784]})),
+        parent: None,
+        metrics: BTreeMap::from([("accuracy".to_owned(), 0.9)]),
+        created_at_unix_ms: 0,
+        publisher: String::new(),
+        adapter: None,
     };
     let targets = Targets {
         version: 1,
@@ -330,21 +332,23 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
 
     // Artifact manifests and the string forms of ids and digests.
     let manifest = Manifest {
-        name: "m".into(),
-        version: ModelVersion(1),
-        spec: serde_json::json!({"arch": "mlp"}),
-        length: 100,
-        digest: Digest::of(b"artifact"),
-        parent: Some(ModelVersion(0)),
-        metrics: BTreeMap::from([("loss".to_owned(), 0.25)]),
-        created_at: 5,
-        publisher: "ci".into(),
-        adapter: Some(fedfleet_protocol::artifact::AdapterLineage {
-            method: "lora".into(),
-            rank: 4,
-            alpha: 8.0,
-            tensors: vec!["fc2.weight".into()],
-        }),
+        model: ModelInfo {
+            name: "m".into(),
+            version: ModelVersion(1),
+            length: 100,
+            digest: Digest::of(b"artifact"),
+            spec: SpecJson(serde_json::json!({"arch": "mlp"})),
+            parent: Some(ModelVersion(0)),
+            metrics: BTreeMap::from([("loss".to_owned(), 0.25)]),
+            created_at_unix_ms: 5,
+            publisher: "ci".into(),
+            adapter: Some(fedfleet_protocol::AdapterLineage {
+                method: "lora".into(),
+                rank: 4,
+                alpha: 8.0,
+                tensors: vec!["fc2.weight".into()],
+            }),
+        },
         chunk_size: 64,
         chunks: vec![
             ChunkRef {
@@ -358,7 +362,7 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         ],
     };
     let mut plain = manifest.clone();
-    plain.adapter = None;
+    plain.model.adapter = None;
     for (name, text) in [
         ("manifest", serde_json::to_string(&manifest).unwrap()),
         ("manifest-plain", serde_json::to_string(&plain).unwrap()),

@@ -35,9 +35,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, RejectReason, Rejection};
 
-use fedfleet_protocol::tuf::TargetInfo;
+use fedfleet_protocol::ModelInfo;
+use fedfleet_protocol::artifact::Manifest;
 use crate::wire::{
-    self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel, WireManifest,
+    self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel,
 };
 
 /// Chunks asked for per request stream.
@@ -318,7 +319,7 @@ impl RegistryClient {
         &self,
         name: &str,
         version: impl Into<VersionSel>,
-    ) -> Result<WireManifest, ClientError> {
+    ) -> Result<Manifest, ClientError> {
         let req = Request::Manifest {
             name: name.to_owned(),
             version: version.into(),
@@ -437,18 +438,18 @@ impl RegistryClient {
     /// Downloads a trusted TUF target: the manifest must agree with its length and digest.
     pub async fn download_target<C: ChunkCache>(
         &self,
-        target: &TargetInfo,
+        target: &ModelInfo,
         cache: &mut C,
         dest: &Path,
     ) -> Result<DownloadReport, ClientError> {
         let m = self.manifest(&target.name, target.version).await?;
-        if m.manifest.length != target.length || m.manifest.digest != target.digest {
+        if m.model.length != target.length || m.model.digest != target.digest {
             return Err(ClientError::TargetMismatch {
                 name: target.name.clone(),
                 version: target.version,
                 detail: format!(
                     "manifest says {} bytes {}, target says {} bytes {}",
-                    m.manifest.length, m.manifest.digest, target.length, target.digest
+                    m.model.length, m.model.digest, target.length, target.digest
                 ),
             });
         }
@@ -458,7 +459,7 @@ impl RegistryClient {
     /// Fetches what the cache lacks, then assembles `dest`; refetches chunks found corrupt.
     pub async fn download_manifest<C: ChunkCache>(
         &self,
-        m: &WireManifest,
+        m: &Manifest,
         cache: &mut C,
         dest: &Path,
     ) -> Result<DownloadReport, ClientError> {
@@ -484,7 +485,7 @@ impl RegistryClient {
     /// lost connections; gives up after `max_retries` consecutive attempts without progress.
     pub async fn fetch_missing<C: ChunkCache>(
         &self,
-        m: &WireManifest,
+        m: &Manifest,
         cache: &mut C,
         report: &mut DownloadReport,
     ) -> Result<(), ClientError> {
@@ -546,15 +547,15 @@ impl RegistryClient {
 
     async fn fetch_batch<C: ChunkCache>(
         &self,
-        m: &WireManifest,
+        m: &Manifest,
         batch: &[u32],
         cache: &mut C,
         report: &mut DownloadReport,
         stored: &mut u64,
     ) -> Result<(), ClientError> {
         let req = Request::Chunks {
-            name: m.manifest.name.clone(),
-            version: m.manifest.version,
+            name: m.model.name.clone(),
+            version: m.model.version,
             indices: batch.to_vec(),
         };
         let mut s = self.start(&req, false).await?;
@@ -622,7 +623,7 @@ impl RegistryClient {
         req: AdminRequest,
         mut r: impl std::io::Read,
     ) -> Result<serde_json::Value, ClientError> {
-        if !matches!(req, AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. }) {
+        if !matches!(req, AdminRequest::Publish(_)) {
             return Err(ClientError::Protocol(
                 "publish needs AdminRequest::Publish".into(),
             ));
@@ -654,7 +655,7 @@ impl RegistryClient {
 /// every chunk and the whole. Returns how many cached chunks were missing or corrupt (they are
 /// removed from the cache and `dest` is not written); 0 means `dest` now holds the artifact.
 pub fn assemble<C: ChunkCache>(
-    m: &WireManifest,
+    m: &Manifest,
     cache: &mut C,
     dest: &Path,
 ) -> Result<u64, ClientError> {
@@ -689,11 +690,11 @@ pub fn assemble<C: ChunkCache>(
     file.sync_all().map_err(io)?;
     drop(file);
     let got = whole.finalize();
-    if got != m.manifest.digest {
+    if got != m.model.digest {
         let _ = std::fs::remove_file(&tmp);
         return Err(ClientError::Protocol(format!(
             "artifact reassembles to {got}, manifest says {}",
-            m.manifest.digest
+            m.model.digest
         )));
     }
     std::fs::rename(&tmp, dest).map_err(io)?;

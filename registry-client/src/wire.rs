@@ -31,13 +31,13 @@
 //! reverse. It names the device and expires with the timestamp TTL, so it cannot be replayed to
 //! another device or much later.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
 use fedfleet_protocol::limits::{MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES};
 use fedfleet_protocol::messages::{BASIS_POINTS, RolloutAction};
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, Digest, FleetId, ModelManifest, ModelRef, ModelVersion, RejectReason,
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, NewVersion, RejectReason,
     Rejection, RolloutNotice,
 };
 use serde::{Deserialize, Serialize};
@@ -110,7 +110,8 @@ pub enum Request {
 pub enum Response {
     Rejected(Rejection),
     Metadata(MetadataSet),
-    Manifest(WireManifest),
+    /// A version's manifest (the spec travels as JSON text). **Not signed**: see [`Manifest`].
+    Manifest(Manifest),
     /// `count` chunks follow as `Chunk` frames, then `End`.
     Chunks {
         count: u32,
@@ -143,81 +144,13 @@ pub struct MetadataSet {
     pub targets: tuf::SignedMetadata<Targets>,
 }
 
-/// One chunk of a manifest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireChunk {
-    pub digest: Digest,
-    pub len: u32,
-}
-
-/// A version's manifest on the wire (the spec travels as JSON text). **Not signed**: check
-/// `manifest.length`/`digest` against the trusted TUF target before trusting it (the client's
-/// `download_target` does); each chunk is checked against its digest, the whole against
-/// `manifest.digest`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WireManifest {
-    pub manifest: ModelManifest,
-    pub chunk_size: u32,
-    pub chunks: Vec<WireChunk>,
-}
-
-impl WireManifest {
-    pub fn from_store(m: &Manifest) -> Self {
-        WireManifest {
-            manifest: ModelManifest {
-                name: m.name.clone(),
-                version: m.version,
-                length: m.length,
-                digest: m.digest,
-                spec: m.spec.to_string(),
-                parent: m.parent,
-                metrics: m.metrics.clone(),
-                created_at_unix_ms: m.created_at,
-                publisher: m.publisher.clone(),
-            },
-            chunk_size: m.chunk_size,
-            chunks: m
-                .chunks
-                .iter()
-                .map(|c| WireChunk {
-                    digest: c.digest,
-                    len: c.len,
-                })
-                .collect(),
-        }
-    }
-
-    /// Checks that the chunk lengths add up to the length and that no chunk is over the chunk
-    /// size (a client allocates per chunk).
-    pub fn validate(&self) -> Result<(), String> {
-        let mut total = 0u64;
-        for (i, c) in self.chunks.iter().enumerate() {
-            if c.len == 0 || c.len > self.chunk_size {
-                return Err(format!("chunk {i} has length {}", c.len));
-            }
-            total += c.len as u64;
-        }
-        if total != self.manifest.length {
-            return Err(format!(
-                "chunks add up to {total} bytes, manifest says {}",
-                self.manifest.length
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Operator commands (service certificate in the operator list).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum AdminRequest {
     /// Publish: the artifact's bytes follow as `Chunk` frames, then `End`.
-    Publish {
-        name: String,
-        spec_json: String,
-        parent: Option<ModelVersion>,
-        metrics: BTreeMap<String, f64>,
-        publisher: String,
-    },
+    /// The registry stamps `created_at_unix_ms` with its own clock and, when `publisher` is
+    /// empty, names the publisher by its certificate.
+    Publish(NewVersion),
     List,
     Show {
         name: String,
@@ -238,17 +171,6 @@ pub enum AdminRequest {
     },
     DeviceStatus {
         device: Option<String>,
-    },
-    /// [`AdminRequest::Publish`] of a model whose adapters (LoRA) were merged into it: the
-    /// registry keeps the lineage with the version. (A variant of its own: postcard is
-    /// positional, and older operator tools still send `Publish`.)
-    PublishAdapted {
-        name: String,
-        spec_json: String,
-        parent: Option<ModelVersion>,
-        metrics: BTreeMap<String, f64>,
-        publisher: String,
-        adapter: fedfleet_protocol::artifact::AdapterLineage,
     },
 }
 

@@ -89,10 +89,10 @@ async fn main() -> anyhow::Result<()> {
     reg.publish(
         NewVersion {
             name: "bench".into(),
-            spec: serde_json::json!({}),
+            spec: serde_json::json!({}).into(),
             parent: None,
             metrics: Default::default(),
-            created_at: 0,
+            created_at_unix_ms: 0,
             publisher: "bench".into(),
             adapter: None,
         },

@@ -60,9 +60,9 @@ pub use rollout::{
     RolloutPlan, Status as RolloutStatus,
 };
 pub use store::{
-    Artifact, ChunkRef, Manifest, NewVersion, Store, StoreConfig, StoreError, VersionRecord,
+    Artifact, ChunkRef, Manifest, ModelInfo, NewVersion, Store, StoreConfig, StoreError,
 };
-pub use tuf::{Root, SignedMetadata, TargetInfo, Targets, Timestamp, TufError, Verifier};
+pub use tuf::{Root, SignedMetadata, Targets, Timestamp, TufError, Verifier};
 
 /// Errors of the service shell, the operator commands and the metadata signer.
 #[derive(Debug, thiserror::Error)]

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
-use fedfleet_protocol::{DeviceId, FleetId, ModelVersion};
+use fedfleet_protocol::{DeviceId, FleetId, ModelVersion, SpecJson};
 use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::config::Config;
 use fedfleet_registry::metadata::{self, MetadataSigner};
@@ -277,25 +277,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics,
             publisher,
         } => {
-            let spec_json = match spec {
-                Some(p) => std::fs::read_to_string(&p)
-                    .with_context(|| format!("reading {}", p.display()))?,
-                None => "{}".to_owned(),
+            let spec = match spec {
+                Some(p) => {
+                    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+                    SpecJson::parse(&text).with_context(|| format!("{} is not JSON", p.display()))?
+                }
+                None => SpecJson(serde_json::json!({})),
             };
-            serde_json::from_str::<serde_json::Value>(&spec_json)
-                .context("the spec is not JSON")?;
             let f = std::fs::File::open(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
             let publisher = publisher
                 .or_else(|| std::env::var("USER").ok())
                 .unwrap_or_else(|| "operator".into());
-            let req = AdminRequest::Publish {
+            let req = AdminRequest::Publish(NewVersion {
                 name: model,
-                spec_json,
+                spec,
                 parent: parent.map(ModelVersion),
                 metrics: metrics.into_iter().collect(),
+                created_at_unix_ms: unix_ms(),
                 publisher,
-            };
+                adapter: None,
+            });
             let out = rt.block_on(admin(&cfg, req, Some(f)))?;
             print_out(&out, cli.json, |v| {
                 format!(
@@ -532,30 +534,16 @@ async fn admin(
             let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()))?;
             let now = unix_ms();
             let out = match req {
-                AdminRequest::Publish {
-                    name,
-                    spec_json,
-                    parent,
-                    metrics,
-                    publisher,
-                } => {
+                AdminRequest::Publish(mut new) => {
+                    new.created_at_unix_ms = now;
                     let m = reg.publish(
-                        NewVersion {
-                            name,
-                            spec: serde_json::from_str(&spec_json)?,
-                            parent,
-                            metrics,
-                            created_at: now,
-                            publisher,
-                            adapter: None,
-                        },
+                        new,
                         std::io::BufReader::with_capacity(
                             1 << 20,
                             artifact.context("no artifact")?,
                         ),
                     )?;
-                    serde_json::json!({"name": m.name, "version": m.version.0, "length": m.length,
-                                       "digest": m.digest.to_hex(), "chunks": m.chunks.len()})
+                    fedfleet_registry::ops::published_summary(&m)
                 }
                 req => reg.admin(req, now)?,
             };

@@ -20,7 +20,7 @@ use ed25519_dalek::pkcs8::{EncodePrivateKey, spki::der::pem::LineEnding};
 
 use crate::RegistryError;
 use crate::store::Store;
-use crate::tuf::{Root, SignedMetadata, TargetInfo, Targets, Timestamp};
+use crate::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use crate::wire::{AssignmentBody, MetadataSet, SignedAssignment};
 
 pub const ROOT_KEY: &str = "keys/root.key";
@@ -228,7 +228,7 @@ impl MetadataSigner {
         let mut targets = Vec::new();
         for name in store.models()? {
             for v in store.versions(&name)? {
-                targets.push(TargetInfo::from_manifest(&store.manifest(&name, v)?));
+                targets.push(store.version(&name, v)?);
             }
         }
         let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());

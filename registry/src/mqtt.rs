@@ -488,10 +488,10 @@ mod tests {
         for body in [&b"v1"[..], &b"v2 bytes"[..]] {
             let meta = NewVersion {
                 name: "m".into(),
-                spec: serde_json::json!({}),
+                spec: serde_json::json!({}).into(),
                 parent: None,
                 metrics: Default::default(),
-                created_at: 1,
+                created_at_unix_ms: 1,
                 publisher: "t".into(),
                 adapter: None,
             };

@@ -368,7 +368,7 @@ impl Registry {
     /// [`Registry::publish`]). Returns JSON for the CLI to print.
     pub fn admin(&self, req: AdminRequest, now: u64) -> Result<Value, RegistryError> {
         match req {
-            AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. } => Err(RegistryError::Invalid(
+            AdminRequest::Publish(_) => Err(RegistryError::Invalid(
                 "publish carries the artifact bytes; use Registry::publish".into(),
             )),
             AdminRequest::List => {
@@ -376,12 +376,13 @@ impl Registry {
                 for name in self.store.models()? {
                     let mut versions = Vec::new();
                     for v in self.store.versions(&name)? {
-                        let r = self.store.version(&name, v)?;
-                        versions.push(json!({
-                            "version": v.0, "length": r.length, "digest": r.digest.to_hex(),
-                            "parent": r.parent.map(|p| p.0), "created_at": r.created_at,
-                            "publisher": r.publisher, "metrics": r.metrics,
-                        }));
+                        let mut r = json!(self.store.version(&name, v)?);
+                        // The listing leaves out what `show` gives: the spec and the name.
+                        if let Some(r) = r.as_object_mut() {
+                            r.remove("spec");
+                            r.remove("name");
+                        }
+                        versions.push(r);
                     }
                     let aliases: BTreeMap<String, u64> = self
                         .store
@@ -408,13 +409,13 @@ impl Registry {
                     .filter(|(_, t)| *t == v)
                     .map(|(a, _)| a)
                     .collect();
-                Ok(json!({
-                    "name": m.name, "version": m.version.0, "length": m.length,
-                    "digest": m.digest.to_hex(), "parent": m.parent.map(|p| p.0),
-                    "spec": m.spec, "metrics": m.metrics, "created_at": m.created_at,
-                    "publisher": m.publisher, "chunk_size": m.chunk_size,
-                    "chunks": m.chunks.len(), "aliases": aliases,
-                }))
+                let mut shown = json!(m.model);
+                if let Some(o) = shown.as_object_mut() {
+                    o.insert("chunk_size".into(), json!(m.chunk_size));
+                    o.insert("chunks".into(), json!(m.chunks.len()));
+                    o.insert("aliases".into(), json!(aliases));
+                }
+                Ok(shown)
             }
             AdminRequest::AliasSet {
                 name,
@@ -524,6 +525,12 @@ fn rollout_json(r: &Rollout) -> Value {
         "ended_at": r.ended_at(), "reporting_devices": r.devices().len(),
         "plan": p.phases,
     })
+}
+
+/// What a publish answers the operator: the version, its length, digest and chunk count.
+pub fn published_summary(m: &Manifest) -> Value {
+    json!({"name": m.model.name, "version": m.model.version.0, "length": m.model.length,
+           "digest": m.model.digest.to_hex(), "chunks": m.chunks.len()})
 }
 
 /// Convenience for callers holding a version selector.

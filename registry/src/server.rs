@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::RegistryError;
 use crate::ops::{Registry, resolve_version};
 use crate::store::{NewVersion, StoreError};
-use crate::wire::{self, AdminRequest, FRAME_DATA, Request, Response, WireManifest};
+use crate::wire::{self, AdminRequest, FRAME_DATA, Request, Response};
 
 /// How long a stream may take to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -279,7 +279,7 @@ fn request_kind(r: &Request) -> &'static str {
         Request::Range { .. } => "range",
         Request::Assignment { .. } => "assignment",
         Request::Report(_) => "report",
-        Request::Admin(AdminRequest::Publish { .. } | AdminRequest::PublishAdapted { .. }) => "admin_publish",
+        Request::Admin(AdminRequest::Publish(_)) => "admin_publish",
         Request::Admin(_) => "admin",
         Request::RenewCertificate => "renew_certificate",
     }
@@ -338,7 +338,7 @@ async fn stream(
             match resolve_version(reg.store(), &name, &version)
                 .and_then(|v| Ok(reg.store().manifest(&name, v)?))
             {
-                Ok(man) => Response::Manifest(WireManifest::from_store(&man)),
+                Ok(man) => Response::Manifest(man),
                 Err(e) => error_response(ctx, e),
             }
         }
@@ -388,13 +388,8 @@ async fn stream(
         },
         Request::Admin(req) => match peer {
             PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => match req {
-                AdminRequest::Publish { name, spec_json, parent, metrics, publisher } => {
-                    let meta = PublishMeta { name, spec_json, parent, metrics, publisher, adapter: None };
-                    publish(ctx, s, meta, n).await.unwrap_or_else(|e| error_response(ctx, e))
-                }
-                AdminRequest::PublishAdapted { name, spec_json, parent, metrics, publisher, adapter } => {
-                    let meta = PublishMeta { name, spec_json, parent, metrics, publisher, adapter: Some(adapter) };
-                    publish(ctx, s, meta, n).await.unwrap_or_else(|e| error_response(ctx, e))
+                AdminRequest::Publish(new) => {
+                    publish(ctx, s, new, n).await.unwrap_or_else(|e| error_response(ctx, e))
                 }
                 req => match blocking(move || reg.admin(req, now)).await {
                     Ok(v) => Response::Admin(v.to_string()),
@@ -455,22 +450,8 @@ fn renew_certificate(ctx: &Ctx, conn: &quinn::Connection, id: &fedfleet_protocol
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-/// What a publish request says about the version besides its bytes.
-struct PublishMeta {
-    name: String,
-    spec_json: String,
-    parent: Option<fedfleet_protocol::ModelVersion>,
-    metrics: std::collections::BTreeMap<String, f64>,
-    publisher: String,
-    adapter: Option<fedfleet_protocol::artifact::AdapterLineage>,
-}
-
-async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, meta: PublishMeta, peer_name: &str) -> Result<Response, RegistryError> {
-    let PublishMeta { name, spec_json, parent, metrics, publisher, adapter } = meta;
+async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer_name: &str) -> Result<Response, RegistryError> {
     use tokio::io::AsyncWriteExt;
-    let spec: serde_json::Value = serde_json::from_str(&spec_json)
-        .map_err(|e| RegistryError::Invalid(format!("spec is not JSON: {e}")))?;
     let dir = &ctx.opts.spool_dir;
     let io = |p: &std::path::Path| {
         let p = p.to_owned();
@@ -510,26 +491,17 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, meta: PublishMeta, peer_n
         drop(f);
         let reg = ctx.reg.clone();
         let p = path.clone();
-        let publisher = if publisher.is_empty() {
-            peer_name.to_owned()
-        } else {
-            publisher
-        };
+        if new.publisher.is_empty() {
+            new.publisher = peer_name.to_owned();
+        }
+        new.created_at_unix_ms = crate::unix_ms();
         blocking(move || {
             let file = std::fs::File::open(&p).map_err(|source| RegistryError::Io {
                 path: p.clone(),
                 source,
             })?;
             reg.publish(
-                NewVersion {
-                    name,
-                    spec,
-                    parent,
-                    metrics,
-                    created_at: crate::unix_ms(),
-                    publisher,
-                    adapter,
-                },
+                new,
                 std::io::BufReader::with_capacity(1 << 20, file),
             )
         })
@@ -538,11 +510,7 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, meta: PublishMeta, peer_n
     .await;
     let _ = tokio::fs::remove_file(&path).await;
     let m = res?;
-    Ok(Response::Admin(
-        serde_json::json!({"name": m.name, "version": m.version.0, "length": m.length,
-                           "digest": m.digest.to_hex(), "chunks": m.chunks.len()})
-        .to_string(),
-    ))
+    Ok(Response::Admin(crate::ops::published_summary(&m).to_string()))
 }
 
 /// Sends `bytes` as Chunk frames, honouring the cut fault. Returns false if the connection was
@@ -653,6 +621,7 @@ async fn serve_range(
         Err(e) => return send(s, &error_response(ctx, e.into())).await,
     };
     let end = man
+        .model
         .length
         .min(offset.saturating_add(max_len.min(wire::MAX_RANGE_LEN) as u64));
     let len = end.saturating_sub(offset) as u32;

@@ -8,7 +8,7 @@
 //! |-------------|--------------------------------------|----------------------------------------|
 //! | `chunks`    | BLAKE3 digest of the chunk (32 B)    | the chunk's bytes                      |
 //! | `artifacts` | BLAKE3 digest of the whole artifact  | [`Artifact`]: length, chunk size, list |
-//! | `versions`  | `name \0 version(u64 BE)`            | [`VersionRecord`]                      |
+//! | `versions`  | `name \0 version(u64 BE)`            | [`ModelInfo`]                      |
 //! | `heads`     | `name`                               | latest version (u64 BE)                |
 //! | `aliases`   | `name \0 alias`                      | version (u64 BE)                       |
 //! | `rollouts`  | rollout id                           | serialized [`crate::rollout::Rollout`] |
@@ -49,7 +49,8 @@ use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 
-pub use fedfleet_protocol::artifact::{AdapterLineage, ChunkRef, Manifest};
+pub use fedfleet_protocol::artifact::{ChunkRef, Manifest};
+pub use fedfleet_protocol::{ModelInfo, NewVersion};
 
 /// Default chunk size: 1 MiB.
 pub const DEFAULT_CHUNK_SIZE: u32 = 1 << 20;
@@ -148,55 +149,10 @@ pub struct Artifact {
     pub chunks: Vec<ChunkRef>,
 }
 
-/// What the publisher supplies besides the bytes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NewVersion {
-    /// Model name, e.g. `mnist-cnn`; versions are numbered per name.
-    pub name: String,
-    /// Opaque model description (the learning crate's `ModelSpec` serialized to JSON).
-    pub spec: serde_json::Value,
-    /// The version this one was trained from, if any (same model name).
-    pub parent: Option<ModelVersion>,
-    /// Evaluation metrics, e.g. `{"accuracy": 0.97}`. Must be finite.
-    pub metrics: BTreeMap<String, f64>,
-    /// Unix milliseconds, supplied by the caller (the store reads no clock).
-    pub created_at: u64,
-    /// Who published: an operator name, or the aggregator's identity.
-    pub publisher: String,
-    /// The adapters merged into this version, if it is an adapter fine-tune of `parent`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adapter: Option<AdapterLineage>,
-}
-
-/// A committed version as stored in the `versions` tree.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VersionRecord {
-    pub name: String,
-    pub version: ModelVersion,
-    pub spec: serde_json::Value,
-    pub length: u64,
-    pub digest: Digest,
-    pub parent: Option<ModelVersion>,
-    pub metrics: BTreeMap<String, f64>,
-    pub created_at: u64,
-    pub publisher: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adapter: Option<AdapterLineage>,
-}
-
 /// The manifest of a stored version.
-fn manifest_of(rec: VersionRecord, art: Artifact) -> Manifest {
+fn manifest_of(model: ModelInfo, art: Artifact) -> Manifest {
     Manifest {
-        name: rec.name,
-        version: rec.version,
-        spec: rec.spec,
-        length: rec.length,
-        digest: rec.digest,
-        parent: rec.parent,
-        metrics: rec.metrics,
-        created_at: rec.created_at,
-        publisher: rec.publisher,
-        adapter: rec.adapter,
+        model,
         chunk_size: art.chunk_size,
         chunks: art.chunks,
     }
@@ -562,25 +518,14 @@ impl Store {
                 if head > 0
                     && let Some(b) = v.get(version_key(&name, ModelVersion(head)))?
                 {
-                    let last: VersionRecord = decode(&version_key(&name, ModelVersion(head)), &b)
+                    let last: ModelInfo = decode(&version_key(&name, ModelVersion(head)), &b)
                         .map_err(ConflictableTransactionError::Abort)?;
                     if last.digest == digest && last.parent == meta.parent {
                         return Ok((last, None));
                     }
                 }
                 let version = ModelVersion(head + 1);
-                let rec = VersionRecord {
-                    name: name.clone(),
-                    version,
-                    spec: meta.spec.clone(),
-                    length,
-                    digest,
-                    parent: meta.parent,
-                    metrics: meta.metrics.clone(),
-                    created_at: meta.created_at,
-                    publisher: meta.publisher.clone(),
-                    adapter: meta.adapter.clone(),
-                };
+                let rec = ModelInfo::published(meta.clone(), version, length, digest);
                 if a.get(digest.0)?.is_none() {
                     a.insert(&digest.0, art_bytes.as_slice())?;
                 }
@@ -612,7 +557,7 @@ impl Store {
     }
 
     /// The version record (no chunk list).
-    pub fn version(&self, name: &str, version: ModelVersion) -> Result<VersionRecord> {
+    pub fn version(&self, name: &str, version: ModelVersion) -> Result<ModelInfo> {
         let key = version_key(name, version);
         match self.versions.get(&key)? {
             Some(b) => decode(&key, &b),
@@ -848,7 +793,7 @@ impl Store {
         let mut heads: BTreeMap<String, u64> = BTreeMap::new();
         for kv in self.versions.iter() {
             let (k, v) = kv?;
-            let rec: VersionRecord = decode(&k, &v).map_err(|e| bad(e.to_string()))?;
+            let rec: ModelInfo = decode(&k, &v).map_err(|e| bad(e.to_string()))?;
             if k.as_ref() != version_key(&rec.name, rec.version).as_slice() {
                 return Err(bad(format!(
                     "version record {} v{} under a wrong key",

@@ -7,11 +7,12 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
+use fedfleet_protocol::{ModelInfo, SpecJson};
 use fedfleet_protocol::{
     DeviceId, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutAction,
     RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate, verify_payload,
 };
-use fedfleet_protocol::tuf::{Root, SignedMetadata, TargetCustom, TargetInfo, Targets, Timestamp};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 
 use fedfleet_agent::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 
@@ -143,7 +144,7 @@ struct RegInner {
     targets_key: SigningKey,
     timestamp_key: SigningKey,
     root: SignedMetadata<Root>,
-    targets: Vec<TargetInfo>,
+    targets: Vec<ModelInfo>,
     artifacts: BTreeMap<(String, ModelVersion), Vec<u8>>,
     meta_version: u64,
     /// Expiry of targets and timestamp.
@@ -208,16 +209,17 @@ impl FakeRegistry {
         let mut i = self.inner.lock().unwrap();
         let version = ModelVersion(i.targets.iter().filter(|t| t.name == name).count() as u64 + 1);
         let digest = Digest::of(&bytes);
-        i.targets.push(TargetInfo {
+        i.targets.push(ModelInfo {
             name: name.to_owned(),
             version,
             length: bytes.len() as u64,
             digest,
-            custom: TargetCustom {
-                spec: serde_json::from_str(spec_json).expect("spec is JSON"),
-                metrics: BTreeMap::new(),
-                parent: None,
-            },
+            spec: SpecJson(serde_json::from_str(spec_json).expect("spec is JSON")),
+            parent: None,
+            metrics: BTreeMap::new(),
+            created_at_unix_ms: 0,
+            publisher: String::new(),
+            adapter: None,
         });
         i.artifacts.insert((name.to_owned(), version), bytes);
         i.meta_version += 1;

@@ -31,8 +31,9 @@ use fedfleet_net::FramedStream;
 use fedfleet_protocol::framing::{Frame, FrameKind};
 use fedfleet_protocol::messages::{self, ModelRef};
 use fedfleet_protocol::{
-    BundleLimits, DType, Digest, Layout, Message, ModelVersion, PayloadCheck, Receipt, RejectReason,
-    Rejection, RoundId, Signed, SignedUpdate, TensorBundle,
+    AdapterLineage, BundleLimits, DType, Digest, Layout, Message, ModelInfo, ModelVersion, NewVersion,
+    PayloadCheck, Receipt, RejectReason,
+    Rejection, RoundId, Signed, SignedUpdate, SpecJson, TensorBundle,
 };
 use tokio::sync::{Notify, watch};
 
@@ -42,7 +43,7 @@ use crate::engine::{
     CampaignId, CampaignSpec, EngineConfig, EngineEvent, Millis, RoundEngine, RoundPolicy,
     Invitation, UpdateMeta,
 };
-use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, ModelRecord, Store};
+use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, Store};
 use crate::publish::{PublishRequest, Publisher};
 use crate::strategy::{ServerStrategy, Strategy};
 use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};

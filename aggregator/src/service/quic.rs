@@ -170,7 +170,7 @@ impl Aggregator {
                     Ok(Err(e)) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
                     Err(e) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
                 };
-                let head = Response::Model { spec: rec.spec, length: bytes.len() as u64 };
+                let head = Response::Model { spec: rec.spec.to_string(), length: bytes.len() as u64 };
                 let body = messages::encode(&head, MAX_WIRE_MESSAGE).expect("encodes");
                 if stream.send(FrameKind::Message, &body).await.is_err() {
                     return None;

@@ -229,29 +229,12 @@ impl Aggregator {
         .await
         .map_err(|e| e.to_string())?;
         let digest = Digest::of(&bytes);
-        let (for_registry, served_spec, adapter) = registry_form(&sh.spec, &sh.spec_json, &bytes, true)?;
-        let req = PublishRequest {
-            name: sh.cfg.model.name.clone(),
-            bundle: for_registry,
-            spec: served_spec,
-            parent: Some(base.version),
-            metrics: metrics.clone(),
-            created_at_unix_ms: now_ms(),
-            adapter,
-        };
+        let req = publish_request(&sh, &bytes, Some(base.version), metrics, true)?;
         let (version, published) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
         if published != Digest::of(&req.bundle) {
             return Err(format!("publisher returned digest {published}, expected {}", Digest::of(&req.bundle)));
         }
-        // The service keeps the model as it trains it (under LoRA: base weights + adapters).
-        let rec = ModelRecord {
-            name: req.name.clone(),
-            version,
-            length: bytes.len() as u64,
-            spec: sh.spec_json.clone(),
-            parent: req.parent,
-            metrics: metrics.into_iter().collect(),
-        };
+        let rec = held_model(&sh, req.model, version, &bytes, digest);
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
             me.shared.store.put_model(&digest, &bytes, &rec).map_err(|e| e.to_string())?;
@@ -300,26 +283,10 @@ impl Aggregator {
         }
         // Version 1 is the pre-trained base: under LoRA its (zero-effect) adapters are merged
         // away and no lineage is recorded.
-        let (for_registry, served_spec, _) = registry_form(&sh.spec, &sh.spec_json, &bytes, false)?;
-        let req = PublishRequest {
-            name: sh.cfg.model.name.clone(),
-            bundle: for_registry,
-            spec: served_spec,
-            parent: None,
-            metrics: metrics.clone(),
-            created_at_unix_ms: now_ms(),
-            adapter: None,
-        };
+        let req = publish_request(sh, &bytes, None, metrics, false)?;
         let (version, _) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
         let digest = Digest::of(&bytes);
-        let rec = ModelRecord {
-            name: req.name.clone(),
-            version,
-            length: bytes.len() as u64,
-            spec: sh.spec_json.clone(),
-            parent: None,
-            metrics: metrics.into_iter().collect(),
-        };
+        let rec = held_model(sh, req.model, version, &bytes, digest);
         sh.store.put_model(&digest, &bytes, &rec).map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if core.global.is_none() {
@@ -400,19 +367,44 @@ fn eval_metrics(r: &fedfleet_learning::EvalReport) -> [(String, f64); 2] {
     [(name.to_owned(), value), ("loss".to_owned(), r.loss)]
 }
 
-/// What goes to the registry for a model the service holds (safetensors `bytes` of `spec`):
-/// under LoRA the adapters merged into the base weights, with the base spec (devices serve a
-/// plain model) and, if `lineage`, the adapters that were merged; otherwise the model as it is.
-fn registry_form(
-    spec: &fedfleet_learning::ModelSpec,
-    spec_json: &str,
+/// What goes to the registry for a model the service holds (safetensors `bytes` of the
+/// service's spec): under LoRA the adapters merged into the base weights, with the base spec
+/// (devices serve a plain model) and, if `lineage`, the adapters that were merged; otherwise
+/// the model as it is.
+fn publish_request(
+    sh: &Shared,
     bytes: &[u8],
+    parent: Option<ModelVersion>,
+    metrics: BTreeMap<String, f64>,
     lineage: bool,
-) -> Result<(Vec<u8>, String, Option<fedfleet_protocol::artifact::AdapterLineage>), String> {
+) -> Result<PublishRequest, String> {
     use fedfleet_learning::finetune::{base_spec, lora_adapters, merge_lora};
-    let Some((rank, alpha, tensors)) = lora_adapters(spec) else { return Ok((bytes.to_vec(), spec_json.to_owned(), None)) };
-    let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
-    let merged = merge_lora(spec, &bundle).map_err(|e| format!("merging the LoRA adapters: {e}"))?;
-    let adapter = lineage.then(|| fedfleet_protocol::artifact::AdapterLineage { method: "lora".into(), rank: rank as u32, alpha, tensors });
-    Ok((merged.encode(), base_spec(spec).to_json(), adapter))
+    let parse = |json: &str| SpecJson::parse(json).map_err(|e| format!("model spec: {e}"));
+    let (bundle, spec, adapter) = match lora_adapters(&sh.spec) {
+        None => (bytes.to_vec(), parse(&sh.spec_json)?, None),
+        Some((rank, alpha, tensors)) => {
+            let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
+            let merged = merge_lora(&sh.spec, &bundle).map_err(|e| format!("merging the LoRA adapters: {e}"))?;
+            let adapter = lineage.then(|| AdapterLineage { method: "lora".into(), rank: rank as u32, alpha, tensors });
+            (merged.encode(), parse(&base_spec(&sh.spec).to_json())?, adapter)
+        }
+    };
+    let model = NewVersion {
+        name: sh.cfg.model.name.clone(),
+        spec,
+        parent,
+        metrics,
+        created_at_unix_ms: now_ms(),
+        publisher: String::new(),
+        adapter,
+    };
+    Ok(PublishRequest { model, bundle })
+}
+
+/// The record of a model the service holds as it trains it (under LoRA: base weights +
+/// adapters, with the LoRA spec), published as `version`.
+fn held_model(sh: &Shared, published: NewVersion, version: ModelVersion, bytes: &[u8], digest: Digest) -> ModelInfo {
+    let spec = SpecJson::parse(&sh.spec_json).expect("the service wrote its spec as JSON");
+    let held = NewVersion { spec, adapter: None, ..published };
+    ModelInfo::published(held, version, bytes.len() as u64, digest)
 }

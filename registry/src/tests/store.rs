@@ -18,13 +18,13 @@ fn cfg() -> StoreConfig {
 fn meta(name: &str, parent: Option<u64>) -> NewVersion {
     NewVersion {
         name: name.into(),
-        spec: serde_json::json!({"arch": "mlp", "input": [1, 28, 28], "hidden": [128]}),
+        spec: serde_json::json!({"arch": "mlp", "input": [1, 28, 28], "hidden": [128]}).into(),
         parent: parent.map(ModelVersion),
         metrics: BTreeMap::from([(
             "accuracy".to_string(),
             0.9 + parent.unwrap_or(0) as f64 / 100.0,
         )]),
-        created_at: 1_700_000_000_000 + parent.unwrap_or(0),
+        created_at_unix_ms: 1_700_000_000_000 + parent.unwrap_or(0),
         publisher: "test".into(),
         adapter: None,
     }
@@ -47,16 +47,16 @@ fn publish_and_read_back() {
     let store = Store::open(dir.path(), cfg()).unwrap();
     let bytes = blob(1, 10_000);
     let m = store.publish(meta("mnist", None), &bytes).unwrap();
-    assert_eq!(m.version, ModelVersion(1));
-    assert_eq!(m.length, 10_000);
-    assert_eq!(m.digest, Digest::of(&bytes));
+    assert_eq!(m.model.version, ModelVersion(1));
+    assert_eq!(m.model.length, 10_000);
+    assert_eq!(m.model.digest, Digest::of(&bytes));
     assert_eq!(m.chunks.len(), 3);
     assert_eq!(
         m.chunks.iter().map(|c| c.len).collect::<Vec<_>>(),
         vec![4096, 4096, 1808]
     );
     assert_eq!(m.chunk_offset(2), 8192);
-    assert_eq!(m.spec["arch"], "mlp");
+    assert_eq!(m.model.spec["arch"], "mlp");
     for (i, c) in m.chunks.iter().enumerate() {
         let off = m.chunk_offset(i) as usize;
         assert_eq!(
@@ -64,17 +64,17 @@ fn publish_and_read_back() {
             &bytes[off..off + c.len as usize]
         );
     }
-    assert_eq!(store.read_artifact(&m.digest).unwrap(), bytes);
+    assert_eq!(store.read_artifact(&m.model.digest).unwrap(), bytes);
     assert_eq!(store.manifest("mnist", ModelVersion(1)).unwrap(), m);
 
     // Versions are monotonic per name; names are independent.
     let m2 = store
         .publish(meta("mnist", Some(1)), &blob(2, 5000))
         .unwrap();
-    assert_eq!(m2.version, ModelVersion(2));
-    assert_eq!(m2.parent, Some(ModelVersion(1)));
+    assert_eq!(m2.model.version, ModelVersion(2));
+    assert_eq!(m2.model.parent, Some(ModelVersion(1)));
     let other = store.publish(meta("kws", None), &blob(3, 100)).unwrap();
-    assert_eq!(other.version, ModelVersion(1));
+    assert_eq!(other.model.version, ModelVersion(1));
     assert_eq!(
         store.versions("mnist").unwrap(),
         vec![ModelVersion(1), ModelVersion(2)]
@@ -112,16 +112,16 @@ fn only_changed_chunks_are_missing() {
     let m1 = store.publish(meta("m", None), &v1).unwrap();
     let m2 = store.publish(meta("m", Some(1)), &v2).unwrap();
     let have: Vec<Digest> = m1.chunks.iter().map(|c| c.digest).collect();
-    let missing = store.missing_chunks("m", m2.version, &have).unwrap();
+    let missing = store.missing_chunks("m", m2.model.version, &have).unwrap();
     assert_eq!(missing, vec![m2.chunks[3], m2.chunks[5]]);
     // Repeated chunks are listed once.
     let zeros = vec![0u8; 3 * CHUNK as usize];
     let m3 = store.publish(meta("m", None), &zeros).unwrap();
-    assert_eq!(store.missing_chunks("m", m3.version, &[]).unwrap().len(), 1);
+    assert_eq!(store.missing_chunks("m", m3.model.version, &[]).unwrap().len(), 1);
     // Same bytes again: a new version, the same artifact, no new chunks.
     let before = store.check(false).unwrap();
     let m4 = store.publish(meta("m", None), &v1).unwrap();
-    assert_eq!((m4.version, m4.digest), (ModelVersion(4), m1.digest));
+    assert_eq!((m4.model.version, m4.model.digest), (ModelVersion(4), m1.model.digest));
     let after = store.check(false).unwrap();
     assert_eq!(
         (after.artifacts, after.chunks),
@@ -238,7 +238,7 @@ fn chunk_reads_verify_digest() {
         matches!(store.chunk(&c), Err(StoreError::CorruptChunk { expected, .. }) if expected == c)
     );
     assert!(matches!(
-        store.read_artifact(&m.digest),
+        store.read_artifact(&m.model.digest),
         Err(StoreError::CorruptChunk { .. })
     ));
     assert!(matches!(store.check(true), Err(StoreError::Corrupt { .. })));
@@ -412,9 +412,9 @@ fn crash_child() {
                     )
                     .unwrap();
                 if i % 3 == 0 {
-                    store.set_alias("m", "stable", m.version).unwrap();
+                    store.set_alias("m", "stable", m.model.version).unwrap();
                 }
-                println!("committed {}", m.version);
+                println!("committed {}", m.model.version);
                 std::io::stdout().flush().unwrap();
             }
         }
@@ -443,8 +443,8 @@ fn assert_consistent(store: &Store) {
         for v in store.versions(&name).unwrap() {
             let m = store.manifest(&name, v).unwrap();
             assert_eq!(
-                Digest::of(&store.read_artifact(&m.digest).unwrap()),
-                m.digest
+                Digest::of(&store.read_artifact(&m.model.digest).unwrap()),
+                m.model.digest
             );
         }
     }
@@ -492,7 +492,7 @@ fn crash_between_chunks_and_commit_leaves_no_version() {
         let m = store
             .publish(meta("m", Some(1)), &blob(2, 5 * CHUNK as usize))
             .unwrap();
-        assert_eq!(m.version, ModelVersion(2));
+        assert_eq!(m.model.version, ModelVersion(2));
         assert_eq!(store.check(true).unwrap().orphan_chunks, 0);
         assert_consistent(&store);
     }
@@ -533,7 +533,7 @@ fn sigkill_during_publish_loop_keeps_every_acknowledged_version() {
     assert!(store.alias("m", "stable").unwrap().is_some());
     assert_consistent(&store);
     let m = store.publish(meta("m", None), b"after the crash").unwrap();
-    assert_eq!(m.version.0, latest.0 + 1);
+    assert_eq!(m.model.version.0, latest.0 + 1);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_protocol::{Digest, ModelVersion};
+use fedfleet_protocol::{Digest, ModelInfo, ModelVersion, SpecJson};
 
 use crate::tuf::*;
 
@@ -43,17 +43,18 @@ fn root_v1(k: &Keys) -> Root {
 const MODEL: &[u8] = b"model weights v1";
 const MODEL2: &[u8] = b"model weights v2, a bit longer";
 
-fn target(name: &str, v: u64, bytes: &[u8]) -> TargetInfo {
-    TargetInfo {
+fn target(name: &str, v: u64, bytes: &[u8]) -> ModelInfo {
+    ModelInfo {
         name: name.into(),
         version: ModelVersion(v),
         length: bytes.len() as u64,
         digest: Digest::of(bytes),
-        custom: TargetCustom {
-            spec: serde_json::json!({"arch": "cnn", "input": [1, 28, 28]}),
-            metrics: BTreeMap::from([("accuracy".into(), 0.981)]),
-            parent: v.checked_sub(1).filter(|&p| p > 0).map(ModelVersion),
-        },
+        spec: SpecJson(serde_json::json!({"arch": "cnn", "input": [1, 28, 28]})),
+        parent: v.checked_sub(1).filter(|&p| p > 0).map(ModelVersion),
+        metrics: BTreeMap::from([("accuracy".into(), 0.981)]),
+        created_at_unix_ms: 0,
+        publisher: String::new(),
+        adapter: None,
     }
 }
 
@@ -96,7 +97,7 @@ fn happy_path_and_persistence() {
     let info = v
         .verify_artifact("mnist", ModelVersion(1), MODEL, NOW)
         .unwrap();
-    assert_eq!(info.custom.metrics["accuracy"], 0.981);
+    assert_eq!(info.metrics["accuracy"], 0.981);
     // Idempotent re-delivery.
     let t = SignedMetadata::sign(&targets(1, NOW + 30 * DAY), &[&k.targets]);
     assert!(
@@ -212,7 +213,6 @@ fn attack_bad_signature() {
             .unwrap()
             .get("mnist", ModelVersion(2))
             .unwrap()
-            .custom
             .metrics["accuracy"],
         0.981
     );

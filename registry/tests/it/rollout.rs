@@ -56,7 +56,7 @@ async fn signed_assignments_follow_the_rollout() {
             .verify(&root, &ida, unix_ms())
             .unwrap();
         assert_eq!(body.target.as_ref().map(|t| t.version), Some(v(1)));
-        assert_eq!(body.target.as_ref().unwrap().digest, m1.digest);
+        assert_eq!(body.target.as_ref().unwrap().digest, m1.model.digest);
         assert_eq!(body.length, Some(100_000));
         let notice = body.to_notice().unwrap();
         assert_eq!(notice.model.version, v(1));
@@ -82,7 +82,7 @@ async fn signed_assignments_follow_the_rollout() {
         let body = sa.verify(&root, &ida, unix_ms()).unwrap();
         assert_eq!(
             body.target.as_ref().map(|t| (t.version, t.digest)),
-            Some((v(2), m2.digest))
+            Some((v(2), m2.model.digest))
         );
         assert_eq!(
             body.source,
@@ -119,7 +119,7 @@ async fn signed_assignments_follow_the_rollout() {
         let r2 = ModelRef {
             name: "m".into(),
             version: v(2),
-            digest: m2.digest,
+            digest: m2.model.digest,
         };
         // dev-a's disk is full: a deferred install is recorded, but it is no verdict on v2 (the
         // rollout runs on, nothing failed) and dev-a stays assigned v2, to retry.

@@ -108,10 +108,10 @@ impl Harness {
             .publish(
                 NewVersion {
                     name: name.into(),
-                    spec: serde_json::json!({"arch": "mlp"}),
+                    spec: serde_json::json!({"arch": "mlp"}).into(),
                     parent: None,
                     metrics: Default::default(),
-                    created_at: 1,
+                    created_at_unix_ms: 1,
                     publisher: "test".into(),
                     adapter: None,
                 },

@@ -624,10 +624,10 @@ async fn rollout_body() {
         let bytes = fedfleet_learning::model::init_bundle(&spec, seed).unwrap().encode();
         let meta = NewVersion {
             name: MODEL.into(),
-            spec: serde_json::from_str(&spec.to_json()).unwrap(),
+            spec: fedfleet_protocol::SpecJson::parse(&spec.to_json()).unwrap(),
             parent: None,
             metrics: Default::default(),
-            created_at: fedfleet_registry::unix_ms(),
+            created_at_unix_ms: fedfleet_registry::unix_ms(),
             publisher: "test".into(),
             adapter: None,
         };
