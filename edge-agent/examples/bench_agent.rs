@@ -33,13 +33,13 @@ async fn main() -> anyhow::Result<()> {
     let global = init_bundle(&spec, 7)?;
     let (train, test) = Dataset::digits_split()?;
     let part = Partition::Dirichlet { alpha: 0.5 }.split_dataset(&train, 20, 42).swap_remove(0);
-    let cfg = TrainConfig { epochs: 5, batch_size: 16, lr: 0.05, ..Default::default() };
+    let cfg = TrainConfig { local_epochs: 5, batch_size: 16, learning_rate: 0.05, ..Default::default() };
     let t = Instant::now();
     let out = train_local(&spec, &global, &part, &cfg, 1)?;
     println!(
         "training: {} examples x {} epochs in {:.3} s ({:.0} examples/s); peak RSS {} KiB (at start {} KiB)",
         out.num_examples,
-        cfg.epochs,
+        cfg.local_epochs,
         t.elapsed().as_secs_f64(),
         out.metrics.examples_per_sec,
         peak_rss_kib(),

@@ -37,11 +37,11 @@ impl RoundJob<'_> {
     pub fn train_config(&self) -> TrainConfig {
         let c = self.config;
         TrainConfig {
-            epochs: c.local_epochs.max(1) as usize,
+            local_epochs: c.local_epochs.max(1) as usize,
             batch_size: c.batch_size.max(1) as usize,
-            lr: c.learning_rate as f64,
+            learning_rate: c.learning_rate as f64,
             optimizer: if c.optimizer.eq_ignore_ascii_case("adam") { OptimizerConfig::adam() } else { OptimizerConfig::Sgd { momentum: 0.0 } },
-            prox_mu: c.proximal_mu as f64,
+            proximal_mu: c.proximal_mu as f64,
             max_steps: None,
         }
     }

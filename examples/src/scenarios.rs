@@ -188,7 +188,7 @@ pub async fn personalize(o: &PersonalizeOptions) -> anyhow::Result<PersonalizeRe
         let global = lb.global_model()?;
         let spec = lb.spec.clone();
         let shares: Vec<_> = (0..lb.fleet.len()).map(|i| (lb.fleet.ids[i].to_string(), lb.fleet.local_data(i).train.clone(), lb.fleet.local_data(i).holdout.clone())).collect();
-        let cfg = TrainConfig { epochs: o.epochs, batch_size: 16, lr: o.lr, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
+        let cfg = TrainConfig { local_epochs: o.epochs, batch_size: 16, learning_rate: o.lr, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
         let seed = o.seed;
         let g = global.clone();
         // Training is CPU work: off the runtime threads the MQTT clients run on.
@@ -431,7 +431,7 @@ pub fn mnist_pretrained(seed: u64, epochs: usize) -> anyhow::Result<(crate::demo
     let spec = ModelSpec::Graph(ModelSpec::Mlp { input: vec![64], hidden: vec![128, 64], classes: 10 }.to_graph());
     let (source_train, source_test) = mnist_as_digits()?.split(0.2, seed);
     let init = init_bundle(&spec, seed)?;
-    let cfg = TrainConfig { epochs, batch_size: 32, lr: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
+    let cfg = TrainConfig { local_epochs: epochs, batch_size: 32, learning_rate: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
     let out = fedfleet_learning::train_local(&spec, &init, &source_train, &cfg, seed)?;
     let initial = lsim::apply_delta(&init, &out.delta, 1.0)?;
     let accuracy = evaluate(&spec, &initial, &source_test)?.accuracy;

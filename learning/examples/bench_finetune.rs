@@ -74,7 +74,7 @@ fn setup(name: &str) -> (ModelSpec, fedfleet_protocol::bundle::TensorBundle, Dat
 
 fn run_one(name: &str) {
     let (spec, global, data) = setup(name);
-    let cfg = TrainConfig { epochs: 100, batch_size: 32, max_steps: Some(STEPS), ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 100, batch_size: 32, max_steps: Some(STEPS), ..TrainConfig::default() };
     // warm-up (allocator, first-call costs)
     let _ = train_local(&spec, &global, &data, &TrainConfig { max_steps: Some(2), ..cfg.clone() }, 0).expect("warm-up");
     let out = train_local(&spec, &global, &data, &cfg, 1).expect("train");

@@ -25,7 +25,7 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
 
 fn bench(name: &str, spec: &ModelSpec, train: &Dataset, test: &Dataset, epochs: usize) {
     let g = init_bundle(spec, 1).unwrap();
-    let cfg = TrainConfig { epochs, batch_size: 32, lr: 0.05, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: epochs, batch_size: 32, learning_rate: 0.05, ..TrainConfig::default() };
     // warm-up
     let _ = train_local(spec, &g, &train.subset(&(0..64).collect::<Vec<_>>()), &cfg, 0).unwrap();
     let out = train_local(spec, &g, train, &cfg, 1).unwrap();

@@ -23,7 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let spec = ModelSpec::digits_mlp();
     let (train, test) = Dataset::digits_split()?;
     let g = init_bundle(&spec, 1)?;
-    let out = train_local(&spec, &g, &train, &TrainConfig { epochs: 5, ..TrainConfig::default() }, 1)?;
+    let out = train_local(&spec, &g, &train, &TrainConfig { local_epochs: 5, ..TrainConfig::default() }, 1)?;
     let local = sim::apply_delta(&g, &out.delta, 1.0)?;
     Model::from_bundle(&spec, &local)?.save_safetensors(dir.join("model.safetensors"))?;
     std::fs::write(dir.join("spec.json"), spec.to_json())?;

@@ -62,15 +62,18 @@ impl OptimizerConfig {
 #[serde(default)]
 pub struct TrainConfig {
     /// Passes over the local data.
-    pub epochs: usize,
+    #[serde(alias = "epochs")]
+    pub local_epochs: usize,
     /// Mini-batch size (the last batch of an epoch may be smaller).
     pub batch_size: usize,
     /// Learning rate.
-    pub lr: f64,
+    #[serde(alias = "lr")]
+    pub learning_rate: f64,
     /// Optimizer.
     pub optimizer: OptimizerConfig,
     /// FedProx proximal coefficient: the loss gets `mu/2 * ||w - w_global||²`. 0 = FedAvg.
-    pub prox_mu: f64,
+    #[serde(alias = "prox_mu")]
+    pub proximal_mu: f64,
     /// Stop after this many optimizer steps (None: run all epochs).
     pub max_steps: Option<usize>,
 }
@@ -78,11 +81,11 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            epochs: 1,
+            local_epochs: 1,
             batch_size: 32,
-            lr: 0.05,
+            learning_rate: 0.05,
             optimizer: OptimizerConfig::Sgd { momentum: 0.9 },
-            prox_mu: 0.0,
+            proximal_mu: 0.0,
             max_steps: None,
         }
     }
@@ -94,11 +97,11 @@ impl TrainConfig {
         if self.batch_size == 0 {
             return bad("batch_size must be > 0");
         }
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad("lr must be finite and > 0");
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            return bad("learning_rate must be finite and > 0");
         }
-        if !(self.prox_mu.is_finite() && self.prox_mu >= 0.0) {
-            return bad("prox_mu must be finite and >= 0");
+        if !(self.proximal_mu.is_finite() && self.proximal_mu >= 0.0) {
+            return bad("proximal_mu must be finite and >= 0");
         }
         if let OptimizerConfig::Sgd { momentum } = self.optimizer
             && !(0.0..1.0).contains(&momentum)
@@ -203,7 +206,7 @@ pub fn train_local_scaffold(
     let k = outcome.metrics.steps.max(1) as f64;
     // c_i+ = c_i - c - delta / (K lr) = -(c - c_i) - delta/(K lr)
     let neg_corr = sim::scale(&correction, -1.0)?;
-    let client_c = sim::apply_delta(&neg_corr, &outcome.delta, (-1.0 / (k * config.lr)) as f32)?;
+    let client_c = sim::apply_delta(&neg_corr, &outcome.delta, (-1.0 / (k * config.learning_rate)) as f32)?;
     let client_c_delta = sim::apply_delta(&client_c, &scaffold.client_c, -1.0)?;
     Ok((outcome, ScaffoldOutcome { client_c, client_c_delta }))
 }
@@ -281,7 +284,7 @@ fn train_inner(
     let task = plan.task;
     // Constants (no autodiff) for the proximal and SCAFFOLD terms, in the engine's layout.
     let anchor: Option<Vec<Tensor<1>>> =
-        (config.prox_mu > 0.0).then(|| trainable_constants(&plan, global, &plain)).transpose()?;
+        (config.proximal_mu > 0.0).then(|| trainable_constants(&plan, global, &plain)).transpose()?;
     let corr: Option<Vec<Tensor<1>>> = correction.map(|c| trainable_constants(&plan, c, &plain)).transpose()?;
     let mut optim = config.optimizer.build();
     let mut r = rng::rng(seed, streams::SHUFFLE);
@@ -295,7 +298,7 @@ fn train_inner(
     let mut steps = 0usize;
     let mut processed = 0usize;
     let start = Instant::now();
-    'outer: for _epoch in 0..config.epochs {
+    'outer: for _epoch in 0..config.local_epochs {
         rng::shuffle(&mut r, &mut order);
         let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0usize, 0usize);
         for batch in order.chunks(config.batch_size) {
@@ -333,7 +336,7 @@ fn train_inner(
                     prox = Some(match prox { Some(acc) => acc + t, None => t });
                 }
                 if let Some(prox) = prox {
-                    loss = loss + prox.mul_scalar(config.prox_mu / 2.0);
+                    loss = loss + prox.mul_scalar(config.proximal_mu / 2.0);
                 }
             }
             if let Some(corr) = &corr {
@@ -343,7 +346,7 @@ fn train_inner(
             }
             let grads = loss.backward();
             let grads = GradientsParams::from_grads(grads, &net.params);
-            net.params = optim.step(config.lr, net.params, grads);
+            net.params = optim.step(config.learning_rate, net.params, grads);
             net.apply_updates(updates);
             steps += 1;
             loss_sum += loss_val as f64 * b as f64;

@@ -143,7 +143,7 @@ impl Trainer for GatedTrainer {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(job.seed);
         let mut order: Vec<usize> = (0..data.len()).collect();
         let mut last_loss = None;
-        for _ in 0..cfg.epochs {
+        for _ in 0..cfg.local_epochs {
             order.shuffle(&mut rng);
             let (mut sum, mut seen) = (0.0f64, 0usize);
             for batch in order.chunks(cfg.batch_size) {
@@ -156,7 +156,7 @@ impl Trainer for GatedTrainer {
                 sum += loss.clone().into_scalar::<f32>() as f64 * batch.len() as f64;
                 seen += batch.len();
                 let grads = GradientsParams::from_grads(loss.backward(), &net);
-                net = optim.step(cfg.lr, net, grads);
+                net = optim.step(cfg.learning_rate, net, grads);
             }
             last_loss = Some(sum / seen.max(1) as f64);
         }

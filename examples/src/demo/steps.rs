@@ -316,9 +316,9 @@ pub async fn run_campaign(
 pub fn centralized_baseline(spec: &ModelSpec, train: &Dataset, test: &Dataset, epochs: usize, seed: u64) -> anyhow::Result<f64> {
     let init = init_bundle(spec, seed)?;
     let cfg = TrainConfig {
-        epochs,
+        local_epochs: epochs,
         batch_size: 16,
-        lr: 0.05,
+        learning_rate: 0.05,
         optimizer: OptimizerConfig::Sgd { momentum: 0.9 },
         ..Default::default()
     };

@@ -60,7 +60,7 @@ fn the_readme_example_trains_and_summarises() {
     let features = (0..n * 3 * 16 * 16).map(|_| fedfleet_learning::rng::uniform(&mut r, 0.0, 1.0) as f32).collect();
     let data = Dataset { features, labels: (0..n as u32).map(|i| i % 4).collect(), targets: vec![], shape: vec![3, 16, 16], num_classes: 4 };
     let g = init_bundle(&spec, 1).unwrap();
-    let cfg = TrainConfig { epochs: 1, batch_size: 8, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 1, batch_size: 8, ..TrainConfig::default() };
     let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     assert_eq!(out.delta.layout(), spec.update_layout());
     assert!(out.delta.check_finite().is_ok() && out.metrics.delta_norm > 0.0);
@@ -146,7 +146,7 @@ fn presets_written_as_graphs_behave_identically() {
         let g = init_bundle(&preset, 5).unwrap();
         assert_eq!(bits(&init_bundle(&as_graph, 5).unwrap()), bits(&g));
         let data = small.clone().reshaped(preset.input_shape().to_vec()).unwrap();
-        let cfg = TrainConfig { epochs: 1, batch_size: 16, ..TrainConfig::default() };
+        let cfg = TrainConfig { local_epochs: 1, batch_size: 16, ..TrainConfig::default() };
         let a = train_local(&preset, &g, &data, &cfg, 3).unwrap();
         let b = train_local(&as_graph, &g, &data, &cfg, 3).unwrap();
         assert_eq!(bits(&a.delta), bits(&b.delta), "{}", preset.arch());
@@ -177,7 +177,7 @@ fn regression_trains_and_reports_rmse_as_a_score() {
     let data = regression_data();
     let g = init_bundle(&spec, 1).unwrap();
     let before = evaluate(&spec, &g, &data).unwrap();
-    let cfg = TrainConfig { epochs: 30, batch_size: 16, lr: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 30, batch_size: 16, learning_rate: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
     let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     let after = evaluate(&spec, &sim::apply_delta(&g, &out.delta, 1.0).unwrap(), &data).unwrap();
     let (name, rmse, higher_better) = after.metric();
@@ -208,7 +208,7 @@ fn an_autoencoder_scores_outliers_higher() {
         .collect();
     let data = Dataset { features, labels: vec![0; 200], targets: vec![], shape: vec![6], num_classes: 2 };
     let g = init_bundle(&spec, 2).unwrap();
-    let cfg = TrainConfig { epochs: 40, batch_size: 16, lr: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 40, batch_size: 16, learning_rate: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
     let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     let trained = sim::apply_delta(&g, &out.delta, 1.0).unwrap();
     let before = evaluate(&spec, &g, &data).unwrap();
@@ -239,7 +239,7 @@ fn freezing_sends_only_the_head() {
     let head_only = mlp_with(r#","finetune":{"mode":"freeze","trainable":["head.*"]}"#);
     let frozen_body = mlp_with(r#","finetune":{"mode":"freeze","frozen":["body.*"]}"#);
     let g = init_bundle(&full, 4).unwrap();
-    let cfg = TrainConfig { epochs: 1, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 1, ..TrainConfig::default() };
     let a = train_local(&head_only, &g, &train, &cfg, 1).unwrap();
     let names: Vec<_> = a.delta.layout().into_keys().collect();
     assert_eq!(names, ["head.bias", "head.weight"]);
@@ -262,7 +262,7 @@ fn lora_trains_only_adapters_and_merges_into_the_base_weights() {
     assert_eq!(layout["body.lora_B"], vec![32, 4]);
     assert_eq!(layout["head.lora_A"], vec![4, 32]);
     // Pre-trained base weights, then adapters: the adapted model starts equal to the base.
-    let cfg = TrainConfig { epochs: 2, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 2, ..TrainConfig::default() };
     let g0 = init_bundle(&base, 4).unwrap();
     let pre = sim::apply_delta(&g0, &train_local(&base, &g0, &train, &cfg, 1).unwrap().delta, 1.0).unwrap();
     let start = attach_adapters(&lora, &pre, 11).unwrap();
@@ -271,7 +271,7 @@ fn lora_trains_only_adapters_and_merges_into_the_base_weights() {
     assert_eq!(bits(&fedfleet_learning::interop::import_pretrained(&lora, &file, 11).unwrap()), bits(&start));
     assert!(import_state_dict(&lora, &file).is_err(), "the adapters are missing from a base file");
     assert_eq!(bits(&merge_lora(&lora, &start).unwrap()), bits(&pre));
-    let out = train_local(&lora, &start, &train, &TrainConfig { epochs: 1, lr: 0.02, ..TrainConfig::default() }, 2).unwrap();
+    let out = train_local(&lora, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.02, ..TrainConfig::default() }, 2).unwrap();
     let names: Vec<_> = out.delta.layout().into_keys().collect();
     assert_eq!(names, ["body.lora_A", "body.lora_B", "head.lora_A", "head.lora_B"]);
     assert_eq!(out.delta.layout(), lora.update_layout());
@@ -300,7 +300,7 @@ fn lora_also_trains_the_named_parameters_in_full_and_merges_them() {
     let update: Vec<_> = lora.update_layout().into_keys().collect();
     assert_eq!(update, ["body.lora_A", "body.lora_B", "head.bias", "head.weight"]);
     let start = attach_adapters(&lora, &init_bundle(&base, 4).unwrap(), 11).unwrap();
-    let out = train_local(&lora, &start, &train, &TrainConfig { epochs: 1, lr: 0.05, ..TrainConfig::default() }, 2).unwrap();
+    let out = train_local(&lora, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.05, ..TrainConfig::default() }, 2).unwrap();
     assert_eq!(out.delta.layout(), lora.update_layout());
     let tuned = sim::apply_update(&start, &out.delta, 1.0).unwrap();
     let merged = merge_lora(&lora, &tuned).unwrap();
@@ -327,7 +327,7 @@ fn batch_norm_updates_statistics_in_training_and_fedbn_keeps_them_local() {
     let shared = graph(&spec_json(false)).unwrap();
     let fedbn = graph(&spec_json(true)).unwrap();
     let g = init_bundle(&shared, 3).unwrap();
-    let cfg = TrainConfig { epochs: 1, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 1, ..TrainConfig::default() };
     let a = train_local(&shared, &g, &train, &cfg, 1).unwrap();
     let steps = a.metrics.steps as f32;
     assert_eq!(a.delta.to_f32("bn.num_batches_tracked").unwrap(), vec![steps]);
@@ -370,7 +370,7 @@ fn dropout_is_seeded_and_only_active_in_training() {
         {"type":"dropout","p":0.5},{"type":"linear","out_features":10}]}"#).unwrap();
     let (train, test) = Dataset::digits_split().unwrap();
     let g = init_bundle(&spec, 1).unwrap();
-    let cfg = TrainConfig { epochs: 1, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 1, ..TrainConfig::default() };
     let a = train_local(&spec, &g, &train, &cfg, 1).unwrap();
     assert_eq!(bits(&a.delta), bits(&train_local(&spec, &g, &train, &cfg, 1).unwrap().delta));
     assert_ne!(bits(&a.delta), bits(&train_local(&spec, &g, &train, &cfg, 2).unwrap().delta));
@@ -447,7 +447,7 @@ fn scaffold_works_on_the_update_layout_of_a_partial_model() {
         b
     };
     let state = ScaffoldState { server_c: zeros(spec.update_layout()), client_c: zeros(spec.update_layout()) };
-    let cfg = TrainConfig { epochs: 1, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 1, ..TrainConfig::default() };
     let (out, sc) = train_local_scaffold(&spec, &g, &train, &cfg, 1, &state).unwrap();
     // With zero variates SCAFFOLD is plain training.
     assert_eq!(bits(&out.delta), bits(&train_local(&spec, &g, &train, &cfg, 1).unwrap().delta));

@@ -84,7 +84,7 @@ fn two_training_runs_over_each_layer_kind_give_finite_deltas() {
     for c in cases() {
         let weights = load_state_dict(&c.spec, dir().join(format!("{}.safetensors", c.name))).unwrap();
         let data = training_set(&c);
-        let cfg = TrainConfig { epochs: 2, batch_size: 4, lr: 0.01, ..TrainConfig::default() };
+        let cfg = TrainConfig { local_epochs: 2, batch_size: 4, learning_rate: 0.01, ..TrainConfig::default() };
         for seed in [1, 2] {
             let out = train_local(&c.spec, &weights, &data, &cfg, seed).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             assert_eq!(out.delta.layout(), c.spec.update_layout(), "{}", c.name);
@@ -100,7 +100,7 @@ fn a_federated_round_over_each_layer_kind_aggregates_finitely_and_in_any_order()
     for c in cases() {
         let weights = load_state_dict(&c.spec, dir().join(format!("{}.safetensors", c.name))).unwrap();
         let data = training_set(&c);
-        let cfg = TrainConfig { epochs: 1, batch_size: 4, lr: 0.01, ..TrainConfig::default() };
+        let cfg = TrainConfig { local_epochs: 1, batch_size: 4, learning_rate: 0.01, ..TrainConfig::default() };
         // Three devices: their own seeds and example counts (the FedAvg weights).
         let deltas: Vec<(Vec<f32>, u64)> = [(1, 4), (2, 7), (3, 12)]
             .into_iter()

@@ -12,7 +12,7 @@ fn fedavg_20_clients_dirichlet_05_reaches_92_percent() {
         clients: 20,
         partition: Partition::Dirichlet { alpha: 0.5 },
         rounds: 30,
-        train: TrainConfig { epochs: 2, batch_size: 16, lr: 0.05, ..TrainConfig::default() },
+        train: TrainConfig { local_epochs: 2, batch_size: 16, learning_rate: 0.05, ..TrainConfig::default() },
         server_lr: 1.0,
         seed: 2024,
     };

@@ -12,7 +12,7 @@ fn centralized_mlp_on_digits_reaches_95_percent() {
     let spec = ModelSpec::digits_mlp();
     let (train, test) = Dataset::digits_split().unwrap();
     let g = init_bundle(&spec, 1).unwrap();
-    let cfg = TrainConfig { epochs: 20, batch_size: 32, lr: 0.05, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 20, batch_size: 32, learning_rate: 0.05, ..TrainConfig::default() };
     let out = train_local(&spec, &g, &train, &cfg, 42).unwrap();
     let local = sim::apply_delta(&g, &out.delta, 1.0).unwrap();
     let r = evaluate(&spec, &local, &test).unwrap();
@@ -54,7 +54,7 @@ fn adam_and_the_cnn_learn_digits() {
     let (train, test) = Dataset::digits_split().unwrap();
     let spec = ModelSpec::digits_mlp();
     let g = init_bundle(&spec, 2).unwrap();
-    let cfg = TrainConfig { epochs: 5, lr: 0.003, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 5, learning_rate: 0.003, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
     let out = train_local(&spec, &g, &train, &cfg, 1).unwrap();
     let acc = evaluate(&spec, &sim::apply_delta(&g, &out.delta, 1.0).unwrap(), &test).unwrap().accuracy;
     println!("MLP + Adam, 5 epochs: test acc {acc:.4}");
@@ -63,7 +63,7 @@ fn adam_and_the_cnn_learn_digits() {
     let cnn = ModelSpec::digits_cnn();
     let (train_img, test_img) = (train.reshaped(vec![1, 8, 8]).unwrap(), test.reshaped(vec![1, 8, 8]).unwrap());
     let g = init_bundle(&cnn, 2).unwrap();
-    let cfg = TrainConfig { epochs: 3, lr: 0.05, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 3, learning_rate: 0.05, ..TrainConfig::default() };
     let out = train_local(&cnn, &g, &train_img, &cfg, 1).unwrap();
     let model = Model::from_bundle(&cnn, &sim::apply_delta(&g, &out.delta, 1.0).unwrap()).unwrap();
     let acc = evaluate_model(&model, &test_img).unwrap().accuracy;
@@ -79,7 +79,7 @@ fn same_seed_same_weights_bit_for_bit() {
         let data = part.clone().reshaped(spec.input_shape().to_vec()).unwrap();
         let g = spec.init(9).to_bundle().unwrap();
         for opt in [OptimizerConfig::Sgd { momentum: 0.9 }, OptimizerConfig::adam()] {
-            let cfg = TrainConfig { epochs: 2, batch_size: 16, lr: 0.01, optimizer: opt, prox_mu: 0.1, ..TrainConfig::default() };
+            let cfg = TrainConfig { local_epochs: 2, batch_size: 16, learning_rate: 0.01, optimizer: opt, proximal_mu: 0.1, ..TrainConfig::default() };
             let a = train_local(&spec, &g, &data, &cfg, 5).unwrap();
             let b = train_local(&spec, &g, &data, &cfg, 5).unwrap();
             assert_eq!(bits(&a.delta), bits(&b.delta), "{}", spec.arch());
@@ -98,11 +98,11 @@ fn fedprox_keeps_weights_closer_to_the_start() {
     let data = train.subset(&idx);
     let spec = ModelSpec::digits_mlp();
     let g = init_bundle(&spec, 4).unwrap();
-    let base = TrainConfig { epochs: 3, batch_size: 16, lr: 0.05, ..TrainConfig::default() };
+    let base = TrainConfig { local_epochs: 3, batch_size: 16, learning_rate: 0.05, ..TrainConfig::default() };
     let norms: Vec<f64> = [0.0, 0.1, 1.0]
         .iter()
         .map(|&mu| {
-            let out = train_local(&spec, &g, &data, &TrainConfig { prox_mu: mu, ..base.clone() }, 3).unwrap();
+            let out = train_local(&spec, &g, &data, &TrainConfig { proximal_mu: mu, ..base.clone() }, 3).unwrap();
             assert!((sim::l2_norm(&out.delta) - out.metrics.delta_norm).abs() < 1e-9);
             out.metrics.delta_norm
         })
@@ -118,7 +118,7 @@ fn scaffold_hooks() {
     let spec = ModelSpec::digits_mlp();
     let g = init_bundle(&spec, 4).unwrap();
     let zero = sim::scale(&g, 0.0).unwrap();
-    let cfg = TrainConfig { epochs: 1, batch_size: 20, lr: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.0 }, ..TrainConfig::default() };
+    let cfg = TrainConfig { local_epochs: 1, batch_size: 20, learning_rate: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.0 }, ..TrainConfig::default() };
     let plain = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     let state = ScaffoldState { server_c: zero.clone(), client_c: zero.clone() };
     let (out, sc) = train_local_scaffold(&spec, &g, &data, &cfg, 1, &state).unwrap();
@@ -153,11 +153,14 @@ fn training_rejects_bad_inputs() {
     assert!(matches!(train_local(&spec, &g, &empty, &TrainConfig::default(), 1), Err(LearningError::InputMismatch(_))));
     let bad = TrainConfig { batch_size: 0, ..TrainConfig::default() };
     assert!(matches!(train_local(&spec, &g, &train, &bad, 1), Err(LearningError::InvalidConfig(_))));
-    let diverge = TrainConfig { lr: 1e30, ..TrainConfig::default() };
+    let diverge = TrainConfig { learning_rate: 1e30, ..TrainConfig::default() };
     assert!(matches!(train_local(&spec, &g, &train, &diverge, 1), Err(LearningError::NonFinite { .. })));
     let wrong = init_bundle(&ModelSpec::digits_cnn(), 1).unwrap();
     assert!(matches!(train_local(&spec, &wrong, &train, &TrainConfig::default(), 1), Err(LearningError::Layout(_))));
     // config is serde-friendly with defaults
     let cfg: TrainConfig = serde_json::from_str(r#"{"epochs":2,"optimizer":{"kind":"sgd","momentum":0.5},"prox_mu":0.01}"#).unwrap();
-    assert_eq!((cfg.epochs, cfg.batch_size, cfg.prox_mu), (2, 32, 0.01));
+    assert_eq!((cfg.local_epochs, cfg.batch_size, cfg.proximal_mu), (2, 32, 0.01));
+    // ... under the round configuration's names, and the older ones above still read.
+    let cfg: TrainConfig = serde_json::from_str(r#"{"local_epochs":3,"learning_rate":0.2,"proximal_mu":0.5}"#).unwrap();
+    assert_eq!((cfg.local_epochs, cfg.learning_rate, cfg.proximal_mu), (3, 0.2, 0.5));
 }
