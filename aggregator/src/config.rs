@@ -64,6 +64,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use fedfleet_control::{MqttClientConfig, UnknownKeys};
 use fedfleet_protocol::DType;
 use serde::{Deserialize, Serialize};
 
@@ -167,36 +168,28 @@ pub enum MqttMode {
 }
 
 /// `[mqtt]`: the control plane (announcements, receipts, device status, fallback uploads).
+/// `host` (external mode), `port`, `fleet`, `client_id` (default `aggregator`) and
+/// `reconnect_max_secs` are the keys every program's `[mqtt]` shares ([`MqttClientConfig`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct MqttConfig {
     #[serde(default)]
     pub mode: MqttMode,
     /// Embedded broker address (port 0 picks one).
     #[serde(default = "default_mqtt_listen")]
     pub listen: SocketAddr,
-    /// External broker host name or IP (must match the broker certificate).
-    #[serde(default)]
-    pub host: Option<String>,
-    #[serde(default)]
-    pub port: Option<u16>,
-    /// The fleet id; must equal the PKI's (default: the PKI's).
-    #[serde(default)]
-    pub fleet: Option<String>,
-    #[serde(default = "default_server_name")]
-    pub client_id: String,
-    #[serde(default = "default_presence_ttl")]
+    #[serde(flatten)]
+    pub client: MqttClientConfig,
+    #[serde(default = "fedfleet_control::presence::default_ttl_secs")]
     pub presence_ttl_secs: u64,
-    /// Ceiling of the reconnect backoff after the broker is lost (doubling from 200 ms).
-    #[serde(default = "fedfleet_control::default_service_reconnect_max")]
-    pub reconnect_max_secs: u64,
+    #[serde(flatten, skip_serializing)]
+    unknown: UnknownKeys,
 }
 
+/// The client id the aggregator connects under unless `[mqtt] client_id` says otherwise.
+pub const MQTT_CLIENT_ID: &str = "aggregator";
+
 fn default_mqtt_listen() -> SocketAddr {
-    ([127, 0, 0, 1], 8883).into()
-}
-fn default_presence_ttl() -> u64 {
-    90
+    ([127, 0, 0, 1], fedfleet_control::config::DEFAULT_PORT).into()
 }
 
 impl MqttConfig {
@@ -205,17 +198,15 @@ impl MqttConfig {
         MqttConfig {
             mode: MqttMode::Embedded,
             listen,
-            host: None,
-            port: None,
-            fleet: None,
-            client_id: default_server_name(),
-            presence_ttl_secs: default_presence_ttl(),
-            reconnect_max_secs: fedfleet_control::default_service_reconnect_max(),
+            client: MqttClientConfig::default(),
+            presence_ttl_secs: fedfleet_control::presence::DEFAULT_TTL_SECS,
+            unknown: UnknownKeys::default(),
         }
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.mode == MqttMode::External && self.host.is_none() {
+        self.unknown.check("mqtt").map_err(ConfigError::Invalid)?;
+        if self.mode == MqttMode::External && self.client.host.is_none() {
             return Err(ConfigError::Invalid("mqtt.mode = \"external\" needs mqtt.host".into()));
         }
         Ok(())
@@ -605,7 +596,9 @@ mod tests {
         assert!(Config::load_all(&p).unwrap_err().to_string().contains("mqtt.host"));
         std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nhost = \"b\"\nport = 1883\n")).unwrap();
         let m = Config::load_all(&p).unwrap().1.unwrap();
-        assert_eq!((m.mode, m.host.as_deref(), m.port), (MqttMode::External, Some("b"), Some(1883)));
+        assert_eq!((m.mode, m.client.host.as_deref(), m.client.port), (MqttMode::External, Some("b"), Some(1883)));
+        std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nhost = \"b\"\nclientid = \"x\"\n")).unwrap();
+        assert!(Config::load_all(&p).unwrap_err().to_string().contains("unknown key(s) clientid"));
     }
 
     /// `[campaign]` with `keys` under a minimal config, loaded.

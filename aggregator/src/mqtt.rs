@@ -23,13 +23,13 @@ use std::sync::atomic::Ordering::Relaxed;
 use fedfleet_certs::{AllowList, CaCert, PeerIdentity, ServerIdentity};
 use ed25519_dalek::SigningKey;
 use fedfleet_control::{
-    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, Role,
+    AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role,
     SignedRejection, UploadRejection, service_tls,
 };
 use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed};
 use tokio::task::JoinHandle;
 
-use crate::config::{MqttConfig, MqttMode};
+use crate::config::{MQTT_CLIENT_ID, MqttConfig, MqttMode};
 use crate::service::{Aggregator, Payload, ServiceError, now_ms};
 
 /// The running control plane; [`Mqtt::shutdown`] stops it.
@@ -114,11 +114,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     let pki = &scfg.pki_dir;
     let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(pki))?);
     let fleet: FleetId = allow.fleet();
-    if let Some(f) = &cfg.fleet
-        && f != fleet.as_str()
-    {
-        return Err(other(format!("mqtt.fleet {f:?} is not the PKI's fleet {fleet}")));
-    }
+    let fleet = cfg.client.fleet(&fleet).map_err(other)?;
     let (broker, broker_config, host, port) = match cfg.mode {
         MqttMode::Off => return Ok(None),
         MqttMode::Embedded => {
@@ -137,8 +133,8 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             (Some(broker), Some(bc), addr.ip().to_string(), addr.port())
         }
         MqttMode::External => {
-            let host = cfg.host.clone().ok_or_else(|| other("mqtt.mode = \"external\" needs mqtt.host"))?;
-            (None, None, host, cfg.port.unwrap_or(8883))
+            let (host, port) = cfg.client.address().map_err(other)?;
+            (None, None, host, port)
         }
     };
     // The receipt key signs refusals too; it is the service's, read from the same file.
@@ -152,7 +148,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     let id = ServerIdentity::load(pki, &scfg.server_identity)?;
     let tls = service_tls(&ca, &id).map_err(other)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
-    let options = ClientOptions::service(host.clone(), port, cfg.client_id.clone(), fleet, cfg.reconnect_max_secs);
+    let options = cfg.client.options(ClientKind::Service(MQTT_CLIENT_ID), host.clone(), port, fleet).map_err(other)?;
     let (client, mut events) = ControlClient::start(options, tls, role);
     let metrics = agg.metrics();
     metrics.presence_ttl_ms.store(cfg.presence_ttl_secs.saturating_mul(1000), Relaxed);

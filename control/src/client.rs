@@ -46,12 +46,6 @@ pub struct ClientOptions {
     pub chunk_bytes: usize,
 }
 
-/// Reconnect backoff ceiling (seconds) for a service's client: a service is one client, not a
-/// fleet, so it may come back within seconds of a broker outage without a thundering herd.
-pub fn default_service_reconnect_max() -> u64 {
-    5
-}
-
 impl ClientOptions {
     pub fn new(
         host: impl Into<String>,
@@ -66,24 +60,10 @@ impl ClientOptions {
             fleet,
             keep_alive: Duration::from_secs(15),
             backoff_initial: Duration::from_millis(200),
-            backoff_max: Duration::from_secs(30),
+            backoff_max: Duration::from_secs(crate::config::DEVICE_RECONNECT_MAX_SECS),
             max_packet_bytes: 2 * 1024 * 1024,
             chunk_bytes: upload::DEFAULT_CHUNK_BYTES,
         }
-    }
-
-    /// Options of a service's client (aggregator, registry): reconnects back off to at most
-    /// `reconnect_max_secs` (at least 1 s; see [`default_service_reconnect_max`]).
-    pub fn service(
-        host: impl Into<String>,
-        port: u16,
-        client_id: impl Into<String>,
-        fleet: FleetId,
-        reconnect_max_secs: u64,
-    ) -> Self {
-        let mut o = Self::new(host, port, client_id, fleet);
-        o.backoff_max = Duration::from_secs(reconnect_max_secs.max(1));
-        o
     }
 }
 

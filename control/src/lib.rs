@@ -5,6 +5,7 @@
 //! - [`topics`]: the versioned topic schema and the QoS of each topic.
 //! - [`broker`] (feature `broker`): the embedded rumqttd broker (TLS, client certificates
 //!   required). Devices build without it.
+//! - [`config`]: [`MqttClientConfig`], the `[mqtt]` keys every program shares.
 //! - [`client`]: [`ControlClient`], typed signed publishing and verified [`ControlEvent`]s, with
 //!   reconnect and backoff.
 //! - [`upload`]: chunked update frames and the aggregator-side [`UpdateAssembler`].
@@ -19,6 +20,7 @@
 #[cfg(feature = "broker")]
 pub mod broker;
 pub mod client;
+pub mod config;
 pub mod presence;
 pub mod rejection;
 pub mod topics;
@@ -30,8 +32,9 @@ pub use broker::{BrokerConfig, BrokerError, BrokerMetrics, EmbeddedBroker, Refus
 pub use client::{
     ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Inbound,
     Received, Role,
-    default_service_reconnect_max, device_tls, service_tls,
+    device_tls, service_tls,
 };
+pub use config::{ClientKind, MqttClientConfig, UnknownKeys};
 pub use presence::Presence;
 pub use rejection::{SignedRejection, UploadRejection};
 pub use rumqttc::QoS;

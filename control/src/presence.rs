@@ -4,6 +4,15 @@ use std::collections::HashMap;
 
 use fedfleet_protocol::{DeviceId, DeviceStatus};
 
+/// How long a device counts as online after its last verified status unless a service's
+/// `[mqtt] presence_ttl_secs` says otherwise (1.5 of the agent's default 60 s heartbeat).
+pub const DEFAULT_TTL_SECS: u64 = 90;
+
+/// `serde` default of `presence_ttl_secs`.
+pub fn default_ttl_secs() -> u64 {
+    DEFAULT_TTL_SECS
+}
+
 /// Last verified status per device, and when it was last seen: the signed `reported_at`, clamped
 /// to the local time it arrived (so a retained report from long ago does not count as online, and
 /// a device clock running ahead cannot keep a device online).

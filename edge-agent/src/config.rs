@@ -54,6 +54,7 @@
 //! host = "10.0.0.5"                            # must match the broker certificate's SAN
 //! port = 8883
 //! # fleet = "<fleet>"                          # MQTT fleet id (default: the agent's fleet)
+//! # reconnect_max_secs = 30                    # ceiling of the reconnect backoff
 //! upload = "auto"                              # quic | mqtt | auto (MQTT after switch_after QUIC failures)
 //! # switch_after = 3; receipt_timeout_ms = 30000; heartbeat_interval_ms = 60000
 //! # receipt_key = "..."                        # default: [aggregator] receipt_key
@@ -61,6 +62,7 @@
 
 use std::path::{Path, PathBuf};
 
+use fedfleet_control::{MqttClientConfig, UnknownKeys};
 use serde::Deserialize;
 
 use crate::lifecycle::{Backoff, HealthPolicy, ParticipationPolicy};
@@ -106,15 +108,13 @@ pub struct AgentConfig {
     pub renewal: crate::renewal::RenewalConfig,
 }
 
+/// `[mqtt]`: `host`, `port`, `fleet` and `reconnect_max_secs` are the keys every program's
+/// `[mqtt]` shares ([`MqttClientConfig`]; a device connects under its own id); the rest is the
+/// agent's own.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct MqttSection {
-    pub host: String,
-    #[serde(default = "default_mqtt_port")]
-    pub port: u16,
-    /// The fleet id on the broker's topics (default: the agent's `fleet`).
-    #[serde(default)]
-    pub fleet: Option<String>,
+    #[serde(flatten)]
+    pub client: MqttClientConfig,
     #[serde(default)]
     pub upload: crate::mqtt::UploadPath,
     /// Consecutive QUIC upload failures before `upload = "auto"` switches to MQTT.
@@ -129,10 +129,8 @@ pub struct MqttSection {
     /// (default: `[aggregator] receipt_key`).
     #[serde(default)]
     pub receipt_key: Option<PathBuf>,
-}
-
-fn default_mqtt_port() -> u16 {
-    8883
+    #[serde(flatten)]
+    unknown: UnknownKeys,
 }
 fn default_switch_after() -> u32 {
     3
@@ -373,7 +371,9 @@ impl AgentConfig {
         }
         fedfleet_protocol::FleetId::new(&c.fleet).map_err(|e| format!("fleet {:?}: {e}", c.fleet))?;
         if let Some(m) = &c.mqtt {
-            if let Some(f) = &m.fleet {
+            m.unknown.check("mqtt")?;
+            m.client.address()?;
+            if let Some(f) = &m.client.fleet {
                 fedfleet_protocol::FleetId::new(f).map_err(|e| format!("[mqtt] fleet {f:?}: {e}"))?;
             }
             if m.receipt_key.is_none() && c.aggregator.is_none() {

@@ -17,7 +17,7 @@ use crate::inbox::{ExampleShape, Inbox};
 use crate::clients::{Aggregator, Registry, Unlinked};
 use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use crate::remote::{RemoteAggregator, RemoteRegistry};
-use fedfleet_control::{ClientOptions, ControlClient, ControlEvents, Role};
+use fedfleet_control::{ClientKind, ControlClient, ControlEvents, Role};
 use fedfleet_aggregator_client::client::AggregatorClient;
 use fedfleet_registry_client::client::RegistryClient;
 use crate::config::{AgentConfig, IdentityPaths};
@@ -227,7 +227,7 @@ async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<
         .context("[mqtt] needs receipt_key")?;
     let aggregator_key = read_receipt_key(&key_path)?;
     let (control, events) = mqtt_control(cfg, m, &identity, aggregator_key)?;
-    tracing::info!(host = %m.host, port = m.port, upload = ?m.upload, "MQTT control plane configured");
+    tracing::info!(host = ?m.client.host, port = ?m.client.port, upload = ?m.upload, "MQTT control plane configured");
     let opts = MqttUploadOptions {
         path: m.upload,
         switch_after: m.switch_after,
@@ -252,10 +252,11 @@ pub fn mqtt_control(
     identity: &DeviceIdentity,
     aggregator_key: ed25519_dalek::VerifyingKey,
 ) -> Result<(ControlClient, ControlEvents)> {
-    let fleet = FleetId::new(m.fleet.as_deref().unwrap_or(&cfg.fleet)).map_err(|e| anyhow::anyhow!("[mqtt] fleet: {e}"))?;
+    let fleet = FleetId::new(m.client.fleet.as_deref().unwrap_or(&cfg.fleet)).map_err(|e| anyhow::anyhow!("[mqtt] fleet: {e}"))?;
     let tls = fedfleet_control::device_tls(identity).context("[mqtt] TLS client config")?;
     let id = identity.device_id().clone();
-    let options = ClientOptions::new(m.host.clone(), m.port, id.as_str(), fleet);
+    let (host, port) = m.client.address().map_err(anyhow::Error::msg)?;
+    let options = m.client.options(ClientKind::Device(id.as_str()), host, port, fleet).map_err(anyhow::Error::msg)?;
     // Rollout notices are signed by the registry's timestamp key, named by the pinned root.
     let registry_key = match &cfg.registry {
         Some(_) => crate::mqtt::notice_key(&read_root(&cfg.identity_paths().registry_root)?),

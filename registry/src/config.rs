@@ -109,6 +109,9 @@ impl Config {
     pub fn parse(path: &Path, text: &str) -> Result<Self, RegistryError> {
         let mut c: Config = toml::from_str(text)
             .map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
+        if let Some(m) = &c.mqtt {
+            m.validate().map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
+        }
         let base = path.parent().unwrap_or(Path::new("."));
         for d in [&mut c.data_dir, &mut c.pki_dir].into_iter().chain(c.renewal.as_mut().map(|r| &mut r.ca_key)) {
             if d.is_relative() {

@@ -30,7 +30,8 @@ use std::time::Duration;
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::{AllowList, CaCert, ServerIdentity};
 use fedfleet_control::{
-    AssemblerLimits, ClientOptions, ControlClient, ControlEvent, Presence, Role, service_tls,
+    AssemblerLimits, ClientKind, ControlClient, ControlEvent, MqttClientConfig, Presence, Role, UnknownKeys,
+    service_tls,
 };
 use fedfleet_protocol::{
     DeviceId, DeviceStatus, FleetId, ModelRef, RolloutAction, RolloutNotice, Signed,
@@ -53,48 +54,40 @@ pub const NOTICE_POLL: Duration = Duration::from_millis(200);
 /// host = "127.0.0.1"          # the aggregator's embedded broker, or an external one
 /// port = 8883                 # (its certificate must name `host`)
 /// # fleet = "acme"            # must equal the PKI's fleet (default: the PKI's)
-/// client_id = "registry"      # MQTT client id of this service
+/// client_id = "registry"      # MQTT client id of this service (default: "registry")
 /// presence_ttl_secs = 90      # a device counts as online this long after its last status
 /// reconnect_max_secs = 5      # ceiling of the reconnect backoff after the broker is lost
 /// ```
+///
+/// `host` … `reconnect_max_secs` are the keys every program's `[mqtt]` shares
+/// ([`MqttClientConfig`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct MqttConfig {
-    pub host: String,
-    #[serde(default = "default_port")]
-    pub port: u16,
-    #[serde(default)]
-    pub fleet: Option<String>,
-    #[serde(default = "default_client_id")]
-    pub client_id: String,
-    #[serde(default = "default_presence_ttl")]
+    #[serde(flatten)]
+    pub client: MqttClientConfig,
+    #[serde(default = "fedfleet_control::presence::default_ttl_secs")]
     pub presence_ttl_secs: u64,
-    /// Ceiling of the reconnect backoff after the broker is lost (doubling from 200 ms).
-    #[serde(default = "fedfleet_control::default_service_reconnect_max")]
-    pub reconnect_max_secs: u64,
+    #[serde(flatten)]
+    unknown: UnknownKeys,
 }
 
-fn default_port() -> u16 {
-    8883
-}
-fn default_client_id() -> String {
-    "registry".into()
-}
-fn default_presence_ttl() -> u64 {
-    90
-}
+/// The client id the registry connects under unless `[mqtt] client_id` says otherwise.
+pub const CLIENT_ID: &str = "registry";
 
 impl MqttConfig {
     /// A broker at `host:port`, everything else default.
     pub fn new(host: impl Into<String>, port: u16) -> Self {
         MqttConfig {
-            host: host.into(),
-            port,
-            fleet: None,
-            client_id: default_client_id(),
-            presence_ttl_secs: default_presence_ttl(),
-            reconnect_max_secs: fedfleet_control::default_service_reconnect_max(),
+            client: MqttClientConfig::broker(host, port),
+            presence_ttl_secs: fedfleet_control::presence::DEFAULT_TTL_SECS,
+            unknown: UnknownKeys::default(),
         }
+    }
+
+    /// Refuses unknown keys and a section without `host`.
+    pub fn validate(&self) -> Result<(), String> {
+        self.unknown.check("mqtt")?;
+        self.client.address().map(drop)
     }
 }
 
@@ -152,13 +145,8 @@ pub async fn start(
             reg.fleet()
         )));
     }
-    if let Some(f) = &m.fleet
-        && f != fleet.as_str()
-    {
-        return Err(config_err(format!(
-            "fleet {f:?} is not the PKI's fleet {fleet}"
-        )));
-    }
+    let fleet = m.client.fleet(&fleet).map_err(RegistryError::Config)?;
+    let (host, port) = m.client.address().map_err(RegistryError::Config)?;
     let notice_key = notice_key(&reg, cfg)?;
     let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
     let id = ServerIdentity::load(pki, &cfg.server_identity)?;
@@ -169,9 +157,9 @@ pub async fn start(
         updates: false,
         limits: AssemblerLimits::default(),
     };
-    let options = ClientOptions::service(m.host.clone(), m.port, m.client_id.clone(), fleet, m.reconnect_max_secs);
+    let options = m.client.options(ClientKind::Service(CLIENT_ID), host.clone(), port, fleet).map_err(RegistryError::Config)?;
     let (client, mut events) = ControlClient::start(options, tls, role);
-    tracing::info!(host = %m.host, port = m.port, "registry MQTT control plane started");
+    tracing::info!(%host, port, "registry MQTT control plane started");
 
     let presence = Arc::new(Mutex::new(Presence::new()));
     let ttl_ms = m.presence_ttl_secs.saturating_mul(1000);
@@ -461,14 +449,17 @@ mod tests {
     #[test]
     fn mqtt_section_parses_with_defaults_and_refuses_unknown_keys() {
         let c: Config = toml::from_str("[mqtt]\nhost = \"broker.local\"\n").unwrap();
-        assert_eq!(c.mqtt, Some(MqttConfig::new("broker.local", 8883)));
+        let m = c.mqtt.unwrap();
+        assert_eq!((m.client.address().unwrap(), m.presence_ttl_secs), (("broker.local".into(), 8883), 90));
         let c: Config = toml::from_str("").unwrap();
         assert_eq!(c.mqtt, None);
         let c: Config =
             toml::from_str("[mqtt]\nhost = \"h\"\nport = 1883\nclient_id = \"reg-2\"\n").unwrap();
         let m = c.mqtt.unwrap();
-        assert_eq!((m.port, m.client_id.as_str()), (1883, "reg-2"));
-        assert!(toml::from_str::<Config>("[mqtt]\nhost = \"h\"\nmode = \"embedded\"\n").is_err());
+        assert_eq!((m.client.port, m.client.client_id.as_deref()), (Some(1883), Some("reg-2")));
+        let parse = |t: &str| Config::parse(std::path::Path::new("registry.toml"), t).unwrap_err().to_string();
+        assert!(parse("[mqtt]\nhost = \"h\"\nmode = \"embedded\"\n").contains("unknown key(s) mode"));
+        assert!(parse("[mqtt]\nport = 1883\n").contains("host is missing"));
     }
 
     #[test]

@@ -191,10 +191,16 @@ fn mqtt_section_parses_with_defaults() {
     ))
     .unwrap();
     let m = c.mqtt.unwrap();
-    assert_eq!((m.host.as_str(), m.port, m.upload, m.switch_after), ("broker", 8883, UploadPath::Mqtt, 3));
+    assert_eq!((m.client.address().unwrap(), m.upload, m.switch_after), (("broker".into(), 8883), UploadPath::Mqtt, 3));
     let e = fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\n")).unwrap_err();
     assert!(e.contains("receipt_key"), "{e}");
     assert!(fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\nreceipt_key = \"k\"\nupload = \"udp\"\n")).is_err());
+    // The keys every program shares are named alike, a misspelt one is refused by name, and
+    // the broker must be named.
+    let e = fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\nreceipt_key = \"k\"\nprot = 1883\n")).unwrap_err();
+    assert!(e.contains("unknown key(s) prot"), "{e}");
+    let e = fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nreceipt_key = \"k\"\n")).unwrap_err();
+    assert!(e.contains("host is missing"), "{e}");
     // The shipped example still parses.
     fedfleet_agent::config::AgentConfig::parse(include_str!("../../dist/agent.toml")).unwrap();
 }

@@ -1,0 +1,180 @@
+//! The one MQTT client configuration: the part of `[mqtt]` that the agent, the aggregator and
+//! the registry share, and how it becomes [`ClientOptions`].
+//!
+//! Each program flattens [`MqttClientConfig`] into its own `[mqtt]` section beside what only it
+//! has (the agent's upload path, the aggregator's embedded broker, the services' presence TTL),
+//! so a config file names these keys the same way everywhere:
+//!
+//! ```toml
+//! [mqtt]
+//! host = "broker.fleet.example"   # must match the broker certificate
+//! port = 8883                     # default 8883 (MQTT over TLS)
+//! # fleet = "acme"                # the fleet on the topics: must be the PKI's (default: the PKI's)
+//! # client_id = "registry"        # services only (default: the service's name); a device
+//! #                               # always connects under its own id
+//! # reconnect_max_secs = 5        # ceiling of the reconnect backoff (default: 30 s for a
+//! #                               # device, 5 s for a service)
+//! ```
+//!
+//! serde cannot deny unknown fields across a flattened struct, so each section also flattens
+//! [`UnknownKeys`] and calls [`UnknownKeys::check`]: a misspelt key is still an error.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use fedfleet_protocol::FleetId;
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+
+use crate::client::ClientOptions;
+
+/// The MQTT-over-TLS port every `[mqtt]` section defaults to.
+pub const DEFAULT_PORT: u16 = 8883;
+
+/// Reconnect backoff ceiling (seconds) for a device: a fleet reconnecting after a broker
+/// outage spreads out instead of arriving at once.
+pub const DEVICE_RECONNECT_MAX_SECS: u64 = 30;
+
+/// Reconnect backoff ceiling (seconds) for a service's client: a service is one client, not a
+/// fleet, so it may come back within seconds of a broker outage without a thundering herd.
+pub const SERVICE_RECONNECT_MAX_SECS: u64 = 5;
+
+/// Which side of the fleet a client is on; decides the client id and the backoff defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientKind<'a> {
+    /// A device, which connects under its own id (the broker holds it to it).
+    Device(&'a str),
+    /// A service, connecting as `client_id` or else under this name.
+    Service(&'a str),
+}
+
+/// Where an MQTT client finds the broker and what it calls itself (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MqttClientConfig {
+    /// Broker host name or IP address (must match the broker certificate's SAN).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Broker port (default [`DEFAULT_PORT`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The fleet id on the broker's topics; must be the PKI's (default: the PKI's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<String>,
+    /// MQTT client id of a service (default: its name). A device connects under its own id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_id: Option<String>,
+    /// Ceiling of the reconnect backoff after the broker is lost, doubling from 200 ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconnect_max_secs: Option<u64>,
+}
+
+impl MqttClientConfig {
+    /// A broker at `host:port`, everything else default.
+    pub fn broker(host: impl Into<String>, port: u16) -> Self {
+        MqttClientConfig { host: Some(host.into()), port: Some(port), ..Self::default() }
+    }
+
+    /// The configured broker address (`[mqtt] host` is required here).
+    pub fn address(&self) -> Result<(String, u16), String> {
+        let host = self.host.clone().ok_or("[mqtt] host is missing: name the broker")?;
+        Ok((host, self.port.unwrap_or(DEFAULT_PORT)))
+    }
+
+    /// The fleet on the topics: `fleet` if given (it must be `expected`), else `expected`.
+    pub fn fleet(&self, expected: &FleetId) -> Result<FleetId, String> {
+        match &self.fleet {
+            Some(f) if f != expected.as_str() => Err(format!("[mqtt] fleet {f:?} is not the PKI's fleet {expected}")),
+            _ => Ok(expected.clone()),
+        }
+    }
+
+    /// Options for a `kind` client of the broker at `host:port` on `fleet`.
+    pub fn options(&self, kind: ClientKind<'_>, host: String, port: u16, fleet: FleetId) -> Result<ClientOptions, String> {
+        let (client_id, reconnect_max) = match kind {
+            ClientKind::Device(id) => {
+                if let Some(c) = self.client_id.as_deref().filter(|c| *c != id) {
+                    return Err(format!("[mqtt] client_id {c:?}: a device connects under its own id {id:?}"));
+                }
+                (id.to_owned(), DEVICE_RECONNECT_MAX_SECS)
+            }
+            ClientKind::Service(name) => {
+                (self.client_id.clone().unwrap_or_else(|| name.to_owned()), SERVICE_RECONNECT_MAX_SECS)
+            }
+        };
+        let mut o = ClientOptions::new(host, port, client_id, fleet);
+        o.backoff_max = Duration::from_secs(self.reconnect_max_secs.unwrap_or(reconnect_max).max(1));
+        Ok(o)
+    }
+}
+
+/// Keys of a flattened `[mqtt]` section that no field took; [`UnknownKeys::check`] refuses them.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(transparent)]
+pub struct UnknownKeys(BTreeMap<String, IgnoredAny>);
+
+impl UnknownKeys {
+    /// An error naming every unknown key of `section`.
+    pub fn check(&self, section: &str) -> Result<(), String> {
+        match self.0.keys().map(String::as_str).collect::<Vec<_>>().join(", ") {
+            keys if keys.is_empty() => Ok(()),
+            keys => Err(format!("[{section}]: unknown key(s) {keys}")),
+        }
+    }
+}
+
+impl PartialEq for UnknownKeys {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.keys().eq(other.0.keys())
+    }
+}
+
+impl Eq for UnknownKeys {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Section {
+        #[serde(flatten)]
+        client: MqttClientConfig,
+        #[serde(default)]
+        own: u32,
+        #[serde(flatten)]
+        unknown: UnknownKeys,
+    }
+
+    fn parse(text: &str) -> Section {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn the_shared_keys_and_a_programs_own_read_side_by_side() {
+        let s = parse("host = \"b\"\nport = 1883\nown = 3\nreconnect_max_secs = 9");
+        assert_eq!((s.client.address().unwrap(), s.own), (("b".to_owned(), 1883), 3));
+        assert_eq!(s.unknown.check("mqtt"), Ok(()));
+        let o = s.client.options(ClientKind::Service("registry"), "b".into(), 1883, FleetId::new("eu").unwrap()).unwrap();
+        assert_eq!((o.client_id.as_str(), o.backoff_max), ("registry", Duration::from_secs(9)));
+    }
+
+    #[test]
+    fn a_misspelt_key_is_refused_by_name() {
+        let s = parse("host = \"b\"\nprot = 1883\nclientid = \"x\"");
+        assert_eq!(s.unknown.check("mqtt").unwrap_err(), "[mqtt]: unknown key(s) clientid, prot");
+    }
+
+    #[test]
+    fn defaults_and_refusals() {
+        let fleet = FleetId::new("eu").unwrap();
+        let c = parse("host = \"b\"").client;
+        assert_eq!(c.address().unwrap(), ("b".to_owned(), DEFAULT_PORT));
+        let d = c.options(ClientKind::Device("cam-1"), "b".into(), 8883, fleet.clone()).unwrap();
+        assert_eq!((d.client_id.as_str(), d.backoff_max), ("cam-1", Duration::from_secs(DEVICE_RECONNECT_MAX_SECS)));
+        let s = c.options(ClientKind::Service("agg"), "b".into(), 8883, fleet.clone()).unwrap();
+        assert_eq!(s.backoff_max, Duration::from_secs(SERVICE_RECONNECT_MAX_SECS));
+        assert!(parse("port = 1").client.address().unwrap_err().contains("host is missing"));
+        assert!(parse("fleet = \"us\"").client.fleet(&fleet).unwrap_err().contains("not the PKI's fleet eu"));
+        let other = parse("client_id = \"cam-2\"").client;
+        assert!(other.options(ClientKind::Device("cam-1"), "b".into(), 1, fleet).unwrap_err().contains("its own id"));
+    }
+}
