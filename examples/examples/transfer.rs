@@ -33,6 +33,9 @@ struct Args {
     /// Parameters that also train in full under LoRA (e.g. `*.bias`).
     #[arg(long, value_delimiter = ',')]
     lora_also_train: Vec<String>,
+    /// Freeze the adapters' A at their initial values and train only B (FFA-LoRA).
+    #[arg(long)]
+    lora_freeze_a: bool,
     /// The agents' learning rate for full fine-tuning, head only and LoRA.
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lr)]
     lr: Vec<f32>,
@@ -68,6 +71,7 @@ async fn main() -> ExitCode {
         lora_rank: a.lora_rank,
         lora_targets: a.lora_targets,
         lora_also_train: a.lora_also_train,
+        lora_freeze_a: a.lora_freeze_a,
         lr: [full_lr, head_lr, lora_lr],
         optimizers: [full_opt, head_opt, lora_opt],
         seed: a.seed,

@@ -74,6 +74,11 @@ pub enum FineTune {
         /// or the classification head (peft's `bias = "all"` and `modules_to_save`).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         also_train: Vec<String>,
+        /// Keep every `lora_A` at its (shared, seeded) initial value and train only `lora_B`
+        /// (FFA-LoRA): updates carry half the adapter, and the federated mean of `B·A` is
+        /// exactly `mean(B)·A`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        freeze_a: bool,
     },
 }
 
@@ -689,7 +694,7 @@ impl Builder<'_> {
         self.slots[w].transposed = transposed;
         let b = bias.then(|| self.slot(format!("{prefix}.bias"), vec![out], SlotKind::Param, Init::Uniform(bound), fan_in));
         let lora = match self.finetune {
-            FineTune::Lora { rank, alpha, targets, .. } => {
+            FineTune::Lora { rank, alpha, targets, freeze_a, .. } => {
                 let hit = match targets {
                     None => true,
                     Some(t) => {
@@ -712,7 +717,7 @@ impl Builder<'_> {
                     // the adapted model starts equal to the base model.
                     let a = self.slot(format!("{prefix}.lora_A"), a_shape, SlotKind::Param, Init::Uniform(bound), fan_in);
                     let b = self.slot(format!("{prefix}.lora_B"), b_shape, SlotKind::Param, Init::Const(0.0), *rank);
-                    self.slots[a].trainable = true;
+                    self.slots[a].trainable = !freeze_a;
                     self.slots[b].trainable = true;
                     LoraSlots { a, b, scale: alpha.0 / *rank as f64 }
                 })

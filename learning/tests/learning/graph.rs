@@ -314,6 +314,22 @@ fn lora_also_trains_the_named_parameters_in_full_and_merges_them() {
 }
 
 #[test]
+fn ffa_lora_trains_and_sends_only_b_and_keeps_a_as_it_started() {
+    let (train, _) = Dataset::digits_split().unwrap();
+    let base = mlp_with("");
+    let ffa = mlp_with(r#","finetune":{"mode":"lora","rank":2,"alpha":2,"targets":["body"],"freeze_a":true}"#);
+    let update: Vec<_> = ffa.update_layout().into_keys().collect();
+    assert_eq!(update, ["body.lora_B"]);
+    assert_eq!(fedfleet_learning::ModelSpec::from_json(&ffa.to_json()).unwrap(), ffa, "freeze_a round-trips");
+    let start = attach_adapters(&ffa, &init_bundle(&base, 4).unwrap(), 11).unwrap();
+    let out = train_local(&ffa, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.05, ..TrainConfig::default() }, 2).unwrap();
+    assert_eq!(out.delta.layout(), ffa.update_layout());
+    let tuned = sim::apply_update(&start, &out.delta, 1.0).unwrap();
+    assert_eq!(tuned.to_f32("body.lora_A"), start.to_f32("body.lora_A"));
+    assert_ne!(tuned.to_f32("body.lora_B"), start.to_f32("body.lora_B"));
+}
+
+#[test]
 fn batch_norm_updates_statistics_in_training_and_fedbn_keeps_them_local() {
     let spec_json = |local: bool| {
         format!(
