@@ -65,7 +65,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use fedfleet_control::{MqttClientConfig, UnknownKeys};
-use fedfleet_protocol::DType;
+use fedfleet_protocol::{DType, SpecJson};
 use serde::{Deserialize, Serialize};
 
 use crate::strategy::{ClientConfig, FedOptParams, StrategyConfig};
@@ -560,9 +560,9 @@ impl Config {
             .unwrap_or_else(|| self.data_dir.join("published"))
     }
 
-    /// The model spec as JSON text (what manifests carry).
-    pub fn spec_json(&self) -> String {
-        serde_json::to_string(&self.model.spec).expect("spec serializes")
+    /// The model spec as JSON (what manifests carry).
+    pub fn spec_json(&self) -> SpecJson {
+        SpecJson(serde_json::to_value(&self.model.spec).expect("spec serializes"))
     }
 }
 

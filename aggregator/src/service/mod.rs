@@ -103,7 +103,7 @@ struct Core {
 struct Shared {
     cfg: Config,
     spec: ModelSpec,
-    spec_json: String,
+    spec_json: SpecJson,
     store: Store,
     key: SigningKey,
     allow: AllowList,

@@ -379,14 +379,14 @@ fn publish_request(
     lineage: bool,
 ) -> Result<PublishRequest, String> {
     use fedfleet_learning::finetune::{base_spec, lora_adapters, merge_lora};
-    let parse = |json: &str| SpecJson::parse(json).map_err(|e| format!("model spec: {e}"));
     let (bundle, spec, adapter) = match lora_adapters(&sh.spec) {
-        None => (bytes.to_vec(), parse(&sh.spec_json)?, None),
+        None => (bytes.to_vec(), sh.spec_json.clone(), None),
         Some((rank, alpha, tensors)) => {
             let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
             let merged = merge_lora(&sh.spec, &bundle).map_err(|e| format!("merging the LoRA adapters: {e}"))?;
             let adapter = lineage.then(|| AdapterLineage { method: "lora".into(), rank: rank as u32, alpha, tensors });
-            (merged.encode(), parse(&base_spec(&sh.spec).to_json())?, adapter)
+            let base = serde_json::to_value(base_spec(&sh.spec)).map_err(|e| format!("model spec: {e}"))?;
+            (merged.encode(), SpecJson(base), adapter)
         }
     };
     let model = NewVersion {
@@ -404,7 +404,6 @@ fn publish_request(
 /// The record of a model the service holds as it trains it (under LoRA: base weights +
 /// adapters, with the LoRA spec), published as `version`.
 fn held_model(sh: &Shared, published: NewVersion, version: ModelVersion, bytes: &[u8], digest: Digest) -> ModelInfo {
-    let spec = SpecJson::parse(&sh.spec_json).expect("the service wrote its spec as JSON");
-    let held = NewVersion { spec, adapter: None, ..published };
+    let held = NewVersion { spec: sh.spec_json.clone(), adapter: None, ..published };
     ModelInfo::published(held, version, bytes.len() as u64, digest)
 }
