@@ -215,11 +215,9 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
         None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_identity))),
     };
     let (metrics_addr, metrics_public) = (cfg.metrics_addr, cfg.metrics_public);
-    let (pki_dir, name) = (cfg.pki_dir.clone(), cfg.server_identity.clone());
+    let name = cfg.server_identity.clone();
     let agg = Aggregator::open(cfg, publisher)?;
-    let validity = fedfleet_certs::ServerIdentity::load(&pki_dir, &name)
-        .and_then(|i| i.validity())
-        .with_context(|| format!("server identity {name:?}"))?;
+    let validity = agg.identity().validity().with_context(|| format!("server identity {name:?}"))?;
     // Warn well before this service's own certificate lapses (on start, then hourly).
     tokio::spawn(fedfleet_http::watch_certificate_expiry(
         agg.metrics().certificate_expiry_seconds.clone(),

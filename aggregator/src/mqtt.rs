@@ -20,7 +20,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use fedfleet_certs::{AllowList, CaCert, PeerIdentity, ServerIdentity};
+use fedfleet_certs::{AllowList, PeerIdentity};
 use ed25519_dalek::SigningKey;
 use fedfleet_control::{
     AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role,
@@ -144,9 +144,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
         return Err(other("the receipt key on disk is not the one the service signs with"));
     }
     let receipt_key = Arc::new(receipt_key);
-    let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
-    let id = ServerIdentity::load(pki, &scfg.server_identity)?;
-    let tls = service_tls(&ca, &id).map_err(other)?;
+    let tls = service_tls(agg.ca(), agg.identity()).map_err(other)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
     let options = cfg.client.options(ClientKind::Service(MQTT_CLIENT_ID), host.clone(), port, fleet).map_err(other)?;
     let (client, mut events) = ControlClient::start(options, tls, role);

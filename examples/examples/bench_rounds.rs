@@ -318,7 +318,7 @@ struct Services {
     dir: PathBuf,
     _tmp: Option<tempfile::TempDir>,
     pki: Pki,
-    registry_service: fedfleet::demo::Running,
+    registry_service: fedfleet_testkit::services::RunningRegistry,
     pinned_root: fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::tuf::Root>,
     agg: AggregatorProcess,
     agg_dir: PathBuf,
@@ -342,8 +342,8 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let setup = Instant::now();
     let fleet_id = FleetId::new(FLEET)?;
     let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices, 30)?;
-    let (registry, registry_service) = fedfleet::demo::start_registry(&dir.join("registry"), &pki).await?;
-    let pinned_root = registry.signer().context("the registry has no signer")?.root().clone();
+    let registry_service = fedfleet::demo::start_registry(&dir.join("registry"), &pki)?;
+    let pinned_root = registry_service.pinned_root.clone();
 
     let agg_dir = dir.join("aggregator");
     std::fs::create_dir_all(&agg_dir)?;

@@ -11,14 +11,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, RevocationWatcher, ServerIdentity, tls};
+use fedfleet_certs::{ALPN_V1, DeviceIdentity, tls};
 use fedfleet_protocol::{DeviceId, Digest, FleetId, ModelVersion};
 use fedfleet_registry::client::{ChunkCache, DownloadReport, RegistryClient};
-use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
-use fedfleet_registry::metrics::Metrics;
-use fedfleet_registry::ops::Registry;
-use fedfleet_registry::server::{self, ServerOptions};
-use fedfleet_registry::store::{NewVersion, Store, StoreConfig};
+use fedfleet_registry::store::NewVersion;
+use fedfleet_testkit::services::{RegistrySetup, RunningRegistry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Verifies nothing itself (the client checked each digest on arrival); remembers which chunks
@@ -72,14 +69,9 @@ async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let pki_dir = dir.path().join("pki");
     let fleet = FleetId::new("bench")?;
-    let pki = Pki::init(&pki_dir, &fleet, 30, false)?;
-    pki.issue_server("registry", &[], 30, false)?;
-    let data_dir = dir.path().join("data");
-    metadata::init_keys(&data_dir, 30, false)?;
-    let store = Store::open(data_dir.join("store"), StoreConfig::default())?;
-    let signer = MetadataSigner::load(&data_dir, Lifetimes::default())?;
-    let metrics = Arc::new(Metrics::default());
-    let reg = Arc::new(Registry::new(store, fleet, Some(signer), metrics.clone())?);
+    let pki = fedfleet_testkit::services::fleet_pki(&pki_dir, &fleet, &["registry"], &[], 30)?;
+    let running = RunningRegistry::start(&pki, &dir.path().join("data"), RegistrySetup::default())?;
+    let (reg, addr) = (running.reg.clone(), running.addr);
     let mut model = vec![0u8; size];
     let mut h = blake3::Hasher::new();
     h.update(b"bench");
@@ -99,21 +91,6 @@ async fn main() -> anyhow::Result<()> {
         model.as_slice(),
     )?;
     println!("publish: {:.2} s", t.elapsed().as_secs_f64());
-
-    let identity = ServerIdentity::load(&pki_dir, "registry")?;
-    let revocation = Arc::new(RevocationWatcher::open(&pki_dir)?);
-    let server_tls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1])?;
-    let endpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), server_tls)?;
-    let addr = endpoint.local_addr()?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let srv = tokio::spawn(server::run(
-        endpoint,
-        reg.clone(),
-        ServerOptions::new(data_dir.join("incoming")),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
 
     // Identities first (enrollment is not part of the transfer).
     let mut clients = Vec::new();
@@ -147,8 +124,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let quic_s = t.elapsed().as_secs_f64();
     assert_eq!(total, (agents * size) as u64);
-    let _ = stop_tx.send(());
-    srv.await?;
+    running.stop().await;
 
     // Plain TCP on loopback: the same bytes to the same number of concurrent readers.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -1,12 +1,14 @@
 //! fedfleet's test kit, for tests, examples and benchmarks (never linked by a device or a
-//! service): in-memory fakes of the aggregator and registry ([`fakes`]), a fake clock
-//! ([`clock`]), fleets of real agents in one process ([`sim`]), and the mosquitto launcher that
-//! runs Debian's mosquitto as the fleet's external broker ([`mosquitto`]).
+//! service): the real registry and aggregator started in this process ([`services`]), in-memory
+//! fakes of both ([`fakes`]), a fake clock ([`clock`]), fleets of real agents in one process
+//! ([`sim`]), and the mosquitto launcher that runs Debian's mosquitto as the fleet's external
+//! broker ([`mosquitto`]).
 
 pub mod clock;
 pub mod fakes;
 #[cfg(unix)]
 pub mod mosquitto;
+pub mod services;
 pub mod sim;
 
 pub use clock::FakeClock;

@@ -152,10 +152,13 @@ pub struct FleetOptions {
     pub backoff: fedfleet_agent::lifecycle::Backoff,
     /// Time limit of each aggregator call (an unreachable aggregator is noticed after this).
     pub call_timeout: std::time::Duration,
+    /// When an installed model counts as healthy on the agent's holdout.
+    pub health: HealthPolicy,
 }
 
 impl FleetOptions {
-    /// Defaults: IID partition (seed 1), TLS names `localhost`, backoff 200 ms..2 s, 2 s call limit.
+    /// Defaults: IID partition (seed 1), TLS names `localhost`, backoff 200 ms..2 s, 2 s call
+    /// limit, health: latency under 1 s and accuracy at most 5 points below the active model.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         pki_dir: impl Into<std::path::PathBuf>,
@@ -184,6 +187,7 @@ impl FleetOptions {
             data_dir: data_dir.into(),
             backoff: fedfleet_agent::lifecycle::Backoff { base_ms: 200, max_ms: 2_000 },
             call_timeout: std::time::Duration::from_secs(2),
+            health: HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 },
         }
     }
 }
@@ -259,7 +263,7 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
             cfg.local_samples = tr.len() as u64;
             cfg.rng_seed = o.partition_seed ^ i as u64;
             cfg.backoff = o.backoff;
-            cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
+            cfg.health = o.health;
             let core = DurableLifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
             let shell = ShellConfig { latency_samples: 8, ..Default::default() };
             aggs.push(agg);

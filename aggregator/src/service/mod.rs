@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ed25519_dalek::SigningKey;
-use fedfleet_certs::{AllowList, DeviceStatus, PeerIdentity};
+use fedfleet_certs::{AllowList, CaCert, DeviceStatus, PeerIdentity, ServerIdentity};
 use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_net::FramedStream;
 use fedfleet_protocol::framing::{Frame, FrameKind};
@@ -107,6 +107,9 @@ struct Shared {
     store: Store,
     key: SigningKey,
     allow: AllowList,
+    /// The fleet CA and this service's certificate and key (QUIC server, MQTT client, expiry gauge).
+    ca: CaCert,
+    identity: ServerIdentity,
     metrics: Arc<Metrics>,
     publisher: Box<dyn Publisher>,
     validation: Option<Dataset>,
@@ -172,6 +175,8 @@ impl Aggregator {
         let key = crate::keys::load_or_create(&cfg.data_dir)
             .map_err(|e| other(format!("receipt key in {}: {e}", cfg.data_dir.display())))?;
         let allow = AllowList::load(fedfleet_certs::layout::allow_list(&cfg.pki_dir))?;
+        let ca = CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
+        let identity = ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)?;
         let fleet = allow.fleet();
         let spec = cfg.model.spec.clone();
         let spec_json = cfg.spec_json();
@@ -255,6 +260,8 @@ impl Aggregator {
                 store,
                 key,
                 allow,
+                ca,
+                identity,
                 metrics,
                 publisher,
                 validation,
@@ -286,6 +293,16 @@ impl Aggregator {
 
     pub fn receipt_key(&self) -> ed25519_dalek::VerifyingKey {
         self.shared.key.verifying_key()
+    }
+
+    /// The fleet CA this service trusts.
+    pub fn ca(&self) -> &CaCert {
+        &self.shared.ca
+    }
+
+    /// This service's certificate and key, loaded once at [`Aggregator::open`].
+    pub fn identity(&self) -> &ServerIdentity {
+        &self.shared.identity
     }
 
     fn lock(&self) -> MutexGuard<'_, Core> {

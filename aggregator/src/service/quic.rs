@@ -6,11 +6,9 @@ impl Aggregator {
 
     /// Binds the QUIC endpoint of the config.
     pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
-        let cfg = &self.shared.cfg;
-        let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
-        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)?;
-        let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
-        let tls = fedfleet_certs::tls::server_config(&ca, &id, revocation, &[fedfleet_certs::ALPN_V1])?;
+        let (ca, id) = (&self.shared.ca, &self.shared.identity);
+        let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&self.shared.cfg.pki_dir)?);
+        let tls = fedfleet_certs::tls::server_config(ca, id, revocation, &[fedfleet_certs::ALPN_V1])?;
         // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
         let secret = id.derive_secret("fedfleet-aggregator 2026 QUIC endpoint");
         Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &secret)?)

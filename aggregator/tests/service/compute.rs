@@ -34,7 +34,7 @@ fn tensor_config(fleet: &Fleet, data: &str, rounds: u32, strategy: &str, device:
 async fn campaign(fleet: &Fleet, cfg: Config, order: &[usize]) -> Vec<u8> {
     let rounds = cfg.campaign.rounds;
     let publish_dir = cfg.publish_dir();
-    let svc = start(cfg);
+    let svc = start(cfg).await;
     svc.agg.start_campaign(CampaignOverrides { seed: Some(3), ..Default::default() }).await.unwrap();
     for r in 1..=rounds as u64 {
         let base = wait_round(&fleet.device_client(0, svc.addr).await, RoundId(r)).await;
@@ -54,7 +54,7 @@ async fn campaign(fleet: &Fleet, cfg: Config, order: &[usize]) -> Vec<u8> {
     .expect("campaign completed");
     let tensor = svc.agg.config().compute.fold == FoldBackend::Tensor;
     assert_eq!(svc.agg.metrics().round_count("tensor_folded"), if tensor { rounds as u64 } else { 0 });
-    svc.shutdown().await;
+    svc.stop().await;
     read_published(&publish_dir, "tiny")
 }
 

@@ -18,7 +18,7 @@ fn rejected(o: UploadOutcome) -> RejectReason {
 async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_serving() {
     let fleet = Fleet::new(12);
     let cfg = fleet.config("agg", 100, 1);
-    let svc = start(cfg);
+    let svc = start(cfg).await;
     let addr = svc.addr;
 
     // A device cannot start campaigns; the operator can.
@@ -179,7 +179,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     // The announcement is a protocol `Signed<RoundAnnouncement>`.
     let _: Option<Signed<RoundAnnouncement>> = None;
     op.campaign(Request::CampaignStop).await.unwrap();
-    svc.shutdown().await;
+    svc.stop().await;
 }
 
 /// A round whose quorum is not met at its deadline is extended once; the signed announcement
@@ -191,7 +191,7 @@ async fn an_extended_round_is_announced_with_its_new_deadline() {
     cfg.campaign.quorum = 2;
     cfg.campaign.deadline_secs = 1;
     cfg.campaign.extension_secs = 60;
-    let svc = start(cfg);
+    let svc = start(cfg).await;
     let op = f.operator(svc.addr).await;
     op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
     let d0 = f.device_client(0, svc.addr).await;
@@ -210,7 +210,7 @@ async fn an_extended_round_is_announced_with_its_new_deadline() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     assert!(extended >= first + 59_000, "extended by the configured 60 s: {first} -> {extended}");
-    svc.shutdown().await;
+    svc.stop().await;
 }
 
 /// A publisher whose `lose`-th publish (1-based) fails after reaching the inner publisher (the

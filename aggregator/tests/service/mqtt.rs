@@ -48,7 +48,7 @@ fn device(fleet: &Fleet, i: usize, port: u16, key: ed25519_dalek::VerifyingKey) 
     ControlClient::start(o, device_tls(&id).unwrap(), Role::Device { id: dev(i), aggregator_key: key, registry_key: None })
 }
 
-async fn published(svc: &Running, base: Digest) -> Vec<u8> {
+async fn published(svc: &RunningAggregator, base: Digest) -> Vec<u8> {
     timeout(WAIT, async {
         loop {
             if let Some((g, bytes)) = svc.agg.global_model()
@@ -65,7 +65,7 @@ async fn published(svc: &Running, base: Digest) -> Vec<u8> {
 
 /// One round of `DEVICES` identical updates; returns the published global model.
 async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
-    let svc = start(fleet.config(data, DEVICES as u32, 1));
+    let svc = start(fleet.config(data, DEVICES as u32, 1)).await;
     let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &MqttConfig::embedded("127.0.0.1:0".parse().unwrap()))
         .await
         .unwrap()
@@ -163,7 +163,7 @@ async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
     }
     let model = published(&svc, base).await;
     mqtt.shutdown().await;
-    svc.shutdown().await;
+    svc.stop().await;
     model
 }
 

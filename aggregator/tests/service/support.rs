@@ -8,9 +8,10 @@ use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig};
 pub use fedfleet_aggregator::config::CampaignStrategy;
 use fedfleet_aggregator::publish::DirPublisher;
-use fedfleet_aggregator::service::Aggregator;
 use fedfleet_certs::{ALPN_V1, CaCert, DeviceIdentity, Pki, ServerIdentity};
 use fedfleet_learning::ModelSpec;
+pub use fedfleet_testkit::services::RunningAggregator;
+use fedfleet_testkit::services;
 use fedfleet_protocol::{DType, DeviceId, Digest, FleetId, RoundId, Signed, SignedUpdate, TensorBundle, UpdateHeader};
 use rand::{Rng, SeedableRng};
 
@@ -38,12 +39,8 @@ impl Fleet {
     pub fn named(n: usize, fleet: &str) -> Fleet {
         let dir = tempfile::tempdir().unwrap();
         let fleet = FleetId::new(fleet).unwrap();
-        let pki = Pki::init(dir.path().join("pki"), &fleet, 30, false).unwrap();
-        pki.issue_server("aggregator", &[], 30, false).unwrap();
-        pki.issue_server("operator", &[], 30, false).unwrap();
-        for i in 0..n {
-            pki.enroll_device(&dev(i), 30, false).unwrap();
-        }
+        let devices: Vec<DeviceId> = (0..n).map(dev).collect();
+        let pki = services::fleet_pki(&dir.path().join("pki"), &fleet, &["aggregator", "operator"], &devices, 30).unwrap();
         let initial = dir.path().join("initial.safetensors");
         let bundle = fedfleet_learning::model::init_bundle(&spec(), 7).unwrap();
         std::fs::write(&initial, bundle.encode()).unwrap();
@@ -117,32 +114,11 @@ impl Fleet {
     }
 }
 
-/// An in-process service on 127.0.0.1:0; dropping `stop` shuts it down.
-pub struct Running {
-    pub addr: SocketAddr,
-    pub agg: Aggregator,
-    pub stop: Option<tokio::sync::oneshot::Sender<()>>,
-    pub task: tokio::task::JoinHandle<()>,
-}
-
-pub fn start(cfg: Config) -> Running {
+/// The aggregator of `cfg` serving on 127.0.0.1:0, publishing into `cfg.publish_dir()`.
+pub async fn start(cfg: Config) -> RunningAggregator {
     let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir).unwrap();
     let publisher = DirPublisher::new(cfg.publish_dir(), key, "test");
-    let agg = Aggregator::open(cfg, Box::new(publisher)).unwrap();
-    let endpoint = agg.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = endpoint.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(agg.clone().run(endpoint, async move {
-        let _ = rx.await;
-    }));
-    Running { addr, agg, stop: Some(tx), task }
-}
-
-impl Running {
-    pub async fn shutdown(mut self) {
-        drop(self.stop.take());
-        self.task.await.unwrap();
-    }
+    RunningAggregator::start(Config { listen: "127.0.0.1:0".parse().unwrap(), ..cfg }, Box::new(publisher)).await.unwrap()
 }
 
 /// A delta bundle for `spec()` from a seed (values in ±0.01).

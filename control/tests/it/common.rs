@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_certs::{AllowList, CA_DAYS, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
+use fedfleet_certs::{AllowList, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
+use fedfleet_testkit::services::fleet_pki;
 use fedfleet_control::{
     AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, ControlEvents,
     Presence, Rejected, Role, device_tls, service_tls,
@@ -39,15 +40,10 @@ impl Fleet {
     pub fn with_fleet(n: usize, fleet: &str) -> Fleet {
         let dir = tempfile::tempdir().unwrap();
         let fleet = FleetId::new(fleet).unwrap();
-        let pki = Pki::init(dir.path().join("pki"), &fleet, CA_DAYS, false).unwrap();
-        pki.issue_server("aggregator", &[], LEAF_DAYS, false)
-            .unwrap();
         let devices: Vec<DeviceId> = (1..=n)
             .map(|i| DeviceId::new(format!("dev-{i}")).unwrap())
             .collect();
-        for d in &devices {
-            pki.enroll_device(d, LEAF_DAYS, false).unwrap();
-        }
+        let pki = fleet_pki(&dir.path().join("pki"), &fleet, &["aggregator"], &devices, LEAF_DAYS).unwrap();
         Fleet {
             dir,
             pki,

@@ -15,7 +15,7 @@ use fedfleet_testkit::fakes::FakeRegistry;
 use fedfleet_agent::lifecycle::{Backoff, CoreConfig, DurableLifecycle, HealthPolicy};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
 use fedfleet_agent::AgentStore;
-use fedfleet_certs::{AllowList, CA_DAYS, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
+use fedfleet_certs::{AllowList, DeviceIdentity, LEAF_DAYS, ServerIdentity};
 use fedfleet_control::{
     AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, Role, device_tls, service_tls,
 };
@@ -55,9 +55,7 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
     let dir = tempfile::tempdir().unwrap();
     let fleet = FleetId::new("fleetm").unwrap();
     let device = DeviceId::new("dev-1").unwrap();
-    let pki = Pki::init(dir.path().join("pki"), &fleet, CA_DAYS, false).unwrap();
-    pki.issue_server("aggregator", &[], LEAF_DAYS, false).unwrap();
-    pki.enroll_device(&device, LEAF_DAYS, false).unwrap();
+    let pki = fedfleet_testkit::services::fleet_pki(&dir.path().join("pki"), &fleet, &["aggregator"], std::slice::from_ref(&device), LEAF_DAYS).unwrap();
     let servers = pki.dir().join("servers");
     let broker = EmbeddedBroker::start(BrokerConfig::new(
         ([127, 0, 0, 1], 0).into(),

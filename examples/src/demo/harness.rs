@@ -19,8 +19,8 @@ pub struct Loopback {
     pub test: Dataset,
     pub initial: ModelRef,
     pub fleet: Fleet,
-    reg_run: Running,
-    agg_run: Running,
+    reg_run: RunningRegistry,
+    agg_run: RunningAggregator,
 }
 
 impl Loopback {
@@ -43,8 +43,8 @@ impl Loopback {
         ));
 
         // 2. registry
-        let (registry, reg_run) = start_registry(&work.join("registry"), &pki).await?;
-        let root = registry.signer().expect("keys loaded").root().clone();
+        let reg_run = start_registry(&work.join("registry"), &pki)?;
+        let (registry, root) = (reg_run.reg.clone(), reg_run.pinned_root.clone());
         ui.line(format!("[2/8] registry: QUIC (mTLS) on {}, TUF root pinned by every device", reg_run.addr));
 
         // Data and round target (agents with training data; a share can be empty under label skew).
@@ -65,13 +65,14 @@ impl Loopback {
             None => init_bundle(&spec, o.seed)?,
         };
         let started = start_aggregator(&work.join("aggregator"), &pki, &spec, &initial, campaign, publisher).await;
-        let (aggregator, agg_run) = match started {
+        let agg_run = match started {
             Ok(x) => x,
             Err(e) => {
                 reg_run.stop().await;
                 return Err(e);
             }
         };
+        let aggregator = agg_run.agg.clone();
         ui.line(format!(
             "[3/8] aggregator: QUIC (mTLS) on {}, sled state; publishes every global model to the registry over QUIC with its service certificate",
             agg_run.addr
@@ -201,8 +202,8 @@ pub(super) struct LoopbackParts {
     pki: Pki,
     registry: Arc<Registry>,
     aggregator: Aggregator,
-    reg_run: Running,
-    agg_run: Running,
+    reg_run: RunningRegistry,
+    agg_run: RunningAggregator,
     mqtt: Option<Mqtt>,
 }
 

@@ -35,19 +35,17 @@ use fedfleet_aggregator::config::{CampaignDefaults, CampaignStrategy, Config as 
 use fedfleet_aggregator::mqtt::Mqtt;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
+use fedfleet_testkit::services::{self, RegistrySetup, RunningAggregator, RunningRegistry};
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request as AggRequest};
-use fedfleet_certs::{Pki, ServerIdentity};
+use fedfleet_certs::Pki;
 use fedfleet_learning::{Dataset, ModelSpec, OptimizerConfig, Partition, TrainConfig, evaluate, model::init_bundle, sim as lsim};
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, ModelVersion, TensorBundle};
 use fedfleet_registry::client::RegistryClient;
-use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
+use fedfleet_registry::metadata::Lifetimes;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
-use fedfleet_registry::server::{self as reg_server, ServerOptions};
-use fedfleet_registry::store::{Store, StoreConfig};
 use fedfleet_registry::wire::{AdminRequest, RolloutStart};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tokio::sync::oneshot;
 
 use crate::attack::Attack;
 use crate::fleet::{Fleet, FleetExtras, MqttLink};
@@ -61,7 +59,7 @@ pub use rollout::*;
 pub use steps::*;
 
 pub const MODEL_NAME: &str = "digits";
-const SERVER_NAME: &str = "localhost";
+use services::SERVER_NAME;
 
 /// Everything `fedfleet demo` can be told.
 #[derive(Debug, Clone)]

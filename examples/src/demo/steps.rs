@@ -8,56 +8,16 @@ use super::*;
 /// A throwaway fleet PKI: CA, `registry`, `aggregator` and `operator` service identities, and one
 /// device identity per agent, valid for `days`.
 pub fn make_pki(dir: &Path, fleet: &FleetId, devices: &[DeviceId], days: u32) -> anyhow::Result<Pki> {
-    let pki = Pki::init(dir, fleet, days, false).context("creating the fleet CA")?;
-    let sans = vec![SERVER_NAME.to_owned(), "127.0.0.1".to_owned()];
-    for name in ["registry", "aggregator", "operator"] {
-        pki.issue_server(name, &sans, days, false).with_context(|| format!("issuing the {name} identity"))?;
-    }
-    for d in devices {
-        pki.enroll_device(d, days, false).with_context(|| format!("enrolling {d}"))?;
-    }
-    Ok(pki)
-}
-
-/// A running service: its address, a stop switch and its task.
-pub struct Running {
-    pub addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(30), self.task).await;
-    }
+    services::fleet_pki(dir, fleet, &["registry", "aggregator", "operator"], devices, days)
 }
 
 // ----- 2. registry -----
 
 /// Keys, root, store and the QUIC service. Operators: `operator` and `aggregator` (which
 /// publishes global models).
-pub async fn start_registry(dir: &Path, pki: &Pki) -> anyhow::Result<(Arc<Registry>, Running)> {
-    std::fs::create_dir_all(dir)?;
-    metadata::init_keys(dir, 30, false).context("registry signing keys")?;
+pub fn start_registry(dir: &Path, pki: &Pki) -> anyhow::Result<RunningRegistry> {
     let lifetimes = Lifetimes { targets_ms: 7 * 24 * 3600 * 1000, timestamp_ms: 3600 * 1000 };
-    let signer = MetadataSigner::load(dir, lifetimes)?;
-    let store = Store::open(dir.join("store"), StoreConfig::default())?;
-    let reg = Arc::new(Registry::new(store, pki.fleet().clone(), Some(signer), Default::default())?);
-    let identity = ServerIdentity::load(pki.dir(), "registry")?;
-    let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(pki.dir())?);
-    let tls = fedfleet_certs::tls::server_config(pki.ca(), &identity, revocation, &[fedfleet_certs::ALPN_V1])?;
-    let endpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), tls)?;
-    let addr = endpoint.local_addr()?;
-    let mut opts = ServerOptions::new(dir.join("incoming"));
-    opts.operators = vec!["operator".into(), "aggregator".into()];
-    let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(reg_server::run(endpoint, reg.clone(), opts, async move {
-        let _ = rx.await;
-    }));
-    Ok((reg, Running { addr, stop: Some(tx), task }))
+    RunningRegistry::start(pki, dir, RegistrySetup { lifetimes, ..Default::default() })
 }
 
 // ----- 3. aggregator -----
@@ -116,7 +76,7 @@ pub async fn start_aggregator(
     bundle: &TensorBundle,
     campaign: CampaignDefaults,
     publisher: Box<dyn Publisher>,
-) -> anyhow::Result<(Aggregator, Running)> {
+) -> anyhow::Result<RunningAggregator> {
     std::fs::create_dir_all(dir)?;
     let initial = dir.join("initial.safetensors");
     std::fs::write(&initial, bundle.encode())?;
@@ -139,14 +99,7 @@ pub async fn start_aggregator(
         campaign,
         compute: Default::default(),
     };
-    let agg = Aggregator::open(cfg.clone(), publisher).context("opening the aggregator")?;
-    let endpoint = agg.bind(cfg.listen)?;
-    let addr = endpoint.local_addr()?;
-    let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(agg.clone().run(endpoint, async move {
-        let _ = rx.await;
-    }));
-    Ok((agg, Running { addr, stop: Some(tx), task }))
+    RunningAggregator::start(cfg, publisher).await
 }
 
 /// The aggregator's embedded MQTT broker (loopback, a free port, the fleet CA and the
@@ -163,8 +116,7 @@ pub async fn start_mqtt(agg: &Aggregator, heartbeat: Duration) -> anyhow::Result
 }
 
 pub(super) fn operator_tls(pki: &Pki) -> anyhow::Result<rustls::ClientConfig> {
-    let id = ServerIdentity::load(pki.dir(), "operator")?;
-    Ok(fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?)
+    services::service_tls(pki, "operator")
 }
 
 // ----- 4. campaign start -----

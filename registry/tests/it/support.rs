@@ -3,14 +3,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, RevocationWatcher, ServerIdentity, tls};
+use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, ServerIdentity, tls};
 use fedfleet_protocol::{DeviceId, FleetId, ModelVersion};
 use fedfleet_registry::client::RegistryClient;
-use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
-use fedfleet_registry::metrics::Metrics;
 use fedfleet_registry::ops::Registry;
-use fedfleet_registry::server::{self, Faults, ServerOptions};
-use fedfleet_registry::store::{Manifest, NewVersion, Store, StoreConfig};
+use fedfleet_registry::server::Faults;
+use fedfleet_registry::store::{Manifest, NewVersion, StoreConfig};
+use fedfleet_testkit::services::{self, RegistrySetup, RunningRegistry};
 
 pub const CHUNK: u32 = 64 * 1024;
 
@@ -30,53 +29,21 @@ pub struct Harness {
     pub addr: SocketAddr,
     pub reg: Arc<Registry>,
     pub faults: Arc<Faults>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    running: RunningRegistry,
 }
 
 impl Harness {
     pub async fn start() -> Harness {
         let dir = tempfile::tempdir().unwrap();
-        let pki_dir = dir.path().join("pki");
         let fleet = FleetId::new("test-fleet").unwrap();
-        let pki = Pki::init(&pki_dir, &fleet, 30, false).unwrap();
-        pki.issue_server("registry", &[], 30, false).unwrap();
-        pki.issue_server("operator", &[], 30, false).unwrap();
-        pki.issue_server("intruder", &[], 30, false).unwrap();
-        let data = dir.path().join("data");
-        metadata::init_keys(&data, 30, false).unwrap();
-        let store = Store::open(
-            data.join("store"),
-            StoreConfig {
-                chunk_size: CHUNK,
-                ..StoreConfig::default()
-            },
-        )
-        .unwrap();
-        let signer = MetadataSigner::load(&data, Lifetimes::default()).unwrap();
-        let reg = Arc::new(
-            Registry::new(store, fleet, Some(signer), Arc::new(Metrics::default())).unwrap(),
-        );
-        let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
-        let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
-        let tls = tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1]).unwrap();
-        let endpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), tls).unwrap();
-        let addr = endpoint.local_addr().unwrap();
-        let opts = ServerOptions::new(data.join("incoming"));
-        let faults = opts.faults.clone();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(server::run(endpoint, reg.clone(), opts, async move {
-            let _ = rx.await;
-        }));
-        Harness {
-            dir,
-            pki,
-            addr,
-            reg,
-            faults,
-            stop: Some(tx),
-            task: Some(task),
-        }
+        let pki = services::fleet_pki(&dir.path().join("pki"), &fleet, &["registry", "operator", "intruder"], &[], 30).unwrap();
+        let setup = RegistrySetup {
+            operators: vec!["operator".into()],
+            store: StoreConfig { chunk_size: CHUNK, ..StoreConfig::default() },
+            ..Default::default()
+        };
+        let running = RunningRegistry::start(&pki, &dir.path().join("data"), setup).unwrap();
+        Harness { addr: running.addr, reg: running.reg.clone(), faults: running.faults.clone(), dir, pki, running }
     }
 
     pub fn pki_dir(&self) -> PathBuf {
@@ -124,12 +91,8 @@ impl Harness {
         self.reg.signer().unwrap().root().body_unverified().unwrap()
     }
 
-    pub async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        tokio::time::timeout(Duration::from_secs(15), self.task.take().unwrap())
-            .await
-            .expect("server stops within 15 s")
-            .unwrap();
+    pub async fn stop(self) {
+        self.running.stop().await;
     }
 }
 

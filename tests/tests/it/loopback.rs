@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use fedfleet_testkit::services::RunningAggregator;
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig, PublishConfig};
 use fedfleet_aggregator::wire::CampaignOverrides;
@@ -12,7 +13,7 @@ use fedfleet_learning::ModelSpec;
 use fedfleet_protocol::{ModelVersion, RoundId};
 
 use crate::inproc::{
-    FleetDir, RunningAggregator, RunningRegistry, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
+    FleetDir, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
 };
 
 const MODEL: &str = "digits";
@@ -33,7 +34,7 @@ async fn body() {
     let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
 
     // Registry, in process; the aggregator's service certificate is an operator.
-    let registry = RunningRegistry::start(&fleet_dir, &["aggregator"]);
+    let registry = fleet_dir.start_registry(&["aggregator"]);
     let (reg, reg_addr) = (registry.reg.clone(), registry.addr);
 
     // Aggregator, in process, publishing into the registry.
@@ -53,7 +54,8 @@ async fn body() {
         campaign: CampaignDefaults { rounds: 3, target: N as u32, quorum: N as u32, deadline_secs: 600, learning_rate: 0.1, ..Default::default() },
         compute: Default::default(),
     };
-    let (running, agg_addr) = RunningAggregator::start(&cfg, reg_addr, "127.0.0.1:0".parse().unwrap()).await;
+    let running = RunningAggregator::publishing_to(cfg.clone(), reg_addr).await.unwrap();
+    let agg_addr = running.addr;
     let receipt_key = running.agg.receipt_key();
     running.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
 
@@ -100,8 +102,8 @@ async fn body() {
     assert_eq!(fleet.pending(), N - 2, "{:?}", fleet.status());
 
     // Back on the same address and data directory: the outboxes drain, rounds 2 and 3 finish.
-    let (running, again) = RunningAggregator::start(&cfg, reg_addr, agg_addr).await;
-    assert_eq!(again, agg_addr);
+    let running = RunningAggregator::publishing_to(Config { listen: agg_addr, ..cfg.clone() }, reg_addr).await.unwrap();
+    assert_eq!(running.addr, agg_addr);
     assert_eq!(running.agg.receipt_key(), receipt_key, "same receipt key after restart");
     let agg = running.agg.clone();
     let done = fleet

@@ -12,24 +12,25 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fedfleet_agent::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock};
+use fedfleet_agent::agent::{Clock, SystemClock};
 use fedfleet_agent::clients::{Aggregator, BaseModel, TransportError, UploadReply};
-use fedfleet_agent::lifecycle::{Backoff, CoreConfig, DurableLifecycle, HealthPolicy};
+use fedfleet_agent::lifecycle::{Backoff, HealthPolicy};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
 use fedfleet_agent::remote::{RemoteAggregator, RemoteRegistry};
-use fedfleet_agent::AgentStore;
 use fedfleet_aggregator::config::Config;
 use fedfleet_aggregator::service::Aggregator as AggregatorService;
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_certs::{ALPN_V1, DeviceIdentity, tls};
 use fedfleet_testkit::mosquitto::{Mosquitto, MosquittoConfig};
+use fedfleet_testkit::services::RunningAggregator;
+use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_control::{ClientOptions, ControlClient, Role, device_tls};
-use fedfleet_learning::{Dataset, ModelSpec, Partition};
+use fedfleet_learning::ModelSpec;
 use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
 use fedfleet_registry::ops::Registry;
 
 use crate::inproc::{
-    FleetDir, RunningAggregator, RunningRegistry, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
+    FleetDir, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
 };
 
 const MODEL: &str = "digits";
@@ -37,7 +38,7 @@ const N: usize = 4;
 
 /// The agent's QUIC aggregator with round polls and uploads switched off (as if UDP were blocked
 /// for everything but the model download), so rounds and updates can only travel over MQTT.
-struct QuicModelsOnly(RemoteAggregator);
+struct QuicModelsOnly(Arc<RemoteAggregator>);
 
 impl Aggregator for QuicModelsOnly {
     async fn current_round(&self, _: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
@@ -51,10 +52,8 @@ impl Aggregator for QuicModelsOnly {
     }
 }
 
-type MqttAgent = Agent<MqttAggregator<QuicModelsOnly>, MqttRegistry<RemoteRegistry>>;
-
 struct Fleet {
-    agents: Vec<MqttAgent>,
+    inner: RemoteFleet<MqttAggregator<QuicModelsOnly>, MqttRegistry<RemoteRegistry>>,
     aggs: Vec<Arc<MqttAggregator<QuicModelsOnly>>>,
     controls: Vec<ControlClient>,
     heartbeats: Vec<tokio::task::JoinHandle<()>>,
@@ -62,7 +61,7 @@ struct Fleet {
 
 impl Fleet {
     async fn step(&mut self, which: std::ops::Range<usize>) {
-        for a in &mut self.agents[which] {
+        for a in &mut self.inner.agents[which] {
             a.poll_control().await.unwrap();
             a.drive().await.unwrap();
         }
@@ -96,11 +95,11 @@ impl Fleet {
     }
 
     fn outboxes(&self) -> Vec<usize> {
-        self.agents.iter().map(|a| a.core().store().outbox().map(|o| o.len()).unwrap_or(0)).collect()
+        self.inner.agents.iter().map(|a| a.core().store().outbox().map(|o| o.len()).unwrap_or(0)).collect()
     }
 
     fn states(&self) -> Vec<String> {
-        self.agents.iter().map(|a| format!("{:?} {:?}", a.core().state().last_round, a.core().state().last_state)).collect()
+        self.inner.agents.iter().map(|a| format!("{:?} {:?}", a.core().state().last_round, a.core().state().last_state)).collect()
     }
 
     fn pending(&self) -> usize {
@@ -122,58 +121,39 @@ struct Setup<'a> {
 /// Agents wired like the daemon with `[mqtt] upload = "mqtt"`: `MqttAggregator` over the QUIC
 /// client, `MqttRegistry` publishing signed status, heartbeats every 500 ms.
 fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
-    let parts = digits_partitions(devices.len());
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let mut fleet = Fleet { agents: Vec::new(), aggs: Vec::new(), controls: Vec::new(), heartbeats: Vec::new() };
-    for (i, (device, part)) in devices.iter().zip(parts).enumerate() {
-        let id = DeviceIdentity::load(s.pki_dir, device).unwrap();
-        let agg_client = quic_aggregator_client(&id, s.agg_addr);
-        // Generous: a base model fetch that times out makes the agent skip the round for good.
-        let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, s.receipt_key).with_timeout(Duration::from_secs(30))));
-        let reg = Arc::new(quic_registry(&id, s.reg_addr, &s.pinned_root, &clock));
-
-        let mut o = device_mqtt_options(s.broker_port, device, s.fleet);
+    let mut o = FleetOptions::new(s.pki_dir, s.fleet.clone(), devices.to_vec(), s.agg_addr, s.reg_addr, s.receipt_key, s.pinned_root.clone(), MODEL, s.data_dir);
+    o.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
+    // Generous: a base model fetch that times out makes the agent skip the round for good.
+    o.call_timeout = Duration::from_secs(30);
+    let (mut aggs, mut controls, mut publishers) = (Vec::new(), Vec::new(), Vec::new());
+    let inner = RemoteFleet::start_with(o, |l| {
+        let mut o = device_mqtt_options(s.broker_port, &l.device, s.fleet);
         o.chunk_bytes = 8 * 1024; // several chunks per update
-        let role = Role::Device { id: device.clone(), aggregator_key: s.receipt_key, registry_key: None };
-        let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
+        let role = Role::Device { id: l.device.clone(), aggregator_key: s.receipt_key, registry_key: None };
+        let (control, events) = ControlClient::start(o, device_tls(&l.identity)?, role);
         let opts = MqttUploadOptions { path: UploadPath::Mqtt, receipt_timeout: Duration::from_secs(3), ..Default::default() };
-        let agg = Arc::new(MqttAggregator::new(quic, control.clone(), events, opts));
-        let publisher = StatusPublisher::new(control.clone(), id.signing_key());
-        let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
-
-        let mut cfg = CoreConfig::new(device.clone(), s.fleet.clone());
-        cfg.rng_seed = 1 ^ i as u64;
-        cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 };
-        let agent = build_agent(cfg, part, &s.data_dir.join(device.as_str()), &s.pinned_root, &id, agg.clone(), reg, &clock);
-        let initial = agent.core().status(clock.now_ms());
-        let c = clock.clone();
-        fleet.heartbeats.push(tokio::spawn(fedfleet_agent::mqtt::heartbeats(publisher, initial, Duration::from_millis(500), move || c.now_ms())));
-        fleet.agents.push(agent);
-        fleet.aggs.push(agg);
-        fleet.controls.push(control);
-    }
-    fleet
-}
-
-type PinnedRoot = fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::Root>;
-
-/// The digits training split in `n` IID parts, one per device.
-fn digits_partitions(n: usize) -> Vec<Dataset> {
-    let (train, _) = Dataset::digits_split().unwrap();
-    Partition::Iid.split_dataset(&train, n, 1)
+        let agg = Arc::new(MqttAggregator::new(Arc::new(QuicModelsOnly(l.aggregator.clone())), control.clone(), events, opts));
+        let publisher = StatusPublisher::new(control.clone(), l.identity.signing_key());
+        let reg = Arc::new(MqttRegistry::new(l.registry.clone(), publisher.clone()));
+        aggs.push(agg.clone());
+        controls.push(control);
+        publishers.push(publisher);
+        Ok((agg, reg))
+    })
+    .unwrap();
+    let heartbeats = inner
+        .agents
+        .iter()
+        .zip(publishers)
+        .map(|(a, p)| tokio::spawn(fedfleet_agent::mqtt::heartbeats(p, a.core().status(SystemClock.now_ms()), Duration::from_millis(500), || SystemClock.now_ms())))
+        .collect();
+    Fleet { inner, aggs, controls, heartbeats }
 }
 
 /// The device's QUIC client of the aggregator at `addr`.
 fn quic_aggregator_client(id: &DeviceIdentity, addr: SocketAddr) -> fedfleet_aggregator::client::AggregatorClient {
     let client_tls = tls::client_config(id.ca(), id, &[ALPN_V1]).unwrap();
     fedfleet_aggregator::client::AggregatorClient::new(addr, "localhost", client_tls).unwrap()
-}
-
-/// The device's QUIC registry client (metadata, assignments, downloads), pinning `pinned_root`.
-fn quic_registry(id: &DeviceIdentity, reg_addr: SocketAddr, pinned_root: &PinnedRoot, clock: &Arc<dyn Clock>) -> RemoteRegistry {
-    let client_tls = tls::client_config(id.ca(), id, &[ALPN_V1]).unwrap();
-    let client = fedfleet_registry::client::RegistryClient::new(reg_addr, "localhost", client_tls).unwrap();
-    RemoteRegistry::with_clock(client, MODEL, pinned_root.clone(), clock.clone())
 }
 
 /// The device's MQTT client options, redialling within 100 ms to 1 s so a broker restart is
@@ -183,28 +163,6 @@ fn device_mqtt_options(broker_port: u16, device: &DeviceId, fleet: &FleetId) -> 
     o.backoff_initial = Duration::from_millis(100);
     o.backoff_max = Duration::from_secs(1);
     o
-}
-
-/// An agent as the daemon builds it from `cfg`, with its state in `state_dir`, training on 80 %
-/// of `part` (the rest held out for its health check) and retrying within 200 ms to 1 s.
-#[allow(clippy::too_many_arguments)]
-fn build_agent<A: Aggregator, R: fedfleet_agent::clients::Registry>(
-    mut cfg: CoreConfig,
-    part: Dataset,
-    state_dir: &std::path::Path,
-    pinned_root: &PinnedRoot,
-    id: &DeviceIdentity,
-    agg: Arc<A>,
-    reg: Arc<R>,
-    clock: &Arc<dyn Clock>,
-) -> Agent<A, R> {
-    let store = AgentStore::open(state_dir).unwrap();
-    let (train, holdout) = part.split(0.2, 1);
-    cfg.local_samples = train.len() as u64;
-    cfg.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
-    let core = DurableLifecycle::open(cfg, store, Some(pinned_root.clone()), None, clock.now_ms()).unwrap();
-    let shell = ShellConfig { latency_samples: 8, ..Default::default() };
-    Agent::new(core, agg, reg, id.signing_key(), LocalData { train, holdout }, clock.clone(), shell)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,7 +265,7 @@ async fn body(kind: BrokerKind) {
     };
 
     // Registry, in process; the aggregator's service certificate is an operator.
-    let registry = RunningRegistry::start(&fleet_dir, &["aggregator"]);
+    let registry = fleet_dir.start_registry(&["aggregator"]);
 
     // Aggregator, in process, from its TOML config with `[mqtt]` (embedded broker on any port, or
     // mosquitto's address).
@@ -316,7 +274,8 @@ async fn body(kind: BrokerKind) {
     let config_path = write_aggregator_config(root_dir, &spec, Some(registry.addr), 3, &mqtt_section);
     let (cfg, mqtt_cfg) = Config::load_all(&config_path).unwrap();
     let mqtt_cfg = mqtt_cfg.expect("[mqtt] is on");
-    let (running, agg_addr) = RunningAggregator::start(&cfg, registry.addr, cfg.listen).await;
+    let running = RunningAggregator::publishing_to(cfg.clone(), registry.addr).await.unwrap();
+    let agg_addr = running.addr;
     let agg = running.agg.clone();
     let mut mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg).await.unwrap().expect("[mqtt] is on");
     let mut broker = match mosquitto {
@@ -390,7 +349,7 @@ async fn body(kind: BrokerKind) {
     for c in &fleet.controls {
         c.shutdown().await;
     }
-    drop(fleet.agents);
+    drop(fleet.inner);
     mqtt.shutdown().await;
     drop(agg);
     running.stop().await;
@@ -506,7 +465,7 @@ async fn refusal_body() {
     // Long enough that only an answer, not the time limit, can end the wait.
     let opts = MqttUploadOptions { path: UploadPath::Mqtt, receipt_timeout: Duration::from_secs(30), ..Default::default() };
     let agg_client = quic_aggregator_client(&id, "127.0.0.1:9".parse().unwrap());
-    let quic = Arc::new(QuicModelsOnly(RemoteAggregator::new(agg_client, receipt_key)));
+    let quic = Arc::new(QuicModelsOnly(Arc::new(RemoteAggregator::new(agg_client, receipt_key))));
     let mqtt_agg = MqttAggregator::new(quic, control.clone(), events, opts);
 
     // The open round, as announced over MQTT.
@@ -566,7 +525,7 @@ async fn refusal_body() {
 
 /// The agent's registry client with QUIC status reports switched off, so the registry can only
 /// learn install outcomes from the signed status the agent publishes over MQTT.
-struct QuicReportsOff(RemoteRegistry);
+struct QuicReportsOff(Arc<RemoteRegistry>);
 
 impl fedfleet_agent::clients::Registry for QuicReportsOff {
     async fn metadata(&self, have_root_version: u64) -> Result<fedfleet_agent::clients::MetadataSet, TransportError> {
@@ -617,7 +576,7 @@ async fn rollout_body() {
     .unwrap();
 
     // Registry with v1 (stable) and v2 of the model.
-    let registry = RunningRegistry::start(&fleet_dir, &["operator"]);
+    let registry = fleet_dir.start_registry(&["operator"]);
     let (reg, reg_addr, pinned_root) = (registry.reg.clone(), registry.addr, registry.pinned_root.clone());
     let spec = ModelSpec::digits_mlp();
     for seed in [7, 8] {
@@ -646,31 +605,31 @@ async fn rollout_body() {
     let reg_mqtt = fedfleet_registry::mqtt::start(reg.clone(), &rcfg).await.unwrap().expect("[mqtt] on");
 
     // Agents: an hour between polls; QUIC only for metadata, assignments and downloads.
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let parts = digits_partitions(DEVICES);
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut serving = Vec::new();
+    let unused_receipt_key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key();
+    let no_aggregator: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let mut o = FleetOptions::new(&pki_dir, fleet_id.clone(), devices.clone(), no_aggregator, reg_addr, unused_receipt_key, pinned_root.clone(), MODEL, root_dir.join("agents"));
+    // Any accuracy passes: this test is about how the rollout travels, not the model.
+    o.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 1.0 };
+    assert!(notice_key(&pinned_root).is_some(), "the root names the timestamp key");
     let mut aggs = Vec::new();
-    let mut tasks = Vec::new();
-    for (i, (device, part)) in devices.iter().zip(parts).enumerate() {
-        let id = DeviceIdentity::load(&pki_dir, device).unwrap();
-        let quic_reg = Arc::new(QuicReportsOff(quic_registry(&id, reg_addr, &pinned_root, &clock)));
-        let o = device_mqtt_options(broker.local_addr().port(), device, &fleet_id);
-        let unused_receipt_key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key();
-        let role = Role::Device { id: device.clone(), aggregator_key: unused_receipt_key, registry_key: notice_key(&pinned_root) };
-        assert!(notice_key(&pinned_root).is_some(), "the root names the timestamp key");
-        let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
+    let mut fleet = RemoteFleet::start_with(o, |l| {
+        let o = device_mqtt_options(broker.local_addr().port(), &l.device, &fleet_id);
+        let role = Role::Device { id: l.device.clone(), aggregator_key: unused_receipt_key, registry_key: notice_key(&pinned_root) };
+        let (control, events) = ControlClient::start(o, device_tls(&l.identity)?, role);
         let opts = MqttUploadOptions { path: UploadPath::Quic, ..Default::default() };
         let agg = Arc::new(MqttAggregator::new(Arc::new(Unlinked), control.clone(), events, opts));
-        let reg_client = Arc::new(MqttRegistry::new(quic_reg, StatusPublisher::new(control.clone(), id.signing_key())));
-        let mut cfg = CoreConfig::new(device.clone(), fleet_id.clone());
-        cfg.rng_seed = i as u64;
-        // Any accuracy passes: this test is about how the rollout travels, not the model.
-        cfg.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 1.0 };
-        let mut agent = build_agent(cfg, part, &root_dir.join("agents").join(device.as_str()), &pinned_root, &id, agg.clone(), reg_client, &clock);
+        let quic_reg = Arc::new(QuicReportsOff(l.registry.clone()));
+        let reg = Arc::new(MqttRegistry::new(quic_reg, StatusPublisher::new(control.clone(), l.identity.signing_key())));
+        aggs.push((agg.clone(), control));
+        Ok((agg, reg))
+    })
+    .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut serving = Vec::new();
+    let mut tasks = Vec::new();
+    for (mut agent, (agg, _)) in std::mem::take(&mut fleet.agents).into_iter().zip(&aggs) {
         serving.push(agent.serving());
         let wake = agg.wake();
-        aggs.push((agg, control));
         let mut stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             run_agent_with_wake(&mut agent, Duration::from_secs(3600), wake, async move {

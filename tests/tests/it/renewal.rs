@@ -6,22 +6,16 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use fedfleet_agent::config::IdentityPaths;
 use fedfleet_agent::remote::RemoteRegistry;
 use fedfleet_agent::renewal::{RenewalConfig, RenewalError, RenewalOutcome, Renewer};
 use fedfleet_agent::{Clock, daemon};
-use fedfleet_certs::{ALPN_V1, AllowList, DeviceIdentity, DeviceIssuer, Pki, RevocationWatcher, ServerIdentity, tls};
+use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, tls};
 use fedfleet_protocol::{DeviceId, FleetId, RejectReason};
 use fedfleet_registry::client::{ClientError, RegistryClient};
-use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
-use fedfleet_registry::metrics::Metrics;
-use fedfleet_registry::ops::Registry;
-use fedfleet_registry::server::{self, Renewal, ServerOptions, ServiceClock};
-use fedfleet_registry::store::{Store, StoreConfig};
-use fedfleet_registry::{Root, SignedMetadata};
 use fedfleet_testkit::clock::FakeClock;
+use fedfleet_testkit::services::{RegistrySetup, RunningRegistry};
 
 const DAY_MS: u64 = 86_400_000;
 
@@ -29,52 +23,23 @@ struct Fleet {
     dir: tempfile::TempDir,
     pki: Pki,
     clock: Arc<FakeClock>,
-    reg: Arc<Registry>,
-    root: SignedMetadata<Root>,
-    addr: std::net::SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
+    registry: RunningRegistry,
 }
 
 /// A fleet whose CA and registry certificate last ten years and whose devices' certificates
 /// last 365 days; the registry renews with the CA key and judges time by the fake clock.
 fn start(devices: &[&str]) -> Fleet {
     let dir = tempfile::tempdir().unwrap();
-    let pki_dir = dir.path().join("pki");
-    let pki = Pki::init(&pki_dir, &FleetId::new("fleet-renew").unwrap(), 3650, false).unwrap();
+    let pki = Pki::init(dir.path().join("pki"), &FleetId::new("fleet-renew").unwrap(), 3650, false).unwrap();
     pki.issue_server("registry", &[], 3650, false).unwrap();
     for d in devices {
         pki.enroll_device(&DeviceId::new(*d).unwrap(), 365, false).unwrap();
     }
     let clock = Arc::new(FakeClock::new(fedfleet_registry::unix_ms()));
-
-    let data = dir.path().join("registry");
-    metadata::init_keys(&data, 3650, false).unwrap();
-    let store = Store::open(data.join("store"), StoreConfig::default()).unwrap();
-    let signer = MetadataSigner::load(&data, Lifetimes::default()).unwrap();
-    let revocation = Arc::new(RevocationWatcher::open(&pki_dir).unwrap());
-    let reg = Arc::new(
-        Registry::new(store, pki.fleet().clone(), Some(signer), Arc::new(Metrics::default())).unwrap().with_revocation(revocation.clone()),
-    );
-    let root = reg.signer().unwrap().root().clone();
-    let identity = ServerIdentity::load(&pki_dir, "registry").unwrap();
     let c = clock.clone();
-    let server_tls = tls::server_config_at(pki.ca(), &identity, revocation, &[ALPN_V1], tls::clock_time(move || c.now_ms())).unwrap();
-    let endpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), server_tls).unwrap();
-    let addr = endpoint.local_addr().unwrap();
-    let mut opts = ServerOptions::new(data.join("incoming"));
-    opts.renewal = Some(Renewal {
-        issuer: Arc::new(DeviceIssuer::load(&pki.ca_cert_path(), &pki_dir.join("ca.key")).unwrap()),
-        allow_list: Some(Arc::new(AllowList::load(pki.allow_list_path()).unwrap())),
-        days: 365,
-    });
-    let c = clock.clone();
-    opts.clock = ServiceClock::new(move || c.now_ms());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server::run(endpoint, reg.clone(), opts, async move {
-        let _ = stopped.await;
-    }));
-    Fleet { dir, pki, clock, reg, root, addr, stop, task }
+    let setup = RegistrySetup { key_days: 3650, renewal_days: Some(365), clock: Some(Arc::new(move || c.now_ms())), ..Default::default() };
+    let registry = RunningRegistry::start(&pki, &dir.path().join("registry"), setup).unwrap();
+    Fleet { dir, pki, clock, registry }
 }
 
 /// A device as its agent holds it: its own copy of the identity files, the agent's registry
@@ -103,8 +68,8 @@ impl Fleet {
         let identity = daemon::load_identity_at(&ids, clock.now_ms()).unwrap();
         let c = clock.clone();
         let tls = tls::client_config_at(identity.ca(), &identity, &[ALPN_V1], tls::clock_time(move || c.now_ms())).unwrap();
-        let client = RegistryClient::new(self.addr, "localhost", tls).unwrap();
-        let registry = Arc::new(RemoteRegistry::with_clock(client, "digits", self.root.clone(), clock.clone()));
+        let client = RegistryClient::new(self.registry.addr, "localhost", tls).unwrap();
+        let registry = Arc::new(RemoteRegistry::with_clock(client, "digits", self.registry.pinned_root.clone(), clock.clone()));
         let renewer = Renewer::new(ids.clone(), RenewalConfig::default(), registry.clone(), None, clock);
         Device { ids, registry, renewer }
     }
@@ -114,8 +79,7 @@ impl Fleet {
     }
 
     async fn stop(self) {
-        drop(self.stop);
-        tokio::time::timeout(Duration::from_secs(15), self.task).await.unwrap().unwrap();
+        self.registry.stop().await;
     }
 }
 
@@ -137,7 +101,7 @@ async fn a_device_that_renewed_keeps_working_past_its_original_lifetime() {
     fleet.clock.advance(340 * DAY_MS);
     let RenewalOutcome::Renewed { not_after } = dev.renewer.check().await.unwrap() else { panic!("not renewed") };
     assert!(not_after >= original.not_after + 300 * 86_400, "renewed until {not_after}, was {}", original.not_after);
-    assert_eq!(fleet.reg.metrics().certificates_renewed.get(), 1);
+    assert_eq!(fleet.registry.reg.metrics().certificates_renewed.get(), 1);
     // Same key (it signs the device's updates), now on disk.
     let on_disk = DeviceIdentity::from_files_at(&dev.ids.cert, &dev.ids.key, &dev.ids.ca, fleet.now_secs()).unwrap();
     assert_eq!(on_disk.validity().not_after, not_after);
@@ -176,7 +140,7 @@ async fn a_lapsed_device_is_refused_as_certificate_expired() {
     // The server counts the refused handshake on its side of it, which may finish just after
     // the client hears the alert.
     let counted = async {
-        while fleet.reg.metrics().get("fedfleet_registry_rejections_total", "certificate_expired") < 1 {
+        while fleet.registry.reg.metrics().get("fedfleet_registry_rejections_total", "certificate_expired") < 1 {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     };
@@ -200,7 +164,7 @@ async fn a_revoked_device_cannot_renew() {
         Err(RenewalError::Refused { reason, .. }) => assert_eq!(reason, RejectReason::Revoked),
         other => panic!("expected a revoked refusal, got {other:?}"),
     }
-    assert_eq!(fleet.reg.metrics().certificates_renewed.get(), 0);
+    assert_eq!(fleet.registry.reg.metrics().certificates_renewed.get(), 0);
     // The certificate on disk is untouched.
     let kept = DeviceIdentity::from_files_at(&dev.ids.cert, &dev.ids.key, &dev.ids.ca, fleet.now_secs()).unwrap();
     assert_eq!(kept.cert(), DeviceIdentity::from_files_at(&fleet.pki.dir().join("devices/edge-01.crt"), &dev.ids.key, &dev.ids.ca, fleet.now_secs()).unwrap().cert());
