@@ -158,6 +158,14 @@ mod tests {
     }
 
     #[test]
+    fn a_fleet_other_than_the_pkis_is_refused() {
+        let eu = FleetId::new("eu").unwrap();
+        assert_eq!(parse("host = \"b\"").client.fleet(&eu), Ok(eu.clone()));
+        assert_eq!(parse("host = \"b\"\nfleet = \"eu\"").client.fleet(&eu), Ok(eu.clone()));
+        assert_eq!(parse("host = \"b\"\nfleet = \"us\"").client.fleet(&eu).unwrap_err(), "[mqtt] fleet \"us\" is not the PKI's fleet eu");
+    }
+
+    #[test]
     fn a_misspelt_key_is_refused_by_name() {
         let s = parse("host = \"b\"\nprot = 1883\nclientid = \"x\"");
         assert_eq!(s.unknown.check("mqtt").unwrap_err(), "[mqtt]: unknown key(s) clientid, prot");

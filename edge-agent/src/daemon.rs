@@ -252,7 +252,9 @@ pub fn mqtt_control(
     identity: &DeviceIdentity,
     aggregator_key: ed25519_dalek::VerifyingKey,
 ) -> Result<(ControlClient, ControlEvents)> {
-    let fleet = FleetId::new(m.client.fleet.as_deref().unwrap_or(&cfg.fleet)).map_err(|e| anyhow::anyhow!("[mqtt] fleet: {e}"))?;
+    let own = FleetId::new(&cfg.fleet).map_err(|e| anyhow::anyhow!("fleet: {e}"))?;
+    // The device's MQTT fleet is its own: a different `[mqtt] fleet` is refused, not followed.
+    let fleet = m.client.fleet(&own).map_err(anyhow::Error::msg)?;
     let tls = fedfleet_control::device_tls(identity).context("[mqtt] TLS client config")?;
     let id = identity.device_id().clone();
     let (host, port) = m.client.address().map_err(anyhow::Error::msg)?;

@@ -36,6 +36,10 @@ struct Args {
     /// Freeze the adapters' A at their initial values and train only B (FFA-LoRA).
     #[arg(long)]
     lora_freeze_a: bool,
+    /// Start each adapter's A from the pre-trained weight's principal input directions
+    /// instead of at random.
+    #[arg(long)]
+    lora_principal_a: bool,
     /// The agents' learning rate for full fine-tuning, head only and LoRA.
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lr)]
     lr: Vec<f32>,
@@ -72,6 +76,7 @@ async fn main() -> ExitCode {
         lora_targets: a.lora_targets,
         lora_also_train: a.lora_also_train,
         lora_freeze_a: a.lora_freeze_a,
+        lora_init_a: if a.lora_principal_a { fedfleet_learning::AdapterInit::Principal } else { fedfleet_learning::AdapterInit::Random },
         lr: [full_lr, head_lr, lora_lr],
         optimizers: [full_opt, head_opt, lora_opt],
         seed: a.seed,

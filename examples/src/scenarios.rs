@@ -354,6 +354,8 @@ pub struct TransferOptions {
     pub lora_also_train: Vec<String>,
     /// Train only the adapters' B (FFA-LoRA).
     pub lora_freeze_a: bool,
+    /// How the adapters' A start (random, or the pre-trained weights' principal directions).
+    pub lora_init_a: fedfleet_learning::AdapterInit,
     /// The agents' learning rate per mode: full, head only, LoRA. Each mode gets the step it
     /// trains best with (fewer trainable values take a larger one).
     pub lr: [f32; 3],
@@ -375,6 +377,7 @@ impl Default for TransferOptions {
             lora_targets: vec!["fc2".into(), "fc3".into()],
             lora_also_train: Vec::new(),
             lora_freeze_a: false,
+            lora_init_a: fedfleet_learning::AdapterInit::Random,
             lr: [0.2, 0.5, 0.15],
             optimizers: ["sgd", "sgd", "sgd"],
         }
@@ -493,7 +496,7 @@ pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow))
     };
     let head = with(FineTune::Freeze { trainable: Some(vec!["fc3.*".into()]), frozen: Vec::new() });
     let rank = o.lora_rank;
-    let lora = with(FineTune::Lora { rank, alpha: Real(rank as f64), targets: Some(o.lora_targets.clone()), also_train: o.lora_also_train.clone(), freeze_a: o.lora_freeze_a });
+    let lora = with(FineTune::Lora { rank, alpha: Real(rank as f64), targets: Some(o.lora_targets.clone()), also_train: o.lora_also_train.clone(), freeze_a: o.lora_freeze_a, init_a: o.lora_init_a });
     let lora_initial = attach_adapters(&lora, &pretrained, o.seed)?;
     let mut rows = Vec::new();
     let modes = [("full", full, pretrained.clone()), ("head", head, pretrained.clone()), ("lora", lora, lora_initial)];

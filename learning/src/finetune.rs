@@ -3,7 +3,7 @@
 //! over a new global model.
 
 use crate::error::LearningError;
-use crate::graph::{FineTune, Op, Node};
+use crate::graph::{AdapterInit, FineTune, Op, Node};
 use crate::model::init_bundle;
 use crate::spec::ModelSpec;
 use fedfleet_protocol::bundle::TensorBundle;
@@ -27,11 +27,64 @@ pub fn base_spec(spec: &ModelSpec) -> ModelSpec {
 pub fn attach_adapters(spec: &ModelSpec, base: &TensorBundle, seed: u64) -> Result<TensorBundle, LearningError> {
     crate::model::check_layout(&base_spec(spec), base)?;
     let fresh = init_bundle(spec, seed)?;
+    let principal = matches!(spec.finetune(), FineTune::Lora { init_a: AdapterInit::Principal, .. });
     let mut out = TensorBundle::new();
     for (name, t) in fresh.iter() {
-        out.insert(name, base.get(name).unwrap_or(t).clone())?;
+        match name.strip_suffix(".lora_A").filter(|_| principal) {
+            Some(layer) => {
+                let weight = format!("{layer}.weight");
+                let w = base.to_f32(&weight).ok_or_else(|| LearningError::Layout(format!("tensor {weight} missing")))?;
+                let r = t.shape[0];
+                let fan = t.shape[1..].iter().product::<usize>();
+                out.insert_f32(name, t.shape.clone(), principal_directions(&w, fan, r))?;
+            }
+            None => out.insert(name, base.get(name).unwrap_or(t).clone())?,
+        }
     }
     Ok(out)
+}
+
+/// The top-`r` right singular vectors of `w` (`[out, fan]`, row-major) as the rows of an
+/// `[r, fan]` matrix: orthogonal iteration on `wᵀw` in f64 from a fixed start, so every
+/// device computes the same rows from the same weights. Signs are normalised (largest entry
+/// of each row positive).
+fn principal_directions(w: &[f32], fan: usize, r: usize) -> Vec<f32> {
+    let out = w.len() / fan;
+    let mut gram = vec![0f64; fan * fan];
+    for o in 0..out {
+        let row = &w[o * fan..(o + 1) * fan];
+        for i in 0..fan {
+            let wi = row[i] as f64;
+            for j in 0..fan {
+                gram[i * fan + j] += wi * row[j] as f64;
+            }
+        }
+    }
+    // Start from a fixed, full-rank basis; 200 iterations settle a 128-wide Gram matrix.
+    let mut q: Vec<Vec<f64>> = (0..r).map(|k| (0..fan).map(|i| 1.0 / (1.0 + ((i * 7 + k * 13) % 17) as f64) + if i % r == k { 1.0 } else { 0.0 }).collect()).collect();
+    for _ in 0..200 {
+        let mut next: Vec<Vec<f64>> = q.iter().map(|v| (0..fan).map(|i| (0..fan).map(|j| gram[i * fan + j] * v[j]).sum()).collect()).collect();
+        for k in 0..next.len() {
+            for p in 0..k {
+                let dot: f64 = (0..fan).map(|i| next[k][i] * next[p][i]).sum();
+                for i in 0..fan {
+                    next[k][i] -= dot * next[p][i];
+                }
+            }
+            let norm = next[k].iter().map(|x| x * x).sum::<f64>().sqrt();
+            if norm > 0.0 {
+                next[k].iter_mut().for_each(|x| *x /= norm);
+            }
+        }
+        q = next;
+    }
+    let mut rows = Vec::with_capacity(r * fan);
+    for v in q {
+        let big = v.iter().copied().fold(0.0f64, |m, x| if x.abs() > m.abs() { x } else { m });
+        let sign = if big < 0.0 { -1.0 } else { 1.0 };
+        rows.extend(v.iter().map(|x| (x * sign) as f32));
+    }
+    rows
 }
 
 /// A LoRA spec's adapters: rank, alpha, and the base weights they adapt (`fc2.weight`, ...).
@@ -116,4 +169,28 @@ pub fn overlay_local(global: &TensorBundle, local_state: &TensorBundle) -> Resul
         return Err(LearningError::Layout(format!("local tensor {name} is not in the global model")));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::principal_directions;
+
+    #[test]
+    fn principal_directions_are_the_top_right_singular_vectors() {
+        // W = U·diag(3, 2, 1)·Vᵀ with V a rotation in the first two input coordinates.
+        let (c, s) = (0.6f32, 0.8f32);
+        let w = [3.0 * c, 3.0 * s, 0.0, 0.0, -2.0 * s, 2.0 * c, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0];
+        let a = principal_directions(&w, 4, 2);
+        let expected = [c, s, 0.0, 0.0, -s, c, 0.0, 0.0];
+        let sign = |row: &[f32]| if row.iter().fold(0f32, |m, x| if x.abs() > m.abs() { *x } else { m }) < 0.0 { -1.0 } else { 1.0 };
+        for k in 0..2 {
+            let (got, want) = (&a[k * 4..k * 4 + 4], &expected[k * 4..k * 4 + 4]);
+            let flip = sign(want);
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - flip * w).abs() < 1e-5, "row {k}: {got:?} vs {want:?}");
+            }
+        }
+        // Deterministic: the same weights give the same rows, bit for bit.
+        assert_eq!(principal_directions(&w, 4, 2), a);
+    }
 }

@@ -79,7 +79,30 @@ pub enum FineTune {
         /// exactly `mean(B)·A`.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         freeze_a: bool,
+        /// How [`crate::finetune::attach_adapters`] starts each `lora_A` from the pre-trained
+        /// weights: seeded random (peft's default) or the weight's principal input directions.
+        #[serde(default, skip_serializing_if = "AdapterInit::is_random")]
+        init_a: AdapterInit,
     },
+}
+
+/// The starting value of a LoRA adapter's `A` `[r, fan_in]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterInit {
+    /// Kaiming-uniform from the model seed, like the layer's own weight (peft).
+    #[default]
+    Random,
+    /// The top-r right singular vectors of the pre-trained weight `W` `[out, fan_in]` (as
+    /// PiSSA): the adapter writes where the layer already reads. With `freeze_a`, B then
+    /// trains in that subspace. Deterministic from the weights, so every device agrees.
+    Principal,
+}
+
+impl AdapterInit {
+    fn is_random(&self) -> bool {
+        *self == AdapterInit::Random
+    }
 }
 
 impl FineTune {

@@ -37,7 +37,7 @@ pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};
 pub use files::ImageFolderOptions;
 pub use error::{DataError, LearningError};
 pub use eval::{anomaly_scores, evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
-pub use graph::{FineTune, GraphSpec, Layer, Task};
+pub use graph::{AdapterInit, FineTune, GraphSpec, Layer, Task};
 pub use model::Model;
 pub use partition::Partition;
 pub use spec::{CustomSpec, ModelSpec, TensorDecl, TensorRole};

@@ -137,6 +137,40 @@ impl RoleKeys {
             threshold,
         }
     }
+
+    /// Counts the valid signatures over `msg` (strict ed25519, public keys from `root`) by
+    /// distinct keys of this role. Signatures by other keys are ignored; the first of this role's
+    /// keys whose signature does not verify (or is not 64 bytes) is remembered for the error.
+    pub fn count_signatures<'a>(
+        &self,
+        root: &Root,
+        msg: &[u8],
+        signatures: impl IntoIterator<Item = (&'a KeyId, &'a [u8])>,
+    ) -> SignatureCount {
+        let mut valid = BTreeSet::new();
+        let mut bad = None;
+        for (keyid, sig) in signatures {
+            if !self.keyids.contains(keyid) || valid.contains(keyid) {
+                continue;
+            }
+            let ok = <[u8; 64]>::try_from(sig).is_ok_and(|sig| {
+                root.keys
+                    .get(keyid)
+                    .and_then(|k| VerifyingKey::from_bytes(&k.public).ok())
+                    .is_some_and(|vk| vk.verify_strict(msg, &ed25519_dalek::Signature::from_bytes(&sig)).is_ok())
+            });
+            if ok {
+                valid.insert(keyid.clone());
+            } else if bad.is_none() {
+                bad = Some(keyid.clone());
+            }
+        }
+        SignatureCount {
+            valid: valid.len() as u32,
+            threshold: self.threshold,
+            bad,
+        }
+    }
 }
 
 /// The root of trust.
@@ -365,45 +399,23 @@ impl<T: Metadata> SignedMetadata<T> {
         })
     }
 
-    /// Counts valid signatures by distinct keys of `role` listed in `root`. Signatures from keys
-    /// outside the role are ignored; a role key's invalid signature is remembered for the error.
-    fn check(&self, root: &Root, role: &RoleKeys) -> SigCount {
-        let msg = self.message();
-        let mut valid = BTreeSet::new();
-        let mut bad = None;
-        for s in &self.signatures {
-            if !role.keyids.contains(&s.keyid) || valid.contains(&s.keyid) {
-                continue;
-            }
-            let ok = root
-                .keys
-                .get(&s.keyid)
-                .and_then(|k| VerifyingKey::from_bytes(&k.public).ok())
-                .is_some_and(|vk| {
-                    vk.verify_strict(&msg, &ed25519_dalek::Signature::from_bytes(&s.sig))
-                        .is_ok()
-                });
-            if ok {
-                valid.insert(s.keyid.clone());
-            } else if bad.is_none() {
-                bad = Some(s.keyid.clone());
-            }
-        }
-        SigCount {
-            valid: valid.len() as u32,
-            threshold: role.threshold,
-            bad,
-        }
+    /// Counts valid signatures over this metadata by distinct keys of `role` listed in `root`.
+    fn check(&self, root: &Root, role: &RoleKeys) -> SignatureCount {
+        role.count_signatures(root, &self.message(), self.signatures.iter().map(|s| (&s.keyid, &s.sig[..])))
     }
 }
 
-struct SigCount {
-    valid: u32,
-    threshold: u32,
-    bad: Option<KeyId>,
+/// What [`RoleKeys::count_signatures`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignatureCount {
+    /// Distinct role keys with a valid signature.
+    pub valid: u32,
+    pub threshold: u32,
+    /// The first role key whose signature did not verify.
+    pub bad: Option<KeyId>,
 }
 
-impl SigCount {
+impl SignatureCount {
     fn into_result(self, role: Role) -> Result<(), TufError> {
         if self.valid >= self.threshold {
             return Ok(());

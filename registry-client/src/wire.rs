@@ -31,9 +31,8 @@
 //! reverse. It names the device and expires with the timestamp TTL, so it cannot be replayed to
 //! another device or much later.
 
-use std::collections::BTreeSet;
 
-use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
+use ed25519_dalek::{Signer, SigningKey};
 use fedfleet_protocol::limits::{MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES};
 use fedfleet_protocol::messages::{BASIS_POINTS, RolloutAction};
 use fedfleet_protocol::{
@@ -322,31 +321,11 @@ impl SignedAssignment {
         now: u64,
     ) -> Result<AssignmentBody, AssignmentError> {
         let msg = assignment_message(&self.body);
-        let role = &root.timestamp;
-        let mut valid = BTreeSet::new();
-        for s in &self.signatures {
-            if !role.keyids.contains(&s.keyid) || valid.contains(&s.keyid) {
-                continue;
-            }
-            let Ok(sig) = <[u8; 64]>::try_from(s.sig.as_slice()) else {
-                continue;
-            };
-            let ok = root
-                .keys
-                .get(&s.keyid)
-                .and_then(|k| VerifyingKey::from_bytes(&k.public).ok())
-                .is_some_and(|vk| {
-                    vk.verify_strict(&msg, &ed25519_dalek::Signature::from_bytes(&sig))
-                        .is_ok()
-                });
-            if ok {
-                valid.insert(s.keyid.clone());
-            }
-        }
-        if (valid.len() as u32) < role.threshold {
+        let count = root.timestamp.count_signatures(root, &msg, self.signatures.iter().map(|s| (&s.keyid, s.sig.as_slice())));
+        if count.valid < count.threshold {
             return Err(AssignmentError::UnderThreshold {
-                valid: valid.len() as u32,
-                threshold: role.threshold,
+                valid: count.valid,
+                threshold: count.threshold,
             });
         }
         let body = self.body_unverified()?;

@@ -135,6 +135,41 @@ impl SpillStore for MemorySpill {
     }
 }
 
+/// A robust step: it holds every update of the round whole (in its [`SpillStore`]) and combines
+/// them when the round closes. Folding, counting and clearing are this one [`Aggregation`] impl;
+/// a new robust step states only its name, its store and how it combines.
+pub trait HoldsEveryUpdate {
+    type Store: SpillStore;
+    const NAME: &'static str;
+    fn held(&self) -> &Self::Store;
+    fn held_mut(&mut self) -> &mut Self::Store;
+    /// The round's aggregate delta from the held updates (cleared afterwards).
+    fn combine(&self) -> Result<Vec<f64>, StrategyError>;
+}
+
+impl<R: HoldsEveryUpdate> Aggregation for R {
+    fn name(&self) -> &'static str {
+        R::NAME
+    }
+    fn dim(&self) -> usize {
+        self.held().dim()
+    }
+    fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
+        spill(self.held_mut(), delta, weight)
+    }
+    fn folded(&self) -> u64 {
+        self.held().len() as u64
+    }
+    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
+        let aggregate = self.combine()?;
+        self.held_mut().clear()?;
+        Ok(aggregate)
+    }
+    fn abort_round(&mut self) {
+        let _ = self.held_mut().clear();
+    }
+}
+
 /// Validates and pushes one update with its content key.
 fn spill<S: SpillStore>(store: &mut S, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
     if delta.len() != store.dim() {
@@ -224,20 +259,16 @@ impl<S: SpillStore> Median<S> {
     }
 }
 
-impl<S: SpillStore> Aggregation for Median<S> {
-    fn name(&self) -> &'static str {
-        "median"
+impl<S: SpillStore> HoldsEveryUpdate for Median<S> {
+    type Store = S;
+    const NAME: &'static str = "median";
+    fn held(&self) -> &S {
+        &self.store
     }
-    fn dim(&self) -> usize {
-        self.store.dim()
+    fn held_mut(&mut self) -> &mut S {
+        &mut self.store
     }
-    fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
-        spill(&mut self.store, delta, weight)
-    }
-    fn folded(&self) -> u64 {
-        self.store.len() as u64
-    }
-    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
+    fn combine(&self) -> Result<Vec<f64>, StrategyError> {
         let n = self.store.len();
         if n == 0 {
             return Err(StrategyError::TooFewUpdates {
@@ -253,11 +284,7 @@ impl<S: SpillStore> Aggregation for Median<S> {
                 (c[n / 2 - 1] as f64 + c[n / 2] as f64) / 2.0
             }
         })?;
-        self.store.clear()?;
         Ok(med)
-    }
-    fn abort_round(&mut self) {
-        let _ = self.store.clear();
     }
 }
 
@@ -283,20 +310,16 @@ impl<S: SpillStore> TrimmedMean<S> {
     }
 }
 
-impl<S: SpillStore> Aggregation for TrimmedMean<S> {
-    fn name(&self) -> &'static str {
-        "trimmed_mean"
+impl<S: SpillStore> HoldsEveryUpdate for TrimmedMean<S> {
+    type Store = S;
+    const NAME: &'static str = "trimmed_mean";
+    fn held(&self) -> &S {
+        &self.store
     }
-    fn dim(&self) -> usize {
-        self.store.dim()
+    fn held_mut(&mut self) -> &mut S {
+        &mut self.store
     }
-    fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
-        spill(&mut self.store, delta, weight)
-    }
-    fn folded(&self) -> u64 {
-        self.store.len() as u64
-    }
-    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
+    fn combine(&self) -> Result<Vec<f64>, StrategyError> {
         let n = self.store.len();
         let k = (self.trim_fraction * n as f64).floor() as usize;
         if n == 0 || n <= 2 * k {
@@ -310,11 +333,7 @@ impl<S: SpillStore> Aggregation for TrimmedMean<S> {
         let mean = coordinatewise(&self.store, |c| {
             c[k..n - k].iter().map(|&x| x as f64).sum::<f64>() / kept
         })?;
-        self.store.clear()?;
         Ok(mean)
-    }
-    fn abort_round(&mut self) {
-        let _ = self.store.clear();
     }
 }
 
@@ -393,20 +412,16 @@ impl<S: SpillStore> Krum<S> {
     }
 }
 
-impl<S: SpillStore> Aggregation for Krum<S> {
-    fn name(&self) -> &'static str {
-        "krum"
+impl<S: SpillStore> HoldsEveryUpdate for Krum<S> {
+    type Store = S;
+    const NAME: &'static str = "krum";
+    fn held(&self) -> &S {
+        &self.store
     }
-    fn dim(&self) -> usize {
-        self.store.dim()
+    fn held_mut(&mut self) -> &mut S {
+        &mut self.store
     }
-    fn fold(&mut self, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
-        spill(&mut self.store, delta, weight)
-    }
-    fn folded(&self) -> u64 {
-        self.store.len() as u64
-    }
-    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
+    fn combine(&self) -> Result<Vec<f64>, StrategyError> {
         let mut chosen = self.selection()?;
         chosen.sort_by_key(|&i| (self.store.key(i), self.store.weight(i)));
         let dim = self.store.dim();
@@ -425,11 +440,7 @@ impl<S: SpillStore> Aggregation for Krum<S> {
         }
         let k = chosen.len() as f64;
         mean.iter_mut().for_each(|m| *m /= k);
-        self.store.clear()?;
         Ok(mean)
-    }
-    fn abort_round(&mut self) {
-        let _ = self.store.clear();
     }
 }
 
