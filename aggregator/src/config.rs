@@ -474,6 +474,26 @@ impl CampaignDefaults {
 }
 
 impl Config {
+    /// A config with the file's defaults for everything but where it listens, its PKI, its
+    /// state and its model: identity `aggregator`, operator `operator`, no metrics endpoint,
+    /// publishing into `data_dir`'s publish directory, the default campaign, the exact fold.
+    pub fn new(listen: SocketAddr, pki_dir: PathBuf, data_dir: PathBuf, model: ModelConfig) -> Config {
+        Config {
+            listen,
+            pki_dir,
+            server_identity: default_server_name(),
+            data_dir,
+            metrics_addr: None,
+            metrics_public: false,
+            operators: default_operators(),
+            publish_dir: None,
+            publish: None,
+            model,
+            campaign: CampaignDefaults::default(),
+            compute: ComputeConfig::default(),
+        }
+    }
+
     /// Reads and checks `path`; relative paths inside are resolved against its directory.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Ok(Self::load_all(path)?.0)

@@ -204,39 +204,24 @@ impl UpdateAssembler {
             ));
         };
         match tag {
-            HEADER_TAG => self.header(topic, device, keys, id, a, b, rest, now),
+            // The header of the upload in progress again (a re-send after a reconnect): carry on
+            // from the chunks already received. A header of a finished upload is a re-send too
+            // (the receipt was lost) and is assembled again, so the aggregator can answer it again.
+            HEADER_TAG if self.uploads.get(device).is_some_and(|u| u.id == id) => Ok(Assembled::Ignored),
+            HEADER_TAG => {
+                let result = self.new_upload(topic, device, keys, id, a, b, rest, now);
+                if result.is_err() {
+                    // Its chunks will follow: drop them quietly rather than refusing each one.
+                    self.finished.insert(device.clone(), id);
+                }
+                result
+            }
             CHUNK_TAG => self.chunk(topic, device, id, a, b, rest, now),
             other => Err(reject(
                 RejectReason::Malformed,
                 format!("unknown frame tag {other}"),
             )),
         }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn header(
-        &mut self,
-        topic: &str,
-        device: &DeviceId,
-        keys: &dyn DeviceKeys,
-        id: [u8; 16],
-        chunk_bytes: u32,
-        count: u32,
-        envelope: &[u8],
-        now: Instant,
-    ) -> Result<Assembled, Rejected> {
-        // The header of the upload in progress again (a re-send after a reconnect): carry on
-        // from the chunks already received. A header of a finished upload is a re-send too (the
-        // receipt was lost) and is assembled again, so the aggregator can answer it again.
-        if self.uploads.get(device).is_some_and(|u| u.id == id) {
-            return Ok(Assembled::Ignored);
-        }
-        let result = self.new_upload(topic, device, keys, id, chunk_bytes, count, envelope, now);
-        if result.is_err() {
-            // Its chunks will follow: drop them quietly rather than refusing each one.
-            self.finished.insert(device.clone(), id);
-        }
-        result
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -67,6 +67,14 @@ use serde::Deserialize;
 
 use crate::lifecycle::{Backoff, HealthPolicy, ParticipationPolicy};
 
+/// `--config` of every agent command (the stock agent's and a team's own binary's): the TOML
+/// file, also from `FEDFLEET_AGENT_CONFIG`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConfigArg {
+    #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
+    pub config: PathBuf,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {

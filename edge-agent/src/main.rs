@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use fedfleet_agent::config::ConfigArg;
 
 /// The fedfleet edge agent: joins training rounds, installs verified models, serves inference.
 #[derive(Parser, Debug)]
@@ -16,15 +17,9 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the daemon.
-    Run {
-        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
-        config: PathBuf,
-    },
+    Run(ConfigArg),
     /// Print the last status the daemon reported.
-    Status {
-        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
-        config: PathBuf,
-    },
+    Status(ConfigArg),
     /// Install identity files made by `fedfleet-certs enroll-device` and the pinned registry root.
     Enroll {
         #[arg(long)]
@@ -46,8 +41,8 @@ enum Command {
     Infer {
         #[arg(long)]
         input: PathBuf,
-        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
-        config: PathBuf,
+        #[command(flatten)]
+        config: ConfigArg,
     },
 }
 
@@ -66,12 +61,12 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async {
         match cli.command {
-            Command::Run { config } => fedfleet_agent::daemon::run(&config).await.map(|_| String::new()),
-            Command::Status { config } => fedfleet_agent::daemon::status(&config),
+            Command::Run(c) => fedfleet_agent::daemon::run(&c.config).await.map(|_| String::new()),
+            Command::Status(c) => fedfleet_agent::daemon::status(&c.config),
             Command::Enroll { cert, key, ca, root, state_dir, force } => {
                 fedfleet_agent::daemon::enroll(&cert, &key, &ca, &root, &state_dir, force)
             }
-            Command::Infer { input, config } => fedfleet_agent::daemon::infer(&config, &input).await,
+            Command::Infer { input, config } => fedfleet_agent::daemon::infer(&config.config, &input).await,
         }
     });
     match result {

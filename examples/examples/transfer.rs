@@ -33,13 +33,13 @@ struct Args {
     /// Parameters that also train in full under LoRA (e.g. `*.bias`).
     #[arg(long, value_delimiter = ',')]
     lora_also_train: Vec<String>,
-    /// Freeze the adapters' A at their initial values and train only B (FFA-LoRA).
-    #[arg(long)]
+    /// Keep the adapters' A at their initial values and train only B (FFA-LoRA).
+    #[arg(long, action = clap::ArgAction::Set, default_value_t = TransferOptions::default().lora_freeze_a)]
     lora_freeze_a: bool,
-    /// Start each adapter's A from the pre-trained weight's principal input directions
-    /// instead of at random.
-    #[arg(long)]
-    lora_principal_a: bool,
+    /// How each adapter's A starts: `principal` (the pre-trained weight's top right singular
+    /// vectors) or `random` (peft's kaiming-uniform).
+    #[arg(long, value_parser = ["principal", "random"], default_value = "principal")]
+    lora_init_a: String,
     /// The agents' learning rate for full fine-tuning, head only and LoRA.
     #[arg(long, value_delimiter = ',', default_values_t = TransferOptions::default().lr)]
     lr: Vec<f32>,
@@ -76,7 +76,7 @@ async fn main() -> ExitCode {
         lora_targets: a.lora_targets,
         lora_also_train: a.lora_also_train,
         lora_freeze_a: a.lora_freeze_a,
-        lora_init_a: if a.lora_principal_a { fedfleet_learning::AdapterInit::Principal } else { fedfleet_learning::AdapterInit::Random },
+        lora_init_a: if a.lora_init_a == "random" { fedfleet_learning::AdapterInit::Random } else { fedfleet_learning::AdapterInit::Principal },
         lr: [full_lr, head_lr, lora_lr],
         optimizers: [full_opt, head_opt, lora_opt],
         seed: a.seed,

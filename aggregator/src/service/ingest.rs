@@ -67,6 +67,16 @@ pub(super) fn stored_delta(store: &Store, rec: &AcceptedRecord, base: &Base, dty
         .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))
 }
 
+/// An update whose header, signature and payload digest passed every check: what step 7
+/// decodes, folds and commits.
+pub(super) struct Checked {
+    h: fedfleet_protocol::UpdateHeader,
+    meta: UpdateMeta,
+    payload: Vec<u8>,
+    base: Base,
+    dtype: DType,
+}
+
 impl Aggregator {
 
     // ----- ingest -----
@@ -141,7 +151,7 @@ impl Aggregator {
                 sh.metrics.update_bytes.inc_by(bytes.len() as u64);
                 check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
                 check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-                return self.commit_blocking(h, meta, bytes, base, dtype).await;
+                return self.commit_blocking(Checked { h, meta, payload: bytes, base, dtype }).await;
             }
             Payload::Quic(stream) => stream,
         };
@@ -160,32 +170,19 @@ impl Aggregator {
             }
         }
         check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-        self.commit_blocking(h, meta, payload, base, dtype).await
+        self.commit_blocking(Checked { h, meta, payload, base, dtype }).await
     }
 
     /// 7. Decode, check, fold and commit, off the async threads.
-    pub(super) async fn commit_blocking(
-        &self,
-        h: fedfleet_protocol::UpdateHeader,
-        meta: UpdateMeta,
-        payload: Vec<u8>,
-        base: Base,
-        dtype: DType,
-    ) -> Result<Signed<Receipt>, Rejection> {
+    pub(super) async fn commit_blocking(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.fold_and_commit(h, meta, payload, base, dtype))
+        tokio::task::spawn_blocking(move || me.fold_and_commit(checked))
             .await
             .map_err(|e| reject(RejectReason::Internal, e.to_string()))?
     }
 
-    pub(super) fn fold_and_commit(
-        &self,
-        h: fedfleet_protocol::UpdateHeader,
-        meta: UpdateMeta,
-        payload: Vec<u8>,
-        base: Base,
-        dtype: DType,
-    ) -> Result<Signed<Receipt>, Rejection> {
+    fn fold_and_commit(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
+        let Checked { h, meta, payload, base, dtype } = checked;
         let sh = &self.shared;
         let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
         sh.store

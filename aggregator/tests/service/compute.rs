@@ -40,7 +40,7 @@ async fn campaign(fleet: &Fleet, cfg: Config, order: &[usize]) -> Vec<u8> {
         let base = wait_round(&fleet.device_client(0, svc.addr).await, RoundId(r)).await;
         for &i in order {
             let p = delta(100 * r + i as u64).encode();
-            let h = header(&dev(i), RoundId(r), base, nonce(i, r), 10 + 7 * i as u64, &p, DType::F32, &fleet.device_key(i));
+            let h = header(&fleet.fleet, &dev(i), RoundId(r), base, nonce(i, r), 10 + 7 * i as u64, &p, DType::F32, &fleet.device_key(i));
             let c = fleet.device_client(i, svc.addr).await;
             assert!(matches!(c.upload(&h, &p).await.unwrap(), UploadOutcome::Accepted(_)), "device {i} round {r}");
         }

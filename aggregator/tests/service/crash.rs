@@ -78,7 +78,7 @@ async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, 
                 }
             }
             let payload = delta(1000 * r as u64 + i as u64).encode();
-            let h = header(&dev(i), round, base, nonce(i, r as u64), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
+            let h = header(&fleet.fleet, &dev(i), round, base, nonce(i, r as u64), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
             let c = fleet.device_client(i, child.addr).await;
             match c.upload(&h, &payload).await.unwrap() {
                 UploadOutcome::Accepted(_) => {}

@@ -42,7 +42,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     let f32 = DType::F32;
     let good = |i: usize, k: u64| {
         let payload = delta(i as u64 * 100 + k).encode();
-        let h = header(&dev(i), round, base, nonce(i, k), 10, &payload, f32, &fleet.device_key(i));
+        let h = header(&fleet.fleet, &dev(i), round, base, nonce(i, k), 10, &payload, f32, &fleet.device_key(i));
         (h, payload)
     };
 
@@ -69,7 +69,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     check(rejected(d0.upload(&h, &p).await.unwrap()), RejectReason::Duplicate);
     // Replay: an accepted nonce with other bytes.
     let p = delta(999).encode();
-    let h = header(&dev(0), round, base, nonce(0, 1), 10, &p, f32, &fleet.device_key(0));
+    let h = header(&fleet.fleet, &dev(0), round, base, nonce(0, 1), 10, &p, f32, &fleet.device_key(0));
     check(rejected(d0.upload(&h, &p).await.unwrap()), RejectReason::Replay);
 
     let d1 = fleet.device_client(1, addr).await;
@@ -78,7 +78,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::IdentityMismatch);
     // Bad signature: dev-1's header signed with dev-2's key.
     let p = delta(11).encode();
-    let h = header(&dev(1), round, base, nonce(1, 1), 10, &p, f32, &fleet.device_key(2));
+    let h = header(&fleet.fleet, &dev(1), round, base, nonce(1, 1), 10, &p, f32, &fleet.device_key(2));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::BadSignature);
     // Digest mismatch: one byte flipped at the end (tensor data), same length.
     let (h, mut p) = good(1, 2);
@@ -90,12 +90,12 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::LengthMismatch);
     // Stale and unknown rounds.
     let p = delta(12).encode();
-    let h = header(&dev(1), RoundId(0), base, nonce(1, 4), 10, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), RoundId(0), base, nonce(1, 4), 10, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::StaleRound);
-    let h = header(&dev(1), RoundId(round.0 + 5), base, nonce(1, 5), 10, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), RoundId(round.0 + 5), base, nonce(1, 5), 10, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::UnknownRound);
     // Wrong base model.
-    let h = header(&dev(1), round, fedfleet_protocol::Digest::of(b"other"), nonce(1, 6), 10, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), round, fedfleet_protocol::Digest::of(b"other"), nonce(1, 6), 10, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::WrongBaseModel);
     // Wrong shapes: one tensor transposed.
     let mut bad = fedfleet_protocol::TensorBundle::new();
@@ -105,7 +105,7 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
         bad.insert_f32(name, shape, t.to_f32_vec()).unwrap();
     }
     let p = bad.encode();
-    let h = header(&dev(1), round, base, nonce(1, 7), 10, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), round, base, nonce(1, 7), 10, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::ShapeMismatch);
     // NaN.
     let mut nan = fedfleet_protocol::TensorBundle::new();
@@ -117,19 +117,19 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
         nan.insert_f32(name, t.shape.clone(), v).unwrap();
     }
     let p = nan.encode();
-    let h = header(&dev(1), round, base, nonce(1, 8), 10, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), round, base, nonce(1, 8), 10, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::NonFinite);
     // Wrong dtype: f16 payload in an f32 round.
     let p = delta(15).quantize(DType::F16).encode();
-    let h = header(&dev(1), round, base, nonce(1, 9), 10, &p, DType::F16, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), round, base, nonce(1, 9), 10, &p, DType::F16, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::WrongDtype);
     // Oversize: a header claiming far more than the model can take (refused before any payload).
     let p = vec![0u8; 300_000];
-    let h = header(&dev(1), round, base, nonce(1, 10), 10, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), round, base, nonce(1, 10), 10, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::TooLarge);
     // Zero samples.
     let p = delta(16).encode();
-    let h = header(&dev(1), round, base, nonce(1, 11), 0, &p, f32, &fleet.device_key(1));
+    let h = header(&fleet.fleet, &dev(1), round, base, nonce(1, 11), 0, &p, f32, &fleet.device_key(1));
     check(rejected(d1.upload(&h, &p).await.unwrap()), RejectReason::BadSampleCount);
 
     // Unknown device: a CA-signed certificate whose device is not in the allow-list.
@@ -262,7 +262,7 @@ async fn a_failed_publish_is_retried_with_the_finalized_model() {
             let d = fleet.device_client(i, addr).await;
             let base = wait_round(&d, round).await;
             let payload = delta(i as u64 + 10 * round.0).encode();
-            let h = header(&dev(i), round, base, nonce(i, round.0), 10, &payload, DType::F32, &fleet.device_key(i));
+            let h = header(&fleet.fleet, &dev(i), round, base, nonce(i, round.0), 10, &payload, DType::F32, &fleet.device_key(i));
             assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)));
         }
     }

@@ -22,7 +22,7 @@ const WAIT: Duration = Duration::from_secs(8);
 
 fn update(fleet: &Fleet, i: usize, round: RoundId, base: Digest) -> (SignedUpdate, Vec<u8>) {
     let payload = delta(1000 + i as u64).encode();
-    let h = header_in(&fleet.fleet, &dev(i), round, base, nonce(i, 1), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
+    let h = header(&fleet.fleet, &dev(i), round, base, nonce(i, 1), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
     (h, payload)
 }
 

@@ -52,24 +52,10 @@ impl Fleet {
     }
 
     pub fn config(&self, data: &str, target: u32, rounds: u32) -> Config {
+        let model = ModelConfig { name: "tiny".into(), spec: spec(), initial: self.dir.path().join("initial.safetensors"), validation: None };
         Config {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            pki_dir: self.pki_dir(),
-            server_identity: "aggregator".into(),
-            data_dir: self.dir.path().join(data),
-            metrics_addr: None,
-            metrics_public: false,
-            operators: vec!["operator".into()],
-            publish_dir: None,
-            publish: None,
-            model: ModelConfig {
-                name: "tiny".into(),
-                spec: spec(),
-                initial: self.dir.path().join("initial.safetensors"),
-                validation: None,
-            },
             campaign: CampaignDefaults { rounds, target, quorum: 1, deadline_secs: 600, ..Default::default() },
-            compute: Default::default(),
+            ..Config::new("127.0.0.1:0".parse().unwrap(), self.pki_dir(), self.dir.path().join(data), model)
         }
     }
 
@@ -141,22 +127,8 @@ pub fn nonce(device: usize, k: u64) -> [u8; 16] {
 }
 
 /// A signed header binding `payload`.
-pub fn header(
-    device: &DeviceId,
-    round: RoundId,
-    base: Digest,
-    nonce: [u8; 16],
-    samples: u64,
-    payload: &[u8],
-    dtype: DType,
-    key: &SigningKey,
-) -> SignedUpdate {
-    header_in(&FleetId::new("fleet-t").unwrap(), device, round, base, nonce, samples, payload, dtype, key)
-}
-
-/// [`header`] for another fleet.
 #[allow(clippy::too_many_arguments)]
-pub fn header_in(
+pub fn header(
     fleet: &FleetId,
     device: &DeviceId,
     round: RoundId,

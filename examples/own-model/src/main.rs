@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
+use fedfleet_agent::config::ConfigArg;
 use fedfleet_example_own_model::{GatedTrainer, init_weights, spec};
 
 /// The fedfleet edge agent running a team's own burn model (a gated MLP over 8x8 digits).
@@ -24,10 +25,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the agent daemon with the team's trainer.
-    Run {
-        #[arg(long, short, env = "FEDFLEET_AGENT_CONFIG", default_value = "/etc/fedfleet/agent.toml")]
-        config: PathBuf,
-    },
+    Run(ConfigArg),
     /// Print the model's spec (JSON) for the aggregator's `[model] spec`.
     Spec,
     /// Write fresh weights as a PyTorch-named safetensors `state_dict`.
@@ -51,7 +49,7 @@ fn main() -> ExitCode {
         }
         Command::InitWeights { out, seed } => fedfleet_learning::interop::save_state_dict(&spec(), &init_weights(seed), &out)
             .map_err(|e| anyhow::anyhow!("{}: {e}", out.display())),
-        Command::Run { config } => tokio::runtime::Builder::new_multi_thread()
+        Command::Run(ConfigArg { config }) => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()

@@ -80,25 +80,13 @@ pub async fn start_aggregator(
     std::fs::create_dir_all(dir)?;
     let initial = dir.join("initial.safetensors");
     std::fs::write(&initial, bundle.encode())?;
-    let cfg = AggConfig {
-        listen: ([127, 0, 0, 1], 0).into(),
-        pki_dir: pki.dir().to_owned(),
-        server_identity: "aggregator".into(),
-        data_dir: dir.join("data"),
-        metrics_addr: None,
-        metrics_public: false,
-        operators: vec!["operator".into()],
-        publish_dir: None,
-        publish: None,
-        model: ModelConfig {
-            name: MODEL_NAME.into(),
-            spec: spec.clone(),
-            initial,
-            validation: Some(fedfleet_aggregator::config::Validation::Builtin("digits".into())),
-        },
-        campaign,
-        compute: Default::default(),
+    let model = ModelConfig {
+        name: MODEL_NAME.into(),
+        spec: spec.clone(),
+        initial,
+        validation: Some(fedfleet_aggregator::config::Validation::Builtin("digits".into())),
     };
+    let cfg = AggConfig { campaign, ..AggConfig::new(([127, 0, 0, 1], 0).into(), pki.dir().to_owned(), dir.join("data"), model) };
     RunningAggregator::start(cfg, publisher).await
 }
 

@@ -80,12 +80,12 @@ impl Deployment {
     /// Starts the registry, the aggregator and the agents (`agent_bin run --config ...`).
     pub fn start(&mut self, agent_bin: &str) {
         let dir = self.dir.clone();
-        self.services.push(Proc::spawn("registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &dir, &self.log("registry"), "info"));
-        self.services.push(Proc::spawn("aggregator", "fedfleet-aggregator", &["serve", "--config", "aggregator.toml"], &dir, &self.log("aggregator"), "info"));
+        self.services.push(Proc::spawn(&[], "registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &dir, &self.log("registry"), "info"));
+        self.services.push(Proc::spawn(&[], "aggregator", "fedfleet-aggregator", &["serve", "--config", "aggregator.toml"], &dir, &self.log("aggregator"), "info"));
         for i in 1..=self.agents {
             let name = format!("agent-{i}");
             let config = format!("agents/{name}.toml");
-            self.agent_procs.push(Proc::spawn(&name, agent_bin, &["run", "--config", &config], &dir, &self.log(&name), "info"));
+            self.agent_procs.push(Proc::spawn(&[], &name, agent_bin, &["run", "--config", &config], &dir, &self.log(&name), "info"));
         }
     }
 

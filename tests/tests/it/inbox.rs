@@ -39,7 +39,7 @@ fn pushed_examples_are_capped_survive_kill_9_and_are_trained_on_next() {
     // kill -9 right after the acknowledgement, then start the agent again on the same store.
     d.agent_procs[0].sigkill();
     let _ = std::fs::remove_file(&socket);
-    d.agent_procs[0] = Proc::spawn("agent-1", "fedfleet-agent", &["run", "--config", "agents/agent-1.toml"], &d.dir, &d.log("agent-1"), "info");
+    d.agent_procs[0] = Proc::spawn(&[], "agent-1", "fedfleet-agent", &["run", "--config", "agents/agent-1.toml"], &d.dir, &d.log("agent-1"), "info");
     let stats = push(&rt, &socket, Vec::new());
     assert_eq!((stats.examples, stats.dropped, stats.fresh), (30, 10, 30), "the inbox after kill -9: {stats:?}");
 

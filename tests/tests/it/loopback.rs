@@ -40,19 +40,11 @@ async fn body() {
     // Aggregator, in process, publishing into the registry.
     let spec = ModelSpec::digits_mlp();
     let initial = write_initial_model(root_dir, &spec);
+    let model = ModelConfig { name: MODEL.into(), spec: spec.clone(), initial, validation: None };
     let cfg = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        pki_dir: pki_dir.clone(),
-        server_identity: "aggregator".into(),
-        data_dir: root_dir.join("aggregator"),
-        metrics_addr: None,
-        metrics_public: false,
-        operators: vec!["operator".into()],
-        publish_dir: None,
         publish: Some(PublishConfig { registry: reg_addr, server_name: "localhost".into() }),
-        model: ModelConfig { name: MODEL.into(), spec: spec.clone(), initial, validation: None },
         campaign: CampaignDefaults { rounds: 3, target: N as u32, quorum: N as u32, deadline_secs: 600, learning_rate: 0.1, ..Default::default() },
-        compute: Default::default(),
+        ..Config::new("127.0.0.1:0".parse().unwrap(), pki_dir.clone(), root_dir.join("aggregator"), model)
     };
     let running = RunningAggregator::publishing_to(cfg.clone(), reg_addr).await.unwrap();
     let agg_addr = running.addr;

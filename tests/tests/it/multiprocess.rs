@@ -235,6 +235,7 @@ impl Fleet {
     /// `metrics`, is bound after the QUIC endpoint).
     fn start_service(&self, service: &str, args: &[&str], metrics: SocketAddr) -> Proc {
         let mut p = Proc::spawn(
+            &[],
             service,
             &format!("fedfleet-{service}"),
             args,
@@ -321,7 +322,7 @@ impl Fleet {
         // The lifecycle says why a device does not join a round (INFO for a round it skips,
         // debug for routine repeats): proof that it heard the announcement.
         let log = self.log(&name);
-        self.agents[i] = Some(Proc::spawn_under(
+        self.agents[i] = Some(Proc::spawn(
             &self.agent_wrapper,
             &name,
             "fedfleet-agent",

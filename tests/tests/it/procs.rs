@@ -60,22 +60,11 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `bin args` in `cwd`, stdout and stderr appended to `log` (kept across restarts),
-    /// logging at `rust_log` (an `EnvFilter` directive).
+    /// Starts `bin args` in `cwd` under `wrapper` (`wrapper... bin args`, e.g. `ip netns exec
+    /// NS`, or nothing), stdout and stderr appended to `log` (kept across restarts), logging at
+    /// `rust_log` (an `EnvFilter` directive). A wrapper must exec the binary, so the child's pid
+    /// and signals are the binary's.
     pub fn spawn(
-        name: &str,
-        binary: &str,
-        args: &[&str],
-        cwd: &Path,
-        log: &Path,
-        rust_log: &str,
-    ) -> Proc {
-        Proc::spawn_under(&[], name, binary, args, cwd, log, rust_log)
-    }
-
-    /// [`Proc::spawn`] under `wrapper` (`wrapper... bin args`, e.g. `ip netns exec NS`); the
-    /// wrapper must exec the binary, so the child's pid and signals are the binary's.
-    pub fn spawn_under(
         wrapper: &[String],
         name: &str,
         binary: &str,
