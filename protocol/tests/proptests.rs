@@ -1,5 +1,7 @@
 //! Property tests: every encoding round-trips, and no decoder panics on any input.
 
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use ed25519_dalek::SigningKey;
 use fedfleet_protocol::envelope::Signable;
 use fedfleet_protocol::*;
@@ -291,17 +293,17 @@ fn no_decoder_panics_on_mutated_encodings() {
     corpus.push(Signed::sign(status, &key).encode());
     corpus.push(encode_frame(FrameKind::Signed, &corpus[0]).unwrap());
 
-    let mut rng = SplitMix(0x5eed_f1ee_7000_0001);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_f1ee_7000_0001);
     let mut decoded_bundles = 0;
     for original in &corpus {
         for _ in 0..10_000 {
             let mut bytes = original.clone();
-            for _ in 0..=rng.below(4) {
+            for _ in 0..=rng.gen_range(0..4) {
                 mutate(&mut bytes, &mut rng);
             }
             // Keep safetensors' header length consistent half the time, to get past it.
             if bytes.len() >= 8
-                && rng.below(2) == 0
+                && rng.gen_range(0..2) == 0
                 && original.len() >= 8
                 && original[..8] != bytes[..8]
             {
@@ -350,39 +352,24 @@ fn feed_every_decoder(bytes: &[u8]) -> bool {
     bundle.is_ok()
 }
 
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-fn mutate(bytes: &mut Vec<u8>, rng: &mut SplitMix) {
+fn mutate(bytes: &mut Vec<u8>, rng: &mut ChaCha8Rng) {
     if bytes.is_empty() {
-        bytes.push(rng.next() as u8);
+        bytes.push(rng.next_u64() as u8);
         return;
     }
-    let at = rng.below(bytes.len());
-    match rng.below(6) {
-        0 => bytes[at] ^= 1 << rng.below(8),
-        1 => bytes[at] = rng.next() as u8,
+    let at = rng.gen_range(0..bytes.len());
+    match rng.gen_range(0..6) {
+        0 => bytes[at] ^= 1 << rng.gen_range(0..8),
+        1 => bytes[at] = rng.next_u64() as u8,
         2 => bytes.truncate(at),
-        3 => bytes.insert(at, rng.next() as u8),
+        3 => bytes.insert(at, rng.next_u64() as u8),
         4 => {
             bytes.remove(at);
         }
         _ => {
             // Interesting values: digits and JSON punctuation for the safetensors header.
             const INTERESTING: &[u8] = b"0123456789{}[]\",:-eE.\xff\x00";
-            bytes[at] = INTERESTING[rng.below(INTERESTING.len())];
+            bytes[at] = INTERESTING[rng.gen_range(0..INTERESTING.len())];
         }
     }
 }

@@ -1,52 +1,34 @@
 //! Strategies: determinism under any arrival order, relay equivalence, server optimizers against
 //! hand-computed values, clipping, robust aggregation.
 
+use rand::seq::SliceRandom;
+use rand::{Rng as _, RngCore, SeedableRng};
 use fedfleet_rounds::strategy::l2_norm;
 use fedfleet_rounds::strategy::fixed::{MAX_FOLDS, MAX_WEIGHT};
 use fedfleet_rounds::*;
 use fedfleet_protocol::RoundId;
 
-/// splitmix64: a tiny deterministic generator for test data.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i + 1));
-        }
-    }
-}
+/// The tests' seeded generator.
+type Rng = rand_chacha::ChaCha8Rng;
 
 /// `n` updates of `dim` elements whose magnitudes span 1e-9 .. 1e4 (mixed within each update),
 /// with weights from 1 to 2^24.
 fn mixed_updates(n: usize, dim: usize, seed: u64) -> Vec<(Vec<f32>, u64)> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::seed_from_u64(seed);
     (0..n)
         .map(|i| {
             let delta = (0..dim)
                 .map(|_| {
-                    let mag = 10f64.powf(-9.0 + 13.0 * rng.unit());
-                    let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
+                    let mag = 10f64.powf(-9.0 + 13.0 * rng.r#gen::<f64>());
+                    let sign = if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 };
                     (sign * mag) as f32
                 })
                 .collect();
             let weight = match i % 4 {
                 0 => 1,
-                1 => 1 + rng.below(1000) as u64,
+                1 => rng.gen_range(1..=1000),
                 2 => MAX_WEIGHT,
-                _ => 1 + rng.below(100_000) as u64,
+                _ => rng.gen_range(1..=100_000),
             };
             (delta, weight)
         })
@@ -108,12 +90,12 @@ fn result_is_bit_identical_for_any_arrival_order() {
     let dim = 1_000;
     let updates = mixed_updates(12, dim, 1);
     let global: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.37).sin()).collect();
-    let mut rng = Rng(99);
+    let mut rng = Rng::seed_from_u64(99);
     for config in all_configs(updates.len()) {
         let mut reference: Option<Vec<u32>> = None;
         let mut order: Vec<usize> = (0..updates.len()).collect();
         for _ in 0..40 {
-            rng.shuffle(&mut order);
+            order.shuffle(&mut rng);
             let mut s = ServerStrategy::new(&config, dim).unwrap();
             for &i in &order {
                 s.fold(&updates[i].0, updates[i].1).unwrap();

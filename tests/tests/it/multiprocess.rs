@@ -32,7 +32,7 @@ use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_protocol::{BundleLimits, DeviceState, DeviceStatus, Digest, RoundId, TensorBundle};
 
 use crate::procs::{
-    Proc, Relay, SplitMix, cli, count_lines, free_tcp_port, free_udp_port, parse_metrics, poll_every, sample,
+    Proc, Relay, SeededRng, cli, count_lines, free_tcp_port, free_udp_port, parse_metrics, poll_every, sample,
     scrape, wait_for,
 };
 
@@ -696,7 +696,7 @@ fn catch<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
 fn services_killed_with_sigkill_recover() {
     let _serial = one_at_a_time();
     let t0 = Instant::now();
-    let mut rng = SplitMix::from_env("services_killed_with_sigkill_recover");
+    let mut rng = SeededRng::from_env("services_killed_with_sigkill_recover");
     let rounds = 2;
     let mut f = Fleet::new("mp-sigkill", Plan::every_agent(rounds));
     // Round 1 gets k updates from the first k devices of a random order; the others start
@@ -909,12 +909,12 @@ const CHAOS_SOAK: Duration = Duration::from_secs(12);
 /// each time: while the campaign runs, at most [`KILL_POINTS`] - [`ROLLOUT_KILL_POINTS`] times,
 /// then while the rollout runs until [`KILL_POINTS`] kills landed. Returns the digest of every
 /// version the registry holds, oldest first.
-fn chaos_run(victim: Option<Victim>, rng: &mut SplitMix) -> Vec<String> {
+fn chaos_run(victim: Option<Victim>, rng: &mut SeededRng) -> Vec<String> {
     let name = victim.map_or("reference".to_owned(), |v| format!("{v:?}").to_lowercase());
     let t0 = Instant::now();
     let mut f = Fleet::new(&format!("mp-kill9-{name}"), Plan::every_agent(CHAOS_ROUNDS));
     f.start_campaign_with(0..AGENTS);
-    let kill = |f: &mut Fleet, rng: &mut SplitMix, victim: Victim, when: &str| {
+    let kill = |f: &mut Fleet, rng: &mut SeededRng, victim: Victim, when: &str| {
         let wait = rng.range(0, 300);
         std::thread::sleep(Duration::from_millis(wait));
         match victim {
@@ -976,7 +976,7 @@ fn chaos_run(victim: Option<Victim>, rng: &mut SplitMix) -> Vec<String> {
 #[test]
 fn kill9_at_seeded_points_leaves_every_version_bit_identical() {
     let _serial = one_at_a_time();
-    let mut rng = SplitMix::from_env("kill9_at_seeded_points_leaves_every_version_bit_identical");
+    let mut rng = SeededRng::from_env("kill9_at_seeded_points_leaves_every_version_bit_identical");
     let reference = chaos_run(None, &mut rng);
     assert_eq!(reference.len(), 1 + CHAOS_ROUNDS as usize);
     for victim in [Victim::Aggregator, Victim::Registry, Victim::Agent] {

@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use fedfleet_protocol::DeviceState;
 
 use crate::multiprocess::{AGENTS, Fleet, MODEL, Plan, STEP_TIMEOUT, one_at_a_time, open_round};
-use crate::procs::{LinkFaults, Relay, SplitMix, count_lines, poll_every, wait_for};
+use crate::procs::{LinkFaults, Relay, SeededRng, count_lines, poll_every, wait_for};
 
 const ROUNDS: u32 = 3;
 
@@ -142,7 +142,7 @@ fn sweep_stale() {
 }
 
 /// Loss 5–12 %, delay 20–60 ms ± 5–20 ms, 10–30 % of datagrams sent at once (overtaking).
-fn draw_faults(rng: &mut SplitMix) -> LinkFaults {
+fn draw_faults(rng: &mut SeededRng) -> LinkFaults {
     LinkFaults {
         loss_pct: rng.range(5, 12),
         delay_ms: rng.range(20, 60),
@@ -184,7 +184,7 @@ impl Link {
 /// A 3-round campaign and a rollout of its result to every agent. With `lab`'s link the agents
 /// reach the services through faulty relays (from the namespace `ns`, if there is one) and the
 /// link is cut twice; without, directly on loopback. Returns the final model's digest (hex).
-fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SplitMix, t0: Instant) -> String {
+fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SeededRng, t0: Instant) -> String {
     let mut f = Fleet::new(
         if faulty.is_some() { "mp-netfaults" } else { "mp-netfaults-baseline" },
         Plan::every_agent(ROUNDS),
@@ -287,7 +287,7 @@ fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SplitMix, t0:
 fn fleet_survives_loss_delay_reordering_and_partitions() {
     let _serial = one_at_a_time();
     let t0 = Instant::now();
-    let mut rng = SplitMix::from_env("netfaults");
+    let mut rng = SeededRng::from_env("netfaults");
     let lab = if std::env::var_os("FEDFLEET_NETFAULTS_LOOPBACK").is_some() {
         eprintln!("netfaults: FEDFLEET_NETFAULTS_LOOPBACK set: agents on loopback behind the relays");
         None

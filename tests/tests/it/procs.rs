@@ -271,13 +271,12 @@ pub fn count_lines(path: &Path, needle: &str) -> usize {
         .count()
 }
 
-/// SplitMix64: a small seeded generator for the tests' "random points" (reproducible from the
-/// printed seed).
-pub struct SplitMix(u64);
+/// The tests' seeded generator for their "random points" (reproducible from the printed seed).
+pub struct SeededRng(rand_chacha::ChaCha8Rng);
 
-impl SplitMix {
+impl SeededRng {
     /// The seed from `FEDFLEET_TEST_SEED`, else from the clock; printed so a run can be repeated.
-    pub fn from_env(test: &str) -> SplitMix {
+    pub fn from_env(test: &str) -> SeededRng {
         let seed = std::env::var("FEDFLEET_TEST_SEED")
             .ok()
             .and_then(|s| s.parse().ok())
@@ -288,20 +287,20 @@ impl SplitMix {
                     .unwrap_or(1)
             });
         eprintln!("{test}: seed {seed} (rerun with FEDFLEET_TEST_SEED={seed})");
-        SplitMix(seed)
+        SeededRng::new(seed)
+    }
+
+    pub fn new(seed: u64) -> SeededRng {
+        SeededRng(rand::SeedableRng::seed_from_u64(seed))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        rand::RngCore::next_u64(&mut self.0)
     }
 
     /// Uniform in `lo..=hi`.
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
+        rand::Rng::gen_range(&mut self.0, lo..=hi)
     }
 }
 
@@ -356,7 +355,7 @@ impl Ord for Delayed {
 
 /// One direction's fault decisions: `None` drops the datagram, else its delay.
 struct Impair {
-    rng: SplitMix,
+    rng: SeededRng,
     faults: std::sync::Arc<std::sync::Mutex<LinkFaults>>,
 }
 
@@ -459,7 +458,7 @@ impl Relay {
         std::thread::spawn(move || {
             // One upstream socket per client address, with a thread carrying the answers back.
             let mut upstreams: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
-            let mut impair = Impair { rng: SplitMix(seed), faults: fl.clone() };
+            let mut impair = Impair { rng: SeededRng::new(seed), faults: fl.clone() };
             let mut buf = vec![0u8; 65536];
             while !s.load(Ordering::Relaxed) {
                 let Ok((n, client)) = front.recv_from(&mut buf) else {
@@ -480,7 +479,7 @@ impl Relay {
                     let (up2, front2, c2, s2) = (up.clone(), front.clone(), c.clone(), s.clone());
                     let forward = forward.clone();
                     let mut impair = Impair {
-                        rng: SplitMix(seed ^ (client.port() as u64).wrapping_mul(0x9E37_79B9)),
+                        rng: SeededRng::new(seed ^ (client.port() as u64).wrapping_mul(0x9E37_79B9)),
                         faults: fl.clone(),
                     };
                     std::thread::spawn(move || {
