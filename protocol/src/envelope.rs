@@ -355,33 +355,19 @@ impl Signable for UpdateHeader {
 
     fn canonical_bytes(&self) -> Vec<u8> {
         let mut w = CanonicalWriter::default();
-        w.str(self.device.as_str());
-        w.str(self.fleet.as_str());
-        w.u64(self.round.0);
-        w.bytes(&self.base_model.0);
-        w.bytes(&self.nonce);
+        w.upload_start(self.device.as_str(), &self.fleet, self.round, &self.base_model, &self.nonce);
         w.u64(self.sample_count);
-        w.u64(self.payload_len);
-        w.bytes(&self.payload_digest.0);
-        w.u8(self.payload_dtype.code());
+        w.payload(self.payload_len, &self.payload_digest, self.payload_dtype);
         w.finish()
     }
 
     fn from_canonical_bytes(bytes: &[u8]) -> Result<Self, EnvelopeError> {
         let mut r = CanonicalReader::new(bytes);
-        let header = UpdateHeader {
-            device: DeviceId::new(r.str()?)?,
-            fleet: FleetId::new(r.str()?)?,
-            round: RoundId(r.u64()?),
-            base_model: r.digest()?,
-            nonce: r.array()?,
-            sample_count: r.u64()?,
-            payload_len: r.u64()?,
-            payload_digest: r.digest()?,
-            payload_dtype: r.dtype()?,
-        };
+        let (device, fleet, round, base_model, nonce) = r.upload_start()?;
+        let sample_count = r.u64()?;
+        let (payload_len, payload_digest, payload_dtype) = r.payload()?;
         r.finish()?;
-        Ok(header)
+        Ok(UpdateHeader { device, fleet, round, base_model, nonce, sample_count, payload_len, payload_digest, payload_dtype })
     }
 }
 
@@ -406,35 +392,20 @@ impl Signable for RelayHeader {
 
     fn canonical_bytes(&self) -> Vec<u8> {
         let mut w = CanonicalWriter::default();
-        w.str(self.relay.as_str());
-        w.str(self.fleet.as_str());
-        w.u64(self.round.0);
-        w.bytes(&self.base_model.0);
-        w.bytes(&self.nonce);
+        w.upload_start(self.relay.as_str(), &self.fleet, self.round, &self.base_model, &self.nonce);
         w.u64(self.update_count);
         w.u64(self.total_samples);
-        w.u64(self.payload_len);
-        w.bytes(&self.payload_digest.0);
-        w.u8(self.payload_dtype.code());
+        w.payload(self.payload_len, &self.payload_digest, self.payload_dtype);
         w.finish()
     }
 
     fn from_canonical_bytes(bytes: &[u8]) -> Result<Self, EnvelopeError> {
         let mut r = CanonicalReader::new(bytes);
-        let header = RelayHeader {
-            relay: DeviceId::new(r.str()?)?,
-            fleet: FleetId::new(r.str()?)?,
-            round: RoundId(r.u64()?),
-            base_model: r.digest()?,
-            nonce: r.array()?,
-            update_count: r.u64()?,
-            total_samples: r.u64()?,
-            payload_len: r.u64()?,
-            payload_digest: r.digest()?,
-            payload_dtype: r.dtype()?,
-        };
+        let (relay, fleet, round, base_model, nonce) = r.upload_start()?;
+        let (update_count, total_samples) = (r.u64()?, r.u64()?);
+        let (payload_len, payload_digest, payload_dtype) = r.payload()?;
         r.finish()?;
-        Ok(header)
+        Ok(RelayHeader { relay, fleet, round, base_model, nonce, update_count, total_samples, payload_len, payload_digest, payload_dtype })
     }
 }
 
@@ -546,6 +517,21 @@ impl CanonicalWriter {
         self.0.extend_from_slice(&len.to_be_bytes());
         self.0.extend_from_slice(s.as_bytes());
     }
+    /// What every upload header (a device's update, a relay's partial sum) starts with: sender,
+    /// fleet, round, base model, nonce.
+    fn upload_start(&mut self, sender: &str, fleet: &FleetId, round: RoundId, base_model: &Digest, nonce: &[u8; 16]) {
+        self.str(sender);
+        self.str(fleet.as_str());
+        self.u64(round.0);
+        self.bytes(&base_model.0);
+        self.bytes(nonce);
+    }
+    /// What every upload header ends with: the payload's length, digest and encoding.
+    fn payload(&mut self, len: u64, digest: &Digest, dtype: DType) {
+        self.u64(len);
+        self.bytes(&digest.0);
+        self.u8(dtype.code());
+    }
     pub(crate) fn finish(self) -> Vec<u8> {
         self.0
     }
@@ -585,6 +571,14 @@ impl<'a> CanonicalReader<'a> {
         let len = u16::from_be_bytes(self.array()?) as usize;
         std::str::from_utf8(self.take(len)?)
             .map_err(|_| EnvelopeError::BadBody("string is not UTF-8".into()))
+    }
+    /// Reads what [`CanonicalWriter::upload_start`] writes.
+    fn upload_start(&mut self) -> Result<(DeviceId, FleetId, RoundId, Digest, [u8; 16]), EnvelopeError> {
+        Ok((DeviceId::new(self.str()?)?, FleetId::new(self.str()?)?, RoundId(self.u64()?), self.digest()?, self.array()?))
+    }
+    /// Reads what [`CanonicalWriter::payload`] writes.
+    fn payload(&mut self) -> Result<(u64, Digest, DType), EnvelopeError> {
+        Ok((self.u64()?, self.digest()?, self.dtype()?))
     }
     pub(crate) fn finish(self) -> Result<(), EnvelopeError> {
         match self.0.len() {

@@ -1,8 +1,10 @@
 use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, ModelRef};
 use fedfleet_registry::rollout::{Phase, Reason};
 use fedfleet_registry::unix_ms;
+use fedfleet_registry::client::RegistryClient;
+use fedfleet_registry::tuf::Root;
 use fedfleet_registry::wire::{
-    AdminRequest, AssignmentError, AssignmentSource, RolloutCommand, RolloutStart,
+    AdminRequest, AssignmentBody, AssignmentError, AssignmentSource, RolloutCommand, RolloutStart,
 };
 
 use crate::support::{Harness, bytes, deadline, v};
@@ -17,6 +19,16 @@ fn status(dev: &str, state: DeviceState, staged: Option<ModelRef>) -> DeviceStat
         staged,
         rollout_id: None,
     }
+}
+
+/// `device`'s assignment of model `m`, verified against `root`.
+async fn assigned(c: &RegistryClient, root: &Root, device: &DeviceId) -> AssignmentBody {
+    c.assignment("m").await.unwrap().verify(root, device, unix_ms()).unwrap()
+}
+
+/// The operator's view of rollout `id`.
+async fn rollout_status(op: &RegistryClient, id: &str) -> serde_json::Value {
+    op.admin(AdminRequest::RolloutStatus { id: Some(id.into()) }).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,8 +47,7 @@ async fn signed_assignments_follow_the_rollout() {
         );
 
         // Nothing aliased yet.
-        let s = a.assignment("m").await.unwrap();
-        let body = s.verify(&root, &ida, unix_ms()).unwrap();
+        let body = assigned(&a, &root, &ida).await;
         assert_eq!(
             (body.target, body.source),
             (None, AssignmentSource::Nothing)
@@ -49,12 +60,7 @@ async fn signed_assignments_follow_the_rollout() {
         })
         .await
         .unwrap();
-        let body = a
-            .assignment("m")
-            .await
-            .unwrap()
-            .verify(&root, &ida, unix_ms())
-            .unwrap();
+        let body = assigned(&a, &root, &ida).await;
         assert_eq!(body.target.as_ref().map(|t| t.version), Some(v(1)));
         assert_eq!(body.target.as_ref().unwrap().digest, m1.model.digest);
         assert_eq!(body.length, Some(100_000));
@@ -91,12 +97,7 @@ async fn signed_assignments_follow_the_rollout() {
                 reason: Reason::InRollout { phase: 0 }
             }
         );
-        let bb = b
-            .assignment("m")
-            .await
-            .unwrap()
-            .verify(&root, &idb, unix_ms())
-            .unwrap();
+        let bb = assigned(&b, &root, &idb).await;
         assert_eq!(bb.target.map(|t| t.version), Some(v(1)));
 
         // Signed for dev-a only, by the timestamp key, and it expires.
@@ -133,19 +134,9 @@ async fn signed_assignments_follow_the_rollout() {
         ))
         .await
         .unwrap();
-        let st = op
-            .admin(AdminRequest::RolloutStatus {
-                id: Some("r1".into()),
-            })
-            .await
-            .unwrap();
+        let st = rollout_status(&op, "r1").await;
         assert_eq!((st["status"].as_str(), st["failed"].as_u64()), (Some("running"), Some(0)), "{st}");
-        let body = a
-            .assignment("m")
-            .await
-            .unwrap()
-            .verify(&root, &ida, unix_ms())
-            .unwrap();
+        let body = assigned(&a, &root, &ida).await;
         assert_eq!(body.target.map(|t| t.version), Some(v(2)));
 
         // dev-a fails the health check: the failure rate (1/1) passes the threshold → auto-abort.
@@ -161,20 +152,10 @@ async fn signed_assignments_follow_the_rollout() {
         ))
         .await
         .unwrap();
-        let st = op
-            .admin(AdminRequest::RolloutStatus {
-                id: Some("r1".into()),
-            })
-            .await
-            .unwrap();
+        let st = rollout_status(&op, "r1").await;
         assert_eq!(st["status"], "aborted", "{st}");
         assert_eq!(st["failed"], 1);
-        let body = a
-            .assignment("m")
-            .await
-            .unwrap()
-            .verify(&root, &ida, unix_ms())
-            .unwrap();
+        let body = assigned(&a, &root, &ida).await;
         assert_eq!(body.target.map(|t| t.version), Some(v(1)));
         assert_eq!(
             h.reg
@@ -214,12 +195,7 @@ async fn signed_assignments_follow_the_rollout() {
         .await
         .unwrap();
         assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(2)));
-        let bb = b
-            .assignment("m")
-            .await
-            .unwrap()
-            .verify(&root, &idb, unix_ms())
-            .unwrap();
+        let bb = assigned(&b, &root, &idb).await;
         assert_eq!(bb.target.map(|t| t.version), Some(v(2)));
         op.admin(AdminRequest::Rollout {
             id: "r2".into(),
