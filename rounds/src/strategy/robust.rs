@@ -254,9 +254,6 @@ impl<S: SpillStore> Median<S> {
     pub fn new(store: S) -> Self {
         Median { store }
     }
-    pub fn store(&self) -> &S {
-        &self.store
-    }
 }
 
 impl<S: SpillStore> HoldsEveryUpdate for Median<S> {
@@ -272,7 +269,7 @@ impl<S: SpillStore> HoldsEveryUpdate for Median<S> {
         let n = self.store.len();
         if n == 0 {
             return Err(StrategyError::TooFewUpdates {
-                strategy: "median",
+                strategy: Self::NAME,
                 need: 1,
                 got: 0,
             });
@@ -324,7 +321,7 @@ impl<S: SpillStore> HoldsEveryUpdate for TrimmedMean<S> {
         let k = (self.trim_fraction * n as f64).floor() as usize;
         if n == 0 || n <= 2 * k {
             return Err(StrategyError::TooFewUpdates {
-                strategy: "trimmed_mean",
+                strategy: Self::NAME,
                 need: 2 * k + 1,
                 got: n,
             });
@@ -371,7 +368,7 @@ impl<S: SpillStore> Krum<S> {
         let need = (2 * self.byzantine + 3).max(self.select);
         if n < need {
             return Err(StrategyError::TooFewUpdates {
-                strategy: "krum",
+                strategy: Self::NAME,
                 need,
                 got: n,
             });
