@@ -582,7 +582,7 @@ impl Config {
 
     /// The model spec as JSON (what manifests carry).
     pub fn spec_json(&self) -> SpecJson {
-        SpecJson(serde_json::to_value(&self.model.spec).expect("spec serializes"))
+        self.model.spec.spec_json()
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use fedfleet_learning::{OptimizerConfig, TrainConfig, evaluate, sim as lsim};
-use fedfleet_protocol::{ModelRef, ModelVersion, NewVersion, SpecJson, TensorBundle};
+use fedfleet_protocol::{ModelRef, ModelVersion, NewVersion, TensorBundle};
 use fedfleet_registry::wire::AdminRequest;
 
 use crate::attack::{Attack, gaussian_like};
@@ -324,7 +324,7 @@ async fn publish(lb: &Loopback, model: &TensorBundle, parent: ModelVersion) -> a
     let bytes = model.encode();
     let req = AdminRequest::Publish(NewVersion {
         name: MODEL_NAME.into(),
-        spec: SpecJson::parse(&lb.spec.to_json())?,
+        spec: lb.spec.spec_json(),
         parent: Some(parent),
         metrics: BTreeMap::new(),
         created_at_unix_ms: 0,

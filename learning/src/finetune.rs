@@ -65,15 +65,15 @@ fn principal_directions(w: &[f32], fan: usize, r: usize) -> Vec<f32> {
     for _ in 0..200 {
         let mut next: Vec<Vec<f64>> = q.iter().map(|v| (0..fan).map(|i| (0..fan).map(|j| gram[i * fan + j] * v[j]).sum()).collect()).collect();
         for k in 0..next.len() {
-            for p in 0..k {
-                let dot: f64 = (0..fan).map(|i| next[k][i] * next[p][i]).sum();
-                for i in 0..fan {
-                    next[k][i] -= dot * next[p][i];
-                }
+            let (done, rest) = next.split_at_mut(k);
+            let v = &mut rest[0];
+            for p in done.iter() {
+                let dot: f64 = v.iter().zip(p).map(|(a, b)| a * b).sum();
+                v.iter_mut().zip(p).for_each(|(a, b)| *a -= dot * b);
             }
-            let norm = next[k].iter().map(|x| x * x).sum::<f64>().sqrt();
+            let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
             if norm > 0.0 {
-                next[k].iter_mut().for_each(|x| *x /= norm);
+                v.iter_mut().for_each(|x| *x /= norm);
             }
         }
         q = next;

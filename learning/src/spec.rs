@@ -456,6 +456,11 @@ impl ModelSpec {
         serde_json::to_string(self).expect("spec serialises")
     }
 
+    /// The spec as the JSON value model metadata carries (`ModelInfo::spec`, `NewVersion::spec`).
+    pub fn spec_json(&self) -> fedfleet_protocol::SpecJson {
+        fedfleet_protocol::SpecJson(serde_json::to_value(self).expect("spec serialises"))
+    }
+
     /// Parses and validates the JSON form.
     pub fn from_json(s: &str) -> Result<Self, LearningError> {
         let spec: ModelSpec =

@@ -385,8 +385,7 @@ fn publish_request(
             let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).map_err(|e| e.to_string())?;
             let merged = merge_lora(&sh.spec, &bundle).map_err(|e| format!("merging the LoRA adapters: {e}"))?;
             let adapter = lineage.then(|| AdapterLineage { method: "lora".into(), rank: rank as u32, alpha, tensors });
-            let base = serde_json::to_value(base_spec(&sh.spec)).map_err(|e| format!("model spec: {e}"))?;
-            (merged.encode(), SpecJson(base), adapter)
+            (merged.encode(), base_spec(&sh.spec).spec_json(), adapter)
         }
     };
     let model = NewVersion {

@@ -583,7 +583,7 @@ async fn rollout_body() {
         let bytes = fedfleet_learning::model::init_bundle(&spec, seed).unwrap().encode();
         let meta = NewVersion {
             name: MODEL.into(),
-            spec: fedfleet_protocol::SpecJson::parse(&spec.to_json()).unwrap(),
+            spec: spec.spec_json(),
             parent: None,
             metrics: Default::default(),
             created_at_unix_ms: fedfleet_registry::unix_ms(),
