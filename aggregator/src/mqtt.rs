@@ -20,7 +20,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use fedfleet_certs::{AllowList, PeerIdentity};
+use fedfleet_certs::PeerIdentity;
 use ed25519_dalek::SigningKey;
 use fedfleet_control::{
     AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role,
@@ -112,7 +112,7 @@ fn other(e: impl std::fmt::Display) -> ServiceError {
 pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, ServiceError> {
     let scfg = agg.config();
     let pki = &scfg.pki_dir;
-    let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(pki))?);
+    let allow = agg.allow_list();
     let fleet: FleetId = allow.fleet();
     let fleet = cfg.client.fleet(&fleet).map_err(other)?;
     let (broker, broker_config, host, port) = match cfg.mode {
@@ -137,13 +137,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             (None, None, host, port)
         }
     };
-    // The receipt key signs refusals too; it is the service's, read from the same file.
-    let receipt_key = crate::keys::load_or_create(&scfg.data_dir)
-        .map_err(|e| other(format!("receipt key in {}: {e}", scfg.data_dir.display())))?;
-    if receipt_key.verifying_key() != agg.receipt_key() {
-        return Err(other("the receipt key on disk is not the one the service signs with"));
-    }
-    let receipt_key = Arc::new(receipt_key);
+    let receipt_key = agg.receipt_signing_key();
     let tls = service_tls(agg.ca(), agg.identity()).map_err(other)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
     let options = cfg.client.options(ClientKind::Service(MQTT_CLIENT_ID), host.clone(), port, fleet).map_err(other)?;

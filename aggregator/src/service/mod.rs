@@ -105,8 +105,9 @@ struct Shared {
     spec: ModelSpec,
     spec_json: SpecJson,
     store: Store,
-    key: SigningKey,
-    allow: AllowList,
+    key: Arc<SigningKey>,
+    /// Shared with the MQTT control client, which checks device signatures with it.
+    allow: Arc<AllowList>,
     /// The fleet CA and this service's certificate and key (QUIC server, MQTT client, expiry gauge).
     ca: CaCert,
     identity: ServerIdentity,
@@ -173,8 +174,9 @@ impl Aggregator {
         };
         let store = Store::open(&cfg.data_dir)?;
         let key = crate::keys::load_or_create(&cfg.data_dir)
+            .map(Arc::new)
             .map_err(|e| other(format!("receipt key in {}: {e}", cfg.data_dir.display())))?;
-        let allow = AllowList::load(fedfleet_certs::layout::allow_list(&cfg.pki_dir))?;
+        let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(&cfg.pki_dir))?);
         let ca = CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
         let identity = ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)?;
         let fleet = allow.fleet();
@@ -293,6 +295,16 @@ impl Aggregator {
 
     pub fn receipt_key(&self) -> ed25519_dalek::VerifyingKey {
         self.shared.key.verifying_key()
+    }
+
+    /// The receipt key itself, for the MQTT control plane (it signs refusals over MQTT too).
+    pub(crate) fn receipt_signing_key(&self) -> Arc<SigningKey> {
+        self.shared.key.clone()
+    }
+
+    /// The fleet's allow-list (enrolled device keys, revocations), re-read when the file changes.
+    pub(crate) fn allow_list(&self) -> Arc<AllowList> {
+        self.shared.allow.clone()
     }
 
     /// The fleet CA this service trusts.
