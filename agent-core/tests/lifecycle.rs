@@ -1,0 +1,427 @@
+//! The lifecycle core driven directly: an in-memory disk that applies its writes, a fake clock
+//! (plain `u64` times) and a registry that signs real TUF metadata. No sled, no sockets, no
+//! training. (edge-agent's `tests/it/lifecycle.rs` keeps the tests of its sled-backed shell.)
+
+mod support;
+
+use fedfleet_agent_core::lifecycle::{Action, Conditions, HealthReport, Input, InstallPhase, UploadOutcome};
+use fedfleet_protocol::{DeviceState, RejectReason, Rejection};
+
+use support::*;
+
+fn train_and_finish(lc: &mut Device, round: u64, base: &fedfleet_protocol::ModelRef, payload: &[u8], nonce: u8) -> u64 {
+    lc.handle(T0, Input::RoundAnnounced(announcement(round, base))).unwrap();
+    let acts = drain(lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == round)), "{acts:?}");
+    let header = signed_update(round, base, payload, nonce);
+    lc.handle(T0, Input::TrainingDone { round: fedfleet_protocol::RoundId(round), header, payload: payload.to_vec() }).unwrap();
+    let ups = uploads(&drain(lc));
+    assert_eq!(ups.len(), 1);
+    ups[0]
+}
+
+#[test]
+fn upload_retried_with_backoff_until_receipt() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    let id = train_and_finish(&mut lc, 1, &v1, b"delta-1", 1);
+    let mut now = T0;
+    let mut prev_max = 0;
+    for attempt in 1..=5u32 {
+        lc.handle(now, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::TransportError("reset".into()) }).unwrap();
+        assert!(uploads(&drain(&mut lc)).is_empty(), "no immediate retry");
+        let at = lc.poll_timeout().expect("retry timer");
+        let d = 1_000u64 << (attempt - 1);
+        assert!(at - now >= d / 2 && at - now <= d, "attempt {attempt}: delay {} not in [{}, {d}]", at - now, d / 2);
+        assert!(d > prev_max || attempt == 1);
+        prev_max = d;
+        lc.handle_timeout(at - 1);
+        assert!(uploads(&drain(&mut lc)).is_empty(), "not before the timer");
+        lc.handle_timeout(at);
+        assert_eq!(uploads(&drain(&mut lc)), vec![id]);
+        now = at;
+    }
+    // A receipt that does not match the update is not an acknowledgement.
+    lc.handle(now, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Receipt(receipt(1, b"delta-1", 2)) }).unwrap();
+    assert_eq!(lc.pending_uploads(), vec![id]);
+    assert!(disk.has_outbox_entry(id));
+    let at = lc.poll_timeout().unwrap();
+    lc.handle_timeout(at);
+    assert_eq!(uploads(&drain(&mut lc)), vec![id]);
+    lc.handle(at, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Receipt(receipt(1, b"delta-1", 1)) }).unwrap();
+    assert!(lc.pending_uploads().is_empty());
+    assert!(disk.outbox_ids().is_empty());
+    assert_eq!(lc.poll_timeout(), None);
+}
+
+#[test]
+fn jitter_is_deterministic_for_a_seed() {
+    let run = || {
+        let disk = Disk::new();
+        let (reg, v1) = registry();
+        let mut lc = open(&disk, &reg, &v1);
+        let id = train_and_finish(&mut lc, 1, &v1, b"p", 1);
+        lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::TransportError("x".into()) }).unwrap();
+        lc.poll_timeout().unwrap()
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn restart_resends_exactly_the_unacknowledged_updates() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let (a, b, c);
+    {
+        let mut lc = open(&disk, &reg, &v1);
+        a = train_and_finish(&mut lc, 1, &v1, b"delta-1", 1);
+        b = train_and_finish(&mut lc, 2, &v1, b"delta-2", 2);
+        c = train_and_finish(&mut lc, 3, &v1, b"delta-3", 3);
+        lc.handle(T0, Input::UploadResult { outbox_id: b, outcome: UploadOutcome::Receipt(receipt(2, b"delta-2", 2)) }).unwrap();
+        lc.handle(T0, Input::UploadResult { outbox_id: c, outcome: UploadOutcome::TransportError("down".into()) }).unwrap();
+        // crash: dropped without any shutdown
+    }
+    let mut lc = open(&disk, &reg, &v1);
+    let acts = drain(&mut lc);
+    assert!(matches!(acts[0], Action::Serve { .. }), "{acts:?}");
+    assert_eq!(uploads(&acts), vec![a, c]);
+    assert!(!acts.iter().any(|x| matches!(x, Action::Train(_))), "finished rounds are not retrained");
+    // Round 1's receipt was lost before the crash: the aggregator answers the resend with Replay.
+    lc.handle(T0, Input::UploadResult { outbox_id: a, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Replay, "seen")) }).unwrap();
+    lc.handle(T0, Input::UploadResult { outbox_id: c, outcome: UploadOutcome::Receipt(receipt(3, b"delta-3", 3)) }).unwrap();
+    assert!(disk.outbox_ids().is_empty());
+    drop(lc);
+    let mut lc = open(&disk, &reg, &v1);
+    assert!(uploads(&drain(&mut lc)).is_empty());
+    // Rounds already done are not joined again.
+    lc.handle(T0, Input::RoundAnnounced(announcement(3, &v1))).unwrap();
+    assert!(drain(&mut lc).is_empty());
+}
+
+#[test]
+fn crash_during_training_retrains_and_permanent_rejection_drops() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    {
+        let mut lc = open(&disk, &reg, &v1);
+        lc.handle(T0, Input::RoundAnnounced(announcement(5, &v1))).unwrap();
+    }
+    let mut lc = open(&disk, &reg, &v1);
+    let acts = drain(&mut lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == 5)), "{acts:?}");
+    let header = signed_update(5, &v1, b"d", 1);
+    lc.handle(T0, Input::TrainingDone { round: fedfleet_protocol::RoundId(5), header, payload: b"d".to_vec() }).unwrap();
+    let id = uploads(&drain(&mut lc))[0];
+    lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::StaleRound, "closed")) }).unwrap();
+    assert!(disk.outbox_ids().is_empty());
+    let acts = drain(&mut lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("stale_round")))), "{acts:?}");
+}
+
+/// A device whose update is refused as revoked stops training, and still knows it after a
+/// restart (it trained every round before, each refused).
+#[test]
+fn a_device_refused_as_revoked_joins_no_more_rounds_even_after_a_restart() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    {
+        let mut lc = open(&disk, &reg, &v1);
+        drain(&mut lc);
+        let id = train_and_finish(&mut lc, 1, &v1, b"delta-1", 1);
+        lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Revoked, "cam revoked")) }).unwrap();
+        drain(&mut lc);
+        lc.handle(T0, Input::RoundAnnounced(announcement(2, &v1))).unwrap();
+        assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "trained after being revoked");
+    }
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    let round = announcement(3, &v1);
+    assert!(lc.round_refusal(T0, &round).is_some_and(|why| why.contains("revoked")));
+    lc.handle(T0, Input::RoundAnnounced(round)).unwrap();
+    assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "trained after a restart");
+}
+
+#[test]
+fn unavailable_base_model_is_asked_again_until_the_deadline() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    let ann = announcement(7, &v1);
+    let deadline = ann.deadline_unix_ms;
+    lc.handle(T0, Input::RoundAnnounced(ann)).unwrap();
+    assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == 7)));
+    // A transient failure: the round stays in progress and Train comes back after the backoff.
+    let round = fedfleet_protocol::RoundId(7);
+    lc.handle(T0, Input::BaseModelUnavailable { round, reason: "connection lost".into() }).unwrap();
+    assert!(matches!(lc.state().last_state, DeviceState::Training { .. }));
+    let at = lc.poll_timeout().expect("a retry is scheduled");
+    assert!(at > T0 && at < deadline, "{at}");
+    lc.handle_timeout(at - 1);
+    assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "not before the backoff");
+    lc.handle_timeout(at);
+    assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == 7)), "asked again");
+    // Once the next ask would land after the deadline, the round is given up with the reason.
+    lc.handle(deadline - 1, Input::BaseModelUnavailable { round, reason: "connection lost".into() }).unwrap();
+    assert!(lc.state().round.is_none());
+    assert!(matches!(&lc.state().last_state, DeviceState::Failed { reason } if reason.contains("connection lost")), "{:?}", lc.state().last_state);
+    assert_eq!(lc.poll_timeout(), None);
+}
+
+#[test]
+fn participation_conditions_gate_training() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    lc.handle(T0, Input::Conditions(Conditions { idle: false, charging: true, fresh_samples: 10 })).unwrap();
+    lc.handle(T0, Input::RoundAnnounced(announcement(1, &v1))).unwrap();
+    assert!(drain(&mut lc).is_empty());
+    let mut late = announcement(1, &v1);
+    late.deadline_unix_ms = T0;
+    lc.handle(T0, Input::Conditions(Conditions::default())).unwrap();
+    lc.handle(T0, Input::RoundAnnounced(late)).unwrap();
+    assert!(drain(&mut lc).is_empty(), "deadline passed");
+    lc.handle(T0, Input::RoundAnnounced(announcement(1, &v1))).unwrap();
+    assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))));
+}
+
+/// Drives an install of `v2` up to the health check; returns the staged model ref.
+fn install_to_health_check(lc: &mut Device, reg: &Registry, v2: &fedfleet_protocol::ModelRef) {
+    drain(lc);
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, v2))).unwrap();
+    let acts = drain(lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::FetchMetadata { model, .. } if model == v2)), "{acts:?}");
+    let set = reg.metadata();
+    lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(set) }).unwrap();
+    let acts = drain(lc);
+    let len = acts.iter().find_map(|a| if let Action::Download { length, .. } = a { Some(*length) } else { None }).expect("download");
+    lc.handle(T0, Input::DownloadDone { model: v2.clone(), length: len, digest: v2.digest }).unwrap();
+    let acts = drain(lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::HealthCheck { candidate, .. } if &candidate.model == v2)), "{acts:?}");
+    assert_eq!(lc.staged().map(|m| &m.model), Some(v2));
+}
+
+fn report(cand: f64, active: f64) -> HealthReport {
+    HealthReport { holdout: 50, non_finite: false, latency_p50_ms: 1.0, latency_p99_ms: 2.0, candidate_score: cand, active_score: Some(active), metric: "accuracy".into() }
+}
+
+#[test]
+fn healthy_candidate_is_activated_atomically() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    install_to_health_check(&mut lc, &reg, &v2);
+    lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(report(0.90, 0.91)) }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Serve { model, .. } if model.model == v2)));
+    let states: Vec<_> = acts.iter().filter_map(|a| if let Action::Report(s) = a { Some(s.state.as_str()) } else { None }).collect();
+    assert_eq!(states, vec!["healthy", "active"]);
+    assert_eq!(lc.active().unwrap().model, v2);
+    assert_eq!(lc.state().previous.as_ref().unwrap().model, v1);
+    drop(lc);
+    let mut lc = open(&disk, &reg, &v1);
+    assert_eq!(lc.active().unwrap().model, v2);
+    assert!(matches!(drain(&mut lc).as_slice(), [Action::Serve { model, .. }] if model.model == v2));
+}
+
+#[test]
+fn on_a_small_holdout_one_example_worse_is_noise_not_a_regression() {
+    // 14 held-out examples at 12/14 for the active model: the candidate's 11/14 is 7 points
+    // lower, under one standard error of the difference (14.6 points); 8/14 is beyond it. A
+    // perfect 14/14 against 13/14 is noise too.
+    let small = |cand: f64, active: f64| HealthReport { holdout: 14, ..report(cand, active) };
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    assert_eq!(lc.judge(&small(11.0 / 14.0, 12.0 / 14.0)), Ok(()));
+    let refused = lc.judge(&small(8.0 / 14.0, 12.0 / 14.0)).unwrap_err();
+    assert!(refused.contains("worse than the active model's 0.8571 by more than 0.1578"), "{refused}");
+    assert_eq!(lc.judge(&small(13.0 / 14.0, 1.0)), Ok(()));
+    install_to_health_check(&mut lc, &reg, &v2);
+    lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(small(11.0 / 14.0, 12.0 / 14.0)) }).unwrap();
+    drain(&mut lc);
+    assert_eq!(lc.active().unwrap().model, v2);
+}
+
+#[test]
+fn health_check_failure_rolls_back_and_reports() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    install_to_health_check(&mut lc, &reg, &v2);
+    lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(report(0.80, 0.90)) }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Rollback { model, reason } if model == &v2 && reason.contains("accuracy"))), "{acts:?}");
+    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::RolledBack { reason } if reason.contains("worse than the active")))), "{acts:?}");
+    // The report names the failed candidate, so the registry counts the failure against it.
+    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(s.state, DeviceState::RolledBack { .. }) && s.staged.as_ref() == Some(&v2) && s.active.as_ref() == Some(&v1))), "{acts:?}");
+    assert!(!acts.iter().any(|a| matches!(a, Action::Serve { .. })));
+    assert_eq!(lc.active().unwrap().model, v1);
+    assert!(lc.staged().is_none());
+    // The same rollout is not retried; the state survives a restart.
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
+    assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::FetchMetadata { .. })));
+    drop(lc);
+    let lc = open(&disk, &reg, &v1);
+    assert_eq!(lc.active().unwrap().model, v1);
+    assert!(lc.state().install.is_none());
+
+    // Other failures: NaN outputs, latency, failing to load.
+    let disk = Disk::new();
+    let mut lc = open(&disk, &reg, &v1);
+    for (i, (res, why)) in [
+        (Ok(HealthReport { non_finite: true, ..report(0.9, 0.9) }), "NaN"),
+        (Ok(HealthReport { latency_p99_ms: 500.0, ..report(0.9, 0.9) }), "latency"),
+        (Err("does not load: bundle: truncated".to_string()), "does not load"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v = reg.publish("digits", SPEC, format!("candidate {i}").into_bytes());
+        install_to_health_check(&mut lc, &reg, &v);
+        lc.handle(T0, Input::HealthResult { model: v.clone(), result: res }).unwrap();
+        let acts = drain(&mut lc);
+        assert!(acts.iter().any(|a| matches!(a, Action::Rollback { reason, .. } if reason.contains(why))), "{why}: {acts:?}");
+        assert_eq!(lc.active().unwrap().model, v1);
+    }
+}
+
+#[test]
+fn crash_between_staging_and_activation_keeps_the_old_model_active() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    {
+        let mut lc = open(&disk, &reg, &v1);
+        install_to_health_check(&mut lc, &reg, &v2);
+        // crash: the health result never arrives
+    }
+    let mut lc = open(&disk, &reg, &v1);
+    assert_eq!(lc.active().unwrap().model, v1);
+    assert_eq!(lc.state().install.as_ref().unwrap().phase, InstallPhase::Staged);
+    let acts = drain(&mut lc);
+    assert!(matches!(&acts[0], Action::Serve { model, .. } if model.model == v1), "{acts:?}");
+    assert!(acts.iter().any(|a| matches!(a, Action::HealthCheck { candidate, .. } if candidate.model == v2)), "re-checked, not activated: {acts:?}");
+    assert!(!acts.iter().any(|a| matches!(a, Action::Serve { model, .. } if model.model == v2)));
+}
+
+#[test]
+fn unverifiable_manifest_is_never_staged() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+
+    // 1. Targets signed by an untrusted key.
+    reg.forge_targets(true);
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
+    drain(&mut lc);
+    let set = reg.metadata();
+    lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(set) }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(!acts.iter().any(|a| matches!(a, Action::Download { .. } | Action::HealthCheck { .. })), "{acts:?}");
+    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("metadata refused")))), "{acts:?}");
+    assert!(lc.staged().is_none());
+    reg.forge_targets(false);
+
+    // 2. An assignment whose digest differs from the signed targets.
+    let mut fake = v2.clone();
+    fake.digest = fedfleet_protocol::Digest::of(b"evil");
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 2, &fake))).unwrap();
+    drain(&mut lc);
+    lc.handle(T0, Input::Metadata { model: fake.clone(), result: Ok(reg.metadata()) }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(!acts.iter().any(|a| matches!(a, Action::Download { .. })), "{acts:?}");
+    assert!(lc.staged().is_none());
+
+    // 3. Expired metadata (freeze).
+    let disk2 = Disk::new();
+    let old = Registry::new(1, T0 - 1);
+    let o1 = old.publish("digits", SPEC, b"a".to_vec());
+    let o2 = old.publish("digits", SPEC, b"b".to_vec());
+    let mut lc2 = open(&disk2, &old, &o1);
+    drain(&mut lc2);
+    lc2.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &o2))).unwrap();
+    drain(&mut lc2);
+    lc2.handle(T0, Input::Metadata { model: o2.clone(), result: Ok(old.metadata()) }).unwrap();
+    assert!(!drain(&mut lc2).iter().any(|a| matches!(a, Action::Download { .. })));
+
+    // 4. Verified metadata, but the downloaded bytes differ: refused, discarded, not staged.
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 3, &v2))).unwrap();
+    drain(&mut lc);
+    lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(reg.metadata()) }).unwrap();
+    let acts = drain(&mut lc);
+    let len = acts.iter().find_map(|a| if let Action::Download { length, .. } = a { Some(*length) } else { None }).unwrap();
+    lc.handle(T0, Input::DownloadDone { model: v2.clone(), length: len, digest: fedfleet_protocol::Digest::of(b"tampered") }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Discard { .. })));
+    assert!(!acts.iter().any(|a| matches!(a, Action::HealthCheck { .. })), "{acts:?}");
+    assert!(lc.staged().is_none());
+    assert_eq!(lc.active().unwrap().model, v1);
+}
+
+#[test]
+fn failed_downloads_are_retried_then_given_up() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
+    drain(&mut lc);
+    lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(reg.metadata()) }).unwrap();
+    drain(&mut lc);
+    let mut now = T0;
+    for _ in 0..4 {
+        lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: "reset".into() }).unwrap();
+        now = lc.poll_timeout().expect("retry scheduled");
+        lc.handle_timeout(now);
+        assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Download { .. })));
+    }
+    lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: "reset".into() }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("after 5 attempts")))), "{acts:?}");
+    assert!(lc.state().install.is_none());
+}
+
+#[test]
+fn a_clock_stepped_back_does_not_make_expired_metadata_fresh_again() {
+    const HOUR: u64 = 3_600_000;
+    let disk = Disk::new();
+    let reg = Registry::new(1, T0 + HOUR);
+    let v1 = reg.publish("digits", SPEC, b"model v1 bytes".to_vec());
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let try_install = |lc: &mut Device, now: u64, rollout: u64, set| {
+        lc.handle(now, Input::Assignment(Registry::notice(&fleet(), rollout, &v2))).unwrap();
+        drain(lc);
+        lc.handle(now, Input::Metadata { model: v2.clone(), result: Ok(set) }).unwrap();
+        drain(lc)
+    };
+    let expired = |acts: &[Action]| {
+        !acts.iter().any(|a| matches!(a, Action::Download { .. }))
+            && acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("expired"))))
+    };
+    {
+        let mut lc = open(&disk, &reg, &v1);
+        drain(&mut lc);
+        // Two hours on, the metadata (expiring an hour after T0) is refused.
+        let acts = try_install(&mut lc, T0 + 2 * HOUR, 1, reg.metadata());
+        assert!(expired(&acts), "{acts:?}");
+        // The clock steps back a day: still expired.
+        let acts = try_install(&mut lc, T0 - 24 * HOUR, 2, reg.metadata());
+        assert!(expired(&acts), "{acts:?}");
+    }
+    // And after a restart on the stepped-back clock.
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    assert_eq!(lc.state().latest_time, T0 + 2 * HOUR);
+    let acts = try_install(&mut lc, T0 - 24 * HOUR, 3, reg.metadata());
+    assert!(expired(&acts), "{acts:?}");
+    assert_eq!(lc.active().unwrap().model, v1);
+}
