@@ -60,7 +60,47 @@ pub struct Saved {
 }
 
 /// Unix time in milliseconds.
-pub type Millis = u64;
+pub use fedfleet_protocol::Millis;
+
+/// Why a device does not join a round (logged once per round and reason; never an error).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RoundRefusal {
+    #[error("round for fleet {round}, device is in {device}")]
+    OtherFleet { round: FleetId, device: FleetId },
+    #[error("this device's certificate was revoked (the aggregator refused its update as revoked)")]
+    Revoked,
+    #[error("round {0} already done")]
+    AlreadyDone(RoundId),
+    #[error("busy training round {0}")]
+    Busy(RoundId),
+    #[error("deadline passed")]
+    DeadlinePassed,
+    #[error("not selected")]
+    NotSelected,
+    #[error("device not idle")]
+    NotIdle,
+    #[error("device not charging")]
+    NotCharging,
+    #[error("{have} fresh samples, {need} required")]
+    TooFewFreshSamples { have: u64, need: u64 },
+    #[error("{have} local samples, round needs {need}")]
+    TooFewLocalSamples { have: u64, need: u64 },
+}
+
+/// Why a staged model fails its health check (the device rolls back and reports this text).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum HealthFailure {
+    #[error("no holdout examples to check the model on")]
+    NoHoldout,
+    #[error("outputs contain NaN/Inf")]
+    NonFinite,
+    #[error("p99 latency {p99_ms:.2} ms over the {budget_ms:.2} ms budget")]
+    TooSlow { p99_ms: f64, budget_ms: f64 },
+    #[error("{metric} is not finite")]
+    ScoreNotFinite { metric: String },
+    #[error("holdout {metric} {candidate:.4} is worse than the active model's {active:.4} by more than {allowed:.4}")]
+    Worse { metric: String, candidate: f64, active: f64, allowed: f64 },
+}
 
 /// Errors of the lifecycle (only persistence can fail; bad inputs are reported, not errors).
 #[derive(Debug, thiserror::Error)]
@@ -387,7 +427,7 @@ pub struct Lifecycle {
     /// Deferrals of the current install for want of storage (its backoff).
     storage_attempts: u32,
     /// The last round refusal logged at INFO (logged once per round and reason).
-    last_refusal: Option<(RoundId, String)>,
+    last_refusal: Option<(RoundId, RoundRefusal)>,
     actions: VecDeque<Action>,
     rng: ChaCha8Rng,
 }
@@ -647,40 +687,32 @@ impl Lifecycle {
     // ----- rounds -----
 
     /// Why the device would not join `a` now, or `None` if it would.
-    pub fn round_refusal(&self, now: Millis, a: &RoundAnnouncement) -> Option<String> {
+    pub fn round_refusal(&self, now: Millis, a: &RoundAnnouncement) -> Option<RoundRefusal> {
         let p = &self.cfg.participation;
         let c = &self.conditions;
-        if a.fleet != self.state.fleet {
-            return Some(format!("round for fleet {}, device is in {}", a.fleet, self.state.fleet));
-        }
-        if self.state.revoked {
-            return Some("this device's certificate was revoked (the aggregator refused its update as revoked)".into());
-        }
-        if self.state.last_round.is_some_and(|r| r >= a.round) {
-            return Some(format!("round {} already done", a.round));
-        }
-        if let Some(r) = &self.state.round {
-            return Some(format!("busy training round {}", r.round));
-        }
-        if now >= a.deadline_unix_ms {
-            return Some("deadline passed".into());
-        }
-        if !a.selection.selects(&self.state.device) {
-            return Some("not selected".into());
-        }
-        if p.require_idle && !c.idle {
-            return Some("device not idle".into());
-        }
-        if p.require_charging && !c.charging {
-            return Some("device not charging".into());
-        }
-        if c.fresh_samples < p.min_fresh_samples {
-            return Some(format!("{} fresh samples, {} required", c.fresh_samples, p.min_fresh_samples));
-        }
-        if self.cfg.local_samples < a.config.min_samples {
-            return Some(format!("{} local samples, round needs {}", self.cfg.local_samples, a.config.min_samples));
-        }
-        None
+        Some(if a.fleet != self.state.fleet {
+            RoundRefusal::OtherFleet { round: a.fleet.clone(), device: self.state.fleet.clone() }
+        } else if self.state.revoked {
+            RoundRefusal::Revoked
+        } else if self.state.last_round.is_some_and(|r| r >= a.round) {
+            RoundRefusal::AlreadyDone(a.round)
+        } else if let Some(r) = &self.state.round {
+            RoundRefusal::Busy(r.round)
+        } else if now >= a.deadline_unix_ms {
+            RoundRefusal::DeadlinePassed
+        } else if !a.selection.selects(&self.state.device) {
+            RoundRefusal::NotSelected
+        } else if p.require_idle && !c.idle {
+            RoundRefusal::NotIdle
+        } else if p.require_charging && !c.charging {
+            RoundRefusal::NotCharging
+        } else if c.fresh_samples < p.min_fresh_samples {
+            RoundRefusal::TooFewFreshSamples { have: c.fresh_samples, need: p.min_fresh_samples }
+        } else if self.cfg.local_samples < a.config.min_samples {
+            RoundRefusal::TooFewLocalSamples { have: self.cfg.local_samples, need: a.config.min_samples }
+        } else {
+            return None;
+        })
     }
 
     fn on_round(&mut self, now: Millis, a: RoundAnnouncement) -> Result<(), LifecycleError> {
@@ -996,27 +1028,24 @@ impl Lifecycle {
     }
 
     /// Judges a health report against the policy.
-    pub fn judge(&self, r: &HealthReport) -> Result<(), String> {
+    pub fn judge(&self, r: &HealthReport) -> Result<(), HealthFailure> {
         let p = &self.cfg.health;
         if r.holdout == 0 {
-            return Err("no holdout examples to check the model on".into());
+            return Err(HealthFailure::NoHoldout);
         }
         if r.non_finite {
-            return Err("outputs contain NaN/Inf".into());
+            return Err(HealthFailure::NonFinite);
         }
         if !(r.latency_p99_ms <= p.max_latency_ms) {
-            return Err(format!("p99 latency {:.2} ms over the {:.2} ms budget", r.latency_p99_ms, p.max_latency_ms));
+            return Err(HealthFailure::TooSlow { p99_ms: r.latency_p99_ms, budget_ms: p.max_latency_ms });
         }
         if !r.candidate_score.is_finite() {
-            return Err(format!("{} is not finite", r.metric));
+            return Err(HealthFailure::ScoreNotFinite { metric: r.metric.clone() });
         }
         if let Some(a) = r.active_score {
             let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, a, r.candidate_score, r.holdout));
             if r.candidate_score < a - allowed {
-                return Err(format!(
-                    "holdout {} {:.4} is worse than the active model's {:.4} by more than {:.4}",
-                    r.metric, r.candidate_score, a, allowed
-                ));
+                return Err(HealthFailure::Worse { metric: r.metric.clone(), candidate: r.candidate_score, active: a, allowed });
             }
         }
         Ok(())
@@ -1026,7 +1055,7 @@ impl Lifecycle {
         let Some(job) = self.state.install.clone().filter(|j| j.model == model && j.phase == InstallPhase::Staged) else {
             return Ok(());
         };
-        let verdict = result.and_then(|r| self.judge(&r));
+        let verdict = result.and_then(|r| self.judge(&r).map_err(|e| e.to_string()));
         if let Err(reason) = verdict {
             return self.fail_install(now, job, format!("health check failed: {reason}"), true);
         }

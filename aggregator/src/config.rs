@@ -72,10 +72,10 @@ use crate::strategy::{ClientConfig, FedOptParams, StrategyConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{path}: {detail}")]
     Parse { path: PathBuf, detail: String },
@@ -501,9 +501,9 @@ impl Config {
 
     /// [`Config::load`] plus the optional `[mqtt]` section (`None` when absent or `mode = "off"`).
     pub fn load_all(path: &Path) -> Result<(Config, Option<MqttConfig>), ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.to_owned(),
-            source,
+            cause,
         })?;
         Self::parse_all(path, &text)
     }

@@ -216,16 +216,14 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
     };
     let (metrics_addr, metrics_public) = (cfg.metrics_addr, cfg.metrics_public);
     let name = cfg.server_identity.clone();
-    let agg = Aggregator::open(cfg, publisher)?;
+    let clock = fedfleet_protocol::SystemClock::shared();
+    let agg = Aggregator::open(cfg, publisher, clock.clone())?;
     let validity = agg.identity().validity().with_context(|| format!("server identity {name:?}"))?;
     // Warn well before this service's own certificate lapses (on start, then hourly).
     tokio::spawn(fedfleet_http::watch_certificate_expiry(
         agg.metrics().certificate_expiry_seconds.clone(),
         std::time::Duration::from_secs(3600),
-        move || {
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-            fedfleet_certs::renewal::warn_if_expiring(&name, validity, now)
-        },
+        move || fedfleet_certs::renewal::warn_if_expiring(&name, validity, clock.now_secs()),
     ));
     let endpoint = agg.bind(addr)?;
     let bound = endpoint.local_addr()?;
@@ -246,23 +244,11 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
     if let Some(b) = mqtt.as_ref().and_then(|m| m.broker_addr()) {
         println!("mqtt broker on {b}");
     }
-    agg.run(endpoint, shutdown_signal()).await;
+    agg.run(endpoint, fedfleet_net::Shutdown::on_signal()).await;
     if let Some(m) = mqtt {
         m.shutdown().await;
     }
     Ok(())
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
 }
 
 async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {

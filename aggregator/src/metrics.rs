@@ -66,17 +66,19 @@ pub struct Metrics {
     pub presence_ttl_ms: AtomicU64,
     /// The embedded MQTT broker's refusals (`broker_refused_total{reason}`), handed to it.
     pub broker: BrokerMetrics,
+    /// Presence is judged at scrape time by the service's clock.
+    clock: fedfleet_protocol::SharedClock,
     registry: Registry,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Self::new()
+        Self::new(fedfleet_protocol::SystemClock::shared())
     }
 }
 
 impl Metrics {
-    pub fn new() -> Self {
+    pub fn new(clock: fedfleet_protocol::SharedClock) -> Self {
         let mut registry = Registry::with_prefix("fedfleet_aggregator");
         let m = Metrics {
             accepted: Counter::default(),
@@ -99,6 +101,7 @@ impl Metrics {
             presence: Mutex::new(Presence::default()),
             presence_ttl_ms: AtomicU64::new(0),
             broker: BrokerMetrics::default(),
+            clock,
             registry: Registry::default(),
         };
         // Every label value is present from the start (a scrape sees zeros, not gaps).
@@ -181,11 +184,7 @@ impl Metrics {
 
     /// The exposition text (gauges read at scrape time are refreshed first).
     pub fn render(&self) -> String {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let (online, known) = self.devices(now);
+        let (online, known) = self.devices(self.clock.now_ms());
         self.devices_online.set(online as i64);
         self.devices_known.set(known as i64);
         let (rss, hwm) = memory();

@@ -30,7 +30,7 @@ use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed};
 use tokio::task::JoinHandle;
 
 use crate::config::{MQTT_CLIENT_ID, MqttConfig, MqttMode};
-use crate::service::{Aggregator, Payload, ServiceError, now_ms};
+use crate::service::{Aggregator, Payload, ServiceError};
 
 /// The running control plane; [`Mqtt::shutdown`] stops it.
 pub struct Mqtt {
@@ -78,7 +78,7 @@ impl Mqtt {
                     tries += 1;
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
-                Err(e) => return Err(other(format!("[mqtt] starting the embedded broker on {}: {e}", cfg.listen))),
+                Err(e) => return Err(mqtt_err(format!("starting the embedded broker on {}: {e}", cfg.listen))),
             }
         };
         let addr = broker.local_addr();
@@ -104,8 +104,8 @@ impl Mqtt {
     }
 }
 
-fn other(e: impl std::fmt::Display) -> ServiceError {
-    ServiceError::Other(e.to_string())
+fn mqtt_err(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Mqtt(e.to_string())
 }
 
 /// Starts the broker (embedded mode) and the service's control client for `agg`.
@@ -114,7 +114,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     let pki = &scfg.pki_dir;
     let allow = agg.allow_list();
     let fleet: FleetId = allow.fleet();
-    let fleet = cfg.client.fleet(&fleet).map_err(other)?;
+    let fleet = cfg.client.fleet(&fleet).map_err(mqtt_err)?;
     let (broker, broker_config, host, port) = match cfg.mode {
         MqttMode::Off => return Ok(None),
         MqttMode::Embedded => {
@@ -123,7 +123,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             bc.metrics = agg.metrics().broker.clone();
             let broker = EmbeddedBroker::start(bc.clone())
                 .await
-                .map_err(|e| other(format!("[mqtt] embedded broker on {}: {e}", cfg.listen)))?;
+                .map_err(|e| mqtt_err(format!("embedded broker on {}: {e}", cfg.listen)))?;
             // A restart listens where this one does (the port picked for port 0 included).
             bc.listen = broker.local_addr();
             let mut addr = broker.local_addr();
@@ -133,14 +133,14 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             (Some(broker), Some(bc), addr.ip().to_string(), addr.port())
         }
         MqttMode::External => {
-            let (host, port) = cfg.client.address().map_err(other)?;
+            let (host, port) = cfg.client.address().map_err(mqtt_err)?;
             (None, None, host, port)
         }
     };
     let receipt_key = agg.receipt_signing_key();
-    let tls = service_tls(agg.ca(), agg.identity()).map_err(other)?;
+    let tls = service_tls(agg.ca(), agg.identity()).map_err(mqtt_err)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
-    let options = cfg.client.options(ClientKind::Service(MQTT_CLIENT_ID), host.clone(), port, fleet).map_err(other)?;
+    let options = cfg.client.options(ClientKind::Service(MQTT_CLIENT_ID), host.clone(), port, fleet).map_err(mqtt_err)?;
     let (client, mut events) = ControlClient::start(options, tls, role);
     let metrics = agg.metrics();
     metrics.presence_ttl_ms.store(cfg.presence_ttl_secs.saturating_mul(1000), Relaxed);
@@ -191,7 +191,7 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
             metrics.mqtt_connected.set(0);
             tracing::warn!(%error, "MQTT disconnected; reconnecting");
         }
-        ControlEvent::Status(s) => metrics.status(s.body(), now_ms()),
+        ControlEvent::Status(s) => metrics.status(s.body(), agg.now_ms()),
         ControlEvent::Rejected(r) => {
             metrics.mqtt_rejected(r.reason);
             tracing::info!(topic = %r.topic, device = ?r.device, reason = %r.reason, detail = %r.detail, "MQTT message refused");
@@ -215,7 +215,7 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
                         m.rejected(r.reason);
                         m.mqtt_rejected(r.reason);
                         tracing::info!(device = %v.device, reason = %r.reason, detail = %r.detail, "MQTT update refused");
-                        let refusal = SignedRejection::sign(UploadRejection::of(&header, r.reason, r.detail, now_ms()), &key);
+                        let refusal = SignedRejection::sign(UploadRejection::of(&header, r.reason, r.detail, agg.now_ms()), &key);
                         if let Err(e) = client.publish_rejection(&refusal).await {
                             tracing::warn!(device = %v.device, error = %e, "rejection not published; the device will resend");
                         }

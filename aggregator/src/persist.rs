@@ -75,10 +75,10 @@ pub enum StoreError {
     Locked { path: PathBuf },
     #[error("sled: {0}")]
     Sled(sled::Error),
-    #[error("I/O on {path}: {source}")]
+    #[error("I/O on {path}: {cause}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -147,9 +147,9 @@ pub struct Store {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
+    move |cause| StoreError::Io {
         path: path.to_owned(),
-        source,
+        cause,
     }
 }
 

@@ -541,7 +541,7 @@ def run_fedfleet(args, n: int, task: dict, work: str) -> Side:
             f"[campaign]\nrounds = {rounds}\nstrategy = \"fedavg\"\ntarget = {n}\nquorum = {quorum}\n"
             f"deadline_secs = {int(args.round_timeout)}\nextension_secs = 0\nsampling_rate = 1.0\n"
             f"local_epochs = {args.epochs}\nbatch_size = {args.batch}\nlr = {args.lr}\nmu = 0.0\n"
-            f'quantization = "f32"\nmax_updates = {max(256, 2 * n)}\n'
+            f'quantization = "f32"\n'
             + mqtt
         )
     run_cli([exe("fedfleet-aggregator"), "init-model", "--config", "aggregator.toml", "--seed", str(args.seed)], cwd=w)

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use fedfleet_protocol::{Clock, SystemClock};
 
 use ed25519_dalek::SigningKey;
 use fedfleet_protocol::{DeviceId, FleetId};
@@ -69,11 +69,9 @@ pub struct Revocation {
     pub list_path: PathBuf,
 }
 
+/// Unix seconds on the wall clock (the PKI's operator commands stamp lists and enrollments).
 fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemClock.now_secs() as u64
 }
 
 /// Signs leaf `params` for `subject` with the CA key, valid from `now` (backdated a little) for
@@ -247,6 +245,27 @@ impl Pki {
         dn.push(DnType::OrganizationalUnitName, ou);
         dn.push(DnType::CommonName, cn);
         dn
+    }
+
+    /// A fresh PKI for a deployment on one host: the CA in `dir`, one service identity per name
+    /// in `services` (each naming `localhost` and `127.0.0.1`), one device identity per device,
+    /// all valid for `days`. What `fedfleet-init-local` and the test kit start from.
+    pub fn init_loopback(
+        dir: impl AsRef<Path>,
+        fleet: &FleetId,
+        services: &[&str],
+        devices: &[DeviceId],
+        days: u32,
+    ) -> Result<Pki, CertError> {
+        let pki = Pki::init(dir, fleet, days, false)?;
+        let sans = ["localhost".to_owned(), "127.0.0.1".to_owned()];
+        for name in services {
+            pki.issue_server(name, &sans, days, false)?;
+        }
+        for d in devices {
+            pki.enroll_device(d, days, false)?;
+        }
+        Ok(pki)
     }
 
     /// Issues `servers/<name>.crt|.key` (EKU serverAuth and clientAuth, so a service can also

@@ -38,7 +38,7 @@ use rumqttc::mqttbytes::{self, PacketType};
 use rumqttc::tokio_rustls::TlsAcceptor;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use fedfleet_net::Shutdown;
 use tokio::task::JoinHandle;
 
 use crate::topics;
@@ -101,10 +101,12 @@ pub enum Refusal {
     ClientId,
     /// Bytes that are not MQTT 3.1.1.
     Malformed,
+    /// A connection past the broker's connection limit.
+    Overloaded,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 4] = [Refusal::Oversized, Refusal::Acl, Refusal::ClientId, Refusal::Malformed];
+    pub const ALL: [Refusal; 5] = [Refusal::Oversized, Refusal::Acl, Refusal::ClientId, Refusal::Malformed, Refusal::Overloaded];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -112,6 +114,7 @@ impl Refusal {
             Refusal::Acl => "acl",
             Refusal::ClientId => "client_id",
             Refusal::Malformed => "malformed",
+            Refusal::Overloaded => "overloaded",
         }
     }
 }
@@ -131,7 +134,7 @@ impl BrokerMetrics {
         }
         registry.register(
             "broker_refused",
-            "MQTT connections the embedded broker closed, by reason (oversized, acl, client_id, malformed)",
+            "MQTT connections the embedded broker closed, by reason (oversized, acl, client_id, malformed, overloaded)",
             self.refused.clone(),
         );
     }
@@ -153,23 +156,30 @@ impl BrokerMetrics {
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
     #[error("broker certificates: {0}")]
-    Certs(#[from] fedfleet_certs::CertError),
+    Certs(fedfleet_certs::CertError),
     #[error("the CA certificate names no fleet (O=)")]
     NoFleet,
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {cause}")]
     Listen {
         addr: SocketAddr,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("cannot start rumqttd: {0}")]
     Rumqttd(String),
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<fedfleet_certs::CertError> for BrokerError {
+    fn from(e: fedfleet_certs::CertError) -> Self {
+        BrokerError::Certs(e)
+    }
 }
 
 /// A running embedded broker. Dropping it stops the fleet-facing side like
 /// [`shutdown`](Self::shutdown) does, without waiting.
 pub struct EmbeddedBroker {
     local_addr: SocketAddr,
-    stop: watch::Sender<bool>,
+    stop: Shutdown,
     gate: Option<JoinHandle<()>>,
 }
 
@@ -232,20 +242,20 @@ impl EmbeddedBroker {
         let listener =
             TcpListener::bind(config.listen)
                 .await
-                .map_err(|source| BrokerError::Listen {
+                .map_err(|cause| BrokerError::Listen {
                     addr: config.listen,
-                    source,
+                    cause,
                 })?;
         let local_addr = listener
             .local_addr()
-            .map_err(|source| BrokerError::Listen {
+            .map_err(|cause| BrokerError::Listen {
                 addr: config.listen,
-                source,
+                cause,
             })?;
 
-        let port = free_loopback_port().map_err(|source| BrokerError::Listen {
+        let port = free_loopback_port().map_err(|cause| BrokerError::Listen {
             addr: config.listen,
-            source,
+            cause,
         })?;
         let backend = SocketAddr::from(([127, 0, 0, 1], port));
         let password = {
@@ -284,8 +294,8 @@ impl EmbeddedBroker {
             max_payload_bytes: config.max_payload_bytes,
             metrics: config.metrics.clone(),
         });
-        let (stop, stopped) = watch::channel(false);
-        let gate = tokio::spawn(accept_loop(listener, gate, stopped));
+        let stop = Shutdown::new();
+        let gate = tokio::spawn(accept_loop(listener, gate, stop.clone()));
         tracing::info!(%local_addr, %backend, "embedded MQTT broker listening");
         Ok(EmbeddedBroker {
             local_addr,
@@ -301,7 +311,7 @@ impl EmbeddedBroker {
 
     /// Closes the listener and every client connection, and waits until the port is free.
     pub async fn shutdown(mut self) {
-        let _ = self.stop.send(true);
+        self.stop.trigger();
         if let Some(gate) = self.gate.take() {
             let _ = gate.await;
         }
@@ -310,35 +320,25 @@ impl EmbeddedBroker {
 
 impl Drop for EmbeddedBroker {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
+        self.stop.trigger();
     }
 }
 
-async fn accept_loop(listener: TcpListener, gate: Arc<Gate>, mut stopped: watch::Receiver<bool>) {
-    let mut conns = tokio::task::JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = stopped.changed() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((client, peer)) => {
-                    let mut stop = stopped.clone();
-                    let gate = gate.clone();
-                    conns.spawn(async move {
-                        tokio::select! {
-                            _ = stop.changed() => {}
-                            _ = serve_client(gate, client, peer) => {}
-                        }
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "embedded broker accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
-        }
-    }
+/// Fleet connections the broker's TLS gate serves at once.
+const MAX_CONNECTIONS: usize = 16_384;
+
+async fn accept_loop(listener: TcpListener, gate: Arc<Gate>, stop: Shutdown) {
+    let metrics = gate.metrics.clone();
+    let conns = fedfleet_net::serve::accept_until(
+        &listener,
+        MAX_CONNECTIONS,
+        stop.wait(),
+        || metrics.count(Refusal::Overloaded),
+        |(client, peer)| serve_client(gate.clone(), client, peer),
+    )
+    .await;
     drop(listener);
+    let mut conns = conns;
     conns.shutdown().await;
 }
 

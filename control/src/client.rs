@@ -133,7 +133,7 @@ impl ControlStats {
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     #[error("TLS configuration: {0}")]
-    Certs(#[from] fedfleet_certs::CertError),
+    Certs(fedfleet_certs::CertError),
     #[error("the control client has stopped")]
     Closed,
     #[error("this client's role cannot {0}")]
@@ -144,6 +144,13 @@ pub enum ControlError {
     WrongDevice { expected: DeviceId, found: DeviceId },
     #[error("update payload of {len} bytes does not match its signed length {signed}")]
     PayloadLength { len: u64, signed: u64 },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<fedfleet_certs::CertError> for ControlError {
+    fn from(e: fedfleet_certs::CertError) -> Self {
+        ControlError::Certs(e)
+    }
 }
 
 /// The receiving end of a client's events. Read it promptly: the connection task waits while
@@ -414,12 +421,11 @@ pub struct Inbound {
 }
 
 fn jitter(d: Duration) -> Duration {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|t| t.subsec_nanos())
-        .unwrap_or(0);
+    // A fresh randomly keyed hasher is a random number without a clock or an RNG crate.
+    use std::hash::BuildHasher;
+    let random = std::collections::hash_map::RandomState::new().hash_one(0u8);
     // 75 %..125 % of d.
-    d.mul_f64(0.75 + f64::from(nanos % 1000) / 2000.0)
+    d.mul_f64(0.75 + (random % 1000) as f64 / 2000.0)
 }
 
 impl Driver {

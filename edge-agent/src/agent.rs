@@ -4,7 +4,7 @@
 
 
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, Normalization};
@@ -18,20 +18,7 @@ use crate::ml;
 use crate::store::{DOWNLOAD_HEADROOM_BYTES, write_atomic};
 use crate::trainer::{GraphTrainer, Serve, Trainer};
 
-/// Where the shell gets the time from.
-pub trait Clock: Send + Sync {
-    fn now_ms(&self) -> Millis;
-}
-
-/// The system clock.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now_ms(&self) -> Millis {
-        SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-    }
-}
+pub use fedfleet_protocol::{Clock, SystemClock};
 
 /// The agent's clock: Unix ms that never go backwards. It is the system clock while that moves
 /// forward; when the system clock steps back (a bad NTP answer, a reset RTC) it keeps counting from

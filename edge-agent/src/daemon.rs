@@ -322,24 +322,17 @@ async fn run_with<A: Aggregator, R: Registry>(
     if agent.core().state().revoked {
         tracing::warn!("this device's certificate was revoked: it serves inference but joins no rounds; enroll it again to rejoin");
     }
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let shutdown = fedfleet_net::Shutdown::on_signal();
     let socket = cfg.socket_path();
     let serving = agent.serving();
     let normalization = cfg.data.normalization();
-    let mut rx1 = stop_rx.clone();
     let inbox = agent.inbox();
-    let server = tokio::spawn(async move {
-        inference::serve_unix_with_inbox(&socket, serving, normalization, inbox, async move { let _ = rx1.changed().await; }).await
+    let server = tokio::spawn({
+        let stop = shutdown.wait();
+        async move { inference::serve_unix_with_inbox(&socket, serving, normalization, inbox, stop).await }
     });
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = stop_tx.send(true);
-    });
-    let mut rx2 = stop_rx.clone();
     let poll = Duration::from_millis(cfg.poll_interval_ms);
-    let stop = async move {
-        let _ = rx2.changed().await;
-    };
+    let stop = shutdown.wait();
     match wake {
         Some(wake) => crate::mqtt::run_agent_with_wake(&mut agent, poll, wake, stop).await?,
         None => run_agent(&mut agent, poll, stop).await?,
@@ -355,16 +348,6 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! { _ = tokio::signal::ctrl_c() => {}, _ = term.recv() => {} }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
 }
 
 /// `fedfleet-agent status`: the last status the daemon wrote.

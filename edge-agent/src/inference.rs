@@ -98,6 +98,9 @@ pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalizati
     }
 }
 
+/// Connections the inference socket serves at once (more are closed at once and logged).
+const MAX_CONNECTIONS: usize = 256;
+
 /// Serves `serving` on a unix socket at `path` until `shutdown` resolves.
 pub async fn serve_unix(path: &Path, serving: Serving, normalization: Normalization, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
     serve_unix_with_inbox(path, serving, normalization, None, shutdown).await
@@ -114,22 +117,25 @@ pub async fn serve_unix_with_inbox(
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path)?;
     tracing::info!(socket = %path.display(), "inference endpoint listening");
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            r = listener.accept() => {
-                let (stream, _) = r?;
-                let serving = serving.clone();
-                let inbox = inbox.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = handle(stream, serving, normalization, inbox).await {
-                        tracing::debug!(error = %e, "inference connection ended");
-                    }
-                });
+    let handlers = fedfleet_net::serve::accept_until(
+        &listener,
+        MAX_CONNECTIONS,
+        shutdown,
+        || tracing::warn!(limit = MAX_CONNECTIONS, "inference connection refused: too many open"),
+        |stream| {
+            let serving = serving.clone();
+            let inbox = inbox.clone();
+            async move {
+                if let Err(e) = handle(stream, serving, normalization, inbox).await {
+                    tracing::debug!(error = %e, "inference connection ended");
+                }
             }
-        }
-    }
+        },
+    )
+    .await;
+    // Connections still open end with the endpoint.
+    let mut handlers = handlers;
+    handlers.shutdown().await;
     let _ = std::fs::remove_file(path);
     Ok(())
 }

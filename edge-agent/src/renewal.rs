@@ -45,7 +45,7 @@ pub enum RenewalOutcome {
 pub enum RenewalError {
     /// The certificate on disk cannot be loaded (expired: the fleet refuses it; re-enroll).
     #[error("device identity: {0}")]
-    Identity(#[from] fedfleet_certs::CertError),
+    Identity(fedfleet_certs::CertError),
     /// The registry refused, with its named reason.
     #[error("the registry refused to renew this device's certificate ({reason}): {detail}")]
     Refused { reason: RejectReason, detail: String },
@@ -54,6 +54,13 @@ pub enum RenewalError {
     Transport(String),
     #[error("writing the renewed certificate {path}: {error}")]
     Write { path: std::path::PathBuf, error: String },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<fedfleet_certs::CertError> for RenewalError {
+    fn from(e: fedfleet_certs::CertError) -> Self {
+        RenewalError::Identity(e)
+    }
 }
 
 /// Renews the device certificate through the registry and switches the service clients to it.

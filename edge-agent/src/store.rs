@@ -31,11 +31,10 @@ pub enum StoreError {
     Corrupt { key: String, detail: String },
     #[error("blob {digest} on disk does not match its digest (damaged); it will be fetched again")]
     BlobCorrupt { digest: Digest },
-    #[error("agent store I/O on {path}: {source}")]
+    #[error("agent store I/O on {path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -47,8 +46,8 @@ impl From<sled::Error> for StoreError {
 }
 
 impl StoreError {
-    fn io(path: &Path, source: std::io::Error) -> Self {
-        StoreError::Io { path: path.to_owned(), source }
+    fn io(path: &Path, cause: std::io::Error) -> Self {
+        StoreError::Io { path: path.to_owned(), cause }
     }
 }
 

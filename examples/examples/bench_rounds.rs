@@ -693,7 +693,6 @@ local_epochs = {epochs}
 batch_size = {batch}
 learning_rate = 0.1
 quantization = "f32"
-max_updates = {max_updates}
 "#,
         pki_dir = pki.dir().display().to_string(),
         data_dir = dir.join("data").display().to_string(),
@@ -704,7 +703,6 @@ max_updates = {max_updates}
         rate = args.sampling_rate.min(1.0),
         epochs = args.local_epochs,
         batch = args.batch_size,
-        max_updates = (target as usize).max(256),
     )
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use fedfleet::demo::{self, DemoOptions};
-use fedfleet::local::{LocalOptions, init_local};
+use fedfleet_cli::{InitLocalArgs, init_local_main};
 use fedfleet::scenarios::{PRETRAIN_EPOCHS, mnist_pretrained};
 
 #[derive(Parser)]
@@ -15,31 +15,8 @@ enum Cli {
     /// A throwaway PKI, a registry, an aggregator and N agents on loopback: federated training
     /// of the digits model, then a canary 10 % -> 100 % rollout of the result.
     Demo(DemoArgs),
-    /// Write a ready local deployment into DIR: a fleet PKI, the registry's signing keys, the
-    /// aggregator's receipt key and initial model, N enrolled agents, and configs that agree
-    /// (relative paths, distinct loopback ports, publishing wired). Then, from DIR:
-    /// `fedfleet-registry -c registry.toml serve`, `fedfleet-aggregator serve -c aggregator.toml`,
-    /// `fedfleet-agent run -c agents/agent-1.toml` (README: Quick tour).
+    /// Write a ready local deployment into DIR (the same as `fedfleet-init-local DIR`).
     InitLocal(InitLocalArgs),
-}
-
-#[derive(clap::Args)]
-struct InitLocalArgs {
-    /// The directory to create (must be absent or empty).
-    dir: PathBuf,
-    /// Number of agents (agent-1 ... agent-N).
-    #[arg(long, default_value_t = LocalOptions::default().agents)]
-    agents: usize,
-    /// Fleet name (in the CA and every agent's config).
-    #[arg(long, default_value_t = LocalOptions::default().fleet)]
-    fleet: String,
-    /// Rounds of the configured campaign (the last global model is version rounds + 1).
-    #[arg(long, default_value_t = LocalOptions::default().rounds)]
-    rounds: u32,
-    /// The aggregator's QUIC port; the registry takes the next one, the two metrics endpoints
-    /// the two after.
-    #[arg(long, default_value_t = LocalOptions::default().base_port)]
-    base_port: u16,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -134,28 +111,7 @@ struct DemoArgs {
 fn main() -> ExitCode {
     match Cli::parse() {
         Cli::Demo(a) => demo_main(a),
-        Cli::InitLocal(a) => init_local_main(a),
-    }
-}
-
-fn init_local_main(a: InitLocalArgs) -> ExitCode {
-    let o = LocalOptions { agents: a.agents, fleet: a.fleet, rounds: a.rounds, base_port: a.base_port, ..Default::default() };
-    match init_local(&a.dir, &o) {
-        Ok(layout) => {
-            let d = a.dir.display();
-            println!("wrote a local fleet {:?} with {} agents into {d}:", o.fleet, o.agents);
-            println!("  pki/                 CA, registry/aggregator/operator identities, device identities");
-            println!("  registry.toml        registry on 127.0.0.1:{} (metrics :{})", o.base_port + 1, o.base_port + 3);
-            println!("  aggregator.toml      aggregator on 127.0.0.1:{} (metrics :{}), publishing into the registry", o.base_port, o.base_port + 2);
-            println!("  agents/*.toml        {} (enrolled, pinned to the registry's root)", layout.agent_configs.join(", ").replace("agents/", "").replace(".toml", ""));
-            println!("  rows.csv             {} held-out digits for `fedfleet-agent infer` (labels {:?})", layout.labels.len(), layout.labels);
-            println!("next, from {d}: start fedfleet-registry, fedfleet-aggregator and the agents (README: Quick tour)");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("fedfleet init-local: {e:#}");
-            ExitCode::from(2)
-        }
+        Cli::InitLocal(a) => init_local_main("fedfleet init-local", a),
     }
 }
 

@@ -3,8 +3,10 @@
 //! Reproduce (release build, one CPU thread as burn's flex backend is built here):
 //!
 //! ```text
-//! cargo run --release -p fedfleet-learning --example bench_learning
+//! cargo run --release -p fedfleet-learning --example bench_learning [-- --quick]
 //! ```
+//!
+//! `--quick`: the digits models only (no MNIST).
 //!
 //! Prints figures only; asserts nothing about time.
 
@@ -70,6 +72,11 @@ fn main() {
     bench("digits MLP 64-64-10", &ModelSpec::digits_mlp(), &train, &test, 5);
     let (ti, si) = (train.clone().reshaped(vec![1, 8, 8]).unwrap(), test.clone().reshaped(vec![1, 8, 8]).unwrap());
     bench("digits CNN 8x8 c16-c32-64", &ModelSpec::digits_cnn(), &ti, &si, 2);
+    // `--quick` (benches/smoke.sh): the digits models only.
+    if std::env::args().any(|a| a == "--quick") {
+        println!("peak RSS (VmHWM): {} KiB; total {:.1?} (--quick: MNIST skipped)", peak_rss_kib().unwrap_or(0), t.elapsed());
+        return;
+    }
     let mnist_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mnist-t10k");
     match Dataset::load_mnist_dir(&mnist_dir, "t10k") {
         Ok(m) => {

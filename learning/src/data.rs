@@ -127,7 +127,7 @@ fn maybe_gunzip(bytes: &[u8], what: &str) -> Result<Vec<u8>, DataError> {
         let mut out = Vec::new();
         GzDecoder::new(bytes)
             .read_to_end(&mut out)
-            .map_err(|source| DataError::Gzip { what: what.to_string(), source })?;
+            .map_err(|cause| DataError::Gzip { what: what.to_string(), cause })?;
         Ok(out)
     } else {
         Ok(bytes.to_vec())
@@ -135,7 +135,7 @@ fn maybe_gunzip(bytes: &[u8], what: &str) -> Result<Vec<u8>, DataError> {
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
-    std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })
+    std::fs::read(path).map_err(|cause| DataError::Io { path: path.to_path_buf(), cause })
 }
 
 impl Dataset {

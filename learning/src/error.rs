@@ -7,20 +7,20 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// Reading a file failed.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The gzip stream is corrupt or truncated.
-    #[error("{what}: gzip stream is corrupt: {source}")]
+    #[error("{what}: gzip stream is corrupt: {cause}")]
     Gzip {
         /// Which input.
         what: String,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A CSV row is malformed.
     #[error("{what}: line {line}: {reason}")]
@@ -77,17 +77,17 @@ pub enum LearningError {
     Layout(String),
     /// Bundle codec error.
     #[error("tensor bundle: {0}")]
-    Bundle(#[from] BundleError),
+    Bundle(BundleError),
     /// Data loading error.
     #[error(transparent)]
     Data(#[from] DataError),
     /// File I/O error.
-    #[error("cannot access {path}: {source}")]
+    #[error("cannot access {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The data does not fit the model.
     #[error("data does not fit the model: {0}")]
@@ -110,4 +110,11 @@ pub enum LearningError {
     /// Reading a tensor back from burn failed.
     #[error("tensor read failed: {0}")]
     Tensor(String),
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<BundleError> for LearningError {
+    fn from(e: BundleError) -> Self {
+        LearningError::Bundle(e)
+    }
 }

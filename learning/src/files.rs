@@ -24,7 +24,7 @@ pub struct NpyArray {
 pub fn write_npy(path: impl AsRef<Path>, shape: &[usize], values: &[f32]) -> Result<(), DataError> {
     use npyz::WriterBuilder;
     let path = path.as_ref();
-    let io = |source| DataError::Io { path: path.to_path_buf(), source };
+    let io = |cause| DataError::Io { path: path.to_path_buf(), cause };
     if shape.iter().product::<usize>() != values.len() {
         return Err(DataError::Mismatch(format!("{}: {} values for shape {shape:?}", path.display(), values.len())));
     }
@@ -108,7 +108,7 @@ fn zip_names(bytes: &[u8]) -> Vec<String> {
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
-    std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })
+    std::fs::read(path).map_err(|cause| DataError::Io { path: path.to_path_buf(), cause })
 }
 
 impl Dataset {
@@ -246,10 +246,10 @@ impl Dataset {
             return Err(DataError::Mismatch(format!("image size {}x{} is out of range", options.height, options.width)));
         }
         let list = |dir: &Path| -> Result<Vec<PathBuf>, DataError> {
-            let rd = std::fs::read_dir(dir).map_err(|source| DataError::Io { path: dir.to_path_buf(), source })?;
+            let rd = std::fs::read_dir(dir).map_err(|cause| DataError::Io { path: dir.to_path_buf(), cause })?;
             let mut v = Vec::new();
             for entry in rd {
-                let entry = entry.map_err(|source| DataError::Io { path: dir.to_path_buf(), source })?;
+                let entry = entry.map_err(|cause| DataError::Io { path: dir.to_path_buf(), cause })?;
                 if !entry.file_name().to_string_lossy().starts_with('.') {
                     v.push(entry.path());
                 }

@@ -209,7 +209,7 @@ pub fn import_pretrained(spec: &ModelSpec, bytes: &[u8], seed: u64) -> Result<Te
 /// [`import_state_dict`] from a file.
 pub fn load_state_dict(spec: &ModelSpec, path: impl AsRef<Path>) -> Result<TensorBundle, LearningError> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| LearningError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|cause| LearningError::Io { path: path.to_path_buf(), cause })?;
     import_state_dict(spec, &bytes)
 }
 
@@ -218,7 +218,7 @@ pub fn save_state_dict(spec: &ModelSpec, bundle: &TensorBundle, path: impl AsRef
     let path = path.as_ref();
     let bytes = export_state_dict(spec, bundle)?;
     let tmp = path.with_extension("safetensors.tmp");
-    let io = |source| LearningError::Io { path: path.to_path_buf(), source };
+    let io = |cause| LearningError::Io { path: path.to_path_buf(), cause };
     std::fs::write(&tmp, bytes).map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)
 }

@@ -579,7 +579,7 @@ impl Model {
 pub fn save_bundle(bundle: &TensorBundle, path: impl AsRef<Path>) -> Result<(), LearningError> {
     let path = path.as_ref();
     let tmp = path.with_extension("safetensors.tmp");
-    let io = |source| LearningError::Io { path: path.to_path_buf(), source };
+    let io = |cause| LearningError::Io { path: path.to_path_buf(), cause };
     std::fs::write(&tmp, bundle.encode()).map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)
 }
@@ -587,7 +587,7 @@ pub fn save_bundle(bundle: &TensorBundle, path: impl AsRef<Path>) -> Result<(), 
 /// Reads a safetensors file into a bundle (default protocol limits).
 pub fn load_bundle(path: impl AsRef<Path>) -> Result<TensorBundle, LearningError> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| LearningError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|cause| LearningError::Io { path: path.to_path_buf(), cause })?;
     Ok(TensorBundle::decode(&bytes, &fedfleet_protocol::bundle::BundleLimits::default())?)
 }
 

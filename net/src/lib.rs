@@ -1,13 +1,16 @@
 //! The thin QUIC shell every fedfleet service and the agent share: endpoints built from the
-//! certs crate's rustls configs, and framed streams speaking `fedfleet_protocol::framing`.
+//! certs crate's rustls configs, framed streams speaking `fedfleet_protocol::framing`, the one
+//! accept loop ([`serve`]) and the one shutdown switch ([`Shutdown`]) of every service.
 //!
 //! **Architecture invariant:** no protocol decisions here. This crate moves frames; what a frame
 //! means is decided by the protocol crate and by the service cores.
 
 pub mod rpc;
 pub mod serve;
+pub mod shutdown;
 
 pub use rpc::RpcConnection;
+pub use shutdown::Shutdown;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,10 +28,10 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum NetError {
     #[error("QUIC/TLS config: {0}")]
     Config(String),
-    #[error("cannot bind {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
-    #[error("cannot connect to {addr}: {source}")]
-    Connect { addr: SocketAddr, source: quinn::ConnectError },
+    #[error("cannot bind {addr}: {cause}")]
+    Bind { addr: SocketAddr, cause: std::io::Error },
+    #[error("cannot connect to {addr}: {cause}")]
+    Connect { addr: SocketAddr, cause: quinn::ConnectError },
     #[error("connection lost: {0}")]
     Connection(quinn::ConnectionError),
     #[error("write failed: {0}")]
@@ -148,10 +151,10 @@ fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::End
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(transport());
-    let socket = std::net::UdpSocket::bind(addr).map_err(|source| NetError::Bind { addr, source })?;
+    let socket = std::net::UdpSocket::bind(addr).map_err(|cause| NetError::Bind { addr, cause })?;
     widen_buffers(&socket);
     let runtime = quinn::default_runtime().ok_or_else(|| NetError::Config("no async runtime".into()))?;
-    quinn::Endpoint::new(endpoint, Some(config), socket, runtime).map_err(|source| NetError::Bind { addr, source })
+    quinn::Endpoint::new(endpoint, Some(config), socket, runtime).map_err(|cause| NetError::Bind { addr, cause })
 }
 
 /// The QUIC client config of a rustls config from `fedfleet_certs::tls::client_config`.
@@ -166,7 +169,7 @@ pub fn quic_client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConf
 pub fn client_endpoint(tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
     let config = quic_client_config(tls)?;
     let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
-    let mut endpoint = quinn::Endpoint::client(addr).map_err(|source| NetError::Bind { addr, source })?;
+    let mut endpoint = quinn::Endpoint::client(addr).map_err(|cause| NetError::Bind { addr, cause })?;
     endpoint.set_default_client_config(config);
     Ok(endpoint)
 }
@@ -174,7 +177,7 @@ pub fn client_endpoint(tls: rustls::ClientConfig) -> Result<quinn::Endpoint, Net
 /// Connects and completes the handshake. A server that refuses our certificate may still let
 /// this succeed: the refusal then surfaces on the first stream.
 pub async fn connect(endpoint: &quinn::Endpoint, addr: SocketAddr, server_name: &str) -> Result<quinn::Connection, NetError> {
-    let connecting = endpoint.connect(addr, server_name).map_err(|source| NetError::Connect { addr, source })?;
+    let connecting = endpoint.connect(addr, server_name).map_err(|cause| NetError::Connect { addr, cause })?;
     Ok(connecting.await?)
 }
 

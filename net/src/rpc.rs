@@ -64,7 +64,7 @@ impl RpcConnection {
         let connecting = self
             .endpoint
             .connect_with(config, self.addr, &self.server_name)
-            .map_err(|source| NetError::Connect { addr: self.addr, source })?;
+            .map_err(|cause| NetError::Connect { addr: self.addr, cause })?;
         let c = connecting.await?;
         *guard = Some(c.clone());
         Ok(c)

@@ -16,6 +16,8 @@
 //!   client-side [`tuf::Verifier`] every device runs; [`artifact`]: a version's chunk manifest.
 //! - [`model`]: the one model-metadata type ([`ModelInfo`]) and what a publisher states
 //!   ([`NewVersion`]).
+//! - [`time`]: unix milliseconds and the one [`Clock`] abstraction the shells are handed
+//!   ([`SystemClock`] is the tree's one wall-clock reading; no core calls it).
 
 pub mod artifact;
 pub mod bundle;
@@ -27,6 +29,7 @@ pub mod messages;
 pub mod model;
 pub mod reject;
 pub mod serde_hex;
+pub mod time;
 pub mod tuf;
 
 pub use bundle::{BundleError, BundleLimits, DType, Layout, Tensor, TensorBundle, TensorData};
@@ -42,3 +45,4 @@ pub use messages::{
 };
 pub use model::{AdapterLineage, ModelInfo, NewVersion, SpecJson};
 pub use reject::RejectReason;
+pub use time::{Clock, Millis, SharedClock, SystemClock};

@@ -70,10 +70,10 @@ pub enum ClientError {
     },
     #[error("gave up after {attempts} attempts without progress; last error: {last}")]
     GaveUp { attempts: u32, last: String },
-    #[error("writing {path}: {source}")]
+    #[error("writing {path}: {cause}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -631,9 +631,9 @@ impl RegistryClient {
         let mut s = self.start(&Request::Admin(req), true).await?;
         let mut buf = vec![0u8; wire::FRAME_DATA];
         loop {
-            let n = r.read(&mut buf).map_err(|source| ClientError::Io {
+            let n = r.read(&mut buf).map_err(|cause| ClientError::Io {
                 path: PathBuf::from("<artifact>"),
-                source,
+                cause,
             })?;
             if n == 0 {
                 break;
@@ -659,9 +659,9 @@ pub fn assemble<C: ChunkCache>(
     cache: &mut C,
     dest: &Path,
 ) -> Result<u64, ClientError> {
-    let io = |source| ClientError::Io {
+    let io = |cause| ClientError::Io {
         path: dest.to_owned(),
-        source,
+        cause,
     };
     let tmp = dest.with_extension("partial");
     let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);

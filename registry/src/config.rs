@@ -97,9 +97,9 @@ impl Default for Config {
 impl Config {
     /// Reads `path`; relative directories are taken relative to the file's directory.
     pub fn load(path: &Path) -> Result<Self, RegistryError> {
-        let text = std::fs::read_to_string(path).map_err(|source| RegistryError::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| RegistryError::Io {
             path: path.to_owned(),
-            source,
+            cause,
         })?;
         Self::parse(path, &text)
     }

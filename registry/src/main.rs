@@ -21,10 +21,11 @@ use fedfleet_registry::metadata::{self, MetadataSigner};
 use fedfleet_registry::metrics::Metrics;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
-use fedfleet_registry::server::{self, ServerOptions};
 use fedfleet_registry::store::{NewVersion, Store, StoreConfig, StoreError};
 use fedfleet_registry::wire::{AdminRequest, RolloutCommand, RolloutStart};
-use fedfleet_registry::{RegistryError, unix_ms};
+use fedfleet_registry::RegistryError;
+use fedfleet_registry::service::RegistryService;
+use fedfleet_protocol::{Clock, SystemClock};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -248,7 +249,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             rt.block_on(serve(cfg))
         }
         Cmd::InitKeys { force } => {
-            let root = metadata::init_keys(&cfg.data_dir, cfg.root_days, force)?;
+            let root = metadata::init_keys(&cfg.data_dir, cfg.root_days, force, SystemClock.now_ms())?;
             let body = root.body_unverified()?;
             println!(
                 "created keys in {} and root v{} (expires {}); pin {} on devices. Move {} offline.",
@@ -294,7 +295,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 spec,
                 parent: parent.map(ModelVersion),
                 metrics: metrics.into_iter().collect(),
-                created_at_unix_ms: unix_ms(),
+                created_at_unix_ms: SystemClock.now_ms(),
                 publisher,
                 adapter: None,
             });
@@ -531,8 +532,8 @@ async fn admin(
             } else {
                 None
             };
-            let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()))?;
-            let now = unix_ms();
+            let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()), SystemClock::shared())?;
+            let now = SystemClock.now_ms();
             let out = match req {
                 AdminRequest::Publish(mut new) => {
                     new.created_at_unix_ms = now;
@@ -585,92 +586,7 @@ async fn admin(
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    if !metadata::keys_exist(&cfg.data_dir) {
-        metadata::init_keys(&cfg.data_dir, cfg.root_days, false)?;
-        tracing::info!(root = %cfg.data_dir.join(metadata::ROOT_JSON).display(), "created signing keys and root; pin root.json on devices");
-    }
-    let pki = fedfleet_certs::Pki::open(&cfg.pki_dir)
-        .with_context(|| format!("opening PKI {}", cfg.pki_dir.display()))?;
-    let identity = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)
-        .with_context(|| {
-            format!(
-                "loading server identity {:?} (fedfleet-certs issue-server --name {})",
-                cfg.server_identity, cfg.server_identity
-            )
-        })?;
-    let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
-    let tls = fedfleet_certs::tls::server_config(
-        pki.ca(),
-        &identity,
-        revocation.clone(),
-        &[fedfleet_certs::ALPN_V1],
-    )?;
-    let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
-    let signer = MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?;
-    let metrics = Arc::new(Metrics::default());
-    // Warn well before this service's own certificate lapses (on start, then hourly).
-    let validity = identity.validity()?;
-    let name = cfg.server_identity.clone();
-    tokio::spawn(fedfleet_http::watch_certificate_expiry(
-        metrics.certificate_expiry_seconds.clone(),
-        std::time::Duration::from_secs(3600),
-        move || fedfleet_certs::renewal::warn_if_expiring(&name, validity, (fedfleet_registry::unix_ms() / 1000) as i64),
-    ));
-    let renewal = match &cfg.renewal {
-        None => None,
-        Some(r) => {
-            let issuer = fedfleet_certs::DeviceIssuer::load(&pki.ca_cert_path(), &r.ca_key)
-                .with_context(|| format!("[renewal] ca_key {}", r.ca_key.display()))?;
-            let allow = fedfleet_certs::AllowList::load(pki.allow_list_path())
-                .with_context(|| format!("[renewal] needs the allow-list {}", pki.allow_list_path().display()))?;
-            tracing::info!(days = r.days, "renewing device certificates");
-            Some(server::Renewal { issuer: Arc::new(issuer), allow_list: Some(Arc::new(allow)), days: r.days })
-        }
-    };
-    let reg = Arc::new(Registry::new(
-        store,
-        pki.fleet().clone(),
-        Some(signer),
-        metrics.clone(),
-    )?
-    .with_revocation(revocation));
-    // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
-    let endpoint = fedfleet_net::server_endpoint_restartable(
-        cfg.listen,
-        tls,
-        &identity.derive_secret("fedfleet-registry 2026 QUIC endpoint"),
-    )?;
-    if let Some(maddr) = cfg.metrics {
-        let l = fedfleet_http::bind(maddr, cfg.metrics_public)
-            .await
-            .with_context(|| format!("metrics on {maddr}"))?;
-        tracing::info!(addr = %maddr, "metrics on /metrics");
-        tokio::spawn(fedfleet_http::serve_metrics(l, metrics.clone()));
-    }
-    let mqtt = fedfleet_registry::mqtt::start(reg.clone(), &cfg)
-        .await
-        .context("starting the MQTT control plane")?;
-    let mut opts = ServerOptions::new(cfg.spool_dir());
-    opts.operators = cfg.operators.clone();
-    opts.max_connections = cfg.max_connections;
-    opts.renewal = renewal;
-    server::run(endpoint, reg, opts, shutdown_signal()).await;
-    if let Some(m) = mqtt {
-        m.shutdown().await;
-    }
+    let service = RegistryService::open(cfg, SystemClock::shared())?;
+    service.bind()?.run(fedfleet_net::Shutdown::on_signal()).await?;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
 }

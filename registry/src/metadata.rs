@@ -53,9 +53,9 @@ impl Default for Lifetimes {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RegistryError + '_ {
-    move |source| RegistryError::Io {
+    move |cause| RegistryError::Io {
         path: path.to_owned(),
-        source,
+        cause,
     }
 }
 
@@ -103,11 +103,13 @@ pub fn keys_exist(data_dir: &Path) -> bool {
 
 /// Creates the root, targets and timestamp keys and a root (version 1, valid `root_days`) in
 /// `data_dir`. Refuses to overwrite existing keys unless `force` (devices pinned to the old root
-/// would then refuse everything). Returns the signed root.
+/// would then refuse everything). `now`: unix ms the root's expiry counts from. Returns the
+/// signed root.
 pub fn init_keys(
     data_dir: &Path,
     root_days: u32,
     force: bool,
+    now: u64,
 ) -> Result<SignedMetadata<Root>, RegistryError> {
     for f in [ROOT_KEY, TARGETS_KEY, TIMESTAMP_KEY, ROOT_JSON] {
         let p = data_dir.join(f);
@@ -121,7 +123,7 @@ pub fn init_keys(
     }
     let new_key = || SigningKey::generate(&mut rand_core::OsRng);
     let (root_key, targets_key, ts_key) = (new_key(), new_key(), new_key());
-    let expires = crate::unix_ms() + root_days.max(1) as u64 * DAY_MS;
+    let expires = now + root_days.max(1) as u64 * DAY_MS;
     let body = Root::new(
         1,
         expires,

@@ -285,7 +285,7 @@ impl Loop {
     }
 
     fn on_status(&mut self, s: &DeviceStatus) {
-        let now = crate::unix_ms();
+        let now = self.reg.now_ms();
         self.presence
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -323,7 +323,7 @@ impl Loop {
     }
 
     fn export_presence(&self) {
-        let now = crate::unix_ms();
+        let now = self.reg.now_ms();
         let m = self.reg.metrics();
         let p = self.presence.lock().unwrap_or_else(|p| p.into_inner());
         m.set_presence(p.online(now, self.ttl_ms), p.known());
@@ -362,7 +362,7 @@ impl Loop {
             if seen == Some(&state) {
                 continue;
             }
-            match notice(&self.reg, r, crate::unix_ms()) {
+            match notice(&self.reg, r, self.reg.now_ms()) {
                 Ok(n) => {
                     let signed = Signed::sign(n, &self.key);
                     if let Err(e) = self.client.publish_rollout(&signed).await {
@@ -471,11 +471,11 @@ mod tests {
         use fedfleet_protocol::ModelVersion;
 
         let dir = tempfile::tempdir().unwrap();
-        metadata::init_keys(dir.path(), 30, false).unwrap();
+        metadata::init_keys(dir.path(), 30, false, 1_700_000_000_000).unwrap();
         let store = Store::open(dir.path().join("store"), StoreConfig::default()).unwrap();
         let signer = MetadataSigner::load(dir.path(), Lifetimes::default()).unwrap();
         let fleet = FleetId::new("demo").unwrap();
-        let reg = Registry::new(store, fleet.clone(), Some(signer), Default::default()).unwrap();
+        let reg = Registry::new(store, fleet.clone(), Some(signer), Default::default(), fedfleet_protocol::SystemClock::shared()).unwrap();
         for body in [&b"v1"[..], &b"v2 bytes"[..]] {
             let meta = NewVersion {
                 name: "m".into(),

@@ -10,6 +10,7 @@
 //! save replays the same transition on restart (the saved state predates it): alias moves are
 //! idempotent.
 
+use fedfleet_protocol::SharedClock;
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::sync::{Arc, Mutex};
@@ -40,6 +41,8 @@ pub struct Registry {
     /// The fleet's revocation list: device status marks revoked devices (their last report
     /// alone would still read "active").
     revocation: Option<Arc<fedfleet_certs::RevocationWatcher>>,
+    /// What every request, report and signature is timed by (a fake clock in tests).
+    clock: SharedClock,
 }
 
 impl std::fmt::Debug for Registry {
@@ -99,6 +102,7 @@ impl Registry {
         fleet: FleetId,
         signer: Option<MetadataSigner>,
         metrics: Arc<Metrics>,
+        clock: SharedClock,
     ) -> Result<Self, RegistryError> {
         let rollouts = store
             .rollouts()?
@@ -112,8 +116,9 @@ impl Registry {
             signer,
             metrics,
             revocation: None,
+            clock,
         };
-        reg.refresh_metadata(crate::unix_ms())?;
+        reg.refresh_metadata(reg.now_ms())?;
         Ok(reg)
     }
 
@@ -138,6 +143,15 @@ impl Registry {
             m.insert("revoked".into(), Value::Bool(revoked));
         }
         v
+    }
+
+    /// The registry's clock, read (unix ms).
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
     }
 
     pub fn store(&self) -> &Store {
@@ -180,7 +194,7 @@ impl Registry {
     /// Publishes a new version and re-signs the targets.
     pub fn publish(&self, meta: NewVersion, r: impl Read) -> Result<Manifest, RegistryError> {
         let m = self.store.publish_reader(meta, r)?;
-        self.refresh_metadata(crate::unix_ms())?;
+        self.refresh_metadata(self.now_ms())?;
         Ok(m)
     }
 

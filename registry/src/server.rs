@@ -4,7 +4,6 @@
 //! re-signs the timestamp. On shutdown the endpoint closes, handlers get a few seconds to
 //! finish, and the store is flushed.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -12,7 +11,6 @@ use std::time::Duration;
 use fedfleet_certs::PeerIdentity;
 use fedfleet_net::{FramedStream, NetError};
 use fedfleet_protocol::{FrameKind, RejectReason};
-use tokio::sync::watch;
 
 use crate::RegistryError;
 use crate::ops::{Registry, resolve_version};
@@ -41,32 +39,6 @@ impl Default for Faults {
     }
 }
 
-/// The clock a service judges requests by (unix milliseconds); the system clock unless a test
-/// passes its own.
-#[derive(Clone)]
-pub struct ServiceClock(Arc<dyn Fn() -> u64 + Send + Sync>);
-
-impl ServiceClock {
-    pub fn new(now_ms: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
-        ServiceClock(Arc::new(now_ms))
-    }
-    pub fn now_ms(&self) -> u64 {
-        (self.0)()
-    }
-}
-
-impl Default for ServiceClock {
-    fn default() -> Self {
-        ServiceClock::new(crate::unix_ms)
-    }
-}
-
-impl std::fmt::Debug for ServiceClock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ServiceClock")
-    }
-}
-
 /// Device certificate renewal (`[renewal]` in `registry.toml`).
 #[derive(Debug, Clone)]
 pub struct Renewal {
@@ -89,7 +61,6 @@ pub struct ServerOptions {
     pub spool_dir: std::path::PathBuf,
     /// Device certificate renewal; `None`: `RenewCertificate` is refused (`not_permitted`).
     pub renewal: Option<Renewal>,
-    pub clock: ServiceClock,
     #[doc(hidden)]
     pub faults: Arc<Faults>,
 }
@@ -101,7 +72,6 @@ impl ServerOptions {
             max_connections: 4096,
             spool_dir: spool_dir.into(),
             renewal: None,
-            clock: ServiceClock::default(),
             faults: Arc::new(Faults::default()),
         }
     }
@@ -112,30 +82,29 @@ struct Ctx {
     opts: ServerOptions,
 }
 
-/// Serves `endpoint` until `shutdown` resolves.
+/// Serves `endpoint` until `shutdown` is triggered.
 pub async fn run(
     endpoint: quinn::Endpoint,
     reg: Arc<Registry>,
     opts: ServerOptions,
-    shutdown: impl Future<Output = ()>,
+    shutdown: fedfleet_net::Shutdown,
 ) {
     let ctx = Arc::new(Ctx {
         reg: reg.clone(),
         opts,
     });
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let timer = tokio::spawn(timer_loop(reg.clone(), stop_rx));
+    let timer = tokio::spawn(timer_loop(reg.clone(), shutdown.clone()));
     tracing::info!(addr = ?endpoint.local_addr().ok(), "registry serving");
     let handlers = fedfleet_net::serve::accept_until(
         &endpoint,
         ctx.opts.max_connections,
-        shutdown,
+        shutdown.wait(),
         || ctx.reg.metrics().rejection(RejectReason::Overloaded),
         |incoming| connection(incoming, ctx.clone()),
     )
     .await;
     tracing::info!("registry shutting down");
-    let _ = stop_tx.send(true);
+    shutdown.trigger();
     // Registry handlers serve a connection until it closes: close first, then let them end.
     endpoint.close(0u32.into(), b"shutting down");
     fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(5)).await;
@@ -145,9 +114,11 @@ pub async fn run(
     }
 }
 
-async fn timer_loop(reg: Arc<Registry>, mut stop: watch::Receiver<bool>) {
+async fn timer_loop(reg: Arc<Registry>, shutdown: fedfleet_net::Shutdown) {
+    let stop = shutdown.wait();
+    tokio::pin!(stop);
     loop {
-        let now = crate::unix_ms();
+        let now = reg.now_ms();
         let next = {
             let reg = reg.clone();
             tokio::task::spawn_blocking(move || {
@@ -171,7 +142,7 @@ async fn timer_loop(reg: Arc<Registry>, mut stop: watch::Receiver<bool>) {
             .clamp(50, 1000);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
-            _ = stop.changed() => return,
+            _ = &mut stop => return,
         }
     }
 }
@@ -290,7 +261,7 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, RegistryError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| RegistryError::Invalid(format!("task failed: {e}")))?
+        .map_err(|e| RegistryError::Internal(format!("a worker task failed: {e}")))?
 }
 
 async fn stream(
@@ -321,7 +292,7 @@ async fn stream(
     };
     m.request(request_kind(&req));
     let reg = ctx.reg.clone();
-    let now = ctx.opts.clock.now_ms();
+    let now = ctx.reg.now_ms();
     let resp = match req {
         Request::RenewCertificate => match peer {
             PeerIdentity::Device(id) => renew_certificate(ctx, conn, id, now),
@@ -455,7 +426,7 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
     let dir = &ctx.opts.spool_dir;
     let io = |p: &std::path::Path| {
         let p = p.to_owned();
-        move |source| RegistryError::Io { path: p, source }
+        move |cause| RegistryError::Io { path: p, cause }
     };
     tokio::fs::create_dir_all(dir).await.map_err(io(dir))?;
     let mut nonce = [0u8; 8];
@@ -494,11 +465,11 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
         if new.publisher.is_empty() {
             new.publisher = peer_name.to_owned();
         }
-        new.created_at_unix_ms = crate::unix_ms();
+        new.created_at_unix_ms = ctx.reg.now_ms();
         blocking(move || {
-            let file = std::fs::File::open(&p).map_err(|source| RegistryError::Io {
+            let file = std::fs::File::open(&p).map_err(|cause| RegistryError::Io {
                 path: p.clone(),
-                source,
+                cause,
             })?;
             reg.publish(
                 new,

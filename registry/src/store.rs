@@ -83,9 +83,9 @@ pub enum StoreError {
     #[error("registry database at {path} is in use by another process (one process per database)")]
     Locked { path: PathBuf },
     #[error("sled: {0}")]
-    Sled(#[source] sled::Error),
+    Sled(sled::Error),
     #[error("reading the artifact: {0}")]
-    Io(#[source] std::io::Error),
+    Io(std::io::Error),
     #[error("invalid {what} name {name:?}: {reason}")]
     InvalidName {
         what: &'static str,

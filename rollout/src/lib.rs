@@ -25,7 +25,10 @@
 //! an *outcome* for the target (healthy, active, failed, rolled back), the share that failed or
 //! rolled back. Downloads and verifications are recorded but are not outcomes. When at least
 //! `min_sample` devices reported an outcome and the share exceeds `failure_threshold`, the rollout
-//! aborts itself ([`Event::AutoAborted`]).
+//! aborts itself ([`Event::AutoAborted`]) at once. At the end of a phase's soak the same share is
+//! judged over however many outcomes there are (fewer than `min_sample` included): a phase whose
+//! reporting devices mostly failed never advances, so a rollout that failed everywhere never
+//! completes or moves the alias.
 //!
 //! # What a device should run ([`Rollout::assignment`])
 //! | state                | in audience, healthy | in audience, failed | not in audience |
@@ -523,8 +526,19 @@ impl Rollout {
             if soaked < phase.soak_ms {
                 return;
             }
+            // The phase's gate judges every outcome it has, however few: `min_sample` only
+            // keeps an early abort from firing on the first reports while the phase soaks. A
+            // phase whose devices mostly failed never advances, and never completes the rollout.
+            let (healthy, failed, _) = self.counts();
+            let reporting = healthy + failed;
+            if reporting > 0 && failed as f64 / reporting as f64 > self.plan.failure_threshold {
+                let rate = failed as f64 / reporting as f64;
+                self.end_aborted(now);
+                tracing::warn!(rollout = %self.plan.id, phase = self.phase, rate, "auto-abort at the phase gate");
+                self.events.push_back(Event::AutoAborted { phase: self.phase, failure_rate: rate, failed, reporting });
+                return;
+            }
             if phase.min_healthy > 0 {
-                let (healthy, failed, _) = self.counts();
                 if healthy < phase.min_healthy {
                     if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {
                         self.stall(now, healthy, failed);

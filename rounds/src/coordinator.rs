@@ -20,7 +20,14 @@ pub enum FinalizeError {
     NotAwaiting(RoundId),
     /// The strategy could not produce a model; the round was aborted with this as its detail.
     #[error("strategy failed, round aborted: {0}")]
-    Strategy(#[from] StrategyError),
+    Strategy(StrategyError),
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<StrategyError> for FinalizeError {
+    fn from(e: StrategyError) -> Self {
+        FinalizeError::Strategy(e)
+    }
 }
 
 /// Where accepted deltas go.

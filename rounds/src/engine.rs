@@ -81,7 +81,7 @@ use crate::strategy::ClientConfig;
 use crate::strategy::fixed::MAX_WEIGHT;
 
 /// Unix time in milliseconds, as passed in by the shell.
-pub type Millis = u64;
+pub use fedfleet_protocol::Millis;
 
 /// A device's per-update nonce (random, chosen by the device, bound by the signed header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

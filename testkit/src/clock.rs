@@ -2,9 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use fedfleet_agent::Clock;
-
-type Millis = u64;
+use fedfleet_protocol::{Clock, Millis};
 
 #[derive(Debug, Default)]
 pub struct FakeClock(AtomicU64);

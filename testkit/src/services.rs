@@ -13,12 +13,13 @@ use anyhow::Context;
 use fedfleet_aggregator::config::Config as AggregatorConfig;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
-use fedfleet_certs::{ALPN_V1, AllowList, DeviceIdentity, DeviceIssuer, Pki, RevocationWatcher, ServerIdentity, tls};
-use fedfleet_protocol::{DeviceId, FleetId};
-use fedfleet_registry::metadata::{self, Lifetimes, MetadataSigner};
+use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, ServerIdentity, tls};
+use fedfleet_net::Shutdown;
+use fedfleet_protocol::{DeviceId, FleetId, SharedClock, SystemClock};
+use fedfleet_registry::config::{Config as RegistryConfig, RenewalConfig};
 use fedfleet_registry::ops::Registry;
-use fedfleet_registry::server::{self, Faults, Renewal, ServerOptions, ServiceClock};
-use fedfleet_registry::store::{Store, StoreConfig};
+use fedfleet_registry::server::Faults;
+use fedfleet_registry::service::RegistryService;
 use fedfleet_registry::{Root, SignedMetadata};
 
 /// The TLS name every in-process service answers to (each service certificate also names
@@ -28,15 +29,7 @@ pub const SERVER_NAME: &str = "localhost";
 /// A fresh fleet PKI in `dir`: the CA, one service identity per name in `services`, one device
 /// identity per device, all valid for `days`.
 pub fn fleet_pki(dir: &Path, fleet: &FleetId, services: &[&str], devices: &[DeviceId], days: u32) -> anyhow::Result<Pki> {
-    let pki = Pki::init(dir, fleet, days, false).context("creating the fleet CA")?;
-    let sans = [SERVER_NAME.to_owned(), "127.0.0.1".to_owned()];
-    for name in services {
-        pki.issue_server(name, &sans, days, false).with_context(|| format!("issuing the {name} identity"))?;
-    }
-    for d in devices {
-        pki.enroll_device(d, days, false).with_context(|| format!("enrolling {d}"))?;
-    }
-    Ok(pki)
+    Pki::init_loopback(dir, fleet, services, devices, days).context("creating the fleet PKI")
 }
 
 /// TLS of a client holding the service certificate `name` (an operator, or a service calling another).
@@ -51,21 +44,21 @@ pub fn device_tls(pki: &Pki, device: &DeviceId) -> anyhow::Result<rustls::Client
     Ok(tls::client_config(pki.ca(), &id, &[ALPN_V1])?)
 }
 
-/// A server task and its stop switch.
+/// A server task and its shutdown switch.
 struct Serving {
-    stop: tokio::sync::oneshot::Sender<()>,
+    shutdown: Shutdown,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Serving {
-    fn spawn<F: Future<Output = ()> + Send + 'static>(serve: impl FnOnce(tokio::sync::oneshot::Receiver<()>) -> F) -> Serving {
-        let (stop, stopped) = tokio::sync::oneshot::channel();
-        Serving { stop, task: tokio::spawn(serve(stopped)) }
+    fn spawn<F: Future<Output = ()> + Send + 'static>(serve: impl FnOnce(Shutdown) -> F) -> Serving {
+        let shutdown = Shutdown::new();
+        Serving { task: tokio::spawn(serve(shutdown.clone())), shutdown }
     }
 
     /// Stops accepting, lets requests in flight finish; panics unless the task ends within 30 s.
     async fn stop(self) {
-        drop(self.stop);
+        self.shutdown.trigger();
         tokio::time::timeout(Duration::from_secs(30), self.task)
             .await
             .expect("the service stops within 30 s")
@@ -73,32 +66,30 @@ impl Serving {
     }
 }
 
-/// How [`RunningRegistry::start`] sets the registry up. `Default`: operators `operator` and
-/// `aggregator` (which publishes global models), the default store and metadata lifetimes, the
-/// system clock, no certificate renewal.
+/// How [`RunningRegistry::start`] sets the registry up (as `registry.toml` would). `Default`:
+/// operators `operator` and `aggregator` (which publishes global models), the default chunk
+/// size and metadata lifetimes, the system clock, no certificate renewal.
 #[derive(Clone)]
 pub struct RegistrySetup {
     /// Service certificates allowed to send operator commands.
     pub operators: Vec<String>,
-    pub store: StoreConfig,
-    pub lifetimes: Lifetimes,
-    /// Validity of the TUF signing keys.
+    pub chunk_size: u32,
+    /// Validity of the TUF root.
     pub key_days: u32,
     /// Device certificate renewal with the fleet CA's key, for this many days (`None`: refused).
     pub renewal_days: Option<u32>,
-    /// The registry's clock, for TLS and renewal (`None`: the system clock).
-    pub clock: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+    /// The registry's clock (TLS, metadata, rollouts, renewal).
+    pub clock: SharedClock,
 }
 
 impl Default for RegistrySetup {
     fn default() -> Self {
         RegistrySetup {
             operators: vec!["operator".into(), "aggregator".into()],
-            store: StoreConfig::default(),
-            lifetimes: Lifetimes::default(),
+            chunk_size: RegistryConfig::default().chunk_size,
             key_days: 30,
             renewal_days: None,
-            clock: None,
+            clock: SystemClock::shared(),
         }
     }
 }
@@ -116,40 +107,32 @@ pub struct RunningRegistry {
 }
 
 impl RunningRegistry {
-    /// Fresh TUF keys and store in `data_dir`, served on a free port. Call inside a tokio runtime.
+    /// Fresh TUF keys and store in `data_dir` (the ones there if it has them), served on a
+    /// free port through the daemon's own lifecycle ([`RegistryService`]). Call inside a tokio
+    /// runtime.
     pub fn start(pki: &Pki, data_dir: &Path, setup: RegistrySetup) -> anyhow::Result<RunningRegistry> {
-        std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-        metadata::init_keys(data_dir, setup.key_days, false).context("registry signing keys")?;
-        let signer = MetadataSigner::load(data_dir, setup.lifetimes)?;
-        let store = Store::open(data_dir.join("store"), setup.store)?;
-        let revocation = Arc::new(RevocationWatcher::open(pki.dir())?);
-        let reg = Arc::new(Registry::new(store, pki.fleet().clone(), Some(signer), Default::default())?.with_revocation(revocation.clone()));
-        let pinned_root = reg.signer().context("the registry has no signing keys")?.root().clone();
-        let identity = ServerIdentity::load(pki.dir(), "registry").context("the registry's identity")?;
-        let server_tls = match &setup.clock {
-            None => tls::server_config(pki.ca(), &identity, revocation, &[ALPN_V1])?,
-            Some(c) => {
-                let c = c.clone();
-                tls::server_config_at(pki.ca(), &identity, revocation, &[ALPN_V1], tls::clock_time(move || c()))?
-            }
+        let cfg = RegistryConfig {
+            listen: ([127, 0, 0, 1], 0).into(),
+            data_dir: data_dir.to_owned(),
+            pki_dir: pki.dir().to_owned(),
+            server_identity: "registry".into(),
+            metrics: None,
+            chunk_size: setup.chunk_size,
+            operators: setup.operators,
+            root_days: setup.key_days,
+            renewal: setup.renewal_days.map(|days| RenewalConfig { ca_key: pki.dir().join("ca.key"), days }),
+            ..RegistryConfig::default()
         };
-        let endpoint = fedfleet_net::server_endpoint(([127, 0, 0, 1], 0).into(), server_tls)?;
-        let addr = endpoint.local_addr()?;
-        let mut opts = ServerOptions::new(data_dir.join("incoming"));
-        opts.operators = setup.operators;
-        if let Some(days) = setup.renewal_days {
-            let issuer = DeviceIssuer::load(&pki.ca_cert_path(), &pki.dir().join("ca.key")).context("the CA key for renewal")?;
-            let allow_list = AllowList::load(pki.allow_list_path())?;
-            opts.renewal = Some(Renewal { issuer: Arc::new(issuer), allow_list: Some(Arc::new(allow_list)), days });
-        }
-        if let Some(c) = setup.clock {
-            opts.clock = ServiceClock::new(move || c());
-        }
-        let faults = opts.faults.clone();
-        let serving = Serving::spawn(|stopped| {
-            server::run(endpoint, reg.clone(), opts, async move {
-                let _ = stopped.await;
-            })
+        let service = RegistryService::open(cfg, setup.clock).context("opening the registry")?;
+        let reg = service.registry().clone();
+        let faults = service.faults();
+        let pinned_root = reg.signer().context("the registry has no signing keys")?.root().clone();
+        let bound = service.bind().context("binding the registry")?;
+        let addr = bound.local_addr()?;
+        let serving = Serving::spawn(|shutdown| async move {
+            if let Err(e) = bound.run(shutdown).await {
+                panic!("the registry stopped with an error: {e}");
+            }
         });
         Ok(RunningRegistry { reg, pinned_root, addr, data_dir: data_dir.to_owned(), faults, serving })
     }
@@ -171,8 +154,14 @@ impl RunningAggregator {
     /// Opens `cfg`'s data directory and serves on `cfg.listen` (retrying for 5 s while a stopped
     /// predecessor's endpoint still holds the port). Call inside a tokio runtime.
     pub async fn start(cfg: AggregatorConfig, publisher: Box<dyn Publisher>) -> anyhow::Result<RunningAggregator> {
+        Self::start_at(cfg, publisher, SystemClock::shared()).await
+    }
+
+    /// As [`RunningAggregator::start`] on `clock` (deadlines move when the test moves it and
+    /// calls [`Aggregator::clock_moved`]).
+    pub async fn start_at(cfg: AggregatorConfig, publisher: Box<dyn Publisher>, clock: SharedClock) -> anyhow::Result<RunningAggregator> {
         let listen = cfg.listen;
-        let agg = Aggregator::open(cfg, publisher).context("opening the aggregator")?;
+        let agg = Aggregator::open(cfg, publisher, clock).context("opening the aggregator")?;
         let mut tries = 0;
         let endpoint = loop {
             match agg.bind(listen) {
@@ -185,11 +174,7 @@ impl RunningAggregator {
             }
         };
         let addr = endpoint.local_addr()?;
-        let serving = Serving::spawn(|stopped| {
-            agg.clone().run(endpoint, async move {
-                let _ = stopped.await;
-            })
-        });
+        let serving = Serving::spawn(|shutdown| agg.clone().run(endpoint, shutdown));
         Ok(RunningAggregator { agg, addr, serving })
     }
 

@@ -317,3 +317,21 @@ fn cargo(args: &[&str]) -> String {
 fn cargo_json(args: &[&str]) -> Value {
     serde_json::from_str(&cargo(args)).expect("cargo metadata printed JSON")
 }
+
+/// The operator tools (`fedfleet-init-local`) are shipped to operators: no test kit in them.
+#[test]
+fn operator_tools_link_no_test_kit() {
+    let tree = normal_tree("fedfleet-cli");
+    let failures = tree
+        .first_paths(|name| (name == "fedfleet-testkit").then_some("fedfleet-testkit"))
+        .into_iter()
+        .map(|(denied, path)| {
+            format!(
+                "fedfleet-cli reaches {denied}:\n    {}\n  The test kit is for tests, examples and the \
+                 demo; an operator tool builds what it needs from the service crates' libraries.",
+                path.join(" -> ")
+            )
+        })
+        .collect();
+    report(failures);
+}

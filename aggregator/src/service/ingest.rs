@@ -101,8 +101,13 @@ impl Aggregator {
                 return Err(reject(RejectReason::NotPermitted, format!("service {n} cannot upload updates")));
             }
         }
-        // 2. Enrollment and revocation (the allow-list is re-read when it changes).
-        let key = match sh.allow.status(&h.device) {
+        // 2. Enrollment and revocation: the signed revocation list (what `fedfleet-certs revoke`
+        // writes and the handshake checks) and the allow-list, each re-read when it changes.
+        let status = match sh.allow.status(&h.device) {
+            DeviceStatus::Enrolled(_) if sh.revocation.is_revoked(&h.device) => DeviceStatus::Revoked,
+            status => status,
+        };
+        let key = match status {
             DeviceStatus::Unknown => return Err(reject(RejectReason::UnknownDevice, format!("{} is not enrolled", h.device))),
             DeviceStatus::Revoked => {
                 self.lock().coord.engine_mut().revoke(h.device.clone());
@@ -125,7 +130,7 @@ impl Aggregator {
         let meta = UpdateMeta::from(&h);
         let (base, dtype) = {
             let mut core = self.lock();
-            let now = now_ms();
+            let now = self.now_ms();
             let r = core.coord.check_update(now, &meta);
             self.drain(&mut core, now);
             r.map_err(|r| reject(r.reason, format!("round {}: {}", h.round, r.reason)))?;
@@ -193,7 +198,7 @@ impl Aggregator {
         if core.base.as_ref().map(|b| b.digest) != Some(base.digest) {
             return Err(reject(RejectReason::StaleRound, "the round changed while the payload streamed"));
         }
-        let now = now_ms();
+        let now = self.now_ms();
         let t = Instant::now();
         let accepted = core.coord.handle_update(now, meta, &delta);
         let accepted = match accepted {

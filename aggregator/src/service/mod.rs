@@ -1,10 +1,12 @@
 //! The service shell: QUIC ingest, the round driver, sled state and publishing around the
 //! sans-IO [`Coordinator`].
 //!
-//! Shaped like mini-redis: [`Aggregator::run`] `select!`s the accept loop against a shutdown
-//! future; every connection and stream handler holds a clone of a completion sender, and
-//! shutdown stops accepting, lets in-flight requests finish (each commit point is atomic, so a
-//! cut-off upload simply gets no receipt), then flushes.
+//! The lifecycle is `Aggregator::open(config, publisher, clock)` → [`Aggregator::bind`] →
+//! [`Aggregator::run`]`(endpoint, shutdown)`, the same for the daemon and the test kit. `run`
+//! serves on `fedfleet_net`'s accept loop until the [`fedfleet_net::Shutdown`] switch flips;
+//! every connection handler waits on the same switch, so shutdown stops accepting, lets
+//! in-flight requests finish (each commit point is atomic, so a cut-off upload simply gets no
+//! receipt), then flushes. Every deadline and stamp is read from the clock it was opened with.
 //!
 //! One lock ([`Core`], a `std` mutex never held across an `.await`) guards the coordinator. An
 //! upload does every check it can without it (identity, signature, size, digest, decoding,
@@ -22,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::{AllowList, CaCert, DeviceStatus, PeerIdentity, ServerIdentity};
@@ -33,7 +35,7 @@ use fedfleet_protocol::messages::{self, ModelRef};
 use fedfleet_protocol::{
     AdapterLineage, BundleLimits, DType, Digest, Layout, Message, ModelInfo, ModelVersion, NewVersion,
     PayloadCheck, Receipt, RejectReason,
-    Rejection, RoundId, Signed, SignedUpdate, SpecJson, TensorBundle,
+    Rejection, RoundId, SharedClock, Signed, SignedUpdate, SpecJson, TensorBundle,
 };
 use tokio::sync::{Notify, watch};
 
@@ -72,19 +74,25 @@ pub enum ServiceError {
     Certs(#[from] fedfleet_certs::CertError),
     #[error(transparent)]
     Net(#[from] fedfleet_net::NetError),
+    /// `[compute]` asks for a device this machine does not have.
     #[error("{0}")]
-    Other(String),
-}
-
-fn other(e: impl std::fmt::Display) -> ServiceError {
-    ServiceError::Other(e.to_string())
-}
-
-pub fn now_ms() -> Millis {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    Compute(String),
+    /// The receipt signing key could not be read or created.
+    #[error("receipt key in {path}: {cause}")]
+    ReceiptKey { path: std::path::PathBuf, cause: String },
+    /// `[model] validation` could not be loaded.
+    #[error("model.validation: {0}")]
+    Validation(String),
+    /// The state on disk cannot be resumed (a snapshot that does not decode, a round without
+    /// its base model, an accepted update that does not refold).
+    #[error("{path}: cannot resume: {detail}")]
+    Resume { path: std::path::PathBuf, detail: String },
+    /// `[campaign]`'s strategy settings.
+    #[error("[campaign] strategy: {0}")]
+    Strategy(String),
+    /// `[mqtt]`: the fleet, the broker or the control client.
+    #[error("[mqtt]: {0}")]
+    Mqtt(String),
 }
 
 struct Core {
@@ -102,12 +110,18 @@ struct Core {
 
 struct Shared {
     cfg: Config,
+    /// Every deadline, receipt and record is stamped by this clock (a fake one in tests).
+    clock: SharedClock,
     spec: ModelSpec,
     spec_json: SpecJson,
     store: Store,
     key: Arc<SigningKey>,
     /// Shared with the MQTT control client, which checks device signatures with it.
     allow: Arc<AllowList>,
+    /// The CA-signed revocation list (`revoked.json`), reread when it changes: the one source
+    /// of revocation, checked by the TLS handshake and again by every upload (a connection
+    /// opened before the revocation stays open).
+    revocation: Arc<fedfleet_certs::RevocationWatcher>,
     /// The fleet CA and this service's certificate and key (QUIC server, MQTT client, expiry gauge).
     ca: CaCert,
     identity: ServerIdentity,
@@ -160,13 +174,14 @@ fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
 impl Aggregator {
     /// Opens the data directory (refusing damaged state), loads identities, restores the
     /// coordinator and refolds the current round's accepted updates.
-    pub fn open(cfg: Config, publisher: Box<dyn Publisher>) -> Result<Aggregator, ServiceError> {
+    pub fn open(cfg: Config, publisher: Box<dyn Publisher>, clock: SharedClock) -> Result<Aggregator, ServiceError> {
         // The compute device first: a missing GPU refuses the start before any state is touched.
-        let metrics = Arc::new(Metrics::default());
+        let metrics = Arc::new(Metrics::new(clock.clone()));
+        let resume = |detail: String| ServiceError::Resume { path: cfg.data_dir.clone(), detail };
         let tensor_device = match cfg.compute.fold {
             FoldBackend::Exact => None,
             FoldBackend::Tensor => {
-                let picked = crate::accel::select_device(&cfg.compute.device).map_err(other)?;
+                let picked = crate::accel::select_device(&cfg.compute.device).map_err(|e| ServiceError::Compute(e.to_string()))?;
                 tracing::info!("FedAvg-family rounds are folded on burn tensors: {}", picked.adapter);
                 metrics.compute_adapter(&picked.adapter);
                 Some(picked.device)
@@ -175,20 +190,21 @@ impl Aggregator {
         let store = Store::open(&cfg.data_dir)?;
         let key = crate::keys::load_or_create(&cfg.data_dir)
             .map(Arc::new)
-            .map_err(|e| other(format!("receipt key in {}: {e}", cfg.data_dir.display())))?;
+            .map_err(|e| ServiceError::ReceiptKey { path: cfg.data_dir.clone(), cause: e.to_string() })?;
         let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(&cfg.pki_dir))?);
+        let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
         let ca = CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
         let identity = ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity)?;
         let fleet = allow.fleet();
         let spec = cfg.model.spec.clone();
         let spec_json = cfg.spec_json();
         let validation = match &cfg.model.validation {
-            Some(v) => Some(v.load().map_err(|e| other(format!("model.validation: {e}")))?),
+            Some(v) => Some(v.load().map_err(|e| ServiceError::Validation(e.to_string()))?),
             None => None,
         };
         let engine = match store.engine()? {
             Some(b) => RoundEngine::from_bytes(&b).map_err(|e| {
-                other(format!("{}: engine snapshot: {e}", cfg.data_dir.display()))
+                ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("engine snapshot: {e}") }
             })?,
             None => RoundEngine::new(
                 fleet,
@@ -200,10 +216,10 @@ impl Aggregator {
         };
         let strategy = match store.strategy()? {
             Some(b) => postcard::from_bytes(&b).map_err(|e| {
-                other(format!("{}: strategy snapshot: {e}", cfg.data_dir.display()))
+                ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("strategy snapshot: {e}") }
             })?,
             None => ServerStrategy::new(&cfg.campaign.strategy_config(), update_dim(&spec))
-                .map_err(other)?,
+                .map_err(|e| ServiceError::Strategy(e.to_string()))?,
         };
         let global = store.global()?;
         let campaign = store.campaign_meta()?;
@@ -220,7 +236,7 @@ impl Aggregator {
         };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
-            let (layout, values) = decode_base(&bytes).map_err(other)?;
+            let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;
             core.base = Some(Base::new(g.digest, g.version, layout, values, &spec.update_layout()));
         }
         // Refold the current round (open, or closed and not yet published).
@@ -231,16 +247,16 @@ impl Aggregator {
             .map(|s| s.round)
             .or_else(|| core.coord.engine().awaiting_model());
         if let Some(round) = current {
-            let base = core.base.clone().ok_or_else(|| other("a round is open but no global model is recorded"))?;
+            let base = core.base.clone().ok_or_else(|| resume("a round is open but no global model is recorded".into()))?;
             let dtype = core.campaign.payload_dtype();
             let records = store.accepted_in(round)?;
             // A deferred fold only counts here; its payloads are read when the round closes.
             let deferred = core.coord.mode() == FoldMode::Deferred;
             for rec in &records {
-                let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(other)? };
+                let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(resume)? };
                 core.coord
                     .resume_fold(round, &delta, rec.weight)
-                    .map_err(|e| other(format!("refold of {}: {e}", rec.payload_digest)))?;
+                    .map_err(|e| resume(format!("refold of {}: {e}", rec.payload_digest)))?;
             }
             if !records.is_empty() {
                 tracing::info!(round = %round, updates = records.len(), "refolded the current round after restart");
@@ -257,6 +273,8 @@ impl Aggregator {
             shared: Arc::new(Shared {
                 announce,
                 cfg,
+                clock,
+                revocation,
                 spec,
                 spec_json,
                 store,
@@ -274,9 +292,20 @@ impl Aggregator {
         };
         {
             let mut core = agg.lock();
-            agg.drain(&mut core, now_ms());
+            agg.drain(&mut core, agg.now_ms());
         }
         Ok(agg)
+    }
+
+    /// The service's clock, read (unix ms).
+    pub fn now_ms(&self) -> Millis {
+        self.shared.clock.now_ms()
+    }
+
+    /// Tells the round driver the clock moved (a test's fake clock): deadlines now due are
+    /// handled without waiting for the driver's timer.
+    pub fn clock_moved(&self) {
+        self.shared.wake.notify_one();
     }
 
     pub fn metrics(&self) -> Arc<Metrics> {

@@ -7,53 +7,53 @@ impl Aggregator {
     /// Binds the QUIC endpoint of the config.
     pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
         let (ca, id) = (&self.shared.ca, &self.shared.identity);
-        let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&self.shared.cfg.pki_dir)?);
-        let tls = fedfleet_certs::tls::server_config(ca, id, revocation, &[fedfleet_certs::ALPN_V1])?;
+        let clock = self.shared.clock.clone();
+        let tls = fedfleet_certs::tls::server_config_at(
+            ca,
+            id,
+            self.shared.revocation.clone(),
+            &[fedfleet_certs::ALPN_V1],
+            fedfleet_certs::tls::clock_time(move || clock.now_ms()),
+        )?;
         // Clients of a crashed predecessor are reset at once (keys seeded from this identity).
         let secret = id.derive_secret("fedfleet-aggregator 2026 QUIC endpoint");
         Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &secret)?)
     }
 
-    /// Serves `endpoint` until `shutdown` resolves, then lets in-flight requests finish.
-    pub async fn run(self, endpoint: quinn::Endpoint, shutdown: impl std::future::Future<Output = ()>) {
-        let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    /// Serves `endpoint` until `shutdown` is triggered, then lets in-flight requests finish.
+    pub async fn run(self, endpoint: quinn::Endpoint, shutdown: fedfleet_net::Shutdown) {
         let driver = {
             let me = self.clone();
-            let mut stop = stop_tx.subscribe();
+            let stop = shutdown.wait();
             tokio::spawn(async move {
                 tokio::select! {
                     _ = me.drive() => {}
-                    _ = stop.recv() => {}
+                    _ = stop => {}
                 }
             })
         };
         let handlers = fedfleet_net::serve::accept_until(
             &endpoint,
             MAX_CONNECTIONS,
-            async {
-                shutdown.await;
-                tracing::info!("shutting down: no new connections");
-            },
+            shutdown.wait(),
             || self.shared.metrics.rejected(RejectReason::Overloaded),
             |incoming| {
                 let me = self.clone();
-                let stop = stop_tx.subscribe();
+                let stop = shutdown.clone();
                 async move { me.connection(incoming, stop).await }
             },
         )
         .await;
-        let _ = stop_tx.send(());
+        tracing::info!("shutting down: no new connections");
+        // The endpoint may have closed by itself: every task of the service stops either way.
+        shutdown.trigger();
         // In-flight uploads finish (their handlers stop taking new streams), but not forever.
         fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(20)).await;
         let _ = driver.await;
         tracing::info!("stopped");
     }
 
-    pub(super) async fn connection(
-        &self,
-        incoming: quinn::Incoming,
-        mut stop: tokio::sync::broadcast::Receiver<()>,
-    ) {
+    pub(super) async fn connection(&self, incoming: quinn::Incoming, shutdown: fedfleet_net::Shutdown) {
         let conn = match incoming.await {
             Ok(c) => c,
             Err(e) => {
@@ -71,13 +71,15 @@ impl Aggregator {
         };
         // The connection's handler ends when its in-flight streams do (graceful shutdown).
         let mut streams = tokio::task::JoinSet::new();
+        let stop = shutdown.wait();
+        tokio::pin!(stop);
         loop {
             let (send, recv) = tokio::select! {
                 r = conn.accept_bi() => match r {
                     Ok(s) => s,
                     Err(_) => break,
                 },
-                _ = stop.recv() => break,
+                _ = &mut stop => break,
             };
             while streams.try_join_next().is_some() {}
             let me = self.clone();
@@ -194,8 +196,8 @@ impl Aggregator {
             Request::CampaignStatus => Some(Response::Status(self.status())),
             Request::CampaignStop => {
                 let mut core = self.lock();
-                let r = core.coord.engine_mut().stop_campaign(now_ms());
-                self.drain(&mut core, now_ms());
+                let r = core.coord.engine_mut().stop_campaign(self.now_ms());
+                self.drain(&mut core, self.now_ms());
                 drop(core);
                 Some(match r {
                     Ok(()) => Response::Status(self.status()),

@@ -134,19 +134,27 @@ impl Aggregator {
                 }
                 continue;
             }
-            let next = self.lock().coord.poll_timeout();
+            // Deadlines are judged by the service's clock, which may be a test's: a timer only
+            // wakes the driver, and [`Aggregator::clock_moved`] wakes it as well.
+            let now = self.now_ms();
+            let next = {
+                let mut core = self.lock();
+                match core.coord.poll_timeout() {
+                    Some(t) if t <= now => {
+                        core.coord.handle_timeout(now);
+                        self.drain(&mut core, now);
+                        continue;
+                    }
+                    next => next,
+                }
+            };
             let sleep = match next {
-                Some(t) => Duration::from_millis(t.saturating_sub(now_ms()).max(1)),
+                Some(t) => Duration::from_millis(t - now),
                 None => Duration::from_secs(3600),
             };
             tokio::select! {
                 _ = self.shared.wake.notified() => {}
-                _ = tokio::time::sleep(sleep) => {
-                    let mut core = self.lock();
-                    let now = now_ms();
-                    core.coord.handle_timeout(now);
-                    self.drain(&mut core, now);
-                }
+                _ = tokio::time::sleep(sleep) => {}
             }
         }
     }
@@ -179,7 +187,7 @@ impl Aggregator {
                     let updates = records
                         .iter()
                         .map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
-                    let r = core.coord.finalize_with(now_ms(), round, |s| {
+                    let r = core.coord.finalize_with(me.now_ms(), round, |s| {
                         s.finalize_on(&crate::accel::TensorBackend::new(device), &base.global(), updates)
                     });
                     let elapsed = t0.elapsed();
@@ -190,7 +198,7 @@ impl Aggregator {
                     tracing::info!(round = %round, updates = records.len(), ms = elapsed.as_millis() as u64, "tensor fold");
                     r
                 }
-                _ => core.coord.finalize(now_ms(), round, &base.global()),
+                _ => core.coord.finalize(me.now_ms(), round, &base.global()),
             };
             match result {
                 Ok(sent) => {
@@ -200,7 +208,7 @@ impl Aggregator {
                 }
                 Err(e) => {
                     core.closing = None;
-                    me.drain(&mut core, now_ms());
+                    me.drain(&mut core, me.now_ms());
                     Err(format!("finalize failed, round aborted: {e}"))
                 }
             }
@@ -248,7 +256,7 @@ impl Aggregator {
             core.base = Some(Base::new(digest, version, base.layout.clone(), model, &base.sent.layout));
             me.shared.metrics.round("published");
             tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
-            let now = now_ms();
+            let now = me.now_ms();
             core.coord
                 .model_ready(now, round, version, digest)
                 .map_err(|e| e.to_string())?;
@@ -347,7 +355,7 @@ impl Aggregator {
         core.campaign.dtype = dtype.code();
         core.campaign.last_campaign = id.0;
         core.campaign.last_outcome = None;
-        let now = now_ms();
+        let now = self.now_ms();
         if let Err(e) = core.coord.engine_mut().start_campaign(now, spec) {
             *core.coord.strategy_mut() = old;
             core.coord.set_mode(old_mode);
@@ -393,7 +401,7 @@ fn publish_request(
         spec,
         parent,
         metrics,
-        created_at_unix_ms: now_ms(),
+        created_at_unix_ms: sh.clock.now_ms(),
         publisher: String::new(),
         adapter,
     };

@@ -155,6 +155,16 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
         Ok(c) => assert!(c.current_round().await.is_err(), "revoked certificate must be refused"),
     }
 
+    // Revoked on another host (issue 31): only the CA-signed `revoked.json` was copied here and
+    // the allow-list still names the device enrolled. The signed list is the one source.
+    let d6 = fleet.device_client(6, addr).await;
+    d6.current_round().await.unwrap();
+    let allow_before = std::fs::read(fleet.pki.allow_list_path()).unwrap();
+    fleet.pki.revoke(&dev(6), "stolen").unwrap();
+    std::fs::write(fleet.pki.allow_list_path(), &allow_before).unwrap();
+    let (h, p) = good(6, 1);
+    check(rejected(d6.upload(&h, &p).await.unwrap()), RejectReason::Revoked);
+
     // Still serving: more valid updates are accepted, each with a receipt.
     for i in [1usize, 2, 3] {
         let c = fleet.device_client(i, addr).await;
@@ -184,14 +194,18 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
 
 /// A round whose quorum is not met at its deadline is extended once; the signed announcement
 /// devices read must carry the new deadline (it kept the old one, so late devices skipped it).
+/// On a fake clock: the deadline passes when the test moves the clock, not after a real wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_extended_round_is_announced_with_its_new_deadline() {
     let f = Fleet::new(3);
     let mut cfg = f.config("ext", 3, 1);
     cfg.campaign.quorum = 2;
-    cfg.campaign.deadline_secs = 1;
+    cfg.campaign.deadline_secs = 600;
     cfg.campaign.extension_secs = 60;
-    let svc = start(cfg).await;
+    // Starts at the wall clock's now: TLS judges the test certificates by this clock too.
+    let start = fedfleet_protocol::Clock::now_ms(&fedfleet_protocol::SystemClock);
+    let clock = std::sync::Arc::new(fedfleet_testkit::clock::FakeClock::new(start));
+    let svc = start_at(cfg, clock.clone()).await;
     let op = f.operator(svc.addr).await;
     op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
     let d0 = f.device_client(0, svc.addr).await;
@@ -200,6 +214,13 @@ async fn an_extended_round_is_announced_with_its_new_deadline() {
         ann.verify(&info.receipt_key).expect("signed by the aggregator").deadline_unix_ms
     };
     let first = deadline(d0.current_round().await.unwrap());
+    assert_eq!(first, start + 600_000, "the deadline is read from the service's clock");
+    // One millisecond short of the deadline, nothing happens.
+    clock.set(first - 1);
+    svc.agg.clock_moved();
+    assert_eq!(deadline(d0.current_round().await.unwrap()), first);
+    clock.set(first);
+    svc.agg.clock_moved();
     let t0 = std::time::Instant::now();
     let extended = loop {
         let now = deadline(d0.current_round().await.unwrap());
@@ -207,9 +228,9 @@ async fn an_extended_round_is_announced_with_its_new_deadline() {
             break now;
         }
         assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the announcement still carries the first deadline");
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        tokio::task::yield_now().await;
     };
-    assert!(extended >= first + 59_000, "extended by the configured 60 s: {first} -> {extended}");
+    assert_eq!(extended, first + 60_000, "extended by the configured 60 s");
     svc.stop().await;
 }
 
@@ -248,13 +269,11 @@ async fn a_failed_publish_is_retried_with_the_finalized_model() {
         calls: std::sync::atomic::AtomicU32::new(0),
         lose: 2, // the initial model is the first publish; round 1's model the second
     };
-    let agg = fedfleet_aggregator::service::Aggregator::open(cfg, Box::new(publisher)).unwrap();
+    let agg = fedfleet_aggregator::service::Aggregator::open(cfg, Box::new(publisher), fedfleet_protocol::SystemClock::shared()).unwrap();
     let endpoint = agg.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = endpoint.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(agg.clone().run(endpoint, async move {
-        let _ = stopped.await;
-    }));
+    let stop = fedfleet_net::Shutdown::new();
+    let task = tokio::spawn(agg.clone().run(endpoint, stop.clone()));
     let op = fleet.operator(addr).await;
     op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
     for round in [RoundId(1), RoundId(2)] {
@@ -277,6 +296,6 @@ async fn a_failed_publish_is_retried_with_the_finalized_model() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     assert_eq!(latest, Some(3), "round 2 was never published");
-    drop(stop);
+    stop.trigger();
     task.await.unwrap();
 }

@@ -92,7 +92,7 @@ async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
             DeviceStatus {
                 fleet: fleet.fleet.clone(),
                 device: dev(0),
-                reported_at_unix_ms: fedfleet_aggregator::service::now_ms(),
+                reported_at_unix_ms: svc.agg.now_ms(),
                 state: DeviceState::Idle,
                 active: None,
                 staged: None,
@@ -144,7 +144,7 @@ async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
             }
         }
         let m = svc.agg.metrics();
-        assert_eq!(m.devices(fedfleet_aggregator::service::now_ms()), (1, 1));
+        assert_eq!(m.devices(svc.agg.now_ms()), (1, 1));
         let text = m.render();
         assert!(text.contains("fedfleet_aggregator_mqtt_connected 1"), "{text}");
         assert!(text.contains("fedfleet_aggregator_devices_online 1"), "{text}");

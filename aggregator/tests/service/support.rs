@@ -102,9 +102,14 @@ impl Fleet {
 
 /// The aggregator of `cfg` serving on 127.0.0.1:0, publishing into `cfg.publish_dir()`.
 pub async fn start(cfg: Config) -> RunningAggregator {
+    start_at(cfg, fedfleet_protocol::SystemClock::shared()).await
+}
+
+/// As [`start`], with the aggregator reading `clock` (deadlines move only when the test moves it).
+pub async fn start_at(cfg: Config, clock: fedfleet_protocol::SharedClock) -> RunningAggregator {
     let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir).unwrap();
     let publisher = DirPublisher::new(cfg.publish_dir(), key, "test");
-    RunningAggregator::start(Config { listen: "127.0.0.1:0".parse().unwrap(), ..cfg }, Box::new(publisher)).await.unwrap()
+    RunningAggregator::start_at(Config { listen: "127.0.0.1:0".parse().unwrap(), ..cfg }, Box::new(publisher), clock).await.unwrap()
 }
 
 /// A delta bundle for `spec()` from a seed (values in ±0.01).

@@ -184,7 +184,7 @@ impl Loopback {
 
     /// What the aggregator saw over MQTT: devices online and known through their verified status.
     pub fn mqtt_devices(&self) -> (usize, usize) {
-        self.aggregator.metrics().devices(fedfleet_aggregator::service::now_ms())
+        self.aggregator.metrics().devices(self.aggregator.now_ms())
     }
 
     /// Stops the agents' MQTT clients, the broker, the aggregator and the registry.

@@ -41,7 +41,6 @@ use fedfleet_certs::Pki;
 use fedfleet_learning::{Dataset, ModelSpec, OptimizerConfig, Partition, TrainConfig, evaluate, model::init_bundle, sim as lsim};
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, ModelVersion, TensorBundle};
 use fedfleet_registry::client::RegistryClient;
-use fedfleet_registry::metadata::Lifetimes;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
 use fedfleet_registry::wire::{AdminRequest, RolloutStart};

@@ -16,8 +16,7 @@ pub fn make_pki(dir: &Path, fleet: &FleetId, devices: &[DeviceId], days: u32) ->
 /// Keys, root, store and the QUIC service. Operators: `operator` and `aggregator` (which
 /// publishes global models).
 pub fn start_registry(dir: &Path, pki: &Pki) -> anyhow::Result<RunningRegistry> {
-    let lifetimes = Lifetimes { targets_ms: 7 * 24 * 3600 * 1000, timestamp_ms: 3600 * 1000 };
-    RunningRegistry::start(pki, dir, RegistrySetup { lifetimes, ..Default::default() })
+    RunningRegistry::start(pki, dir, RegistrySetup::default())
 }
 
 // ----- 3. aggregator -----

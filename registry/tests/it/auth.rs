@@ -1,7 +1,7 @@
 use fedfleet_certs::{ALPN_V1, tls};
 use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, RejectReason};
 use fedfleet_registry::client::ClientError;
-use fedfleet_registry::unix_ms;
+use crate::support::unix_ms;
 use fedfleet_registry::wire::AdminRequest;
 
 use crate::support::{Harness, bytes, deadline};

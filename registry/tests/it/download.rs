@@ -2,7 +2,7 @@ use std::sync::atomic::Ordering;
 
 use fedfleet_registry::client::{DirChunkCache, MemChunkCache};
 use fedfleet_registry::tuf::Verifier;
-use fedfleet_registry::unix_ms;
+use crate::support::unix_ms;
 
 use crate::support::{CHUNK, Harness, bytes, deadline, v};
 

@@ -1,6 +1,6 @@
 use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, ModelRef};
 use fedfleet_registry::rollout::{Phase, Reason};
-use fedfleet_registry::unix_ms;
+use crate::support::unix_ms;
 use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::tuf::Root;
 use fedfleet_registry::wire::{

@@ -8,7 +8,7 @@ use fedfleet_protocol::{DeviceId, FleetId, ModelVersion};
 use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::server::Faults;
-use fedfleet_registry::store::{Manifest, NewVersion, StoreConfig};
+use fedfleet_registry::store::{Manifest, NewVersion};
 use fedfleet_testkit::services::{self, RegistrySetup, RunningRegistry};
 
 pub const CHUNK: u32 = 64 * 1024;
@@ -39,7 +39,7 @@ impl Harness {
         let pki = services::fleet_pki(&dir.path().join("pki"), &fleet, &["registry", "operator", "intruder"], &[], 30).unwrap();
         let setup = RegistrySetup {
             operators: vec!["operator".into()],
-            store: StoreConfig { chunk_size: CHUNK, ..StoreConfig::default() },
+            chunk_size: CHUNK,
             ..Default::default()
         };
         let running = RunningRegistry::start(&pki, &dir.path().join("data"), setup).unwrap();
@@ -114,4 +114,9 @@ impl Harness {
         let ident = DeviceIdentity::load(self.pki_dir(), &id).unwrap();
         tls::client_config(self.pki.ca(), &ident, &[ALPN_V1]).unwrap()
     }
+}
+
+/// The wall clock the registry under test runs on, read.
+pub fn unix_ms() -> u64 {
+    fedfleet_protocol::Clock::now_ms(&fedfleet_protocol::SystemClock)
 }

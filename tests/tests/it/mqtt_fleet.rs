@@ -337,7 +337,7 @@ async fn body(kind: BrokerKind) {
         assert!(s.connects > connects_before[i], "agent {i} did not reconnect after the broker restart: {s:?}");
     }
     assert!(mqtt.client().stats().connects > service_connects_before, "the aggregator reconnected: {:?}", mqtt.client().stats());
-    let (_, known) = agg.metrics().devices(fedfleet_aggregator::service::now_ms());
+    let (_, known) = agg.metrics().devices(agg.now_ms());
     assert_eq!(known, N, "every agent's signed status reached the aggregator");
     let uploads: u32 = fleet.aggs.iter().map(|a| a.mqtt_uploads()).sum();
     eprintln!("MQTT uploads sent (attempts): {uploads} for {} updates", 3 * N);
@@ -452,7 +452,7 @@ async fn refusal_body() {
     write_initial_model(root_dir, &spec);
     let (cfg, mqtt_cfg) = Config::load_all(&write_aggregator_config(root_dir, &spec, None, 1, EMBEDDED_MQTT)).unwrap();
     let publisher = fedfleet_aggregator::publish::DirPublisher::new(cfg.publish_dir(), ed25519_dalek::SigningKey::from_bytes(&[5; 32]), "test");
-    let agg = AggregatorService::open(cfg.clone(), Box::new(publisher)).unwrap();
+    let agg = AggregatorService::open(cfg.clone(), Box::new(publisher), fedfleet_protocol::SystemClock::shared()).unwrap();
     let mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg.unwrap()).await.unwrap().expect("embedded broker");
     let receipt_key = agg.receipt_key();
     agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
@@ -586,7 +586,7 @@ async fn rollout_body() {
             spec: spec.spec_json(),
             parent: None,
             metrics: Default::default(),
-            created_at_unix_ms: fedfleet_registry::unix_ms(),
+            created_at_unix_ms: reg.now_ms(),
             publisher: "test".into(),
             adapter: None,
         };
@@ -653,7 +653,7 @@ async fn rollout_body() {
         failure_threshold: 0.5,
         min_sample: 1,
     };
-    reg.admin(AdminRequest::RolloutStart(start), fedfleet_registry::unix_ms()).unwrap();
+    reg.admin(AdminRequest::RolloutStart(start), reg.now_ms()).unwrap();
     wait_until("every agent to run v2 after the rollout notice", 60, || runs(v2)).await;
     for (agg, _) in &aggs {
         let (count, last) = agg.rollout_notices();
@@ -663,7 +663,7 @@ async fn rollout_body() {
 
     // Their statuses (over MQTT only) complete the rollout: min_healthy counts every device.
     let status = |reg: &Registry| {
-        reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, fedfleet_registry::unix_ms()).unwrap()
+        reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, reg.now_ms()).unwrap()
     };
     wait_until("the rollout to complete on MQTT status", 30, || status(&reg)["status"] == "completed").await;
     let s = status(&reg);
@@ -679,7 +679,7 @@ async fn rollout_body() {
     let m = reg.metrics().clone();
     wait_until("presence gauges", 10, || m.presence().1 == DEVICES as u64).await;
     assert_eq!(m.presence().0, DEVICES as u64);
-    assert_eq!(reg_mqtt.devices(fedfleet_registry::unix_ms()), (DEVICES, DEVICES));
+    assert_eq!(reg_mqtt.devices(reg.now_ms()), (DEVICES, DEVICES));
     for d in &devices {
         assert!(m.last_seen(d.as_str()).is_some(), "{d} last seen");
         assert!(reg_mqtt.last_seen(d).is_some());

@@ -35,9 +35,8 @@ fn start(devices: &[&str]) -> Fleet {
     for d in devices {
         pki.enroll_device(&DeviceId::new(*d).unwrap(), 365, false).unwrap();
     }
-    let clock = Arc::new(FakeClock::new(fedfleet_registry::unix_ms()));
-    let c = clock.clone();
-    let setup = RegistrySetup { key_days: 3650, renewal_days: Some(365), clock: Some(Arc::new(move || c.now_ms())), ..Default::default() };
+    let clock = Arc::new(FakeClock::new(fedfleet_protocol::SystemClock.now_ms()));
+    let setup = RegistrySetup { key_days: 3650, renewal_days: Some(365), clock: clock.clone(), ..Default::default() };
     let registry = RunningRegistry::start(&pki, &dir.path().join("registry"), setup).unwrap();
     Fleet { dir, pki, clock, registry }
 }

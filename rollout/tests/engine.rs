@@ -1,6 +1,8 @@
+//! The rollout engine on its own: a fake clock (plain `now` values), no store, no sockets.
+
 use fedfleet_protocol::{DeviceId, ModelVersion};
 
-use crate::rollout::*;
+use fedfleet_rollout::*;
 
 const SOAK: u64 = 60_000;
 const T0: u64 = 1_700_000_000_000;
@@ -558,4 +560,37 @@ fn a_deadline_shorter_than_the_soak_is_refused() {
     let mut ph = Phase::percent(10.0, SOAK);
     ph.deadline_ms = SOAK - 1;
     assert!(matches!(Rollout::start(plan(vec![ph]), T0), Err(RolloutError::InvalidPlan(m)) if m.contains("deadline")));
+}
+
+/// Issue 31: a rollout that failed on every device of a small fleet completed and moved
+/// `stable`, because `min_sample` (5) was larger than the audience (3) and `min_healthy` was 0.
+/// The phase gate judges the outcomes it has, however few.
+#[test]
+fn a_phase_whose_few_reports_all_failed_never_completes() {
+    let mut r = Rollout::start(plan(vec![Phase::percent(34.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap();
+    events(&mut r);
+    let audience: Vec<DeviceId> = (0..).map(dev).filter(|d| r.first_phase(d) == Some(0)).take(3).collect();
+    for d in &audience {
+        r.handle_report(T0 + 1, d.clone(), ModelVersion(2), VersionReport::RolledBack { reason: "holdout accuracy 0.0 is worse".into() });
+    }
+    assert!(events(&mut r).is_empty(), "below min_sample: no early abort while soaking");
+    r.handle_timeout(T0 + SOAK);
+    let evs = events(&mut r);
+    assert!(matches!(evs.as_slice(), [Event::AutoAborted { phase: 0, failed: 3, reporting: 3, .. }]), "{evs:?}");
+    assert_eq!(r.status(), Status::Aborted);
+    assert!(!evs.iter().any(|e| matches!(e, Event::SetAlias { .. })), "the alias never moves");
+    // A device that never took part is sent the previous version, not the broken one.
+    let newcomer = (0..).map(dev).find(|d| r.first_phase(d) == Some(1)).unwrap();
+    assert_eq!(r.assignment(&newcomer, T0 + SOAK).version, Some(ModelVersion(1)));
+}
+
+/// The gate lets a phase through when its few reports are within the threshold.
+#[test]
+fn a_phase_whose_few_reports_are_healthy_advances() {
+    let mut r = Rollout::start(plan(vec![Phase::percent(34.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap();
+    events(&mut r);
+    let d = device_in_phase(&r, 0);
+    r.handle_report(T0 + 1, d, ModelVersion(2), VersionReport::Healthy);
+    r.handle_timeout(T0 + SOAK);
+    assert_eq!(events(&mut r), vec![Event::PhaseAdvanced { phase: 1, at: T0 + SOAK }]);
 }

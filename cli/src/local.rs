@@ -1,4 +1,4 @@
-//! `fedfleet init-local DIR`: a ready local deployment on loopback. One command writes the fleet
+//! `fedfleet-init-local DIR` (also `fedfleet init-local DIR`): a ready local deployment on loopback. One command writes the fleet
 //! PKI, the registry's signing keys, the aggregator's receipt key and initial model, N enrolled
 //! agents, and configs that agree with each other (relative paths, distinct ports, publishing
 //! wired, one fleet name), so the hand-run deployment is "start these three kinds of process".
@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use fedfleet_learning::{Dataset, ModelSpec};
-use fedfleet_protocol::{DeviceId, FleetId};
+use fedfleet_protocol::{Clock, DeviceId, FleetId, SystemClock};
 
 /// What `init-local` writes: fleet size and names, ports, campaign length.
 #[derive(Debug, Clone)]
@@ -68,11 +68,12 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
     }
 
     // PKI: CA, the three service identities, one identity per device.
-    crate::demo::make_pki(&dir.join("pki"), &fleet, &devices, o.days)?;
+    fedfleet_certs::Pki::init_loopback(dir.join("pki"), &fleet, &["registry", "aggregator", "operator"], &devices, o.days)
+        .context("creating the fleet PKI")?;
 
     // Registry: signing keys and root.json (pinned by every agent at enrollment).
     let registry_dir = dir.join("registry");
-    fedfleet_registry::metadata::init_keys(&registry_dir, o.days, false).context("registry signing keys")?;
+    fedfleet_registry::metadata::init_keys(&registry_dir, o.days, false, SystemClock.now_ms()).context("registry signing keys")?;
 
     // Aggregator: receipt key (pinned by agents) and the initial model, version 1.
     let aggregator_dir = dir.join("aggregator");
