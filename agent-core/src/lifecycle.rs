@@ -17,12 +17,12 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use fedfleet_protocol::{
-    DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, Receipt, RejectReason, Rejection,
-    RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate, StorageFault,
-};
-use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use fedfleet_protocol::tuf::Verifier;
+use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::{
+    DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, Receipt, RejectReason, Rejection, RolloutAction, RolloutNotice,
+    RoundAnnouncement, RoundId, SignedUpdate, StorageFault,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -115,7 +115,9 @@ pub enum LifecycleError {
     #[error("persisted state belongs to device {found}, but the identity is {expected}")]
     WrongDevice { expected: DeviceId, found: DeviceId },
     /// Rounds of the configured fleet would all be refused as another fleet's: refuse to start.
-    #[error("this device's store is in fleet {saved}, but the config says fleet {configured}: fix `fleet` in the config (or move the store aside to enroll the device in the new fleet)")]
+    #[error(
+        "this device's store is in fleet {saved}, but the config says fleet {configured}: fix `fleet` in the config (or move the store aside to enroll the device in the new fleet)"
+    )]
     WrongFleet { configured: FleetId, saved: FleetId },
 }
 
@@ -360,23 +362,53 @@ pub enum Input {
     Conditions(Conditions),
     RoundAnnounced(RoundAnnouncement),
     /// Training finished: the encoded `SignedUpdate` and its payload.
-    TrainingDone { round: RoundId, header: Vec<u8>, payload: Vec<u8> },
-    TrainingFailed { round: RoundId, reason: String },
+    TrainingDone {
+        round: RoundId,
+        header: Vec<u8>,
+        payload: Vec<u8>,
+    },
+    TrainingFailed {
+        round: RoundId,
+        reason: String,
+    },
     /// The round's base model could not be fetched (a transient failure): retried with
     /// backoff while the round is open.
-    BaseModelUnavailable { round: RoundId, reason: String },
-    UploadResult { outbox_id: u64, outcome: UploadOutcome },
+    BaseModelUnavailable {
+        round: RoundId,
+        reason: String,
+    },
+    UploadResult {
+        outbox_id: u64,
+        outcome: UploadOutcome,
+    },
     Assignment(RolloutNotice),
-    Metadata { model: ModelRef, result: Result<MetadataSet, String> },
+    Metadata {
+        model: ModelRef,
+        result: Result<MetadataSet, String>,
+    },
     /// The artifact is fully downloaded (partial file complete); length and digest as computed
     /// while writing it.
-    DownloadDone { model: ModelRef, length: u64, digest: Digest },
-    DownloadFailed { model: ModelRef, reason: String },
+    DownloadDone {
+        model: ModelRef,
+        length: u64,
+        digest: Digest,
+    },
+    DownloadFailed {
+        model: ModelRef,
+        reason: String,
+    },
     /// The device's storage refused the artifact (disk full, I/O error): the install is
     /// deferred, not failed. What was written of it is discarded and the download retried with
     /// backoff, without limit: the space may come back, and the model is not at fault.
-    StorageFailed { model: ModelRef, fault: StorageFault, detail: String },
-    HealthResult { model: ModelRef, result: Result<HealthReport, String> },
+    StorageFailed {
+        model: ModelRef,
+        fault: StorageFault,
+        detail: String,
+    },
+    HealthResult {
+        model: ModelRef,
+        result: Result<HealthReport, String>,
+    },
 }
 
 /// Actions for the shell, polled in order.
@@ -451,8 +483,7 @@ impl Lifecycle {
         let mut persists = VecDeque::new();
         let state = match saved.state {
             Some(raw) => {
-                let st: PersistedState = serde_json::from_slice(&raw)
-                    .map_err(|e| LifecycleError::CorruptState(e.to_string()))?;
+                let st: PersistedState = serde_json::from_slice(&raw).map_err(|e| LifecycleError::CorruptState(e.to_string()))?;
                 if st.device != cfg.device {
                     return Err(LifecycleError::WrongDevice { expected: cfg.device.clone(), found: st.device });
                 }
@@ -593,12 +624,7 @@ impl Lifecycle {
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) has work.
     pub fn poll_timeout(&self) -> Option<Millis> {
-        self.uploads
-            .values()
-            .filter_map(|t| t.next_at)
-            .chain(self.install_retry_at)
-            .chain(self.train_retry_at)
-            .min()
+        self.uploads.values().filter_map(|t| t.next_at).chain(self.install_retry_at).chain(self.train_retry_at).min()
     }
 
     // ----- inputs -----
@@ -747,7 +773,9 @@ impl Lifecycle {
         }
         let signed = match SignedUpdate::decode(&header) {
             Ok(s) if s.body().round == round && s.body().device == self.state.device => s,
-            Ok(_) => return self.handle(now, Input::TrainingFailed { round, reason: "update header names another round or device".into() }),
+            Ok(_) => {
+                return self.handle(now, Input::TrainingFailed { round, reason: "update header names another round or device".into() });
+            }
             Err(e) => return self.handle(now, Input::TrainingFailed { round, reason: format!("update header: {e}") }),
         };
         let h = signed.body();
@@ -888,10 +916,9 @@ impl Lifecycle {
 
     fn queue_install_step(&mut self, job: &InstallJob, _now: Millis) {
         match &job.phase {
-            InstallPhase::Metadata => self.actions.push_back(Action::FetchMetadata {
-                model: job.model.clone(),
-                root_version: self.state.verifier.root().version,
-            }),
+            InstallPhase::Metadata => {
+                self.actions.push_back(Action::FetchMetadata { model: job.model.clone(), root_version: self.state.verifier.root().version })
+            }
             InstallPhase::Downloading { length, .. } => {
                 self.actions.push_back(Action::Download { model: job.model.clone(), length: *length })
             }

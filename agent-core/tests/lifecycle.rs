@@ -89,7 +89,8 @@ fn restart_resends_exactly_the_unacknowledged_updates() {
     assert_eq!(uploads(&acts), vec![a, c]);
     assert!(!acts.iter().any(|x| matches!(x, Action::Train(_))), "finished rounds are not retrained");
     // Round 1's receipt was lost before the crash: the aggregator answers the resend with Replay.
-    lc.handle(T0, Input::UploadResult { outbox_id: a, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Replay, "seen")) }).unwrap();
+    lc.handle(T0, Input::UploadResult { outbox_id: a, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Replay, "seen")) })
+        .unwrap();
     lc.handle(T0, Input::UploadResult { outbox_id: c, outcome: UploadOutcome::Receipt(receipt(3, b"delta-3", 3)) }).unwrap();
     assert!(disk.outbox_ids().is_empty());
     drop(lc);
@@ -114,10 +115,19 @@ fn crash_during_training_retrains_and_permanent_rejection_drops() {
     let header = signed_update(5, &v1, b"d", 1);
     lc.handle(T0, Input::TrainingDone { round: fedfleet_protocol::RoundId(5), header, payload: b"d".to_vec() }).unwrap();
     let id = uploads(&drain(&mut lc))[0];
-    lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::StaleRound, "closed")) }).unwrap();
+    lc.handle(
+        T0,
+        Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::StaleRound, "closed")) },
+    )
+    .unwrap();
     assert!(disk.outbox_ids().is_empty());
     let acts = drain(&mut lc);
-    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("stale_round")))), "{acts:?}");
+    assert!(
+        acts.iter().any(
+            |a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("stale_round")))
+        ),
+        "{acts:?}"
+    );
 }
 
 /// A device whose update is refused as revoked stops training, and still knows it after a
@@ -130,7 +140,11 @@ fn a_device_refused_as_revoked_joins_no_more_rounds_even_after_a_restart() {
         let mut lc = open(&disk, &reg, &v1);
         drain(&mut lc);
         let id = train_and_finish(&mut lc, 1, &v1, b"delta-1", 1);
-        lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Revoked, "cam revoked")) }).unwrap();
+        lc.handle(
+            T0,
+            Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Revoked, "cam revoked")) },
+        )
+        .unwrap();
         drain(&mut lc);
         lc.handle(T0, Input::RoundAnnounced(announcement(2, &v1))).unwrap();
         assert!(!drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))), "trained after being revoked");
@@ -165,7 +179,11 @@ fn unavailable_base_model_is_asked_again_until_the_deadline() {
     // Once the next ask would land after the deadline, the round is given up with the reason.
     lc.handle(deadline - 1, Input::BaseModelUnavailable { round, reason: "connection lost".into() }).unwrap();
     assert!(lc.state().round.is_none());
-    assert!(matches!(&lc.state().last_state, DeviceState::Failed { reason } if reason.contains("connection lost")), "{:?}", lc.state().last_state);
+    assert!(
+        matches!(&lc.state().last_state, DeviceState::Failed { reason } if reason.contains("connection lost")),
+        "{:?}",
+        lc.state().last_state
+    );
     assert_eq!(lc.poll_timeout(), None);
 }
 
@@ -204,7 +222,15 @@ fn install_to_health_check(lc: &mut Device, reg: &Registry, v2: &fedfleet_protoc
 }
 
 fn report(cand: f64, active: f64) -> HealthReport {
-    HealthReport { holdout: 50, non_finite: false, latency_p50_ms: 1.0, latency_p99_ms: 2.0, candidate_score: cand, active_score: Some(active), metric: "accuracy".into() }
+    HealthReport {
+        holdout: 50,
+        non_finite: false,
+        latency_p50_ms: 1.0,
+        latency_p99_ms: 2.0,
+        candidate_score: cand,
+        active_score: Some(active),
+        metric: "accuracy".into(),
+    }
 }
 
 #[test]
@@ -257,7 +283,10 @@ fn health_check_failure_rolls_back_and_reports() {
     install_to_health_check(&mut lc, &reg, &v2);
     lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(report(0.80, 0.90)) }).unwrap();
     let acts = drain(&mut lc);
-    assert!(acts.iter().any(|a| matches!(a, Action::Rollback { model, reason } if model == &v2 && reason.contains("accuracy"))), "{acts:?}");
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::Rollback { model, reason } if model == &v2 && reason.contains("accuracy"))),
+        "{acts:?}"
+    );
     assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::RolledBack { reason } if reason.contains("worse than the active")))), "{acts:?}");
     // The report names the failed candidate, so the registry counts the failure against it.
     assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(s.state, DeviceState::RolledBack { .. }) && s.staged.as_ref() == Some(&v2) && s.active.as_ref() == Some(&v1))), "{acts:?}");
@@ -307,7 +336,10 @@ fn crash_between_staging_and_activation_keeps_the_old_model_active() {
     assert_eq!(lc.state().install.as_ref().unwrap().phase, InstallPhase::Staged);
     let acts = drain(&mut lc);
     assert!(matches!(&acts[0], Action::Serve { model, .. } if model.model == v1), "{acts:?}");
-    assert!(acts.iter().any(|a| matches!(a, Action::HealthCheck { candidate, .. } if candidate.model == v2)), "re-checked, not activated: {acts:?}");
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::HealthCheck { candidate, .. } if candidate.model == v2)),
+        "re-checked, not activated: {acts:?}"
+    );
     assert!(!acts.iter().any(|a| matches!(a, Action::Serve { model, .. } if model.model == v2)));
 }
 
@@ -327,7 +359,12 @@ fn unverifiable_manifest_is_never_staged() {
     lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(set) }).unwrap();
     let acts = drain(&mut lc);
     assert!(!acts.iter().any(|a| matches!(a, Action::Download { .. } | Action::HealthCheck { .. })), "{acts:?}");
-    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("metadata refused")))), "{acts:?}");
+    assert!(
+        acts.iter().any(
+            |a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("metadata refused")))
+        ),
+        "{acts:?}"
+    );
     assert!(lc.staged().is_none());
     reg.forge_targets(false);
 
@@ -387,7 +424,12 @@ fn failed_downloads_are_retried_then_given_up() {
     }
     lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: "reset".into() }).unwrap();
     let acts = drain(&mut lc);
-    assert!(acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("after 5 attempts")))), "{acts:?}");
+    assert!(
+        acts.iter().any(
+            |a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("after 5 attempts")))
+        ),
+        "{acts:?}"
+    );
     assert!(lc.state().install.is_none());
 }
 
@@ -406,7 +448,9 @@ fn a_clock_stepped_back_does_not_make_expired_metadata_fresh_again() {
     };
     let expired = |acts: &[Action]| {
         !acts.iter().any(|a| matches!(a, Action::Download { .. }))
-            && acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("expired"))))
+            && acts
+                .iter()
+                .any(|a| matches!(a, Action::Report(s) if matches!(&s.state, DeviceState::Failed { reason } if reason.contains("expired"))))
     };
     {
         let mut lc = open(&disk, &reg, &v1);

@@ -30,9 +30,7 @@ use ed25519_dalek::VerifyingKey;
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::framing::FrameKind;
 use fedfleet_protocol::messages;
-use fedfleet_protocol::{
-    Digest, Message, Receipt, Rejection, RoundAnnouncement, Signed, SignedUpdate,
-};
+use fedfleet_protocol::{Digest, Message, Receipt, Rejection, RoundAnnouncement, Signed, SignedUpdate};
 
 use crate::wire::{CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
 
@@ -141,10 +139,7 @@ impl AggregatorClient {
     pub async fn current_round(&self) -> Result<RoundInfo, ClientError> {
         match self.call(&Request::GetRound).await?.0 {
             Response::Round { announcement, receipt_key } => Ok(RoundInfo {
-                announcement: announcement
-                    .map(|b| Signed::<RoundAnnouncement>::decode(&b))
-                    .transpose()
-                    .map_err(proto)?,
+                announcement: announcement.map(|b| Signed::<RoundAnnouncement>::decode(&b)).transpose().map_err(proto)?,
                 receipt_key: VerifyingKey::from_bytes(&receipt_key).map_err(proto)?,
             }),
             other => Err(proto(format!("unexpected answer {other:?}"))),
@@ -165,9 +160,7 @@ impl AggregatorClient {
         loop {
             let f = s.expect().await?;
             match f.kind {
-                FrameKind::Chunk if bytes.len() as u64 + f.body.len() as u64 <= length => {
-                    bytes.extend_from_slice(&f.body)
-                }
+                FrameKind::Chunk if bytes.len() as u64 + f.body.len() as u64 <= length => bytes.extend_from_slice(&f.body),
                 FrameKind::End => break,
                 k => return Err(proto(format!("unexpected {k:?} frame or too many bytes"))),
             }
@@ -205,9 +198,7 @@ impl AggregatorClient {
             Err(e) => return Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(e))),
         };
         match answer.kind {
-            FrameKind::Signed => Ok(UploadOutcome::Accepted(
-                Signed::<Receipt>::decode(&answer.body).map_err(proto)?,
-            )),
+            FrameKind::Signed => Ok(UploadOutcome::Accepted(Signed::<Receipt>::decode(&answer.body).map_err(proto)?)),
             FrameKind::Message => match Message::decode(&answer.body).map_err(proto)? {
                 Message::Rejection(r) => Ok(UploadOutcome::Rejected(r)),
                 other => Err(proto(format!("unexpected message {other:?}"))),

@@ -70,10 +70,7 @@ pub struct CampaignOverrides {
 pub enum Response {
     /// `announcement`: an encoded `Signed<fedfleet_protocol::RoundAnnouncement>` (kind
     /// `Round`), `None` when no round is open. `receipt_key`: the key that signs it and receipts.
-    Round {
-        announcement: Option<Vec<u8>>,
-        receipt_key: [u8; 32],
-    },
+    Round { announcement: Option<Vec<u8>>, receipt_key: [u8; 32] },
     /// The model follows as `Chunk` frames and an `End` frame; `length` bytes hashing to the
     /// requested digest. `spec` is the model spec JSON.
     Model { spec: String, length: u64 },

@@ -23,15 +23,12 @@
 use std::time::Instant;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_aggregator::service::decode_update;
 use fedfleet_aggregator::accel::TensorBackend;
+use fedfleet_aggregator::service::decode_update;
 use fedfleet_aggregator::strategy::{
-    AdaptiveOptimizer, Backend, ClientConfig, Exact, FedOptKind, FedOptParams, ServerOptimizer, ServerStrategy, Strategy,
-    StrategyConfig,
+    AdaptiveOptimizer, Backend, ClientConfig, Exact, FedOptKind, FedOptParams, ServerOptimizer, ServerStrategy, Strategy, StrategyConfig,
 };
-use fedfleet_protocol::{
-    BundleLimits, DType, DeviceId, Digest, FleetId, PayloadCheck, RoundId, Signed, TensorBundle, UpdateHeader,
-};
+use fedfleet_protocol::{BundleLimits, DType, DeviceId, Digest, FleetId, PayloadCheck, RoundId, Signed, TensorBundle, UpdateHeader};
 
 fn fill(buf: &mut [f32], seed: u64) {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -46,10 +43,7 @@ fn fill(buf: &mut [f32], seed: u64) {
 /// The value after `name` on the command line, or `default`.
 fn arg_text(name: &str, default: &str) -> String {
     let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned())
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.to_owned())
 }
 
 fn arg(name: &str, default: &str) -> Vec<usize> {

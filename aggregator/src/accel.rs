@@ -79,13 +79,8 @@ pub fn select_device(name: &str) -> Result<ComputeDevice, AccelError> {
 }
 
 fn cpu_device() -> ComputeDevice {
-    let adapter = AdapterInfo {
-        kind: "cpu",
-        name: "burn flex".into(),
-        backend: "flex".into(),
-        driver: String::new(),
-        device_type: "Cpu".into(),
-    };
+    let adapter =
+        AdapterInfo { kind: "cpu", name: "burn flex".into(), backend: "flex".into(), driver: String::new(), device_type: "Cpu".into() };
     ComputeDevice { device: Device::flex(), adapter }
 }
 
@@ -95,9 +90,8 @@ fn cpu_device() -> ComputeDevice {
 fn gpu_device() -> Result<ComputeDevice, AccelError> {
     static GPU: std::sync::OnceLock<Result<ComputeDevice, AccelError>> = std::sync::OnceLock::new();
     GPU.get_or_init(|| {
-        let (device, setup) = Device::wgpu_options()
-            .init_with_setup()
-            .map_err(|e| AccelError::NoAdapter(e.to_string().replace('\n', " ")))?;
+        let (device, setup) =
+            Device::wgpu_options().init_with_setup().map_err(|e| AccelError::NoAdapter(e.to_string().replace('\n', " ")))?;
         let info = setup.adapter.get_info();
         let adapter = AdapterInfo {
             kind: "gpu",

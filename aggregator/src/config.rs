@@ -73,10 +73,7 @@ use crate::strategy::{ClientConfig, FedOptParams, StrategyConfig};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {cause}")]
-    Read {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    Read { path: PathBuf, cause: std::io::Error },
     #[error("{path}: {detail}")]
     Parse { path: PathBuf, detail: String },
     #[error("{0}")]
@@ -259,8 +256,9 @@ impl Validation {
         match self {
             Validation::Builtin(name) if name == "digits" => Dataset::digits_split().map(|(_, test)| test).map_err(|e| e.to_string()),
             Validation::Builtin(name) => Err(format!("{name:?}: only \"digits\" (the digits test split) is built in")),
-            Validation::Npy { features, labels } => Dataset::load_npy(features, labels.as_deref(), Normalization::None)
-                .map_err(|e| format!("{}: {e}", features.display())),
+            Validation::Npy { features, labels } => {
+                Dataset::load_npy(features, labels.as_deref(), Normalization::None).map_err(|e| format!("{}: {e}", features.display()))
+            }
         }
     }
 }
@@ -403,7 +401,9 @@ impl CampaignStrategy {
     pub fn named(name: &str) -> Result<Self, ConfigError> {
         let mut keys = toml::Table::new();
         keys.insert("strategy".into(), name.into());
-        toml::Value::Table(keys).try_into().map_err(|e: toml::de::Error| ConfigError::Invalid(format!("campaign.strategy: {}", e.message())))
+        toml::Value::Table(keys)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid(format!("campaign.strategy: {}", e.message())))
     }
 
     /// Its `strategy` key.
@@ -433,15 +433,9 @@ impl CampaignDefaults {
     }
 
     pub fn dtype(&self) -> Result<DType, ConfigError> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.as_str() == self.quantization)
-            .ok_or_else(|| {
-                ConfigError::Invalid(format!(
-                    "campaign.quantization {:?}: expected one of f32, f16, bf16, i8",
-                    self.quantization
-                ))
-            })
+        DType::ALL.into_iter().find(|d| d.as_str() == self.quantization).ok_or_else(|| {
+            ConfigError::Invalid(format!("campaign.quantization {:?}: expected one of f32, f16, bf16, i8", self.quantization))
+        })
     }
 
     /// The round engine's strategy config: the tagged strategy plus the client settings.
@@ -463,12 +457,8 @@ impl CampaignDefaults {
             S::FedYogi(k) => StrategyConfig::FedYogi { client, params: opt(FedOptParams::yogi(), k) },
             S::FedAdagrad(k) => StrategyConfig::FedAdagrad { client, params: opt(FedOptParams::adagrad(), k) },
             &S::Median { max_updates } => StrategyConfig::Median { client, max_updates },
-            &S::TrimmedMean { trim_fraction, max_updates } => {
-                StrategyConfig::TrimmedMean { client, trim_fraction, max_updates }
-            }
-            &S::Krum { byzantine, select, max_updates } => {
-                StrategyConfig::Krum { client, byzantine, select, max_updates }
-            }
+            &S::TrimmedMean { trim_fraction, max_updates } => StrategyConfig::TrimmedMean { client, trim_fraction, max_updates },
+            &S::Krum { byzantine, select, max_updates } => StrategyConfig::Krum { client, byzantine, select, max_updates },
         }
     }
 }
@@ -501,20 +491,14 @@ impl Config {
 
     /// [`Config::load`] plus the optional `[mqtt]` section (`None` when absent or `mode = "off"`).
     pub fn load_all(path: &Path) -> Result<(Config, Option<MqttConfig>), ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
-            path: path.to_owned(),
-            cause,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read { path: path.to_owned(), cause })?;
         Self::parse_all(path, &text)
     }
 
     /// [`Config::load_all`] of `text`, the contents of `path` (which is not read: it names the
     /// file in errors, and relative paths inside are resolved against its directory).
     pub fn parse_all(path: &Path, text: &str) -> Result<(Config, Option<MqttConfig>), ConfigError> {
-        let parse = |e: toml::de::Error| ConfigError::Parse {
-            path: path.to_owned(),
-            detail: e.message().to_owned(),
-        };
+        let parse = |e: toml::de::Error| ConfigError::Parse { path: path.to_owned(), detail: e.message().to_owned() };
         let mut table: toml::Table = toml::from_str(text).map_err(parse)?;
         let mqtt = match table.remove("mqtt") {
             None => None,
@@ -553,16 +537,10 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.model
-            .spec
-            .validate()
-            .map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
+        self.model.spec.validate().map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
         self.campaign.dtype()?;
         if !matches!(self.campaign.optimizer.as_str(), "sgd" | "adam") {
-            return Err(ConfigError::Invalid(format!(
-                "campaign.optimizer {:?}: expected sgd or adam",
-                self.campaign.optimizer
-            )));
+            return Err(ConfigError::Invalid(format!("campaign.optimizer {:?}: expected sgd or adam", self.campaign.optimizer)));
         }
         if let Some(Validation::Builtin(name)) = &self.model.validation
             && name != "digits"
@@ -575,9 +553,7 @@ impl Config {
     }
 
     pub fn publish_dir(&self) -> PathBuf {
-        self.publish_dir
-            .clone()
-            .unwrap_or_else(|| self.data_dir.join("published"))
+        self.publish_dir.clone().unwrap_or_else(|| self.data_dir.join("published"))
     }
 
     /// The model spec as JSON (what manifests carry).
@@ -660,7 +636,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(load("strategy = \"clipped_fedavg\"\n").unwrap().strategy, CampaignStrategy::ClippedFedAvg { clip_norm: 10.0 });
-        assert_eq!(CampaignStrategy::named("trimmed_mean").unwrap(), CampaignStrategy::TrimmedMean { trim_fraction: 0.1, max_updates: 256 });
+        assert_eq!(
+            CampaignStrategy::named("trimmed_mean").unwrap(),
+            CampaignStrategy::TrimmedMean { trim_fraction: 0.1, max_updates: 256 }
+        );
         // Another strategy's key, or a misspelt one, is refused by name.
         let e = load("strategy = \"fedavg\"\nclip_norm = 1.0\n").unwrap_err();
         assert!(e.contains("clip_norm"), "{e}");

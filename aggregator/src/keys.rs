@@ -20,10 +20,7 @@ pub fn load_or_create(dir: &Path) -> std::io::Result<SigningKey> {
         Ok(text) => {
             let mut secret = [0u8; 32];
             hex::decode_to_slice(text.trim(), &mut secret).map_err(|e| {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("{}: not a hex ed25519 secret key: {e}", path.display()),
-                )
+                std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: not a hex ed25519 secret key: {e}", path.display()))
             })?;
             Ok(SigningKey::from_bytes(&secret))
         }
@@ -31,10 +28,7 @@ pub fn load_or_create(dir: &Path) -> std::io::Result<SigningKey> {
             std::fs::create_dir_all(dir)?;
             let key = SigningKey::generate(&mut rand_core::OsRng);
             write_secret(&path, hex::encode(key.to_bytes()).as_bytes())?;
-            crate::persist::write_atomic(
-                &dir.join(PUB_FILE),
-                format!("{}\n", hex::encode(key.verifying_key().to_bytes())).as_bytes(),
-            )?;
+            crate::persist::write_atomic(&dir.join(PUB_FILE), format!("{}\n", hex::encode(key.verifying_key().to_bytes())).as_bytes())?;
             Ok(key)
         }
         Err(e) => Err(e),

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use fedfleet_aggregator::client::AggregatorClient;
@@ -147,7 +146,9 @@ async fn run(cli: Cli) -> Result<()> {
             let out = out.unwrap_or(cfg.model.initial.clone());
             let (bundle, from) = match &pretrained {
                 None if !cfg.model.spec.is_builtin() => {
-                    bail!("model.spec declares a custom model (a team's own code): give its initial weights with --pretrained FILE.safetensors")
+                    bail!(
+                        "model.spec declares a custom model (a team's own code): give its initial weights with --pretrained FILE.safetensors"
+                    )
                 }
                 None => (
                     fedfleet_learning::model::init_bundle(&cfg.model.spec, seed).map_err(|e| anyhow!("model.spec: {e}"))?,
@@ -163,8 +164,7 @@ async fn run(cli: Cli) -> Result<()> {
             if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             }
-            fedfleet_aggregator::persist::write_atomic(&out, &bundle.encode())
-                .with_context(|| format!("writing {}", out.display()))?;
+            fedfleet_aggregator::persist::write_atomic(&out, &bundle.encode()).with_context(|| format!("writing {}", out.display()))?;
             println!("wrote {} ({} parameters, {from})", out.display(), bundle.num_params());
             Ok(())
         }
@@ -174,15 +174,9 @@ async fn run(cli: Cli) -> Result<()> {
                 CampaignCmd::Start { conn, rounds, target, quorum, deadline_secs, seed, wait: w } => {
                     wait = w;
                     (
-                    conn,
-                    Request::CampaignStart(CampaignOverrides {
-                        rounds,
-                        target_count: target,
-                        min_quorum: quorum,
-                        deadline_secs,
-                        seed,
-                    }),
-                )
+                        conn,
+                        Request::CampaignStart(CampaignOverrides { rounds, target_count: target, min_quorum: quorum, deadline_secs, seed }),
+                    )
                 }
                 CampaignCmd::Status { conn } => (conn, Request::CampaignStatus),
                 CampaignCmd::Stop { conn } => (conn, Request::CampaignStop),
@@ -200,10 +194,9 @@ async fn run(cli: Cli) -> Result<()> {
 async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<()> {
     let (cfg, mqtt_cfg) = Config::load_all(&config)?;
     let addr = listen.unwrap_or(cfg.listen);
-    std::fs::create_dir_all(&cfg.data_dir)
-        .with_context(|| format!("data_dir {}", cfg.data_dir.display()))?;
-    let key = fedfleet_aggregator::keys::load_or_create(&cfg.data_dir)
-        .with_context(|| format!("receipt key in {}", cfg.data_dir.display()))?;
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("data_dir {}", cfg.data_dir.display()))?;
+    let key =
+        fedfleet_aggregator::keys::load_or_create(&cfg.data_dir).with_context(|| format!("receipt key in {}", cfg.data_dir.display()))?;
     let publisher: Box<dyn fedfleet_aggregator::publish::Publisher> = match &cfg.publish {
         Some(p) => {
             tracing::info!(registry = %p.registry, "publishing into the registry");
@@ -228,9 +221,7 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
     let endpoint = agg.bind(addr)?;
     let bound = endpoint.local_addr()?;
     if let Some(m) = metrics_addr {
-        let listener = fedfleet_http::bind(m, metrics_public)
-            .await
-            .with_context(|| format!("metrics_addr {m}"))?;
+        let listener = fedfleet_http::bind(m, metrics_public).await.with_context(|| format!("metrics_addr {m}"))?;
         tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
         tokio::spawn(fedfleet_http::serve_metrics(listener, agg.metrics()));
     }
@@ -254,17 +245,15 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
 async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
     let cfg = Config::load(&conn.config)?;
     let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
-    let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator).with_context(|| {
-        format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator)
-    })?;
+    let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator)
+        .with_context(|| format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator))?;
     let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])?;
     let mut addr = conn.addr.unwrap_or(cfg.listen);
     if addr.ip().is_unspecified() {
         addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
-    let client = AggregatorClient::connect(addr, &conn.server_name, tls)
-        .await
-        .with_context(|| format!("connecting to the aggregator at {addr}"))?;
+    let client =
+        AggregatorClient::connect(addr, &conn.server_name, tls).await.with_context(|| format!("connecting to the aggregator at {addr}"))?;
     let status = client.campaign(req).await?;
     client.close().await;
     Ok(status)
@@ -309,13 +298,9 @@ fn print_status(s: &CampaignStatus, json: bool) {
                 None => println!("no open round (finalizing)"),
             }
         }
-        None => println!(
-            "no campaign running{}",
-            s.last_outcome.as_deref().map(|o| format!(" (last: {o})")).unwrap_or_default()
-        ),
+        None => println!("no campaign running{}", s.last_outcome.as_deref().map(|o| format!(" (last: {o})")).unwrap_or_default()),
     }
     if let Some((v, d)) = &s.global {
         println!("global model: version {v}, digest {d}");
     }
 }
-

@@ -113,7 +113,11 @@ impl Metrics {
             let _ = m.mqtt_rejected.get_or_create(&ReasonLabel { reason: r.as_str().into() });
         }
         registry.register("rounds", "Round events", m.rounds.clone());
-        registry.register("certificate_expiry_seconds", "Seconds until this service's own certificate expires", m.certificate_expiry_seconds.clone());
+        registry.register(
+            "certificate_expiry_seconds",
+            "Seconds until this service's own certificate expires",
+            m.certificate_expiry_seconds.clone(),
+        );
         registry.register("updates_accepted", "Updates accepted", m.accepted.clone());
         registry.register("updates_rejected", "Updates and requests refused, by reason", m.rejected.clone());
         registry.register("update_bytes", "Update payload bytes received", m.update_bytes.clone());

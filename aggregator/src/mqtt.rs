@@ -20,11 +20,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use fedfleet_certs::PeerIdentity;
 use ed25519_dalek::SigningKey;
+use fedfleet_certs::PeerIdentity;
 use fedfleet_control::{
-    AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role,
-    SignedRejection, UploadRejection, service_tls,
+    AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role, SignedRejection, UploadRejection,
+    service_tls,
 };
 use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed};
 use tokio::task::JoinHandle;
@@ -121,9 +121,8 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_identity);
             let mut bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
             bc.metrics = agg.metrics().broker.clone();
-            let broker = EmbeddedBroker::start(bc.clone())
-                .await
-                .map_err(|e| mqtt_err(format!("embedded broker on {}: {e}", cfg.listen)))?;
+            let broker =
+                EmbeddedBroker::start(bc.clone()).await.map_err(|e| mqtt_err(format!("embedded broker on {}: {e}", cfg.listen)))?;
             // A restart listens where this one does (the port picked for port 0 included).
             bc.listen = broker.local_addr();
             let mut addr = broker.local_addr();
@@ -224,9 +223,6 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
             });
         }
         // A service does not subscribe to these.
-        ControlEvent::Announcement(_)
-        | ControlEvent::Rollout(_)
-        | ControlEvent::Receipt(_)
-        | ControlEvent::UploadRefused(_) => {}
+        ControlEvent::Announcement(_) | ControlEvent::Rollout(_) | ControlEvent::Receipt(_) | ControlEvent::UploadRefused(_) => {}
     }
 }

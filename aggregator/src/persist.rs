@@ -76,10 +76,7 @@ pub enum StoreError {
     #[error("sled: {0}")]
     Sled(sled::Error),
     #[error("I/O on {path}: {cause}")]
-    Io {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    Io { path: PathBuf, cause: std::io::Error },
 }
 
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
@@ -147,17 +144,11 @@ pub struct Store {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
-    move |cause| StoreError::Io {
-        path: path.to_owned(),
-        cause,
-    }
+    move |cause| StoreError::Io { path: path.to_owned(), cause }
 }
 
 fn corrupt(dir: &Path, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        path: dir.to_owned(),
-        detail: detail.into(),
-    }
+    StoreError::Corrupt { path: dir.to_owned(), detail: detail.into() }
 }
 
 /// Writes `bytes` to `path` atomically and durably (`fedfleet_durable::write_atomic`).
@@ -210,10 +201,7 @@ impl Store {
         match store.meta.get("format")? {
             Some(f) if f.as_ref() == FORMAT.as_bytes() => {}
             Some(f) => {
-                return Err(corrupt(
-                    dir,
-                    format!("unknown format {:?}", String::from_utf8_lossy(&f)),
-                ));
+                return Err(corrupt(dir, format!("unknown format {:?}", String::from_utf8_lossy(&f))));
             }
             None => {
                 if marker > 0 || (existed && !store.accepted.is_empty()) {
@@ -251,9 +239,7 @@ impl Store {
     fn get<T: for<'de> Deserialize<'de>>(&self, key: &str) -> Result<Option<T>> {
         match self.meta.get(key)? {
             None => Ok(None),
-            Some(b) => postcard::from_bytes(&b)
-                .map(Some)
-                .map_err(|e| corrupt(&self.dir, format!("meta/{key} does not decode: {e}"))),
+            Some(b) => postcard::from_bytes(&b).map(Some).map_err(|e| corrupt(&self.dir, format!("meta/{key} does not decode: {e}"))),
         }
     }
 
@@ -274,9 +260,7 @@ impl Store {
     pub fn accepted(&self, device: &DeviceId, nonce: &[u8; 16]) -> Result<Option<AcceptedRecord>> {
         match self.accepted.get(accepted_key(device, nonce))? {
             None => Ok(None),
-            Some(b) => postcard::from_bytes(&b)
-                .map(Some)
-                .map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}"))),
+            Some(b) => postcard::from_bytes(&b).map(Some).map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}"))),
         }
     }
 
@@ -285,8 +269,8 @@ impl Store {
         let mut out = Vec::new();
         for kv in self.accepted.iter() {
             let (_, v) = kv?;
-            let rec: AcceptedRecord = postcard::from_bytes(&v)
-                .map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}")))?;
+            let rec: AcceptedRecord =
+                postcard::from_bytes(&v).map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}")))?;
             if rec.round == round {
                 out.push(rec);
             }
@@ -307,8 +291,7 @@ impl Store {
 
     pub fn read_update(&self, digest: &Digest) -> Result<Vec<u8>> {
         let p = self.update_path(digest);
-        let bytes = std::fs::read(&p)
-            .map_err(|e| corrupt(&self.dir, format!("accepted update payload {}: {e}", p.display())))?;
+        let bytes = std::fs::read(&p).map_err(|e| corrupt(&self.dir, format!("accepted update payload {}: {e}", p.display())))?;
         if Digest::of(&bytes) != *digest {
             return Err(corrupt(&self.dir, format!("{} does not hash to its name", p.display())));
         }
@@ -327,7 +310,6 @@ impl Store {
         });
         tx(res)
     }
-
 
     /// Commit point of a round boundary.
     pub fn commit_boundary(&self, b: Boundary<'_>) -> Result<()> {
@@ -401,17 +383,14 @@ impl Store {
     pub fn model_record(&self, digest: &Digest) -> Result<Option<ModelInfo>> {
         match self.models.get(digest.0)? {
             None => Ok(None),
-            Some(b) => postcard::from_bytes(&b)
-                .map(Some)
-                .map_err(|e| corrupt(&self.dir, format!("model record does not decode: {e}"))),
+            Some(b) => postcard::from_bytes(&b).map(Some).map_err(|e| corrupt(&self.dir, format!("model record does not decode: {e}"))),
         }
     }
 
     /// The bytes of a held model, checked against its digest.
     pub fn read_model(&self, digest: &Digest) -> Result<Vec<u8>> {
         let p = self.model_path(digest);
-        let bytes = std::fs::read(&p)
-            .map_err(|e| corrupt(&self.dir, format!("model {}: {e}", p.display())))?;
+        let bytes = std::fs::read(&p).map_err(|e| corrupt(&self.dir, format!("model {}: {e}", p.display())))?;
         if Digest::of(&bytes) != *digest {
             return Err(corrupt(&self.dir, format!("{} does not hash to its name", p.display())));
         }
@@ -469,8 +448,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let s = Store::open(dir.path()).unwrap();
-            s.commit_boundary(Boundary { engine: b"e", strategy: None, global: None, campaign: None })
-                .unwrap();
+            s.commit_boundary(Boundary { engine: b"e", strategy: None, global: None, campaign: None }).unwrap();
             assert_eq!(s.seq().unwrap(), 1);
         }
         std::fs::write(dir.path().join(COMMIT_FILE), format!("{MARKER_PREFIX} 5\n")).unwrap();

@@ -41,8 +41,7 @@ pub struct PublishRequest {
 #[error("publish failed: {0}")]
 pub struct PublishError(pub String);
 
-pub type PublishFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<(ModelVersion, Digest), PublishError>> + Send + 'a>>;
+pub type PublishFuture<'a> = Pin<Box<dyn Future<Output = Result<(ModelVersion, Digest), PublishError>> + Send + 'a>>;
 
 /// Where finalized models go.
 pub trait Publisher: Send + Sync + 'static {
@@ -58,11 +57,7 @@ pub struct DirPublisher {
 
 impl DirPublisher {
     pub fn new(dir: impl Into<PathBuf>, key: SigningKey, publisher: impl Into<String>) -> Self {
-        DirPublisher {
-            dir: dir.into(),
-            key,
-            publisher: publisher.into(),
-        }
+        DirPublisher { dir: dir.into(), key, publisher: publisher.into() }
     }
 
     /// Path of a published version's model file.
@@ -113,11 +108,9 @@ impl DirPublisher {
         std::fs::create_dir_all(&tmp)?;
         let json = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
         let signed = Signed::sign(manifest, &self.key).encode();
-        for (file, bytes) in [
-            ("model.safetensors", req.bundle.as_slice()),
-            ("manifest.json", json.as_slice()),
-            ("manifest.signed", signed.as_slice()),
-        ] {
+        for (file, bytes) in
+            [("model.safetensors", req.bundle.as_slice()), ("manifest.json", json.as_slice()), ("manifest.signed", signed.as_slice())]
+        {
             crate::persist::write_atomic(&tmp.join(file), bytes)?;
         }
         let version_dir = model_dir.join(format!("{:08}", version.0));
@@ -129,10 +122,7 @@ impl DirPublisher {
 
 impl Publisher for DirPublisher {
     fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a> {
-        Box::pin(async move {
-            self.publish_sync(req)
-                .map_err(|e| PublishError(format!("{}: {e}", self.dir.display())))
-        })
+        Box::pin(async move { self.publish_sync(req).map_err(|e| PublishError(format!("{}: {e}", self.dir.display()))) })
     }
 }
 
@@ -152,12 +142,7 @@ impl RegistryPublisher {
     /// A client for the registry at `addr` (TLS name `server_name`) with the service identity
     /// `service_name` of `pki_dir` (`servers/<service_name>.crt|.key`). Connects lazily; must
     /// be called inside a tokio runtime.
-    pub fn connect_lazy(
-        pki_dir: &Path,
-        service_name: &str,
-        addr: std::net::SocketAddr,
-        server_name: &str,
-    ) -> Result<Self, PublishError> {
+    pub fn connect_lazy(pki_dir: &Path, service_name: &str, addr: std::net::SocketAddr, server_name: &str) -> Result<Self, PublishError> {
         let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(pki_dir))
             .map_err(|e| PublishError(format!("CA of {}: {e}", pki_dir.display())))?;
         let id = fedfleet_certs::ServerIdentity::load(pki_dir, service_name)
@@ -179,11 +164,7 @@ impl Publisher for RegistryPublisher {
         Box::pin(async move {
             use fedfleet_registry_client::wire::AdminRequest;
             let admin = AdminRequest::Publish(NewVersion { publisher: self.publisher.clone(), ..req.model.clone() });
-            let v = self
-                .client
-                .publish(admin, req.bundle.as_slice())
-                .await
-                .map_err(|e| PublishError(format!("registry: {e}")))?;
+            let v = self.client.publish(admin, req.bundle.as_slice()).await.map_err(|e| PublishError(format!("registry: {e}")))?;
             let version = v
                 .get("version")
                 .and_then(|x| x.as_u64())

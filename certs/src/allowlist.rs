@@ -38,11 +38,10 @@ impl AllowListFile {
     /// Parses and checks every key (valid point, not weak).
     pub fn read(path: &Path) -> Result<Self, CertError> {
         let bytes = fsutil::read(path)?;
-        let file: AllowListFile = serde_json::from_slice(&bytes)
-            .map_err(|e| CertError::malformed(path, format!("not a device allow-list: {e}")))?;
+        let file: AllowListFile =
+            serde_json::from_slice(&bytes).map_err(|e| CertError::malformed(path, format!("not a device allow-list: {e}")))?;
         for (id, e) in &file.devices {
-            keys::parse_public_key_hex(&e.public_key)
-                .map_err(|err| CertError::malformed(path, format!("device {id}: {err}")))?;
+            keys::parse_public_key_hex(&e.public_key).map_err(|err| CertError::malformed(path, format!("device {id}: {err}")))?;
         }
         Ok(file)
     }
@@ -72,11 +71,7 @@ fn index(file: &AllowListFile) -> HashMap<DeviceId, VerifyingKey> {
     file.devices
         .iter()
         .filter(|(_, e)| e.revoked_at.is_none())
-        .filter_map(|(id, e)| {
-            keys::parse_public_key_hex(&e.public_key)
-                .ok()
-                .map(|k| (id.clone(), k))
-        })
+        .filter_map(|(id, e)| keys::parse_public_key_hex(&e.public_key).ok().map(|k| (id.clone(), k)))
         .collect()
 }
 
@@ -90,9 +85,7 @@ pub struct AllowList {
 
 impl std::fmt::Debug for AllowList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AllowList")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
+        f.debug_struct("AllowList").field("path", &self.path).finish_non_exhaustive()
     }
 }
 
@@ -103,14 +96,7 @@ impl AllowList {
         let stamp = fsutil::stamp(&path).map_err(|e| CertError::io(&path, e))?;
         let file = AllowListFile::read(&path)?;
         let keys = index(&file);
-        Ok(AllowList {
-            path,
-            inner: RwLock::new(Inner {
-                file,
-                keys,
-                stamp: Some(stamp),
-            }),
-        })
+        Ok(AllowList { path, inner: RwLock::new(Inner { file, keys, stamp: Some(stamp) }) })
     }
 
     /// Re-reads the file if it changed. `Ok(true)` when a new version was loaded.
@@ -125,10 +111,7 @@ impl AllowList {
         }
         inner.stamp = stamp;
         if stamp.is_none() {
-            return Err(CertError::io(
-                &self.path,
-                std::io::Error::from(std::io::ErrorKind::NotFound),
-            ));
+            return Err(CertError::io(&self.path, std::io::Error::from(std::io::ErrorKind::NotFound)));
         }
         let file = AllowListFile::read(&self.path)?;
         inner.keys = index(&file);
@@ -145,12 +128,7 @@ impl AllowList {
     /// The enrolled, non-revoked device's public key.
     pub fn public_key(&self, id: &DeviceId) -> Option<VerifyingKey> {
         self.refresh();
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys
-            .get(id)
-            .copied()
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).keys.get(id).copied()
     }
 
     /// Unknown, revoked or enrolled (with its key): lets callers name the rejection reason.
@@ -167,33 +145,18 @@ impl AllowList {
     /// The entry of a device, revoked or not.
     pub fn entry(&self, id: &DeviceId) -> Option<AllowEntry> {
         self.refresh();
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .file
-            .devices
-            .get(id)
-            .cloned()
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).file.devices.get(id).cloned()
     }
 
     /// The fleet named in the file.
     pub fn fleet(&self) -> FleetId {
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .file
-            .fleet
-            .clone()
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).file.fleet.clone()
     }
 
     /// Enrolled, non-revoked devices.
     pub fn len(&self) -> usize {
         self.refresh();
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys
-            .len()
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).keys.len()
     }
 
     pub fn is_empty(&self) -> bool {

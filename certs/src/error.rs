@@ -57,11 +57,7 @@ pub enum CertError {
     BadSignature { path: PathBuf },
     /// A newer revocation list was replaced by an older one.
     #[error("{}: revocation list version {found} is older than the loaded version {loaded}", path.display())]
-    Rollback {
-        path: PathBuf,
-        found: u64,
-        loaded: u64,
-    },
+    Rollback { path: PathBuf, found: u64, loaded: u64 },
     /// Certificate generation failed inside rcgen.
     #[error("certificate generation failed: {0}")]
     Generate(String),
@@ -78,16 +74,10 @@ pub enum CertError {
 
 impl CertError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
-        CertError::Io {
-            path: path.into(),
-            error: source,
-        }
+        CertError::Io { path: path.into(), error: source }
     }
     pub(crate) fn malformed(path: impl Into<PathBuf>, what: impl Into<String>) -> Self {
-        CertError::Malformed {
-            path: path.into(),
-            what: what.into(),
-        }
+        CertError::Malformed { path: path.into(), what: what.into() }
     }
 }
 

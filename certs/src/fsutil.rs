@@ -24,11 +24,7 @@ pub(crate) fn read_string(path: &Path) -> Result<String, CertError> {
 }
 
 pub(crate) fn create_dir(path: &Path) -> Result<(), CertError> {
-    DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(path)
-        .map_err(|e| CertError::io(path, e))
+    DirBuilder::new().recursive(true).mode(0o700).create(path).map_err(|e| CertError::io(path, e))
 }
 
 /// Fails with [`CertError::Exists`] naming the first of `paths` that exists, unless `force`.
@@ -38,9 +34,7 @@ pub(crate) fn refuse_existing(paths: &[&Path], force: bool) -> Result<(), CertEr
     }
     for p in paths {
         if p.symlink_metadata().is_ok() {
-            return Err(CertError::Exists {
-                path: p.to_path_buf(),
-            });
+            return Err(CertError::Exists { path: p.to_path_buf() });
         }
     }
     Ok(())
@@ -63,9 +57,5 @@ pub(crate) struct Stamp {
 
 pub(crate) fn stamp(path: &Path) -> std::io::Result<Stamp> {
     let m = fs::metadata(path)?;
-    Ok(Stamp {
-        modified: m.modified().ok(),
-        len: m.len(),
-        ino: m.ino(),
-    })
+    Ok(Stamp { modified: m.modified().ok(), len: m.len(), ino: m.ino() })
 }

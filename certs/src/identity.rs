@@ -23,10 +23,7 @@ pub struct CaCert {
 
 impl fmt::Debug for CaCert {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CaCert")
-            .field("path", &self.path)
-            .field("fleet", &self.fleet)
-            .finish()
+        f.debug_struct("CaCert").field("path", &self.path).field("fleet", &self.fleet).finish()
     }
 }
 
@@ -43,20 +40,12 @@ impl CaCert {
         let bad = |e: CertError| CertError::malformed(path, e.to_string());
         let cert = x509::parse(&der).map_err(bad)?;
         if !cert.is_ca() {
-            return Err(CertError::malformed(
-                path,
-                "certificate is not a CA certificate",
-            ));
+            return Err(CertError::malformed(path, "certificate is not a CA certificate"));
         }
         let key = x509::ed25519_key(&cert).map_err(bad)?;
         let fleet = x509::organization(cert.subject()).and_then(|o| FleetId::new(o).ok());
         drop(cert);
-        Ok(CaCert {
-            der,
-            key,
-            fleet,
-            path: path.to_path_buf(),
-        })
+        Ok(CaCert { der, key, fleet, path: path.to_path_buf() })
     }
 
     /// The certificate in DER form.
@@ -78,30 +67,17 @@ impl CaCert {
     /// A root store holding only this CA.
     pub fn root_store(&self) -> Result<rustls::RootCertStore, CertError> {
         let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(self.der.clone())
-            .map_err(|e| CertError::Tls(format!("CA certificate refused as trust anchor: {e}")))?;
+        roots.add(self.der.clone()).map_err(|e| CertError::Tls(format!("CA certificate refused as trust anchor: {e}")))?;
         Ok(roots)
     }
 }
 
-fn load_key_matching(
-    cert_path: &Path,
-    cert: &CertificateDer<'_>,
-    key_path: &Path,
-) -> Result<SigningKey, CertError> {
+fn load_key_matching(cert_path: &Path, cert: &CertificateDer<'_>, key_path: &Path) -> Result<SigningKey, CertError> {
     let key = keys::load_signing_key(key_path)?;
     let parsed = x509::parse(cert).map_err(|e| CertError::malformed(cert_path, e.to_string()))?;
-    let cert_key =
-        x509::ed25519_key(&parsed).map_err(|e| CertError::malformed(cert_path, e.to_string()))?;
+    let cert_key = x509::ed25519_key(&parsed).map_err(|e| CertError::malformed(cert_path, e.to_string()))?;
     if cert_key != key.verifying_key() {
-        return Err(CertError::malformed(
-            key_path,
-            format!(
-                "private key does not match the certificate {}",
-                cert_path.display()
-            ),
-        ));
+        return Err(CertError::malformed(key_path, format!("private key does not match the certificate {}", cert_path.display())));
     }
     Ok(key)
 }
@@ -115,9 +91,7 @@ pub struct ServerIdentity {
 
 impl fmt::Debug for ServerIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ServerIdentity")
-            .field("name", &self.name)
-            .finish_non_exhaustive()
+        f.debug_struct("ServerIdentity").field("name", &self.name).finish_non_exhaustive()
     }
 }
 
@@ -133,17 +107,10 @@ impl ServerIdentity {
     pub fn from_files(cert: &Path, key: &Path) -> Result<Self, CertError> {
         let chain = x509::load_pem_certs(cert)?;
         let signing = load_key_matching(cert, &chain[0], key)?;
-        let parsed =
-            x509::parse(&chain[0]).map_err(|e| CertError::malformed(cert, e.to_string()))?;
-        let name = x509::common_name(parsed.subject())
-            .unwrap_or_default()
-            .to_string();
+        let parsed = x509::parse(&chain[0]).map_err(|e| CertError::malformed(cert, e.to_string()))?;
+        let name = x509::common_name(parsed.subject()).unwrap_or_default().to_string();
         drop(parsed);
-        Ok(ServerIdentity {
-            name,
-            chain,
-            key: signing,
-        })
+        Ok(ServerIdentity { name, chain, key: signing })
     }
 
     /// The leaf certificate's validity.
@@ -179,9 +146,7 @@ pub struct DeviceIdentity {
 
 impl fmt::Debug for DeviceIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceIdentity")
-            .field("id", &self.id)
-            .finish_non_exhaustive()
+        f.debug_struct("DeviceIdentity").field("id", &self.id).finish_non_exhaustive()
     }
 }
 
@@ -230,14 +195,8 @@ impl DeviceIdentity {
             ca: ca.path().to_owned(),
             reason,
         })?;
-        let id = crate::device_id_from_peer(std::slice::from_ref(&der))
-            .map_err(|e| CertError::malformed(cert, e.to_string()))?;
-        Ok(DeviceIdentity {
-            id,
-            cert: der,
-            key: signing,
-            ca,
-        })
+        let id = crate::device_id_from_peer(std::slice::from_ref(&der)).map_err(|e| CertError::malformed(cert, e.to_string()))?;
+        Ok(DeviceIdentity { id, cert: der, key: signing, ca })
     }
 
     /// A renewed certificate (PEM, from the renewing service) for this identity: it must name

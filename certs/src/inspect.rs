@@ -16,32 +16,24 @@ use crate::{fsutil, keys, layout, x509};
 
 /// Unix seconds as an RFC 3339 time (UTC), for people reading operator output.
 pub fn rfc3339(unix: i64) -> String {
-    OffsetDateTime::from_unix_timestamp(unix)
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_else(|| unix.to_string())
+    OffsetDateTime::from_unix_timestamp(unix).ok().and_then(|t| t.format(&Rfc3339).ok()).unwrap_or_else(|| unix.to_string())
 }
 
 /// Describes a certificate, private key, `revoked.json` or `devices.json`. For a revocation list
 /// the signature is checked against `ca` or, by default, `ca.crt` in the same directory.
 pub fn describe(path: &Path, ca: Option<&Path>) -> Result<String, CertError> {
     let bytes = fsutil::read(path)?;
-    let text = std::str::from_utf8(&bytes)
-        .map_err(|_| CertError::malformed(path, "binary file; expected PEM or JSON"))?;
+    let text = std::str::from_utf8(&bytes).map_err(|_| CertError::malformed(path, "binary file; expected PEM or JSON"))?;
     let trimmed = text.trim_start();
     if trimmed.starts_with('{') {
-        let value: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| CertError::malformed(path, format!("invalid JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| CertError::malformed(path, format!("invalid JSON: {e}")))?;
         if value.get("signature").is_some() && value.get("entries").is_some() {
             return describe_revocations(path, ca);
         }
         if value.get("devices").is_some() {
             return describe_allow_list(path);
         }
-        return Err(CertError::malformed(
-            path,
-            "JSON is neither a revocation list nor a device allow-list",
-        ));
+        return Err(CertError::malformed(path, "JSON is neither a revocation list nor a device allow-list"));
     }
     if text.contains("-----BEGIN PRIVATE KEY-----") {
         let key = keys::parse_pem(path, text)?;
@@ -54,10 +46,7 @@ pub fn describe(path: &Path, ca: Option<&Path>) -> Result<String, CertError> {
     if text.contains("-----BEGIN") {
         return describe_certs(path, &bytes);
     }
-    Err(CertError::malformed(
-        path,
-        "not a PEM certificate, PEM private key, revoked.json or devices.json",
-    ))
+    Err(CertError::malformed(path, "not a PEM certificate, PEM private key, revoked.json or devices.json"))
 }
 
 fn describe_certs(path: &Path, bytes: &[u8]) -> Result<String, CertError> {
@@ -71,16 +60,7 @@ fn describe_certs(path: &Path, bytes: &[u8]) -> Result<String, CertError> {
         let _ = writeln!(out, "serial:      {}", x509::serial_hex(&c));
         let v = c.validity();
         let _ = writeln!(out, "not before:  {}", rfc3339(v.not_before.timestamp()));
-        let _ = writeln!(
-            out,
-            "not after:   {}{}",
-            rfc3339(v.not_after.timestamp()),
-            if v.is_valid() {
-                ""
-            } else {
-                "  (NOT VALID NOW)"
-            }
-        );
+        let _ = writeln!(out, "not after:   {}{}", rfc3339(v.not_after.timestamp()), if v.is_valid() { "" } else { "  (NOT VALID NOW)" });
         let _ = writeln!(out, "CA:          {}", if c.is_ca() { "yes" } else { "no" });
         if let Ok(Some(san)) = c.subject_alternative_name() {
             let names: Vec<String> = san
@@ -90,14 +70,8 @@ fn describe_certs(path: &Path, bytes: &[u8]) -> Result<String, CertError> {
                 .map(|n| match n {
                     GeneralName::DNSName(d) => format!("DNS:{d}"),
                     GeneralName::IPAddress(ip) => match ip.len() {
-                        4 => format!(
-                            "IP:{}",
-                            std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*ip).unwrap_or_default())
-                        ),
-                        16 => format!(
-                            "IP:{}",
-                            std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*ip).unwrap_or_default())
-                        ),
+                        4 => format!("IP:{}", std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*ip).unwrap_or_default())),
+                        16 => format!("IP:{}", std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*ip).unwrap_or_default())),
                         _ => format!("IP:{}", hex::encode(ip)),
                     },
                     GeneralName::URI(u) => format!("URI:{u}"),
@@ -122,11 +96,7 @@ fn describe_certs(path: &Path, bytes: &[u8]) -> Result<String, CertError> {
                 let _ = writeln!(out, "public key:  {}", hex::encode(k.to_bytes()));
             }
             Err(_) => {
-                let _ = writeln!(
-                    out,
-                    "key type:    {}",
-                    c.public_key().algorithm.algorithm.to_id_string()
-                );
+                let _ = writeln!(out, "key type:    {}", c.public_key().algorithm.algorithm.to_id_string());
             }
         }
         if let Ok(peer) = crate::peer_identity(std::slice::from_ref(der)) {
@@ -140,11 +110,7 @@ fn describe_revocations(path: &Path, ca: Option<&Path>) -> Result<String, CertEr
     let list = RevocationList::read_unverified(path)?;
     let ca_path: PathBuf = match ca {
         Some(p) => p.to_path_buf(),
-        None => layout::ca_cert(
-            path.parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new(".")),
-        ),
+        None => layout::ca_cert(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))),
     };
     let sig = match CaCert::load(&ca_path) {
         Ok(ca) if list.verify(ca.public_key()) => format!("valid (CA {})", ca_path.display()),
@@ -159,14 +125,7 @@ fn describe_revocations(path: &Path, ca: Option<&Path>) -> Result<String, CertEr
     let _ = writeln!(out, "signature:   {sig}");
     let _ = writeln!(out, "entries:     {}", list.entries.len());
     for e in &list.entries {
-        let _ = writeln!(
-            out,
-            "  {}  serial {}  revoked {}  reason {:?}",
-            e.device_id,
-            e.serial,
-            rfc3339(e.revoked_at as i64),
-            e.reason
-        );
+        let _ = writeln!(out, "  {}  serial {}  revoked {}  reason {:?}", e.device_id, e.serial, rfc3339(e.revoked_at as i64), e.reason);
     }
     Ok(out)
 }
@@ -183,13 +142,7 @@ fn describe_allow_list(path: &Path) -> Result<String, CertError> {
             Some(t) => format!("REVOKED {}", rfc3339(t as i64)),
             None => "enrolled".into(),
         };
-        let _ = writeln!(
-            out,
-            "  {id}  key {}  serial {}  enrolled {}  {state}",
-            e.public_key,
-            e.serial,
-            rfc3339(e.enrolled_at as i64)
-        );
+        let _ = writeln!(out, "  {id}  key {}  serial {}  enrolled {}  {state}", e.public_key, e.serial, rfc3339(e.enrolled_at as i64));
     }
     Ok(out)
 }

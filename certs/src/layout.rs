@@ -38,10 +38,5 @@ pub fn device_paths(dir: &Path, id: &DeviceId) -> (PathBuf, PathBuf) {
 
 /// Server names follow the device id rules (they become file names and CNs).
 pub fn validate_name(name: &str) -> Result<(), CertError> {
-    DeviceId::new(name)
-        .map(|_| ())
-        .map_err(|reason| CertError::InvalidId {
-            id: name.to_string(),
-            reason,
-        })
+    DeviceId::new(name).map(|_| ()).map_err(|reason| CertError::InvalidId { id: name.to_string(), reason })
 }

@@ -61,15 +61,11 @@ pub fn peer_identity(certs: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertE
     let first = certs.first().ok_or(CertError::NoPeerCertificate)?;
     let cert = x509::parse(first)?;
     let subject = cert.subject();
-    let cn = x509::common_name(subject)
-        .ok_or_else(|| CertError::BadCertificate("subject has no CN".into()))?;
+    let cn = x509::common_name(subject).ok_or_else(|| CertError::BadCertificate("subject has no CN".into()))?;
     match x509::org_unit(subject) {
-        Some(x509::OU_DEVICE) => DeviceId::new(cn)
-            .map(PeerIdentity::Device)
-            .map_err(|reason| CertError::InvalidId {
-                id: cn.to_string(),
-                reason,
-            }),
+        Some(x509::OU_DEVICE) => {
+            DeviceId::new(cn).map(PeerIdentity::Device).map_err(|reason| CertError::InvalidId { id: cn.to_string(), reason })
+        }
         Some(x509::OU_SERVICE) => Ok(PeerIdentity::Service(cn.to_string())),
         _ => Err(CertError::NotADevice(subject.to_string())),
     }

@@ -104,10 +104,8 @@ fn run(cli: Cli) -> Result<String> {
     let mut out = String::new();
     match cli.command {
         Command::Init { fleet, days, force } => {
-            let fleet =
-                FleetId::new(&fleet).with_context(|| format!("invalid fleet name {fleet:?}"))?;
-            let pki = Pki::init(dir, &fleet, days, force)
-                .with_context(|| format!("cannot create the fleet CA in {}", dir.display()))?;
+            let fleet = FleetId::new(&fleet).with_context(|| format!("invalid fleet name {fleet:?}"))?;
+            let pki = Pki::init(dir, &fleet, days, force).with_context(|| format!("cannot create the fleet CA in {}", dir.display()))?;
             out += &format!(
                 "created fleet {} CA in {}\n  certificate: {}\n  key:         {} (mode 0600)\n  allow-list:  {}\n  revocation:  {}\n",
                 pki.fleet(),
@@ -118,16 +116,9 @@ fn run(cli: Cli) -> Result<String> {
                 pki.revocation_list_path().display(),
             );
         }
-        Command::IssueServer {
-            name,
-            sans,
-            days,
-            force,
-        } => {
+        Command::IssueServer { name, sans, days, force } => {
             let pki = Pki::open(dir)?;
-            let s = pki
-                .issue_server(&name, &sans, days, force)
-                .with_context(|| format!("cannot issue server certificate {name:?}"))?;
+            let s = pki.issue_server(&name, &sans, days, force).with_context(|| format!("cannot issue server certificate {name:?}"))?;
             out += &format!(
                 "issued server certificate {}\n  certificate: {}\n  key:         {} (mode 0600)\n  serial:      {}\n  SANs:        {}\n  not after:   {}\n",
                 s.name,
@@ -141,11 +132,8 @@ fn run(cli: Cli) -> Result<String> {
         Command::EnrollDevice { id, days, force } => {
             let pki = Pki::open(dir)?;
             let id = DeviceId::new(&id).with_context(|| format!("invalid device id {id:?}"))?;
-            let d = pki
-                .enroll_device(&id, days, force)
-                .with_context(|| format!("cannot enroll device {id}"))?;
-            let entry =
-                serde_json::to_string(&serde_json::json!({ d.device_id.as_str(): &d.entry }))?;
+            let d = pki.enroll_device(&id, days, force).with_context(|| format!("cannot enroll device {id}"))?;
+            let entry = serde_json::to_string(&serde_json::json!({ d.device_id.as_str(): &d.entry }))?;
             out += &format!(
                 "enrolled device {}\n  certificate: {}\n  key:         {} (mode 0600)\n  CA:          {}\n  not after:   {}\n  allow-list:  {} += {}\n",
                 d.device_id,
@@ -160,9 +148,7 @@ fn run(cli: Cli) -> Result<String> {
         Command::Revoke { id, reason } => {
             let pki = Pki::open(dir)?;
             let id = DeviceId::new(&id).with_context(|| format!("invalid device id {id:?}"))?;
-            let r = pki
-                .revoke(&id, &reason)
-                .with_context(|| format!("cannot revoke device {id}"))?;
+            let r = pki.revoke(&id, &reason).with_context(|| format!("cannot revoke device {id}"))?;
             out += &format!(
                 "revoked device {} (serial {}, reason {:?})\n  {} is now version {}\n",
                 r.entry.device_id,
@@ -183,10 +169,7 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(text) => {
             let mut stdout = std::io::stdout().lock();
-            match stdout
-                .write_all(text.as_bytes())
-                .and_then(|_| stdout.flush())
-            {
+            match stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
                 Err(e) => {

@@ -1,17 +1,14 @@
 //! The fleet PKI directory: creating the CA, issuing server certificates, enrolling and revoking
 //! devices.
 
+use fedfleet_protocol::{Clock, SystemClock};
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use fedfleet_protocol::{Clock, SystemClock};
 
 use ed25519_dalek::SigningKey;
 use fedfleet_protocol::{DeviceId, FleetId};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-    KeyUsagePurpose, SanType, SerialNumber,
-};
+use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyUsagePurpose, SanType, SerialNumber};
 use time::{Duration, OffsetDateTime};
 
 use crate::allowlist::{AllowEntry, AllowListFile};
@@ -87,14 +84,9 @@ pub(crate) fn sign_leaf_at(
     let ca_parsed = x509::parse(ca.der())?;
     let mut ca_params = CertificateParams::default();
     ca_params.distinguished_name = x509::to_rcgen_dn(ca_parsed.subject())?;
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_not_after =
-        OffsetDateTime::from_unix_timestamp(ca_parsed.validity().not_after.timestamp())
-            .map_err(|e| CertError::BadCertificate(format!("CA not_after: {e}")))?;
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let ca_not_after = OffsetDateTime::from_unix_timestamp(ca_parsed.validity().not_after.timestamp())
+        .map_err(|e| CertError::BadCertificate(format!("CA not_after: {e}")))?;
     drop(ca_parsed);
     let issuer = Issuer::new(ca_params, keys::to_rcgen(ca_key)?);
 
@@ -130,37 +122,20 @@ impl Pki {
     /// Creates a new fleet CA in `dir`: `ca.crt`, `ca.key` (0600), an empty `devices.json` and an
     /// empty signed `revoked.json`. Refuses to replace any of them unless `force` (which also
     /// resets the allow-list and the revocation list: they belong to the old CA).
-    pub fn init(
-        dir: impl AsRef<Path>,
-        fleet: &FleetId,
-        days: u32,
-        force: bool,
-    ) -> Result<Pki, CertError> {
+    pub fn init(dir: impl AsRef<Path>, fleet: &FleetId, days: u32, force: bool) -> Result<Pki, CertError> {
         let dir = dir.as_ref().to_path_buf();
-        let (crt, key, allow, revoked) = (
-            layout::ca_cert(&dir),
-            layout::ca_key(&dir),
-            layout::allow_list(&dir),
-            layout::revocation_list(&dir),
-        );
+        let (crt, key, allow, revoked) =
+            (layout::ca_cert(&dir), layout::ca_key(&dir), layout::allow_list(&dir), layout::revocation_list(&dir));
         fsutil::refuse_existing(&[&key, &crt, &allow, &revoked], force)?;
         fsutil::create_dir(&dir)?;
 
         let ca_key = keys::generate();
         let mut params = CertificateParams::default();
         params.distinguished_name = rcgen::DistinguishedName::new();
-        params
-            .distinguished_name
-            .push(DnType::OrganizationName, fleet.as_str());
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("fedfleet {fleet} CA"));
+        params.distinguished_name.push(DnType::OrganizationName, fleet.as_str());
+        params.distinguished_name.push(DnType::CommonName, format!("fedfleet {fleet} CA"));
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
         let now = OffsetDateTime::now_utc();
         params.not_before = now - BACKDATE;
         params.not_after = now + Duration::days(days.max(1) as i64);
@@ -169,10 +144,7 @@ impl Pki {
 
         fsutil::write_atomic(&key, keys::to_pem(&ca_key)?.as_bytes(), true)?;
         fsutil::write_atomic(&crt, cert.pem().as_bytes(), false)?;
-        let empty = AllowListFile {
-            fleet: fleet.clone(),
-            devices: BTreeMap::new(),
-        };
+        let empty = AllowListFile { fleet: fleet.clone(), devices: BTreeMap::new() };
         fsutil::write_atomic(&allow, &empty.to_json(), false)?;
         let list = RevocationList::signed(1, unix_now(), Vec::new(), &ca_key);
         fsutil::write_atomic(&revoked, &list.to_json(), false)?;
@@ -190,10 +162,7 @@ impl Pki {
         let fleet = match ca.fleet() {
             Some(f) => f.clone(),
             None => {
-                return Err(CertError::malformed(
-                    &crt,
-                    "CA subject carries no fleet name (O=)",
-                ));
+                return Err(CertError::malformed(&crt, "CA subject carries no fleet name (O=)"));
             }
         };
         Ok(Pki { dir, fleet, ca })
@@ -271,19 +240,9 @@ impl Pki {
     /// Issues `servers/<name>.crt|.key` (EKU serverAuth and clientAuth, so a service can also
     /// present it to another service). `sans` are DNS names or IP addresses; empty means
     /// `localhost` and `127.0.0.1`.
-    pub fn issue_server(
-        &self,
-        name: &str,
-        sans: &[String],
-        days: u32,
-        force: bool,
-    ) -> Result<IssuedServer, CertError> {
+    pub fn issue_server(&self, name: &str, sans: &[String], days: u32, force: bool) -> Result<IssuedServer, CertError> {
         layout::validate_name(name)?;
-        let sans: Vec<String> = if sans.is_empty() {
-            vec!["localhost".into(), "127.0.0.1".into()]
-        } else {
-            sans.to_vec()
-        };
+        let sans: Vec<String> = if sans.is_empty() { vec!["localhost".into(), "127.0.0.1".into()] } else { sans.to_vec() };
         let mut san_types = Vec::new();
         for s in &sans {
             san_types.push(match s.parse::<IpAddr>() {
@@ -291,19 +250,12 @@ impl Pki {
                 Err(_) => {
                     let valid = !s.is_empty()
                         && s.split('.').all(|l| {
-                            !l.is_empty()
-                                && l.len() <= 63
-                                && l.chars()
-                                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '*')
+                            !l.is_empty() && l.len() <= 63 && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '*')
                         });
                     if !valid {
                         return Err(CertError::InvalidSan(s.clone()));
                     }
-                    SanType::DnsName(
-                        s.clone()
-                            .try_into()
-                            .map_err(|_| CertError::InvalidSan(s.clone()))?,
-                    )
+                    SanType::DnsName(s.clone().try_into().map_err(|_| CertError::InvalidSan(s.clone()))?)
                 }
             });
         }
@@ -314,33 +266,18 @@ impl Pki {
         let mut params = CertificateParams::default();
         params.distinguished_name = self.leaf_dn(x509::OU_SERVICE, name);
         params.subject_alt_names = san_types;
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         let (cert, serial, not_after) = self.sign_leaf(params, &key, days)?;
 
         fsutil::create_dir(&self.dir.join(layout::SERVERS_DIR))?;
         fsutil::write_atomic(&key_path, keys::to_pem(&key)?.as_bytes(), true)?;
         fsutil::write_atomic(&crt, cert.pem().as_bytes(), false)?;
-        Ok(IssuedServer {
-            name: name.to_string(),
-            cert_path: crt,
-            key_path,
-            serial,
-            sans,
-            not_after,
-        })
+        Ok(IssuedServer { name: name.to_string(), cert_path: crt, key_path, serial, sans, not_after })
     }
 
     /// Enrolls a device: a fresh ed25519 key, `devices/<id>.crt|.key` (CN = id, EKU clientAuth),
     /// and its entry in `devices.json`. Refuses a revoked id and existing files unless `force`.
-    pub fn enroll_device(
-        &self,
-        id: &DeviceId,
-        days: u32,
-        force: bool,
-    ) -> Result<EnrolledDevice, CertError> {
+    pub fn enroll_device(&self, id: &DeviceId, days: u32, force: bool) -> Result<EnrolledDevice, CertError> {
         let revoked = RevocationList::load(&self.revocation_list_path(), self.ca.public_key())?;
         if revoked.contains(id) {
             return Err(CertError::Revoked(id.to_string()));
@@ -362,21 +299,11 @@ impl Pki {
         fsutil::create_dir(&self.dir.join(layout::DEVICES_DIR))?;
         fsutil::write_atomic(&key_path, keys::to_pem(&key)?.as_bytes(), true)?;
         fsutil::write_atomic(&crt, cert.pem().as_bytes(), false)?;
-        let entry = AllowEntry {
-            public_key: hex::encode(key.verifying_key().to_bytes()),
-            serial,
-            enrolled_at: unix_now(),
-            revoked_at: None,
-        };
+        let entry =
+            AllowEntry { public_key: hex::encode(key.verifying_key().to_bytes()), serial, enrolled_at: unix_now(), revoked_at: None };
         allow.devices.insert(id.clone(), entry.clone());
         fsutil::write_atomic(&allow_path, &allow.to_json(), false)?;
-        Ok(EnrolledDevice {
-            device_id: id.clone(),
-            cert_path: crt,
-            key_path,
-            entry,
-            not_after,
-        })
+        Ok(EnrolledDevice { device_id: id.clone(), cert_path: crt, key_path, entry, not_after })
     }
 
     /// Revokes an enrolled device: adds it to the signed `revoked.json` (version + 1) and marks its
@@ -394,22 +321,13 @@ impl Pki {
         }
         let ca_key = self.ca_signing_key()?;
         let now = unix_now();
-        let entry = RevocationEntry {
-            device_id: id.clone(),
-            serial: allowed.serial.clone(),
-            revoked_at: now,
-            reason: reason.to_string(),
-        };
+        let entry = RevocationEntry { device_id: id.clone(), serial: allowed.serial.clone(), revoked_at: now, reason: reason.to_string() };
         let mut entries = old.entries.clone();
         entries.push(entry.clone());
         let list = RevocationList::signed(old.version + 1, now, entries, &ca_key);
         fsutil::write_atomic(&list_path, &list.to_json(), false)?;
         allowed.revoked_at = Some(now);
         fsutil::write_atomic(&allow_path, &allow.to_json(), false)?;
-        Ok(Revocation {
-            entry,
-            list_version: list.version,
-            list_path,
-        })
+        Ok(Revocation { entry, list_version: list.version, list_path })
     }
 }

@@ -45,10 +45,7 @@ impl Validity {
     pub fn of(der: &[u8]) -> Result<Validity, CertError> {
         let cert = x509::parse(der)?;
         let v = cert.validity();
-        Ok(Validity {
-            not_before: v.not_before.timestamp(),
-            not_after: v.not_after.timestamp(),
-        })
+        Ok(Validity { not_before: v.not_before.timestamp(), not_after: v.not_after.timestamp() })
     }
 
     /// Seconds from `now` until `not_after` (negative once expired).
@@ -123,10 +120,7 @@ impl DeviceIssuer {
         if key.verifying_key() != *ca.public_key() {
             return Err(CertError::malformed(ca_key, format!("CA key does not match {}", ca_cert.display())));
         }
-        let fleet = ca
-            .fleet()
-            .cloned()
-            .ok_or_else(|| CertError::malformed(ca_cert, "CA subject carries no fleet name (O=)"))?;
+        let fleet = ca.fleet().cloned().ok_or_else(|| CertError::malformed(ca_cert, "CA subject carries no fleet name (O=)"))?;
         Ok(DeviceIssuer { ca, ca_key: key, fleet })
     }
 

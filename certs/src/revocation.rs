@@ -66,19 +66,9 @@ impl RevocationList {
     }
 
     /// Builds and signs a list (entries sorted by device id, then serial).
-    pub fn signed(
-        version: u64,
-        issued_at: u64,
-        mut entries: Vec<RevocationEntry>,
-        ca_key: &SigningKey,
-    ) -> Self {
+    pub fn signed(version: u64, issued_at: u64, mut entries: Vec<RevocationEntry>, ca_key: &SigningKey) -> Self {
         entries.sort_by(|a, b| (&a.device_id, &a.serial).cmp(&(&b.device_id, &b.serial)));
-        let mut list = RevocationList {
-            version,
-            issued_at,
-            entries,
-            signature: String::new(),
-        };
+        let mut list = RevocationList { version, issued_at, entries, signature: String::new() };
         list.signature = hex::encode(ca_key.sign(&list.signed_bytes()).to_bytes());
         list
     }
@@ -89,9 +79,7 @@ impl RevocationList {
         if hex::decode_to_slice(&self.signature, &mut sig).is_err() {
             return false;
         }
-        ca_key
-            .verify_strict(&self.signed_bytes(), &Signature::from_bytes(&sig))
-            .is_ok()
+        ca_key.verify_strict(&self.signed_bytes(), &Signature::from_bytes(&sig)).is_ok()
     }
 
     /// Whether `id` is on the list.
@@ -102,17 +90,14 @@ impl RevocationList {
     /// Reads and parses a list without checking the signature.
     pub fn read_unverified(path: &Path) -> Result<Self, CertError> {
         let text = fsutil::read(path)?;
-        serde_json::from_slice(&text)
-            .map_err(|e| CertError::malformed(path, format!("not a revocation list: {e}")))
+        serde_json::from_slice(&text).map_err(|e| CertError::malformed(path, format!("not a revocation list: {e}")))
     }
 
     /// Reads a list and checks its signature.
     pub fn load(path: &Path, ca_key: &VerifyingKey) -> Result<Self, CertError> {
         let list = Self::read_unverified(path)?;
         if !list.verify(ca_key) {
-            return Err(CertError::BadSignature {
-                path: path.to_path_buf(),
-            });
+            return Err(CertError::BadSignature { path: path.to_path_buf() });
         }
         Ok(list)
     }
@@ -143,9 +128,7 @@ pub struct RevocationWatcher {
 
 impl std::fmt::Debug for RevocationWatcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RevocationWatcher")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
+        f.debug_struct("RevocationWatcher").field("path", &self.path).finish_non_exhaustive()
     }
 }
 
@@ -161,12 +144,7 @@ impl RevocationWatcher {
             path,
             ca_key: *ca.public_key(),
             min_interval: Duration::ZERO,
-            state: Mutex::new(WatchState {
-                list: Arc::new(list),
-                revoked,
-                stamp: Some(stamp),
-                last_check: Some(Instant::now()),
-            }),
+            state: Mutex::new(WatchState { list: Arc::new(list), revoked, stamp: Some(stamp), last_check: Some(Instant::now()) }),
         })
     }
 
@@ -237,11 +215,7 @@ impl RevocationWatcher {
         st.stamp = Some(stamp);
         let list = RevocationList::load(&self.path, &self.ca_key)?;
         if list.version < st.list.version {
-            return Err(CertError::Rollback {
-                path: self.path.clone(),
-                found: list.version,
-                loaded: st.list.version,
-            });
+            return Err(CertError::Rollback { path: self.path.clone(), found: list.version, loaded: st.list.version });
         }
         st.revoked = list.entries.iter().map(|e| e.device_id.clone()).collect();
         if list != *st.list {

@@ -25,61 +25,32 @@ fn issued_certificates_chain_to_the_ca_name_and_key() {
     assert_eq!(leaf.issuer().as_raw(), ca.subject().as_raw());
     // x509-parser's verify feature is off; check the CA signature with dalek.
     let sig = ed25519_dalek::Signature::from_slice(&leaf.signature_value.data).unwrap();
-    pki.ca()
-        .public_key()
-        .verify_strict(leaf.tbs_certificate.as_ref(), &sig)
-        .unwrap();
+    pki.ca().public_key().verify_strict(leaf.tbs_certificate.as_ref(), &sig).unwrap();
     assert_eq!(x509::serial_hex(&leaf), dev.entry.serial);
-    assert_eq!(
-        device_id_from_peer(std::slice::from_ref(&der)).unwrap(),
-        id("cam-1")
-    );
+    assert_eq!(device_id_from_peer(std::slice::from_ref(&der)).unwrap(), id("cam-1"));
 
     let identity = DeviceIdentity::load(dir.path(), &id("cam-1")).unwrap();
     assert_eq!(identity.device_id(), &id("cam-1"));
-    assert_eq!(
-        hex::encode(identity.verifying_key().to_bytes()),
-        dev.entry.public_key
-    );
+    assert_eq!(hex::encode(identity.verifying_key().to_bytes()), dev.entry.public_key);
     // The same key signs updates and verifies against the allow-list.
     use ed25519_dalek::Signer;
     let sig = identity.signing_key().sign(b"update");
     let allow = AllowList::load(pki.allow_list_path()).unwrap();
-    allow
-        .public_key(&id("cam-1"))
-        .unwrap()
-        .verify_strict(b"update", &sig)
-        .unwrap();
+    allow.public_key(&id("cam-1")).unwrap().verify_strict(b"update", &sig).unwrap();
 }
 
 #[test]
 fn server_cert_is_not_a_device() {
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::init(dir.path(), &fleet(), CA_DAYS, false).unwrap();
-    pki.issue_server("aggregator", &[], LEAF_DAYS, false)
-        .unwrap();
+    pki.issue_server("aggregator", &[], LEAF_DAYS, false).unwrap();
     let s = ServerIdentity::load(dir.path(), "aggregator").unwrap();
     assert_eq!(s.name(), "aggregator");
-    assert!(matches!(
-        device_id_from_peer(s.cert_chain()),
-        Err(CertError::NotADevice(_))
-    ));
-    assert_eq!(
-        peer_identity(s.cert_chain()).unwrap(),
-        PeerIdentity::Service("aggregator".into())
-    );
-    assert!(matches!(
-        device_id_from_peer(&[]),
-        Err(CertError::NoPeerCertificate)
-    ));
-    assert!(matches!(
-        pki.issue_server("bad/name", &[], 1, false),
-        Err(CertError::InvalidId { .. })
-    ));
-    assert!(matches!(
-        pki.issue_server("x", &["not a name".into()], 1, false),
-        Err(CertError::InvalidSan(_))
-    ));
+    assert!(matches!(device_id_from_peer(s.cert_chain()), Err(CertError::NotADevice(_))));
+    assert_eq!(peer_identity(s.cert_chain()).unwrap(), PeerIdentity::Service("aggregator".into()));
+    assert!(matches!(device_id_from_peer(&[]), Err(CertError::NoPeerCertificate)));
+    assert!(matches!(pki.issue_server("bad/name", &[], 1, false), Err(CertError::InvalidId { .. })));
+    assert!(matches!(pki.issue_server("x", &["not a name".into()], 1, false), Err(CertError::InvalidSan(_))));
 }
 
 #[test]
@@ -100,21 +71,13 @@ fn keys_are_0600_and_never_overwritten_without_force() {
     let again = pki.enroll_device(&id("d1"), 30, true).unwrap();
     assert_ne!(std::fs::read(&again.key_path).unwrap(), before);
     assert_eq!(mode(&again.key_path), 0o600);
-    assert!(matches!(
-        Pki::init(dir.path(), &fleet(), CA_DAYS, false),
-        Err(CertError::Exists { .. })
-    ));
+    assert!(matches!(Pki::init(dir.path(), &fleet(), CA_DAYS, false), Err(CertError::Exists { .. })));
 }
 
 #[test]
 fn revocation_list_signature_covers_every_field() {
     let ca_key = keys::generate();
-    let entry = RevocationEntry {
-        device_id: id("a"),
-        serial: "01".into(),
-        revoked_at: 5,
-        reason: "lost".into(),
-    };
+    let entry = RevocationEntry { device_id: id("a"), serial: "01".into(), revoked_at: 5, reason: "lost".into() };
     let list = RevocationList::signed(3, 10, vec![entry], &ca_key);
     assert!(list.verify(&ca_key.verifying_key()));
     assert!(list.signed_bytes().starts_with(b"fedfleet/revocation/v1\0"));
@@ -141,18 +104,9 @@ fn watcher_picks_up_revocations_and_keeps_the_last_good_list() {
     pki.revoke(&id("d1"), "stolen").unwrap();
     assert!(w.is_revoked(&id("d1")));
     assert!(!w.is_revoked(&id("d2")));
-    assert!(matches!(
-        pki.revoke(&id("d1"), "again"),
-        Err(CertError::Revoked(_))
-    ));
-    assert!(matches!(
-        pki.enroll_device(&id("d1"), 30, true),
-        Err(CertError::Revoked(_))
-    ));
-    assert!(matches!(
-        pki.revoke(&id("nobody"), ""),
-        Err(CertError::NotEnrolled(_))
-    ));
+    assert!(matches!(pki.revoke(&id("d1"), "again"), Err(CertError::Revoked(_))));
+    assert!(matches!(pki.enroll_device(&id("d1"), 30, true), Err(CertError::Revoked(_))));
+    assert!(matches!(pki.revoke(&id("nobody"), ""), Err(CertError::NotEnrolled(_))));
 
     // A tampered list (d1 removed) is ignored.
     let path = pki.revocation_list_path();
@@ -181,9 +135,7 @@ fn watcher_interval_limits_stats() {
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::init(dir.path(), &fleet(), CA_DAYS, false).unwrap();
     pki.enroll_device(&id("d1"), 30, false).unwrap();
-    let w = RevocationWatcher::open(dir.path())
-        .unwrap()
-        .with_min_interval(Duration::from_secs(3600));
+    let w = RevocationWatcher::open(dir.path()).unwrap().with_min_interval(Duration::from_secs(3600));
     pki.revoke(&id("d1"), "").unwrap();
     assert!(!w.is_revoked(&id("d1")), "not re-read within the interval");
     w.refresh().unwrap();
@@ -207,15 +159,7 @@ fn allow_list_reloads_and_refuses_weak_keys() {
     let mut file = AllowListFile::read(&pki.allow_list_path()).unwrap();
     let mut weak = [0u8; 32];
     weak[0] = 1;
-    file.devices.insert(
-        id("weak"),
-        AllowEntry {
-            public_key: hex::encode(weak),
-            serial: "01".into(),
-            enrolled_at: 0,
-            revoked_at: None,
-        },
-    );
+    file.devices.insert(id("weak"), AllowEntry { public_key: hex::encode(weak), serial: "01".into(), enrolled_at: 0, revoked_at: None });
     let weak_path = dir.path().join("weak.json");
     std::fs::write(&weak_path, file.to_json()).unwrap();
     let err = AllowList::load(&weak_path).unwrap_err().to_string();
@@ -230,13 +174,7 @@ fn allow_list_reloads_and_refuses_weak_keys() {
 fn tls_configs_build_with_ring() {
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::init(dir.path(), &fleet(), CA_DAYS, false).unwrap();
-    pki.issue_server(
-        "registry",
-        &["registry.local".into(), "::1".into()],
-        30,
-        false,
-    )
-    .unwrap();
+    pki.issue_server("registry", &["registry.local".into(), "::1".into()], 30, false).unwrap();
     pki.enroll_device(&id("d1"), 30, false).unwrap();
     let server = ServerIdentity::load(dir.path(), "registry").unwrap();
     let device = DeviceIdentity::load(dir.path(), &id("d1")).unwrap();
@@ -256,25 +194,13 @@ fn inspect_describes_each_kind_of_file() {
     let d = pki.enroll_device(&id("d1"), 30, false).unwrap();
     pki.revoke(&id("d1"), "lost").unwrap();
     let s = inspect::describe(&dir.path().join("servers/aggregator.crt"), None).unwrap();
-    assert!(
-        s.contains("DNS:localhost") && s.contains("IP:127.0.0.1") && s.contains("serverAuth"),
-        "{s}"
-    );
+    assert!(s.contains("DNS:localhost") && s.contains("IP:127.0.0.1") && s.contains("serverAuth"), "{s}");
     let s = inspect::describe(&d.cert_path, None).unwrap();
-    assert!(
-        s.contains("CN=d1") && s.contains("clientAuth") && s.contains("ed25519"),
-        "{s}"
-    );
+    assert!(s.contains("CN=d1") && s.contains("clientAuth") && s.contains("ed25519"), "{s}");
     let s = inspect::describe(&d.key_path, None).unwrap();
-    assert!(
-        s.contains(&d.entry.public_key) && !s.contains("PRIVATE"),
-        "{s}"
-    );
+    assert!(s.contains(&d.entry.public_key) && !s.contains("PRIVATE"), "{s}");
     let s = inspect::describe(&pki.revocation_list_path(), None).unwrap();
-    assert!(
-        s.contains("signature:   valid") && s.contains("lost"),
-        "{s}"
-    );
+    assert!(s.contains("signature:   valid") && s.contains("lost"), "{s}");
     let s = inspect::describe(&pki.allow_list_path(), None).unwrap();
     assert!(s.contains("d1") && s.contains("REVOKED"), "{s}");
 }

@@ -7,10 +7,7 @@ use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use rustls::{
-    CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, ServerConfig,
-    SignatureScheme,
-};
+use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
 use rustls_pki_types::{CertificateDer, UnixTime};
 
 use crate::error::CertError;
@@ -87,18 +84,12 @@ pub fn verify_issued_by_at(
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store().map_err(|e| e.to_string())?), provider())
         .build()
         .map_err(|e| e.to_string())?;
-    verifier
-        .verify_client_cert(leaf, intermediates, now)
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    verifier.verify_client_cert(leaf, intermediates, now).map(|_| ()).map_err(|e| e.to_string())
 }
 
 impl RevocationCheckingVerifier {
     pub fn new(ca: &CaCert, revocation: Arc<RevocationWatcher>) -> Result<Self, CertError> {
-        let inner =
-            WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store()?), provider())
-                .build()
-                .map_err(tls_err)?;
+        let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store()?), provider()).build().map_err(tls_err)?;
         Ok(RevocationCheckingVerifier { inner, revocation })
     }
 }
@@ -142,9 +133,7 @@ impl ClientCertVerifier for RevocationCheckingVerifier {
             Ok(PeerIdentity::Service(_)) => Ok(verified),
             Err(e) => {
                 tracing::info!(error = %e, "refused client certificate without a fleet identity");
-                Err(rustls::Error::InvalidCertificate(
-                    CertificateError::BadEncoding,
-                ))
+                Err(rustls::Error::InvalidCertificate(CertificateError::BadEncoding))
             }
         }
     }
@@ -202,9 +191,7 @@ pub fn server_config_at(
     Ok(config)
 }
 
-fn client_builder(
-    ca: &CaCert,
-) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {
+fn client_builder(ca: &CaCert) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {
     client_builder_at(ca, system_time())
 }
 
@@ -219,38 +206,23 @@ fn client_builder_at(
 }
 
 /// Device side of fleet mTLS: trusts only `ca`, presents the device certificate.
-pub fn client_config(
-    ca: &CaCert,
-    device: &DeviceIdentity,
-    alpn: &[&[u8]],
-) -> Result<ClientConfig, CertError> {
+pub fn client_config(ca: &CaCert, device: &DeviceIdentity, alpn: &[&[u8]]) -> Result<ClientConfig, CertError> {
     client_config_at(ca, device, alpn, system_time())
 }
 
 /// [`client_config`] judging the server certificate's validity by `time`.
-pub fn client_config_at(
-    ca: &CaCert,
-    device: &DeviceIdentity,
-    alpn: &[&[u8]],
-    time: TimeSource,
-) -> Result<ClientConfig, CertError> {
-    let mut config = client_builder_at(ca, time)?
-        .with_client_auth_cert(vec![device.cert().clone()], device.private_key_der()?)
-        .map_err(tls_err)?;
+pub fn client_config_at(ca: &CaCert, device: &DeviceIdentity, alpn: &[&[u8]], time: TimeSource) -> Result<ClientConfig, CertError> {
+    let mut config =
+        client_builder_at(ca, time)?.with_client_auth_cert(vec![device.cert().clone()], device.private_key_der()?).map_err(tls_err)?;
     config.alpn_protocols = alpn_vec(alpn);
     Ok(config)
 }
 
 /// A service (e.g. the aggregator publishing to the registry) connecting to another service,
 /// presenting its own server certificate (which carries EKU clientAuth too).
-pub fn service_client_config(
-    ca: &CaCert,
-    service: &ServerIdentity,
-    alpn: &[&[u8]],
-) -> Result<ClientConfig, CertError> {
-    let mut config = client_builder(ca)?
-        .with_client_auth_cert(service.cert_chain().to_vec(), service.private_key_der()?)
-        .map_err(tls_err)?;
+pub fn service_client_config(ca: &CaCert, service: &ServerIdentity, alpn: &[&[u8]]) -> Result<ClientConfig, CertError> {
+    let mut config =
+        client_builder(ca)?.with_client_auth_cert(service.cert_chain().to_vec(), service.private_key_der()?).map_err(tls_err)?;
     config.alpn_protocols = alpn_vec(alpn);
     Ok(config)
 }

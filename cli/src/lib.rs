@@ -42,12 +42,20 @@ pub fn init_local_main(program: &str, a: InitLocalArgs) -> ExitCode {
             println!("wrote a local fleet {:?} with {} agents into {d}:", o.fleet, o.agents);
             println!("  pki/                 CA, registry/aggregator/operator identities, device identities");
             println!("  registry.toml        registry on 127.0.0.1:{} (metrics :{})", o.base_port + 1, o.base_port + 3);
-            println!("  aggregator.toml      aggregator on 127.0.0.1:{} (metrics :{}), publishing into the registry", o.base_port, o.base_port + 2);
+            println!(
+                "  aggregator.toml      aggregator on 127.0.0.1:{} (metrics :{}), publishing into the registry",
+                o.base_port,
+                o.base_port + 2
+            );
             println!(
                 "  agents/*.toml        {} (enrolled, pinned to the registry's root)",
                 layout.agent_configs.join(", ").replace("agents/", "").replace(".toml", "")
             );
-            println!("  rows.csv             {} held-out digits for `fedfleet-agent infer` (labels {:?})", layout.labels.len(), layout.labels);
+            println!(
+                "  rows.csv             {} held-out digits for `fedfleet-agent infer` (labels {:?})",
+                layout.labels.len(),
+                layout.labels
+            );
             println!("next, from {d}: start fedfleet-registry, fedfleet-aggregator and the agents (README: Quick tour)");
             ExitCode::SUCCESS
         }

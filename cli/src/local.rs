@@ -198,12 +198,7 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
         let _ = writeln!(rows, "{}", row.iter().map(|v| format!("{v:.4}")).collect::<Vec<_>>().join(","));
     }
     write(dir, "rows.csv", &rows)?;
-    Ok(LocalLayout {
-        dir: dir.to_owned(),
-        agent_configs,
-        rows: "rows.csv".into(),
-        labels: test.labels[..take].to_vec(),
-    })
+    Ok(LocalLayout { dir: dir.to_owned(), agent_configs, rows: "rows.csv".into(), labels: test.labels[..take].to_vec() })
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<()> {

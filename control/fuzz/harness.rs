@@ -18,14 +18,10 @@ use fedfleet_certs::PeerIdentity;
 use fedfleet_control::rejection::{SignedRejection, UploadRejection};
 use fedfleet_control::topics::{self, Topic};
 use fedfleet_control::upload::FRAME_PREFIX_LEN;
-use fedfleet_control::{
-    Assembled, AssemblerLimits, ControlEvent, Inbound, Received, Role, UpdateAssembler, encode_frames,
-    verify,
-};
+use fedfleet_control::{Assembled, AssemblerLimits, ControlEvent, Inbound, Received, Role, UpdateAssembler, encode_frames, verify};
 use fedfleet_protocol::{
-    DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt,
-    RejectReason, RolloutAction, RolloutNotice, RoundAnnouncement, RoundConfig, RoundId, Selection,
-    Signable, Signed, UpdateHeader,
+    DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, RolloutAction,
+    RolloutNotice, RoundAnnouncement, RoundConfig, RoundId, Selection, Signable, Signed, UpdateHeader,
 };
 
 // ---- Fixed identities ----
@@ -63,11 +59,7 @@ fn enrolled() -> HashMap<DeviceId, VerifyingKey> {
 }
 /// Small limits, so the fuzzer reaches them.
 pub fn limits() -> AssemblerLimits {
-    AssemblerLimits {
-        max_update_bytes: 4096,
-        max_total_bytes: 6144,
-        idle_timeout: Duration::from_secs(60),
-    }
+    AssemblerLimits { max_update_bytes: 4096, max_total_bytes: 6144, idle_timeout: Duration::from_secs(60) }
 }
 
 /// Splits `data` into records of `[flags u8][len u16 BE][len bytes]` (the last one may be short).
@@ -176,11 +168,7 @@ pub fn rejection_decode(data: &[u8]) {
     let _ = signed.verify(&vk);
     let body = signed.body().clone();
     let wire = SignedRejection::sign(body.clone(), &agg).encode();
-    assert_eq!(
-        wire[..wire.len() - 64],
-        data[..data.len() - 64],
-        "the body re-encodes to the bytes it was decoded from"
-    );
+    assert_eq!(wire[..wire.len() - 64], data[..data.len() - 64], "the body re-encodes to the bytes it was decoded from");
     let back = SignedRejection::decode(&wire).expect("signed again decodes");
     assert_eq!(back.verify(&vk), Ok(&body));
     let ok = verify::rejection(&topic, &wire, &fleet, &me, &vk);
@@ -210,9 +198,7 @@ pub fn upload_frames(data: &[u8]) {
     for (flags, frame) in records(data) {
         let device = if flags & OTHER_DEVICE != 0 { cam2() } else { cam1() };
         let topic = topics::updates(&fleet(), &device);
-        let resigned = (flags & RESIGN != 0)
-            .then(|| resign_header_frame(frame, &device))
-            .flatten();
+        let resigned = (flags & RESIGN != 0).then(|| resign_header_frame(frame, &device)).flatten();
         let frame = resigned.as_deref().unwrap_or(frame);
         if flags & LATER != 0 {
             now += limits.idle_timeout + Duration::from_secs(1);
@@ -268,21 +254,10 @@ pub fn inbound_publish(mut data: &[u8]) {
     let keys = enrolled();
     let mut device = Inbound::new(
         fleet.clone(),
-        Role::Device {
-            id: cam1(),
-            aggregator_key: agg.verifying_key(),
-            registry_key: Some(reg.verifying_key()),
-        },
+        Role::Device { id: cam1(), aggregator_key: agg.verifying_key(), registry_key: Some(reg.verifying_key()) },
     );
-    let mut service = Inbound::new(
-        fleet.clone(),
-        Role::Service {
-            keys: Arc::new(keys.clone()),
-            status: true,
-            updates: true,
-            limits: limits(),
-        },
-    );
+    let mut service =
+        Inbound::new(fleet.clone(), Role::Service { keys: Arc::new(keys.clone()), status: true, updates: true, limits: limits() });
     let mut now = Instant::now();
     while let [flags, topic_len, a, b, rest @ ..] = data {
         let topic_len = usize::from(*topic_len).min(rest.len());
@@ -297,12 +272,10 @@ pub fn inbound_publish(mut data: &[u8]) {
                 Some(Topic::Rounds { .. }) => resign::<RoundAnnouncement>(payload, &agg),
                 Some(Topic::Rollouts { .. }) => resign::<RolloutNotice>(payload, &reg),
                 Some(Topic::Receipts { .. }) => resign::<Receipt>(payload, &agg),
-                Some(Topic::Rejections { .. }) => SignedRejection::decode(payload)
-                    .ok()
-                    .map(|s| SignedRejection::sign(s.body().clone(), &agg).encode()),
-                Some(Topic::Status { device, .. }) => {
-                    device_key(device).and_then(|k| resign::<DeviceStatus>(payload, &k))
+                Some(Topic::Rejections { .. }) => {
+                    SignedRejection::decode(payload).ok().map(|s| SignedRejection::sign(s.body().clone(), &agg).encode())
                 }
+                Some(Topic::Status { device, .. }) => device_key(device).and_then(|k| resign::<DeviceStatus>(payload, &k)),
                 Some(Topic::Updates { device, .. }) => resign_header_frame(payload, device),
                 None => None,
             }
@@ -364,11 +337,7 @@ pub fn inbound_publish(mut data: &[u8]) {
             }
         }
         if matches!(event, ControlEvent::Announcement(_) | ControlEvent::Rollout(_)) {
-            assert_eq!(
-                inbound.receive(&topic, payload, now),
-                Received::Duplicate,
-                "the same verified announcement again is a duplicate"
-            );
+            assert_eq!(inbound.receive(&topic, payload, now), Received::Duplicate, "the same verified announcement again is a duplicate");
         }
     }
 }
@@ -376,11 +345,7 @@ pub fn inbound_publish(mut data: &[u8]) {
 // ---- Seed inputs: valid encodings, the fuzzers' starting points ----
 
 fn model() -> ModelRef {
-    ModelRef {
-        name: "mnist-mlp".into(),
-        version: ModelVersion(3),
-        digest: Digest::of(b"model"),
-    }
+    ModelRef { name: "mnist-mlp".into(), version: ModelVersion(3), digest: Digest::of(b"model") }
 }
 
 fn announcement(round: u64) -> RoundAnnouncement {
@@ -388,10 +353,7 @@ fn announcement(round: u64) -> RoundAnnouncement {
         fleet: fleet(),
         round: RoundId(round),
         base_model: model(),
-        config: RoundConfig {
-            quantization: DType::I8,
-            ..RoundConfig::default()
-        },
+        config: RoundConfig { quantization: DType::I8, ..RoundConfig::default() },
         deadline_unix_ms: 1_700_000_000_000,
         selection: Selection::Devices(vec![cam1()]),
     }
@@ -445,11 +407,7 @@ fn signed_update(device: DeviceId, payload: &[u8], nonce: u8) -> Signed<UpdateHe
 
 fn rejection(device: DeviceId, reason: RejectReason, detail: &str) -> Vec<u8> {
     let h = header(device, b"payload", 1);
-    SignedRejection::sign(
-        UploadRejection::of(&h, reason, detail, 1_700_000_000_000),
-        &aggregator_key(),
-    )
-    .encode()
+    SignedRejection::sign(UploadRejection::of(&h, reason, detail, 1_700_000_000_000), &aggregator_key()).encode()
 }
 
 fn receipt(device: DeviceId) -> Vec<u8> {
@@ -513,19 +471,12 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     let up1 = encode_frames(&signed_update(c1.clone(), &payload, 1), &payload, 4);
     let up2 = encode_frames(&signed_update(c2.clone(), &big, 2), &big, 1000);
     let empty = encode_frames(&signed_update(c1.clone(), b"", 3), b"", 4);
-    let cat = |frames: &[(u8, &Vec<u8>)]| -> Vec<u8> {
-        frames.iter().flat_map(|(fl, fr)| record(*fl, fr)).collect()
-    };
+    let cat = |frames: &[(u8, &Vec<u8>)]| -> Vec<u8> { frames.iter().flat_map(|(fl, fr)| record(*fl, fr)).collect() };
     let seq: Vec<_> = up1.iter().map(|f| (0, f)).collect();
     out.push(("upload_frames", "whole".into(), cat(&seq)));
     let redelivered = [(0, &up1[0]), (0, &up1[1]), (0, &up1[1]), (1, &up1[0]), (0, &up1[2]), (0, &up1[3])];
     out.push(("upload_frames", "redelivered".into(), cat(&redelivered)));
-    let two: Vec<_> = up2
-        .iter()
-        .map(|fr| (OTHER_DEVICE, fr))
-        .zip(up1.iter().map(|fr| (0, fr)))
-        .flat_map(|(a, b)| [a, b])
-        .collect();
+    let two: Vec<_> = up2.iter().map(|fr| (OTHER_DEVICE, fr)).zip(up1.iter().map(|fr| (0, fr))).flat_map(|(a, b)| [a, b]).collect();
     out.push(("upload_frames", "two-devices".into(), cat(&two)));
     out.push(("upload_frames", "empty".into(), cat(&[(0, &empty[0])])));
     let expired = [(0, &up1[0]), (0, &up1[1]), (LATER | EXPIRE, &up1[2])];

@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use fedfleet_certs::{CaCert, PeerIdentity, RevocationWatcher, ServerIdentity};
+use fedfleet_net::Shutdown;
 use fedfleet_protocol::FleetId;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -38,7 +39,6 @@ use rumqttc::mqttbytes::{self, PacketType};
 use rumqttc::tokio_rustls::TlsAcceptor;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use fedfleet_net::Shutdown;
 use tokio::task::JoinHandle;
 
 use crate::topics;
@@ -71,12 +71,7 @@ pub struct BrokerConfig {
 }
 
 impl BrokerConfig {
-    pub fn new(
-        listen: SocketAddr,
-        ca_cert: PathBuf,
-        server_cert: PathBuf,
-        server_key: PathBuf,
-    ) -> Self {
+    pub fn new(listen: SocketAddr, ca_cert: PathBuf, server_cert: PathBuf, server_key: PathBuf) -> Self {
         BrokerConfig {
             listen,
             revocation_list: ca_cert.with_file_name(fedfleet_certs::layout::REVOKED_JSON),
@@ -160,10 +155,7 @@ pub enum BrokerError {
     #[error("the CA certificate names no fleet (O=)")]
     NoFleet,
     #[error("cannot listen on {addr}: {cause}")]
-    Listen {
-        addr: SocketAddr,
-        cause: std::io::Error,
-    },
+    Listen { addr: SocketAddr, cause: std::io::Error },
     #[error("cannot start rumqttd: {0}")]
     Rumqttd(String),
 }
@@ -197,13 +189,8 @@ fn rumqttd_config(cfg: &BrokerConfig, backend: SocketAddr, password: &str) -> ru
         external_auth: None,
         dynamic_filters: true,
     };
-    let server = rumqttd::ServerSettings {
-        name: "fedfleet-v4".into(),
-        listen: backend,
-        tls: None,
-        next_connection_delay_ms: 0,
-        connections,
-    };
+    let server =
+        rumqttd::ServerSettings { name: "fedfleet-v4".into(), listen: backend, tls: None, next_connection_delay_ms: 0, connections };
     let router = rumqttd::RouterConfig {
         max_connections: cfg.max_connections,
         max_outgoing_packet_count: 256,
@@ -211,12 +198,7 @@ fn rumqttd_config(cfg: &BrokerConfig, backend: SocketAddr, password: &str) -> ru
         max_segment_count: 4,
         ..Default::default()
     };
-    rumqttd::Config {
-        id: 0,
-        router,
-        v4: Some(HashMap::from([("fedfleet".to_string(), server)])),
-        ..Default::default()
-    }
+    rumqttd::Config { id: 0, router, v4: Some(HashMap::from([("fedfleet".to_string(), server)])), ..Default::default() }
 }
 
 /// What every gated connection shares.
@@ -239,24 +221,10 @@ impl EmbeddedBroker {
         let revocation = Arc::new(RevocationWatcher::new(&config.revocation_list, &ca)?);
         let tls = fedfleet_certs::tls::server_config(&ca, &identity, revocation, &[])?;
 
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|cause| BrokerError::Listen {
-                    addr: config.listen,
-                    cause,
-                })?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(|cause| BrokerError::Listen {
-                addr: config.listen,
-                cause,
-            })?;
+        let listener = TcpListener::bind(config.listen).await.map_err(|cause| BrokerError::Listen { addr: config.listen, cause })?;
+        let local_addr = listener.local_addr().map_err(|cause| BrokerError::Listen { addr: config.listen, cause })?;
 
-        let port = free_loopback_port().map_err(|cause| BrokerError::Listen {
-            addr: config.listen,
-            cause,
-        })?;
+        let port = free_loopback_port().map_err(|cause| BrokerError::Listen { addr: config.listen, cause })?;
         let backend = SocketAddr::from(([127, 0, 0, 1], port));
         let password = {
             let mut secret = [0u8; 24];
@@ -279,9 +247,7 @@ impl EmbeddedBroker {
                 break;
             }
             if tokio::time::Instant::now() > deadline {
-                return Err(BrokerError::Rumqttd(format!(
-                    "rumqttd did not listen on {backend}"
-                )));
+                return Err(BrokerError::Rumqttd(format!("rumqttd did not listen on {backend}")));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -297,11 +263,7 @@ impl EmbeddedBroker {
         let stop = Shutdown::new();
         let gate = tokio::spawn(accept_loop(listener, gate, stop.clone()));
         tracing::info!(%local_addr, %backend, "embedded MQTT broker listening");
-        Ok(EmbeddedBroker {
-            local_addr,
-            stop,
-            gate: Some(gate),
-        })
+        Ok(EmbeddedBroker { local_addr, stop, gate: Some(gate) })
     }
 
     /// The fleet-facing address (with the port picked when `listen` had port 0).
@@ -384,12 +346,10 @@ async fn forward_checked(
     loop {
         let header = match mqttbytes::check(buf.iter(), gate.max_payload_bytes) {
             Ok(h) => h,
-            Err(mqttbytes::Error::InsufficientBytes(_)) => {
-                match from.read_buf(&mut buf).await {
-                    Ok(0) | Err(_) => return None,
-                    Ok(_) => continue,
-                }
-            }
+            Err(mqttbytes::Error::InsufficientBytes(_)) => match from.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => continue,
+            },
             Err(mqttbytes::Error::PayloadSizeLimitExceeded(n)) => {
                 return Some((Refusal::Oversized, format!("{n} byte packet, limit {}", gate.max_payload_bytes)));
             }
@@ -407,12 +367,7 @@ async fn forward_checked(
 }
 
 /// The bytes to forward for one client packet, or why it breaks the rules.
-fn judge(
-    gate: &Gate,
-    who: &PeerIdentity,
-    header: mqttbytes::FixedHeader,
-    frame: Bytes,
-) -> Result<Bytes, (Refusal, String)> {
+fn judge(gate: &Gate, who: &PeerIdentity, header: mqttbytes::FixedHeader, frame: Bytes) -> Result<Bytes, (Refusal, String)> {
     let malformed = |e: mqttbytes::Error| (Refusal::Malformed, e.to_string());
     match header.packet_type().map_err(malformed)? {
         PacketType::Connect => {
@@ -453,21 +408,11 @@ fn judge(
 pub fn export_key_pkcs8_v1(key: &Path, dest: &Path) -> Result<(), fedfleet_certs::CertError> {
     let signing = fedfleet_certs::load_signing_key(key)?;
     // RFC 8410: SEQUENCE { INTEGER 0, SEQUENCE { OID 1.3.101.112 }, OCTET STRING { OCTET STRING seed } }
-    let mut der = vec![
-        0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
-        0x20,
-    ];
+    let mut der = vec![0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
     der.extend_from_slice(signing.as_bytes());
-    let pem = pem::encode_config(
-        &pem::Pem::new("PRIVATE KEY", der),
-        pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF),
-    );
-    fedfleet_durable::write_atomic(dest, pem.as_bytes(), fedfleet_durable::Mode::Secret).map_err(
-        |error| fedfleet_certs::CertError::Io {
-            path: dest.to_path_buf(),
-            error,
-        },
-    )
+    let pem = pem::encode_config(&pem::Pem::new("PRIVATE KEY", der), pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF));
+    fedfleet_durable::write_atomic(dest, pem.as_bytes(), fedfleet_durable::Mode::Secret)
+        .map_err(|error| fedfleet_certs::CertError::Io { path: dest.to_path_buf(), error })
 }
 
 #[cfg(test)]
@@ -478,13 +423,7 @@ mod tests {
         let seed = [7u8; 32];
         let key = ed25519_dalek::SigningKey::from_bytes(&seed);
         let src = dir.path().join("device.key");
-        std::fs::write(
-            &src,
-            ed25519_dalek::pkcs8::EncodePrivateKey::to_pkcs8_pem(&key, Default::default())
-                .unwrap()
-                .as_bytes(),
-        )
-        .unwrap();
+        std::fs::write(&src, ed25519_dalek::pkcs8::EncodePrivateKey::to_pkcs8_pem(&key, Default::default()).unwrap().as_bytes()).unwrap();
         let dest = dir.path().join("device.v1.key");
         super::export_key_pkcs8_v1(&src, &dest).unwrap();
         let pem = pem::parse(std::fs::read(&dest).unwrap()).unwrap();

@@ -14,12 +14,9 @@ use std::time::{Duration, Instant};
 
 use ed25519_dalek::VerifyingKey;
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, Receipt, RejectReason, RolloutNotice, RoundAnnouncement,
-    RoundId, Signed, SignedUpdate,
+    DeviceId, DeviceStatus, FleetId, Receipt, RejectReason, RolloutNotice, RoundAnnouncement, RoundId, Signed, SignedUpdate,
 };
-use rumqttc::{
-    AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS, Request, TlsConfiguration, Transport,
-};
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS, Request, TlsConfiguration, Transport};
 use tokio::sync::{mpsc, watch};
 
 use crate::rejection::SignedRejection;
@@ -47,12 +44,7 @@ pub struct ClientOptions {
 }
 
 impl ClientOptions {
-    pub fn new(
-        host: impl Into<String>,
-        port: u16,
-        client_id: impl Into<String>,
-        fleet: FleetId,
-    ) -> Self {
+    pub fn new(host: impl Into<String>, port: u16, client_id: impl Into<String>, fleet: FleetId) -> Self {
         ClientOptions {
             host: host.into(),
             port,
@@ -72,19 +64,10 @@ impl ClientOptions {
 pub enum Role {
     /// An edge device: hears round announcements (signed by the pinned aggregator key), rollout
     /// notices (signed by the pinned registry key, if given) and its own receipts.
-    Device {
-        id: DeviceId,
-        aggregator_key: VerifyingKey,
-        registry_key: Option<VerifyingKey>,
-    },
+    Device { id: DeviceId, aggregator_key: VerifyingKey, registry_key: Option<VerifyingKey> },
     /// A fleet service (aggregator, registry): hears device status and/or device uploads,
     /// verified against the allow-list key of the device named in the topic and in the body.
-    Service {
-        keys: Arc<dyn DeviceKeys>,
-        status: bool,
-        updates: bool,
-        limits: AssemblerLimits,
-    },
+    Service { keys: Arc<dyn DeviceKeys>, status: bool, updates: bool, limits: AssemblerLimits },
 }
 
 /// Something verified that arrived, or a change of connection.
@@ -190,14 +173,8 @@ pub struct ControlClient {
 }
 
 /// TLS for a device: its certificate and key, trusting only the fleet CA.
-pub fn device_tls(
-    identity: &fedfleet_certs::DeviceIdentity,
-) -> Result<Arc<rustls::ClientConfig>, ControlError> {
-    Ok(Arc::new(fedfleet_certs::tls::client_config(
-        identity.ca(),
-        identity,
-        &[],
-    )?))
+pub fn device_tls(identity: &fedfleet_certs::DeviceIdentity) -> Result<Arc<rustls::ClientConfig>, ControlError> {
+    Ok(Arc::new(fedfleet_certs::tls::client_config(identity.ca(), identity, &[])?))
 }
 
 /// TLS for a service (aggregator, registry): its server certificate, which carries clientAuth.
@@ -205,26 +182,14 @@ pub fn service_tls(
     ca: &fedfleet_certs::CaCert,
     identity: &fedfleet_certs::ServerIdentity,
 ) -> Result<Arc<rustls::ClientConfig>, ControlError> {
-    Ok(Arc::new(fedfleet_certs::tls::service_client_config(
-        ca,
-        identity,
-        &[],
-    )?))
+    Ok(Arc::new(fedfleet_certs::tls::service_client_config(ca, identity, &[])?))
 }
 
 impl ControlClient {
     /// Starts the connection task on the current tokio runtime. Connecting happens in the
     /// background: the first event is [`ControlEvent::Connected`] once the broker has answered.
-    pub fn start(
-        options: ClientOptions,
-        tls: Arc<rustls::ClientConfig>,
-        role: Role,
-    ) -> (ControlClient, ControlEvents) {
-        let mut mqtt = MqttOptions::new(
-            options.client_id.clone(),
-            options.host.clone(),
-            options.port,
-        );
+    pub fn start(options: ClientOptions, tls: Arc<rustls::ClientConfig>, role: Role) -> (ControlClient, ControlEvents) {
+        let mut mqtt = MqttOptions::new(options.client_id.clone(), options.host.clone(), options.port);
         mqtt.set_keep_alive(options.keep_alive)
             .set_clean_session(true)
             .set_max_packet_size(options.max_packet_bytes, options.max_packet_bytes)
@@ -232,10 +197,7 @@ impl ControlClient {
         let (client, eventloop) = AsyncClient::new(mqtt, 256);
         let (events_tx, rx) = mpsc::channel(1024);
         let (stop, stopped) = watch::channel(false);
-        let shared = Arc::new(Shared {
-            stats: Mutex::new(ControlStats::default()),
-            sticky: Mutex::new(Sticky::default()),
-        });
+        let shared = Arc::new(Shared { stats: Mutex::new(ControlStats::default()), sticky: Mutex::new(Sticky::default()) });
         let device = match &role {
             Role::Device { id, .. } => Some(id.clone()),
             Role::Service { .. } => None,
@@ -248,56 +210,33 @@ impl ControlClient {
         };
         tokio::spawn(driver.run(eventloop, stopped));
         (
-            ControlClient {
-                mqtt: client,
-                fleet: options.fleet,
-                device,
-                chunk_bytes: options.chunk_bytes,
-                shared,
-                stop: Arc::new(stop),
-            },
+            ControlClient { mqtt: client, fleet: options.fleet, device, chunk_bytes: options.chunk_bytes, shared, stop: Arc::new(stop) },
             ControlEvents { rx },
         )
     }
 
     fn check_fleet(&self, fleet: &FleetId) -> Result<(), ControlError> {
         if fleet != &self.fleet {
-            return Err(ControlError::WrongFleet {
-                expected: self.fleet.clone(),
-                found: fleet.clone(),
-            });
+            return Err(ControlError::WrongFleet { expected: self.fleet.clone(), found: fleet.clone() });
         }
         Ok(())
     }
 
     /// Publishes the current round (QoS 1, retained), and republishes it after every reconnect.
-    pub async fn publish_announcement(
-        &self,
-        signed: &Signed<RoundAnnouncement>,
-    ) -> Result<(), ControlError> {
+    pub async fn publish_announcement(&self, signed: &Signed<RoundAnnouncement>) -> Result<(), ControlError> {
         self.check_fleet(&signed.body().fleet)?;
         let bytes = signed.encode();
         self.shared.sticky.lock().unwrap().round = Some(bytes.clone());
-        self.publish_raw(&topics::rounds(&self.fleet), bytes, QoS::AtLeastOnce, true)
-            .await
+        self.publish_raw(&topics::rounds(&self.fleet), bytes, QoS::AtLeastOnce, true).await
     }
 
     /// Publishes the current rollout notice (QoS 1, retained), and republishes it after every
     /// reconnect.
-    pub async fn publish_rollout(
-        &self,
-        signed: &Signed<RolloutNotice>,
-    ) -> Result<(), ControlError> {
+    pub async fn publish_rollout(&self, signed: &Signed<RolloutNotice>) -> Result<(), ControlError> {
         self.check_fleet(&signed.body().fleet)?;
         let bytes = signed.encode();
         self.shared.sticky.lock().unwrap().rollout = Some(bytes.clone());
-        self.publish_raw(
-            &topics::rollouts(&self.fleet),
-            bytes,
-            QoS::AtLeastOnce,
-            true,
-        )
-        .await
+        self.publish_raw(&topics::rollouts(&self.fleet), bytes, QoS::AtLeastOnce, true).await
     }
 
     /// Publishes this device's status or heartbeat on its own status topic (QoS 1, retained),
@@ -307,72 +246,49 @@ impl ControlClient {
         let topic = topics::status(&self.fleet, &signed.body().device);
         let bytes = signed.encode();
         self.shared.sticky.lock().unwrap().status = Some((topic.clone(), bytes.clone()));
-        self.publish_raw(&topic, bytes, QoS::AtLeastOnce, true)
-            .await
+        self.publish_raw(&topic, bytes, QoS::AtLeastOnce, true).await
     }
 
     /// Publishes a receipt to the device it names (QoS 1, not retained).
     pub async fn publish_receipt(&self, signed: &Signed<Receipt>) -> Result<(), ControlError> {
         self.check_fleet(&signed.body().fleet)?;
         let topic = topics::receipts(&self.fleet, &signed.body().device);
-        self.publish_raw(&topic, signed.encode(), QoS::AtLeastOnce, false)
-            .await
+        self.publish_raw(&topic, signed.encode(), QoS::AtLeastOnce, false).await
     }
 
     /// Publishes a refusal of an MQTT upload to the device it names (QoS 1, not retained).
     pub async fn publish_rejection(&self, signed: &SignedRejection) -> Result<(), ControlError> {
         self.check_fleet(&signed.body().fleet)?;
         let topic = topics::rejections(&self.fleet, &signed.body().device);
-        self.publish_raw(&topic, signed.encode(), QoS::AtLeastOnce, false)
-            .await
+        self.publish_raw(&topic, signed.encode(), QoS::AtLeastOnce, false).await
     }
 
     /// Sends an update over the MQTT upload path: the signed header, then the payload in
     /// chunks, on this device's updates topic (QoS 1). Queued, not confirmed: wait for the
     /// [`ControlEvent::Receipt`] and send again (same signed header) if none comes.
-    pub async fn upload_update(
-        &self,
-        signed: &SignedUpdate,
-        payload: &[u8],
-    ) -> Result<(), ControlError> {
+    pub async fn upload_update(&self, signed: &SignedUpdate, payload: &[u8]) -> Result<(), ControlError> {
         let Some(device) = &self.device else {
             return Err(ControlError::Role("upload updates (not a device)"));
         };
         let h = signed.body();
         self.check_fleet(&h.fleet)?;
         if &h.device != device {
-            return Err(ControlError::WrongDevice {
-                expected: device.clone(),
-                found: h.device.clone(),
-            });
+            return Err(ControlError::WrongDevice { expected: device.clone(), found: h.device.clone() });
         }
         if h.payload_len != payload.len() as u64 {
-            return Err(ControlError::PayloadLength {
-                len: payload.len() as u64,
-                signed: h.payload_len,
-            });
+            return Err(ControlError::PayloadLength { len: payload.len() as u64, signed: h.payload_len });
         }
         let topic = topics::updates(&self.fleet, device);
         for frame in upload::encode_frames(signed, payload, self.chunk_bytes) {
-            self.publish_raw(&topic, frame, QoS::AtLeastOnce, false)
-                .await?;
+            self.publish_raw(&topic, frame, QoS::AtLeastOnce, false).await?;
         }
         Ok(())
     }
 
     /// Publishes arbitrary bytes on any topic. For tools and tests (the broker enforces no
     /// topic access, which is why receivers verify everything).
-    pub async fn publish_raw(
-        &self,
-        topic: &str,
-        bytes: Vec<u8>,
-        qos: QoS,
-        retain: bool,
-    ) -> Result<(), ControlError> {
-        self.mqtt
-            .publish(topic, qos, retain, bytes)
-            .await
-            .map_err(|_| ControlError::Closed)
+    pub async fn publish_raw(&self, topic: &str, bytes: Vec<u8>, qos: QoS, retain: bool) -> Result<(), ControlError> {
+        self.mqtt.publish(topic, qos, retain, bytes).await.map_err(|_| ControlError::Closed)
     }
 
     /// A snapshot of the counters.
@@ -432,12 +348,9 @@ impl Driver {
     fn subscriptions(&self) -> Vec<rumqttc::SubscribeFilter> {
         let f = &self.options.fleet;
         let mut subs = Vec::new();
-        let mut add =
-            |path: String| subs.push(rumqttc::SubscribeFilter::new(path, QoS::AtLeastOnce));
+        let mut add = |path: String| subs.push(rumqttc::SubscribeFilter::new(path, QoS::AtLeastOnce));
         match &self.inbound.role {
-            Role::Device {
-                id, registry_key, ..
-            } => {
+            Role::Device { id, registry_key, .. } => {
                 add(topics::rounds(f));
                 if registry_key.is_some() {
                     add(topics::rollouts(f));
@@ -445,9 +358,7 @@ impl Driver {
                 add(topics::receipts(f, id));
                 add(topics::rejections(f, id));
             }
-            Role::Service {
-                status, updates, ..
-            } => {
+            Role::Service { status, updates, .. } => {
                 if *status {
                     add(topics::all_status(f));
                 }
@@ -505,18 +416,13 @@ impl Driver {
                     awaiting_suback = false;
                     self.emit_connected().await;
                 }
-                Ok(Event::Incoming(Packet::Publish(p))) => {
-                    self.on_publish(&p.topic, &p.payload).await
-                }
+                Ok(Event::Incoming(Packet::Publish(p))) => self.on_publish(&p.topic, &p.payload).await,
                 Ok(_) => {}
                 Err(e) => {
                     awaiting_suback = false;
                     if connected {
                         connected = false;
-                        self.emit(ControlEvent::Disconnected {
-                            error: e.to_string(),
-                        })
-                        .await;
+                        self.emit(ControlEvent::Disconnected { error: e.to_string() }).await;
                     }
                     tracing::debug!(error = %e, ?backoff, "MQTT connection failed; retrying");
                     tokio::select! {
@@ -582,20 +488,10 @@ impl Inbound {
     /// takes uploads).
     pub fn new(fleet: FleetId, role: Role) -> Self {
         let assembler = match &role {
-            Role::Service {
-                updates: true,
-                limits,
-                ..
-            } => Some(UpdateAssembler::new(fleet.clone(), limits.clone())),
+            Role::Service { updates: true, limits, .. } => Some(UpdateAssembler::new(fleet.clone(), limits.clone())),
             _ => None,
         };
-        Inbound {
-            fleet,
-            role,
-            assembler,
-            last_round: None,
-            last_rollout: None,
-        }
+        Inbound { fleet, role, assembler, last_round: None, last_rollout: None }
     }
 
     /// One publish received on `topic_str` at `now`.
@@ -610,12 +506,7 @@ impl Inbound {
             }
         };
         if topic.fleet() != &fleet {
-            let r = Rejected::new(
-                topic_str,
-                topic.device(),
-                RejectReason::WrongFleet,
-                "topic of another fleet",
-            );
+            let r = Rejected::new(topic_str, topic.device(), RejectReason::WrongFleet, "topic of another fleet");
             return rejected(r);
         }
         if payload.is_empty() {
@@ -623,8 +514,8 @@ impl Inbound {
             return Received::Nothing;
         }
         let result = match (&self.role, &topic) {
-            (Role::Device { aggregator_key, .. }, Topic::Rounds { .. }) => {
-                verify::announcement(topic_str, payload, &fleet, aggregator_key).and_then(|s| {
+            (Role::Device { aggregator_key, .. }, Topic::Rounds { .. }) => verify::announcement(topic_str, payload, &fleet, aggregator_key)
+                .and_then(|s| {
                     let round = s.body().round;
                     match &self.last_round {
                         Some((r, bytes)) if *r == round && bytes == s.body_bytes() => Ok(None),
@@ -639,64 +530,33 @@ impl Inbound {
                             Ok(Some(ControlEvent::Announcement(s)))
                         }
                     }
-                })
-            }
-            (
-                Role::Device {
-                    registry_key: Some(key),
-                    ..
-                },
-                Topic::Rollouts { .. },
-            ) => verify::rollout(topic_str, payload, &fleet, key).and_then(|s| {
-                let issued = s.body().issued_at_unix_ms;
-                match &self.last_rollout {
-                    Some((t, bytes)) if *t == issued && bytes == s.body_bytes() => Ok(None),
-                    Some((t, _)) if *t > issued => Err(Rejected::new(
-                        topic_str,
-                        None,
-                        RejectReason::Replay,
-                        "rollout notice older than the last one seen",
-                    )),
-                    _ => {
-                        self.last_rollout = Some((issued, s.body_bytes().to_vec()));
-                        Ok(Some(ControlEvent::Rollout(s)))
+                }),
+            (Role::Device { registry_key: Some(key), .. }, Topic::Rollouts { .. }) => verify::rollout(topic_str, payload, &fleet, key)
+                .and_then(|s| {
+                    let issued = s.body().issued_at_unix_ms;
+                    match &self.last_rollout {
+                        Some((t, bytes)) if *t == issued && bytes == s.body_bytes() => Ok(None),
+                        Some((t, _)) if *t > issued => {
+                            Err(Rejected::new(topic_str, None, RejectReason::Replay, "rollout notice older than the last one seen"))
+                        }
+                        _ => {
+                            self.last_rollout = Some((issued, s.body_bytes().to_vec()));
+                            Ok(Some(ControlEvent::Rollout(s)))
+                        }
                     }
-                }
-            }),
-            (
-                Role::Device {
-                    id, aggregator_key, ..
-                },
-                Topic::Receipts { device, .. },
-            ) if device == id => verify::receipt(topic_str, payload, &fleet, id, aggregator_key)
-                .map(|s| Some(ControlEvent::Receipt(s))),
-            (
-                Role::Device {
-                    id, aggregator_key, ..
-                },
-                Topic::Rejections { device, .. },
-            ) if device == id => verify::rejection(topic_str, payload, &fleet, id, aggregator_key)
-                .map(|s| Some(ControlEvent::UploadRefused(s))),
-            (
-                Role::Service {
-                    keys, status: true, ..
-                },
-                Topic::Status { device, .. },
-            ) => verify::status(topic_str, payload, &fleet, device, keys.as_ref())
-                .map(|s| Some(ControlEvent::Status(s))),
-            (
-                Role::Service {
-                    keys,
-                    updates: true,
-                    ..
-                },
-                Topic::Updates { device, .. },
-            ) => {
+                }),
+            (Role::Device { id, aggregator_key, .. }, Topic::Receipts { device, .. }) if device == id => {
+                verify::receipt(topic_str, payload, &fleet, id, aggregator_key).map(|s| Some(ControlEvent::Receipt(s)))
+            }
+            (Role::Device { id, aggregator_key, .. }, Topic::Rejections { device, .. }) if device == id => {
+                verify::rejection(topic_str, payload, &fleet, id, aggregator_key).map(|s| Some(ControlEvent::UploadRefused(s)))
+            }
+            (Role::Service { keys, status: true, .. }, Topic::Status { device, .. }) => {
+                verify::status(topic_str, payload, &fleet, device, keys.as_ref()).map(|s| Some(ControlEvent::Status(s)))
+            }
+            (Role::Service { keys, updates: true, .. }, Topic::Updates { device, .. }) => {
                 let keys = keys.clone();
-                let asm = self
-                    .assembler
-                    .as_mut()
-                    .expect("assembler exists for update subscribers");
+                let asm = self.assembler.as_mut().expect("assembler exists for update subscribers");
                 match asm.push(topic_str, device, keys.as_ref(), payload, now) {
                     Ok(Assembled::Complete(v)) => Ok(Some(ControlEvent::Update(v))),
                     Ok(Assembled::Pending) => return Received::Nothing,

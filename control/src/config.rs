@@ -97,9 +97,7 @@ impl MqttClientConfig {
                 }
                 (id.to_owned(), DEVICE_RECONNECT_MAX_SECS)
             }
-            ClientKind::Service(name) => {
-                (self.client_id.clone().unwrap_or_else(|| name.to_owned()), SERVICE_RECONNECT_MAX_SECS)
-            }
+            ClientKind::Service(name) => (self.client_id.clone().unwrap_or_else(|| name.to_owned()), SERVICE_RECONNECT_MAX_SECS),
         };
         let mut o = ClientOptions::new(host, port, client_id, fleet);
         o.backoff_max = Duration::from_secs(self.reconnect_max_secs.unwrap_or(reconnect_max).max(1));

@@ -30,9 +30,7 @@ pub mod verify;
 #[cfg(feature = "broker")]
 pub use broker::{BrokerConfig, BrokerError, BrokerMetrics, EmbeddedBroker, Refusal, export_key_pkcs8_v1};
 pub use client::{
-    ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Inbound,
-    Received, Role,
-    device_tls, service_tls,
+    ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Inbound, Received, Role, device_tls, service_tls,
 };
 pub use config::{ClientKind, MqttClientConfig, UnknownKeys};
 pub use presence::Presence;

@@ -29,15 +29,9 @@ impl Presence {
     /// Records a verified status received at `now_ms` (local clock, Unix ms). A report older
     /// (by its signed `reported_at`) than the one held is ignored.
     pub fn record(&mut self, status: &DeviceStatus, now_ms: u64) {
-        let newer = self
-            .seen
-            .get(&status.device)
-            .is_none_or(|(_, s)| s.reported_at_unix_ms <= status.reported_at_unix_ms);
+        let newer = self.seen.get(&status.device).is_none_or(|(_, s)| s.reported_at_unix_ms <= status.reported_at_unix_ms);
         if newer {
-            self.seen.insert(
-                status.device.clone(),
-                (status.reported_at_unix_ms.min(now_ms), status.clone()),
-            );
+            self.seen.insert(status.device.clone(), (status.reported_at_unix_ms.min(now_ms), status.clone()));
         }
     }
 
@@ -52,10 +46,7 @@ impl Presence {
 
     /// Devices whose last report arrived within `ttl_ms` of `now_ms` (e.g. 3 heartbeat periods).
     pub fn online(&self, now_ms: u64, ttl_ms: u64) -> usize {
-        self.seen
-            .values()
-            .filter(|(t, _)| now_ms.saturating_sub(*t) <= ttl_ms)
-            .count()
+        self.seen.values().filter(|(t, _)| now_ms.saturating_sub(*t) <= ttl_ms).count()
     }
 
     /// Every device ever heard from.

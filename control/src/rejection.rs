@@ -51,12 +51,7 @@ pub struct UploadRejection {
 
 impl UploadRejection {
     /// The refusal of the update `header` names.
-    pub fn of(
-        header: &UpdateHeader,
-        reason: RejectReason,
-        detail: impl Into<String>,
-        now_ms: u64,
-    ) -> Self {
+    pub fn of(header: &UpdateHeader, reason: RejectReason, detail: impl Into<String>, now_ms: u64) -> Self {
         let mut detail = detail.into();
         if detail.len() > MAX_DETAIL_BYTES {
             let mut end = MAX_DETAIL_BYTES;
@@ -101,10 +96,8 @@ impl UploadRejection {
 
     fn from_canonical_bytes(bytes: &[u8]) -> Result<Self, RejectionError> {
         let mut r = Reader(bytes);
-        let fleet =
-            FleetId::new(r.str()?).map_err(|e| RejectionError::Malformed(format!("fleet: {e}")))?;
-        let device = DeviceId::new(r.str()?)
-            .map_err(|e| RejectionError::Malformed(format!("device: {e}")))?;
+        let fleet = FleetId::new(r.str()?).map_err(|e| RejectionError::Malformed(format!("fleet: {e}")))?;
+        let device = DeviceId::new(r.str()?).map_err(|e| RejectionError::Malformed(format!("device: {e}")))?;
         let round = RoundId(r.u64()?);
         let nonce: [u8; 16] = r.array()?;
         let payload_digest = Digest(r.array()?);
@@ -122,16 +115,7 @@ impl UploadRejection {
         if !r.0.is_empty() {
             return Err(RejectionError::Malformed("trailing bytes".into()));
         }
-        Ok(UploadRejection {
-            fleet,
-            device,
-            round,
-            nonce,
-            payload_digest,
-            reason,
-            detail,
-            rejected_at_unix_ms,
-        })
+        Ok(UploadRejection { fleet, device, round, nonce, payload_digest, reason, detail, rejected_at_unix_ms })
     }
 }
 
@@ -173,11 +157,7 @@ impl SignedRejection {
     pub fn sign(body: UploadRejection, key: &SigningKey) -> Self {
         let body_bytes = body.canonical_bytes();
         let signature = key.sign(&message(&body_bytes));
-        SignedRejection {
-            body,
-            body_bytes,
-            signature,
-        }
+        SignedRejection { body, body_bytes, signature }
     }
 
     /// The body, unverified: call [`SignedRejection::verify`] before trusting it.
@@ -190,8 +170,7 @@ impl SignedRejection {
         if key.is_weak() {
             return Err(RejectionError::BadSignature);
         }
-        key.verify_strict(&message(&self.body_bytes), &self.signature)
-            .map_err(|_| RejectionError::BadSignature)?;
+        key.verify_strict(&message(&self.body_bytes), &self.signature).map_err(|_| RejectionError::BadSignature)?;
         Ok(&self.body)
     }
 
@@ -213,9 +192,7 @@ impl SignedRejection {
         if *tag != TAG || *version != VERSION {
             return Err(malformed("not a v1 rejection"));
         }
-        let (len, rest) = rest
-            .split_at_checked(4)
-            .ok_or_else(|| malformed("truncated"))?;
+        let (len, rest) = rest.split_at_checked(4).ok_or_else(|| malformed("truncated"))?;
         let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
         if len > MAX_BODY_BYTES || rest.len() != len + 64 {
             return Err(malformed("body length does not match"));
@@ -223,11 +200,7 @@ impl SignedRejection {
         let (body_bytes, sig) = rest.split_at(len);
         let signature = Signature::from_bytes(sig.try_into().expect("64 bytes"));
         let body = UploadRejection::from_canonical_bytes(body_bytes)?;
-        Ok(SignedRejection {
-            body,
-            body_bytes: body_bytes.to_vec(),
-            signature,
-        })
+        Ok(SignedRejection { body, body_bytes: body_bytes.to_vec(), signature })
     }
 }
 
@@ -241,10 +214,7 @@ struct Reader<'a>(&'a [u8]);
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], RejectionError> {
-        let (head, tail) = self
-            .0
-            .split_at_checked(n)
-            .ok_or_else(|| RejectionError::Malformed("truncated".into()))?;
+        let (head, tail) = self.0.split_at_checked(n).ok_or_else(|| RejectionError::Malformed("truncated".into()))?;
         self.0 = tail;
         Ok(head)
     }
@@ -256,8 +226,7 @@ impl<'a> Reader<'a> {
     }
     fn str(&mut self) -> Result<&'a str, RejectionError> {
         let len = u16::from_be_bytes(self.array()?) as usize;
-        std::str::from_utf8(self.take(len)?)
-            .map_err(|_| RejectionError::Malformed("not UTF-8".into()))
+        std::str::from_utf8(self.take(len)?).map_err(|_| RejectionError::Malformed("not UTF-8".into()))
     }
 }
 
@@ -298,10 +267,7 @@ mod tests {
             let mut w = wire.clone();
             w[i] ^= 0x01;
             if let Ok(s) = SignedRejection::decode(&w) {
-                assert!(
-                    s.verify(&key.verifying_key()).is_err(),
-                    "bit {i} flipped and still verifies"
-                );
+                assert!(s.verify(&key.verifying_key()).is_err(), "bit {i} flipped and still verifies");
             }
         }
         for n in 0..wire.len() {

@@ -71,10 +71,7 @@ impl Topic {
 
     /// Whether publishers set the retain flag.
     pub fn retained(&self) -> bool {
-        matches!(
-            self,
-            Topic::Rounds { .. } | Topic::Rollouts { .. } | Topic::Status { .. }
-        )
+        matches!(self, Topic::Rounds { .. } | Topic::Rollouts { .. } | Topic::Status { .. })
     }
 
     pub fn fleet(&self) -> &FleetId {
@@ -121,9 +118,7 @@ pub fn may_subscribe(client: &PeerIdentity, fleet: &FleetId, filter: &str) -> bo
         PeerIdentity::Service(_) => in_fleet(fleet, filter),
         PeerIdentity::Device(me) => match parse(filter) {
             Ok(Topic::Rounds { fleet: f } | Topic::Rollouts { fleet: f }) => &f == fleet,
-            Ok(Topic::Receipts { fleet: f, device } | Topic::Rejections { fleet: f, device }) => {
-                &f == fleet && &device == me
-            }
+            Ok(Topic::Receipts { fleet: f, device } | Topic::Rejections { fleet: f, device }) => &f == fleet && &device == me,
             _ => false,
         },
     }
@@ -173,10 +168,7 @@ pub enum TopicError {
 
 /// Parses a topic string of the schema.
 pub fn parse(topic: &str) -> Result<Topic, TopicError> {
-    let rest = topic
-        .strip_prefix(PREFIX)
-        .and_then(|r| r.strip_prefix('/'))
-        .ok_or_else(|| TopicError::NotOurs(topic.to_owned()))?;
+    let rest = topic.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('/')).ok_or_else(|| TopicError::NotOurs(topic.to_owned()))?;
     let parts: Vec<&str> = rest.split('/').collect();
     let bad_id = || TopicError::BadId(topic.to_owned());
     let fleet = FleetId::new(*parts.first().unwrap_or(&"")).map_err(|_| bad_id())?;
@@ -234,58 +226,24 @@ mod tests {
         let fleet = FleetId::new("demo").unwrap();
         let device = DeviceId::new("cam-1").unwrap();
         let all = [
-            Topic::Rounds {
-                fleet: fleet.clone(),
-            },
-            Topic::Rollouts {
-                fleet: fleet.clone(),
-            },
-            Topic::Status {
-                fleet: fleet.clone(),
-                device: device.clone(),
-            },
-            Topic::Updates {
-                fleet: fleet.clone(),
-                device: device.clone(),
-            },
-            Topic::Receipts {
-                fleet: fleet.clone(),
-                device: device.clone(),
-            },
-            Topic::Rejections {
-                fleet: fleet.clone(),
-                device: device.clone(),
-            },
+            Topic::Rounds { fleet: fleet.clone() },
+            Topic::Rollouts { fleet: fleet.clone() },
+            Topic::Status { fleet: fleet.clone(), device: device.clone() },
+            Topic::Updates { fleet: fleet.clone(), device: device.clone() },
+            Topic::Receipts { fleet: fleet.clone(), device: device.clone() },
+            Topic::Rejections { fleet: fleet.clone(), device: device.clone() },
         ];
         for t in all {
             assert_eq!(parse(&t.path()).unwrap(), t);
             assert_eq!(t.qos(), QoS::AtLeastOnce);
         }
         assert_eq!(rounds(&fleet), "fedfleet/v1/demo/rounds");
-        assert_eq!(
-            status(&fleet, &device),
-            "fedfleet/v1/demo/devices/cam-1/status"
-        );
-        assert!(matches!(
-            parse("fedfleet/v2/demo/rounds"),
-            Err(TopicError::NotOurs(_))
-        ));
-        assert!(matches!(
-            parse("fedfleet/v1/demo/devices/+/status"),
-            Err(TopicError::BadId(_))
-        ));
-        assert!(matches!(
-            parse("fedfleet/v1/demo/devices/a/other"),
-            Err(TopicError::Unknown(_))
-        ));
-        assert!(matches!(
-            parse("fedfleet/v1/demo/rounds/x"),
-            Err(TopicError::Unknown(_))
-        ));
-        assert!(matches!(
-            parse("fedfleet/v1//rounds"),
-            Err(TopicError::BadId(_))
-        ));
+        assert_eq!(status(&fleet, &device), "fedfleet/v1/demo/devices/cam-1/status");
+        assert!(matches!(parse("fedfleet/v2/demo/rounds"), Err(TopicError::NotOurs(_))));
+        assert!(matches!(parse("fedfleet/v1/demo/devices/+/status"), Err(TopicError::BadId(_))));
+        assert!(matches!(parse("fedfleet/v1/demo/devices/a/other"), Err(TopicError::Unknown(_))));
+        assert!(matches!(parse("fedfleet/v1/demo/rounds/x"), Err(TopicError::Unknown(_))));
+        assert!(matches!(parse("fedfleet/v1//rounds"), Err(TopicError::BadId(_))));
     }
 
     #[test]

@@ -34,10 +34,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 64 * 1024;
 /// # Panics
 /// If `chunk_bytes` is 0 or above [`MAX_CHUNK_BYTES`].
 pub fn encode_frames(signed: &SignedUpdate, payload: &[u8], chunk_bytes: usize) -> Vec<Vec<u8>> {
-    assert!(
-        (1..=MAX_CHUNK_BYTES).contains(&chunk_bytes),
-        "chunk size out of range"
-    );
+    assert!((1..=MAX_CHUNK_BYTES).contains(&chunk_bytes), "chunk size out of range");
     let id = signed.body().nonce;
     let count = payload.len().div_ceil(chunk_bytes) as u32;
     let mut frames = Vec::with_capacity(count as usize + 1);
@@ -100,11 +97,7 @@ pub struct AssemblerLimits {
 
 impl Default for AssemblerLimits {
     fn default() -> Self {
-        AssemblerLimits {
-            max_update_bytes: 16 * 1024 * 1024,
-            max_total_bytes: 256 * 1024 * 1024,
-            idle_timeout: Duration::from_secs(120),
-        }
+        AssemblerLimits { max_update_bytes: 16 * 1024 * 1024, max_total_bytes: 256 * 1024 * 1024, idle_timeout: Duration::from_secs(120) }
     }
 }
 
@@ -146,13 +139,7 @@ fn read_prefix(frame: &[u8]) -> Option<Prefix<'_>> {
 
 impl UpdateAssembler {
     pub fn new(fleet: FleetId, limits: AssemblerLimits) -> Self {
-        UpdateAssembler {
-            fleet,
-            limits,
-            uploads: HashMap::new(),
-            finished: HashMap::new(),
-            reserved: 0,
-        }
+        UpdateAssembler { fleet, limits, uploads: HashMap::new(), finished: HashMap::new(), reserved: 0 }
     }
 
     /// Uploads in progress.
@@ -198,10 +185,7 @@ impl UpdateAssembler {
         self.expire(now);
         let reject = |reason, detail: String| Rejected::new(topic, Some(device), reason, detail);
         let Some((tag, id, a, b, rest)) = read_prefix(frame) else {
-            return Err(reject(
-                RejectReason::Malformed,
-                "not an upload frame".into(),
-            ));
+            return Err(reject(RejectReason::Malformed, "not an upload frame".into()));
         };
         match tag {
             // The header of the upload in progress again (a re-send after a reconnect): carry on
@@ -217,10 +201,7 @@ impl UpdateAssembler {
                 result
             }
             CHUNK_TAG => self.chunk(topic, device, id, a, b, rest, now),
-            other => Err(reject(
-                RejectReason::Malformed,
-                format!("unknown frame tag {other}"),
-            )),
+            other => Err(reject(RejectReason::Malformed, format!("unknown frame tag {other}"))),
         }
     }
 
@@ -238,38 +219,24 @@ impl UpdateAssembler {
     ) -> Result<Assembled, Rejected> {
         let reject = |reason, detail: String| Rejected::new(topic, Some(device), reason, detail);
         if envelope.len() > MAX_SIGNED_ENVELOPE_BYTES {
-            return Err(reject(
-                RejectReason::TooLarge,
-                "header envelope too large".into(),
-            ));
+            return Err(reject(RejectReason::TooLarge, "header envelope too large".into()));
         }
         let signed = verify::update_header(topic, envelope, &self.fleet, device, keys)?;
         let h = signed.body();
         if h.nonce != id {
-            return Err(reject(
-                RejectReason::Malformed,
-                "upload id is not the signed nonce".into(),
-            ));
+            return Err(reject(RejectReason::Malformed, "upload id is not the signed nonce".into()));
         }
         if h.payload_len > self.limits.max_update_bytes {
             return Err(reject(
                 RejectReason::TooLarge,
-                format!(
-                    "payload of {} bytes is over the MQTT upload limit of {}; use QUIC",
-                    h.payload_len, self.limits.max_update_bytes
-                ),
+                format!("payload of {} bytes is over the MQTT upload limit of {}; use QUIC", h.payload_len, self.limits.max_update_bytes),
             ));
         }
         let chunk = chunk_bytes as usize;
-        if !(1..=MAX_CHUNK_BYTES).contains(&chunk)
-            || h.payload_len.div_ceil(chunk_bytes as u64) != count as u64
-        {
+        if !(1..=MAX_CHUNK_BYTES).contains(&chunk) || h.payload_len.div_ceil(chunk_bytes as u64) != count as u64 {
             return Err(reject(
                 RejectReason::Malformed,
-                format!(
-                    "{count} chunks of {chunk_bytes} bytes cannot carry {} bytes",
-                    h.payload_len
-                ),
+                format!("{count} chunks of {chunk_bytes} bytes cannot carry {} bytes", h.payload_len),
             ));
         }
         // A new upload replaces this device's unfinished one.
@@ -277,26 +244,14 @@ impl UpdateAssembler {
             self.reserved -= old.signed.body().payload_len;
         }
         if self.reserved + h.payload_len > self.limits.max_total_bytes {
-            return Err(reject(
-                RejectReason::Overloaded,
-                format!(
-                    "{} payload bytes already in flight over MQTT",
-                    self.reserved
-                ),
-            ));
+            return Err(reject(RejectReason::Overloaded, format!("{} payload bytes already in flight over MQTT", self.reserved)));
         }
         let len = h.payload_len;
         let check = PayloadCheck::new(h);
         if count == 0 {
-            check
-                .finish()
-                .map_err(|e| reject(e.reason(), e.to_string()))?;
+            check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
             self.finished.insert(device.clone(), id);
-            return Ok(Assembled::Complete(VerifiedUpload {
-                device: device.clone(),
-                signed,
-                payload: Vec::new(),
-            }));
+            return Ok(Assembled::Complete(VerifiedUpload { device: device.clone(), signed, payload: Vec::new() }));
         }
         self.reserved += len;
         self.uploads.insert(
@@ -331,10 +286,7 @@ impl UpdateAssembler {
             Some(up) if up.id == id => up,
             _ if self.finished.get(device) == Some(&id) => return Ok(Assembled::Ignored),
             _ => {
-                return Err(reject(
-                    RejectReason::Malformed,
-                    "chunk of an upload whose header was not received".into(),
-                ));
+                return Err(reject(RejectReason::Malformed, "chunk of an upload whose header was not received".into()));
             }
         };
         if index < up.next {
@@ -344,16 +296,10 @@ impl UpdateAssembler {
         // overflowed). Past the checks below, index == next < count.
         let last = index.checked_add(1) == Some(up.count);
         let problem = if count != up.count {
-            Some(format!(
-                "chunk says {count} chunks, the header {}",
-                up.count
-            ))
+            Some(format!("chunk says {count} chunks, the header {}", up.count))
         } else if index > up.next {
             Some(format!("chunk {index} arrived, expected {}", up.next))
-        } else if bytes.is_empty()
-            || bytes.len() > up.chunk_bytes
-            || (!last && bytes.len() != up.chunk_bytes)
-        {
+        } else if bytes.is_empty() || bytes.len() > up.chunk_bytes || (!last && bytes.len() != up.chunk_bytes) {
             Some(format!("chunk {index} has {} bytes", bytes.len()))
         } else {
             None
@@ -373,14 +319,8 @@ impl UpdateAssembler {
             return Ok(Assembled::Pending);
         }
         let up = self.drop_upload(device).expect("upload present");
-        up.check
-            .finish()
-            .map_err(|e| reject(e.reason(), e.to_string()))?;
-        Ok(Assembled::Complete(VerifiedUpload {
-            device: device.clone(),
-            signed: up.signed,
-            payload: up.buf,
-        }))
+        up.check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
+        Ok(Assembled::Complete(VerifiedUpload { device: device.clone(), signed: up.signed, payload: up.buf }))
     }
 }
 
@@ -390,12 +330,7 @@ mod tests {
     use ed25519_dalek::{SigningKey, VerifyingKey};
     use fedfleet_protocol::{DType, Digest, RoundId, Signed, UpdateHeader};
 
-    fn setup() -> (
-        FleetId,
-        DeviceId,
-        SigningKey,
-        HashMap<DeviceId, VerifyingKey>,
-    ) {
+    fn setup() -> (FleetId, DeviceId, SigningKey, HashMap<DeviceId, VerifyingKey>) {
         let fleet = FleetId::new("demo").unwrap();
         let dev = DeviceId::new("d1").unwrap();
         let key = SigningKey::from_bytes(&[7; 32]);
@@ -404,13 +339,7 @@ mod tests {
         (fleet, dev, key, keys)
     }
 
-    fn signed(
-        fleet: &FleetId,
-        dev: &DeviceId,
-        key: &SigningKey,
-        payload: &[u8],
-        nonce: u8,
-    ) -> SignedUpdate {
+    fn signed(fleet: &FleetId, dev: &DeviceId, key: &SigningKey, payload: &[u8], nonce: u8) -> SignedUpdate {
         Signed::sign(
             UpdateHeader {
                 device: dev.clone(),
@@ -446,23 +375,14 @@ mod tests {
             }
             if i == 3 {
                 // QoS 1 redelivery of an earlier chunk and of the header.
-                assert_eq!(
-                    asm.push(t, &dev, &keys, &frames[2], now).unwrap(),
-                    Assembled::Ignored
-                );
-                assert_eq!(
-                    asm.push(t, &dev, &keys, &frames[0], now).unwrap(),
-                    Assembled::Ignored
-                );
+                assert_eq!(asm.push(t, &dev, &keys, &frames[2], now).unwrap(), Assembled::Ignored);
+                assert_eq!(asm.push(t, &dev, &keys, &frames[0], now).unwrap(), Assembled::Ignored);
             }
         }
         let v = done.unwrap();
         assert_eq!(v.payload, payload);
         assert_eq!(asm.reserved_bytes(), 0);
-        assert_eq!(
-            asm.push(t, &dev, &keys, &frames[5], now).unwrap(),
-            Assembled::Ignored
-        );
+        assert_eq!(asm.push(t, &dev, &keys, &frames[5], now).unwrap(), Assembled::Ignored);
         // The same upload sent again (its receipt was lost) is assembled again.
         let mut again = None;
         for f in &frames {
@@ -473,17 +393,11 @@ mod tests {
         assert_eq!(again.unwrap().payload, payload);
 
         // Over the per-update and the global limits.
-        let small = AssemblerLimits {
-            max_update_bytes: 5_000,
-            ..Default::default()
-        };
+        let small = AssemblerLimits { max_update_bytes: 5_000, ..Default::default() };
         let mut asm = UpdateAssembler::new(fleet.clone(), small);
         let err = asm.push(t, &dev, &keys, &frames[0], now).unwrap_err();
         assert_eq!(err.reason, RejectReason::TooLarge);
-        let tight = AssemblerLimits {
-            max_total_bytes: 5_000,
-            ..Default::default()
-        };
+        let tight = AssemblerLimits { max_total_bytes: 5_000, ..Default::default() };
         let mut asm = UpdateAssembler::new(fleet, tight);
         let err = asm.push(t, &dev, &keys, &frames[0], now).unwrap_err();
         assert_eq!(err.reason, RejectReason::Overloaded);
@@ -540,14 +454,9 @@ mod tests {
         let forged = encode_frames(&signed(&fleet, &dev, &other, &payload, 4), &payload, 1000);
         let e = asm.push("t", &dev, &keys, &forged[0], now).unwrap_err();
         assert_eq!(e.reason, RejectReason::BadSignature);
-        assert_eq!(
-            asm.push("t", &dev, &keys, &forged[1], now).unwrap(),
-            Assembled::Ignored
-        );
+        assert_eq!(asm.push("t", &dev, &keys, &forged[1], now).unwrap(), Assembled::Ignored);
         let stranger = DeviceId::new("d9").unwrap();
-        let e = asm
-            .push("t", &stranger, &keys, &forged[0], now)
-            .unwrap_err();
+        let e = asm.push("t", &stranger, &keys, &forged[0], now).unwrap_err();
         assert_eq!(e.reason, RejectReason::UnknownDevice);
         let e = asm.push("t", &dev, &keys, b"garbage", now).unwrap_err();
         assert_eq!(e.reason, RejectReason::Malformed);
@@ -557,10 +466,7 @@ mod tests {
         let f5 = encode_frames(&s5, &payload, 1000);
         asm.push("t", &dev, &keys, &f5[0], now).unwrap();
         assert_eq!(asm.reserved_bytes(), 3000);
-        assert_eq!(
-            asm.expire(now + Duration::from_secs(600)),
-            vec![dev.clone()]
-        );
+        assert_eq!(asm.expire(now + Duration::from_secs(600)), vec![dev.clone()]);
         assert_eq!(asm.reserved_bytes(), 0);
     }
 }

@@ -8,8 +8,7 @@ use crate::rejection::{RejectionError, SignedRejection};
 use ed25519_dalek::VerifyingKey;
 use fedfleet_certs::{AllowList, DeviceStatus as KeyStatus};
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, EnvelopeError, FleetId, Receipt, RejectReason, RolloutNotice,
-    RoundAnnouncement, Signable, Signed, SignedUpdate,
+    DeviceId, DeviceStatus, EnvelopeError, FleetId, Receipt, RejectReason, RolloutNotice, RoundAnnouncement, Signable, Signed, SignedUpdate,
 };
 
 /// Where a device's public key comes from: the fleet allow-list in production, a map in tests.
@@ -45,18 +44,8 @@ pub struct Rejected {
 }
 
 impl Rejected {
-    pub fn new(
-        topic: &str,
-        device: Option<&DeviceId>,
-        reason: RejectReason,
-        detail: impl Into<String>,
-    ) -> Self {
-        Rejected {
-            topic: topic.to_owned(),
-            device: device.cloned(),
-            reason,
-            detail: detail.into(),
-        }
+    pub fn new(topic: &str, device: Option<&DeviceId>, reason: RejectReason, detail: impl Into<String>) -> Self {
+        Rejected { topic: topic.to_owned(), device: device.cloned(), reason, detail: detail.into() }
     }
 }
 
@@ -70,78 +59,39 @@ fn envelope_err(topic: &str, device: Option<&DeviceId>, e: EnvelopeError) -> Rej
     Rejected::new(topic, device, e.reason(), e.to_string())
 }
 
-fn decode_verify<T: Signable>(
-    topic: &str,
-    device: Option<&DeviceId>,
-    bytes: &[u8],
-    key: &VerifyingKey,
-) -> Result<Signed<T>, Rejected> {
+fn decode_verify<T: Signable>(topic: &str, device: Option<&DeviceId>, bytes: &[u8], key: &VerifyingKey) -> Result<Signed<T>, Rejected> {
     let signed = Signed::<T>::decode(bytes).map_err(|e| envelope_err(topic, device, e))?;
-    signed
-        .verify(key)
-        .map_err(|e| envelope_err(topic, device, e))?;
+    signed.verify(key).map_err(|e| envelope_err(topic, device, e))?;
     Ok(signed)
 }
 
-fn check_fleet(
-    topic: &str,
-    device: Option<&DeviceId>,
-    ours: &FleetId,
-    theirs: &FleetId,
-) -> Result<(), Rejected> {
+fn check_fleet(topic: &str, device: Option<&DeviceId>, ours: &FleetId, theirs: &FleetId) -> Result<(), Rejected> {
     if ours != theirs {
-        return Err(Rejected::new(
-            topic,
-            device,
-            RejectReason::WrongFleet,
-            format!("message names fleet {theirs}, this is fleet {ours}"),
-        ));
+        return Err(Rejected::new(topic, device, RejectReason::WrongFleet, format!("message names fleet {theirs}, this is fleet {ours}")));
     }
     Ok(())
 }
 
 /// The key of the device named in the topic, or why there is none.
-pub fn device_key(
-    topic: &str,
-    device: &DeviceId,
-    keys: &dyn DeviceKeys,
-) -> Result<VerifyingKey, Rejected> {
+pub fn device_key(topic: &str, device: &DeviceId, keys: &dyn DeviceKeys) -> Result<VerifyingKey, Rejected> {
     match keys.lookup(device) {
         KeyStatus::Enrolled(k) => Ok(k),
-        KeyStatus::Revoked => Err(Rejected::new(
-            topic,
-            Some(device),
-            RejectReason::Revoked,
-            format!("device {device} is revoked"),
-        )),
-        KeyStatus::Unknown => Err(Rejected::new(
-            topic,
-            Some(device),
-            RejectReason::UnknownDevice,
-            format!("device {device} is not enrolled"),
-        )),
+        KeyStatus::Revoked => Err(Rejected::new(topic, Some(device), RejectReason::Revoked, format!("device {device} is revoked"))),
+        KeyStatus::Unknown => {
+            Err(Rejected::new(topic, Some(device), RejectReason::UnknownDevice, format!("device {device} is not enrolled")))
+        }
     }
 }
 
 /// A round announcement signed by the aggregator key pinned at enrollment, for our fleet.
-pub fn announcement(
-    topic: &str,
-    bytes: &[u8],
-    fleet: &FleetId,
-    aggregator: &VerifyingKey,
-) -> Result<Signed<RoundAnnouncement>, Rejected> {
+pub fn announcement(topic: &str, bytes: &[u8], fleet: &FleetId, aggregator: &VerifyingKey) -> Result<Signed<RoundAnnouncement>, Rejected> {
     let signed = decode_verify::<RoundAnnouncement>(topic, None, bytes, aggregator)?;
     check_fleet(topic, None, fleet, &signed.body().fleet)?;
     Ok(signed)
 }
 
 /// A rollout notice signed by the pinned registry key, for our fleet.
-pub fn rollout(
-    topic: &str,
-    bytes: &[u8],
-    fleet: &FleetId,
-    registry: &VerifyingKey,
-) -> Result<Signed<RolloutNotice>, Rejected> {
+pub fn rollout(topic: &str, bytes: &[u8], fleet: &FleetId, registry: &VerifyingKey) -> Result<Signed<RolloutNotice>, Rejected> {
     let signed = decode_verify::<RolloutNotice>(topic, None, bytes, registry)?;
     check_fleet(topic, None, fleet, &signed.body().fleet)?;
     Ok(signed)
@@ -223,8 +173,7 @@ pub fn update_header(
     keys: &dyn DeviceKeys,
 ) -> Result<SignedUpdate, Rejected> {
     let key = device_key(topic, device, keys)?;
-    let signed =
-        decode_verify::<fedfleet_protocol::UpdateHeader>(topic, Some(device), bytes, &key)?;
+    let signed = decode_verify::<fedfleet_protocol::UpdateHeader>(topic, Some(device), bytes, &key)?;
     same_device(topic, device, &signed.body().device)?;
     check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
     Ok(signed)

@@ -132,8 +132,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: Mode) -> io::Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     // Unique per process and call, so concurrent writers never share a temp file.
-    let tmp: PathBuf =
-        dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+    let tmp: PathBuf = dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
     let written = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).mode(mode.bits()).open(&tmp)?;
         f.write_all(bytes)?;

@@ -58,7 +58,12 @@ async fn main() -> anyhow::Result<()> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn({
         let socket = socket.clone();
-        async move { serve_unix(&socket, serving, fedfleet_learning::Normalization::None, async { let _ = stopped.await; }).await }
+        async move {
+            serve_unix(&socket, serving, fedfleet_learning::Normalization::None, async {
+                let _ = stopped.await;
+            })
+            .await
+        }
     });
     while !socket.exists() {
         tokio::task::yield_now().await;

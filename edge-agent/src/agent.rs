@@ -2,7 +2,6 @@
 //! the store and `fedfleet-learning`, and feeds the results back. Used by the daemon (real
 //! clock) and by simulation and tests (fake clock): the same code path.
 
-
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -142,7 +141,6 @@ pub struct Agent<A, R> {
     trainer: Arc<dyn Trainer>,
 }
 
-
 impl<A: Aggregator, R: Registry> Agent<A, R> {
     pub fn new(
         core: DurableLifecycle,
@@ -211,10 +209,13 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
     /// Asks the services for the open round and this device's assignment.
     pub async fn poll_control(&mut self) -> Result<(), AgentError> {
         let mut conditions = self.cfg.conditions_file.as_ref().map(|path| {
-            std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())).unwrap_or_else(|e| {
-                tracing::warn!(path = %path.display(), error = %e, "conditions file unreadable; not training");
-                Conditions { idle: false, charging: false, fresh_samples: 0 }
-            })
+            std::fs::read(path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+                .unwrap_or_else(|e| {
+                    tracing::warn!(path = %path.display(), error = %e, "conditions file unreadable; not training");
+                    Conditions { idle: false, charging: false, fresh_samples: 0 }
+                })
         });
         // Once the application feeds the inbox, its untrained examples are the fresh samples.
         if let Some((inbox, _)) = &self.inbox
@@ -283,7 +284,8 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                         let res = tokio::task::spawn_blocking(move || {
                             // Timed inside the blocking task: no wait for a free thread.
                             let started = std::time::Instant::now();
-                            ml::train_update(trainer.as_ref(), &a, &spec, &bytes, &data.train, local.as_ref(), &device, &key, nonce).map(|u| (u, started.elapsed()))
+                            ml::train_update(trainer.as_ref(), &a, &spec, &bytes, &data.train, local.as_ref(), &device, &key, nonce)
+                                .map(|u| (u, started.elapsed()))
                         })
                         .await
                         .unwrap_or_else(|e| Err(format!("training task panicked: {e}")));
@@ -441,7 +443,8 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| DownloadError::storage(&path, e))?;
         while have < length {
             let want = (length - have).min(self.cfg.download_chunk as u64) as u32;
-            let chunk = self.reg.download(&model.name, model.version, have, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?;
+            let chunk =
+                self.reg.download(&model.name, model.version, have, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?;
             if chunk.is_empty() {
                 return Err(DownloadError::Transport(format!("registry sent nothing at offset {have} of {length}")));
             }

@@ -7,24 +7,24 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use fedfleet_certs::DeviceIdentity;
 use fedfleet_learning::{CsvOptions, Dataset, ImageFolderOptions, LabelColumn, Partition};
-use fedfleet_protocol::{FleetId, ModelRef, ModelVersion};
-use fedfleet_protocol::tuf::{Root, SignedMetadata};
 use fedfleet_protocol::tuf::Verifier;
+use fedfleet_protocol::tuf::{Root, SignedMetadata};
+use fedfleet_protocol::{FleetId, ModelRef, ModelVersion};
 use rand::RngCore;
 
 use crate::agent::{Agent, Clock, LocalData, MonotonicClock, ShellConfig, run_agent};
-use crate::inbox::{ExampleShape, Inbox};
 use crate::clients::{Aggregator, Registry, Unlinked};
-use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
-use crate::remote::{RemoteAggregator, RemoteRegistry};
-use fedfleet_control::{ClientKind, ControlClient, ControlEvents, Role};
-use fedfleet_aggregator_client::client::AggregatorClient;
-use fedfleet_registry_client::client::RegistryClient;
 use crate::config::{AgentConfig, IdentityPaths};
+use crate::inbox::{ExampleShape, Inbox};
 use crate::inference;
 use crate::lifecycle::{CoreConfig, DurableLifecycle, SlotModel};
+use crate::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
+use crate::remote::{RemoteAggregator, RemoteRegistry};
 use crate::store::{AgentStore, write_atomic};
 use crate::trainer::{GraphTrainer, Trainer};
+use fedfleet_aggregator_client::client::AggregatorClient;
+use fedfleet_control::{ClientKind, ControlClient, ControlEvents, Role};
+use fedfleet_registry_client::client::RegistryClient;
 
 /// Loads the local data set and splits off the holdout (empty without a `[data]` source).
 pub fn load_data(cfg: &AgentConfig) -> Result<LocalData> {
@@ -77,12 +77,14 @@ pub fn load_identity(p: &IdentityPaths) -> Result<DeviceIdentity> {
 pub fn load_identity_at(p: &IdentityPaths, now_ms: u64) -> Result<DeviceIdentity> {
     for (what, f) in [("certificate", &p.cert), ("private key", &p.key), ("CA certificate", &p.ca)] {
         if !f.exists() {
-            bail!("device {what} {} is missing: produce it with `fedfleet-certs enroll-device` and install it with `fedfleet-agent enroll`", f.display());
+            bail!(
+                "device {what} {} is missing: produce it with `fedfleet-certs enroll-device` and install it with `fedfleet-agent enroll`",
+                f.display()
+            );
         }
     }
-    DeviceIdentity::from_files_at(&p.cert, &p.key, &p.ca, (now_ms / 1000) as i64).with_context(|| {
-        format!("device identity ({}, {}, {}) is not valid", p.cert.display(), p.key.display(), p.ca.display())
-    })
+    DeviceIdentity::from_files_at(&p.cert, &p.key, &p.ca, (now_ms / 1000) as i64)
+        .with_context(|| format!("device identity ({}, {}, {}) is not valid", p.cert.display(), p.key.display(), p.ca.display()))
 }
 
 /// Builds the agent of a config with the given clients and model code.
@@ -102,7 +104,9 @@ pub fn build_agent<A: Aggregator, R: Registry>(
     if let Some(ca_fleet) = identity.ca().fleet()
         && *ca_fleet != fleet
     {
-        bail!("config fleet \"{fleet}\" differs from the fleet of this device's CA ({ca_fleet}): set `fleet = \"{ca_fleet}\"` in the config");
+        bail!(
+            "config fleet \"{fleet}\" differs from the fleet of this device's CA ({ca_fleet}): set `fleet = \"{ca_fleet}\"` in the config"
+        );
     }
     let mut core_cfg = CoreConfig::new(identity.device_id().clone(), fleet);
     core_cfg.cohort = cfg.cohort.clone();
@@ -119,7 +123,8 @@ pub fn build_agent<A: Aggregator, R: Registry>(
             Some(m) => {
                 let spec = std::fs::read_to_string(&m.spec).with_context(|| format!("initial model spec {}", m.spec.display()))?;
                 let bytes = std::fs::read(&m.weights).with_context(|| format!("initial model weights {}", m.weights.display()))?;
-                crate::ml::load_served(trainer.as_ref(), &spec, &bytes, None).map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
+                crate::ml::load_served(trainer.as_ref(), &spec, &bytes, None)
+                    .map_err(|e| anyhow::anyhow!("initial model does not load: {e}"))?;
                 let digest = store.put_blob(&bytes)?;
                 Some(SlotModel { model: ModelRef { name: m.name.clone(), version: ModelVersion(m.version), digest }, spec })
             }
@@ -130,7 +135,8 @@ pub fn build_agent<A: Aggregator, R: Registry>(
     };
     let inbox = Inbox::open(&store, cfg.inbox, ExampleShape::of(&data.train))?;
     let core = DurableLifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
-    let shell = ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
+    let shell =
+        ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
     let mut agent = Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell).with_trainer(trainer);
     agent.set_inbox(inbox, cfg.data.normalization());
     Ok(agent)
@@ -198,7 +204,8 @@ async fn run_daemon(config: &Path, trainer: Arc<dyn Trainer>) -> Result<()> {
     let validity = load_identity(&ids)?.validity();
     let _renewal = match &reg {
         Some(r) => {
-            let renewer = crate::renewal::Renewer::new(ids.clone(), cfg.renewal, r.clone(), agg.clone(), Arc::new(crate::agent::SystemClock));
+            let renewer =
+                crate::renewal::Renewer::new(ids.clone(), cfg.renewal, r.clone(), agg.clone(), Arc::new(crate::agent::SystemClock));
             Some(AbortOnDrop(tokio::spawn(renewer.run())))
         }
         None => {
@@ -220,11 +227,8 @@ async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<
     let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, trainer, None, None).await };
     let ids = cfg.identity_paths();
     let identity = load_identity(&ids)?;
-    let key_path = m
-        .receipt_key
-        .clone()
-        .or_else(|| cfg.aggregator.as_ref().map(|a| a.receipt_key.clone()))
-        .context("[mqtt] needs receipt_key")?;
+    let key_path =
+        m.receipt_key.clone().or_else(|| cfg.aggregator.as_ref().map(|a| a.receipt_key.clone())).context("[mqtt] needs receipt_key")?;
     let aggregator_key = read_receipt_key(&key_path)?;
     let (control, events) = mqtt_control(cfg, m, &identity, aggregator_key)?;
     tracing::info!(host = ?m.client.host, port = ?m.client.port, upload = ?m.upload, "MQTT control plane configured");
@@ -287,16 +291,16 @@ pub fn read_receipt_key(path: &Path) -> Result<ed25519_dalek::VerifyingKey> {
 /// The aggregator client of `[aggregator]` (connects lazily).
 pub fn remote_aggregator(ids: &IdentityPaths, a: &crate::config::AggregatorEndpoint) -> Result<RemoteAggregator> {
     let key = read_receipt_key(&a.receipt_key)?;
-    let client = AggregatorClient::new(a.addr, &a.server_name, device_tls(ids)?)
-        .with_context(|| format!("[aggregator] client for {}", a.addr))?;
+    let client =
+        AggregatorClient::new(a.addr, &a.server_name, device_tls(ids)?).with_context(|| format!("[aggregator] client for {}", a.addr))?;
     Ok(RemoteAggregator::new(client, key))
 }
 
 /// The registry client of `[registry]` (connects lazily).
 pub fn remote_registry(ids: &IdentityPaths, r: &crate::config::RegistryEndpoint) -> Result<RemoteRegistry> {
     let root = read_root(&ids.registry_root)?;
-    let client = RegistryClient::new(r.addr, &r.server_name, device_tls(ids)?)
-        .with_context(|| format!("[registry] client for {}", r.addr))?;
+    let client =
+        RegistryClient::new(r.addr, &r.server_name, device_tls(ids)?).with_context(|| format!("[registry] client for {}", r.addr))?;
     Ok(RemoteRegistry::new(client, r.model.clone(), root))
 }
 
@@ -365,8 +369,9 @@ pub fn status(config: &Path) -> Result<String> {
 
 /// `fedfleet-agent enroll`: checks and installs identity files and the pinned registry root.
 pub fn enroll(cert: &Path, key: &Path, ca: &Path, root: &Path, state_dir: &Path, force: bool) -> Result<String> {
-    let id = DeviceIdentity::from_files(cert, key, ca)
-        .with_context(|| format!("identity files {}, {}, {} are not a valid device identity", cert.display(), key.display(), ca.display()))?;
+    let id = DeviceIdentity::from_files(cert, key, ca).with_context(|| {
+        format!("identity files {}, {}, {} are not a valid device identity", cert.display(), key.display(), ca.display())
+    })?;
     read_root(root)?;
     let dir = state_dir.join("identity");
     let dst = IdentityPaths::in_dir(&dir);

@@ -238,7 +238,8 @@ impl Inbox {
             let input = self.tree.get(asked_key(a.id)).map_err(StoreError::from)?.ok_or_else(|| {
                 invalid(format!("prediction {} is unknown or no longer kept (the newest {} are)", a.id, self.cfg.max_asked))
             })?;
-            let input = serde_json::from_slice(&input).map_err(|e| StoreError::Corrupt { key: format!("asked {}", a.id), detail: e.to_string() })?;
+            let input = serde_json::from_slice(&input)
+                .map_err(|e| StoreError::Corrupt { key: format!("asked {}", a.id), detail: e.to_string() })?;
             examples.push(Example { input, label: a.label, target: a.target.clone() });
             ids.push(a.id);
         }

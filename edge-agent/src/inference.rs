@@ -93,7 +93,9 @@ pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalizati
     normalization.apply(&mut flat);
     let started = std::time::Instant::now();
     match s.predictor.predict(&flat, req.inputs.len()) {
-        Ok(predictions) => Response { model: Some(s.model), predictions, latency_us: started.elapsed().as_micros() as u64, ..Response::default() },
+        Ok(predictions) => {
+            Response { model: Some(s.model), predictions, latency_us: started.elapsed().as_micros() as u64, ..Response::default() }
+        }
         Err(e) => Response::error(e),
     }
 }
@@ -102,7 +104,12 @@ pub fn answer(served: Option<Served>, req: &Request, normalization: &Normalizati
 const MAX_CONNECTIONS: usize = 256;
 
 /// Serves `serving` on a unix socket at `path` until `shutdown` resolves.
-pub async fn serve_unix(path: &Path, serving: Serving, normalization: Normalization, shutdown: impl std::future::Future<Output = ()>) -> std::io::Result<()> {
+pub async fn serve_unix(
+    path: &Path,
+    serving: Serving,
+    normalization: Normalization,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
     serve_unix_with_inbox(path, serving, normalization, None, shutdown).await
 }
 
@@ -233,7 +240,11 @@ mod tests {
         let spec = fedfleet_learning::ModelSpec::digits_mlp();
         let bytes = fedfleet_learning::model::init_bundle(&spec, 7).unwrap().encode();
         let spec_json = serde_json::to_string(&spec).unwrap();
-        let model = fedfleet_protocol::ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(1), digest: fedfleet_protocol::Digest::of(&bytes) };
+        let model = fedfleet_protocol::ModelRef {
+            name: "digits".into(),
+            version: fedfleet_protocol::ModelVersion(1),
+            digest: fedfleet_protocol::Digest::of(&bytes),
+        };
         Served { model, predictor: crate::ml::load_served(&crate::GraphTrainer, &spec_json, &bytes, None).unwrap() }
     }
 

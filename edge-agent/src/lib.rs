@@ -20,10 +20,10 @@ pub mod daemon;
 pub mod inbox;
 pub mod inference;
 pub mod lifecycle;
-pub mod remote;
-pub mod renewal;
 pub mod ml;
 pub mod mqtt;
+pub mod remote;
+pub mod renewal;
 pub mod store;
 pub mod trainer;
 

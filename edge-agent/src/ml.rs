@@ -75,7 +75,9 @@ pub fn train_update(
     let out = trainer
         .train(ModelView { spec: &spec, weights: &global }, RoundJob { round: a.round, config: &a.config, seed, data: &data })
         .map_err(|e| format!("training: {e}"))?;
-    out.delta.check_layout(&spec.update_layout()).map_err(|e| format!("the trainer's update does not match the spec's update layout: {e}"))?;
+    out.delta
+        .check_layout(&spec.update_layout())
+        .map_err(|e| format!("the trainer's update does not match the spec's update layout: {e}"))?;
     out.delta.check_finite().map_err(|e| format!("the trainer's update: {e}"))?;
     if out.num_examples == 0 {
         return Err("the trainer trained on no examples".into());
@@ -97,7 +99,13 @@ pub fn train_update(
         payload_dtype: a.config.quantization,
     };
     let signed = Signed::sign(header, key);
-    Ok(TrainedUpdate { header: signed.encode(), payload, num_examples: out.num_examples, final_loss: out.loss, local_state: out.local_state })
+    Ok(TrainedUpdate {
+        header: signed.encode(),
+        payload,
+        num_examples: out.num_examples,
+        final_loss: out.loss,
+        local_state: out.local_state,
+    })
 }
 
 /// Health check: the candidate loads, its task metric on the holdout (accuracy, or minus the

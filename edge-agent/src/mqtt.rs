@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::SigningKey;
 use fedfleet_control::{ControlClient, ControlEvent, ControlEvents, UploadRejection};
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutNotice, RoundAnnouncement, Signed, SignedUpdate,
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutNotice, RoundAnnouncement, Signed,
+    SignedUpdate,
 };
 use serde::Deserialize;
 use tokio::sync::Notify;
@@ -213,7 +214,8 @@ impl<A: Aggregator> MqttAggregator<A> {
     async fn upload_mqtt(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {
         let signed = SignedUpdate::decode(signed_header).map_err(|e| TransportError(format!("mqtt upload: header: {e}")))?;
         let h = signed.body().clone();
-        let matches = |r: &Receipt| r.round == h.round && r.nonce == h.nonce && r.payload_digest == h.payload_digest && r.device == h.device;
+        let matches =
+            |r: &Receipt| r.round == h.round && r.nonce == h.nonce && r.payload_digest == h.payload_digest && r.device == h.device;
         self.mqtt_uploads.fetch_add(1, Ordering::Relaxed);
         // Queuing the frames can wait while the broker is away (the client's queue is bounded),
         // so the whole attempt, not only the wait for the receipt, is under the time limit.

@@ -21,10 +21,10 @@ use std::sync::{Arc, Mutex};
 
 use ed25519_dalek::VerifyingKey;
 use fedfleet_aggregator_client::client::{AggregatorClient, ClientError as AggError, UploadOutcome};
+use fedfleet_protocol::tuf::Verifier;
+use fedfleet_protocol::tuf::{Root, SignedMetadata};
 use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RoundAnnouncement};
 use fedfleet_registry_client::client::{ClientError as RegError, RegistryClient};
-use fedfleet_protocol::tuf::{Root, SignedMetadata};
-use fedfleet_protocol::tuf::Verifier;
 
 use crate::agent::Clock;
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
@@ -114,9 +114,7 @@ impl Aggregator for RemoteAggregator {
             )));
         }
         let Some(signed) = info.announcement else { return Ok(None) };
-        let a = signed
-            .verify(&self.receipt_key)
-            .map_err(|e| TransportError(format!("round announcement signature: {e}")))?;
+        let a = signed.verify(&self.receipt_key).map_err(|e| TransportError(format!("round announcement signature: {e}")))?;
         if &a.fleet != fleet {
             return Ok(None);
         }
@@ -135,10 +133,8 @@ impl Aggregator for RemoteAggregator {
         };
         match sent {
             Ok(UploadOutcome::Accepted(r)) => {
-                let receipt: Receipt = r
-                    .verify(&self.receipt_key)
-                    .map_err(|e| TransportError(format!("receipt not signed by the pinned key: {e}")))?
-                    .clone();
+                let receipt: Receipt =
+                    r.verify(&self.receipt_key).map_err(|e| TransportError(format!("receipt not signed by the pinned key: {e}")))?.clone();
                 self.record(signed_header, true);
                 Ok(UploadReply::Receipt(receipt))
             }
@@ -215,9 +211,7 @@ impl Registry for RemoteRegistry {
             Err(e) => return Err(reg_err(e)),
         };
         let root = self.root_body()?;
-        let body = signed
-            .verify(&root, device, self.clock.now_ms())
-            .map_err(|e| TransportError(format!("assignment refused: {e}")))?;
+        let body = signed.verify(&root, device, self.clock.now_ms()).map_err(|e| TransportError(format!("assignment refused: {e}")))?;
         Ok(body.to_notice())
     }
 

@@ -15,7 +15,6 @@ use fedfleet_durable::SpaceReserve;
 
 use fedfleet_protocol::Digest;
 
-
 /// Why the store refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -32,10 +31,7 @@ pub enum StoreError {
     #[error("blob {digest} on disk does not match its digest (damaged); it will be fetched again")]
     BlobCorrupt { digest: Digest },
     #[error("agent store I/O on {path}: {cause}")]
-    Io {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    Io { path: PathBuf, cause: std::io::Error },
 }
 
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.

@@ -40,7 +40,11 @@ impl RoundJob<'_> {
             local_epochs: c.local_epochs.max(1) as usize,
             batch_size: c.batch_size.max(1) as usize,
             learning_rate: c.learning_rate as f64,
-            optimizer: if c.optimizer.eq_ignore_ascii_case("adam") { OptimizerConfig::adam() } else { OptimizerConfig::Sgd { momentum: 0.0 } },
+            optimizer: if c.optimizer.eq_ignore_ascii_case("adam") {
+                OptimizerConfig::adam()
+            } else {
+                OptimizerConfig::Sgd { momentum: 0.0 }
+            },
             proximal_mu: c.proximal_mu as f64,
             max_steps: None,
         }

@@ -44,12 +44,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::wire::Request as AggRequest;
 use fedfleet_certs::{Pki, ServerIdentity};
 use fedfleet_learning::{ModelSpec, model::init_bundle};
 use fedfleet_protocol::{DeviceId, FleetId};
+use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use serde_json::{Value, json};
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
@@ -257,7 +257,17 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     println!("Per round:");
     println!(
         "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
-        "agents", "round", "accepted", "rejected", "round wall", "slowest train", "sum train", "overhead", "close->publish", "ingest", "MB recv"
+        "agents",
+        "round",
+        "accepted",
+        "rejected",
+        "round wall",
+        "slowest train",
+        "sum train",
+        "overhead",
+        "close->publish",
+        "ingest",
+        "MB recv"
     );
     for r in results {
         for row in r["rounds"].as_array().into_iter().flatten() {
@@ -354,7 +364,8 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let config = agg_dir.join("aggregator.toml");
     std::fs::write(&config, aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target))?;
     let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
-    let receipt_key = fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
+    let receipt_key =
+        fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
     Ok(Services {
         dir,
         _tmp: tmp,
@@ -388,7 +399,13 @@ struct CampaignRecord {
 
 /// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
 /// (if any) every `--poll-ms`; stops the aggregator and the registry.
-async fn run_campaign(args: &Args, sv: &mut Services, target: u32, mut fleet: Option<&mut RemoteFleet>, mut watch: impl FnMut()) -> anyhow::Result<CampaignRecord> {
+async fn run_campaign(
+    args: &Args,
+    sv: &mut Services,
+    target: u32,
+    mut fleet: Option<&mut RemoteFleet>,
+    mut watch: impl FnMut(),
+) -> anyhow::Result<CampaignRecord> {
     let poller = MetricsPoller::start(sv.metrics_addr);
     poller.wait_first(Duration::from_secs(30)).await?;
     let log = sv.agg_dir.join("aggregator.log");
@@ -660,7 +677,15 @@ async fn step_all(fleet: &mut RemoteFleet) -> anyhow::Result<()> {
     }
 }
 
-fn aggregator_toml(args: &Args, pki: &Pki, dir: &Path, initial: &Path, metrics: std::net::SocketAddr, registry: std::net::SocketAddr, target: u32) -> String {
+fn aggregator_toml(
+    args: &Args,
+    pki: &Pki,
+    dir: &Path,
+    initial: &Path,
+    metrics: std::net::SocketAddr,
+    registry: std::net::SocketAddr,
+    target: u32,
+) -> String {
     let hidden: Vec<String> = args.hidden.iter().map(|h| h.to_string()).collect();
     let over_selection = if args.sampling_rate >= 1.0 { 1.0 } else { 1.3 };
     format!(
@@ -874,7 +899,10 @@ impl MetricsPoller {
                     _ = stopped.changed() => return,
                     _ = tick.tick() => {}
                 }
-                let Ok(Ok((200, text))) = tokio::time::timeout(Duration::from_secs(2), fedfleet_http::scrape(addr, "/metrics")).await else { continue };
+                let Ok(Ok((200, text))) = tokio::time::timeout(Duration::from_secs(2), fedfleet_http::scrape(addr, "/metrics")).await
+                else {
+                    continue;
+                };
                 let s = parse_metrics(&text, Instant::now());
                 let mut last = l.lock().unwrap_or_else(|p| p.into_inner());
                 let changed = last.is_none_or(|l| l.counters() != s.counters());

@@ -33,7 +33,10 @@ struct Args {
 async fn main() -> ExitCode {
     let a = Args::parse();
     let o = PersonalizeOptions { agents: a.agents, rounds: a.rounds, alpha: a.alpha, epochs: a.epochs, seed: a.seed, ..Default::default() };
-    println!("personalize: {} agents, {} rounds of FedAvg on Dirichlet({}) shares, then {} epochs of local fine-tuning (SGD, lr {}, momentum 0.9)", o.agents, o.rounds, o.alpha, o.epochs, o.lr);
+    println!(
+        "personalize: {} agents, {} rounds of FedAvg on Dirichlet({}) shares, then {} epochs of local fine-tuning (SGD, lr {}, momentum 0.9)",
+        o.agents, o.rounds, o.alpha, o.epochs, o.lr
+    );
     let r = match personalize(&o).await {
         Ok(r) => r,
         Err(e) => {
@@ -46,7 +49,14 @@ async fn main() -> ExitCode {
     println!("{:<10} | {:>5} | {:>7} | {:>13} | {:>13}", "device", "train", "holdout", "global (local)", "personalized");
     println!("{:-<10}-+-{:->5}-+-{:->7}-+-{:->14}-+-{:->13}", "", "", "", "", "");
     for d in &r.devices {
-        println!("{:<10} | {:>5} | {:>7} | {:>12.2} % | {:>11.2} %", d.device, d.train_examples, d.holdout_examples, d.global * 100.0, d.personalized * 100.0);
+        println!(
+            "{:<10} | {:>5} | {:>7} | {:>12.2} % | {:>11.2} %",
+            d.device,
+            d.train_examples,
+            d.holdout_examples,
+            d.global * 100.0,
+            d.personalized * 100.0
+        );
     }
     let (global, personalized) = r.means();
     println!("{:<10} | {:>5} | {:>7} | {:>12.2} % | {:>11.2} %", "mean", "", "", global * 100.0, personalized * 100.0);

@@ -38,7 +38,14 @@ const ATTACK_EFFECT: f64 = 0.10;
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> ExitCode {
     let a = Args::parse();
-    let o = PoisonedOptions { agents: a.agents, rounds: a.rounds, hostile_fraction: a.hostile_fraction, clip_norm: a.clip_norm, seed: a.seed, ..Default::default() };
+    let o = PoisonedOptions {
+        agents: a.agents,
+        rounds: a.rounds,
+        hostile_fraction: a.hostile_fraction,
+        clip_norm: a.clip_norm,
+        seed: a.seed,
+        ..Default::default()
+    };
     let hostile = fedfleet::scenarios::hostile_agents(o.agents, o.hostile_fraction, &o.attacks);
     let who: Vec<String> = hostile.iter().enumerate().filter_map(|(i, x)| x.map(|x| format!("agent-{i:03} ({x})"))).collect();
     println!("poisoned: {} agents, {} rounds, Dirichlet(0.5) shares; hostile: {}", o.agents, o.rounds, who.join(", "));
@@ -65,7 +72,11 @@ async fn main() -> ExitCode {
     let attacked = |s: &str| rows.iter().skip(1).find(|r| r.strategy == s).map(|r| r.final_accuracy).unwrap_or(0.0);
     let mut failures = Vec::new();
     if attacked("fedavg") > clean - ATTACK_EFFECT {
-        failures.push(format!("FedAvg under attack ({:.2} %) is not {:.0} points below the clean run", attacked("fedavg") * 100.0, ATTACK_EFFECT * 100.0));
+        failures.push(format!(
+            "FedAvg under attack ({:.2} %) is not {:.0} points below the clean run",
+            attacked("fedavg") * 100.0,
+            ATTACK_EFFECT * 100.0
+        ));
     }
     for s in o.strategies.iter().filter(|s| *s != "fedavg") {
         if attacked(s) < DEFENDED_ACCURACY {

@@ -43,7 +43,10 @@ async fn main() -> ExitCode {
         damage: a.damage,
         seed: a.seed,
     };
-    println!("rollout: {} agents, {} rounds of FedAvg, then two rollouts (canary 10 % -> 100 %, auto-abort above 20 % failed health checks)", o.agents, o.rounds);
+    println!(
+        "rollout: {} agents, {} rounds of FedAvg, then two rollouts (canary 10 % -> 100 %, auto-abort above 20 % failed health checks)",
+        o.agents, o.rounds
+    );
     let r = match rollout_with_abort(&o, &Ui::new(false)).await {
         Ok(r) => r,
         Err(e) => {
@@ -52,7 +55,13 @@ async fn main() -> ExitCode {
         }
     };
     println!();
-    println!("good v{}: {:.2} % held-out accuracy; broken v{}: {:.2} %", r.good.version.0, r.good_accuracy * 100.0, r.broken.version.0, r.broken_accuracy * 100.0);
+    println!(
+        "good v{}: {:.2} % held-out accuracy; broken v{}: {:.2} %",
+        r.good.version.0,
+        r.good_accuracy * 100.0,
+        r.broken.version.0,
+        r.broken_accuracy * 100.0
+    );
     println!();
     println!("{:<28} | {:<17} | devices (serving version, last state)", "phase", "rollout");
     println!("{:-<28}-+-{:-<17}-+-{:-<40}", "", "", "");

@@ -54,7 +54,10 @@ struct Args {
 async fn main() -> ExitCode {
     let a = Args::parse();
     // Quiet unless RUST_LOG asks (e.g. RUST_LOG=info shows the services and agents at work).
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "off".into())).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "off".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let [full_lr, head_lr, lora_lr] = a.lr[..] else {
         eprintln!("transfer: --lr takes three values (full, head, lora), e.g. --lr 0.2,0.5,0.2");
         return ExitCode::from(2);
@@ -76,17 +79,31 @@ async fn main() -> ExitCode {
         lora_targets: a.lora_targets,
         lora_also_train: a.lora_also_train,
         lora_freeze_a: a.lora_freeze_a,
-        lora_init_a: if a.lora_init_a == "random" { fedfleet_learning::AdapterInit::Random } else { fedfleet_learning::AdapterInit::Principal },
+        lora_init_a: if a.lora_init_a == "random" {
+            fedfleet_learning::AdapterInit::Random
+        } else {
+            fedfleet_learning::AdapterInit::Principal
+        },
         lr: [full_lr, head_lr, lora_lr],
         optimizers: [full_opt, head_opt, lora_opt],
         seed: a.seed,
     };
-    println!("transfer: MLP 64-128-64-10 pre-trained on MNIST (8x8, {} epochs); {} agents fine-tune it on digits for {} rounds per mode", o.pretrain_epochs, o.agents, o.rounds);
+    println!(
+        "transfer: MLP 64-128-64-10 pre-trained on MNIST (8x8, {} epochs); {} agents fine-tune it on digits for {} rounds per mode",
+        o.pretrain_epochs, o.agents, o.rounds
+    );
     println!();
     println!("{:<5} | {:>9} | {:>14} | {:>9} | {:>9}", "mode", "trainable", "bytes/update", "before", "after");
     println!("{:-<5}-+-{:->9}-+-{:->14}-+-{:->9}-+-{:->9}", "", "", "", "", "");
     let r = match transfer(&o, |row| {
-        println!("{:<5} | {:>9} | {:>14.0} | {:>7.2} % | {:>7.2} %", row.mode, row.trainable, row.bytes_per_update, row.before * 100.0, row.after * 100.0);
+        println!(
+            "{:<5} | {:>9} | {:>14.0} | {:>7.2} % | {:>7.2} %",
+            row.mode,
+            row.trainable,
+            row.bytes_per_update,
+            row.before * 100.0,
+            row.after * 100.0
+        );
     })
     .await
     {
@@ -103,7 +120,13 @@ async fn main() -> ExitCode {
     for row in &r.rows {
         let share = row.bytes_per_update / full.bytes_per_update;
         let gap = (full.after - row.after) * 100.0;
-        println!("{:<5}: {:.1} % of full's bytes; {:+.2} points vs the pre-trained model; {:.2} points below full", row.mode, share * 100.0, (row.after - row.before) * 100.0, gap);
+        println!(
+            "{:<5}: {:.1} % of full's bytes; {:+.2} points vs the pre-trained model; {:.2} points below full",
+            row.mode,
+            share * 100.0,
+            (row.after - row.before) * 100.0,
+            gap
+        );
         if row.mode != "full" && share > 0.05 {
             println!("FAIL: {} moves more than 5 % of full's bytes", row.mode);
             ok = false;

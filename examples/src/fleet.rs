@@ -17,11 +17,11 @@ use std::time::Duration;
 use fedfleet_agent::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher};
 use fedfleet_agent::remote::{RemoteAggregator, RemoteRegistry};
-use fedfleet_testkit::sim::{AgentLinks, FleetOptions, RemoteFleet};
 use fedfleet_agent::{Clock, SystemClock};
 use fedfleet_control::{ClientOptions, ControlClient, Role};
 use fedfleet_learning::{Dataset, Partition};
 use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, RolloutNotice, RoundAnnouncement, RoundId};
+use fedfleet_testkit::sim::{AgentLinks, FleetOptions, RemoteFleet};
 
 use crate::attack::{Attack, HostileUplink};
 
@@ -162,7 +162,8 @@ impl Fleet {
         let mut controls = Vec::new();
         let mut publishers = Vec::new();
         let inner = RemoteFleet::start_with(o, |l: &AgentLinks| {
-            let hostile = extras.attacks.get(l.index).copied().flatten().map(|a| HostileUplink::new(a, l.identity.signing_key(), l.index as u64));
+            let hostile =
+                extras.attacks.get(l.index).copied().flatten().map(|a| HostileUplink::new(a, l.identity.signing_key(), l.index as u64));
             let (mqtt, downlink) = match &extras.mqtt {
                 None => (None, Downlink::Quic(l.registry.clone())),
                 Some(m) => {
@@ -257,7 +258,8 @@ impl Fleet {
     /// Waits (up to `timeout`) until every agent's MQTT client has received the announcement of
     /// `round`, so the next step finds it there rather than in a QUIC poll. Returns how many have.
     pub async fn wait_announced(&self, round: RoundId, timeout: Duration) -> usize {
-        let announced = || self.uplinks.iter().filter_map(|u| u.mqtt.as_ref()).filter(|m| m.announced().is_some_and(|a| a.round == round)).count();
+        let announced =
+            || self.uplinks.iter().filter_map(|u| u.mqtt.as_ref()).filter(|m| m.announced().is_some_and(|a| a.round == round)).count();
         let t = tokio::time::Instant::now();
         while self.has_mqtt() && announced() < self.len() && t.elapsed() < timeout {
             tokio::time::sleep(Duration::from_millis(5)).await;

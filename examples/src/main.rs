@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use fedfleet::demo::{self, DemoOptions};
-use fedfleet_cli::{InitLocalArgs, init_local_main};
 use fedfleet::scenarios::{PRETRAIN_EPOCHS, mnist_pretrained};
+use fedfleet_cli::{InitLocalArgs, init_local_main};
 
 #[derive(Parser)]
 #[command(name = "fedfleet", version, about = "fedfleet umbrella CLI")]

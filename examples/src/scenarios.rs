@@ -111,11 +111,9 @@ pub async fn poisoned(o: &PoisonedOptions, mut on_row: impl FnMut(&PoisonedRow))
             byzantine: Some(hostile.max(1)),
             ..quiet_options(o.agents, o.rounds, o.seed)
         };
-        let ((), report) = on_loopback(&d, &Ui::quiet(), async |lb, report| {
-            lb.train(&Ui::quiet(), d.rounds, report).await.map(|_| ())
-        })
-        .await
-        .with_context(|| format!("{strategy} campaign"))?;
+        let ((), report) = on_loopback(&d, &Ui::quiet(), async |lb, report| lb.train(&Ui::quiet(), d.rounds, report).await.map(|_| ()))
+            .await
+            .with_context(|| format!("{strategy} campaign"))?;
         let row = PoisonedRow {
             strategy,
             hostile: hostile_here,
@@ -187,8 +185,16 @@ pub async fn personalize(o: &PersonalizeOptions) -> anyhow::Result<PersonalizeRe
         let model = lb.train(&Ui::quiet(), d.rounds, report).await?;
         let global = lb.global_model()?;
         let spec = lb.spec.clone();
-        let shares: Vec<_> = (0..lb.fleet.len()).map(|i| (lb.fleet.ids[i].to_string(), lb.fleet.local_data(i).train.clone(), lb.fleet.local_data(i).holdout.clone())).collect();
-        let cfg = TrainConfig { local_epochs: o.epochs, batch_size: 16, learning_rate: o.lr, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
+        let shares: Vec<_> = (0..lb.fleet.len())
+            .map(|i| (lb.fleet.ids[i].to_string(), lb.fleet.local_data(i).train.clone(), lb.fleet.local_data(i).holdout.clone()))
+            .collect();
+        let cfg = TrainConfig {
+            local_epochs: o.epochs,
+            batch_size: 16,
+            learning_rate: o.lr,
+            optimizer: OptimizerConfig::Sgd { momentum: 0.9 },
+            ..Default::default()
+        };
         let seed = o.seed;
         let g = global.clone();
         // Training is CPU work: off the runtime threads the MQTT clients run on.
@@ -215,7 +221,11 @@ pub async fn personalize(o: &PersonalizeOptions) -> anyhow::Result<PersonalizeRe
             Ok(out)
         })
         .await??;
-        Ok(PersonalizeReport { global_test_accuracy: evaluate(&lb.spec, &global, &lb.test)?.accuracy, global_version: model.version, devices })
+        Ok(PersonalizeReport {
+            global_test_accuracy: evaluate(&lb.spec, &global, &lb.test)?.accuracy,
+            global_version: model.version,
+            devices,
+        })
     })
     .await?;
     Ok(report)
@@ -276,19 +286,31 @@ pub async fn rollout_with_abort(o: &RolloutScenarioOptions, ui: &Ui) -> anyhow::
     let (report, _) = on_loopback(&d, &Ui::quiet(), async |lb, report| {
         let mut steps = Vec::new();
         let good = lb.train(&Ui::quiet(), d.rounds, report).await?;
-        steps.push(RolloutStep { what: format!("campaign: {} rounds -> v{}", d.rounds, good.version.0), status: "-".into(), devices: lb.fleet.states_summary() });
+        steps.push(RolloutStep {
+            what: format!("campaign: {} rounds -> v{}", d.rounds, good.version.0),
+            status: "-".into(),
+            devices: lb.fleet.states_summary(),
+        });
 
         // The good version: canary 10 % -> 100 %.
         let plan = RolloutPlan::canary(o.soak);
         ui.line(format!("rollout of the good version v{}", good.version.0));
         let first = rollout(ui, &lb.op, &mut lb.fleet, &good, &plan).await?;
-        steps.push(RolloutStep { what: format!("rollout v{} (good)", good.version.0), status: first.status.clone(), devices: lb.fleet.states_summary() });
+        steps.push(RolloutStep {
+            what: format!("rollout v{} (good)", good.version.0),
+            status: first.status.clone(),
+            devices: lb.fleet.states_summary(),
+        });
 
         // The broken version: the good weights plus noise, published by the operator.
         let good_bundle = lb.global_model()?;
         let broken_bundle = lsim::apply_delta(&good_bundle, &gaussian_like(&good_bundle, o.damage, o.seed)?, 1.0)?;
         let broken = publish(lb, &broken_bundle, good.version).await?;
-        steps.push(RolloutStep { what: format!("publish v{} (broken)", broken.version.0), status: "-".into(), devices: lb.fleet.states_summary() });
+        steps.push(RolloutStep {
+            what: format!("publish v{} (broken)", broken.version.0),
+            status: "-".into(),
+            devices: lb.fleet.states_summary(),
+        });
 
         // Same plan; the first failed health check is enough to abort.
         ui.line(format!("rollout of the broken version v{}", broken.version.0));
@@ -438,7 +460,13 @@ pub fn mnist_pretrained(seed: u64, epochs: usize) -> anyhow::Result<(crate::demo
     let spec = ModelSpec::Graph(ModelSpec::Mlp { input: vec![64], hidden: vec![128, 64], classes: 10 }.to_graph());
     let (source_train, source_test) = mnist_as_digits()?.split(0.2, seed);
     let init = init_bundle(&spec, seed)?;
-    let cfg = TrainConfig { local_epochs: epochs, batch_size: 32, learning_rate: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.9 }, ..Default::default() };
+    let cfg = TrainConfig {
+        local_epochs: epochs,
+        batch_size: 32,
+        learning_rate: 0.05,
+        optimizer: OptimizerConfig::Sgd { momentum: 0.9 },
+        ..Default::default()
+    };
     let out = fedfleet_learning::train_local(&spec, &init, &source_train, &cfg, seed)?;
     let initial = lsim::apply_delta(&init, &out.delta, 1.0)?;
     let accuracy = evaluate(&spec, &initial, &source_test)?.accuracy;
@@ -497,7 +525,14 @@ pub async fn transfer(o: &TransferOptions, mut on_row: impl FnMut(&TransferRow))
     };
     let head = with(FineTune::Freeze { trainable: Some(vec!["fc3.*".into()]), frozen: Vec::new() });
     let rank = o.lora_rank;
-    let lora = with(FineTune::Lora { rank, alpha: Real(rank as f64), targets: Some(o.lora_targets.clone()), also_train: o.lora_also_train.clone(), freeze_a: o.lora_freeze_a, init_a: o.lora_init_a });
+    let lora = with(FineTune::Lora {
+        rank,
+        alpha: Real(rank as f64),
+        targets: Some(o.lora_targets.clone()),
+        also_train: o.lora_also_train.clone(),
+        freeze_a: o.lora_freeze_a,
+        init_a: o.lora_init_a,
+    });
     let lora_initial = attach_adapters(&lora, &pretrained, o.seed)?;
     let mut rows = Vec::new();
     let modes = [("full", full, pretrained.clone()), ("head", head, pretrained.clone()), ("lora", lora, lora_initial)];

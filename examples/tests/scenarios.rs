@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use fedfleet::demo::Ui;
 use fedfleet::scenarios::{
-    PersonalizeOptions, PoisonedOptions, RolloutScenarioOptions, TransferOptions, personalize, poisoned,
-    rollout_with_abort, transfer,
+    PersonalizeOptions, PoisonedOptions, RolloutScenarioOptions, TransferOptions, personalize, poisoned, rollout_with_abort, transfer,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,6 +61,9 @@ async fn a_pretrained_model_is_fine_tuned_full_head_only_and_with_lora() {
     assert_eq!(lora.published.spec["layers"][1]["name"], "fc1");
     assert!(lora.published.spec.get("finetune").is_none(), "{}", lora.published.spec);
     let adapter = lora.published.adapter.as_ref().expect("LoRA lineage recorded");
-    assert_eq!((adapter.method.as_str(), adapter.rank, adapter.tensors.clone()), ("lora", o.lora_rank as u32, vec!["fc2.weight".to_string(), "fc3.weight".to_string()]));
+    assert_eq!(
+        (adapter.method.as_str(), adapter.rank, adapter.tensors.clone()),
+        ("lora", o.lora_rank as u32, vec!["fc2.weight".to_string(), "fc3.weight".to_string()])
+    );
     assert!(full.published.adapter.is_none() && head.published.adapter.is_none());
 }

@@ -85,14 +85,15 @@ pub async fn bind(addr: SocketAddr, allow_public: bool) -> std::io::Result<tokio
 
 /// The router: `GET /metrics`; every other path is 404.
 pub fn router(source: Arc<dyn MetricsSource>) -> axum::Router {
-    axum::Router::new().route(
-        "/metrics",
-        get(move || {
-            let source = source.clone();
-            async move { ([(header::CONTENT_TYPE, CONTENT_TYPE)], source.render()) }
-        }),
-    )
-    .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n").into_response() })
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let source = source.clone();
+                async move { ([(header::CONTENT_TYPE, CONTENT_TYPE)], source.render()) }
+            }),
+        )
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n").into_response() })
 }
 
 /// Serves [`router`] on `listener` until the task is dropped.

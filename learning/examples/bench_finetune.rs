@@ -50,11 +50,17 @@ fn setup(name: &str) -> (ModelSpec, fedfleet_protocol::bundle::TensorBundle, Dat
         "mlp-freeze-head" => mlp(r#","finetune":{"mode":"freeze","trainable":["fc2.*"]}"#),
         "mlp-lora4" => mlp(r#","finetune":{"mode":"lora","rank":4,"alpha":8}"#),
         "resnet-bn" => graph(include_str!("../tests/fixtures/example_model.json")),
-        "gru" => graph(r#"{"arch":"graph","input":[8,8],"layers":[{"type":"gru","hidden_size":32,"output":"last"},{"type":"linear","out_features":10}]}"#),
-        "attention" => graph(r#"{"arch":"graph","input":[8,8],"layers":[{"type":"linear","out_features":32},{"type":"multihead_attention","num_heads":4},
-            {"type":"layer_norm"},{"type":"global_avg_pool"},{"type":"linear","out_features":10}]}"#),
-        "autoencoder" => graph(r#"{"arch":"graph","input":[64],"task":"reconstruction","layers":[{"type":"linear","out_features":16},{"type":"relu"},
-            {"type":"linear","out_features":64}]}"#),
+        "gru" => graph(
+            r#"{"arch":"graph","input":[8,8],"layers":[{"type":"gru","hidden_size":32,"output":"last"},{"type":"linear","out_features":10}]}"#,
+        ),
+        "attention" => graph(
+            r#"{"arch":"graph","input":[8,8],"layers":[{"type":"linear","out_features":32},{"type":"multihead_attention","num_heads":4},
+            {"type":"layer_norm"},{"type":"global_avg_pool"},{"type":"linear","out_features":10}]}"#,
+        ),
+        "autoencoder" => graph(
+            r#"{"arch":"graph","input":[64],"task":"reconstruction","layers":[{"type":"linear","out_features":16},{"type":"relu"},
+            {"type":"linear","out_features":64}]}"#,
+        ),
         other => panic!("unknown preset {other}; one of {PRESETS:?}"),
     };
     // Digits (64 values) fit every preset but the image one, which gets random 3x16x16 data.

@@ -63,7 +63,9 @@ fn bench(name: &str, spec: &ModelSpec, train: &Dataset, test: &Dataset, epochs: 
 fn main() {
     let t = Instant::now();
     if cfg!(debug_assertions) {
-        println!("command: cargo run -p fedfleet-learning --example bench_learning   (dev profile: this crate opt-level 1, deps opt-level 2)");
+        println!(
+            "command: cargo run -p fedfleet-learning --example bench_learning   (dev profile: this crate opt-level 1, deps opt-level 2)"
+        );
     } else {
         println!("command: cargo run --release -p fedfleet-learning --example bench_learning");
     }

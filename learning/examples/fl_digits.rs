@@ -46,17 +46,7 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        clients: 20,
-        alpha: 0.5,
-        rounds: 30,
-        seed: 42,
-        epochs: 2,
-        batch: 16,
-        lr: 0.05,
-        momentum: 0.9,
-        dump: None,
-    };
+    let mut a = Args { clients: 20, alpha: 0.5, rounds: 30, seed: 42, epochs: 2, batch: 16, lr: 0.05, momentum: 0.9, dump: None };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -190,10 +180,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let t = Instant::now();
     let (_, curve) = run_fedavg(&cfg, &train, &test, |r| {
-        println!(
-            "RESULT round={} accuracy={:.6} loss={:.6} train_loss={:.6}",
-            r.round, r.accuracy, r.loss, r.train_loss
-        )
+        println!("RESULT round={} accuracy={:.6} loss={:.6} train_loss={:.6}", r.round, r.accuracy, r.loss, r.train_loss)
     })?;
     let wall = t.elapsed().as_secs_f64();
     println!("RESULT wall_seconds={wall:.3}");

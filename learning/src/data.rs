@@ -125,9 +125,7 @@ impl CsvOptions {
 fn maybe_gunzip(bytes: &[u8], what: &str) -> Result<Vec<u8>, DataError> {
     if bytes.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
-        GzDecoder::new(bytes)
-            .read_to_end(&mut out)
-            .map_err(|cause| DataError::Gzip { what: what.to_string(), cause })?;
+        GzDecoder::new(bytes).read_to_end(&mut out).map_err(|cause| DataError::Gzip { what: what.to_string(), cause })?;
         Ok(out)
     } else {
         Ok(bytes.to_vec())
@@ -188,10 +186,7 @@ impl Dataset {
     /// Same data, another example shape of the same size (e.g. `[64]` → `[1, 8, 8]`).
     pub fn reshaped(mut self, shape: Vec<usize>) -> Result<Dataset, DataError> {
         if shape.iter().product::<usize>() != self.example_len() {
-            return Err(DataError::Mismatch(format!(
-                "cannot reshape examples of {:?} to {:?}",
-                self.shape, shape
-            )));
+            return Err(DataError::Mismatch(format!("cannot reshape examples of {:?} to {:?}", self.shape, shape)));
         }
         self.shape = shape;
         Ok(self)
@@ -285,7 +280,10 @@ impl Dataset {
             };
             let non_features = usize::from(label_col.is_some()) + target_cols;
             if ncols <= non_features {
-                return Err(err(line_no, format!("{ncols} columns leave no feature column beside the {non_features} label/target columns")));
+                return Err(err(
+                    line_no,
+                    format!("{ncols} columns leave no feature column beside the {non_features} label/target columns"),
+                ));
             }
             if label_col.is_none() {
                 labels.push(0);
@@ -298,9 +296,7 @@ impl Dataset {
                     }
                     targets.push(v);
                 } else if Some(c) == label_col {
-                    let v: f64 = f
-                        .parse()
-                        .map_err(|_| err(line_no, format!("column {}: label {f:?} is not a number", c + 1)))?;
+                    let v: f64 = f.parse().map_err(|_| err(line_no, format!("column {}: label {f:?} is not a number", c + 1)))?;
                     if !(v >= 0.0 && v.fract() == 0.0 && v < u32::MAX as f64) {
                         return Err(err(line_no, format!("column {}: label {f:?} is not a non-negative integer", c + 1)));
                     }
@@ -311,9 +307,7 @@ impl Dataset {
                     }
                     labels.push(v as u32);
                 } else {
-                    let v: f32 = f
-                        .parse()
-                        .map_err(|_| err(line_no, format!("column {}: {f:?} is not a number", c + 1)))?;
+                    let v: f32 = f.parse().map_err(|_| err(line_no, format!("column {}: {f:?} is not a number", c + 1)))?;
                     if !v.is_finite() {
                         return Err(err(line_no, format!("column {}: {f:?} is not finite", c + 1)));
                     }
@@ -332,14 +326,9 @@ impl Dataset {
             };
         let shape = options.shape.clone().unwrap_or_else(|| vec![nfeat]);
         if shape.iter().product::<usize>() != nfeat {
-            return Err(DataError::Mismatch(format!(
-                "{what}: rows have {nfeat} feature columns but the example shape is {shape:?}"
-            )));
+            return Err(DataError::Mismatch(format!("{what}: rows have {nfeat} feature columns but the example shape is {shape:?}")));
         }
-        let num_classes = options
-            .num_classes
-            .unwrap_or_else(|| labels.iter().max().map_or(0, |&m| m as usize + 1))
-            .max(2);
+        let num_classes = options.num_classes.unwrap_or_else(|| labels.iter().max().map_or(0, |&m| m as usize + 1)).max(2);
         options.normalization.apply(&mut features);
         Ok(Dataset { features, labels, targets, shape, num_classes })
     }
@@ -420,7 +409,10 @@ fn parse_idx(bytes: &[u8], what: &str) -> Result<Idx, DataError> {
         return Err(err(0, format!("file is {} bytes, shorter than the 4-byte magic", bytes.len())));
     }
     if bytes[0] != 0 || bytes[1] != 0 {
-        return Err(err(0, format!("bad magic {:02x}{:02x}{:02x}{:02x}: must start with two zero bytes", bytes[0], bytes[1], bytes[2], bytes[3])));
+        return Err(err(
+            0,
+            format!("bad magic {:02x}{:02x}{:02x}{:02x}: must start with two zero bytes", bytes[0], bytes[1], bytes[2], bytes[3]),
+        ));
     }
     if bytes[2] != 0x08 {
         return Err(err(2, format!("data type 0x{:02x} is not supported (only 0x08, unsigned byte)", bytes[2])));
@@ -438,18 +430,12 @@ fn parse_idx(bytes: &[u8], what: &str) -> Result<Idx, DataError> {
     for d in 0..ndim {
         let o = 4 + 4 * d;
         let v = u32::from_be_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]) as usize;
-        total = total
-            .checked_mul(v)
-            .filter(|&t| t <= 1 << 32)
-            .ok_or_else(|| err(o, "dimensions overflow".into()))?;
+        total = total.checked_mul(v).filter(|&t| t <= 1 << 32).ok_or_else(|| err(o, "dimensions overflow".into()))?;
         dims.push(v);
     }
     let have = bytes.len() - header_len;
     if have != total {
-        return Err(err(
-            bytes.len().min(header_len + total),
-            format!("dimensions {dims:?} need {total} data bytes, file has {have}"),
-        ));
+        return Err(err(bytes.len().min(header_len + total), format!("dimensions {dims:?} need {total} data bytes, file has {have}")));
     }
     Ok(Idx { dims, data: bytes[header_len..].to_vec(), header_len })
 }

@@ -143,11 +143,7 @@ pub fn anomaly_scores(model: &Model, features: &[f32], n: usize) -> Result<Vec<f
     }
     let out = logits_of(model, features, n)?;
     let f = model.spec().input_len();
-    Ok(out
-        .chunks(f)
-        .zip(features.chunks(f))
-        .map(|(o, x)| reconstruction_error(o, x))
-        .collect())
+    Ok(out.chunks(f).zip(features.chunks(f)).map(|(o, x)| reconstruction_error(o, x)).collect())
 }
 
 /// Mean squared error between a reconstruction and its input.
@@ -158,10 +154,7 @@ fn reconstruction_error(out: &[f32], x: &[f32]) -> f32 {
 fn logits_of(model: &Model, features: &[f32], n: usize) -> Result<Vec<f32>, LearningError> {
     let f = model.spec().input_len();
     if features.len() != n * f {
-        return Err(LearningError::InputMismatch(format!(
-            "{} values for {n} examples of {f} values",
-            features.len()
-        )));
+        return Err(LearningError::InputMismatch(format!("{} values for {n} examples of {f} values", features.len())));
     }
     let x: Tensor<2> = Tensor::from_data(TensorData::new(features.to_vec(), [n, f]), model.device());
     read(model.forward(x)?)

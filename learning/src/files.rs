@@ -87,9 +87,8 @@ pub fn read_npz(bytes: &[u8], what: &str, names: &[&str]) -> Result<Vec<NpyArray
     let mut out = Vec::with_capacity(names.len());
     for name in names {
         let entry_name = format!("{name}.npy");
-        let mut entry = zip.by_name(&entry_name).map_err(|_| {
-            npy_err(what, format!("no array {name:?} (the archive has {:?})", zip_names(bytes)))
-        })?;
+        let mut entry =
+            zip.by_name(&entry_name).map_err(|_| npy_err(what, format!("no array {name:?} (the archive has {:?})", zip_names(bytes))))?;
         if entry.size() > bytes.len() as u64 * 1032 {
             // deflate cannot expand more than ~1032:1; a larger claim is a forged header.
             return Err(npy_err(what, format!("{entry_name} claims {} bytes", entry.size())));
@@ -116,7 +115,12 @@ impl Dataset {
     /// optional labels: an integer array `[n]` gives classification labels (classes = max + 1,
     /// at least 2), a float array `[n]` or `[n, k]` gives regression targets; without labels
     /// the set serves reconstruction. `normalization` applies to the features.
-    pub fn from_arrays(features: NpyArray, labels: Option<NpyArray>, what: &str, normalization: Normalization) -> Result<Dataset, DataError> {
+    pub fn from_arrays(
+        features: NpyArray,
+        labels: Option<NpyArray>,
+        what: &str,
+        normalization: Normalization,
+    ) -> Result<Dataset, DataError> {
         let n = *features.shape.first().ok_or_else(|| npy_err(what, "features are a scalar, expected [examples, ...]"))?;
         if n == 0 {
             return Err(DataError::Empty(what.to_string()));
@@ -129,7 +133,10 @@ impl Dataset {
             return Err(npy_err(what, format!("examples of shape {shape:?}: need 1 to 3 non-empty dimensions")));
         }
         if let Some(i) = features.values.iter().position(|v| !v.is_finite()) {
-            return Err(npy_err(what, format!("feature value {} of example {} is not finite", i % (features.values.len() / n), i / (features.values.len() / n))));
+            return Err(npy_err(
+                what,
+                format!("feature value {} of example {} is not finite", i % (features.values.len() / n), i / (features.values.len() / n)),
+            ));
         }
         let mut features_v = features.values;
         normalization.apply(&mut features_v);
@@ -168,7 +175,12 @@ impl Dataset {
 
     /// Loads arrays from an `.npz` archive: `features_key` (e.g. `"x"`) and optionally
     /// `labels_key` (e.g. `"y"`), as written by `np.savez(path, x=..., y=...)`.
-    pub fn load_npz(path: impl AsRef<Path>, features_key: &str, labels_key: Option<&str>, normalization: Normalization) -> Result<Dataset, DataError> {
+    pub fn load_npz(
+        path: impl AsRef<Path>,
+        features_key: &str,
+        labels_key: Option<&str>,
+        normalization: Normalization,
+    ) -> Result<Dataset, DataError> {
         let path = path.as_ref();
         let what = path.display().to_string();
         let bytes = read_file(path)?;
@@ -209,8 +221,7 @@ impl ImageFolderOptions {
 /// torchvision's `ToTensor`.
 pub fn load_image(path: &Path, options: &ImageFolderOptions) -> Result<Vec<f32>, DataError> {
     let bytes = read_file(path)?;
-    let img = image::load_from_memory(&bytes)
-        .map_err(|e| DataError::Image { path: path.to_path_buf(), reason: e.to_string() })?;
+    let img = image::load_from_memory(&bytes).map_err(|e| DataError::Image { path: path.to_path_buf(), reason: e.to_string() })?;
     let (w, h) = (options.width as u32, options.height as u32);
     let plane = options.height * options.width;
     let mut out = vec![0.0f32; options.channels * plane];

@@ -3,7 +3,7 @@
 //! over a new global model.
 
 use crate::error::LearningError;
-use crate::graph::{AdapterInit, FineTune, Op, Node};
+use crate::graph::{AdapterInit, FineTune, Node, Op};
 use crate::model::init_bundle;
 use crate::spec::ModelSpec;
 use fedfleet_protocol::bundle::TensorBundle;
@@ -61,9 +61,12 @@ fn principal_directions(w: &[f32], fan: usize, r: usize) -> Vec<f32> {
         }
     }
     // Start from a fixed, full-rank basis; 200 iterations settle a 128-wide Gram matrix.
-    let mut q: Vec<Vec<f64>> = (0..r).map(|k| (0..fan).map(|i| 1.0 / (1.0 + ((i * 7 + k * 13) % 17) as f64) + if i % r == k { 1.0 } else { 0.0 }).collect()).collect();
+    let mut q: Vec<Vec<f64>> = (0..r)
+        .map(|k| (0..fan).map(|i| 1.0 / (1.0 + ((i * 7 + k * 13) % 17) as f64) + if i % r == k { 1.0 } else { 0.0 }).collect())
+        .collect();
     for _ in 0..200 {
-        let mut next: Vec<Vec<f64>> = q.iter().map(|v| (0..fan).map(|i| (0..fan).map(|j| gram[i * fan + j] * v[j]).sum()).collect()).collect();
+        let mut next: Vec<Vec<f64>> =
+            q.iter().map(|v| (0..fan).map(|i| (0..fan).map(|j| gram[i * fan + j] * v[j]).sum()).collect()).collect();
         for k in 0..next.len() {
             let (done, rest) = next.split_at_mut(k);
             let v = &mut rest[0];
@@ -105,9 +108,7 @@ pub fn merge_lora(spec: &ModelSpec, bundle: &TensorBundle) -> Result<TensorBundl
     fn walk(nodes: &[Node], out: &mut Vec<(usize, usize, usize, f64)>) {
         for n in nodes {
             match &n.op {
-                Op::Linear { weight, lora: Some(l), .. } | Op::Conv { weight, lora: Some(l), .. } => {
-                    out.push((*weight, l.a, l.b, l.scale))
-                }
+                Op::Linear { weight, lora: Some(l), .. } | Op::Conv { weight, lora: Some(l), .. } => out.push((*weight, l.a, l.b, l.scale)),
                 Op::Residual { body, shortcut } => {
                     walk(body, out);
                     walk(shortcut, out);
@@ -156,10 +157,7 @@ pub fn overlay_local(global: &TensorBundle, local_state: &TensorBundle) -> Resul
         let t = match local_state.get(name) {
             Some(local) if local.shape == t.shape => local,
             Some(local) => {
-                return Err(LearningError::Layout(format!(
-                    "local {name} has shape {:?}, the global model {:?}",
-                    local.shape, t.shape
-                )));
+                return Err(LearningError::Layout(format!("local {name} has shape {:?}, the global model {:?}", local.shape, t.shape)));
             }
             None => t,
         };

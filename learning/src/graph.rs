@@ -288,7 +288,9 @@ pub enum Layer {
     /// Mean over every dimension after the channels: `[C, ...] -> [C]`.
     GlobalAvgPool,
     /// `nn.Dropout(p)`: active in training only (seeded), identity in evaluation.
-    Dropout { p: Real },
+    Dropout {
+        p: Real,
+    },
     /// `nn.Embedding` as the first layer: the example's values are token ids `[L] -> [L, dim]`;
     /// `weight [num_embeddings, embedding_dim]`.
     Embedding {
@@ -328,7 +330,9 @@ pub enum Layer {
         num_heads: usize,
     },
     /// Reshapes one example (row-major, like `torch.reshape` after the batch dimension).
-    Reshape { shape: Vec<usize> },
+    Reshape {
+        shape: Vec<usize>,
+    },
     /// Flattens one example to one dimension (`nn.Flatten()`).
     Flatten,
     Relu,
@@ -475,18 +479,78 @@ pub struct LoraSlots {
 /// A compiled layer.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
-    Linear { weight: usize, bias: Option<usize>, lora: Option<LoraSlots> },
-    Conv { dims: usize, weight: usize, bias: Option<usize>, stride: usize, padding: usize, dilation: usize, groups: usize, lora: Option<LoraSlots> },
-    BatchNorm { weight: usize, bias: usize, mean: usize, var: usize, count: usize, eps: f64, momentum: f64 },
-    LayerNorm { weight: usize, bias: usize, eps: f64 },
-    MaxPool { dims: usize, kernel: usize, stride: usize, padding: usize },
-    AvgPool { dims: usize, kernel: usize, stride: usize, padding: usize },
+    Linear {
+        weight: usize,
+        bias: Option<usize>,
+        lora: Option<LoraSlots>,
+    },
+    Conv {
+        dims: usize,
+        weight: usize,
+        bias: Option<usize>,
+        stride: usize,
+        padding: usize,
+        dilation: usize,
+        groups: usize,
+        lora: Option<LoraSlots>,
+    },
+    BatchNorm {
+        weight: usize,
+        bias: usize,
+        mean: usize,
+        var: usize,
+        count: usize,
+        eps: f64,
+        momentum: f64,
+    },
+    LayerNorm {
+        weight: usize,
+        bias: usize,
+        eps: f64,
+    },
+    MaxPool {
+        dims: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+    },
+    AvgPool {
+        dims: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+    },
     GlobalAvgPool,
-    Dropout { p: f64 },
-    Embedding { weight: usize, num: usize },
-    Gru { w_ih: usize, w_hh: usize, b_ih: usize, b_hh: usize, hidden: usize, last: bool },
-    Lstm { w_ih: usize, w_hh: usize, b_ih: usize, b_hh: usize, hidden: usize, last: bool },
-    Attention { in_w: usize, in_b: usize, out_w: usize, out_b: usize, heads: usize },
+    Dropout {
+        p: f64,
+    },
+    Embedding {
+        weight: usize,
+        num: usize,
+    },
+    Gru {
+        w_ih: usize,
+        w_hh: usize,
+        b_ih: usize,
+        b_hh: usize,
+        hidden: usize,
+        last: bool,
+    },
+    Lstm {
+        w_ih: usize,
+        w_hh: usize,
+        b_ih: usize,
+        b_hh: usize,
+        hidden: usize,
+        last: bool,
+    },
+    Attention {
+        in_w: usize,
+        in_b: usize,
+        out_w: usize,
+        out_b: usize,
+        heads: usize,
+    },
     Reshape,
     Relu,
     Gelu,
@@ -495,7 +559,10 @@ pub enum Op {
     Silu,
     LeakyRelu(f64),
     Softmax,
-    Residual { body: Vec<Node>, shortcut: Vec<Node> },
+    Residual {
+        body: Vec<Node>,
+        shortcut: Vec<Node>,
+    },
     /// Layers applied in order (the two halves of a separable convolution).
     Sequence(Vec<Node>),
 }
@@ -591,9 +658,7 @@ impl GraphSpec {
         match self.task {
             Task::Classification => {
                 if output.len() != 1 || output[0] < 2 {
-                    return bad(format!(
-                        "classification needs an output of [classes >= 2] logits, the last layer gives {output:?}"
-                    ));
+                    return bad(format!("classification needs an output of [classes >= 2] logits, the last layer gives {output:?}"));
                 }
             }
             Task::Regression => {}
@@ -765,11 +830,7 @@ impl Builder<'_> {
             if v == 0 || v > 1 << 20 { Err(bad(format!("{what} {v} must be in 1..=1048576"))) } else { Ok(()) }
         };
         let rank = |want: usize, form: &str| -> Result<(), LearningError> {
-            if input.len() != want {
-                Err(bad(format!("expects input {form} but gets {input:?}")))
-            } else {
-                Ok(())
-            }
+            if input.len() != want { Err(bad(format!("expects input {form} but gets {input:?}"))) } else { Ok(()) }
         };
         let declared = match layer {
             Layer::Linear { in_features: Some(n), .. } => Some(("in_features", *n, *input.last().expect("non-empty"), "features")),
@@ -800,7 +861,13 @@ impl Builder<'_> {
             | Layer::Conv2d { out_channels, kernel_size, stride, padding, dilation, groups, bias, .. } => {
                 let dims = if matches!(layer, Layer::Conv1d { .. }) { 1 } else { 2 };
                 rank(dims + 1, if dims == 1 { "[channels, length]" } else { "[channels, height, width]" })?;
-                for (what, v) in [("out_channels", *out_channels), ("kernel_size", *kernel_size), ("stride", *stride), ("dilation", *dilation), ("groups", *groups)] {
+                for (what, v) in [
+                    ("out_channels", *out_channels),
+                    ("kernel_size", *kernel_size),
+                    ("stride", *stride),
+                    ("dilation", *dilation),
+                    ("groups", *groups),
+                ] {
                     positive(what, v)?;
                 }
                 if *padding > 1 << 20 {
@@ -808,9 +875,7 @@ impl Builder<'_> {
                 }
                 let cin = input[0];
                 if !cin.is_multiple_of(*groups) || !out_channels.is_multiple_of(*groups) {
-                    return Err(bad(format!(
-                        "groups {groups} must divide in_channels {cin} and out_channels {out_channels}"
-                    )));
+                    return Err(bad(format!("groups {groups} must divide in_channels {cin} and out_channels {out_channels}")));
                 }
                 let mut out = vec![*out_channels];
                 for &len in &input[1..] {
@@ -825,7 +890,8 @@ impl Builder<'_> {
                     .filter(|&n| n <= MAX_ELEMENTS)
                     .ok_or_else(|| bad(format!("kernel {kernel_size} over {cin} channels is too large")))?;
                 let (weight, bias, lora) = self.weight_bias(prefix, wshape, fan_in, *bias, false);
-                let op = Op::Conv { dims, weight, bias, stride: *stride, padding: *padding, dilation: 1.max(*dilation), groups: *groups, lora };
+                let op =
+                    Op::Conv { dims, weight, bias, stride: *stride, padding: *padding, dilation: 1.max(*dilation), groups: *groups, lora };
                 (op, out)
             }
             Layer::SeparableConv2d { out_channels, kernel_size, stride, padding, bias, .. } => {
@@ -839,12 +905,14 @@ impl Builder<'_> {
                 let c = input[0];
                 let mut mid = vec![c];
                 for &len in &input[1..] {
-                    mid.push(conv_out(len, *kernel_size, *stride, *padding, 1).ok_or_else(|| {
-                        bad(format!("kernel {kernel_size} (padding {padding}) is larger than the input {input:?}"))
-                    })?);
+                    mid.push(
+                        conv_out(len, *kernel_size, *stride, *padding, 1)
+                            .ok_or_else(|| bad(format!("kernel {kernel_size} (padding {padding}) is larger than the input {input:?}")))?,
+                    );
                 }
                 let dw_prefix = format!("{prefix}.depthwise");
-                let (w1, b1, l1) = self.weight_bias(&dw_prefix, vec![c, 1, *kernel_size, *kernel_size], kernel_size * kernel_size, *bias, false);
+                let (w1, b1, l1) =
+                    self.weight_bias(&dw_prefix, vec![c, 1, *kernel_size, *kernel_size], kernel_size * kernel_size, *bias, false);
                 let pw_prefix = format!("{prefix}.pointwise");
                 let (w2, b2, l2) = self.weight_bias(&pw_prefix, vec![*out_channels, c, 1, 1], c, *bias, false);
                 let out = vec![*out_channels, mid[1], mid[2]];
@@ -901,9 +969,10 @@ impl Builder<'_> {
                 }
                 let mut out = vec![input[0]];
                 for &len in &input[1..] {
-                    out.push(conv_out(len, *kernel_size, stride, *padding, 1).ok_or_else(|| {
-                        bad(format!("kernel {kernel_size} is larger than the input {input:?}"))
-                    })?);
+                    out.push(
+                        conv_out(len, *kernel_size, stride, *padding, 1)
+                            .ok_or_else(|| bad(format!("kernel {kernel_size} is larger than the input {input:?}")))?,
+                    );
                 }
                 let (kernel, padding) = (*kernel_size, *padding);
                 let op = if matches!(layer, Layer::MaxPool1d { .. } | Layer::MaxPool2d { .. }) {
@@ -932,7 +1001,13 @@ impl Builder<'_> {
                 rank(1, "[tokens]")?;
                 positive("num_embeddings", *num_embeddings)?;
                 positive("embedding_dim", *embedding_dim)?;
-                let weight = self.slot(format!("{prefix}.weight"), vec![*num_embeddings, *embedding_dim], SlotKind::Param, Init::Normal, *num_embeddings);
+                let weight = self.slot(
+                    format!("{prefix}.weight"),
+                    vec![*num_embeddings, *embedding_dim],
+                    SlotKind::Param,
+                    Init::Normal,
+                    *num_embeddings,
+                );
                 (Op::Embedding { weight, num: *num_embeddings }, vec![input[0], *embedding_dim])
             }
             Layer::Gru { hidden_size, output, .. } | Layer::Lstm { hidden_size, output, .. } => {
@@ -941,7 +1016,8 @@ impl Builder<'_> {
                 let gates = if matches!(layer, Layer::Gru { .. }) { 3 } else { 4 };
                 let (h, fin) = (*hidden_size, input[1]);
                 let bound = 1.0 / (h as f64).sqrt();
-                let mut s = |n: &str, shape: Vec<usize>| self.slot(format!("{prefix}.{n}"), shape, SlotKind::Param, Init::Uniform(bound), h);
+                let mut s =
+                    |n: &str, shape: Vec<usize>| self.slot(format!("{prefix}.{n}"), shape, SlotKind::Param, Init::Uniform(bound), h);
                 let w_ih = s("weight_ih_l0", vec![gates * h, fin]);
                 let w_hh = s("weight_hh_l0", vec![gates * h, h]);
                 let b_ih = s("bias_ih_l0", vec![gates * h]);
@@ -966,7 +1042,8 @@ impl Builder<'_> {
                 let xavier = (6.0 / (e + 3 * e) as f64).sqrt();
                 let in_w = self.slot(format!("{prefix}.in_proj_weight"), vec![3 * e, e], SlotKind::Param, Init::Uniform(xavier), e);
                 let in_b = self.slot(format!("{prefix}.in_proj_bias"), vec![3 * e], SlotKind::Param, Init::Const(0.0), e);
-                let out_w = self.slot(format!("{prefix}.out_proj.weight"), vec![e, e], SlotKind::Param, Init::Uniform(1.0 / (e as f64).sqrt()), e);
+                let out_w =
+                    self.slot(format!("{prefix}.out_proj.weight"), vec![e, e], SlotKind::Param, Init::Uniform(1.0 / (e as f64).sqrt()), e);
                 let out_b = self.slot(format!("{prefix}.out_proj.bias"), vec![e], SlotKind::Param, Init::Const(0.0), e);
                 (Op::Attention { in_w, in_b, out_w, out_b, heads: *num_heads }, input.clone())
             }
@@ -997,7 +1074,8 @@ impl Builder<'_> {
                     return Err(bad("a residual block needs at least one layer".into()));
                 }
                 let (body, out) = self.sequence(layers, input.clone(), &format!("{path}."), &format!("{prefix}.layers"), depth + 1)?;
-                let (short, short_out) = self.sequence(shortcut, input.clone(), &format!("{path}.shortcut."), &format!("{prefix}.shortcut"), depth + 1)?;
+                let (short, short_out) =
+                    self.sequence(shortcut, input.clone(), &format!("{path}.shortcut."), &format!("{prefix}.shortcut"), depth + 1)?;
                 if out != short_out {
                     return Err(bad(format!("the block gives {out:?} but the shortcut gives {short_out:?}; they must match to be added")));
                 }

@@ -34,16 +34,15 @@ pub mod spec;
 pub mod train;
 
 pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};
-pub use files::ImageFolderOptions;
 pub use error::{DataError, LearningError};
-pub use eval::{anomaly_scores, evaluate, BatchPrediction, EvalReport, Prediction, Predictor};
+pub use eval::{BatchPrediction, EvalReport, Prediction, Predictor, anomaly_scores, evaluate};
+pub use files::ImageFolderOptions;
 pub use graph::{AdapterInit, FineTune, GraphSpec, Layer, Task};
 pub use model::Model;
 pub use partition::Partition;
 pub use spec::{CustomSpec, ModelSpec, TensorDecl, TensorRole};
 pub use train::{
-    train_local, train_local_scaffold, OptimizerConfig, ScaffoldOutcome, ScaffoldState,
-    TrainConfig, TrainMetrics, TrainOutcome,
+    OptimizerConfig, ScaffoldOutcome, ScaffoldState, TrainConfig, TrainMetrics, TrainOutcome, train_local, train_local_scaffold,
 };
 
 /// The plain CPU device every inference and evaluation path uses (`Device::flex()`).

@@ -13,9 +13,7 @@ use crate::rng::{self, SeededRng, streams};
 use crate::spec::ModelSpec;
 use burn::module::{Module, Param};
 use burn::tensor::activation::{gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh};
-use burn::tensor::module::{
-    avg_pool1d, avg_pool2d, batch_norm, batch_norm_train, conv1d, conv2d, linear, max_pool1d, max_pool2d,
-};
+use burn::tensor::module::{avg_pool1d, avg_pool2d, batch_norm, batch_norm_train, conv1d, conv2d, linear, max_pool1d, max_pool2d};
 use burn::tensor::ops::{AvgPoolOptions, ConvOptions, MaxPoolOptions};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use fedfleet_protocol::bundle::TensorBundle;
@@ -166,9 +164,7 @@ impl Net {
         let mut fixed = Vec::with_capacity(plan.slots.len());
         let mut param_of = Vec::with_capacity(plan.slots.len());
         for slot in &plan.slots {
-            let mut v = bundle
-                .to_f32(&slot.name)
-                .ok_or_else(|| LearningError::Layout(format!("tensor {} missing", slot.name)))?;
+            let mut v = bundle.to_f32(&slot.name).ok_or_else(|| LearningError::Layout(format!("tensor {} missing", slot.name)))?;
             if slot.transposed {
                 v = transpose(&v, slot.shape[0], slot.shape[1]);
             }
@@ -319,16 +315,11 @@ impl Net {
                 Act::D3(max_pool1d(x.d3(), o))
             }
             Op::MaxPool { kernel, stride, padding, .. } => {
-                let o = MaxPoolOptions::new([*kernel, *kernel])
-                    .with_stride([*stride, *stride])
-                    .with_padding([*padding, *padding]);
+                let o = MaxPoolOptions::new([*kernel, *kernel]).with_stride([*stride, *stride]).with_padding([*padding, *padding]);
                 Act::D4(max_pool2d(x.d4(), o))
             }
             Op::AvgPool { dims: 1, kernel, stride, padding } => {
-                let o = AvgPoolOptions::new([*kernel])
-                    .with_stride([*stride])
-                    .with_padding([*padding])
-                    .with_count_include_pad(true);
+                let o = AvgPoolOptions::new([*kernel]).with_stride([*stride]).with_padding([*padding]).with_count_include_pad(true);
                 Act::D3(avg_pool1d(x.d3(), o))
             }
             Op::AvgPool { kernel, stride, padding, .. } => {
@@ -352,8 +343,7 @@ impl Net {
                 Some(ctx) if *p > 0.0 => {
                     let n = b * node.input.iter().product::<usize>();
                     let keep = (1.0 / (1.0 - p)) as f32;
-                    let mask: Vec<f32> =
-                        (0..n).map(|_| if rng::uniform(ctx.rng, 0.0, 1.0) < *p { 0.0 } else { keep }).collect();
+                    let mask: Vec<f32> = (0..n).map(|_| if rng::uniform(ctx.rng, 0.0, 1.0) < *p { 0.0 } else { keep }).collect();
                     let device = match &x {
                         Act::D2(t) => t.device(),
                         Act::D3(t) => t.device(),
@@ -430,9 +420,7 @@ impl Net {
                 let x = x.d3();
                 let wi: Tensor<2> = self.t(*in_w).reshape([3 * e, e]).transpose();
                 let qkv = linear(x, wi, Some(self.t(*in_b))); // [b, L, 3E]
-                let split = |k: usize| -> Tensor<4> {
-                    qkv.clone().narrow(2, k * e, e).reshape([b, len, *heads, d]).swap_dims(1, 2)
-                };
+                let split = |k: usize| -> Tensor<4> { qkv.clone().narrow(2, k * e, e).reshape([b, len, *heads, d]).swap_dims(1, 2) };
                 let (q, k, v) = (split(0), split(1), split(2));
                 let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (d as f64).sqrt());
                 let o: Tensor<3> = softmax(scores, 3).matmul(v).swap_dims(1, 2).reshape([b, len, e]);

@@ -39,10 +39,7 @@ impl Partition {
 
     /// Splits a data set into per-client data sets.
     pub fn split_dataset(&self, data: &Dataset, clients: usize, seed: u64) -> Vec<Dataset> {
-        self.split(&data.labels, data.num_classes, clients, seed)
-            .iter()
-            .map(|idx| data.subset(idx))
-            .collect()
+        self.split(&data.labels, data.num_classes, clients, seed).iter().map(|idx| data.subset(idx)).collect()
     }
 }
 
@@ -73,9 +70,7 @@ pub fn dirichlet(labels: &[u32], num_classes: usize, clients: usize, alpha: f64,
     let n = labels.len();
     let min_size = 10.min(n / (2 * clients));
     let mut r = rng::rng(seed, streams::PARTITION);
-    let by_class: Vec<Vec<usize>> = (0..num_classes as u32)
-        .map(|k| (0..n).filter(|&i| labels[i] == k).collect())
-        .collect();
+    let by_class: Vec<Vec<usize>> = (0..num_classes as u32).map(|k| (0..n).filter(|&i| labels[i] == k).collect()).collect();
     let mut parts: Vec<Vec<usize>> = Vec::new();
     for _attempt in 0..1000 {
         parts = vec![Vec::new(); clients];

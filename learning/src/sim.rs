@@ -77,14 +77,7 @@ pub fn scale(bundle: &TensorBundle, factor: f32) -> Result<TensorBundle, Learnin
 
 /// Euclidean norm over every value.
 pub fn l2_norm(bundle: &TensorBundle) -> f64 {
-    bundle
-        .layout()
-        .keys()
-        .filter_map(|n| bundle.to_f32(n))
-        .flatten()
-        .map(|x| (x as f64) * (x as f64))
-        .sum::<f64>()
-        .sqrt()
+    bundle.layout().keys().filter_map(|n| bundle.to_f32(n)).flatten().map(|x| (x as f64) * (x as f64)).sum::<f64>().sqrt()
 }
 
 /// `Σ wᵢ·bᵢ / Σ wᵢ`, summed in f64 in the given order, rounded to f32 once.
@@ -171,11 +164,8 @@ pub fn run_fedavg(
         let avg = weighted_average(&items)?;
         global = apply_delta(&global, &avg, cfg.server_lr)?;
         let report = evaluate(&cfg.spec, &global, test)?;
-        let train_loss = outcomes
-            .iter()
-            .filter_map(|o| o.metrics.epochs.last().map(|e| e.loss))
-            .sum::<f64>()
-            / outcomes.len().max(1) as f64;
+        let train_loss =
+            outcomes.iter().filter_map(|o| o.metrics.epochs.last().map(|e| e.loss)).sum::<f64>() / outcomes.len().max(1) as f64;
         let rec = RoundRecord { round, accuracy: report.accuracy, loss: report.loss, train_loss };
         on_round(&rec);
         curve.push(rec);

@@ -225,7 +225,8 @@ impl ModelSpec {
     /// 2x2 max-pool while both sides are >= 2, then flatten and the `fc` stack. A custom model
     /// has no layers here.
     pub fn to_graph(&self) -> GraphSpec {
-        let linear = |i: usize, out: usize| Layer::Linear { name: Some(format!("fc{i}")), in_features: None, out_features: out, bias: true };
+        let linear =
+            |i: usize, out: usize| Layer::Linear { name: Some(format!("fc{i}")), in_features: None, out_features: out, bias: true };
         let head = |hidden: &[usize], classes: usize, layers: &mut Vec<Layer>| {
             for (i, &h) in hidden.iter().enumerate() {
                 layers.push(linear(i + 1, h));
@@ -331,7 +332,11 @@ impl ModelSpec {
     pub fn params(&self) -> Vec<ParamInfo> {
         if let ModelSpec::Custom(c) = self {
             let fan_in = |s: &[usize]| s.iter().skip(1).product::<usize>().max(1);
-            return c.tensors.iter().map(|t| ParamInfo { name: t.name.clone(), shape: t.shape.clone(), fan_in: fan_in(&t.shape) }).collect();
+            return c
+                .tensors
+                .iter()
+                .map(|t| ParamInfo { name: t.name.clone(), shape: t.shape.clone(), fan_in: fan_in(&t.shape) })
+                .collect();
         }
         self.plan()
             .map(|p| p.slots.into_iter().map(|s| ParamInfo { name: s.name, shape: s.shape, fan_in: s.fan_in }).collect())
@@ -381,9 +386,7 @@ impl ModelSpec {
         if let ModelSpec::Custom(_) = self {
             return self.update_layout().values().map(|s| s.iter().product::<usize>()).sum();
         }
-        self.plan().map_or(0, |p| {
-            p.slots.iter().filter(|s| s.trainable && s.kind == SlotKind::Param).map(|s| s.len()).sum()
-        })
+        self.plan().map_or(0, |p| p.slots.iter().filter(|s| s.trainable && s.kind == SlotKind::Param).map(|s| s.len()).sum())
     }
 
     /// One line per layer: position, kind, tensor prefix, input → output shape and the number
@@ -417,7 +420,12 @@ impl ModelSpec {
             let mut lines: Vec<String> = c.tensors.iter().map(|t| format!("{:<32} {:?}  {:?}", t.name, t.shape, roles[&t.name])).collect();
             lines.push(format!(
                 "custom model \"{}\": {} tensors, {} values, {} trainable; task {:?}; output {}",
-                c.kind, c.tensors.len(), self.num_params(), self.num_trainable(), c.task, c.output
+                c.kind,
+                c.tensors.len(),
+                self.num_params(),
+                self.num_trainable(),
+                c.task,
+                c.output
             ));
             return Ok(lines.join("\n"));
         }
@@ -463,8 +471,7 @@ impl ModelSpec {
 
     /// Parses and validates the JSON form.
     pub fn from_json(s: &str) -> Result<Self, LearningError> {
-        let spec: ModelSpec =
-            serde_json::from_str(s).map_err(|e| LearningError::InvalidSpec(e.to_string()))?;
+        let spec: ModelSpec = serde_json::from_str(s).map_err(|e| LearningError::InvalidSpec(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
     }

@@ -46,9 +46,9 @@ impl OptimizerConfig {
 
     fn build(&self) -> ModuleOptimizer {
         match *self {
-            OptimizerConfig::Sgd { momentum } if momentum > 0.0 => SgdConfig::new()
-                .with_momentum(Some(MomentumConfig::new().with_momentum(momentum).with_dampening(0.0)))
-                .init(),
+            OptimizerConfig::Sgd { momentum } if momentum > 0.0 => {
+                SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(momentum).with_dampening(0.0))).init()
+            }
             OptimizerConfig::Sgd { .. } => SgdConfig::new().init(),
             OptimizerConfig::Adam { beta1, beta2, epsilon } => {
                 AdamConfig::new().with_beta_1(beta1).with_beta_2(beta2).with_epsilon(epsilon).init()
@@ -283,8 +283,7 @@ fn train_inner(
     }
     let task = plan.task;
     // Constants (no autodiff) for the proximal and SCAFFOLD terms, in the engine's layout.
-    let anchor: Option<Vec<Tensor<1>>> =
-        (config.proximal_mu > 0.0).then(|| trainable_constants(&plan, global, &plain)).transpose()?;
+    let anchor: Option<Vec<Tensor<1>>> = (config.proximal_mu > 0.0).then(|| trainable_constants(&plan, global, &plain)).transpose()?;
     let corr: Option<Vec<Tensor<1>>> = correction.map(|c| trainable_constants(&plan, c, &plain)).transpose()?;
     let mut optim = config.optimizer.build();
     let mut r = rng::rng(seed, streams::SHUFFLE);
@@ -320,9 +319,7 @@ fn train_inner(
                     (log_softmax(out, 1) * target).sum().mul_scalar(-1.0 / b as f64)
                 }
                 // Mean over every output value, as torch.nn.MSELoss.
-                Task::Regression | Task::Reconstruction => {
-                    (out - target).powi_scalar(2).sum().mul_scalar(1.0 / (b * out_len) as f64)
-                }
+                Task::Regression | Task::Reconstruction => (out - target).powi_scalar(2).sum().mul_scalar(1.0 / (b * out_len) as f64),
             };
             let loss_val = task_loss.clone().into_scalar::<f32>();
             if !loss_val.is_finite() {
@@ -333,7 +330,10 @@ fn train_inner(
                 let mut prox: Option<Tensor<1>> = None;
                 for (p, p0) in net.flat_params().into_iter().zip(anchor) {
                     let t = (p - p0.clone()).powi_scalar(2).sum();
-                    prox = Some(match prox { Some(acc) => acc + t, None => t });
+                    prox = Some(match prox {
+                        Some(acc) => acc + t,
+                        None => t,
+                    });
                 }
                 if let Some(prox) = prox {
                     loss = loss + prox.mul_scalar(config.proximal_mu / 2.0);
@@ -357,12 +357,10 @@ fn train_inner(
     }
     let wall_time = start.elapsed();
     let updated = updated_slots(&plan);
-    let sent: Vec<&str> =
-        plan.slots.iter().zip(&updated).filter(|(s, u)| **u && s.exchanged).map(|(s, _)| s.name.as_str()).collect();
+    let sent: Vec<&str> = plan.slots.iter().zip(&updated).filter(|(s, u)| **u && s.exchanged).map(|(s, _)| s.name.as_str()).collect();
     let local = net.to_bundle()?;
     let delta = sim::apply_delta(&subset(&local, &sent)?, &subset(global, &sent)?, -1.0)?;
-    let kept: Vec<&str> =
-        plan.slots.iter().zip(&updated).filter(|(s, u)| **u && !s.exchanged).map(|(s, _)| s.name.as_str()).collect();
+    let kept: Vec<&str> = plan.slots.iter().zip(&updated).filter(|(s, u)| **u && !s.exchanged).map(|(s, _)| s.name.as_str()).collect();
     let local_state = subset(&local, &kept)?;
     let delta_norm = sim::l2_norm(&delta);
     let update_bytes = delta.encode().len();
@@ -444,10 +442,7 @@ fn batch_tensors(data: &Dataset, task: Task, batch: &[usize], f: usize, out_len:
         Task::Regression => batch.iter().flat_map(|&i| data.targets[i * out_len..(i + 1) * out_len].iter().copied()).collect(),
         Task::Reconstruction => xs.clone(),
     };
-    (
-        Tensor::from_data(TensorData::new(xs, [b, f]), device),
-        Tensor::from_data(TensorData::new(ys, [b, out_len]), device),
-    )
+    (Tensor::from_data(TensorData::new(xs, [b, f]), device), Tensor::from_data(TensorData::new(ys, [b, out_len]), device))
 }
 
 /// Index of the largest logit in each row (first one on ties).

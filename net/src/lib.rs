@@ -16,8 +16,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fedfleet_protocol::framing::{FrameDecoder, FrameError, FrameKind, encode_frame};
 pub use fedfleet_protocol::framing::Frame;
+use fedfleet_protocol::framing::{FrameDecoder, FrameError, FrameKind, encode_frame};
 
 /// Bytes asked of the stream per read.
 const READ_CHUNK: usize = 64 * 1024;

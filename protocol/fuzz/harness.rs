@@ -11,21 +11,13 @@ use ed25519_dalek::SigningKey;
 use fedfleet_protocol::ModelInfo;
 use fedfleet_protocol::artifact::Manifest;
 use fedfleet_protocol::envelope::Signable;
-use fedfleet_protocol::tuf::{
-    Metadata, Root, SignedMetadata, Targets, Timestamp, Verifier,
-};
+use fedfleet_protocol::tuf::{Metadata, Root, SignedMetadata, Targets, Timestamp, Verifier};
 use fedfleet_protocol::*;
 
-
 pub fn bundle_decode(data: &[u8]) {
-    let limits = BundleLimits {
-        max_bytes: 1 << 20,
-        max_tensors: 256,
-        max_params: 1 << 20,
-    };
+    let limits = BundleLimits { max_bytes: 1 << 20, max_tensors: 256, max_params: 1 << 20 };
     if let Ok(bundle) = TensorBundle::decode(data, &limits) {
-        let again =
-            TensorBundle::decode(&bundle.encode(), &limits).expect("re-encoded bundle decodes");
+        let again = TensorBundle::decode(&bundle.encode(), &limits).expect("re-encoded bundle decodes");
         assert_eq!(again.layout(), bundle.layout());
         let _ = bundle.check_finite();
         let _ = bundle.dequantize();
@@ -173,11 +165,7 @@ pub fn manifest_decode(data: &[u8]) {
 pub const TUF_EXPIRES: u64 = 20_000;
 pub const TUF_MAX_OPS: usize = 6;
 
-pub static TUF_KEYS: LazyLock<Vec<SigningKey>> = LazyLock::new(|| {
-    (1..=5u8)
-        .map(|i| SigningKey::from_bytes(&[i; 32]))
-        .collect()
-});
+pub static TUF_KEYS: LazyLock<Vec<SigningKey>> = LazyLock::new(|| (1..=5u8).map(|i| SigningKey::from_bytes(&[i; 32])).collect());
 
 pub struct TufFixture {
     verifier: Verifier,
@@ -189,36 +177,15 @@ pub struct TufFixture {
 pub static TUF_FIXTURE: LazyLock<TufFixture> = LazyLock::new(|| {
     let k = &*TUF_KEYS;
     let vk = |i: usize| k[i].verifying_key();
-    let root = Root::new(
-        1,
-        TUF_EXPIRES,
-        (&[&vk(0)], 1),
-        (&[&vk(1)], 1),
-        (&[&vk(2)], 1),
-    );
+    let root = Root::new(1, TUF_EXPIRES, (&[&vk(0)], 1), (&[&vk(1)], 1), (&[&vk(2)], 1));
     let root = SignedMetadata::sign(&root, &[&k[0]]);
     let verifier = Verifier::new(root.clone()).expect("the fixture root is valid");
-    let targets = SignedMetadata::new(&Targets {
-        version: 1,
-        expires: TUF_EXPIRES,
-        targets: Vec::new(),
-    });
-    let timestamp = SignedMetadata::new(
-        &Timestamp::for_targets(1, TUF_EXPIRES, &targets).expect("fixture targets parse"),
-    );
-    TufFixture {
-        verifier,
-        root,
-        targets,
-        timestamp,
-    }
+    let targets = SignedMetadata::new(&Targets { version: 1, expires: TUF_EXPIRES, targets: Vec::new() });
+    let timestamp = SignedMetadata::new(&Timestamp::for_targets(1, TUF_EXPIRES, &targets).expect("fixture targets parse"));
+    TufFixture { verifier, root, targets, timestamp }
 });
 
-pub fn tuf_signed<T: Metadata + Clone>(
-    template: &SignedMetadata<T>,
-    text: String,
-    signers: u8,
-) -> SignedMetadata<T> {
+pub fn tuf_signed<T: Metadata + Clone>(template: &SignedMetadata<T>, text: String, signers: u8) -> SignedMetadata<T> {
     let mut s = template.clone();
     s.signed = text;
     s.signatures.clear();
@@ -266,13 +233,7 @@ pub fn tuf_verifier(data: &[u8]) {
             _ => {
                 let version = ModelVersion(u64::from(version));
                 let _ = verifier.verify_artifact("m", version, body, now);
-                let _ = verifier.verify_artifact_digest(
-                    "m",
-                    version,
-                    body.len() as u64,
-                    Digest::of(body),
-                    now,
-                );
+                let _ = verifier.verify_artifact_digest("m", version, body.len() as u64, Digest::of(body), now);
             }
         }
         if op & 0x80 != 0 {
@@ -282,4 +243,3 @@ pub fn tuf_verifier(data: &[u8]) {
         let _ = (verifier.root(), verifier.timestamp(), verifier.targets());
     }
 }
-

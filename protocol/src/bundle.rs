@@ -20,8 +20,7 @@ use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::limits::{
-    MAX_BUNDLE_BYTES, MAX_BUNDLE_PARAMS, MAX_BUNDLE_TENSORS, MAX_SAFETENSORS_HEADER_BYTES,
-    MAX_TENSOR_NAME_LEN, MAX_TENSOR_RANK,
+    MAX_BUNDLE_BYTES, MAX_BUNDLE_PARAMS, MAX_BUNDLE_TENSORS, MAX_SAFETENSORS_HEADER_BYTES, MAX_TENSOR_NAME_LEN, MAX_TENSOR_RANK,
 };
 use crate::reject::RejectReason;
 
@@ -116,10 +115,7 @@ impl FromStr for DType {
         DType::ALL
             .into_iter()
             .find(|d| d.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| BundleError::UnsupportedDtype {
-                tensor: String::new(),
-                dtype: s.to_owned(),
-            })
+            .ok_or_else(|| BundleError::UnsupportedDtype { tensor: String::new(), dtype: s.to_owned() })
     }
 }
 
@@ -128,11 +124,7 @@ impl FromStr for DType {
 #[non_exhaustive]
 pub enum BundleError {
     #[error("{what} is {len}; the limit is {max}")]
-    TooLarge {
-        what: &'static str,
-        len: usize,
-        max: usize,
-    },
+    TooLarge { what: &'static str, len: usize, max: usize },
     #[error("bundle is truncated")]
     Truncated,
     #[error("bad safetensors header: {0}")]
@@ -144,11 +136,7 @@ pub enum BundleError {
     #[error("tensor {tensor:?} has unsupported dtype {dtype:?}")]
     UnsupportedDtype { tensor: String, dtype: String },
     #[error("tensor {tensor:?}: shape {shape:?} does not fit {len} values")]
-    BadShape {
-        tensor: String,
-        shape: Vec<usize>,
-        len: usize,
-    },
+    BadShape { tensor: String, shape: Vec<usize>, len: usize },
     #[error("tensor {tensor:?}: data offsets are not contiguous or do not cover the data")]
     BadOffsets { tensor: String },
     #[error("int8 tensor {tensor:?} has no scale")]
@@ -160,11 +148,7 @@ pub enum BundleError {
     #[error("tensor {tensor:?} is not expected")]
     UnexpectedTensor { tensor: String },
     #[error("tensor {tensor:?} has shape {actual:?}; expected {expected:?}")]
-    ShapeMismatch {
-        tensor: String,
-        expected: Vec<usize>,
-        actual: Vec<usize>,
-    },
+    ShapeMismatch { tensor: String, expected: Vec<usize>, actual: Vec<usize> },
     #[error("tensor {tensor:?} holds NaN or infinity")]
     NonFinite { tensor: String },
     #[error("safetensors: {0}")]
@@ -177,9 +161,9 @@ impl BundleError {
         match self {
             BundleError::TooLarge { .. } => RejectReason::TooLarge,
             BundleError::UnsupportedDtype { .. } => RejectReason::WrongDtype,
-            BundleError::MissingTensor { .. }
-            | BundleError::UnexpectedTensor { .. }
-            | BundleError::ShapeMismatch { .. } => RejectReason::ShapeMismatch,
+            BundleError::MissingTensor { .. } | BundleError::UnexpectedTensor { .. } | BundleError::ShapeMismatch { .. } => {
+                RejectReason::ShapeMismatch
+            }
             BundleError::NonFinite { .. } => RejectReason::NonFinite,
             BundleError::Truncated
             | BundleError::BadHeader(_)
@@ -276,23 +260,11 @@ impl Tensor {
             DType::I8 => {
                 let max_abs = values.iter().fold(0.0f32, |m, x| m.max(x.abs()));
                 let scale = max_abs / 127.0;
-                let values = values
-                    .iter()
-                    .map(|&x| {
-                        if scale > 0.0 {
-                            (x / scale).round().clamp(-127.0, 127.0) as i8
-                        } else {
-                            0
-                        }
-                    })
-                    .collect();
+                let values = values.iter().map(|&x| if scale > 0.0 { (x / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 }).collect();
                 TensorData::I8 { values, scale }
             }
         };
-        Tensor {
-            shape: self.shape.clone(),
-            data,
-        }
+        Tensor { shape: self.shape.clone(), data }
     }
 
     fn is_finite(&self) -> bool {
@@ -327,11 +299,7 @@ pub struct BundleLimits {
 
 impl Default for BundleLimits {
     fn default() -> Self {
-        BundleLimits {
-            max_bytes: MAX_BUNDLE_BYTES,
-            max_tensors: MAX_BUNDLE_TENSORS,
-            max_params: MAX_BUNDLE_PARAMS,
-        }
+        BundleLimits { max_bytes: MAX_BUNDLE_BYTES, max_tensors: MAX_BUNDLE_TENSORS, max_params: MAX_BUNDLE_PARAMS }
     }
 }
 
@@ -347,19 +315,8 @@ impl TensorBundle {
     }
 
     /// Adds an f32 tensor; the shape's product must equal `values.len()`.
-    pub fn insert_f32(
-        &mut self,
-        name: impl Into<String>,
-        shape: Vec<usize>,
-        values: Vec<f32>,
-    ) -> Result<(), BundleError> {
-        self.insert(
-            name,
-            Tensor {
-                shape,
-                data: TensorData::F32(values),
-            },
-        )
+    pub fn insert_f32(&mut self, name: impl Into<String>, shape: Vec<usize>, values: Vec<f32>) -> Result<(), BundleError> {
+        self.insert(name, Tensor { shape, data: TensorData::F32(values) })
     }
 
     /// Adds a tensor under a new name. Refuses duplicate or invalid names, shapes that do not fit
@@ -374,10 +331,7 @@ impl TensorBundle {
         if let TensorData::I8 { scale, .. } = tensor.data
             && !valid_scale(scale)
         {
-            return Err(BundleError::InvalidScale {
-                value: scale.to_string(),
-                tensor: name,
-            });
+            return Err(BundleError::InvalidScale { value: scale.to_string(), tensor: name });
         }
         self.tensors.insert(name, tensor);
         Ok(())
@@ -389,9 +343,7 @@ impl TensorBundle {
 
     /// Tensors sorted by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.tensors
-            .iter()
-            .map(|(name, tensor)| (name.as_str(), tensor))
+        self.tensors.iter().map(|(name, tensor)| (name.as_str(), tensor))
     }
 
     pub fn len(&self) -> usize {
@@ -413,10 +365,7 @@ impl TensorBundle {
     }
 
     pub fn layout(&self) -> Layout {
-        self.tensors
-            .iter()
-            .map(|(name, t)| (name.clone(), t.shape.clone()))
-            .collect()
+        self.tensors.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect()
     }
 
     /// Checks that names and shapes are exactly `expected`; reports the first difference in name
@@ -425,28 +374,16 @@ impl TensorBundle {
         for (name, shape) in expected {
             match self.tensors.get(name) {
                 None => {
-                    return Err(BundleError::MissingTensor {
-                        tensor: name.clone(),
-                    });
+                    return Err(BundleError::MissingTensor { tensor: name.clone() });
                 }
                 Some(t) if &t.shape != shape => {
-                    return Err(BundleError::ShapeMismatch {
-                        tensor: name.clone(),
-                        expected: shape.clone(),
-                        actual: t.shape.clone(),
-                    });
+                    return Err(BundleError::ShapeMismatch { tensor: name.clone(), expected: shape.clone(), actual: t.shape.clone() });
                 }
                 Some(_) => {}
             }
         }
-        match self
-            .tensors
-            .keys()
-            .find(|name| !expected.contains_key(*name))
-        {
-            Some(name) => Err(BundleError::UnexpectedTensor {
-                tensor: name.clone(),
-            }),
+        match self.tensors.keys().find(|name| !expected.contains_key(*name)) {
+            Some(name) => Err(BundleError::UnexpectedTensor { tensor: name.clone() }),
             None => Ok(()),
         }
     }
@@ -454,20 +391,14 @@ impl TensorBundle {
     /// Refuses NaN and infinities (for int8, a non-finite scale).
     pub fn check_finite(&self) -> Result<(), BundleError> {
         match self.tensors.iter().find(|(_, t)| !t.is_finite()) {
-            Some((name, _)) => Err(BundleError::NonFinite {
-                tensor: name.clone(),
-            }),
+            Some((name, _)) => Err(BundleError::NonFinite { tensor: name.clone() }),
             None => Ok(()),
         }
     }
 
     /// Every tensor converted to `dtype` (see [`Tensor::quantize`]).
     pub fn quantize(&self, dtype: DType) -> TensorBundle {
-        let tensors = self
-            .tensors
-            .iter()
-            .map(|(n, t)| (n.clone(), t.quantize(dtype)))
-            .collect();
+        let tensors = self.tensors.iter().map(|(n, t)| (n.clone(), t.quantize(dtype))).collect();
         TensorBundle { tensors }
     }
 
@@ -486,11 +417,7 @@ impl TensorBundle {
                 // f32's Display is the shortest decimal that parses back to the same value.
                 metadata.insert(format!("{SCALE_KEY_PREFIX}{name}"), scale.to_string());
             }
-            let view = EncodedTensor {
-                dtype: tensor.dtype().to_safetensors(),
-                shape: tensor.shape.clone(),
-                bytes: tensor.to_le_bytes(),
-            };
+            let view = EncodedTensor { dtype: tensor.dtype().to_safetensors(), shape: tensor.shape.clone(), bytes: tensor.to_le_bytes() };
             views.push((name.as_str(), view));
         }
         safetensors::tensor::serialize(views, Some(metadata))
@@ -500,38 +427,20 @@ impl TensorBundle {
     /// Parses safetensors bytes, checking `limits` before allocating tensor data.
     pub fn decode(bytes: &[u8], limits: &BundleLimits) -> Result<Self, BundleError> {
         if bytes.len() > limits.max_bytes {
-            return Err(BundleError::TooLarge {
-                what: "bundle bytes",
-                len: bytes.len(),
-                max: limits.max_bytes,
-            });
+            return Err(BundleError::TooLarge { what: "bundle bytes", len: bytes.len(), max: limits.max_bytes });
         }
         let header = ValidatedHeader::parse(bytes, limits)?;
         // Offsets were checked above, so the safetensors crate cannot overflow or slice out of
         // range; parsing with it too keeps us honest about the format.
-        let parsed =
-            SafeTensors::deserialize(bytes).map_err(|e| BundleError::Safetensors(e.to_string()))?;
+        let parsed = SafeTensors::deserialize(bytes).map_err(|e| BundleError::Safetensors(e.to_string()))?;
         let mut bundle = TensorBundle::new();
         for entry in header.entries {
-            let view = parsed
-                .tensor(&entry.name)
-                .map_err(|e| BundleError::Safetensors(e.to_string()))?;
-            if view.shape() != entry.shape.as_slice()
-                || view.dtype() != entry.dtype.to_safetensors()
-            {
-                return Err(BundleError::Safetensors(format!(
-                    "tensor {:?} read differently",
-                    entry.name
-                )));
+            let view = parsed.tensor(&entry.name).map_err(|e| BundleError::Safetensors(e.to_string()))?;
+            if view.shape() != entry.shape.as_slice() || view.dtype() != entry.dtype.to_safetensors() {
+                return Err(BundleError::Safetensors(format!("tensor {:?} read differently", entry.name)));
             }
             let data = decode_values(entry.dtype, view.data(), entry.scale);
-            bundle.tensors.insert(
-                entry.name,
-                Tensor {
-                    shape: entry.shape,
-                    data,
-                },
-            );
+            bundle.tensors.insert(entry.name, Tensor { shape: entry.shape, data });
         }
         Ok(bundle)
     }
@@ -539,40 +448,16 @@ impl TensorBundle {
 
 fn decode_values(dtype: DType, bytes: &[u8], scale: Option<f32>) -> TensorData {
     match dtype {
-        DType::F32 => TensorData::F32(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ),
-        DType::F16 => TensorData::F16(
-            bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
-        DType::BF16 => TensorData::BF16(
-            bytes
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
-        DType::I8 => TensorData::I8 {
-            values: bytes.iter().map(|&b| b as i8).collect(),
-            scale: scale.unwrap_or(0.0),
-        },
+        DType::F32 => TensorData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        DType::F16 => TensorData::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+        DType::BF16 => TensorData::BF16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
+        DType::I8 => TensorData::I8 { values: bytes.iter().map(|&b| b as i8).collect(), scale: scale.unwrap_or(0.0) },
     }
 }
 
 fn validate_name(name: &str) -> Result<(), BundleError> {
-    if name.is_empty()
-        || name.len() > MAX_TENSOR_NAME_LEN
-        || name == METADATA_KEY
-        || name.chars().any(char::is_control)
-    {
-        return Err(BundleError::BadName {
-            name: name.chars().take(MAX_TENSOR_NAME_LEN).collect(),
-        });
+    if name.is_empty() || name.len() > MAX_TENSOR_NAME_LEN || name == METADATA_KEY || name.chars().any(char::is_control) {
+        return Err(BundleError::BadName { name: name.chars().take(MAX_TENSOR_NAME_LEN).collect() });
     }
     Ok(())
 }
@@ -580,11 +465,7 @@ fn validate_name(name: &str) -> Result<(), BundleError> {
 fn validate_shape(name: &str, shape: &[usize], len: usize) -> Result<(), BundleError> {
     let elements = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
     if shape.len() > MAX_TENSOR_RANK || elements != Some(len) {
-        return Err(BundleError::BadShape {
-            tensor: name.to_owned(),
-            shape: shape.to_vec(),
-            len,
-        });
+        return Err(BundleError::BadShape { tensor: name.to_owned(), shape: shape.to_vec(), len });
     }
     Ok(())
 }
@@ -644,17 +525,13 @@ impl ValidatedHeader {
             return Err(BundleError::Truncated);
         }
         let (header, data) = rest.split_at(header_len);
-        let header =
-            std::str::from_utf8(header).map_err(|e| BundleError::BadHeader(e.to_string()))?;
+        let header = std::str::from_utf8(header).map_err(|e| BundleError::BadHeader(e.to_string()))?;
 
         let too_many = Cell::new(false);
         let mut json = serde_json::Deserializer::from_str(header);
-        let raw = RawHeaderSeed {
-            max_tensors: limits.max_tensors,
-            too_many: &too_many,
-        }
-        .deserialize(&mut json)
-        .and_then(|raw| json.end().map(|()| raw));
+        let raw = RawHeaderSeed { max_tensors: limits.max_tensors, too_many: &too_many }
+            .deserialize(&mut json)
+            .and_then(|raw| json.end().map(|()| raw));
         let raw = match raw {
             Ok(raw) => raw,
             Err(_) if too_many.get() => {
@@ -683,34 +560,16 @@ impl ValidatedHeader {
             if !seen.insert(name.clone()) {
                 return Err(BundleError::DuplicateTensor { tensor: name });
             }
-            let dtype = DType::from_safetensors_name(&tensor.dtype).ok_or_else(|| {
-                BundleError::UnsupportedDtype {
-                    tensor: name.clone(),
-                    dtype: tensor.dtype.clone(),
-                }
-            })?;
-            let shape: Option<Vec<usize>> = tensor
-                .shape
-                .iter()
-                .map(|&d| usize::try_from(d).ok())
-                .collect();
-            let elements = shape
-                .as_ref()
-                .and_then(|s| s.iter().try_fold(1usize, |a, &d| a.checked_mul(d)));
+            let dtype = DType::from_safetensors_name(&tensor.dtype)
+                .ok_or_else(|| BundleError::UnsupportedDtype { tensor: name.clone(), dtype: tensor.dtype.clone() })?;
+            let shape: Option<Vec<usize>> = tensor.shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+            let elements = shape.as_ref().and_then(|s| s.iter().try_fold(1usize, |a, &d| a.checked_mul(d)));
             let (Some(shape), Some(elements)) = (shape, elements) else {
-                return Err(BundleError::BadShape {
-                    tensor: name,
-                    shape: Vec::new(),
-                    len: 0,
-                });
+                return Err(BundleError::BadShape { tensor: name, shape: Vec::new(), len: 0 });
             };
             params = params.saturating_add(elements);
             if params > limits.max_params {
-                return Err(BundleError::TooLarge {
-                    what: "parameter count",
-                    len: params,
-                    max: limits.max_params,
-                });
+                return Err(BundleError::TooLarge { what: "parameter count", len: params, max: limits.max_params });
             }
             let size = elements * dtype.size_bytes(); // cannot overflow: elements <= max_params
             let (start, end) = tensor.data_offsets;
@@ -722,33 +581,19 @@ impl ValidatedHeader {
                 (DType::I8, Some(text)) => match text.parse::<f32>() {
                     Ok(s) if valid_scale(s) => Some(s),
                     _ => {
-                        return Err(BundleError::InvalidScale {
-                            tensor: name,
-                            value: text.to_owned(),
-                        });
+                        return Err(BundleError::InvalidScale { tensor: name, value: text.to_owned() });
                     }
                 },
                 (_, Some(text)) => {
-                    return Err(BundleError::InvalidScale {
-                        tensor: name,
-                        value: text.to_owned(),
-                    });
+                    return Err(BundleError::InvalidScale { tensor: name, value: text.to_owned() });
                 }
                 (_, None) => None,
             };
             spans.push((start, end, entries.len()));
-            entries.push(HeaderEntry {
-                name,
-                dtype,
-                shape,
-                scale,
-            });
+            entries.push(HeaderEntry { name, dtype, shape, scale });
         }
         if let Some((tensor, value)) = scales.pop_first() {
-            return Err(BundleError::InvalidScale {
-                tensor: tensor.to_owned(),
-                value: value.to_owned(),
-            });
+            return Err(BundleError::InvalidScale { tensor: tensor.to_owned(), value: value.to_owned() });
         }
 
         // The tensors must tile the data section exactly, in offset order.
@@ -756,17 +601,12 @@ impl ValidatedHeader {
         let mut cursor = 0u64;
         for &(start, end, index) in &spans {
             if start != cursor {
-                return Err(BundleError::BadOffsets {
-                    tensor: entries[index].name.clone(),
-                });
+                return Err(BundleError::BadOffsets { tensor: entries[index].name.clone() });
             }
             cursor = end;
         }
         if cursor != data.len() as u64 {
-            let tensor = spans
-                .last()
-                .map(|&(_, _, i)| entries[i].name.clone())
-                .unwrap_or_default();
+            let tensor = spans.last().map(|&(_, _, i)| entries[i].name.clone()).unwrap_or_default();
             return Err(BundleError::BadOffsets { tensor });
         }
         Ok(ValidatedHeader { entries })
@@ -855,10 +695,7 @@ impl<'de> Visitor<'de> for RawHeaderSeed<'_> {
                 tensors.push((key, map.next_value::<RawTensor>()?));
             }
         }
-        Ok(RawHeader {
-            tensors,
-            metadata: metadata.unwrap_or_default(),
-        })
+        Ok(RawHeader { tensors, metadata: metadata.unwrap_or_default() })
     }
 }
 
@@ -868,14 +705,8 @@ mod tests {
 
     fn sample() -> TensorBundle {
         let mut b = TensorBundle::new();
-        b.insert_f32(
-            "layer.0.weight",
-            vec![2, 3],
-            vec![0.5, -1.25, 3.0, 1e-3, -7.5, 0.0],
-        )
-        .unwrap();
-        b.insert_f32("layer.0.bias", vec![3], vec![0.1, 0.2, -0.3])
-            .unwrap();
+        b.insert_f32("layer.0.weight", vec![2, 3], vec![0.5, -1.25, 3.0, 1e-3, -7.5, 0.0]).unwrap();
+        b.insert_f32("layer.0.bias", vec![3], vec![0.1, 0.2, -0.3]).unwrap();
         b.insert_f32("scalar", vec![], vec![42.0]).unwrap();
         b
     }
@@ -884,9 +715,7 @@ mod tests {
         let mut s = seed;
         (0..n)
             .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
             })
             .collect()
@@ -895,12 +724,7 @@ mod tests {
     #[test]
     fn f32_round_trip_is_bit_exact() {
         let mut b = sample();
-        b.insert_f32(
-            "odd",
-            vec![4],
-            vec![f32::MIN_POSITIVE, -0.0, f32::MAX, 1.0 / 3.0],
-        )
-        .unwrap();
+        b.insert_f32("odd", vec![4], vec![f32::MIN_POSITIVE, -0.0, f32::MAX, 1.0 / 3.0]).unwrap();
         let decoded = TensorBundle::decode(&b.encode(), &BundleLimits::default()).unwrap();
         for (name, t) in b.iter() {
             let back = decoded.get(name).unwrap();
@@ -917,9 +741,7 @@ mod tests {
         let values = lcg_values(10_000, 7);
         b.insert_f32("w", vec![100, 100], values.clone()).unwrap();
         let q = b.quantize(DType::I8);
-        let TensorData::I8 { scale, .. } = q.get("w").unwrap().data else {
-            panic!("not int8")
-        };
+        let TensorData::I8 { scale, .. } = q.get("w").unwrap().data else { panic!("not int8") };
         let max_abs = values.iter().fold(0f32, |m, x| m.max(x.abs()));
         assert_eq!(scale, max_abs / 127.0);
         let decoded = TensorBundle::decode(&q.encode(), &BundleLimits::default()).unwrap();
@@ -952,47 +774,20 @@ mod tests {
         b.insert_f32("z", vec![3], vec![0.0; 3]).unwrap();
         let q = b.quantize(DType::I8);
         assert_eq!(q.to_f32("z").unwrap(), vec![0.0; 3]);
-        assert_eq!(
-            TensorBundle::decode(&q.encode(), &BundleLimits::default()).unwrap(),
-            q
-        );
+        assert_eq!(TensorBundle::decode(&q.encode(), &BundleLimits::default()).unwrap(), q);
     }
 
     #[test]
     fn insert_checks_shape_name_and_scale() {
         let mut b = TensorBundle::new();
-        assert!(matches!(
-            b.insert_f32("a", vec![2, 2], vec![1.0; 3]),
-            Err(BundleError::BadShape { .. })
-        ));
-        assert!(matches!(
-            b.insert_f32("", vec![1], vec![1.0]),
-            Err(BundleError::BadName { .. })
-        ));
-        assert!(matches!(
-            b.insert_f32("__metadata__", vec![1], vec![1.0]),
-            Err(BundleError::BadName { .. })
-        ));
+        assert!(matches!(b.insert_f32("a", vec![2, 2], vec![1.0; 3]), Err(BundleError::BadShape { .. })));
+        assert!(matches!(b.insert_f32("", vec![1], vec![1.0]), Err(BundleError::BadName { .. })));
+        assert!(matches!(b.insert_f32("__metadata__", vec![1], vec![1.0]), Err(BundleError::BadName { .. })));
         b.insert_f32("a", vec![1], vec![1.0]).unwrap();
-        assert!(matches!(
-            b.insert_f32("a", vec![1], vec![1.0]),
-            Err(BundleError::DuplicateTensor { .. })
-        ));
-        let bad = Tensor {
-            shape: vec![1],
-            data: TensorData::I8 {
-                values: vec![1],
-                scale: f32::NAN,
-            },
-        };
-        assert!(matches!(
-            b.insert("q", bad),
-            Err(BundleError::InvalidScale { .. })
-        ));
-        assert!(matches!(
-            b.insert_f32("huge", vec![usize::MAX, 2], vec![]),
-            Err(BundleError::BadShape { .. })
-        ));
+        assert!(matches!(b.insert_f32("a", vec![1], vec![1.0]), Err(BundleError::DuplicateTensor { .. })));
+        let bad = Tensor { shape: vec![1], data: TensorData::I8 { values: vec![1], scale: f32::NAN } };
+        assert!(matches!(b.insert("q", bad), Err(BundleError::InvalidScale { .. })));
+        assert!(matches!(b.insert_f32("huge", vec![usize::MAX, 2], vec![]), Err(BundleError::BadShape { .. })));
     }
 
     #[test]
@@ -1003,48 +798,24 @@ mod tests {
 
         let mut missing = layout.clone();
         missing.insert("extra".into(), vec![1]);
-        assert_eq!(
-            b.check_layout(&missing),
-            Err(BundleError::MissingTensor {
-                tensor: "extra".into()
-            })
-        );
+        assert_eq!(b.check_layout(&missing), Err(BundleError::MissingTensor { tensor: "extra".into() }));
 
         let mut fewer = layout.clone();
         fewer.remove("scalar");
-        assert_eq!(
-            b.check_layout(&fewer),
-            Err(BundleError::UnexpectedTensor {
-                tensor: "scalar".into()
-            })
-        );
+        assert_eq!(b.check_layout(&fewer), Err(BundleError::UnexpectedTensor { tensor: "scalar".into() }));
 
         let mut reshaped = layout;
         reshaped.insert("layer.0.weight".into(), vec![3, 2]);
-        assert!(matches!(
-            b.check_layout(&reshaped),
-            Err(BundleError::ShapeMismatch { .. })
-        ));
+        assert!(matches!(b.check_layout(&reshaped), Err(BundleError::ShapeMismatch { .. })));
 
         b.check_finite().unwrap();
         let mut nan = b.clone();
         nan.insert_f32("nan", vec![2], vec![1.0, f32::NAN]).unwrap();
-        assert_eq!(
-            nan.check_finite(),
-            Err(BundleError::NonFinite {
-                tensor: "nan".into()
-            })
-        );
-        assert_eq!(
-            nan.check_finite().unwrap_err().reason(),
-            RejectReason::NonFinite
-        );
+        assert_eq!(nan.check_finite(), Err(BundleError::NonFinite { tensor: "nan".into() }));
+        assert_eq!(nan.check_finite().unwrap_err().reason(), RejectReason::NonFinite);
         let mut big = TensorBundle::new();
         big.insert_f32("big", vec![1], vec![1e6]).unwrap();
-        assert!(
-            big.quantize(DType::F16).check_finite().is_err(),
-            "f16 overflow is caught"
-        );
+        assert!(big.quantize(DType::F16).check_finite().is_err(), "f16 overflow is caught");
     }
 
     fn with_header(json: &str, data: &[u8]) -> Vec<u8> {
@@ -1061,62 +832,31 @@ mod tests {
     #[test]
     fn decode_refuses_bad_headers_with_named_errors() {
         assert_eq!(decode(&[1, 2, 3]), Err(BundleError::Truncated));
-        assert!(matches!(
-            decode(&u64::MAX.to_le_bytes()),
-            Err(BundleError::TooLarge { .. })
-        ));
-        assert_eq!(
-            decode(&with_header("{}", b"")[..9]),
-            Err(BundleError::Truncated)
-        );
+        assert!(matches!(decode(&u64::MAX.to_le_bytes()), Err(BundleError::TooLarge { .. })));
+        assert_eq!(decode(&with_header("{}", b"")[..9]), Err(BundleError::Truncated));
         assert!(decode(&with_header("{}", b"")).unwrap().is_empty());
-        assert!(matches!(
-            decode(&with_header("{]", b"")),
-            Err(BundleError::BadHeader(_))
-        ));
+        assert!(matches!(decode(&with_header("{]", b"")), Err(BundleError::BadHeader(_))));
 
         let f64_tensor = r#"{"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}}"#;
-        assert!(matches!(
-            decode(&with_header(f64_tensor, &[0; 8])),
-            Err(BundleError::UnsupportedDtype { .. })
-        ));
+        assert!(matches!(decode(&with_header(f64_tensor, &[0; 8])), Err(BundleError::UnsupportedDtype { .. })));
 
         let gap = r#"{"a":{"dtype":"I8","shape":[1],"data_offsets":[1,2]}, "__metadata__":{"fedfleet.scale.a":"1"}}"#;
-        assert!(matches!(
-            decode(&with_header(gap, &[0; 2])),
-            Err(BundleError::BadOffsets { .. })
-        ));
+        assert!(matches!(decode(&with_header(gap, &[0; 2])), Err(BundleError::BadOffsets { .. })));
 
         let no_scale = r#"{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]}}"#;
-        assert!(matches!(
-            decode(&with_header(no_scale, &[0])),
-            Err(BundleError::MissingScale { .. })
-        ));
+        assert!(matches!(decode(&with_header(no_scale, &[0])), Err(BundleError::MissingScale { .. })));
 
         let bad_scale = r#"{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]},"__metadata__":{"fedfleet.scale.a":"-1"}}"#;
-        assert!(matches!(
-            decode(&with_header(bad_scale, &[0])),
-            Err(BundleError::InvalidScale { .. })
-        ));
+        assert!(matches!(decode(&with_header(bad_scale, &[0])), Err(BundleError::InvalidScale { .. })));
 
         let stray_scale = r#"{"__metadata__":{"fedfleet.scale.ghost":"1"}}"#;
-        assert!(matches!(
-            decode(&with_header(stray_scale, b"")),
-            Err(BundleError::InvalidScale { .. })
-        ));
+        assert!(matches!(decode(&with_header(stray_scale, b"")), Err(BundleError::InvalidScale { .. })));
 
         let deep = r#"{"a":{"dtype":"F32","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,4]}}"#;
-        assert!(matches!(
-            decode(&with_header(deep, &[0; 4])),
-            Err(BundleError::BadHeader(_))
-        ));
+        assert!(matches!(decode(&with_header(deep, &[0; 4])), Err(BundleError::BadHeader(_))));
 
-        let overflow =
-            r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}}"#;
-        assert!(matches!(
-            decode(&with_header(overflow, &[0; 4])),
-            Err(BundleError::BadShape { .. })
-        ));
+        let overflow = r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}}"#;
+        assert!(matches!(decode(&with_header(overflow, &[0; 4])), Err(BundleError::BadShape { .. })));
     }
 
     #[test]
@@ -1129,61 +869,30 @@ mod tests {
             if i > 0 {
                 json.push(',');
             }
-            json += &format!(
-                r#""t{i}":{{"dtype":"F16","shape":[{}],"data_offsets":[{},{}]}}"#,
-                each / 2,
-                i * each,
-                (i + 1) * each
-            );
+            json += &format!(r#""t{i}":{{"dtype":"F16","shape":[{}],"data_offsets":[{},{}]}}"#, each / 2, i * each, (i + 1) * each);
         }
         json.push('}');
-        let unlimited = BundleLimits {
-            max_params: usize::MAX,
-            ..BundleLimits::default()
-        };
+        let unlimited = BundleLimits { max_params: usize::MAX, ..BundleLimits::default() };
         let err = TensorBundle::decode(&with_header(&json, b""), &unlimited).unwrap_err();
         assert!(matches!(err, BundleError::BadOffsets { .. }), "{err:?}");
-        assert!(matches!(
-            decode(&with_header(&json, b"")),
-            Err(BundleError::TooLarge { .. })
-        ));
+        assert!(matches!(decode(&with_header(&json, b"")), Err(BundleError::TooLarge { .. })));
     }
 
     #[test]
     fn decode_applies_limits_before_allocating() {
         let b = sample();
         let bytes = b.encode();
-        let tight = |max_bytes, max_tensors, max_params| BundleLimits {
-            max_bytes,
-            max_tensors,
-            max_params,
-        };
-        assert!(matches!(
-            TensorBundle::decode(&bytes, &tight(10, 100, 100)),
-            Err(BundleError::TooLarge { .. })
-        ));
-        assert!(matches!(
-            TensorBundle::decode(&bytes, &tight(1 << 20, 2, 100)),
-            Err(BundleError::TooLarge {
-                what: "tensor count",
-                ..
-            })
-        ));
+        let tight = |max_bytes, max_tensors, max_params| BundleLimits { max_bytes, max_tensors, max_params };
+        assert!(matches!(TensorBundle::decode(&bytes, &tight(10, 100, 100)), Err(BundleError::TooLarge { .. })));
+        assert!(matches!(TensorBundle::decode(&bytes, &tight(1 << 20, 2, 100)), Err(BundleError::TooLarge { what: "tensor count", .. })));
         assert!(matches!(
             TensorBundle::decode(&bytes, &tight(1 << 20, 100, 5)),
-            Err(BundleError::TooLarge {
-                what: "parameter count",
-                ..
-            })
+            Err(BundleError::TooLarge { what: "parameter count", .. })
         ));
         assert!(TensorBundle::decode(&bytes, &tight(1 << 20, 3, 10)).is_ok());
         // A header claiming 2^40 parameters is refused from the header alone.
-        let claim =
-            r#"{"a":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,4398046511104]}}"#;
-        assert!(matches!(
-            decode(&with_header(claim, b"")),
-            Err(BundleError::TooLarge { .. })
-        ));
+        let claim = r#"{"a":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,4398046511104]}}"#;
+        assert!(matches!(decode(&with_header(claim, b"")), Err(BundleError::TooLarge { .. })));
     }
 
     #[test]
@@ -1197,10 +906,7 @@ mod tests {
         assert_eq!(meta.get("format").map(String::as_str), Some("pt"));
         let scale: f32 = meta["fedfleet.scale.layer.0.weight"].parse().unwrap();
         assert_eq!(scale, 7.5 / 127.0);
-        assert_eq!(
-            parsed.tensor("layer.0.weight").unwrap().dtype(),
-            StDtype::I8
-        );
+        assert_eq!(parsed.tensor("layer.0.weight").unwrap().dtype(), StDtype::I8);
     }
 
     #[test]
@@ -1208,10 +914,7 @@ mod tests {
         for d in DType::ALL {
             assert_eq!(d.as_str().parse::<DType>().unwrap(), d);
             assert_eq!(DType::from_code(d.code()), Some(d));
-            assert_eq!(
-                serde_json::to_string(&d).unwrap(),
-                format!("\"{}\"", d.as_str())
-            );
+            assert_eq!(serde_json::to_string(&d).unwrap(), format!("\"{}\"", d.as_str()));
         }
         assert_eq!(DType::from_code(0), None);
     }

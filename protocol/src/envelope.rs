@@ -50,15 +50,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 7] = [
-        Kind::Update,
-        Kind::Receipt,
-        Kind::Round,
-        Kind::Rollout,
-        Kind::Status,
-        Kind::Relay,
-        Kind::Manifest,
-    ];
+    pub const ALL: [Kind; 7] = [Kind::Update, Kind::Receipt, Kind::Round, Kind::Rollout, Kind::Status, Kind::Relay, Kind::Manifest];
 
     /// The signing domain, e.g. `"fedfleet/update/v1"`.
     pub const fn domain(self) -> &'static str {
@@ -118,11 +110,7 @@ pub enum EnvelopeError {
     #[error("{0} unexpected bytes after the envelope")]
     TrailingBytes(usize),
     #[error("{what} is {len} bytes; the limit is {max}")]
-    TooLarge {
-        what: &'static str,
-        len: u64,
-        max: u64,
-    },
+    TooLarge { what: &'static str, len: u64, max: u64 },
     #[error("expected a {expected:?} envelope, found kind code {found}")]
     WrongKind { expected: Kind, found: u8 },
     #[error("bad id in envelope: {0}")]
@@ -193,11 +181,7 @@ impl<T: Signable> Signed<T> {
     pub fn sign(body: T, key: &SigningKey) -> Self {
         let body_bytes = body.canonical_bytes();
         let signature = key.sign(&signing_message(T::KIND, &body_bytes));
-        Signed {
-            body,
-            body_bytes,
-            signature,
-        }
+        Signed { body, body_bytes, signature }
     }
 
     /// The body, unverified. Prefer [`Signed::verify`].
@@ -227,14 +211,12 @@ impl<T: Signable> Signed<T> {
         if key.is_weak() {
             return Err(EnvelopeError::WeakKey);
         }
-        key.verify_strict(&self.signing_message(), &self.signature)
-            .map_err(|_| EnvelopeError::BadSignature)?;
+        key.verify_strict(&self.signing_message(), &self.signature).map_err(|_| EnvelopeError::BadSignature)?;
         Ok(&self.body)
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out =
-            Vec::with_capacity(ENVELOPE_PREFIX_LEN + self.body_bytes.len() + SIGNATURE_LEN);
+        let mut out = Vec::with_capacity(ENVELOPE_PREFIX_LEN + self.body_bytes.len() + SIGNATURE_LEN);
         out.push(T::KIND.code());
         // body_bytes is at most max_body_len (checked on decode, small by construction on sign).
         out.extend_from_slice(&(self.body_bytes.len() as u32).to_be_bytes());
@@ -249,10 +231,7 @@ impl<T: Signable> Signed<T> {
             return Err(EnvelopeError::Truncated);
         };
         if code != T::KIND.code() {
-            return Err(EnvelopeError::WrongKind {
-                expected: T::KIND,
-                found: code,
-            });
+            return Err(EnvelopeError::WrongKind { expected: T::KIND, found: code });
         }
         let Some((len, rest)) = rest.split_first_chunk::<4>() else {
             return Err(EnvelopeError::Truncated);
@@ -260,11 +239,7 @@ impl<T: Signable> Signed<T> {
         let body_len = u32::from_be_bytes(*len) as usize;
         let max = T::KIND.max_body_len();
         if body_len > max {
-            return Err(EnvelopeError::TooLarge {
-                what: "envelope body",
-                len: body_len as u64,
-                max: max as u64,
-            });
+            return Err(EnvelopeError::TooLarge { what: "envelope body", len: body_len as u64, max: max as u64 });
         }
         let needed = body_len + SIGNATURE_LEN;
         if rest.len() < needed {
@@ -274,14 +249,9 @@ impl<T: Signable> Signed<T> {
             return Err(EnvelopeError::TrailingBytes(rest.len() - needed));
         }
         let (body_bytes, signature) = rest.split_at(body_len);
-        let signature: &[u8; SIGNATURE_LEN] =
-            signature.try_into().map_err(|_| EnvelopeError::Truncated)?;
+        let signature: &[u8; SIGNATURE_LEN] = signature.try_into().map_err(|_| EnvelopeError::Truncated)?;
         let body = T::from_canonical_bytes(body_bytes)?;
-        Ok(Signed {
-            body,
-            body_bytes: body_bytes.to_vec(),
-            signature: Signature::from_bytes(signature),
-        })
+        Ok(Signed { body, body_bytes: body_bytes.to_vec(), signature: Signature::from_bytes(signature) })
     }
 }
 
@@ -291,27 +261,14 @@ impl<T: Signable> Signed<T> {
 /// per signature than one by one). If the batch fails, each item is verified strictly on its own
 /// to name the bad ones. Batch verification does not refuse small-order `R` components the way
 /// `verify_strict` does; only the key holder can produce those, so they forge nothing.
-pub fn verify_batch<T: Signable>(
-    items: &[(&Signed<T>, &VerifyingKey)],
-) -> Vec<Result<(), EnvelopeError>> {
-    let mut results: Vec<Result<(), EnvelopeError>> = items
-        .iter()
-        .map(|(_, key)| {
-            if key.is_weak() {
-                Err(EnvelopeError::WeakKey)
-            } else {
-                Ok(())
-            }
-        })
-        .collect();
+pub fn verify_batch<T: Signable>(items: &[(&Signed<T>, &VerifyingKey)]) -> Vec<Result<(), EnvelopeError>> {
+    let mut results: Vec<Result<(), EnvelopeError>> =
+        items.iter().map(|(_, key)| if key.is_weak() { Err(EnvelopeError::WeakKey) } else { Ok(()) }).collect();
     let candidates: Vec<usize> = (0..items.len()).filter(|&i| results[i].is_ok()).collect();
     if candidates.is_empty() {
         return results;
     }
-    let messages: Vec<Vec<u8>> = candidates
-        .iter()
-        .map(|&i| items[i].0.signing_message())
-        .collect();
+    let messages: Vec<Vec<u8>> = candidates.iter().map(|&i| items[i].0.signing_message()).collect();
     let message_refs: Vec<&[u8]> = messages.iter().map(Vec::as_slice).collect();
     let signatures: Vec<Signature> = candidates.iter().map(|&i| items[i].0.signature).collect();
     let keys: Vec<VerifyingKey> = candidates.iter().map(|&i| *items[i].1).collect();
@@ -452,21 +409,13 @@ pub struct PayloadCheck {
 
 impl PayloadCheck {
     pub fn new(header: &impl PayloadBinding) -> Self {
-        PayloadCheck {
-            signed_len: header.payload_len(),
-            signed_digest: header.payload_digest(),
-            received: 0,
-            hasher: Hasher::new(),
-        }
+        PayloadCheck { signed_len: header.payload_len(), signed_digest: header.payload_digest(), received: 0, hasher: Hasher::new() }
     }
 
     pub fn update(&mut self, chunk: &[u8]) -> Result<(), EnvelopeError> {
         let received = self.received.saturating_add(chunk.len() as u64);
         if received > self.signed_len {
-            return Err(EnvelopeError::LengthMismatch {
-                signed: self.signed_len,
-                actual: received,
-            });
+            return Err(EnvelopeError::LengthMismatch { signed: self.signed_len, actual: received });
         }
         self.received = received;
         self.hasher.update(chunk);
@@ -480,17 +429,11 @@ impl PayloadCheck {
 
     pub fn finish(self) -> Result<(), EnvelopeError> {
         if self.received != self.signed_len {
-            return Err(EnvelopeError::LengthMismatch {
-                signed: self.signed_len,
-                actual: self.received,
-            });
+            return Err(EnvelopeError::LengthMismatch { signed: self.signed_len, actual: self.received });
         }
         let actual = self.hasher.finalize();
         if actual != self.signed_digest {
-            return Err(EnvelopeError::DigestMismatch {
-                signed: self.signed_digest,
-                actual,
-            });
+            return Err(EnvelopeError::DigestMismatch { signed: self.signed_digest, actual });
         }
         Ok(())
     }
@@ -569,8 +512,7 @@ impl<'a> CanonicalReader<'a> {
     }
     pub(crate) fn str(&mut self) -> Result<&'a str, EnvelopeError> {
         let len = u16::from_be_bytes(self.array()?) as usize;
-        std::str::from_utf8(self.take(len)?)
-            .map_err(|_| EnvelopeError::BadBody("string is not UTF-8".into()))
+        std::str::from_utf8(self.take(len)?).map_err(|_| EnvelopeError::BadBody("string is not UTF-8".into()))
     }
     /// Reads what [`CanonicalWriter::upload_start`] writes.
     fn upload_start(&mut self) -> Result<(DeviceId, FleetId, RoundId, Digest, [u8; 16]), EnvelopeError> {
@@ -612,11 +554,7 @@ mod tests {
 
     #[test]
     fn canonical_header_golden_bytes() {
-        let h = UpdateHeader {
-            payload_len: 1024,
-            payload_digest: Digest([0xCD; 32]),
-            ..header(b"")
-        };
+        let h = UpdateHeader { payload_len: 1024, payload_digest: Digest([0xCD; 32]), ..header(b"") };
         let expected = concat!(
             "0005",
             "63616d2d31", // device "cam-1"
@@ -626,17 +564,14 @@ mod tests {
             "abababababababababababababababababababababababababababababababab", // base model
             "11111111111111111111111111111111",                                 // nonce
             "0000000000000258",                                                 // sample count 600
-            "0000000000000400", // payload length 1024
+            "0000000000000400",                                                 // payload length 1024
             "cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd", // payload digest
-            "04",               // dtype i8
+            "04",                                                               // dtype i8
         );
         assert_eq!(hex::encode(h.canonical_bytes()), expected);
         let message = signing_message(Kind::Update, &h.canonical_bytes());
         assert!(message.starts_with(b"fedfleet/update/v1\0"));
-        assert_eq!(
-            UpdateHeader::from_canonical_bytes(&h.canonical_bytes()).unwrap(),
-            h
-        );
+        assert_eq!(UpdateHeader::from_canonical_bytes(&h.canonical_bytes()).unwrap(), h);
 
         // ed25519 signatures are deterministic: pin the whole envelope too.
         let signed = Signed::sign(h, &key(7));
@@ -646,7 +581,8 @@ mod tests {
         assert_eq!(signed.encode()[5..121], signed.body_bytes()[..]);
     }
 
-    const GOLDEN_SIGNATURE: &str = "22bb5127ea0193d7b6a19c4ffddcece0a56f6771545dfeb37357d305c0cad00ad5623a18b3ba2aa752b775a926e1ccf822fddcb3c6e8e9cc919272889d405e05";
+    const GOLDEN_SIGNATURE: &str =
+        "22bb5127ea0193d7b6a19c4ffddcece0a56f6771545dfeb37357d305c0cad00ad5623a18b3ba2aa752b775a926e1ccf822fddcb3c6e8e9cc919272889d405e05";
 
     #[test]
     fn nonces_differ() {
@@ -660,14 +596,8 @@ mod tests {
         let signed = Signed::sign(header(&payload), &key(1));
         let decoded = SignedUpdate::decode(&signed.encode()).unwrap();
         assert_eq!(decoded, signed);
-        assert_eq!(
-            decoded.verify(&key(1).verifying_key()).unwrap(),
-            signed.body()
-        );
-        assert_eq!(
-            decoded.verify(&key(2).verifying_key()),
-            Err(EnvelopeError::BadSignature)
-        );
+        assert_eq!(decoded.verify(&key(1).verifying_key()).unwrap(), signed.body());
+        assert_eq!(decoded.verify(&key(2).verifying_key()), Err(EnvelopeError::BadSignature));
         verify_payload(decoded.body(), &payload).unwrap();
     }
 
@@ -690,10 +620,7 @@ mod tests {
                 assert!(
                     matches!(
                         reason,
-                        RejectReason::BadSignature
-                            | RejectReason::Malformed
-                            | RejectReason::WrongDtype
-                            | RejectReason::TooLarge
+                        RejectReason::BadSignature | RejectReason::Malformed | RejectReason::WrongDtype | RejectReason::TooLarge
                     ),
                     "header bit {bit}: {reason}"
                 );
@@ -703,15 +630,9 @@ mod tests {
         for bit in 0..payload.len() * 8 {
             let mut flipped = payload.clone();
             flipped[bit / 8] ^= 1 << (bit % 8);
-            assert_eq!(
-                verify_payload(&h, &flipped).unwrap_err().reason(),
-                RejectReason::DigestMismatch
-            );
+            assert_eq!(verify_payload(&h, &flipped).unwrap_err().reason(), RejectReason::DigestMismatch);
         }
-        assert_eq!(
-            verify_payload(&h, &payload[1..]).unwrap_err().reason(),
-            RejectReason::LengthMismatch
-        );
+        assert_eq!(verify_payload(&h, &payload[1..]).unwrap_err().reason(), RejectReason::LengthMismatch);
     }
 
     #[test]
@@ -721,11 +642,7 @@ mod tests {
         let mut tampered = signed.body().clone();
         tampered.sample_count += 1;
         // Re-wrap the tampered body with the old signature.
-        let forged = Signed {
-            body_bytes: tampered.canonical_bytes(),
-            body: tampered,
-            signature: signed.signature,
-        };
+        let forged = Signed { body_bytes: tampered.canonical_bytes(), body: tampered, signature: signed.signature };
         assert_eq!(forged.verify(&verifying), Err(EnvelopeError::BadSignature));
     }
 
@@ -746,20 +663,11 @@ mod tests {
         let signed = Signed::sign(relay, &key(5));
         let decoded = SignedRelay::decode(&signed.encode()).unwrap();
         decoded.verify(&key(5).verifying_key()).unwrap();
-        assert!(matches!(
-            SignedUpdate::decode(&signed.encode()),
-            Err(EnvelopeError::WrongKind { .. })
-        ));
+        assert!(matches!(SignedUpdate::decode(&signed.encode()), Err(EnvelopeError::WrongKind { .. })));
         // The same bytes signed under another domain do not verify.
         let other = key(5).sign(&signing_message(Kind::Update, signed.body_bytes()));
-        let swapped = Signed {
-            signature: other,
-            ..decoded
-        };
-        assert_eq!(
-            swapped.verify(&key(5).verifying_key()),
-            Err(EnvelopeError::BadSignature)
-        );
+        let swapped = Signed { signature: other, ..decoded };
+        assert_eq!(swapped.verify(&key(5).verifying_key()), Err(EnvelopeError::BadSignature));
         let domains: std::collections::BTreeSet<_> = Kind::ALL.iter().map(|k| k.domain()).collect();
         assert_eq!(domains.len(), Kind::ALL.len());
     }
@@ -768,32 +676,21 @@ mod tests {
     fn decode_refuses_short_long_and_oversize() {
         let bytes = Signed::sign(header(b""), &key(6)).encode();
         assert_eq!(SignedUpdate::decode(&[]), Err(EnvelopeError::Truncated));
-        assert_eq!(
-            SignedUpdate::decode(&bytes[..bytes.len() - 1]),
-            Err(EnvelopeError::Truncated)
-        );
+        assert_eq!(SignedUpdate::decode(&bytes[..bytes.len() - 1]), Err(EnvelopeError::Truncated));
         let mut long = bytes.clone();
         long.push(0);
-        assert_eq!(
-            SignedUpdate::decode(&long),
-            Err(EnvelopeError::TrailingBytes(1))
-        );
+        assert_eq!(SignedUpdate::decode(&long), Err(EnvelopeError::TrailingBytes(1)));
         let mut huge = bytes;
         huge[1..5].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(matches!(
-            SignedUpdate::decode(&huge),
-            Err(EnvelopeError::TooLarge { .. })
-        ));
+        assert!(matches!(SignedUpdate::decode(&huge), Err(EnvelopeError::TooLarge { .. })));
     }
 
     #[test]
     fn batch_verification_names_the_bad_items() {
         let keys: Vec<SigningKey> = (10..20).map(key).collect();
-        let signed: Vec<SignedUpdate> =
-            keys.iter().map(|k| Signed::sign(header(b"p"), k)).collect();
+        let signed: Vec<SignedUpdate> = keys.iter().map(|k| Signed::sign(header(b"p"), k)).collect();
         let verifying: Vec<VerifyingKey> = keys.iter().map(SigningKey::verifying_key).collect();
-        let mut items: Vec<(&SignedUpdate, &VerifyingKey)> =
-            signed.iter().zip(&verifying).collect();
+        let mut items: Vec<(&SignedUpdate, &VerifyingKey)> = signed.iter().zip(&verifying).collect();
         assert!(verify_batch(&items).iter().all(Result::is_ok));
 
         items[3].1 = &verifying[4];
@@ -824,9 +721,6 @@ mod tests {
         }
         assert_eq!(check.received(), 100);
         check.clone().finish().unwrap();
-        assert!(matches!(
-            check.update(&[0]),
-            Err(EnvelopeError::LengthMismatch { .. })
-        ));
+        assert!(matches!(check.update(&[0]), Err(EnvelopeError::LengthMismatch { .. })));
     }
 }

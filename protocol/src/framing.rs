@@ -36,12 +36,7 @@ pub enum FrameKind {
 }
 
 impl FrameKind {
-    pub const ALL: [FrameKind; 4] = [
-        FrameKind::Message,
-        FrameKind::Signed,
-        FrameKind::Chunk,
-        FrameKind::End,
-    ];
+    pub const ALL: [FrameKind; 4] = [FrameKind::Message, FrameKind::Signed, FrameKind::Chunk, FrameKind::End];
 
     /// Stable code on the wire. Never reuse a code.
     pub const fn code(self) -> u8 {
@@ -86,11 +81,7 @@ pub enum FrameError {
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),
     #[error("{kind:?} frame claims {len} bytes; the limit is {max}")]
-    TooLarge {
-        kind: FrameKind,
-        len: u64,
-        max: usize,
-    },
+    TooLarge { kind: FrameKind, len: u64, max: usize },
     #[error("stream ended inside a frame ({0} bytes buffered)")]
     Truncated(usize),
 }
@@ -108,11 +99,7 @@ impl FrameError {
 /// Encodes one frame; refuses a body over its kind's limit.
 pub fn encode_frame(kind: FrameKind, body: &[u8]) -> Result<Vec<u8>, FrameError> {
     if body.len() > kind.max_body_len() {
-        return Err(FrameError::TooLarge {
-            kind,
-            len: body.len() as u64,
-            max: kind.max_body_len(),
-        });
+        return Err(FrameError::TooLarge { kind, len: body.len() as u64, max: kind.max_body_len() });
     }
     let mut out = Vec::with_capacity(FRAME_PREFIX_LEN + body.len());
     out.push(FRAME_MAGIC_V1);
@@ -194,20 +181,13 @@ impl FrameDecoder {
         };
         let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]);
         if len as usize > kind.max_body_len() {
-            return Err(FrameError::TooLarge {
-                kind,
-                len: u64::from(len),
-                max: kind.max_body_len(),
-            });
+            return Err(FrameError::TooLarge { kind, len: u64::from(len), max: kind.max_body_len() });
         }
         let total = FRAME_PREFIX_LEN + len as usize;
         let Some(body) = pending.get(FRAME_PREFIX_LEN..total) else {
             return Ok(None);
         };
-        let frame = Frame {
-            kind,
-            body: body.to_vec(),
-        };
+        let frame = Frame { kind, body: body.to_vec() };
         self.start += total;
         if self.start == self.buf.len() {
             self.buf.clear();
@@ -227,27 +207,12 @@ mod tests {
     #[test]
     fn frames_split_anywhere_decode_the_same() {
         let frames = vec![
-            Frame {
-                kind: FrameKind::Signed,
-                body: vec![1, 2, 3],
-            },
-            Frame {
-                kind: FrameKind::Chunk,
-                body: vec![7; 1000],
-            },
-            Frame {
-                kind: FrameKind::End,
-                body: vec![],
-            },
-            Frame {
-                kind: FrameKind::Message,
-                body: b"hello".to_vec(),
-            },
+            Frame { kind: FrameKind::Signed, body: vec![1, 2, 3] },
+            Frame { kind: FrameKind::Chunk, body: vec![7; 1000] },
+            Frame { kind: FrameKind::End, body: vec![] },
+            Frame { kind: FrameKind::Message, body: b"hello".to_vec() },
         ];
-        let wire: Vec<u8> = frames
-            .iter()
-            .flat_map(|f| encode_frame(f.kind, &f.body).unwrap())
-            .collect();
+        let wire: Vec<u8> = frames.iter().flat_map(|f| encode_frame(f.kind, &f.body).unwrap()).collect();
         for piece in [1, 2, 5, 6, 7, 100, wire.len()] {
             let mut decoder = FrameDecoder::new();
             let mut out = Vec::new();
@@ -266,23 +231,9 @@ mod tests {
     fn oversize_claim_is_refused_from_the_prefix_alone() {
         let mut decoder = FrameDecoder::new();
         // A 4 GiB - 1 chunk: only the 6-byte prefix is ever pushed.
-        decoder.push(&[
-            FRAME_MAGIC_V1,
-            FrameKind::Chunk.code(),
-            0xFF,
-            0xFF,
-            0xFF,
-            0xFF,
-        ]);
+        decoder.push(&[FRAME_MAGIC_V1, FrameKind::Chunk.code(), 0xFF, 0xFF, 0xFF, 0xFF]);
         let err = decoder.poll().unwrap_err();
-        assert_eq!(
-            err,
-            FrameError::TooLarge {
-                kind: FrameKind::Chunk,
-                len: u32::MAX as u64,
-                max: MAX_CHUNK_BYTES
-            }
-        );
+        assert_eq!(err, FrameError::TooLarge { kind: FrameKind::Chunk, len: u32::MAX as u64, max: MAX_CHUNK_BYTES });
         assert_eq!(decoder.buffered(), 0);
         decoder.push(&[0; 64]);
         assert_eq!(decoder.buffered(), 0, "nothing is buffered after an error");

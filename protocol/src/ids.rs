@@ -31,10 +31,7 @@ fn validate_id(s: &str) -> Result<(), IdError> {
     if s.len() > MAX_ID_LEN {
         return Err(IdError::TooLong(s.len()));
     }
-    match s
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
+    match s.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
         Some(c) => Err(IdError::BadChar(c)),
         None => Ok(()),
     }

@@ -34,14 +34,14 @@ pub mod tuf;
 
 pub use bundle::{BundleError, BundleLimits, DType, Layout, Tensor, TensorBundle, TensorData};
 pub use envelope::{
-    EnvelopeError, Kind, PayloadCheck, RelayHeader, Signable, Signed, SignedRelay, SignedUpdate,
-    UpdateHeader, random_nonce, verify_batch, verify_payload,
+    EnvelopeError, Kind, PayloadCheck, RelayHeader, Signable, Signed, SignedRelay, SignedUpdate, UpdateHeader, random_nonce, verify_batch,
+    verify_payload,
 };
 pub use framing::{Frame, FrameDecoder, FrameError, FrameKind, encode_frame};
 pub use ids::{DeviceId, Digest, FleetId, Hasher, IdError, ModelVersion, RoundId};
 pub use messages::{
-    DeviceState, DeviceStatus, Message, MessageError, ModelRef, Receipt, Rejection,
-    RolloutAction, RolloutNotice, RoundAnnouncement, RoundConfig, Selection, StorageFault,
+    DeviceState, DeviceStatus, Message, MessageError, ModelRef, Receipt, Rejection, RolloutAction, RolloutNotice, RoundAnnouncement,
+    RoundConfig, Selection, StorageFault,
 };
 pub use model::{AdapterLineage, ModelInfo, NewVersion, SpecJson};
 pub use reject::RejectReason;

@@ -47,10 +47,7 @@ impl MessageError {
 pub fn encode<T: Serialize>(value: &T, max: usize) -> Result<Vec<u8>, MessageError> {
     let bytes = postcard::to_stdvec(value).map_err(|e| MessageError::Encode(e.to_string()))?;
     if bytes.len() > max {
-        return Err(MessageError::TooLarge {
-            len: bytes.len(),
-            max,
-        });
+        return Err(MessageError::TooLarge { len: bytes.len(), max });
     }
     Ok(bytes)
 }
@@ -58,13 +55,9 @@ pub fn encode<T: Serialize>(value: &T, max: usize) -> Result<Vec<u8>, MessageErr
 /// Parses postcard bytes; refuses input longer than `max` before parsing, and trailing bytes.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8], max: usize) -> Result<T, MessageError> {
     if bytes.len() > max {
-        return Err(MessageError::TooLarge {
-            len: bytes.len(),
-            max,
-        });
+        return Err(MessageError::TooLarge { len: bytes.len(), max });
     }
-    let (value, rest) =
-        postcard::take_from_bytes(bytes).map_err(|e| MessageError::Malformed(e.to_string()))?;
+    let (value, rest) = postcard::take_from_bytes(bytes).map_err(|e| MessageError::Malformed(e.to_string()))?;
     if !rest.is_empty() {
         return Err(MessageError::TrailingBytes(rest.len()));
     }
@@ -430,11 +423,7 @@ mod tests {
     use ed25519_dalek::SigningKey;
 
     fn model() -> ModelRef {
-        ModelRef {
-            name: "mnist-mlp".into(),
-            version: ModelVersion(3),
-            digest: Digest::of(b"model"),
-        }
+        ModelRef { name: "mnist-mlp".into(), version: ModelVersion(3), digest: Digest::of(b"model") }
     }
 
     pub(crate) fn samples() -> Vec<Message> {
@@ -445,16 +434,9 @@ mod tests {
                 fleet: fleet.clone(),
                 round: RoundId(4),
                 base_model: model(),
-                config: RoundConfig {
-                    quantization: DType::I8,
-                    proximal_mu: 0.01,
-                    ..RoundConfig::default()
-                },
+                config: RoundConfig { quantization: DType::I8, proximal_mu: 0.01, ..RoundConfig::default() },
                 deadline_unix_ms: 1_700_000_000_000,
-                selection: Selection::Sample {
-                    rate_ppm: 250_000,
-                    seed: 9,
-                },
+                selection: Selection::Sample { rate_ppm: 250_000, seed: 9 },
             }),
             Message::Receipt(Receipt {
                 fleet: fleet.clone(),
@@ -464,10 +446,7 @@ mod tests {
                 payload_digest: Digest::of(b"p"),
                 accepted_at_unix_ms: 5,
             }),
-            Message::Rejection(Rejection::new(
-                RejectReason::StaleRound,
-                "round 3 is closed",
-            )),
+            Message::Rejection(Rejection::new(RejectReason::StaleRound, "round 3 is closed")),
             Message::Manifest(ModelInfo {
                 name: "mnist-mlp".into(),
                 version: ModelVersion(3),
@@ -496,9 +475,7 @@ mod tests {
                 fleet,
                 device,
                 reported_at_unix_ms: 8,
-                state: DeviceState::RolledBack {
-                    reason: "nan in output".into(),
-                },
+                state: DeviceState::RolledBack { reason: "nan in output".into() },
                 active: Some(model()),
                 staged: None,
                 rollout_id: Some(1),
@@ -516,30 +493,19 @@ mod tests {
             assert_eq!(Message::decode(&long), Err(MessageError::TrailingBytes(1)));
             assert!(Message::decode(&bytes[..bytes.len() - 1]).is_err());
         }
-        assert!(matches!(
-            decode::<Message>(&[0; 16], 8),
-            Err(MessageError::TooLarge { .. })
-        ));
-        assert!(matches!(
-            encode(&samples()[0], 8),
-            Err(MessageError::TooLarge { .. })
-        ));
+        assert!(matches!(decode::<Message>(&[0; 16], 8), Err(MessageError::TooLarge { .. })));
+        assert!(matches!(encode(&samples()[0], 8), Err(MessageError::TooLarge { .. })));
     }
 
     #[test]
     fn decoding_validates_ids() {
         // A status whose device id has a '/' in it: ids are checked while decoding.
-        let Message::Status(mut status) = samples().pop().unwrap() else {
-            unreachable!()
-        };
+        let Message::Status(mut status) = samples().pop().unwrap() else { unreachable!() };
         status.rollout_id = None;
         let mut bytes = encode(&status, 1024).unwrap();
         let at = bytes.iter().position(|&b| b == b'c').unwrap();
         bytes[at] = b'/';
-        assert!(matches!(
-            decode::<DeviceStatus>(&bytes, 1024),
-            Err(MessageError::Malformed(_))
-        ));
+        assert!(matches!(decode::<DeviceStatus>(&bytes, 1024), Err(MessageError::Malformed(_))));
     }
 
     #[test]
@@ -565,9 +531,7 @@ mod tests {
 
     #[test]
     fn receipt_canonical_golden_bytes() {
-        let Message::Receipt(receipt) = &samples()[1] else {
-            unreachable!()
-        };
+        let Message::Receipt(receipt) = &samples()[1] else { unreachable!() };
         let expected = concat!(
             "0002",
             "6575", // fleet "eu"
@@ -584,50 +548,22 @@ mod tests {
 
     #[test]
     fn sampling_and_rollout_buckets_are_deterministic() {
-        let devices: Vec<DeviceId> = (0..2000)
-            .map(|i| DeviceId::new(format!("dev-{i}")).unwrap())
-            .collect();
-        let quarter = Selection::Sample {
-            rate_ppm: PPM / 4,
-            seed: 1,
-        };
+        let devices: Vec<DeviceId> = (0..2000).map(|i| DeviceId::new(format!("dev-{i}")).unwrap()).collect();
+        let quarter = Selection::Sample { rate_ppm: PPM / 4, seed: 1 };
         let chosen = devices.iter().filter(|d| quarter.selects(d)).count();
         assert!((400..600).contains(&chosen), "{chosen}");
-        assert!(devices.iter().all(|d| {
-            Selection::Sample {
-                rate_ppm: PPM,
-                seed: 1,
-            }
-            .selects(d)
-        }));
-        assert!(!devices.iter().any(|d| {
-            Selection::Sample {
-                rate_ppm: 0,
-                seed: 1,
-            }
-            .selects(d)
-        }));
+        assert!(devices.iter().all(|d| { Selection::Sample { rate_ppm: PPM, seed: 1 }.selects(d) }));
+        assert!(!devices.iter().any(|d| { Selection::Sample { rate_ppm: 0, seed: 1 }.selects(d) }));
 
-        let Message::Rollout(mut notice) = samples()[4].clone() else {
-            unreachable!()
-        };
+        let Message::Rollout(mut notice) = samples()[4].clone() else { unreachable!() };
         notice.percent_bp = 1_000;
-        let in_ten: Vec<_> = devices
-            .iter()
-            .filter(|d| notice.includes(d, None))
-            .collect();
+        let in_ten: Vec<_> = devices.iter().filter(|d| notice.includes(d, None)).collect();
         assert!((120..280).contains(&in_ten.len()), "{}", in_ten.len());
         notice.percent_bp = 5_000;
-        assert!(
-            in_ten.iter().all(|d| notice.includes(d, None)),
-            "growing a phase only adds devices"
-        );
+        assert!(in_ten.iter().all(|d| notice.includes(d, None)), "growing a phase only adds devices");
         notice.cohort = Some("lab".into());
         assert!(!devices.iter().any(|d| notice.includes(d, Some("field"))));
-        assert_eq!(
-            rollout_bucket(&devices[0]),
-            rollout_bucket(&devices[0].clone())
-        );
+        assert_eq!(rollout_bucket(&devices[0]), rollout_bucket(&devices[0].clone()));
     }
 
     #[test]

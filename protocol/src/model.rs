@@ -53,11 +53,7 @@ impl std::ops::Deref for SpecJson {
 
 impl Serialize for SpecJson {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        if s.is_human_readable() {
-            self.0.serialize(s)
-        } else {
-            s.serialize_str(&self.0.to_string())
-        }
+        if s.is_human_readable() { self.0.serialize(s) } else { s.serialize_str(&self.0.to_string()) }
     }
 }
 
@@ -135,11 +131,7 @@ impl ModelInfo {
 
     /// What identifies the version: name, number and digest.
     pub fn model_ref(&self) -> ModelRef {
-        ModelRef {
-            name: self.name.clone(),
-            version: self.version,
-            digest: self.digest,
-        }
+        ModelRef { name: self.name.clone(), version: self.version, digest: self.digest }
     }
 }
 
@@ -156,12 +148,7 @@ mod tests {
                 metrics: [("accuracy".to_owned(), 0.97)].into_iter().collect(),
                 created_at_unix_ms: 6,
                 publisher: "aggregator-eu".into(),
-                adapter: Some(AdapterLineage {
-                    method: "lora".into(),
-                    rank: 2,
-                    alpha: 2.0,
-                    tensors: vec!["fc2.weight".into()],
-                }),
+                adapter: Some(AdapterLineage { method: "lora".into(), rank: 2, alpha: 2.0, tensors: vec!["fc2.weight".into()] }),
             },
             ModelVersion(3),
             1234,

@@ -100,10 +100,7 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for reason in RejectReason::ALL {
             let name = reason.as_str();
-            assert!(
-                name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
-                "{name}"
-            );
+            assert!(name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{name}");
             assert!(seen.insert(name), "duplicate {name}");
         }
         assert_eq!(RejectReason::DigestMismatch.to_string(), "digest_mismatch");

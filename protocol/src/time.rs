@@ -44,10 +44,7 @@ impl SystemClock {
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> Millis {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as Millis)
-            .unwrap_or(0)
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as Millis).unwrap_or(0)
     }
 }
 

@@ -46,13 +46,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::marker::PhantomData;
 
-use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
 use crate::{Digest, ModelVersion};
+use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::serde_hex;
 use crate::model::ModelInfo;
+use crate::serde_hex;
 
 /// A metadata role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -112,10 +112,7 @@ pub struct PublicKey {
 
 impl PublicKey {
     pub fn ed25519(key: &VerifyingKey) -> Self {
-        PublicKey {
-            scheme: "ed25519".into(),
-            public: key.to_bytes(),
-        }
+        PublicKey { scheme: "ed25519".into(), public: key.to_bytes() }
     }
 
     pub fn key_id(&self) -> KeyId {
@@ -132,10 +129,7 @@ pub struct RoleKeys {
 
 impl RoleKeys {
     pub fn new(keys: &[&VerifyingKey], threshold: u32) -> Self {
-        RoleKeys {
-            keyids: keys.iter().map(|k| KeyId::of(k)).collect(),
-            threshold,
-        }
+        RoleKeys { keyids: keys.iter().map(|k| KeyId::of(k)).collect(), threshold }
     }
 
     /// Counts the valid signatures over `msg` (strict ed25519, public keys from `root`) by
@@ -165,11 +159,7 @@ impl RoleKeys {
                 bad = Some(keyid.clone());
             }
         }
-        SignatureCount {
-            valid: valid.len() as u32,
-            threshold: self.threshold,
-            bad,
-        }
+        SignatureCount { valid: valid.len() as u32, threshold: self.threshold, bad }
     }
 }
 
@@ -235,16 +225,10 @@ impl Root {
         for role in [Role::Root, Role::Targets, Role::Timestamp] {
             let rk = self.role(role);
             if rk.threshold == 0 || rk.threshold as usize > rk.keyids.len() {
-                return bad(format!(
-                    "{role} threshold {} with {} keys",
-                    rk.threshold,
-                    rk.keyids.len()
-                ));
+                return bad(format!("{role} threshold {} with {} keys", rk.threshold, rk.keyids.len()));
             }
             if let Some(id) = rk.keyids.iter().find(|id| !self.keys.contains_key(*id)) {
-                return bad(format!(
-                    "{role} names key {id} which the root does not list"
-                ));
+                return bad(format!("{role} names key {id} which the root does not list"));
             }
         }
         Ok(())
@@ -261,9 +245,7 @@ pub struct Targets {
 
 impl Targets {
     pub fn get(&self, name: &str, version: ModelVersion) -> Option<&ModelInfo> {
-        self.targets
-            .iter()
-            .find(|t| t.name == name && t.version == version)
+        self.targets.iter().find(|t| t.name == name && t.version == version)
     }
 }
 
@@ -285,20 +267,12 @@ pub struct Timestamp {
 
 impl Timestamp {
     /// A timestamp pointing at `targets`.
-    pub fn for_targets(
-        version: u64,
-        expires: u64,
-        targets: &SignedMetadata<Targets>,
-    ) -> Result<Self, TufError> {
+    pub fn for_targets(version: u64, expires: u64, targets: &SignedMetadata<Targets>) -> Result<Self, TufError> {
         let body = targets.body_unverified()?;
         Ok(Timestamp {
             version,
             expires,
-            targets: MetaRef {
-                version: body.version,
-                length: targets.signed.len() as u64,
-                digest: Digest::of(targets.signed.as_bytes()),
-            },
+            targets: MetaRef { version: body.version, length: targets.signed.len() as u64, digest: Digest::of(targets.signed.as_bytes()) },
         })
     }
 }
@@ -360,11 +334,7 @@ pub struct SignedMetadata<T> {
 impl<T: Metadata> SignedMetadata<T> {
     /// Serializes `body` (canonical form, see the module docs), unsigned.
     pub fn new(body: &T) -> Self {
-        SignedMetadata {
-            signed: serde_json::to_string(body).expect("metadata serializes"),
-            signatures: Vec::new(),
-            _body: PhantomData,
-        }
+        SignedMetadata { signed: serde_json::to_string(body).expect("metadata serializes"), signatures: Vec::new(), _body: PhantomData }
     }
 
     /// Serializes and signs with every key given.
@@ -393,10 +363,7 @@ impl<T: Metadata> SignedMetadata<T> {
 
     /// Parses the body **without** checking signatures (for signers and tools).
     pub fn body_unverified(&self) -> Result<T, TufError> {
-        serde_json::from_str(&self.signed).map_err(|e| TufError::Malformed {
-            role: T::ROLE,
-            detail: e.to_string(),
-        })
+        serde_json::from_str(&self.signed).map_err(|e| TufError::Malformed { role: T::ROLE, detail: e.to_string() })
     }
 
     /// Counts valid signatures over this metadata by distinct keys of `role` listed in `root`.
@@ -422,11 +389,7 @@ impl SignatureCount {
         }
         match self.bad {
             Some(keyid) => Err(TufError::BadSignature { role, keyid }),
-            None => Err(TufError::UnderThreshold {
-                role,
-                valid: self.valid,
-                threshold: self.threshold,
-            }),
+            None => Err(TufError::UnderThreshold { role, valid: self.valid, threshold: self.threshold }),
         }
     }
 }
@@ -442,11 +405,7 @@ pub enum TufError {
     #[error("bad signature on {role} metadata by key {keyid}")]
     BadSignature { role: Role, keyid: KeyId },
     #[error("{role} metadata has {valid} valid signature(s), {threshold} required")]
-    UnderThreshold {
-        role: Role,
-        valid: u32,
-        threshold: u32,
-    },
+    UnderThreshold { role: Role, valid: u32, threshold: u32 },
     #[error("new root is not signed by the trusted root's threshold ({valid} of {threshold})")]
     RootNotSignedByOldRoot { valid: u32, threshold: u32 },
     #[error("new root is not signed by its own root threshold ({valid} of {threshold})")]
@@ -491,14 +450,7 @@ impl Verifier {
         let root = pinned.body_unverified()?;
         root.validate()?;
         pinned.check(&root, &root.root).into_result(Role::Root)?;
-        Ok(Verifier {
-            root,
-            root_signed: pinned,
-            timestamp: None,
-            targets: None,
-            timestamp_floor: 0,
-            targets_floor: 0,
-        })
+        Ok(Verifier { root, root_signed: pinned, timestamp: None, targets: None, timestamp_floor: 0, targets_floor: 0 })
     }
 
     pub fn root(&self) -> &Root {
@@ -528,37 +480,21 @@ impl Verifier {
                 return Ok(false);
             }
             if body.version == self.root.version {
-                return Err(TufError::VersionReused {
-                    role: Role::Root,
-                    version: body.version,
-                });
+                return Err(TufError::VersionReused { role: Role::Root, version: body.version });
             }
-            return Err(TufError::Rollback {
-                role: Role::Root,
-                trusted: self.root.version,
-                got: body.version,
-            });
+            return Err(TufError::Rollback { role: Role::Root, trusted: self.root.version, got: body.version });
         }
         if body.version != self.root.version + 1 {
-            return Err(TufError::RootVersionSkipped {
-                trusted: self.root.version,
-                got: body.version,
-            });
+            return Err(TufError::RootVersionSkipped { trusted: self.root.version, got: body.version });
         }
         let old = new.check(&self.root, &self.root.root);
         if old.valid < old.threshold {
-            return Err(TufError::RootNotSignedByOldRoot {
-                valid: old.valid,
-                threshold: old.threshold,
-            });
+            return Err(TufError::RootNotSignedByOldRoot { valid: old.valid, threshold: old.threshold });
         }
         body.validate()?;
         let own = new.check(&body, &body.root);
         if own.valid < own.threshold {
-            return Err(TufError::RootNotSignedByNewRoot {
-                valid: own.valid,
-                threshold: own.threshold,
-            });
+            return Err(TufError::RootNotSignedByNewRoot { valid: own.valid, threshold: own.threshold });
         }
         if body.timestamp != self.root.timestamp {
             self.timestamp = None;
@@ -580,49 +516,29 @@ impl Verifier {
     }
 
     /// Accepts a new timestamp. Returns `false` when it is the trusted one again.
-    pub fn update_timestamp(
-        &mut self,
-        new: &SignedMetadata<Timestamp>,
-        now: u64,
-    ) -> Result<bool, TufError> {
+    pub fn update_timestamp(&mut self, new: &SignedMetadata<Timestamp>, now: u64) -> Result<bool, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
-        new.check(&self.root, &self.root.timestamp)
-            .into_result(Role::Timestamp)?;
+        new.check(&self.root, &self.root.timestamp).into_result(Role::Timestamp)?;
         let body = new.body_unverified()?;
         if body.version < self.timestamp_floor {
-            return Err(TufError::Rollback {
-                role: Role::Timestamp,
-                trusted: self.timestamp_floor,
-                got: body.version,
-            });
+            return Err(TufError::Rollback { role: Role::Timestamp, trusted: self.timestamp_floor, got: body.version });
         }
         if let Some(t) = &self.timestamp
             && body.version == t.version
         {
             if &body != t {
-                return Err(TufError::VersionReused {
-                    role: Role::Timestamp,
-                    version: body.version,
-                });
+                return Err(TufError::VersionReused { role: Role::Timestamp, version: body.version });
             }
             Self::fresh(Role::Timestamp, body.expires, now)?;
             return Ok(false);
         }
         if body.targets.version < self.targets_floor {
-            return Err(TufError::Rollback {
-                role: Role::Targets,
-                trusted: self.targets_floor,
-                got: body.targets.version,
-            });
+            return Err(TufError::Rollback { role: Role::Targets, trusted: self.targets_floor, got: body.targets.version });
         }
         Self::fresh(Role::Timestamp, body.expires, now)?;
         self.timestamp_floor = body.version;
         // Targets the new timestamp no longer names are no longer current.
-        if self
-            .targets
-            .as_ref()
-            .is_some_and(|t| t.version != body.targets.version)
-        {
+        if self.targets.as_ref().is_some_and(|t| t.version != body.targets.version) {
             self.targets = None;
         }
         self.timestamp = Some(body);
@@ -633,43 +549,27 @@ impl Verifier {
     /// trusted ones again.
     pub fn update_targets(&mut self, new: &SignedMetadata<Targets>, now: u64) -> Result<bool, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
-        let ts = self.timestamp.as_ref().ok_or(TufError::Missing {
-            role: Role::Timestamp,
-        })?;
+        let ts = self.timestamp.as_ref().ok_or(TufError::Missing { role: Role::Timestamp })?;
         Self::fresh(Role::Timestamp, ts.expires, now)?;
         let want = ts.targets;
         if new.signed.len() as u64 != want.length {
             return Err(TufError::TargetsMismatchTimestamp {
-                detail: format!(
-                    "length {} but timestamp says {}",
-                    new.signed.len(),
-                    want.length
-                ),
+                detail: format!("length {} but timestamp says {}", new.signed.len(), want.length),
             });
         }
         let got = Digest::of(new.signed.as_bytes());
         if got != want.digest {
-            return Err(TufError::TargetsMismatchTimestamp {
-                detail: format!("digest {got} but timestamp says {}", want.digest),
-            });
+            return Err(TufError::TargetsMismatchTimestamp { detail: format!("digest {got} but timestamp says {}", want.digest) });
         }
-        new.check(&self.root, &self.root.targets)
-            .into_result(Role::Targets)?;
+        new.check(&self.root, &self.root.targets).into_result(Role::Targets)?;
         let body = new.body_unverified()?;
         if body.version != want.version {
             return Err(TufError::TargetsMismatchTimestamp {
-                detail: format!(
-                    "version {} but timestamp says {}",
-                    body.version, want.version
-                ),
+                detail: format!("version {} but timestamp says {}", body.version, want.version),
             });
         }
         if body.version < self.targets_floor {
-            return Err(TufError::Rollback {
-                role: Role::Targets,
-                trusted: self.targets_floor,
-                got: body.version,
-            });
+            return Err(TufError::Rollback { role: Role::Targets, trusted: self.targets_floor, got: body.version });
         }
         Self::fresh(Role::Targets, body.expires, now)?;
         let changed = self.targets.as_ref() != Some(&body);
@@ -680,42 +580,20 @@ impl Verifier {
 
     /// The trusted target `name`/`version`, if all trusted metadata is still fresh at `now`.
     /// Use its `length` to cap a download (endless-data attack).
-    pub fn target(
-        &self,
-        name: &str,
-        version: ModelVersion,
-        now: u64,
-    ) -> Result<&ModelInfo, TufError> {
+    pub fn target(&self, name: &str, version: ModelVersion, now: u64) -> Result<&ModelInfo, TufError> {
         Self::fresh(Role::Root, self.root.expires, now)?;
-        let ts = self.timestamp.as_ref().ok_or(TufError::Missing {
-            role: Role::Timestamp,
-        })?;
+        let ts = self.timestamp.as_ref().ok_or(TufError::Missing { role: Role::Timestamp })?;
         Self::fresh(Role::Timestamp, ts.expires, now)?;
-        let tg = self.targets.as_ref().ok_or(TufError::Missing {
-            role: Role::Targets,
-        })?;
+        let tg = self.targets.as_ref().ok_or(TufError::Missing { role: Role::Targets })?;
         Self::fresh(Role::Targets, tg.expires, now)?;
-        tg.get(name, version)
-            .ok_or_else(|| TufError::UnknownTarget {
-                name: name.to_owned(),
-                version,
-            })
+        tg.get(name, version).ok_or_else(|| TufError::UnknownTarget { name: name.to_owned(), version })
     }
 
     /// Checks a downloaded artifact against the trusted targets.
-    pub fn verify_artifact(
-        &self,
-        name: &str,
-        version: ModelVersion,
-        bytes: &[u8],
-        now: u64,
-    ) -> Result<&ModelInfo, TufError> {
+    pub fn verify_artifact(&self, name: &str, version: ModelVersion, bytes: &[u8], now: u64) -> Result<&ModelInfo, TufError> {
         let t = self.target(name, version, now)?;
         if bytes.len() as u64 != t.length {
-            return Err(TufError::LengthMismatch {
-                expected: t.length,
-                got: bytes.len() as u64,
-            });
+            return Err(TufError::LengthMismatch { expected: t.length, got: bytes.len() as u64 });
         }
         self.verify_artifact_digest(name, version, t.length, Digest::of(bytes), now)
     }
@@ -732,16 +610,10 @@ impl Verifier {
     ) -> Result<&ModelInfo, TufError> {
         let t = self.target(name, version, now)?;
         if length != t.length {
-            return Err(TufError::LengthMismatch {
-                expected: t.length,
-                got: length,
-            });
+            return Err(TufError::LengthMismatch { expected: t.length, got: length });
         }
         if digest != t.digest {
-            return Err(TufError::DigestMismatch {
-                expected: t.digest,
-                got: digest,
-            });
+            return Err(TufError::DigestMismatch { expected: t.digest, got: digest });
         }
         Ok(t)
     }

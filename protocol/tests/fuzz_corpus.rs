@@ -11,13 +11,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_protocol::{ModelInfo, SpecJson};
 use fedfleet_protocol::artifact::{ChunkRef, Manifest};
 use fedfleet_protocol::envelope::Signable;
-use fedfleet_protocol::tuf::{
-    Root, SignedMetadata, Targets, Timestamp, Verifier,
-};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp, Verifier};
 use fedfleet_protocol::*;
+use fedfleet_protocol::{ModelInfo, SpecJson};
 
 #[path = "../fuzz/harness.rs"]
 mod harness;
@@ -48,11 +46,7 @@ fn every_corpus_input_decodes_without_panicking() {
 // ---- Seed inputs: valid encodings of everything, the fuzzers' starting points. ----
 
 fn model() -> ModelRef {
-    ModelRef {
-        name: "mnist-mlp".into(),
-        version: ModelVersion(3),
-        digest: Digest::of(b"model"),
-    }
+    ModelRef { name: "mnist-mlp".into(), version: ModelVersion(3), digest: Digest::of(b"model") }
 }
 
 fn seed_messages() -> Vec<Message> {
@@ -62,12 +56,7 @@ fn seed_messages() -> Vec<Message> {
         fleet: fleet.clone(),
         round: RoundId(4),
         base_model: model(),
-        config: RoundConfig {
-            quantization: DType::I8,
-            proximal_mu: 0.01,
-            max_samples: Some(1000),
-            ..RoundConfig::default()
-        },
+        config: RoundConfig { quantization: DType::I8, proximal_mu: 0.01, max_samples: Some(1000), ..RoundConfig::default() },
         deadline_unix_ms: 1_700_000_000_000,
         selection,
     };
@@ -93,10 +82,7 @@ fn seed_messages() -> Vec<Message> {
         issued_at_unix_ms: 9,
     };
     vec![
-        Message::RoundAnnouncement(announcement(Selection::Sample {
-            rate_ppm: 250_000,
-            seed: 9,
-        })),
+        Message::RoundAnnouncement(announcement(Selection::Sample { rate_ppm: 250_000, seed: 9 })),
         Message::RoundAnnouncement(announcement(Selection::All)),
         Message::RoundAnnouncement(announcement(Selection::Devices(vec![device.clone()]))),
         Message::Receipt(Receipt {
@@ -107,10 +93,7 @@ fn seed_messages() -> Vec<Message> {
             payload_digest: Digest::of(b"p"),
             accepted_at_unix_ms: 5,
         }),
-        Message::Rejection(Rejection::new(
-            RejectReason::StaleRound,
-            "round 3 is closed",
-        )),
+        Message::Rejection(Rejection::new(RejectReason::StaleRound, "round 3 is closed")),
         Message::Manifest(ModelInfo {
             name: "mnist-mlp".into(),
             version: ModelVersion(3),
@@ -127,9 +110,7 @@ fn seed_messages() -> Vec<Message> {
         Message::Rollout(rollout(RolloutAction::RollBack { to: model() }, None)),
         Message::Status(status(DeviceState::Idle)),
         Message::Status(status(DeviceState::Training { round: RoundId(4) })),
-        Message::Status(status(DeviceState::Failed {
-            reason: "health check".into(),
-        })),
+        Message::Status(status(DeviceState::Failed { reason: "health check".into() })),
     ]
 }
 
@@ -173,11 +154,7 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     // Messages and the envelopes that carry them.
     let mut envelopes = Vec::new();
     for (i, m) in seed_messages().into_iter().enumerate() {
-        add(
-            "message_decode",
-            format!("message-{i}"),
-            m.encode().unwrap(),
-        );
+        add("message_decode", format!("message-{i}"), m.encode().unwrap());
         let (body, env) = match m {
             Message::RoundAnnouncement(a) => (a.canonical_bytes(), Signed::sign(a, &key).encode()),
             Message::Receipt(r) => (r.canonical_bytes(), Signed::sign(r, &key).encode()),
@@ -219,47 +196,19 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
 
     // Bundles: every dtype, a scalar and a matrix.
     let mut bundle = TensorBundle::new();
-    bundle
-        .insert_f32(
-            "fc1.weight",
-            vec![2, 3],
-            vec![0.5, -1.0, 2.0, 0.0, 3.25, -0.125],
-        )
-        .unwrap();
-    bundle
-        .insert_f32("fc1.bias", vec![3], vec![0.1, 0.2, 0.3])
-        .unwrap();
+    bundle.insert_f32("fc1.weight", vec![2, 3], vec![0.5, -1.0, 2.0, 0.0, 3.25, -0.125]).unwrap();
+    bundle.insert_f32("fc1.bias", vec![3], vec![0.1, 0.2, 0.3]).unwrap();
     bundle.insert_f32("scale", vec![], vec![4.0]).unwrap();
     for dtype in DType::ALL {
-        add(
-            "bundle_decode",
-            format!("bundle-{dtype}"),
-            bundle.quantize(dtype).encode(),
-        );
+        add("bundle_decode", format!("bundle-{dtype}"), bundle.quantize(dtype).encode());
     }
-    add(
-        "bundle_decode",
-        "empty".into(),
-        TensorBundle::new().encode(),
-    );
+    add("bundle_decode", "empty".into(), TensorBundle::new().encode());
 
     // TUF metadata, signed with the tuf_verifier harness keys.
     let k = &*TUF_KEYS;
     let vk: Vec<_> = k.iter().map(|k| k.verifying_key()).collect();
-    let root1 = Root::new(
-        1,
-        TUF_EXPIRES,
-        (&[&vk[0]], 1),
-        (&[&vk[1]], 1),
-        (&[&vk[2]], 1),
-    );
-    let root2 = Root::new(
-        2,
-        TUF_EXPIRES,
-        (&[&vk[0], &vk[3]], 2),
-        (&[&vk[4]], 1),
-        (&[&vk[2]], 1),
-    );
+    let root1 = Root::new(1, TUF_EXPIRES, (&[&vk[0]], 1), (&[&vk[1]], 1), (&[&vk[2]], 1));
+    let root2 = Root::new(2, TUF_EXPIRES, (&[&vk[0], &vk[3]], 2), (&[&vk[4]], 1), (&[&vk[2]], 1));
     let artifact = b"model bytes".to_vec();
     let target = ModelInfo {
         name: "m".into(),
@@ -273,11 +222,7 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         publisher: String::new(),
         adapter: None,
     };
-    let targets = Targets {
-        version: 1,
-        expires: TUF_EXPIRES,
-        targets: vec![target],
-    };
+    let targets = Targets { version: 1, expires: TUF_EXPIRES, targets: vec![target] };
     let signed_root1 = SignedMetadata::sign(&root1, &[&k[0]]);
     let signed_root2 = SignedMetadata::sign(&root2, &[&k[0], &k[3]]);
     let signed_targets = SignedMetadata::sign(&targets, &[&k[1]]);
@@ -316,18 +261,11 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     let persist = op(0x80 | t1 | 4, 0, 1, &artifact);
     for (name, parts) in [
         ("publish-install", vec![&publish, &install]),
-        (
-            "timestamp-targets-install",
-            vec![&timestamp_only, &targets_only, &persist],
-        ),
+        ("timestamp-targets-install", vec![&timestamp_only, &targets_only, &persist]),
         ("rotate-publish", vec![&rotate, &publish_rotated, &install]),
         ("rotate-twice", vec![&rotate, &rotate, &timestamp_only]),
     ] {
-        add(
-            "tuf_verifier",
-            name.to_owned(),
-            parts.into_iter().flatten().copied().collect(),
-        );
+        add("tuf_verifier", name.to_owned(), parts.into_iter().flatten().copied().collect());
     }
 
     // Artifact manifests and the string forms of ids and digests.
@@ -350,30 +288,15 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
             }),
         },
         chunk_size: 64,
-        chunks: vec![
-            ChunkRef {
-                digest: Digest::of(b"a"),
-                len: 64,
-            },
-            ChunkRef {
-                digest: Digest::of(b"b"),
-                len: 36,
-            },
-        ],
+        chunks: vec![ChunkRef { digest: Digest::of(b"a"), len: 64 }, ChunkRef { digest: Digest::of(b"b"), len: 36 }],
     };
     let mut plain = manifest.clone();
     plain.model.adapter = None;
     for (name, text) in [
         ("manifest", serde_json::to_string(&manifest).unwrap()),
         ("manifest-plain", serde_json::to_string(&plain).unwrap()),
-        (
-            "digest-json",
-            serde_json::to_string(&Digest::of(b"x")).unwrap(),
-        ),
-        (
-            "digest-array",
-            serde_json::to_string(&Digest::of(b"x").0).unwrap(),
-        ),
+        ("digest-json", serde_json::to_string(&Digest::of(b"x")).unwrap()),
+        ("digest-array", serde_json::to_string(&Digest::of(b"x").0).unwrap()),
         ("digest-hex", Digest::of(b"x").to_hex()),
         ("device-json", "\"cam-1\"".into()),
         ("dtype", "bf16".into()),

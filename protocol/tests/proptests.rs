@@ -1,11 +1,11 @@
 //! Property tests: every encoding round-trips, and no decoder panics on any input.
 
-use rand::{Rng, RngCore, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use ed25519_dalek::SigningKey;
 use fedfleet_protocol::envelope::Signable;
 use fedfleet_protocol::*;
 use proptest::prelude::*;
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 fn id_string() -> impl Strategy<Value = String> {
     "[A-Za-z0-9._-]{1,64}"
@@ -20,62 +20,28 @@ fn digest() -> impl Strategy<Value = Digest> {
 }
 
 fn update_header() -> impl Strategy<Value = UpdateHeader> {
-    (
-        id_string(),
-        id_string(),
-        any::<u64>(),
-        digest(),
-        any::<[u8; 16]>(),
-        any::<u64>(),
-        any::<u64>(),
-        digest(),
-        dtype(),
+    (id_string(), id_string(), any::<u64>(), digest(), any::<[u8; 16]>(), any::<u64>(), any::<u64>(), digest(), dtype()).prop_map(
+        |(device, fleet, round, base_model, nonce, sample_count, payload_len, payload_digest, payload_dtype)| UpdateHeader {
+            device: DeviceId::new(device).unwrap(),
+            fleet: FleetId::new(fleet).unwrap(),
+            round: RoundId(round),
+            base_model,
+            nonce,
+            sample_count,
+            payload_len,
+            payload_digest,
+            payload_dtype,
+        },
     )
-        .prop_map(
-            |(
-                device,
-                fleet,
-                round,
-                base_model,
-                nonce,
-                sample_count,
-                payload_len,
-                payload_digest,
-                payload_dtype,
-            )| {
-                UpdateHeader {
-                    device: DeviceId::new(device).unwrap(),
-                    fleet: FleetId::new(fleet).unwrap(),
-                    round: RoundId(round),
-                    base_model,
-                    nonce,
-                    sample_count,
-                    payload_len,
-                    payload_digest,
-                    payload_dtype,
-                }
-            },
-        )
 }
 
 fn model_ref() -> impl Strategy<Value = ModelRef> {
-    (".{0,20}", any::<u64>(), digest()).prop_map(|(name, v, digest)| ModelRef {
-        name,
-        version: ModelVersion(v),
-        digest,
-    })
+    (".{0,20}", any::<u64>(), digest()).prop_map(|(name, v, digest)| ModelRef { name, version: ModelVersion(v), digest })
 }
 
 fn message() -> impl Strategy<Value = Message> {
-    let receipt = (
-        id_string(),
-        id_string(),
-        any::<u64>(),
-        any::<[u8; 16]>(),
-        digest(),
-        any::<u64>(),
-    )
-        .prop_map(|(fleet, device, round, nonce, payload_digest, at)| {
+    let receipt = (id_string(), id_string(), any::<u64>(), any::<[u8; 16]>(), digest(), any::<u64>()).prop_map(
+        |(fleet, device, round, nonce, payload_digest, at)| {
             Message::Receipt(Receipt {
                 fleet: FleetId::new(fleet).unwrap(),
                 device: DeviceId::new(device).unwrap(),
@@ -84,31 +50,21 @@ fn message() -> impl Strategy<Value = Message> {
                 payload_digest,
                 accepted_at_unix_ms: at,
             })
-        });
+        },
+    );
     let rejection = (prop::sample::select(RejectReason::ALL.to_vec()), ".{0,40}")
         .prop_map(|(reason, detail)| Message::Rejection(Rejection { reason, detail }));
     let selection = prop_oneof![
         Just(Selection::All),
-        prop::collection::vec(id_string(), 0..5).prop_map(|ids| Selection::Devices(
-            ids.into_iter().map(|s| DeviceId::new(s).unwrap()).collect()
-        )),
-        (any::<u32>(), any::<u64>())
-            .prop_map(|(rate_ppm, seed)| Selection::Sample { rate_ppm, seed }),
+        prop::collection::vec(id_string(), 0..5)
+            .prop_map(|ids| Selection::Devices(ids.into_iter().map(|s| DeviceId::new(s).unwrap()).collect())),
+        (any::<u32>(), any::<u64>()).prop_map(|(rate_ppm, seed)| Selection::Sample { rate_ppm, seed }),
     ];
     let round = (
         id_string(),
         any::<u64>(),
         model_ref(),
-        (
-            any::<u32>(),
-            any::<u32>(),
-            -1e3f32..1e3,
-            "[a-z]{0,8}",
-            0f32..1.0,
-            dtype(),
-            any::<u64>(),
-            any::<Option<u64>>(),
-        ),
+        (any::<u32>(), any::<u32>(), -1e3f32..1e3, "[a-z]{0,8}", 0f32..1.0, dtype(), any::<u64>(), any::<Option<u64>>()),
         any::<u64>(),
         selection,
     )
@@ -140,15 +96,8 @@ fn message() -> impl Strategy<Value = Message> {
         ".{0,20}".prop_map(|reason| DeviceState::Failed { reason }),
         ".{0,20}".prop_map(|detail| DeviceState::InstallDeferred { fault: StorageFault::DiskFull, detail }),
     ];
-    let status = (
-        id_string(),
-        id_string(),
-        any::<u64>(),
-        state,
-        prop::option::of(model_ref()),
-        any::<Option<u64>>(),
-    )
-        .prop_map(|(fleet, device, at, state, active, rollout_id)| {
+    let status = (id_string(), id_string(), any::<u64>(), state, prop::option::of(model_ref()), any::<Option<u64>>()).prop_map(
+        |(fleet, device, at, state, active, rollout_id)| {
             Message::Status(DeviceStatus {
                 fleet: FleetId::new(fleet).unwrap(),
                 device: DeviceId::new(device).unwrap(),
@@ -158,7 +107,8 @@ fn message() -> impl Strategy<Value = Message> {
                 active,
                 rollout_id,
             })
-        });
+        },
+    );
     prop_oneof![receipt, rejection, round, status]
 }
 
@@ -166,10 +116,7 @@ fn tensor() -> impl Strategy<Value = Tensor> {
     (prop::collection::vec(0usize..5, 0..4), dtype()).prop_flat_map(|(shape, dtype)| {
         let len = shape.iter().product::<usize>();
         prop::collection::vec(-1e4f32..1e4, len).prop_map(move |values| {
-            let f32_tensor = Tensor {
-                shape: shape.clone(),
-                data: TensorData::F32(values),
-            };
+            let f32_tensor = Tensor { shape: shape.clone(), data: TensorData::F32(values) };
             f32_tensor.quantize(dtype)
         })
     })
@@ -268,12 +215,8 @@ fn no_decoder_panics_on_mutated_encodings() {
     corpus.push(SignedUpdate::sign(header.clone(), &key).encode());
     corpus.push(header.canonical_bytes());
     let mut bundle = TensorBundle::new();
-    bundle
-        .insert_f32("w", vec![2, 3], vec![1.0, -2.0, 3.0, 0.5, 0.25, -0.125])
-        .unwrap();
-    bundle
-        .insert_f32("b", vec![3], vec![0.1, 0.2, 0.3])
-        .unwrap();
+    bundle.insert_f32("w", vec![2, 3], vec![1.0, -2.0, 3.0, 0.5, 0.25, -0.125]).unwrap();
+    bundle.insert_f32("b", vec![3], vec![0.1, 0.2, 0.3]).unwrap();
     for dtype in DType::ALL {
         corpus.push(bundle.quantize(dtype).encode());
     }
@@ -287,9 +230,7 @@ fn no_decoder_panics_on_mutated_encodings() {
         rollout_id: Some(2),
     });
     corpus.push(status.encode().unwrap());
-    let Message::Status(status) = status else {
-        unreachable!()
-    };
+    let Message::Status(status) = status else { unreachable!() };
     corpus.push(Signed::sign(status, &key).encode());
     corpus.push(encode_frame(FrameKind::Signed, &corpus[0]).unwrap());
 
@@ -302,13 +243,8 @@ fn no_decoder_panics_on_mutated_encodings() {
                 mutate(&mut bytes, &mut rng);
             }
             // Keep safetensors' header length consistent half the time, to get past it.
-            if bytes.len() >= 8
-                && rng.gen_range(0..2) == 0
-                && original.len() >= 8
-                && original[..8] != bytes[..8]
-            {
-                let json_len = (bytes.len() as u64 - 8)
-                    .min(u64::from_le_bytes(original[..8].try_into().unwrap()));
+            if bytes.len() >= 8 && rng.gen_range(0..2) == 0 && original.len() >= 8 && original[..8] != bytes[..8] {
+                let json_len = (bytes.len() as u64 - 8).min(u64::from_le_bytes(original[..8].try_into().unwrap()));
                 bytes[..8].copy_from_slice(&json_len.to_le_bytes());
             }
             decoded_bundles += usize::from(feed_every_decoder(&bytes));
@@ -330,11 +266,7 @@ fn feed_every_decoder(bytes: &[u8]) -> bool {
     let _ = Signed::<DeviceStatus>::decode(bytes);
     let _ = UpdateHeader::from_canonical_bytes(bytes);
     let _ = Message::decode(bytes);
-    let limits = BundleLimits {
-        max_bytes: 1 << 20,
-        max_tensors: 64,
-        max_params: 1 << 20,
-    };
+    let limits = BundleLimits { max_bytes: 1 << 20, max_tensors: 64, max_params: 1 << 20 };
     let bundle = TensorBundle::decode(bytes, &limits);
     if let Ok(bundle) = &bundle {
         // Whatever decodes must re-encode and decode to itself.

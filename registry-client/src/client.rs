@@ -31,15 +31,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, RejectReason, Rejection};
 
+use crate::wire::{self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel};
 use fedfleet_protocol::ModelInfo;
 use fedfleet_protocol::artifact::Manifest;
-use crate::wire::{
-    self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel,
-};
 
 /// Chunks asked for per request stream.
 const BATCH: usize = 64;
@@ -63,18 +60,11 @@ pub enum ClientError {
     #[error("chunk cache: {0}")]
     Cache(std::io::Error),
     #[error("manifest of {name} v{version} does not match the trusted target: {detail}")]
-    TargetMismatch {
-        name: String,
-        version: ModelVersion,
-        detail: String,
-    },
+    TargetMismatch { name: String, version: ModelVersion, detail: String },
     #[error("gave up after {attempts} attempts without progress; last error: {last}")]
     GaveUp { attempts: u32, last: String },
     #[error("writing {path}: {cause}")]
-    Io {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    Io { path: PathBuf, cause: std::io::Error },
 }
 
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
@@ -86,10 +76,7 @@ impl From<NetError> for ClientError {
             Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => RejectReason::Revoked,
             _ => return ClientError::Net(e),
         };
-        ClientError::Rejected(Rejection {
-            reason,
-            detail: format!("the registry refused this certificate ({e})"),
-        })
+        ClientError::Rejected(Rejection { reason, detail: format!("the registry refused this certificate ({e})") })
     }
 }
 
@@ -242,11 +229,7 @@ impl RegistryClient {
     /// A client for the registry at `addr` (TLS name `server_name`), with a config from
     /// `fedfleet_certs::tls::client_config` (devices) or `service_client_config` (operators).
     /// Connects lazily; must be called inside a tokio runtime.
-    pub fn new(
-        addr: SocketAddr,
-        server_name: &str,
-        tls: rustls::ClientConfig,
-    ) -> Result<Self, ClientError> {
+    pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
         Ok(RegistryClient {
             rpc: RpcConnection::new(addr, server_name, tls)?,
             max_retries: fedfleet_net::rpc::DEFAULT_MAX_RETRIES,
@@ -256,11 +239,7 @@ impl RegistryClient {
 
     /// [`RegistryClient::new`] plus the handshake (fails fast if the registry is unreachable).
     /// A refused client certificate surfaces on the first request, not here.
-    pub async fn connect(
-        addr: SocketAddr,
-        server_name: &str,
-        tls: rustls::ClientConfig,
-    ) -> Result<Self, ClientError> {
+    pub async fn connect(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
         let c = Self::new(addr, server_name, tls)?;
         c.rpc.connection().await?;
         Ok(c)
@@ -285,10 +264,7 @@ impl RegistryClient {
     async fn read_response(&self, s: &mut FramedStream) -> Result<Response, ClientError> {
         let f = s.expect().await?;
         if f.kind != FrameKind::Message {
-            return Err(ClientError::Protocol(format!(
-                "expected a response, got {:?}",
-                f.kind
-            )));
+            return Err(ClientError::Protocol(format!("expected a response, got {:?}", f.kind)));
         }
         wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))
     }
@@ -315,15 +291,8 @@ impl RegistryClient {
     }
 
     /// A version's manifest (by number, alias or latest).
-    pub async fn manifest(
-        &self,
-        name: &str,
-        version: impl Into<VersionSel>,
-    ) -> Result<Manifest, ClientError> {
-        let req = Request::Manifest {
-            name: name.to_owned(),
-            version: version.into(),
-        };
+    pub async fn manifest(&self, name: &str, version: impl Into<VersionSel>) -> Result<Manifest, ClientError> {
+        let req = Request::Manifest { name: name.to_owned(), version: version.into() };
         match self.call(&req).await? {
             Response::Manifest(m) => {
                 m.validate().map_err(ClientError::Protocol)?;
@@ -336,12 +305,7 @@ impl RegistryClient {
     /// "What should I run of `model`?", signed with the registry's timestamp key: check it with
     /// [`SignedAssignment::verify`] against the pinned root before acting on it.
     pub async fn assignment(&self, model: &str) -> Result<SignedAssignment, ClientError> {
-        match self
-            .call(&Request::Assignment {
-                model: model.to_owned(),
-            })
-            .await?
-        {
+        match self.call(&Request::Assignment { model: model.to_owned() }).await? {
             Response::Assignment(a) => Ok(a),
             r => Err(response_error(r)),
         }
@@ -373,19 +337,8 @@ impl RegistryClient {
 
     /// Up to `max_len` bytes of an artifact from `offset` (for byte-range resumers; unverified:
     /// check the whole against the trusted target).
-    pub async fn read_range(
-        &self,
-        name: &str,
-        version: ModelVersion,
-        offset: u64,
-        max_len: u32,
-    ) -> Result<Vec<u8>, ClientError> {
-        let req = Request::Range {
-            name: name.to_owned(),
-            version,
-            offset,
-            max_len,
-        };
+    pub async fn read_range(&self, name: &str, version: ModelVersion, offset: u64, max_len: u32) -> Result<Vec<u8>, ClientError> {
+        let req = Request::Range { name: name.to_owned(), version, offset, max_len };
         self.rpc
             .retry(self.max_retries, ClientError::is_transport, || async {
                 let mut s = self.start(&req, false).await?;
@@ -405,19 +358,13 @@ impl RegistryClient {
         loop {
             let f = s.expect().await?;
             match f.kind {
-                FrameKind::Chunk if out.len() + f.body.len() <= len => {
-                    out.extend_from_slice(&f.body)
-                }
+                FrameKind::Chunk if out.len() + f.body.len() <= len => out.extend_from_slice(&f.body),
                 FrameKind::End if out.len() == len => return Ok(out),
                 FrameKind::Message => {
-                    return Err(response_error(
-                        wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))?,
-                    ));
+                    return Err(response_error(wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))?));
                 }
                 k => {
-                    return Err(ClientError::Protocol(format!(
-                        "unexpected {k:?} frame in a range"
-                    )));
+                    return Err(ClientError::Protocol(format!("unexpected {k:?} frame in a range")));
                 }
             }
         }
@@ -457,12 +404,7 @@ impl RegistryClient {
     }
 
     /// Fetches what the cache lacks, then assembles `dest`; refetches chunks found corrupt.
-    pub async fn download_manifest<C: ChunkCache>(
-        &self,
-        m: &Manifest,
-        cache: &mut C,
-        dest: &Path,
-    ) -> Result<DownloadReport, ClientError> {
+    pub async fn download_manifest<C: ChunkCache>(&self, m: &Manifest, cache: &mut C, dest: &Path) -> Result<DownloadReport, ClientError> {
         let mut report = DownloadReport::default();
         for round in 0.. {
             self.fetch_missing(m, cache, &mut report).await?;
@@ -472,10 +414,7 @@ impl RegistryClient {
             }
             report.corrupt_in_cache += bad;
             if round >= 3 {
-                return Err(ClientError::GaveUp {
-                    attempts: round + 1,
-                    last: format!("{bad} cached chunk(s) corrupt again"),
-                });
+                return Err(ClientError::GaveUp { attempts: round + 1, last: format!("{bad} cached chunk(s) corrupt again") });
             }
         }
         unreachable!()
@@ -483,12 +422,7 @@ impl RegistryClient {
 
     /// Fetches every chunk of `m` that `cache` lacks, verifying each on arrival. Resumes across
     /// lost connections; gives up after `max_retries` consecutive attempts without progress.
-    pub async fn fetch_missing<C: ChunkCache>(
-        &self,
-        m: &Manifest,
-        cache: &mut C,
-        report: &mut DownloadReport,
-    ) -> Result<(), ClientError> {
+    pub async fn fetch_missing<C: ChunkCache>(&self, m: &Manifest, cache: &mut C, report: &mut DownloadReport) -> Result<(), ClientError> {
         m.validate().map_err(ClientError::Protocol)?;
         let mut first = true;
         let mut failures = 0u32;
@@ -519,10 +453,7 @@ impl RegistryClient {
                     Ok(()) => {
                         failures += 1;
                         if failures > self.max_retries {
-                            return Err(ClientError::GaveUp {
-                                attempts: failures,
-                                last: "every chunk of a batch arrived corrupt".into(),
-                            });
+                            return Err(ClientError::GaveUp { attempts: failures, last: "every chunk of a batch arrived corrupt".into() });
                         }
                     }
                     Err(e) if e.is_transport() => {
@@ -531,10 +462,7 @@ impl RegistryClient {
                         tracing::debug!(error = %e, failures, "chunk stream broke; reconnecting");
                         self.rpc.forget().await;
                         if failures > self.max_retries {
-                            return Err(ClientError::GaveUp {
-                                attempts: failures,
-                                last: e.to_string(),
-                            });
+                            return Err(ClientError::GaveUp { attempts: failures, last: e.to_string() });
                         }
                         tokio::time::sleep(backoff(failures)).await;
                         break; // recompute what is missing
@@ -553,11 +481,7 @@ impl RegistryClient {
         report: &mut DownloadReport,
         stored: &mut u64,
     ) -> Result<(), ClientError> {
-        let req = Request::Chunks {
-            name: m.model.name.clone(),
-            version: m.model.version,
-            indices: batch.to_vec(),
-        };
+        let req = Request::Chunks { name: m.model.name.clone(), version: m.model.version, indices: batch.to_vec() };
         let mut s = self.start(&req, false).await?;
         let res = async {
             match self.read_response(&mut s).await? {
@@ -610,31 +534,20 @@ impl RegistryClient {
 
     async fn admin_reply(&self, s: &mut FramedStream) -> Result<serde_json::Value, ClientError> {
         match self.read_response(s).await? {
-            Response::Admin(json) => {
-                serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string()))
-            }
+            Response::Admin(json) => serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string())),
             r => Err(response_error(r)),
         }
     }
 
     /// Publishes an artifact read from `r` (an `AdminRequest::Publish` carrying the metadata).
-    pub async fn publish(
-        &self,
-        req: AdminRequest,
-        mut r: impl std::io::Read,
-    ) -> Result<serde_json::Value, ClientError> {
+    pub async fn publish(&self, req: AdminRequest, mut r: impl std::io::Read) -> Result<serde_json::Value, ClientError> {
         if !matches!(req, AdminRequest::Publish(_)) {
-            return Err(ClientError::Protocol(
-                "publish needs AdminRequest::Publish".into(),
-            ));
+            return Err(ClientError::Protocol("publish needs AdminRequest::Publish".into()));
         }
         let mut s = self.start(&Request::Admin(req), true).await?;
         let mut buf = vec![0u8; wire::FRAME_DATA];
         loop {
-            let n = r.read(&mut buf).map_err(|cause| ClientError::Io {
-                path: PathBuf::from("<artifact>"),
-                cause,
-            })?;
+            let n = r.read(&mut buf).map_err(|cause| ClientError::Io { path: PathBuf::from("<artifact>"), cause })?;
             if n == 0 {
                 break;
             }
@@ -654,15 +567,8 @@ impl RegistryClient {
 /// Writes the artifact of `m` from `cache` to `dest` (temp file + fsync + rename), re-hashing
 /// every chunk and the whole. Returns how many cached chunks were missing or corrupt (they are
 /// removed from the cache and `dest` is not written); 0 means `dest` now holds the artifact.
-pub fn assemble<C: ChunkCache>(
-    m: &Manifest,
-    cache: &mut C,
-    dest: &Path,
-) -> Result<u64, ClientError> {
-    let io = |cause| ClientError::Io {
-        path: dest.to_owned(),
-        cause,
-    };
+pub fn assemble<C: ChunkCache>(m: &Manifest, cache: &mut C, dest: &Path) -> Result<u64, ClientError> {
+    let io = |cause| ClientError::Io { path: dest.to_owned(), cause };
     let tmp = dest.with_extension("partial");
     let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
     let mut whole = Hasher::new();
@@ -692,10 +598,7 @@ pub fn assemble<C: ChunkCache>(
     let got = whole.finalize();
     if got != m.model.digest {
         let _ = std::fs::remove_file(&tmp);
-        return Err(ClientError::Protocol(format!(
-            "artifact reassembles to {got}, manifest says {}",
-            m.model.digest
-        )));
+        return Err(ClientError::Protocol(format!("artifact reassembles to {got}, manifest says {}", m.model.digest)));
     }
     std::fs::rename(&tmp, dest).map_err(io)?;
     Ok(0)

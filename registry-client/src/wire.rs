@@ -31,19 +31,15 @@
 //! reverse. It names the device and expires with the timestamp TTL, so it cannot be replayed to
 //! another device or much later.
 
-
 use ed25519_dalek::{Signer, SigningKey};
 use fedfleet_protocol::limits::{MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES};
 use fedfleet_protocol::messages::{BASIS_POINTS, RolloutAction};
-use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, NewVersion, RejectReason,
-    Rejection, RolloutNotice,
-};
+use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, NewVersion, RejectReason, Rejection, RolloutNotice};
 use serde::{Deserialize, Serialize};
 
-use fedfleet_rollout::{Phase, Reason};
 use fedfleet_protocol::artifact::Manifest;
 use fedfleet_protocol::tuf::{self, KeyId, Root, Targets, Timestamp};
+use fedfleet_rollout::{Phase, Reason};
 
 pub use fedfleet_protocol::messages::MessageError;
 
@@ -80,18 +76,9 @@ pub enum Request {
     /// A version's manifest (with its chunk list).
     Manifest { name: String, version: VersionSel },
     /// The bytes of these chunks (indices into the manifest's chunk list), in this order.
-    Chunks {
-        name: String,
-        version: ModelVersion,
-        indices: Vec<u32>,
-    },
+    Chunks { name: String, version: ModelVersion, indices: Vec<u32> },
     /// Up to `max_len` bytes of the artifact from `offset` (for byte-range resumers).
-    Range {
-        name: String,
-        version: ModelVersion,
-        offset: u64,
-        max_len: u32,
-    },
+    Range { name: String, version: ModelVersion, offset: u64, max_len: u32 },
     /// "What should I run?" for `model`. Device certificates only.
     Assignment { model: String },
     /// A device's status report. Device certificates only.
@@ -131,7 +118,9 @@ pub enum Response {
     /// An operator command that does not apply (bad name, rollout in the wrong state, ...).
     Invalid(String),
     /// The renewed device certificate (PEM), answering `RenewCertificate`.
-    Certificate { pem: String },
+    Certificate {
+        pem: String,
+    },
 }
 
 /// Signed metadata for agents (postcard carries the signed JSON texts verbatim).
@@ -228,11 +217,7 @@ impl AssignmentBody {
         let model = self.target.clone()?;
         let (rollout_id, phase, alias) = match &self.source {
             AssignmentSource::Rollout { id, reason } => (
-                u64::from_be_bytes(
-                    blake3::hash(id.as_bytes()).as_bytes()[..8]
-                        .try_into()
-                        .ok()?,
-                ),
+                u64::from_be_bytes(blake3::hash(id.as_bytes()).as_bytes()[..8].try_into().ok()?),
                 match reason {
                     Reason::InRollout { phase } | Reason::NotInAudience { phase } => *phase as u32,
                     _ => 0,
@@ -298,48 +283,30 @@ impl SignedAssignment {
         let msg = assignment_message(&body);
         let signatures = keys
             .iter()
-            .map(|k| AssignmentSignature {
-                keyid: KeyId::of(&k.verifying_key()),
-                sig: k.sign(&msg).to_bytes().to_vec(),
-            })
+            .map(|k| AssignmentSignature { keyid: KeyId::of(&k.verifying_key()), sig: k.sign(&msg).to_bytes().to_vec() })
             .collect();
         SignedAssignment { body, signatures }
     }
 
     /// The body, unverified.
     pub fn body_unverified(&self) -> Result<AssignmentBody, AssignmentError> {
-        fedfleet_protocol::messages::decode(&self.body, MAX_MESSAGE)
-            .map_err(|e| AssignmentError::Malformed(e.to_string()))
+        fedfleet_protocol::messages::decode(&self.body, MAX_MESSAGE).map_err(|e| AssignmentError::Malformed(e.to_string()))
     }
 
     /// Verifies against the timestamp role of `root` (threshold of distinct keys, strict
     /// ed25519), checks that it names `device` and has not expired at `now` (unix ms).
-    pub fn verify(
-        &self,
-        root: &Root,
-        device: &DeviceId,
-        now: u64,
-    ) -> Result<AssignmentBody, AssignmentError> {
+    pub fn verify(&self, root: &Root, device: &DeviceId, now: u64) -> Result<AssignmentBody, AssignmentError> {
         let msg = assignment_message(&self.body);
         let count = root.timestamp.count_signatures(root, &msg, self.signatures.iter().map(|s| (&s.keyid, s.sig.as_slice())));
         if count.valid < count.threshold {
-            return Err(AssignmentError::UnderThreshold {
-                valid: count.valid,
-                threshold: count.threshold,
-            });
+            return Err(AssignmentError::UnderThreshold { valid: count.valid, threshold: count.threshold });
         }
         let body = self.body_unverified()?;
         if &body.device != device {
-            return Err(AssignmentError::WrongDevice {
-                expected: device.to_string(),
-                got: body.device.to_string(),
-            });
+            return Err(AssignmentError::WrongDevice { expected: device.to_string(), got: body.device.to_string() });
         }
         if now >= body.expires_unix_ms {
-            return Err(AssignmentError::Expired {
-                expires: body.expires_unix_ms,
-                now,
-            });
+            return Err(AssignmentError::Expired { expires: body.expires_unix_ms, now });
         }
         Ok(body)
     }

@@ -46,24 +46,14 @@ async fn main() -> anyhow::Result<()> {
     let agents: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(100);
     let size_mb: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(100);
     let size = size_mb * 1_000_000;
-    let profile = if cfg!(debug_assertions) {
-        "dev (debug assertions)"
-    } else {
-        "release"
-    };
+    let profile = if cfg!(debug_assertions) { "dev (debug assertions)" } else { "release" };
     println!(
         "command: cargo run {}-p fedfleet-registry --example bench_download -- {agents} {size_mb}",
-        if cfg!(debug_assertions) {
-            ""
-        } else {
-            "--release "
-        }
+        if cfg!(debug_assertions) { "" } else { "--release " }
     );
     println!(
         "profile: {profile}; cores: {}; agents: {agents}; model: {size_mb} MB; chunk: 1 MiB",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0)
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
     );
 
     let dir = tempfile::tempdir()?;
@@ -98,11 +88,7 @@ async fn main() -> anyhow::Result<()> {
         let id = DeviceId::new(format!("agent-{i:03}"))?;
         pki.enroll_device(&id, 30, false)?;
         let ident = DeviceIdentity::load(&pki_dir, &id)?;
-        clients.push(RegistryClient::new(
-            addr,
-            "localhost",
-            tls::client_config(pki.ca(), &ident, &[ALPN_V1])?,
-        )?);
+        clients.push(RegistryClient::new(addr, "localhost", tls::client_config(pki.ca(), &ident, &[ALPN_V1])?)?);
     }
 
     // QUIC: every agent fetches the manifest and every chunk, verifying each digest.
@@ -173,10 +159,7 @@ async fn main() -> anyhow::Result<()> {
         mb / quic_s,
         mb / quic_s / agents as f64
     );
-    println!(
-        "plain loopback TCP (no TLS, no hashing):                  {mb:.0} MB in {tcp_s:.2} s = {:.0} MB/s aggregate",
-        mb / tcp_s
-    );
+    println!("plain loopback TCP (no TLS, no hashing):                  {mb:.0} MB in {tcp_s:.2} s = {:.0} MB/s aggregate", mb / tcp_s);
     println!("ratio QUIC/TCP: {:.2}", tcp_s / quic_s);
     Ok(())
 }

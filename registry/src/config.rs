@@ -97,18 +97,14 @@ impl Default for Config {
 impl Config {
     /// Reads `path`; relative directories are taken relative to the file's directory.
     pub fn load(path: &Path) -> Result<Self, RegistryError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| RegistryError::Io {
-            path: path.to_owned(),
-            cause,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|cause| RegistryError::Io { path: path.to_owned(), cause })?;
         Self::parse(path, &text)
     }
 
     /// [`Config::load`] of `text`, the contents of `path` (which is not read: it names the file
     /// in errors, and relative directories are taken relative to its directory).
     pub fn parse(path: &Path, text: &str) -> Result<Self, RegistryError> {
-        let mut c: Config = toml::from_str(text)
-            .map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
+        let mut c: Config = toml::from_str(text).map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
         if let Some(m) = &c.mqtt {
             m.validate().map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
         }

@@ -49,12 +49,9 @@ pub use fedfleet_protocol::tuf;
 pub use fedfleet_registry_client::{client, wire};
 pub use fedfleet_rollout as rollout;
 pub use rollout::{
-    Assignment, Audience, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError, VersionReport,
-    RolloutPlan, Status as RolloutStatus,
+    Assignment, Audience, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError, RolloutPlan, Status as RolloutStatus, VersionReport,
 };
-pub use store::{
-    Artifact, ChunkRef, Manifest, ModelInfo, NewVersion, Store, StoreConfig, StoreError,
-};
+pub use store::{Artifact, ChunkRef, Manifest, ModelInfo, NewVersion, Store, StoreConfig, StoreError};
 pub use tuf::{Root, SignedMetadata, Targets, Timestamp, TufError, Verifier};
 
 /// Errors of the service shell, the operator commands and the metadata signer.
@@ -68,15 +65,9 @@ pub enum RegistryError {
     #[error(transparent)]
     Rollout(#[from] RolloutError),
     #[error("{path}: {cause}")]
-    Io {
-        path: std::path::PathBuf,
-        cause: std::io::Error,
-    },
+    Io { path: std::path::PathBuf, cause: std::io::Error },
     #[error("key {path}: {detail}")]
-    Key {
-        path: std::path::PathBuf,
-        detail: String,
-    },
+    Key { path: std::path::PathBuf, detail: String },
     #[error("{0}")]
     Config(String),
     #[error("not found: {0}")]
@@ -91,4 +82,3 @@ pub enum RegistryError {
     #[error(transparent)]
     Net(#[from] fedfleet_net::NetError),
 }
-

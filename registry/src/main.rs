@@ -14,18 +14,18 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use fedfleet_protocol::{Clock, SystemClock};
 use fedfleet_protocol::{DeviceId, FleetId, ModelVersion, SpecJson};
+use fedfleet_registry::RegistryError;
 use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::config::Config;
 use fedfleet_registry::metadata::{self, MetadataSigner};
 use fedfleet_registry::metrics::Metrics;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
+use fedfleet_registry::service::RegistryService;
 use fedfleet_registry::store::{NewVersion, Store, StoreConfig, StoreError};
 use fedfleet_registry::wire::{AdminRequest, RolloutCommand, RolloutStart};
-use fedfleet_registry::RegistryError;
-use fedfleet_registry::service::RegistryService;
-use fedfleet_protocol::{Clock, SystemClock};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,13 +35,7 @@ use fedfleet_protocol::{Clock, SystemClock};
 )]
 struct Cli {
     /// Configuration file (TOML). Missing file: built-in defaults.
-    #[arg(
-        long,
-        short,
-        global = true,
-        env = "FEDFLEET_REGISTRY_CONFIG",
-        default_value = "registry.toml"
-    )]
+    #[arg(long, short, global = true, env = "FEDFLEET_REGISTRY_CONFIG", default_value = "registry.toml")]
     config: PathBuf,
     /// Print machine-readable JSON.
     #[arg(long, global = true)]
@@ -112,11 +106,7 @@ enum Cmd {
 #[derive(Subcommand, Debug)]
 enum AliasCmd {
     /// Point ALIAS of model NAME at VERSION.
-    Set {
-        name: String,
-        alias: String,
-        version: u64,
-    },
+    Set { name: String, alias: String, version: u64 },
 }
 
 #[derive(Subcommand, Debug)]
@@ -196,9 +186,7 @@ fn parse_duration_ms(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?}: expected e.g. 30s, 10m, 2h"))?;
+    let n: u64 = n.parse().map_err(|_| format!("{s:?}: expected e.g. 30s, 10m, 2h"))?;
     let mul = match unit {
         "ms" => 1,
         "" | "s" => 1000,
@@ -222,27 +210,17 @@ fn main() -> ExitCode {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
 fn load_config(path: &Path) -> anyhow::Result<Config> {
-    if path.exists() {
-        Ok(Config::load(path)?)
-    } else {
-        Ok(Config::default())
-    }
+    if path.exists() { Ok(Config::load(path)?) } else { Ok(Config::default()) }
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let cfg = load_config(&cli.config)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.cmd {
         Cmd::Serve => {
             init_tracing();
@@ -264,20 +242,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Check { deep } => {
             let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
             let r = store.check(deep)?;
-            println!(
-                "ok: {} versions, {} artifacts, {} chunks ({} unreferenced)",
-                r.versions, r.artifacts, r.chunks, r.orphan_chunks
-            );
+            println!("ok: {} versions, {} artifacts, {} chunks ({} unreferenced)", r.versions, r.artifacts, r.chunks, r.orphan_chunks);
             Ok(())
         }
-        Cmd::Publish {
-            file,
-            model,
-            spec,
-            parent,
-            metrics,
-            publisher,
-        } => {
+        Cmd::Publish { file, model, spec, parent, metrics, publisher } => {
             let spec = match spec {
                 Some(p) => {
                     let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
@@ -285,11 +253,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 None => SpecJson(serde_json::json!({})),
             };
-            let f = std::fs::File::open(&file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            let publisher = publisher
-                .or_else(|| std::env::var("USER").ok())
-                .unwrap_or_else(|| "operator".into());
+            let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
+            let publisher = publisher.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
             let req = AdminRequest::Publish(NewVersion {
                 name: model,
                 spec,
@@ -318,34 +283,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Show { name, version } => {
-            let out = rt.block_on(admin(
-                &cfg,
-                AdminRequest::Show {
-                    name,
-                    version: version.map(ModelVersion),
-                },
-                None,
-            ))?;
+            let out = rt.block_on(admin(&cfg, AdminRequest::Show { name, version: version.map(ModelVersion) }, None))?;
             print_out(&out, true, |_| String::new());
             Ok(())
         }
-        Cmd::Alias {
-            cmd:
-                AliasCmd::Set {
-                    name,
-                    alias,
-                    version,
-                },
-        } => {
-            let out = rt.block_on(admin(
-                &cfg,
-                AdminRequest::AliasSet {
-                    name,
-                    alias,
-                    version: ModelVersion(version),
-                },
-                None,
-            ))?;
+        Cmd::Alias { cmd: AliasCmd::Set { name, alias, version } } => {
+            let out = rt.block_on(admin(&cfg, AdminRequest::AliasSet { name, alias, version: ModelVersion(version) }, None))?;
             print_out(&out, cli.json, |v| {
                 format!(
                     "{} {} -> v{} (was {})",
@@ -367,22 +310,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     wait = a.wait;
                     AdminRequest::RolloutStart(start_request(a)?)
                 }
-                RolloutCmd::Pause { id } => AdminRequest::Rollout {
-                    id,
-                    command: RolloutCommand::Pause,
-                },
-                RolloutCmd::Resume { id } => AdminRequest::Rollout {
-                    id,
-                    command: RolloutCommand::Resume,
-                },
-                RolloutCmd::Abort { id, reason } => AdminRequest::Rollout {
-                    id,
-                    command: RolloutCommand::Abort { reason },
-                },
-                RolloutCmd::Rollback { id } => AdminRequest::Rollout {
-                    id,
-                    command: RolloutCommand::Rollback,
-                },
+                RolloutCmd::Pause { id } => AdminRequest::Rollout { id, command: RolloutCommand::Pause },
+                RolloutCmd::Resume { id } => AdminRequest::Rollout { id, command: RolloutCommand::Resume },
+                RolloutCmd::Abort { id, reason } => AdminRequest::Rollout { id, command: RolloutCommand::Abort { reason } },
+                RolloutCmd::Rollback { id } => AdminRequest::Rollout { id, command: RolloutCommand::Rollback },
                 RolloutCmd::Status { id } => AdminRequest::RolloutStatus { id },
             };
             let out = rt.block_on(admin(&cfg, req, None))?;
@@ -392,9 +323,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Device {
-            cmd: DeviceCmd::Status { id },
-        } => {
+        Cmd::Device { cmd: DeviceCmd::Status { id } } => {
             let out = rt.block_on(admin(&cfg, AdminRequest::DeviceStatus { device: id }, None))?;
             print_out(&out, true, |_| String::new());
             Ok(())
@@ -416,12 +345,7 @@ async fn wait_for_rollout_end(cfg: &Config, started: &serde_json::Value) -> anyh
         match s["status"].as_str() {
             Some("running" | "paused") => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
             Some("completed") => return Ok(()),
-            other => bail!(
-                "rollout {id} ended {}: {} devices healthy, {} failed",
-                other.unwrap_or("?"),
-                s["healthy"],
-                s["failed"]
-            ),
+            other => bail!("rollout {id} ended {}: {} devices healthy, {} failed", other.unwrap_or("?"), s["healthy"], s["failed"]),
         }
     }
 }
@@ -430,9 +354,7 @@ fn start_request(a: StartArgs) -> anyhow::Result<RolloutStart> {
     let deadline = a.deadline.unwrap_or(a.soak + 3_600_000);
     let mut phases = Vec::new();
     if let Some(c) = &a.cohort {
-        let (name, devs) = c
-            .split_once('=')
-            .context("--cohort expects NAME=dev1,dev2")?;
+        let (name, devs) = c.split_once('=').context("--cohort expects NAME=dev1,dev2")?;
         let devices = devs
             .split(',')
             .filter(|s| !s.is_empty())
@@ -479,27 +401,17 @@ fn render_list(v: &serde_json::Value) -> String {
         return "no models published".into();
     }
     for m in models {
-        let aliases: BTreeMap<String, u64> =
-            serde_json::from_value(m["aliases"].clone()).unwrap_or_default();
+        let aliases: BTreeMap<String, u64> = serde_json::from_value(m["aliases"].clone()).unwrap_or_default();
         out.push_str(&format!("{}\n", m["name"].as_str().unwrap_or("?")));
         for ver in m["versions"].as_array().cloned().unwrap_or_default() {
             let n = ver["version"].as_u64().unwrap_or(0);
-            let tags: Vec<&str> = aliases
-                .iter()
-                .filter(|(_, t)| **t == n)
-                .map(|(a, _)| a.as_str())
-                .collect();
+            let tags: Vec<&str> = aliases.iter().filter(|(_, t)| **t == n).map(|(a, _)| a.as_str()).collect();
             out.push_str(&format!(
                 "  v{n:<4} {:>12} bytes  {}  {}{}\n",
                 ver["length"],
-                &ver["digest"].as_str().unwrap_or("")
-                    [..16.min(ver["digest"].as_str().unwrap_or("").len())],
+                &ver["digest"].as_str().unwrap_or("")[..16.min(ver["digest"].as_str().unwrap_or("").len())],
                 ver["publisher"].as_str().unwrap_or(""),
-                if tags.is_empty() {
-                    String::new()
-                } else {
-                    format!("  [{}]", tags.join(", "))
-                }
+                if tags.is_empty() { String::new() } else { format!("  [{}]", tags.join(", ")) }
             ));
         }
     }
@@ -507,43 +419,25 @@ fn render_list(v: &serde_json::Value) -> String {
 }
 
 fn store_config(cfg: &Config) -> StoreConfig {
-    StoreConfig {
-        chunk_size: cfg.chunk_size,
-        ..StoreConfig::default()
-    }
+    StoreConfig { chunk_size: cfg.chunk_size, ..StoreConfig::default() }
 }
 
 fn fleet_of(cfg: &Config) -> FleetId {
-    fedfleet_certs::Pki::open(&cfg.pki_dir)
-        .map(|p| p.fleet().clone())
-        .unwrap_or_else(|_| FleetId::new("unknown").expect("valid id"))
+    fedfleet_certs::Pki::open(&cfg.pki_dir).map(|p| p.fleet().clone()).unwrap_or_else(|_| FleetId::new("unknown").expect("valid id"))
 }
 
 /// Runs an operator command: directly on the store if no server holds it, else over QUIC.
-async fn admin(
-    cfg: &Config,
-    req: AdminRequest,
-    artifact: Option<std::fs::File>,
-) -> anyhow::Result<serde_json::Value> {
+async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>) -> anyhow::Result<serde_json::Value> {
     match Store::open(cfg.store_dir(), store_config(cfg)) {
         Ok(store) => {
-            let signer = if metadata::keys_exist(&cfg.data_dir) {
-                Some(MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?)
-            } else {
-                None
-            };
+            let signer =
+                if metadata::keys_exist(&cfg.data_dir) { Some(MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?) } else { None };
             let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()), SystemClock::shared())?;
             let now = SystemClock.now_ms();
             let out = match req {
                 AdminRequest::Publish(mut new) => {
                     new.created_at_unix_ms = now;
-                    let m = reg.publish(
-                        new,
-                        std::io::BufReader::with_capacity(
-                            1 << 20,
-                            artifact.context("no artifact")?,
-                        ),
-                    )?;
+                    let m = reg.publish(new, std::io::BufReader::with_capacity(1 << 20, artifact.context("no artifact")?))?;
                     fedfleet_registry::ops::published_summary(&m)
                 }
                 req => reg.admin(req, now)?,
@@ -553,8 +447,7 @@ async fn admin(
             Ok(out)
         }
         Err(StoreError::Locked { .. }) => {
-            let pki = fedfleet_certs::Pki::open(&cfg.pki_dir)
-                .context("opening the PKI directory for the operator certificate")?;
+            let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).context("opening the PKI directory for the operator certificate")?;
             let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.operator_identity).with_context(|| {
                 format!(
                     "the registry is running; operator commands go through it and need the operator certificate \
@@ -562,18 +455,12 @@ async fn admin(
                     cfg.operator_identity
                 )
             })?;
-            let tls = fedfleet_certs::tls::service_client_config(
-                pki.ca(),
-                &id,
-                &[fedfleet_certs::ALPN_V1],
-            )?;
+            let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
             let mut addr = cfg.listen;
             if addr.ip().is_unspecified() {
                 addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
             }
-            let client = RegistryClient::connect(addr, &cfg.server_name, tls)
-                .await
-                .context("connecting to the running registry")?;
+            let client = RegistryClient::connect(addr, &cfg.server_name, tls).await.context("connecting to the running registry")?;
             let out = match artifact {
                 Some(f) => client.publish(req, f).await,
                 None => client.admin(req).await,

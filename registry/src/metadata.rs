@@ -45,18 +45,12 @@ pub struct Lifetimes {
 
 impl Default for Lifetimes {
     fn default() -> Self {
-        Lifetimes {
-            targets_ms: 7 * DAY_MS,
-            timestamp_ms: 3600 * 1000,
-        }
+        Lifetimes { targets_ms: 7 * DAY_MS, timestamp_ms: 3600 * 1000 }
     }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RegistryError + '_ {
-    move |cause| RegistryError::Io {
-        path: path.to_owned(),
-        cause,
-    }
+    move |cause| RegistryError::Io { path: path.to_owned(), cause }
 }
 
 /// Writes `bytes` atomically (`fedfleet_durable::write_atomic`), creating the directory;
@@ -70,12 +64,7 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], secret: bool) -> Result<()
 }
 
 fn write_key(path: &Path, key: &SigningKey) -> Result<(), RegistryError> {
-    let pem = key
-        .to_pkcs8_pem(LineEnding::LF)
-        .map_err(|e| RegistryError::Key {
-            path: path.to_owned(),
-            detail: e.to_string(),
-        })?;
+    let pem = key.to_pkcs8_pem(LineEnding::LF).map_err(|e| RegistryError::Key { path: path.to_owned(), detail: e.to_string() })?;
     write_atomic(path, pem.as_bytes(), true)
 }
 
@@ -88,9 +77,7 @@ fn read_key(path: &Path) -> Result<SigningKey, RegistryError> {
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, RegistryError> {
     match std::fs::read(path) {
-        Ok(b) => serde_json::from_slice(&b)
-            .map(Some)
-            .map_err(|e| RegistryError::Config(format!("{}: {e}", path.display()))),
+        Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|e| RegistryError::Config(format!("{}: {e}", path.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io_err(path)(e)),
     }
@@ -105,12 +92,7 @@ pub fn keys_exist(data_dir: &Path) -> bool {
 /// `data_dir`. Refuses to overwrite existing keys unless `force` (devices pinned to the old root
 /// would then refuse everything). `now`: unix ms the root's expiry counts from. Returns the
 /// signed root.
-pub fn init_keys(
-    data_dir: &Path,
-    root_days: u32,
-    force: bool,
-    now: u64,
-) -> Result<SignedMetadata<Root>, RegistryError> {
+pub fn init_keys(data_dir: &Path, root_days: u32, force: bool, now: u64) -> Result<SignedMetadata<Root>, RegistryError> {
     for f in [ROOT_KEY, TARGETS_KEY, TIMESTAMP_KEY, ROOT_JSON] {
         let p = data_dir.join(f);
         if p.exists() && !force {
@@ -124,13 +106,8 @@ pub fn init_keys(
     let new_key = || SigningKey::generate(&mut rand_core::OsRng);
     let (root_key, targets_key, ts_key) = (new_key(), new_key(), new_key());
     let expires = now + root_days.max(1) as u64 * DAY_MS;
-    let body = Root::new(
-        1,
-        expires,
-        (&[&root_key.verifying_key()], 1),
-        (&[&targets_key.verifying_key()], 1),
-        (&[&ts_key.verifying_key()], 1),
-    );
+    let body =
+        Root::new(1, expires, (&[&root_key.verifying_key()], 1), (&[&targets_key.verifying_key()], 1), (&[&ts_key.verifying_key()], 1));
     let root = SignedMetadata::sign(&body, &[&root_key]);
     write_key(&data_dir.join(ROOT_KEY), &root_key)?;
     write_key(&data_dir.join(TARGETS_KEY), &targets_key)?;
@@ -147,12 +124,7 @@ pub fn init_keys(
 /// Reads the pinned root from `data_dir/root.json`.
 pub fn read_root(data_dir: &Path) -> Result<SignedMetadata<Root>, RegistryError> {
     let p = data_dir.join(ROOT_JSON);
-    read_json(&p)?.ok_or_else(|| {
-        RegistryError::Config(format!(
-            "{} is missing; run `fedfleet-registry init-keys`",
-            p.display()
-        ))
-    })
+    read_json(&p)?.ok_or_else(|| RegistryError::Config(format!("{} is missing; run `fedfleet-registry init-keys`", p.display())))
 }
 
 struct Current {
@@ -174,9 +146,7 @@ pub struct MetadataSigner {
 
 impl std::fmt::Debug for MetadataSigner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetadataSigner")
-            .field("dir", &self.dir)
-            .finish()
+        f.debug_struct("MetadataSigner").field("dir", &self.dir).finish()
     }
 }
 
@@ -188,9 +158,7 @@ impl MetadataSigner {
         let current_root = read_root(data_dir)?;
         let mut roots = Vec::new();
         let mut v = 1;
-        while let Some(r) =
-            read_json::<SignedMetadata<Root>>(&data_dir.join(ROOTS_DIR).join(format!("{v}.json")))?
-        {
+        while let Some(r) = read_json::<SignedMetadata<Root>>(&data_dir.join(ROOTS_DIR).join(format!("{v}.json")))? {
             roots.push(r);
             v += 1;
         }
@@ -200,23 +168,14 @@ impl MetadataSigner {
         let root = roots.last().unwrap().body_unverified()?;
         let tk = targets_key.verifying_key();
         let sk = timestamp_key.verifying_key();
-        if !root.targets.keyids.contains(&crate::tuf::KeyId::of(&tk))
-            || !root.timestamp.keyids.contains(&crate::tuf::KeyId::of(&sk))
-        {
+        if !root.targets.keyids.contains(&crate::tuf::KeyId::of(&tk)) || !root.timestamp.keyids.contains(&crate::tuf::KeyId::of(&sk)) {
             return Err(RegistryError::Config(format!(
                 "the keys in {} do not match {}: the targets/timestamp keys are not listed in the root",
                 data_dir.join("keys").display(),
                 data_dir.join(ROOT_JSON).display()
             )));
         }
-        Ok(MetadataSigner {
-            dir: data_dir.to_owned(),
-            roots,
-            targets_key,
-            timestamp_key,
-            lifetimes,
-            current: Mutex::new(None),
-        })
+        Ok(MetadataSigner { dir: data_dir.to_owned(), roots, targets_key, timestamp_key, lifetimes, current: Mutex::new(None) })
     }
 
     /// The current root (what agents pin).
@@ -250,17 +209,9 @@ impl MetadataSigner {
         };
         let (targets_body, signed_targets) = match tv {
             Some(version) => {
-                let body = Targets {
-                    version,
-                    expires: now + self.lifetimes.targets_ms,
-                    targets,
-                };
+                let body = Targets { version, expires: now + self.lifetimes.targets_ms, targets };
                 let s = SignedMetadata::sign(&body, &[&self.targets_key]);
-                write_atomic(
-                    &self.dir.join(TARGETS_JSON),
-                    &serde_json::to_vec(&s).expect("serializes"),
-                    false,
-                )?;
+                write_atomic(&self.dir.join(TARGETS_JSON), &serde_json::to_vec(&s).expect("serializes"), false)?;
                 (body, s)
             }
             None => {
@@ -268,20 +219,10 @@ impl MetadataSigner {
                 (c.targets_body.clone(), c.targets.clone())
             }
         };
-        let ts_body =
-            Timestamp::for_targets(sv + 1, now + self.lifetimes.timestamp_ms, &signed_targets)?;
+        let ts_body = Timestamp::for_targets(sv + 1, now + self.lifetimes.timestamp_ms, &signed_targets)?;
         let ts = SignedMetadata::sign(&ts_body, &[&self.timestamp_key]);
-        write_atomic(
-            &self.dir.join(TIMESTAMP_JSON),
-            &serde_json::to_vec(&ts).expect("serializes"),
-            false,
-        )?;
-        *cur = Some(Current {
-            targets_body,
-            targets: signed_targets,
-            ts_body,
-            timestamp: ts,
-        });
+        write_atomic(&self.dir.join(TIMESTAMP_JSON), &serde_json::to_vec(&ts).expect("serializes"), false)?;
+        *cur = Some(Current { targets_body, targets: signed_targets, ts_body, timestamp: ts });
         Ok(())
     }
 
@@ -289,12 +230,9 @@ impl MetadataSigner {
         let t: Option<SignedMetadata<Targets>> = read_json(&self.dir.join(TARGETS_JSON))?;
         let s: Option<SignedMetadata<Timestamp>> = read_json(&self.dir.join(TIMESTAMP_JSON))?;
         match (t, s) {
-            (Some(targets), Some(timestamp)) => Ok(Some(Current {
-                targets_body: targets.body_unverified()?,
-                ts_body: timestamp.body_unverified()?,
-                targets,
-                timestamp,
-            })),
+            (Some(targets), Some(timestamp)) => {
+                Ok(Some(Current { targets_body: targets.body_unverified()?, ts_body: timestamp.body_unverified()?, targets, timestamp }))
+            }
             _ => Ok(None),
         }
     }
@@ -317,15 +255,7 @@ impl MetadataSigner {
         let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         let c = cur.as_ref()?;
         Some(MetadataSet {
-            roots: self
-                .roots
-                .iter()
-                .filter(|r| {
-                    r.body_unverified()
-                        .is_ok_and(|b| b.version > have_root_version)
-                })
-                .cloned()
-                .collect(),
+            roots: self.roots.iter().filter(|r| r.body_unverified().is_ok_and(|b| b.version > have_root_version)).cloned().collect(),
             timestamp: c.timestamp.clone(),
             targets: c.targets.clone(),
         })

@@ -17,11 +17,11 @@
 //! `fedfleet_registry_devices_online`, `fedfleet_registry_devices_known`,
 //! `fedfleet_registry_device_last_seen_seconds{device}`.
 
+use fedfleet_http::labels::{Device, Event, Reason};
 use fedfleet_http::prometheus_client::encoding::EncodeLabelSet;
 use fedfleet_http::prometheus_client::metrics::counter::Counter;
 use fedfleet_http::prometheus_client::metrics::family::Family;
 use fedfleet_http::prometheus_client::metrics::gauge::Gauge;
-use fedfleet_http::labels::{Device, Event, Reason};
 use fedfleet_http::prometheus_client::registry::Registry;
 
 /// One label, named after what it carries.
@@ -85,7 +85,11 @@ impl Metrics {
         registry.register("chunks_served", "Chunks sent to clients", m.chunks_served.clone());
         registry.register("connections", "QUIC connections accepted", m.connections.clone());
         registry.register("certificates_renewed", "Device certificates renewed", m.certificates_renewed.clone());
-        registry.register("certificate_expiry_seconds", "Seconds until this service's own certificate expires", m.certificate_expiry_seconds.clone());
+        registry.register(
+            "certificate_expiry_seconds",
+            "Seconds until this service's own certificate expires",
+            m.certificate_expiry_seconds.clone(),
+        );
         registry.register("rollout_events", "Rollout engine events", m.rollout_events.clone());
         registry.register("device_reports", "Device reports, by state", m.device_reports.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());

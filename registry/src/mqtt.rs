@@ -30,12 +30,9 @@ use std::time::Duration;
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::{AllowList, CaCert, ServerIdentity};
 use fedfleet_control::{
-    AssemblerLimits, ClientKind, ControlClient, ControlEvent, MqttClientConfig, Presence, Role, UnknownKeys,
-    service_tls,
+    AssemblerLimits, ClientKind, ControlClient, ControlEvent, MqttClientConfig, Presence, Role, UnknownKeys, service_tls,
 };
-use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelRef, RolloutAction, RolloutNotice, Signed,
-};
+use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, RolloutAction, RolloutNotice, Signed};
 use serde::Deserialize;
 use tokio::task::JoinHandle;
 
@@ -112,10 +109,7 @@ impl RegistryMqtt {
 
     /// When `device`'s last verified status arrived (unix ms).
     pub fn last_seen(&self, device: &DeviceId) -> Option<u64> {
-        self.presence
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .last_seen(device)
+        self.presence.lock().unwrap_or_else(|p| p.into_inner()).last_seen(device)
     }
 
     pub async fn shutdown(self) {
@@ -131,19 +125,13 @@ fn config_err(e: impl std::fmt::Display) -> RegistryError {
 
 /// Connects the registry to the broker of `cfg.mqtt` (in the background; it reconnects by
 /// itself) and starts publishing notices and consuming status. `Ok(None)` without `[mqtt]`.
-pub async fn start(
-    reg: Arc<Registry>,
-    cfg: &Config,
-) -> Result<Option<RegistryMqtt>, RegistryError> {
+pub async fn start(reg: Arc<Registry>, cfg: &Config) -> Result<Option<RegistryMqtt>, RegistryError> {
     let Some(m) = &cfg.mqtt else { return Ok(None) };
     let pki = &cfg.pki_dir;
     let allow = Arc::new(AllowList::load(fedfleet_certs::layout::allow_list(pki))?);
     let fleet: FleetId = allow.fleet();
     if &fleet != reg.fleet() {
-        return Err(config_err(format!(
-            "the PKI's fleet {fleet} is not the registry's fleet {}",
-            reg.fleet()
-        )));
+        return Err(config_err(format!("the PKI's fleet {fleet} is not the registry's fleet {}", reg.fleet())));
     }
     let fleet = m.client.fleet(&fleet).map_err(RegistryError::Config)?;
     let (host, port) = m.client.address().map_err(RegistryError::Config)?;
@@ -151,12 +139,7 @@ pub async fn start(
     let ca = CaCert::load(fedfleet_certs::layout::ca_cert(pki))?;
     let id = ServerIdentity::load(pki, &cfg.server_identity)?;
     let tls = service_tls(&ca, &id).map_err(config_err)?;
-    let role = Role::Service {
-        keys: allow,
-        status: true,
-        updates: false,
-        limits: AssemblerLimits::default(),
-    };
+    let role = Role::Service { keys: allow, status: true, updates: false, limits: AssemblerLimits::default() };
     let options = m.client.options(ClientKind::Service(CLIENT_ID), host.clone(), port, fleet).map_err(RegistryError::Config)?;
     let (client, mut events) = ControlClient::start(options, tls, role);
     tracing::info!(%host, port, "registry MQTT control plane started");
@@ -166,15 +149,7 @@ pub async fn start(
     let task = {
         let client = client.clone();
         let presence = presence.clone();
-        let mut state = Loop {
-            reg,
-            client,
-            key: notice_key,
-            presence,
-            ttl_ms,
-            announced: None,
-            fed: HashMap::new(),
-        };
+        let mut state = Loop { reg, client, key: notice_key, presence, ttl_ms, announced: None, fed: HashMap::new() };
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(NOTICE_POLL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -192,50 +167,27 @@ pub async fn start(
             }
         })
     };
-    Ok(Some(RegistryMqtt {
-        client,
-        presence,
-        ttl_ms,
-        task,
-    }))
+    Ok(Some(RegistryMqtt { client, presence, ttl_ms, task }))
 }
 
 /// The online timestamp key, checked against the timestamp role of the registry's root.
 fn notice_key(reg: &Registry, cfg: &Config) -> Result<SigningKey, RegistryError> {
-    let signer = reg
-        .signer()
-        .ok_or_else(|| config_err("rollout notices need the registry's signing keys"))?;
+    let signer = reg.signer().ok_or_else(|| config_err("rollout notices need the registry's signing keys"))?;
     let path = cfg.data_dir.join(crate::metadata::TIMESTAMP_KEY);
-    let key = fedfleet_certs::load_signing_key(&path).map_err(|e| RegistryError::Key {
-        path: path.clone(),
-        detail: e.to_string(),
-    })?;
+    let key = fedfleet_certs::load_signing_key(&path).map_err(|e| RegistryError::Key { path: path.clone(), detail: e.to_string() })?;
     let root = signer.root().body_unverified()?;
     let id = crate::tuf::KeyId::of(&key.verifying_key());
     if !root.timestamp.keyids.contains(&id) {
-        return Err(config_err(format!(
-            "{} is not a timestamp key of the current root",
-            path.display()
-        )));
+        return Err(config_err(format!("{} is not a timestamp key of the current root", path.display())));
     }
     Ok(key)
 }
 
 /// What a device's status says about installs; heartbeats repeat it with a fresh time.
-type StatusContent = (
-    fedfleet_protocol::DeviceState,
-    Option<ModelRef>,
-    Option<ModelRef>,
-    Option<u64>,
-);
+type StatusContent = (fedfleet_protocol::DeviceState, Option<ModelRef>, Option<ModelRef>, Option<u64>);
 
 fn content(s: &DeviceStatus) -> StatusContent {
-    (
-        s.state.clone(),
-        s.active.clone(),
-        s.staged.clone(),
-        s.rollout_id,
-    )
+    (s.state.clone(), s.active.clone(), s.staged.clone(), s.rollout_id)
 }
 
 /// Whether the stored record (as [`Registry::report`] writes it) is `s`.
@@ -246,9 +198,7 @@ fn same_report(stored: &serde_json::Value, s: &DeviceStatus) -> bool {
         }
         None => serde_json::Value::Null,
     };
-    stored["state"] == s.state.as_str()
-        && stored["active"] == model(&s.active)
-        && stored["staged"] == model(&s.staged)
+    stored["state"] == s.state.as_str() && stored["active"] == model(&s.active) && stored["staged"] == model(&s.staged)
 }
 
 struct Loop {
@@ -286,10 +236,7 @@ impl Loop {
 
     fn on_status(&mut self, s: &DeviceStatus) {
         let now = self.reg.now_ms();
-        self.presence
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .record(s, now);
+        self.presence.lock().unwrap_or_else(|p| p.into_inner()).record(s, now);
         let c = content(s);
         if self.fed.get(&s.device) == Some(&c) {
             return; // a heartbeat
@@ -305,8 +252,7 @@ impl Loop {
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
         if let Some(stored) = stored
             && let Some(at) = stored["reported_at"].as_u64()
-            && (at > s.reported_at_unix_ms
-                || (at == s.reported_at_unix_ms && same_report(&stored, s)))
+            && (at > s.reported_at_unix_ms || (at == s.reported_at_unix_ms && same_report(&stored, s)))
         {
             self.fed.insert(s.device.clone(), c);
             return;
@@ -349,12 +295,7 @@ impl Loop {
         rollouts.sort_by_key(|r| r.started_at());
         if self.announced.is_none() {
             let skip = rollouts.len().saturating_sub(1);
-            self.announced = Some(
-                rollouts[..skip]
-                    .iter()
-                    .map(|r| (r.id().to_owned(), (r.status(), r.phase())))
-                    .collect(),
-            );
+            self.announced = Some(rollouts[..skip].iter().map(|r| (r.id().to_owned(), (r.status(), r.phase()))).collect());
         }
         for r in &rollouts {
             let state = (r.status(), r.phase());
@@ -383,20 +324,9 @@ impl Loop {
     }
 }
 
-fn model_ref(
-    reg: &Registry,
-    model: &str,
-    v: fedfleet_protocol::ModelVersion,
-) -> Result<(ModelRef, u64), RegistryError> {
+fn model_ref(reg: &Registry, model: &str, v: fedfleet_protocol::ModelVersion) -> Result<(ModelRef, u64), RegistryError> {
     let rec = reg.store().version(model, v)?;
-    Ok((
-        ModelRef {
-            name: model.to_owned(),
-            version: v,
-            digest: rec.digest,
-        },
-        rec.length,
-    ))
+    Ok((ModelRef { name: model.to_owned(), version: v, digest: rec.digest }, rec.length))
 }
 
 /// The notice describing `r` as it stands, issued at `now`.
@@ -413,29 +343,19 @@ pub fn notice(reg: &Registry, r: &Rollout, now: u64) -> Result<RolloutNotice, Re
         Status::Paused => RolloutAction::Pause,
         Status::Aborted => RolloutAction::Abort,
         Status::RolledBack => match plan.previous {
-            Some(v) => RolloutAction::RollBack {
-                to: model_ref(reg, &plan.model, v)?.0,
-            },
+            Some(v) => RolloutAction::RollBack { to: model_ref(reg, &plan.model, v)?.0 },
             None => RolloutAction::Abort,
         },
     };
     Ok(RolloutNotice {
         fleet: reg.fleet().clone(),
         // The same id an assignment from this rollout carries (`AssignmentBody::to_notice`).
-        rollout_id: u64::from_be_bytes(
-            blake3::hash(r.id().as_bytes()).as_bytes()[..8]
-                .try_into()
-                .expect("8 bytes"),
-        ),
+        rollout_id: u64::from_be_bytes(blake3::hash(r.id().as_bytes()).as_bytes()[..8].try_into().expect("8 bytes")),
         alias: plan.alias.clone(),
         model,
         length,
         phase: r.phase() as u32,
-        percent_bp: if r.status() == Status::Completed {
-            10_000
-        } else {
-            percent_bp
-        },
+        percent_bp: if r.status() == Status::Completed { 10_000 } else { percent_bp },
         cohort,
         action,
         issued_at_unix_ms: now,
@@ -453,8 +373,7 @@ mod tests {
         assert_eq!((m.client.address().unwrap(), m.presence_ttl_secs), (("broker.local".into(), 8883), 90));
         let c: Config = toml::from_str("").unwrap();
         assert_eq!(c.mqtt, None);
-        let c: Config =
-            toml::from_str("[mqtt]\nhost = \"h\"\nport = 1883\nclient_id = \"reg-2\"\n").unwrap();
+        let c: Config = toml::from_str("[mqtt]\nhost = \"h\"\nport = 1883\nclient_id = \"reg-2\"\n").unwrap();
         let m = c.mqtt.unwrap();
         assert_eq!((m.client.port, m.client.client_id.as_deref()), (Some(1883), Some("reg-2")));
         let parse = |t: &str| Config::parse(std::path::Path::new("registry.toml"), t).unwrap_err().to_string();
@@ -488,9 +407,7 @@ mod tests {
             };
             reg.publish(meta, body).unwrap();
         }
-        reg.store()
-            .set_alias("m", "stable", ModelVersion(1))
-            .unwrap();
+        reg.store().set_alias("m", "stable", ModelVersion(1)).unwrap();
         let start = |id: &str, last: f64| {
             AdminRequest::RolloutStart(RolloutStart {
                 id: Some(id.into()),
@@ -502,46 +419,22 @@ mod tests {
                 min_sample: 5,
             })
         };
-        let command = |id: &str, command| AdminRequest::Rollout {
-            id: id.into(),
-            command,
-        };
+        let command = |id: &str, command| AdminRequest::Rollout { id: id.into(), command };
         let current = |id: &str| {
-            let r = reg
-                .store()
-                .rollouts()
-                .unwrap()
-                .into_iter()
-                .find(|r| r.id() == id)
-                .unwrap();
+            let r = reg.store().rollouts().unwrap().into_iter().find(|r| r.id() == id).unwrap();
             notice(&reg, &r, 7).unwrap()
         };
         reg.admin(start("r1", 100.0), 1_000).unwrap();
         let n = current("r1");
         let v2 = reg.store().version("m", ModelVersion(2)).unwrap();
-        assert_eq!(
-            (n.fleet.clone(), n.alias.as_str(), n.phase, n.percent_bp),
-            (fleet, "stable", 0, 1_000)
-        );
-        assert_eq!(
-            (n.model.version, n.model.digest, n.length),
-            (ModelVersion(2), v2.digest, v2.length)
-        );
-        assert_eq!(
-            (n.action.clone(), n.issued_at_unix_ms),
-            (RolloutAction::Install, 7)
-        );
-        reg.admin(command("r1", RolloutCommand::Pause), 2_000)
-            .unwrap();
+        assert_eq!((n.fleet.clone(), n.alias.as_str(), n.phase, n.percent_bp), (fleet, "stable", 0, 1_000));
+        assert_eq!((n.model.version, n.model.digest, n.length), (ModelVersion(2), v2.digest, v2.length));
+        assert_eq!((n.action.clone(), n.issued_at_unix_ms), (RolloutAction::Install, 7));
+        reg.admin(command("r1", RolloutCommand::Pause), 2_000).unwrap();
         assert_eq!(current("r1").action, RolloutAction::Pause);
-        reg.admin(
-            command("r1", RolloutCommand::Abort { reason: "x".into() }),
-            3_000,
-        )
-        .unwrap();
+        reg.admin(command("r1", RolloutCommand::Abort { reason: "x".into() }), 3_000).unwrap();
         assert_eq!(current("r1").action, RolloutAction::Abort);
-        reg.admin(command("r1", RolloutCommand::Rollback), 4_000)
-            .unwrap();
+        reg.admin(command("r1", RolloutCommand::Rollback), 4_000).unwrap();
         let v1 = reg.store().version("m", ModelVersion(1)).unwrap();
         match current("r1").action {
             RolloutAction::RollBack { to } => {
@@ -554,9 +447,6 @@ mod tests {
         reg.drive(10_000 + 60_000).unwrap();
         reg.drive(10_000 + 120_000).unwrap();
         let n = current("r2");
-        assert_eq!(
-            (n.phase, n.percent_bp, n.action),
-            (1, 10_000, RolloutAction::Install)
-        );
+        assert_eq!((n.phase, n.percent_bp, n.action), (1, 10_000, RolloutAction::Install));
     }
 }

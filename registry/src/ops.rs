@@ -21,12 +21,9 @@ use serde_json::{Value, json};
 use crate::RegistryError;
 use crate::metadata::MetadataSigner;
 use crate::metrics::Metrics;
-use crate::rollout::{VersionReport, Event as RolloutEvent, Rollout, RolloutPlan, Status};
+use crate::rollout::{Event as RolloutEvent, Rollout, RolloutPlan, Status, VersionReport};
 use crate::store::{Manifest, NewVersion, Store};
-use crate::wire::{
-    AdminRequest, AssignmentBody, AssignmentSource, MetadataSet, RolloutCommand, RolloutStart,
-    SignedAssignment,
-};
+use crate::wire::{AdminRequest, AssignmentBody, AssignmentSource, MetadataSet, RolloutCommand, RolloutStart, SignedAssignment};
 
 /// The alias devices run when no rollout decides for them.
 pub const DEFAULT_ALIAS: &str = "stable";
@@ -47,9 +44,7 @@ pub struct Registry {
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry")
-            .field("store", &self.store)
-            .finish()
+        f.debug_struct("Registry").field("store", &self.store).finish()
     }
 }
 
@@ -76,12 +71,8 @@ fn engine_state(s: &fedfleet_protocol::DeviceState) -> Option<VersionReport> {
         P::Verified => VersionReport::Verified,
         P::Healthy => VersionReport::Healthy,
         P::Active => VersionReport::Active,
-        P::RolledBack { reason } => VersionReport::RolledBack {
-            reason: reason.clone(),
-        },
-        P::Failed { reason } => VersionReport::Failed {
-            reason: reason.clone(),
-        },
+        P::RolledBack { reason } => VersionReport::RolledBack { reason: reason.clone() },
+        P::Failed { reason } => VersionReport::Failed { reason: reason.clone() },
         // The device's storage, not the model: it retries, and the rollout keeps assigning it.
         P::InstallDeferred { .. } => return None,
         _ => return None,
@@ -104,20 +95,8 @@ impl Registry {
         metrics: Arc<Metrics>,
         clock: SharedClock,
     ) -> Result<Self, RegistryError> {
-        let rollouts = store
-            .rollouts()?
-            .into_iter()
-            .map(|r| (r.id().to_owned(), r))
-            .collect();
-        let reg = Registry {
-            store,
-            fleet,
-            rollouts: Mutex::new(rollouts),
-            signer,
-            metrics,
-            revocation: None,
-            clock,
-        };
+        let rollouts = store.rollouts()?.into_iter().map(|r| (r.id().to_owned(), r)).collect();
+        let reg = Registry { store, fleet, rollouts: Mutex::new(rollouts), signer, metrics, revocation: None, clock };
         reg.refresh_metadata(reg.now_ms())?;
         Ok(reg)
     }
@@ -136,9 +115,7 @@ impl Registry {
     /// A stored status record as JSON, with `"revoked": true` for a revoked device.
     fn device_status_json(&self, device: &str, record: &[u8]) -> Value {
         let mut v = serde_json::from_slice::<Value>(record).unwrap_or(Value::Null);
-        let revoked = self.revocation.as_ref().is_some_and(|w| {
-            fedfleet_protocol::DeviceId::new(device).is_ok_and(|id| w.is_revoked(&id))
-        });
+        let revoked = self.revocation.as_ref().is_some_and(|w| fedfleet_protocol::DeviceId::new(device).is_ok_and(|id| w.is_revoked(&id)));
         if let Value::Object(m) = &mut v {
             m.insert("revoked".into(), Value::Bool(revoked));
         }
@@ -205,12 +182,7 @@ impl Registry {
             dirty = true;
             self.metrics.rollout_event(event_name(&ev));
             tracing::info!(rollout = r.id(), event = ?ev, "rollout event");
-            if let RolloutEvent::SetAlias {
-                model,
-                alias,
-                version,
-            } = ev
-            {
+            if let RolloutEvent::SetAlias { model, alias, version } = ev {
                 match version {
                     Some(v) => {
                         self.store.set_alias(&model, &alias, v)?;
@@ -247,8 +219,7 @@ impl Registry {
     /// feeds install outcomes to the model's latest rollout.
     pub fn report(&self, status: &DeviceStatus, now: u64) -> Result<(), RegistryError> {
         let (reason, state) = match &status.state {
-            fedfleet_protocol::DeviceState::RolledBack { reason }
-            | fedfleet_protocol::DeviceState::Failed { reason } => {
+            fedfleet_protocol::DeviceState::RolledBack { reason } | fedfleet_protocol::DeviceState::Failed { reason } => {
                 (Some(reason.clone()), status.state.as_str())
             }
             fedfleet_protocol::DeviceState::InstallDeferred { fault, detail } => {
@@ -266,8 +237,7 @@ impl Registry {
             "reported_at": status.reported_at_unix_ms,
             "received_at": now,
         });
-        self.store
-            .put_device_status(status.device.as_str(), record.to_string().as_bytes())?;
+        self.store.put_device_status(status.device.as_str(), record.to_string().as_bytes())?;
         let Some(state) = engine_state(&status.state) else {
             return Ok(());
         };
@@ -279,11 +249,7 @@ impl Registry {
             return Ok(());
         };
         let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = rollouts
-            .values_mut()
-            .filter(|r| r.plan().model == model.name)
-            .max_by_key(|r| r.started_at())
-        {
+        if let Some(r) = rollouts.values_mut().filter(|r| r.plan().model == model.name).max_by_key(|r| r.started_at()) {
             r.handle_report(now, status.device.clone(), model.version, state);
             self.pump(r, true)?;
         }
@@ -293,42 +259,17 @@ impl Registry {
     /// "What should `device` run of `model`?" The model's latest rollout decides while it is
     /// running, paused or aborted (an abort keeps healthy devices on the target); otherwise the
     /// `stable` alias does.
-    pub fn assignment(
-        &self,
-        device: &DeviceId,
-        model: &str,
-        now: u64,
-    ) -> Result<AssignmentBody, RegistryError> {
+    pub fn assignment(&self, device: &DeviceId, model: &str, now: u64) -> Result<AssignmentBody, RegistryError> {
         let (version, source) = {
             let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
-            match rollouts
-                .values_mut()
-                .filter(|r| r.plan().model == model)
-                .max_by_key(|r| r.started_at())
-            {
-                Some(r)
-                    if matches!(
-                        r.status(),
-                        Status::Running | Status::Paused | Status::Aborted
-                    ) =>
-                {
+            match rollouts.values_mut().filter(|r| r.plan().model == model).max_by_key(|r| r.started_at()) {
+                Some(r) if matches!(r.status(), Status::Running | Status::Paused | Status::Aborted) => {
                     let a = r.assignment(device, now);
                     self.pump(r, false)?;
-                    (
-                        a.version,
-                        AssignmentSource::Rollout {
-                            id: r.id().to_owned(),
-                            reason: a.reason,
-                        },
-                    )
+                    (a.version, AssignmentSource::Rollout { id: r.id().to_owned(), reason: a.reason })
                 }
                 _ => match self.store.alias(model, DEFAULT_ALIAS)? {
-                    Some(v) => (
-                        Some(v),
-                        AssignmentSource::Alias {
-                            alias: DEFAULT_ALIAS.into(),
-                        },
-                    ),
+                    Some(v) => (Some(v), AssignmentSource::Alias { alias: DEFAULT_ALIAS.into() }),
                     None => (None, AssignmentSource::Nothing),
                 },
             }
@@ -336,21 +277,11 @@ impl Registry {
         let (target, length) = match version {
             Some(v) => {
                 let rec = self.store.version(model, v)?;
-                (
-                    Some(ModelRef {
-                        name: model.to_owned(),
-                        version: v,
-                        digest: rec.digest,
-                    }),
-                    Some(rec.length),
-                )
+                (Some(ModelRef { name: model.to_owned(), version: v, digest: rec.digest }), Some(rec.length))
             }
             None => (None, None),
         };
-        let ttl = self
-            .signer
-            .as_ref()
-            .map_or(3_600_000, |s| s.assignment_ttl_ms());
+        let ttl = self.signer.as_ref().map_or(3_600_000, |s| s.assignment_ttl_ms());
         Ok(AssignmentBody {
             fleet: self.fleet.clone(),
             device: device.clone(),
@@ -364,17 +295,9 @@ impl Registry {
     }
 
     /// A signed assignment (needs the signer, i.e. the service).
-    pub fn signed_assignment(
-        &self,
-        device: &DeviceId,
-        model: &str,
-        now: u64,
-    ) -> Result<SignedAssignment, RegistryError> {
+    pub fn signed_assignment(&self, device: &DeviceId, model: &str, now: u64) -> Result<SignedAssignment, RegistryError> {
         let body = self.assignment(device, model, now)?;
-        let signer = self
-            .signer
-            .as_ref()
-            .ok_or_else(|| RegistryError::Config("no signing keys loaded".into()))?;
+        let signer = self.signer.as_ref().ok_or_else(|| RegistryError::Config("no signing keys loaded".into()))?;
         Ok(signer.sign_assignment(&body))
     }
 
@@ -382,9 +305,7 @@ impl Registry {
     /// [`Registry::publish`]). Returns JSON for the CLI to print.
     pub fn admin(&self, req: AdminRequest, now: u64) -> Result<Value, RegistryError> {
         match req {
-            AdminRequest::Publish(_) => Err(RegistryError::Invalid(
-                "publish carries the artifact bytes; use Registry::publish".into(),
-            )),
+            AdminRequest::Publish(_) => Err(RegistryError::Invalid("publish carries the artifact bytes; use Registry::publish".into())),
             AdminRequest::List => {
                 let mut models = Vec::new();
                 for name in self.store.models()? {
@@ -398,12 +319,7 @@ impl Registry {
                         }
                         versions.push(r);
                     }
-                    let aliases: BTreeMap<String, u64> = self
-                        .store
-                        .aliases(&name)?
-                        .into_iter()
-                        .map(|(k, v)| (k, v.0))
-                        .collect();
+                    let aliases: BTreeMap<String, u64> = self.store.aliases(&name)?.into_iter().map(|(k, v)| (k, v.0)).collect();
                     models.push(json!({"name": name, "versions": versions, "aliases": aliases}));
                 }
                 Ok(json!({ "models": models }))
@@ -411,18 +327,10 @@ impl Registry {
             AdminRequest::Show { name, version } => {
                 let v = match version {
                     Some(v) => v,
-                    None => self.store.latest(&name)?.ok_or_else(|| {
-                        RegistryError::NotFound(format!("no model named {name:?}"))
-                    })?,
+                    None => self.store.latest(&name)?.ok_or_else(|| RegistryError::NotFound(format!("no model named {name:?}")))?,
                 };
                 let m = self.store.manifest(&name, v)?;
-                let aliases: Vec<String> = self
-                    .store
-                    .aliases(&name)?
-                    .into_iter()
-                    .filter(|(_, t)| *t == v)
-                    .map(|(a, _)| a)
-                    .collect();
+                let aliases: Vec<String> = self.store.aliases(&name)?.into_iter().filter(|(_, t)| *t == v).map(|(a, _)| a).collect();
                 let mut shown = json!(m.model);
                 if let Some(o) = shown.as_object_mut() {
                     o.insert("chunk_size".into(), json!(m.chunk_size));
@@ -431,11 +339,7 @@ impl Registry {
                 }
                 Ok(shown)
             }
-            AdminRequest::AliasSet {
-                name,
-                alias,
-                version,
-            } => {
+            AdminRequest::AliasSet { name, alias, version } => {
                 let prev = self.store.set_alias(&name, &alias, version)?;
                 Ok(json!({"name": name, "alias": alias, "version": version.0,
                           "previous": prev.map(|p| p.0)}))
@@ -443,9 +347,7 @@ impl Registry {
             AdminRequest::RolloutStart(start) => self.rollout_start(start, now),
             AdminRequest::Rollout { id, command } => {
                 let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
-                let r = rollouts
-                    .get_mut(&id)
-                    .ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}")))?;
+                let r = rollouts.get_mut(&id).ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}")))?;
                 match command {
                     RolloutCommand::Pause => r.pause(now),
                     RolloutCommand::Resume => r.resume(now),
@@ -464,13 +366,8 @@ impl Registry {
                     }
                 }
                 match id {
-                    Some(id) => rollouts
-                        .get(&id)
-                        .map(rollout_json)
-                        .ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}"))),
-                    None => Ok(
-                        json!({"rollouts": rollouts.values().map(rollout_json).collect::<Vec<_>>()}),
-                    ),
+                    Some(id) => rollouts.get(&id).map(rollout_json).ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}"))),
+                    None => Ok(json!({"rollouts": rollouts.values().map(rollout_json).collect::<Vec<_>>()})),
                 }
             }
             AdminRequest::DeviceStatus { device } => match device {
@@ -492,15 +389,12 @@ impl Registry {
     fn rollout_start(&self, s: RolloutStart, now: u64) -> Result<Value, RegistryError> {
         self.store.version(&s.model, s.target)?;
         let previous = self.store.alias(&s.model, &s.alias)?;
-        let id =
-            s.id.unwrap_or_else(|| format!("{}-{}-v{}-{now}", s.model, s.alias, s.target));
+        let id = s.id.unwrap_or_else(|| format!("{}-{}-v{}-{now}", s.model, s.alias, s.target));
         let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
         if rollouts.contains_key(&id) {
             return Err(RegistryError::Invalid(format!("rollout {id:?} exists")));
         }
-        if let Some(r) = rollouts.values().find(|r| {
-            r.plan().model == s.model && matches!(r.status(), Status::Running | Status::Paused)
-        }) {
+        if let Some(r) = rollouts.values().find(|r| r.plan().model == s.model && matches!(r.status(), Status::Running | Status::Paused)) {
             return Err(RegistryError::Invalid(format!(
                 "rollout {:?} of {} is still {:?}; pause/abort it or wait for it to finish",
                 r.id(),
@@ -548,19 +442,11 @@ pub fn published_summary(m: &Manifest) -> Value {
 }
 
 /// Convenience for callers holding a version selector.
-pub fn resolve_version(
-    store: &Store,
-    name: &str,
-    sel: &crate::wire::VersionSel,
-) -> Result<ModelVersion, RegistryError> {
+pub fn resolve_version(store: &Store, name: &str, sel: &crate::wire::VersionSel) -> Result<ModelVersion, RegistryError> {
     use crate::wire::VersionSel;
     match sel {
         VersionSel::Number(v) => Ok(*v),
-        VersionSel::Alias(a) => store
-            .alias(name, a)?
-            .ok_or_else(|| RegistryError::NotFound(format!("model {name:?} has no alias {a:?}"))),
-        VersionSel::Latest => store
-            .latest(name)?
-            .ok_or_else(|| RegistryError::NotFound(format!("no model named {name:?}"))),
+        VersionSel::Alias(a) => store.alias(name, a)?.ok_or_else(|| RegistryError::NotFound(format!("model {name:?} has no alias {a:?}"))),
+        VersionSel::Latest => store.latest(name)?.ok_or_else(|| RegistryError::NotFound(format!("no model named {name:?}"))),
     }
 }

@@ -32,10 +32,7 @@ pub struct Faults {
 
 impl Default for Faults {
     fn default() -> Self {
-        Faults {
-            cut_after_bytes: AtomicU64::new(u64::MAX),
-            corrupt_chunks: AtomicU32::new(0),
-        }
+        Faults { cut_after_bytes: AtomicU64::new(u64::MAX), corrupt_chunks: AtomicU32::new(0) }
     }
 }
 
@@ -83,16 +80,8 @@ struct Ctx {
 }
 
 /// Serves `endpoint` until `shutdown` is triggered.
-pub async fn run(
-    endpoint: quinn::Endpoint,
-    reg: Arc<Registry>,
-    opts: ServerOptions,
-    shutdown: fedfleet_net::Shutdown,
-) {
-    let ctx = Arc::new(Ctx {
-        reg: reg.clone(),
-        opts,
-    });
+pub async fn run(endpoint: quinn::Endpoint, reg: Arc<Registry>, opts: ServerOptions, shutdown: fedfleet_net::Shutdown) {
+    let ctx = Arc::new(Ctx { reg: reg.clone(), opts });
     let timer = tokio::spawn(timer_loop(reg.clone(), shutdown.clone()));
     tracing::info!(addr = ?endpoint.local_addr().ok(), "registry serving");
     let handlers = fedfleet_net::serve::accept_until(
@@ -136,10 +125,7 @@ async fn timer_loop(reg: Arc<Registry>, shutdown: fedfleet_net::Shutdown) {
             .await
             .unwrap_or(None)
         };
-        let wait = next
-            .map(|t| t.saturating_sub(now))
-            .unwrap_or(1000)
-            .clamp(50, 1000);
+        let wait = next.map(|t| t.saturating_sub(now)).unwrap_or(1000).clamp(50, 1000);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
             _ = &mut stop => return,
@@ -149,9 +135,8 @@ async fn timer_loop(reg: Arc<Registry>, shutdown: fedfleet_net::Shutdown) {
 
 fn peer_of(conn: &quinn::Connection) -> Result<PeerIdentity, String> {
     let any = conn.peer_identity().ok_or("no client certificate")?;
-    let certs = any
-        .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
-        .map_err(|_| "unexpected peer identity type".to_string())?;
+    let certs =
+        any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().map_err(|_| "unexpected peer identity type".to_string())?;
     fedfleet_certs::peer_identity(&certs).map_err(|e| e.to_string())
 }
 
@@ -178,10 +163,7 @@ async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
             return;
         }
     };
-    ctx.reg
-        .metrics()
-        .connections
-        .inc();
+    ctx.reg.metrics().connections.inc();
     tracing::debug!(%remote, ?peer, "connection");
     while let Ok((send, recv)) = conn.accept_bi().await {
         let (ctx, conn, peer) = (ctx.clone(), conn.clone(), peer.clone());
@@ -196,9 +178,7 @@ async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
 }
 
 async fn send(s: &mut FramedStream, r: &Response) -> Result<(), NetError> {
-    let bytes = wire::encode(r).unwrap_or_else(|e| {
-        wire::encode(&wire::rejected(RejectReason::Internal, e.to_string())).expect("encodes")
-    });
+    let bytes = wire::encode(r).unwrap_or_else(|e| wire::encode(&wire::rejected(RejectReason::Internal, e.to_string())).expect("encodes"));
     s.send(FrameKind::Message, &bytes).await
 }
 
@@ -210,9 +190,7 @@ fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
             m.rejection_named("not_found");
             Response::NotFound(d)
         }
-        RegistryError::Store(
-            e @ (StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_)),
-        ) => {
+        RegistryError::Store(e @ (StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_))) => {
             m.rejection_named("not_found");
             Response::NotFound(e.to_string())
         }
@@ -256,20 +234,11 @@ fn request_kind(r: &Request) -> &'static str {
     }
 }
 
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
-) -> Result<T, RegistryError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| RegistryError::Internal(format!("a worker task failed: {e}")))?
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, RegistryError> + Send + 'static) -> Result<T, RegistryError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| RegistryError::Internal(format!("a worker task failed: {e}")))?
 }
 
-async fn stream(
-    ctx: &Arc<Ctx>,
-    conn: &quinn::Connection,
-    peer: &PeerIdentity,
-    s: &mut FramedStream,
-) -> Result<(), NetError> {
+async fn stream(ctx: &Arc<Ctx>, conn: &quinn::Connection, peer: &PeerIdentity, s: &mut FramedStream) -> Result<(), NetError> {
     let frame = match tokio::time::timeout(REQUEST_TIMEOUT, s.expect()).await {
         Ok(f) => f?,
         Err(_) => return Ok(()),
@@ -277,11 +246,7 @@ async fn stream(
     let m = ctx.reg.metrics();
     if frame.kind != FrameKind::Message {
         m.rejection(RejectReason::Malformed);
-        return send(
-            s,
-            &wire::rejected(RejectReason::Malformed, "expected a request message"),
-        )
-        .await;
+        return send(s, &wire::rejected(RejectReason::Malformed, "expected a request message")).await;
     }
     let req: Request = match wire::decode(&frame.body) {
         Ok(r) => r,
@@ -300,30 +265,16 @@ async fn stream(
         },
         Request::Metadata { have_root_version } => match reg.metadata(have_root_version) {
             Some(md) => Response::Metadata(md),
-            None => wire::rejected(
-                RejectReason::Internal,
-                "no signed metadata (no keys loaded)",
-            ),
+            None => wire::rejected(RejectReason::Internal, "no signed metadata (no keys loaded)"),
         },
         Request::Manifest { name, version } => {
-            match resolve_version(reg.store(), &name, &version)
-                .and_then(|v| Ok(reg.store().manifest(&name, v)?))
-            {
+            match resolve_version(reg.store(), &name, &version).and_then(|v| Ok(reg.store().manifest(&name, v)?)) {
                 Ok(man) => Response::Manifest(man),
                 Err(e) => error_response(ctx, e),
             }
         }
-        Request::Chunks {
-            name,
-            version,
-            indices,
-        } => return serve_chunks(ctx, conn, s, &name, version, &indices).await,
-        Request::Range {
-            name,
-            version,
-            offset,
-            max_len,
-        } => return serve_range(ctx, conn, s, &name, version, offset, max_len).await,
+        Request::Chunks { name, version, indices } => return serve_chunks(ctx, conn, s, &name, version, &indices).await,
+        Request::Range { name, version, offset, max_len } => return serve_range(ctx, conn, s, &name, version, offset, max_len).await,
         Request::Assignment { model } => match peer {
             PeerIdentity::Device(id) => {
                 let id = id.clone();
@@ -337,40 +288,28 @@ async fn stream(
         Request::Report(status) => match peer {
             PeerIdentity::Device(id) if *id != status.device => {
                 m.rejection(RejectReason::IdentityMismatch);
-                wire::rejected(
-                    RejectReason::IdentityMismatch,
-                    format!("report names {} but the certificate is {id}", status.device),
-                )
+                wire::rejected(RejectReason::IdentityMismatch, format!("report names {} but the certificate is {id}", status.device))
             }
             PeerIdentity::Device(_) if status.fleet != *reg.fleet() => {
                 m.rejection(RejectReason::WrongFleet);
-                wire::rejected(
-                    RejectReason::WrongFleet,
-                    format!("this is fleet {}", reg.fleet()),
-                )
+                wire::rejected(RejectReason::WrongFleet, format!("this is fleet {}", reg.fleet()))
             }
             PeerIdentity::Device(_) => match blocking(move || reg.report(&status, now)).await {
                 Ok(()) => Response::Ok,
                 Err(e) => error_response(ctx, e),
             },
-            PeerIdentity::Service(n) => {
-                denied(ctx, format!("service {n} cannot report device status"))
-            }
+            PeerIdentity::Service(n) => denied(ctx, format!("service {n} cannot report device status")),
         },
         Request::Admin(req) => match peer {
             PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => match req {
-                AdminRequest::Publish(new) => {
-                    publish(ctx, s, new, n).await.unwrap_or_else(|e| error_response(ctx, e))
-                }
+                AdminRequest::Publish(new) => publish(ctx, s, new, n).await.unwrap_or_else(|e| error_response(ctx, e)),
                 req => match blocking(move || reg.admin(req, now)).await {
                     Ok(v) => Response::Admin(v.to_string()),
                     Err(e) => error_response(ctx, e),
                 },
             },
             PeerIdentity::Service(n) => denied(ctx, format!("service {n} is not an operator")),
-            PeerIdentity::Device(d) => {
-                denied(ctx, format!("device {d} cannot send operator commands"))
-            }
+            PeerIdentity::Device(d) => denied(ctx, format!("device {d} cannot send operator commands")),
         },
     };
     send(s, &resp).await
@@ -436,25 +375,18 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
     let mut total = 0u64;
     let res = async {
         loop {
-            let fr = s
-                .expect()
-                .await
-                .map_err(|e| RegistryError::Invalid(format!("upload broke off: {e}")))?;
+            let fr = s.expect().await.map_err(|e| RegistryError::Invalid(format!("upload broke off: {e}")))?;
             match fr.kind {
                 FrameKind::Chunk => {
                     total += fr.body.len() as u64;
                     if total > fedfleet_protocol::limits::MAX_BUNDLE_BYTES as u64 {
-                        return Err(RegistryError::Invalid(
-                            "artifact over the size limit".into(),
-                        ));
+                        return Err(RegistryError::Invalid("artifact over the size limit".into()));
                     }
                     f.write_all(&fr.body).await.map_err(io(&path))?;
                 }
                 FrameKind::End => break,
                 _ => {
-                    return Err(RegistryError::Invalid(
-                        "expected Chunk or End frames".into(),
-                    ));
+                    return Err(RegistryError::Invalid("expected Chunk or End frames".into()));
                 }
             }
         }
@@ -467,14 +399,8 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
         }
         new.created_at_unix_ms = ctx.reg.now_ms();
         blocking(move || {
-            let file = std::fs::File::open(&p).map_err(|cause| RegistryError::Io {
-                path: p.clone(),
-                cause,
-            })?;
-            reg.publish(
-                new,
-                std::io::BufReader::with_capacity(1 << 20, file),
-            )
+            let file = std::fs::File::open(&p).map_err(|cause| RegistryError::Io { path: p.clone(), cause })?;
+            reg.publish(new, std::io::BufReader::with_capacity(1 << 20, file))
         })
         .await
     }
@@ -486,12 +412,7 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
 
 /// Sends `bytes` as Chunk frames, honouring the cut fault. Returns false if the connection was
 /// cut.
-async fn send_data(
-    ctx: &Ctx,
-    conn: &quinn::Connection,
-    s: &mut FramedStream,
-    bytes: &[u8],
-) -> Result<bool, NetError> {
+async fn send_data(ctx: &Ctx, conn: &quinn::Connection, s: &mut FramedStream, bytes: &[u8]) -> Result<bool, NetError> {
     let f = &ctx.opts.faults;
     let budget = f.cut_after_bytes.load(Ordering::Relaxed);
     if budget != u64::MAX {
@@ -504,8 +425,7 @@ async fn send_data(
             conn.close(2u32.into(), b"fault injection: cut");
             return Ok(false);
         }
-        f.cut_after_bytes
-            .store(budget - bytes.len() as u64, Ordering::Relaxed);
+        f.cut_after_bytes.store(budget - bytes.len() as u64, Ordering::Relaxed);
     }
     for piece in bytes.chunks(FRAME_DATA) {
         s.send(FrameKind::Chunk, piece).await?;
@@ -529,50 +449,27 @@ async fn serve_chunks(
     };
     if indices.len() > wire::MAX_CHUNKS_PER_REQUEST {
         ctx.reg.metrics().rejection(RejectReason::TooLarge);
-        return send(
-            s,
-            &wire::rejected(RejectReason::TooLarge, "too many chunks in one request"),
-        )
-        .await;
+        return send(s, &wire::rejected(RejectReason::TooLarge, "too many chunks in one request")).await;
     }
     if let Some(i) = indices.iter().find(|&&i| i as usize >= man.chunks.len()) {
         ctx.reg.metrics().rejection(RejectReason::Malformed);
-        return send(
-            s,
-            &wire::rejected(RejectReason::Malformed, format!("no chunk {i}")),
-        )
-        .await;
+        return send(s, &wire::rejected(RejectReason::Malformed, format!("no chunk {i}"))).await;
     }
-    send(
-        s,
-        &Response::Chunks {
-            count: indices.len() as u32,
-        },
-    )
-    .await?;
+    send(s, &Response::Chunks { count: indices.len() as u32 }).await?;
     for &i in indices {
         let c = man.chunks[i as usize];
         let mut bytes = match ctx.reg.store().chunk(&c.digest) {
             Ok(b) => b,
             Err(e) => return send(s, &error_response(ctx, e.into())).await,
         };
-        if ctx
-            .opts
-            .faults
-            .corrupt_chunks
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok()
-        {
+        if ctx.opts.faults.corrupt_chunks.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
             tracing::warn!(chunk = i, "fault injection: corrupting a chunk");
             bytes[0] ^= 0xff;
         }
         if !send_data(ctx, conn, s, &bytes).await? {
             return Ok(());
         }
-        ctx.reg
-            .metrics()
-            .chunks_served
-            .inc();
+        ctx.reg.metrics().chunks_served.inc();
     }
     s.send(FrameKind::End, &[]).await
 }
@@ -591,10 +488,7 @@ async fn serve_range(
         Ok(m) => m,
         Err(e) => return send(s, &error_response(ctx, e.into())).await,
     };
-    let end = man
-        .model
-        .length
-        .min(offset.saturating_add(max_len.min(wire::MAX_RANGE_LEN) as u64));
+    let end = man.model.length.min(offset.saturating_add(max_len.min(wire::MAX_RANGE_LEN) as u64));
     let len = end.saturating_sub(offset) as u32;
     send(s, &Response::Range { len }).await?;
     let cs = man.chunk_size as u64;

@@ -44,7 +44,9 @@ impl RegistryService {
         }
         let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).map_err(|e| step(format!("PKI {}", cfg.pki_dir.display()))(e.into()))?;
         let identity = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.server_identity).map_err(|e| {
-            step(format!("server identity {:?} (fedfleet-certs issue-server --name {})", cfg.server_identity, cfg.server_identity))(e.into())
+            step(format!("server identity {:?} (fedfleet-certs issue-server --name {})", cfg.server_identity, cfg.server_identity))(
+                e.into(),
+            )
         })?;
         let revocation = Arc::new(fedfleet_certs::RevocationWatcher::open(&cfg.pki_dir)?);
         let tls_clock = clock.clone();

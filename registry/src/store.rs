@@ -87,11 +87,7 @@ pub enum StoreError {
     #[error("reading the artifact: {0}")]
     Io(std::io::Error),
     #[error("invalid {what} name {name:?}: {reason}")]
-    InvalidName {
-        what: &'static str,
-        name: String,
-        reason: &'static str,
-    },
+    InvalidName { what: &'static str, name: String, reason: &'static str },
     #[error("chunk size {0} is outside 1..={MAX_CHUNK_SIZE}")]
     InvalidChunkSize(u32),
     #[error("metric {0:?} is not a finite number")]
@@ -133,10 +129,7 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self {
-            chunk_size: DEFAULT_CHUNK_SIZE,
-            deep_check_on_open: false,
-        }
+        Self { chunk_size: DEFAULT_CHUNK_SIZE, deep_check_on_open: false }
     }
 }
 
@@ -151,11 +144,7 @@ pub struct Artifact {
 
 /// The manifest of a stored version.
 fn manifest_of(model: ModelInfo, art: Artifact) -> Manifest {
-    Manifest {
-        model,
-        chunk_size: art.chunk_size,
-        chunks: art.chunks,
-    }
+    Manifest { model, chunk_size: art.chunk_size, chunks: art.chunks }
 }
 
 /// Counts from [`Store::check`].
@@ -191,10 +180,7 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store")
-            .field("path", &self.path)
-            .field("config", &self.config)
-            .finish()
+        f.debug_struct("Store").field("path", &self.path).field("config", &self.config).finish()
     }
 }
 
@@ -207,42 +193,28 @@ fn map_open_err(path: &Path, e: sled::Error) -> StoreError {
                 None => "sled reports corruption".into(),
             },
         },
-        sled::Error::ReportableBug(m) => StoreError::Corrupt {
-            path: path.to_owned(),
-            detail: format!("sled failed while recovering: {m}"),
-        },
+        sled::Error::ReportableBug(m) => {
+            StoreError::Corrupt { path: path.to_owned(), detail: format!("sled failed while recovering: {m}") }
+        }
         other => StoreError::Sled(other),
     }
 }
 
 fn open_sled(path: &Path) -> Result<sled::Db> {
     fedfleet_durable::open_sled(path).map_err(|e| {
-        if fedfleet_durable::is_sled_lock_error(&e) {
-            StoreError::Locked { path: path.to_owned() }
-        } else {
-            map_open_err(path, e)
-        }
+        if fedfleet_durable::is_sled_lock_error(&e) { StoreError::Locked { path: path.to_owned() } } else { map_open_err(path, e) }
     })
 }
 
 pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
-    let bad = |reason| {
-        Err(StoreError::InvalidName {
-            what,
-            name: name.to_owned(),
-            reason,
-        })
-    };
+    let bad = |reason| Err(StoreError::InvalidName { what, name: name.to_owned(), reason });
     if name.is_empty() {
         return bad("empty");
     }
     if name.len() > MAX_NAME_LEN {
         return bad("longer than 128 bytes");
     }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-    {
+    if !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')) {
         return bad("only ASCII letters, digits, '.', '_' and '-' are allowed");
     }
     // Names become file and directory names on operators' and devices' disks (exports, slots,
@@ -285,11 +257,7 @@ fn be_u64(key: &[u8], v: &[u8]) -> Result<u64> {
 
 fn decode<T: serde::de::DeserializeOwned>(key: &[u8], v: &[u8]) -> Result<T> {
     serde_json::from_slice(v).map_err(|e| StoreError::BadRecord {
-        key: if key.len() == 32 {
-            hex::encode(key)
-        } else {
-            String::from_utf8_lossy(key).into_owned()
-        },
+        key: if key.len() == 32 { hex::encode(key) } else { String::from_utf8_lossy(key).into_owned() },
         detail: e.to_string(),
     })
 }
@@ -298,9 +266,7 @@ fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("registry records serialize")
 }
 
-fn bump_seq(
-    m: &sled::transaction::TransactionalTree,
-) -> std::result::Result<u64, ConflictableTransactionError<StoreError>> {
+fn bump_seq(m: &sled::transaction::TransactionalTree) -> std::result::Result<u64, ConflictableTransactionError<StoreError>> {
     let seq = match m.get("seq")? {
         Some(b) => be_u64(b"seq", &b).map_err(ConflictableTransactionError::Abort)?,
         None => 0,
@@ -372,27 +338,16 @@ impl Store {
             #[cfg(test)]
             fault: None,
         };
-        match meta
-            .get("format")
-            .map_err(|e| map_open_err(&store.path, e))?
-        {
+        match meta.get("format").map_err(|e| map_open_err(&store.path, e))? {
             Some(f) if f.as_ref() == FORMAT.as_bytes() => {}
             Some(f) => {
-                return Err(StoreError::WrongFormat {
-                    path: store.path.clone(),
-                    found: String::from_utf8_lossy(&f).into_owned(),
-                });
+                return Err(StoreError::WrongFormat { path: store.path.clone(), found: String::from_utf8_lossy(&f).into_owned() });
             }
             None => {
                 // A database that holds records but no format marker was not written by us, or
                 // lost its metadata: refuse rather than guess.
-                if (existed && !(store.versions.is_empty() && store.chunks.is_empty()))
-                    || marker > 0
-                {
-                    return Err(StoreError::Corrupt {
-                        path: store.path.clone(),
-                        detail: "the format marker is missing".into(),
-                    });
+                if (existed && !(store.versions.is_empty() && store.chunks.is_empty())) || marker > 0 {
+                    return Err(StoreError::Corrupt { path: store.path.clone(), detail: "the format marker is missing".into() });
                 }
                 meta.insert("format", FORMAT)?;
                 store.db.flush()?;
@@ -409,16 +364,11 @@ impl Store {
             });
         }
         *store.marker.get_mut().unwrap() = marker;
-        store
-            .check(config.deep_check_on_open)
-            .map_err(|e| match e {
-                StoreError::Sled(e) => map_open_err(&store.path, e),
-                StoreError::Inconsistent { .. } | StoreError::Corrupt { .. } => e,
-                other => StoreError::Inconsistent {
-                    path: store.path.clone(),
-                    detail: other.to_string(),
-                },
-            })?;
+        store.check(config.deep_check_on_open).map_err(|e| match e {
+            StoreError::Sled(e) => map_open_err(&store.path, e),
+            StoreError::Inconsistent { .. } | StoreError::Corrupt { .. } => e,
+            other => StoreError::Inconsistent { path: store.path.clone(), detail: other.to_string() },
+        })?;
         Ok(store)
     }
 
@@ -464,10 +414,7 @@ impl Store {
             if !self.chunks.contains_key(digest.0)? {
                 self.chunks.insert(digest.0, data)?;
             }
-            chunks.push(ChunkRef {
-                digest,
-                len: n as u32,
-            });
+            chunks.push(ChunkRef { digest, len: n as u32 });
             #[cfg(test)]
             if let Some(f) = self.fault {
                 f(chunks.len());
@@ -487,53 +434,38 @@ impl Store {
         }
 
         // 2. artifact + version + head in one transaction.
-        let artifact = Artifact {
-            digest,
-            length,
-            chunk_size: cs,
-            chunks,
-        };
+        let artifact = Artifact { digest, length, chunk_size: cs, chunks };
         let art_bytes = encode(&artifact);
         let name = meta.name.clone();
-        let res = (&self.artifacts, &self.versions, &self.heads, &self.meta).transaction(
-            |(a, v, h, m)| {
-                let head = match h.get(name.as_bytes())? {
-                    Some(b) => {
-                        be_u64(name.as_bytes(), &b).map_err(ConflictableTransactionError::Abort)?
-                    }
-                    None => 0,
-                };
-                if let Some(p) = meta.parent
-                    && v.get(version_key(&name, p))?.is_none()
-                {
-                    return Err(ConflictableTransactionError::Abort(
-                        StoreError::UnknownParent {
-                            name: name.clone(),
-                            version: p,
-                        },
-                    ));
+        let res = (&self.artifacts, &self.versions, &self.heads, &self.meta).transaction(|(a, v, h, m)| {
+            let head = match h.get(name.as_bytes())? {
+                Some(b) => be_u64(name.as_bytes(), &b).map_err(ConflictableTransactionError::Abort)?,
+                None => 0,
+            };
+            if let Some(p) = meta.parent
+                && v.get(version_key(&name, p))?.is_none()
+            {
+                return Err(ConflictableTransactionError::Abort(StoreError::UnknownParent { name: name.clone(), version: p }));
+            }
+            // Idempotent on (parent, digest) against the head: a publisher that crashed
+            // between publishing and recording the answer gets the same version back.
+            if head > 0
+                && let Some(b) = v.get(version_key(&name, ModelVersion(head)))?
+            {
+                let last: ModelInfo = decode(&version_key(&name, ModelVersion(head)), &b).map_err(ConflictableTransactionError::Abort)?;
+                if last.digest == digest && last.parent == meta.parent {
+                    return Ok((last, None));
                 }
-                // Idempotent on (parent, digest) against the head: a publisher that crashed
-                // between publishing and recording the answer gets the same version back.
-                if head > 0
-                    && let Some(b) = v.get(version_key(&name, ModelVersion(head)))?
-                {
-                    let last: ModelInfo = decode(&version_key(&name, ModelVersion(head)), &b)
-                        .map_err(ConflictableTransactionError::Abort)?;
-                    if last.digest == digest && last.parent == meta.parent {
-                        return Ok((last, None));
-                    }
-                }
-                let version = ModelVersion(head + 1);
-                let rec = ModelInfo::published(meta.clone(), version, length, digest);
-                if a.get(digest.0)?.is_none() {
-                    a.insert(&digest.0, art_bytes.as_slice())?;
-                }
-                v.insert(version_key(&name, version), encode(&rec))?;
-                h.insert(name.as_bytes(), &version.0.to_be_bytes())?;
-                Ok((rec, Some(bump_seq(m)?)))
-            },
-        );
+            }
+            let version = ModelVersion(head + 1);
+            let rec = ModelInfo::published(meta.clone(), version, length, digest);
+            if a.get(digest.0)?.is_none() {
+                a.insert(&digest.0, art_bytes.as_slice())?;
+            }
+            v.insert(version_key(&name, version), encode(&rec))?;
+            h.insert(name.as_bytes(), &version.0.to_be_bytes())?;
+            Ok((rec, Some(bump_seq(m)?)))
+        });
         let (rec, seq) = tx_result(res)?;
         if let Some(seq) = seq {
             self.commit(seq)?;
@@ -561,10 +493,7 @@ impl Store {
         let key = version_key(name, version);
         match self.versions.get(&key)? {
             Some(b) => decode(&key, &b),
-            None => Err(StoreError::UnknownVersion {
-                name: name.to_owned(),
-                version,
-            }),
+            None => Err(StoreError::UnknownVersion { name: name.to_owned(), version }),
         }
     }
 
@@ -577,16 +506,10 @@ impl Store {
 
     /// A chunk's bytes, re-hashed: a chunk whose bytes changed on disk is an error, never served.
     pub fn chunk(&self, digest: &Digest) -> Result<Vec<u8>> {
-        let b = self
-            .chunks
-            .get(digest.0)?
-            .ok_or(StoreError::MissingChunk(*digest))?;
+        let b = self.chunks.get(digest.0)?.ok_or(StoreError::MissingChunk(*digest))?;
         let actual = Digest::of(&b);
         if actual != *digest {
-            return Err(StoreError::CorruptChunk {
-                expected: *digest,
-                actual,
-            });
+            return Err(StoreError::CorruptChunk { expected: *digest, actual });
         }
         Ok(b.to_vec())
     }
@@ -598,18 +521,10 @@ impl Store {
 
     /// The chunks of `name`/`version` that a client holding `have` still needs, in artifact
     /// order, each once.
-    pub fn missing_chunks(
-        &self,
-        name: &str,
-        version: ModelVersion,
-        have: &[Digest],
-    ) -> Result<Vec<ChunkRef>> {
+    pub fn missing_chunks(&self, name: &str, version: ModelVersion, have: &[Digest]) -> Result<Vec<ChunkRef>> {
         let m = self.manifest(name, version)?;
         let mut seen: HashSet<Digest> = have.iter().copied().collect();
-        Ok(m.chunks
-            .into_iter()
-            .filter(|c| seen.insert(c.digest))
-            .collect())
+        Ok(m.chunks.into_iter().filter(|c| seen.insert(c.digest)).collect())
     }
 
     /// Reassembles a whole artifact in memory, verifying every chunk and the total digest.
@@ -621,21 +536,14 @@ impl Store {
         }
         let actual = Digest::of(&out);
         if actual != *digest {
-            return Err(StoreError::CorruptArtifact {
-                expected: *digest,
-                actual,
-            });
+            return Err(StoreError::CorruptArtifact { expected: *digest, actual });
         }
         Ok(out)
     }
 
     /// Model names with at least one version, sorted.
     pub fn models(&self) -> Result<Vec<String>> {
-        self.heads
-            .iter()
-            .keys()
-            .map(|k| Ok(String::from_utf8_lossy(&k?).into_owned()))
-            .collect()
+        self.heads.iter().keys().map(|k| Ok(String::from_utf8_lossy(&k?).into_owned())).collect()
     }
 
     /// The latest version of `name`, if any.
@@ -661,29 +569,17 @@ impl Store {
 
     /// Points `alias` of model `name` at `version` (which must exist); returns the previous
     /// target. Flushed before returning.
-    pub fn set_alias(
-        &self,
-        name: &str,
-        alias: &str,
-        version: ModelVersion,
-    ) -> Result<Option<ModelVersion>> {
+    pub fn set_alias(&self, name: &str, alias: &str, version: ModelVersion) -> Result<Option<ModelVersion>> {
         validate_name("alias", alias)?;
         let vkey = version_key(name, version);
         let akey = alias_key(name, alias);
         let res = (&self.versions, &self.aliases, &self.meta).transaction(|(v, a, m)| {
             if v.get(&vkey)?.is_none() {
-                return Err(ConflictableTransactionError::Abort(
-                    StoreError::UnknownVersion {
-                        name: name.to_owned(),
-                        version,
-                    },
-                ));
+                return Err(ConflictableTransactionError::Abort(StoreError::UnknownVersion { name: name.to_owned(), version }));
             }
             let prev = a.insert(akey.as_slice(), &version.0.to_be_bytes())?;
             let prev = match prev {
-                Some(b) => Some(ModelVersion(
-                    be_u64(&akey, &b).map_err(ConflictableTransactionError::Abort)?,
-                )),
+                Some(b) => Some(ModelVersion(be_u64(&akey, &b).map_err(ConflictableTransactionError::Abort)?)),
                 None => None,
             };
             Ok((prev, bump_seq(m)?))
@@ -697,21 +593,16 @@ impl Store {
     /// Removes an alias; returns its last target.
     pub fn remove_alias(&self, name: &str, alias: &str) -> Result<Option<ModelVersion>> {
         let akey = alias_key(name, alias);
-        let res = (&self.aliases, &self.meta)
-            .transaction(|(a, m)| Ok((a.remove(akey.as_slice())?, bump_seq(m)?)));
+        let res = (&self.aliases, &self.meta).transaction(|(a, m)| Ok((a.remove(akey.as_slice())?, bump_seq(m)?)));
         let (prev, seq) = tx_result(res)?;
         self.commit(seq)?;
-        prev.map(|b| Ok(ModelVersion(be_u64(&akey, &b)?)))
-            .transpose()
+        prev.map(|b| Ok(ModelVersion(be_u64(&akey, &b)?))).transpose()
     }
 
     /// Where `alias` of `name` points.
     pub fn alias(&self, name: &str, alias: &str) -> Result<Option<ModelVersion>> {
         let akey = alias_key(name, alias);
-        self.aliases
-            .get(&akey)?
-            .map(|b| Ok(ModelVersion(be_u64(&akey, &b)?)))
-            .transpose()
+        self.aliases.get(&akey)?.map(|b| Ok(ModelVersion(be_u64(&akey, &b)?))).transpose()
     }
 
     /// All aliases of `name`.
@@ -721,10 +612,7 @@ impl Store {
             .scan_prefix(&p)
             .map(|kv| {
                 let (k, v) = kv?;
-                Ok((
-                    String::from_utf8_lossy(&k[p.len()..]).into_owned(),
-                    ModelVersion(be_u64(&k, &v)?),
-                ))
+                Ok((String::from_utf8_lossy(&k[p.len()..]).into_owned(), ModelVersion(be_u64(&k, &v)?)))
             })
             .collect()
     }
@@ -742,10 +630,7 @@ impl Store {
 
     /// A persisted rollout.
     pub fn rollout(&self, id: &str) -> Result<Option<crate::rollout::Rollout>> {
-        self.rollouts
-            .get(id.as_bytes())?
-            .map(|b| decode(id.as_bytes(), &b))
-            .transpose()
+        self.rollouts.get(id.as_bytes())?.map(|b| decode(id.as_bytes(), &b)).transpose()
     }
 
     /// All persisted rollouts, by id.
@@ -785,26 +670,17 @@ impl Store {
 
     /// Checks referential integrity; with `deep`, also re-hashes every chunk. Returns counts.
     pub fn check(&self, deep: bool) -> Result<CheckReport> {
-        let bad = |detail: String| StoreError::Inconsistent {
-            path: self.path.clone(),
-            detail,
-        };
+        let bad = |detail: String| StoreError::Inconsistent { path: self.path.clone(), detail };
         let mut rep = CheckReport::default();
         let mut heads: BTreeMap<String, u64> = BTreeMap::new();
         for kv in self.versions.iter() {
             let (k, v) = kv?;
             let rec: ModelInfo = decode(&k, &v).map_err(|e| bad(e.to_string()))?;
             if k.as_ref() != version_key(&rec.name, rec.version).as_slice() {
-                return Err(bad(format!(
-                    "version record {} v{} under a wrong key",
-                    rec.name, rec.version
-                )));
+                return Err(bad(format!("version record {} v{} under a wrong key", rec.name, rec.version)));
             }
             if !self.artifacts.contains_key(rec.digest.0)? {
-                return Err(bad(format!(
-                    "{} v{} refers to artifact {} which is missing",
-                    rec.name, rec.version, rec.digest
-                )));
+                return Err(bad(format!("{} v{} refers to artifact {} which is missing", rec.name, rec.version, rec.digest)));
             }
             let h = heads.entry(rec.name.clone()).or_default();
             *h = (*h).max(rec.version.0);
@@ -815,9 +691,7 @@ impl Store {
             let name = String::from_utf8_lossy(&k).into_owned();
             let head = be_u64(&k, &v).map_err(|e| bad(e.to_string()))?;
             if heads.remove(&name) != Some(head) {
-                return Err(bad(format!(
-                    "head of {name} says v{head}, which is not its latest version"
-                )));
+                return Err(bad(format!("head of {name} says v{head}, which is not its latest version")));
             }
         }
         if let Some((name, _)) = heads.into_iter().next() {
@@ -830,18 +704,12 @@ impl Store {
             let mut total = 0u64;
             for c in &art.chunks {
                 if referenced.insert(c.digest) && !self.chunks.contains_key(c.digest.0)? {
-                    return Err(bad(format!(
-                        "artifact {} lacks chunk {}",
-                        art.digest, c.digest
-                    )));
+                    return Err(bad(format!("artifact {} lacks chunk {}", art.digest, c.digest)));
                 }
                 total += c.len as u64;
             }
             if total != art.length || k.as_ref() != art.digest.0 {
-                return Err(bad(format!(
-                    "artifact {} record does not add up",
-                    art.digest
-                )));
+                return Err(bad(format!("artifact {} record does not add up", art.digest)));
             }
             rep.artifacts += 1;
         }
@@ -853,30 +721,20 @@ impl Store {
             let name = String::from_utf8_lossy(&k[..sep]).into_owned();
             let version = ModelVersion(be_u64(&k, &v).map_err(|e| bad(e.to_string()))?);
             if !self.versions.contains_key(version_key(&name, version))? {
-                return Err(bad(format!(
-                    "alias {} of {name} points at missing v{version}",
-                    String::from_utf8_lossy(&k[sep + 1..])
-                )));
+                return Err(bad(format!("alias {} of {name} points at missing v{version}", String::from_utf8_lossy(&k[sep + 1..]))));
             }
         }
         for kv in self.chunks.iter() {
             let (k, v) = kv?;
             rep.chunks += 1;
-            let d = Digest(
-                k.as_ref()
-                    .try_into()
-                    .map_err(|_| bad("chunk key is not 32 bytes".into()))?,
-            );
+            let d = Digest(k.as_ref().try_into().map_err(|_| bad("chunk key is not 32 bytes".into()))?);
             if !referenced.contains(&d) {
                 rep.orphan_chunks += 1;
             }
             if deep {
                 let actual = Digest::of(&v);
                 if actual != d {
-                    return Err(StoreError::Corrupt {
-                        path: self.path.clone(),
-                        detail: format!("chunk {d} hashes to {actual}"),
-                    });
+                    return Err(StoreError::Corrupt { path: self.path.clone(), detail: format!("chunk {d} hashes to {actual}") });
                 }
             }
         }

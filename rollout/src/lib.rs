@@ -57,10 +57,7 @@ pub enum Audience {
     /// A deterministic pseudo-random share of the fleet, in percent (0, 100].
     Percent(f64),
     /// A named, explicit set of devices.
-    Cohort {
-        name: String,
-        devices: BTreeSet<DeviceId>,
-    },
+    Cohort { name: String, devices: BTreeSet<DeviceId> },
 }
 
 /// One phase of a rollout.
@@ -80,20 +77,12 @@ pub struct Phase {
 
 impl Phase {
     pub fn percent(p: f64, soak_ms: u64) -> Self {
-        Phase {
-            audience: Audience::Percent(p),
-            soak_ms,
-            min_healthy: 0,
-            deadline_ms: 0,
-        }
+        Phase { audience: Audience::Percent(p), soak_ms, min_healthy: 0, deadline_ms: 0 }
     }
 
     pub fn cohort(name: &str, devices: impl IntoIterator<Item = DeviceId>, soak_ms: u64) -> Self {
         Phase {
-            audience: Audience::Cohort {
-                name: name.to_owned(),
-                devices: devices.into_iter().collect(),
-            },
+            audience: Audience::Cohort { name: name.to_owned(), devices: devices.into_iter().collect() },
             soak_ms,
             min_healthy: 0,
             deadline_ms: 0,
@@ -139,10 +128,7 @@ impl RolloutPlan {
             }
         }
         if !(0.0..=1.0).contains(&self.failure_threshold) {
-            return bad(format!(
-                "failure threshold {} outside [0, 1]",
-                self.failure_threshold
-            ));
+            return bad(format!("failure threshold {} outside [0, 1]", self.failure_threshold));
         }
         if Some(self.target) == self.previous {
             return bad("target equals the previous version".into());
@@ -457,19 +443,12 @@ impl Rollout {
             if rate > self.plan.failure_threshold {
                 self.end_aborted(now);
                 tracing::warn!(rollout = %self.plan.id, phase = self.phase, rate, "auto-abort");
-                self.events.push_back(Event::AutoAborted {
-                    phase: self.phase,
-                    failure_rate: rate,
-                    failed,
-                    reporting,
-                });
+                self.events.push_back(Event::AutoAborted { phase: self.phase, failure_rate: rate, failed, reporting });
                 return;
             }
         }
         let min_healthy = self.plan.phases[self.phase].min_healthy;
-        if self.status == Status::Running
-            && audience.is_some_and(|n| n.saturating_sub(failed) < min_healthy)
-        {
+        if self.status == Status::Running && audience.is_some_and(|n| n.saturating_sub(failed) < min_healthy) {
             self.stall(now, ok, failed);
         }
     }
@@ -483,22 +462,11 @@ impl Rollout {
         let min_healthy = self.plan.phases[self.phase].min_healthy;
         self.end_aborted(now);
         tracing::warn!(rollout = %self.plan.id, phase = self.phase, healthy, min_healthy, failed, "stalled");
-        self.events.push_back(Event::Stalled {
-            phase: self.phase,
-            healthy,
-            min_healthy,
-            failed,
-        });
+        self.events.push_back(Event::Stalled { phase: self.phase, healthy, min_healthy, failed });
     }
 
     /// A device's report. Recorded in every state; judged only while running or paused.
-    pub fn handle_report(
-        &mut self,
-        now: u64,
-        device: DeviceId,
-        version: ModelVersion,
-        state: VersionReport,
-    ) {
+    pub fn handle_report(&mut self, now: u64, device: DeviceId, version: ModelVersion, state: VersionReport) {
         // A device that failed the target goes on reporting the version it still runs (it is
         // sent back to it); that must not erase the failure the rollout is judged by.
         let failed_target = |r: &DeviceRecord| r.version == self.plan.target && r.state.outcome() == Some(false);
@@ -506,15 +474,7 @@ impl Rollout {
             return;
         }
         let first_phase = self.first_phase(&device);
-        self.devices.insert(
-            device,
-            DeviceRecord {
-                version,
-                state,
-                at: now,
-                first_phase,
-            },
-        );
+        self.devices.insert(device, DeviceRecord { version, state, at: now, first_phase });
         self.check_failures(now);
     }
 
@@ -561,10 +521,7 @@ impl Rollout {
             self.phase += 1;
             self.soaked_ms = 0;
             self.running_since = now;
-            self.events.push_back(Event::PhaseAdvanced {
-                phase: self.phase,
-                at: now,
-            });
+            self.events.push_back(Event::PhaseAdvanced { phase: self.phase, at: now });
             // The new phase's gate may already be out of reach of its named audience.
             self.check_failures(now);
         }
@@ -589,10 +546,7 @@ impl Rollout {
     /// Freezes the current phase: no new devices, no advancing.
     pub fn pause(&mut self, now: u64) -> Result<(), RolloutError> {
         if self.status != Status::Running {
-            return Err(RolloutError::InvalidTransition {
-                from: self.status,
-                action: "pause",
-            });
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "pause" });
         }
         self.soaked_ms += now.saturating_sub(self.running_since);
         self.status = Status::Paused;
@@ -603,10 +557,7 @@ impl Rollout {
     /// Continues a paused rollout; the remaining soak time continues from where it stopped.
     pub fn resume(&mut self, now: u64) -> Result<(), RolloutError> {
         if self.status != Status::Paused {
-            return Err(RolloutError::InvalidTransition {
-                from: self.status,
-                action: "resume",
-            });
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "resume" });
         }
         self.status = Status::Running;
         self.running_since = now;
@@ -618,33 +569,22 @@ impl Rollout {
     /// Stops the rollout: no device newly gets the target.
     pub fn abort(&mut self, now: u64, reason: &str) -> Result<(), RolloutError> {
         if !self.active() {
-            return Err(RolloutError::InvalidTransition {
-                from: self.status,
-                action: "abort",
-            });
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "abort" });
         }
         self.status = Status::Aborted;
         self.ended_at = Some(now);
-        self.events.push_back(Event::Aborted {
-            phase: self.phase,
-            reason: reason.to_owned(),
-        });
+        self.events.push_back(Event::Aborted { phase: self.phase, reason: reason.to_owned() });
         Ok(())
     }
 
     /// Sends every device back to the previous version (and the alias, if it had moved).
     pub fn rollback(&mut self, now: u64) -> Result<(), RolloutError> {
         if self.status == Status::RolledBack {
-            return Err(RolloutError::InvalidTransition {
-                from: self.status,
-                action: "roll back",
-            });
+            return Err(RolloutError::InvalidTransition { from: self.status, action: "roll back" });
         }
         self.status = Status::RolledBack;
         self.ended_at.get_or_insert(now);
-        self.events.push_back(Event::RolledBack {
-            to: self.plan.previous,
-        });
+        self.events.push_back(Event::RolledBack { to: self.plan.previous });
         if self.alias_moved {
             self.alias_moved = false;
             self.events.push_back(Event::SetAlias {
@@ -661,14 +601,8 @@ impl Rollout {
         self.handle_timeout(now);
         let target = Some(self.plan.target);
         let previous = self.plan.previous;
-        let failed_here = self
-            .devices
-            .get(device)
-            .is_some_and(|r| r.version == self.plan.target && r.state.outcome() == Some(false));
-        let healthy_here = self
-            .devices
-            .get(device)
-            .is_some_and(|r| r.version == self.plan.target && r.state.outcome() == Some(true));
+        let failed_here = self.devices.get(device).is_some_and(|r| r.version == self.plan.target && r.state.outcome() == Some(false));
+        let healthy_here = self.devices.get(device).is_some_and(|r| r.version == self.plan.target && r.state.outcome() == Some(true));
         let (version, reason) = match self.status {
             Status::Running | Status::Paused => {
                 if !self.in_audience(device, self.phase) {
@@ -680,16 +614,10 @@ impl Rollout {
                 }
             }
             Status::Completed => (target, Reason::Completed),
-            Status::Aborted if healthy_here && self.in_audience(device, self.phase) => {
-                (target, Reason::AbortedKeep)
-            }
+            Status::Aborted if healthy_here && self.in_audience(device, self.phase) => (target, Reason::AbortedKeep),
             Status::Aborted => (previous, Reason::Aborted),
             Status::RolledBack => (previous, Reason::RolledBack),
         };
-        Assignment {
-            model: self.plan.model.clone(),
-            version,
-            reason,
-        }
+        Assignment { model: self.plan.model.clone(), version, reason }
     }
 }

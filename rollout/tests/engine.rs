@@ -25,15 +25,7 @@ fn plan(phases: Vec<Phase>) -> RolloutPlan {
 }
 
 fn standard() -> Rollout {
-    Rollout::start(
-        plan(vec![
-            Phase::percent(1.0, SOAK),
-            Phase::percent(10.0, SOAK),
-            Phase::percent(100.0, SOAK),
-        ]),
-        T0,
-    )
-    .unwrap()
+    Rollout::start(plan(vec![Phase::percent(1.0, SOAK), Phase::percent(10.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap()
 }
 
 fn events(r: &mut Rollout) -> Vec<Event> {
@@ -42,10 +34,7 @@ fn events(r: &mut Rollout) -> Vec<Event> {
 
 /// First device (by index) whose first phase is `phase`.
 fn device_in_phase(r: &Rollout, phase: usize) -> DeviceId {
-    (0..)
-        .map(dev)
-        .find(|d| r.first_phase(d) == Some(phase))
-        .unwrap()
+    (0..).map(dev).find(|d| r.first_phase(d) == Some(phase)).unwrap()
 }
 
 #[test]
@@ -57,42 +46,23 @@ fn phases_advance_after_soak() {
     assert_eq!(r.phase(), 0);
     assert!(events(&mut r).is_empty());
     r.handle_timeout(T0 + SOAK);
-    assert_eq!(
-        events(&mut r),
-        vec![Event::PhaseAdvanced {
-            phase: 1,
-            at: T0 + SOAK
-        }]
-    );
+    assert_eq!(events(&mut r), vec![Event::PhaseAdvanced { phase: 1, at: T0 + SOAK }]);
     assert_eq!(r.poll_timeout(), Some(T0 + 2 * SOAK));
     // A late timer advances one phase; the next phase soaks from when it started.
     r.handle_timeout(T0 + 10 * SOAK);
-    assert_eq!(
-        events(&mut r),
-        vec![Event::PhaseAdvanced {
-            phase: 2,
-            at: T0 + 10 * SOAK
-        }]
-    );
+    assert_eq!(events(&mut r), vec![Event::PhaseAdvanced { phase: 2, at: T0 + 10 * SOAK }]);
     r.handle_timeout(T0 + 11 * SOAK);
     assert_eq!(
         events(&mut r),
         vec![
             Event::Completed { at: T0 + 11 * SOAK },
-            Event::SetAlias {
-                model: "mnist".into(),
-                alias: "stable".into(),
-                version: Some(ModelVersion(2))
-            },
+            Event::SetAlias { model: "mnist".into(), alias: "stable".into(), version: Some(ModelVersion(2)) },
         ]
     );
     assert_eq!(r.status(), Status::Completed);
     assert_eq!(r.poll_timeout(), None);
     let a = r.assignment(&dev(123), T0 + 12 * SOAK);
-    assert_eq!(
-        (a.version, a.reason),
-        (Some(ModelVersion(2)), Reason::Completed)
-    );
+    assert_eq!((a.version, a.reason), (Some(ModelVersion(2)), Reason::Completed));
 }
 
 #[test]
@@ -107,21 +77,9 @@ fn pause_holds_and_resume_continues_the_soak() {
     // Paused: the audience keeps the target, nobody new joins.
     let inside = device_in_phase(&r, 0);
     let outside = device_in_phase(&r, 1);
-    assert_eq!(
-        r.assignment(&inside, T0 + 100 * SOAK).version,
-        Some(ModelVersion(2))
-    );
-    assert_eq!(
-        r.assignment(&outside, T0 + 100 * SOAK).version,
-        Some(ModelVersion(1))
-    );
-    assert_eq!(
-        r.pause(T0),
-        Err(RolloutError::InvalidTransition {
-            from: Status::Paused,
-            action: "pause"
-        })
-    );
+    assert_eq!(r.assignment(&inside, T0 + 100 * SOAK).version, Some(ModelVersion(2)));
+    assert_eq!(r.assignment(&outside, T0 + 100 * SOAK).version, Some(ModelVersion(1)));
+    assert_eq!(r.pause(T0), Err(RolloutError::InvalidTransition { from: Status::Paused, action: "pause" }));
     let resume_at = T0 + 100 * SOAK;
     r.resume(resume_at).unwrap();
     // 10 s were soaked before the pause: 50 s remain.
@@ -132,62 +90,27 @@ fn pause_holds_and_resume_continues_the_soak() {
     assert_eq!(r.phase(), 1);
     assert_eq!(
         events(&mut r),
-        vec![
-            Event::Paused { phase: 0 },
-            Event::Resumed { phase: 0 },
-            Event::PhaseAdvanced {
-                phase: 1,
-                at: resume_at + 50_000
-            }
-        ]
+        vec![Event::Paused { phase: 0 }, Event::Resumed { phase: 0 }, Event::PhaseAdvanced { phase: 1, at: resume_at + 50_000 }]
     );
 }
 
 #[test]
 fn abort_stops_new_assignments() {
-    let mut r = Rollout::start(
-        plan(vec![
-            Phase::percent(50.0, SOAK),
-            Phase::percent(100.0, SOAK),
-        ]),
-        T0,
-    )
-    .unwrap();
+    let mut r = Rollout::start(plan(vec![Phase::percent(50.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap();
     let healthy = device_in_phase(&r, 0);
-    let pending = (0..)
-        .map(dev)
-        .filter(|d| r.first_phase(d) == Some(0))
-        .nth(1)
-        .unwrap();
+    let pending = (0..).map(dev).filter(|d| r.first_phase(d) == Some(0)).nth(1).unwrap();
     let later = device_in_phase(&r, 1);
     assert_eq!(r.assignment(&pending, T0).version, Some(ModelVersion(2)));
-    r.handle_report(
-        T0 + 1,
-        healthy.clone(),
-        ModelVersion(2),
-        VersionReport::Active,
-    );
+    r.handle_report(T0 + 1, healthy.clone(), ModelVersion(2), VersionReport::Active);
     r.abort(T0 + 2, "operator: wrong model").unwrap();
-    assert!(events(&mut r).contains(&Event::Aborted {
-        phase: 0,
-        reason: "operator: wrong model".into()
-    }));
+    assert!(events(&mut r).contains(&Event::Aborted { phase: 0, reason: "operator: wrong model".into() }));
     // Time passes: nothing advances, nobody new gets the target.
     let a = r.assignment(&pending, T0 + 10 * SOAK);
-    assert_eq!(
-        (a.version, a.reason),
-        (Some(ModelVersion(1)), Reason::Aborted)
-    );
-    assert_eq!(
-        r.assignment(&later, T0 + 10 * SOAK).version,
-        Some(ModelVersion(1))
-    );
+    assert_eq!((a.version, a.reason), (Some(ModelVersion(1)), Reason::Aborted));
+    assert_eq!(r.assignment(&later, T0 + 10 * SOAK).version, Some(ModelVersion(1)));
     // A device already healthy on the target keeps it (rollback is a separate decision).
     let a = r.assignment(&healthy, T0 + 10 * SOAK);
-    assert_eq!(
-        (a.version, a.reason),
-        (Some(ModelVersion(2)), Reason::AbortedKeep)
-    );
+    assert_eq!((a.version, a.reason), (Some(ModelVersion(2)), Reason::AbortedKeep));
     assert_eq!(r.status(), Status::Aborted);
     assert!(r.resume(T0).is_err() && r.pause(T0).is_err() && r.abort(T0, "again").is_err());
     assert_eq!(r.poll_timeout(), None);
@@ -196,14 +119,7 @@ fn abort_stops_new_assignments() {
 #[test]
 fn failure_threshold_auto_aborts() {
     let cohort: Vec<DeviceId> = (0..20).map(dev).collect();
-    let mut r = Rollout::start(
-        plan(vec![
-            Phase::cohort("beta", cohort.clone(), SOAK),
-            Phase::percent(100.0, SOAK),
-        ]),
-        T0,
-    )
-    .unwrap();
+    let mut r = Rollout::start(plan(vec![Phase::cohort("beta", cohort.clone(), SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap();
     events(&mut r);
     // Progress reports are not outcomes.
     for d in &cohort[..10] {
@@ -211,58 +127,22 @@ fn failure_threshold_auto_aborts() {
     }
     // Four failures: below the minimum sample of five, no verdict yet.
     for d in &cohort[..4] {
-        r.handle_report(
-            T0 + 2,
-            d.clone(),
-            ModelVersion(2),
-            VersionReport::Failed {
-                reason: "NaN output".into(),
-            },
-        );
+        r.handle_report(T0 + 2, d.clone(), ModelVersion(2), VersionReport::Failed { reason: "NaN output".into() });
     }
     // Reports from outside the audience or about other versions do not count.
-    r.handle_report(
-        T0 + 2,
-        dev(999),
-        ModelVersion(2),
-        VersionReport::Failed { reason: "x".into() },
-    );
-    r.handle_report(
-        T0 + 2,
-        cohort[10].clone(),
-        ModelVersion(1),
-        VersionReport::Failed { reason: "x".into() },
-    );
+    r.handle_report(T0 + 2, dev(999), ModelVersion(2), VersionReport::Failed { reason: "x".into() });
+    r.handle_report(T0 + 2, cohort[10].clone(), ModelVersion(1), VersionReport::Failed { reason: "x".into() });
     assert_eq!(r.status(), Status::Running);
     assert_eq!(r.summary().failure_rate, Some(1.0));
     // A failed device is sent back to the previous version.
     let a = r.assignment(&cohort[0], T0 + 3);
-    assert_eq!(
-        (a.version, a.reason),
-        (Some(ModelVersion(1)), Reason::DeviceFailed)
-    );
-    r.handle_report(
-        T0 + 3,
-        cohort[5].clone(),
-        ModelVersion(2),
-        VersionReport::Healthy,
-    );
+    assert_eq!((a.version, a.reason), (Some(ModelVersion(1)), Reason::DeviceFailed));
+    r.handle_report(T0 + 3, cohort[5].clone(), ModelVersion(2), VersionReport::Healthy);
     assert_eq!(r.status(), Status::Aborted);
-    assert_eq!(
-        events(&mut r),
-        vec![Event::AutoAborted {
-            phase: 0,
-            failure_rate: 0.8,
-            failed: 4,
-            reporting: 5
-        }]
-    );
+    assert_eq!(events(&mut r), vec![Event::AutoAborted { phase: 0, failure_rate: 0.8, failed: 4, reporting: 5 }]);
     r.handle_timeout(T0 + 10 * SOAK);
     assert_eq!(r.phase(), 0);
-    assert_eq!(
-        r.assignment(&cohort[9], T0 + 10 * SOAK).version,
-        Some(ModelVersion(1))
-    );
+    assert_eq!(r.assignment(&cohort[9], T0 + 10 * SOAK).version, Some(ModelVersion(1)));
 }
 
 #[test]
@@ -286,16 +166,8 @@ fn a_failed_device_reporting_the_version_it_still_runs_keeps_its_failure_counted
 #[test]
 fn failures_under_threshold_do_not_abort() {
     let cohort: Vec<DeviceId> = (0..10).map(dev).collect();
-    let mut r =
-        Rollout::start(plan(vec![Phase::cohort("beta", cohort.clone(), SOAK)]), T0).unwrap();
-    r.handle_report(
-        T0,
-        cohort[0].clone(),
-        ModelVersion(2),
-        VersionReport::RolledBack {
-            reason: "latency".into(),
-        },
-    );
+    let mut r = Rollout::start(plan(vec![Phase::cohort("beta", cohort.clone(), SOAK)]), T0).unwrap();
+    r.handle_report(T0, cohort[0].clone(), ModelVersion(2), VersionReport::RolledBack { reason: "latency".into() });
     for d in &cohort[1..10] {
         r.handle_report(T0, d.clone(), ModelVersion(2), VersionReport::Healthy);
     }
@@ -317,38 +189,21 @@ fn rollback_restores_the_previous_version_for_all() {
     assert_eq!(
         events(&mut r),
         vec![
-            Event::RolledBack {
-                to: Some(ModelVersion(1))
-            },
-            Event::SetAlias {
-                model: "mnist".into(),
-                alias: "stable".into(),
-                version: Some(ModelVersion(1))
-            },
+            Event::RolledBack { to: Some(ModelVersion(1)) },
+            Event::SetAlias { model: "mnist".into(), alias: "stable".into(), version: Some(ModelVersion(1)) },
         ]
     );
     for i in 0..200 {
         let a = r.assignment(&dev(i), T0 + 5 * SOAK);
-        assert_eq!(
-            (a.version, a.reason),
-            (Some(ModelVersion(1)), Reason::RolledBack)
-        );
+        assert_eq!((a.version, a.reason), (Some(ModelVersion(1)), Reason::RolledBack));
     }
     assert!(r.rollback(T0).is_err());
     // Rolling back a running rollout does not touch the alias (it never moved).
     let mut r = standard();
     events(&mut r);
     r.rollback(T0 + 1).unwrap();
-    assert_eq!(
-        events(&mut r),
-        vec![Event::RolledBack {
-            to: Some(ModelVersion(1))
-        }]
-    );
-    assert_eq!(
-        r.assignment(&device_in_phase(&r, 0), T0 + 2).version,
-        Some(ModelVersion(1))
-    );
+    assert_eq!(events(&mut r), vec![Event::RolledBack { to: Some(ModelVersion(1)) }]);
+    assert_eq!(r.assignment(&device_in_phase(&r, 0), T0 + 2).version, Some(ModelVersion(1)));
 }
 
 #[test]
@@ -363,14 +218,7 @@ fn cohort_membership_is_deterministic() {
     assert_eq!(in100, n);
     // Same answer from a fresh engine and from the free function; different rollouts differ.
     let again = standard();
-    let other = Rollout::start(
-        RolloutPlan {
-            id: "rollout-8".into(),
-            ..plan(vec![Phase::percent(10.0, 1)])
-        },
-        T0,
-    )
-    .unwrap();
+    let other = Rollout::start(RolloutPlan { id: "rollout-8".into(), ..plan(vec![Phase::percent(10.0, 1)]) }, T0).unwrap();
     let mut differs = 0;
     for i in 0..1000 {
         let d = dev(i);
@@ -383,14 +231,7 @@ fn cohort_membership_is_deterministic() {
     assert!(differs > 50, "rollout ids must salt the buckets");
     // Named cohorts: exactly their members, then everyone.
     let beta = [dev(3), dev(7)];
-    let c = Rollout::start(
-        plan(vec![
-            Phase::cohort("beta", beta.clone(), 1),
-            Phase::percent(100.0, 1),
-        ]),
-        T0,
-    )
-    .unwrap();
+    let c = Rollout::start(plan(vec![Phase::cohort("beta", beta.clone(), 1), Phase::percent(100.0, 1)]), T0).unwrap();
     assert!(c.in_audience(&dev(3), 0) && c.in_audience(&dev(7), 0) && !c.in_audience(&dev(4), 0));
     assert!(c.in_audience(&dev(4), 1));
 }
@@ -401,10 +242,7 @@ fn membership_is_monotonic_across_phases() {
     for i in 0..5000 {
         let d = dev(i);
         for p in 0..2 {
-            assert!(
-                !r.in_audience(&d, p) || r.in_audience(&d, p + 1),
-                "{d} left the rollout after phase {p}"
-            );
+            assert!(!r.in_audience(&d, p) || r.in_audience(&d, p + 1), "{d} left the rollout after phase {p}");
         }
     }
     let early = device_in_phase(&r, 0);
@@ -418,14 +256,7 @@ fn membership_is_monotonic_across_phases() {
         got_mid.push(r.assignment(&mid, now).version);
     }
     assert_eq!(got_early, vec![Some(ModelVersion(2)); 3]);
-    assert_eq!(
-        got_mid,
-        vec![
-            Some(ModelVersion(1)),
-            Some(ModelVersion(2)),
-            Some(ModelVersion(2))
-        ]
-    );
+    assert_eq!(got_mid, vec![Some(ModelVersion(1)), Some(ModelVersion(2)), Some(ModelVersion(2))]);
 }
 
 #[test]
@@ -436,18 +267,8 @@ fn min_healthy_gates_advancing() {
     let mut r = Rollout::start(plan(vec![ph, Phase::percent(100.0, SOAK)]), T0).unwrap();
     r.handle_timeout(T0 + 5 * SOAK);
     assert_eq!(r.phase(), 0);
-    r.handle_report(
-        T0 + 5 * SOAK,
-        beta[0].clone(),
-        ModelVersion(2),
-        VersionReport::Active,
-    );
-    r.handle_report(
-        T0 + 5 * SOAK,
-        beta[1].clone(),
-        ModelVersion(2),
-        VersionReport::Healthy,
-    );
+    r.handle_report(T0 + 5 * SOAK, beta[0].clone(), ModelVersion(2), VersionReport::Active);
+    r.handle_report(T0 + 5 * SOAK, beta[1].clone(), ModelVersion(2), VersionReport::Healthy);
     r.handle_timeout(T0 + 5 * SOAK + 1);
     assert_eq!(r.phase(), 1);
 }
@@ -470,24 +291,12 @@ fn state_serializes_mid_rollout() {
 
 #[test]
 fn invalid_plans_are_refused() {
-    assert!(matches!(
-        Rollout::start(plan(vec![]), T0),
-        Err(RolloutError::InvalidPlan(_))
-    ));
-    assert!(matches!(
-        Rollout::start(plan(vec![Phase::percent(0.0, 1)]), T0),
-        Err(RolloutError::InvalidPlan(_))
-    ));
-    assert!(matches!(
-        Rollout::start(plan(vec![Phase::percent(101.0, 1)]), T0),
-        Err(RolloutError::InvalidPlan(_))
-    ));
+    assert!(matches!(Rollout::start(plan(vec![]), T0), Err(RolloutError::InvalidPlan(_))));
+    assert!(matches!(Rollout::start(plan(vec![Phase::percent(0.0, 1)]), T0), Err(RolloutError::InvalidPlan(_))));
+    assert!(matches!(Rollout::start(plan(vec![Phase::percent(101.0, 1)]), T0), Err(RolloutError::InvalidPlan(_))));
     let mut p = plan(vec![Phase::percent(100.0, 1)]);
     p.previous = Some(p.target);
-    assert!(matches!(
-        Rollout::start(p, T0),
-        Err(RolloutError::InvalidPlan(_))
-    ));
+    assert!(matches!(Rollout::start(p, T0), Err(RolloutError::InvalidPlan(_))));
 }
 
 #[test]
@@ -501,10 +310,7 @@ fn a_one_device_canary_that_fails_aborts_the_rollout_below_min_sample() {
     events(&mut r);
     r.handle_report(T0 + 10, canary, ModelVersion(2), VersionReport::Failed { reason: "health check".into() });
     assert_eq!(r.status(), Status::Aborted);
-    assert_eq!(
-        events(&mut r),
-        vec![Event::AutoAborted { phase: 0, failure_rate: 1.0, failed: 1, reporting: 1 }]
-    );
+    assert_eq!(events(&mut r), vec![Event::AutoAborted { phase: 0, failure_rate: 1.0, failed: 1, reporting: 1 }]);
     assert_eq!(r.poll_timeout(), None);
 }
 
@@ -521,10 +327,7 @@ fn a_named_audience_that_can_no_longer_meet_min_healthy_stalls() {
     // longer make ten healthy.
     r.handle_report(T0 + 20, beta[1].clone(), ModelVersion(2), VersionReport::RolledBack { reason: "crash".into() });
     assert_eq!(r.status(), Status::Aborted);
-    assert_eq!(
-        events(&mut r),
-        vec![Event::Stalled { phase: 0, healthy: 1, min_healthy: 10, failed: 1 }]
-    );
+    assert_eq!(events(&mut r), vec![Event::Stalled { phase: 0, healthy: 1, min_healthy: 10, failed: 1 }]);
 }
 
 #[test]
@@ -547,11 +350,7 @@ fn a_phase_past_its_deadline_without_enough_healthy_devices_stalls() {
     assert_eq!(r.status(), Status::Aborted);
     assert_eq!(
         events(&mut r),
-        vec![
-            Event::Paused { phase: 0 },
-            Event::Resumed { phase: 0 },
-            Event::Stalled { phase: 0, healthy: 1, min_healthy: 3, failed: 0 },
-        ]
+        vec![Event::Paused { phase: 0 }, Event::Resumed { phase: 0 }, Event::Stalled { phase: 0, healthy: 1, min_healthy: 3, failed: 0 },]
     );
 }
 

@@ -60,13 +60,7 @@ pub struct Coordinator<S> {
 
 impl<S: Strategy> Coordinator<S> {
     pub fn new(engine: RoundEngine, strategy: S) -> Self {
-        Coordinator {
-            engine,
-            strategy,
-            folding: None,
-            mode: FoldMode::Streaming,
-            deferred: 0,
-        }
+        Coordinator { engine, strategy, folding: None, mode: FoldMode::Streaming, deferred: 0 }
     }
     pub fn mode(&self) -> FoldMode {
         self.mode
@@ -121,23 +115,12 @@ impl<S: Strategy> Coordinator<S> {
     }
 
     /// Admits, folds and records one verified update (`delta` in canonical tensor order).
-    pub fn handle_update(
-        &mut self,
-        now: Millis,
-        meta: UpdateMeta,
-        delta: &[f32],
-    ) -> Result<Accepted, Reject> {
+    pub fn handle_update(&mut self, now: Millis, meta: UpdateMeta, delta: &[f32]) -> Result<Accepted, Reject> {
         let admitted = self.engine.check_update(now, &meta)?;
         self.take(admitted.round, delta, admitted.weight)
-            .map_err(|e| Reject {
-                reason: e.reason(),
-                current_round: Some(admitted.round),
-            })?;
+            .map_err(|e| Reject { reason: e.reason(), current_round: Some(admitted.round) })?;
         // Same `now`, no call in between: the engine answers exactly as `check_update` did.
-        Ok(self
-            .engine
-            .handle_update(now, meta)
-            .expect("admission is deterministic"))
+        Ok(self.engine.handle_update(now, meta).expect("admission is deterministic"))
     }
 
     /// Admission check only (see [`RoundEngine::check_update`]): call before reading a payload.
@@ -148,12 +131,7 @@ impl<S: Strategy> Coordinator<S> {
     /// Refolds an update the engine already accepted into `round` (restart after a crash: the
     /// strategy was restored from the last round boundary and the round's accepted payloads are
     /// folded again; the exact fold makes the result bit-identical).
-    pub fn resume_fold(
-        &mut self,
-        round: RoundId,
-        delta: &[f32],
-        weight: u64,
-    ) -> Result<(), StrategyError> {
+    pub fn resume_fold(&mut self, round: RoundId, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
         self.take(round, delta, weight)
     }
 
@@ -174,12 +152,7 @@ impl<S: Strategy> Coordinator<S> {
 
     /// Computes the next global model of the closed round `round` from its base `global`. On a
     /// strategy error the round is aborted (the engine emits `RoundFailed` and goes on).
-    pub fn finalize(
-        &mut self,
-        now: Millis,
-        round: RoundId,
-        global: &[f32],
-    ) -> Result<Vec<f32>, FinalizeError> {
+    pub fn finalize(&mut self, now: Millis, round: RoundId, global: &[f32]) -> Result<Vec<f32>, FinalizeError> {
         self.finalize_with(now, round, |s| s.finalize(global))
     }
 
@@ -209,22 +182,14 @@ impl<S: Strategy> Coordinator<S> {
             Err(e) => {
                 self.strategy.abort_round();
                 self.folding = None;
-                self.engine
-                    .abort_round(now, round, e.to_string())
-                    .expect("round is awaiting its model");
+                self.engine.abort_round(now, round, e.to_string()).expect("round is awaiting its model");
                 Err(e.into())
             }
         }
     }
 
     /// The finalized model of `round` was published: open the next round.
-    pub fn model_ready(
-        &mut self,
-        now: Millis,
-        round: RoundId,
-        version: ModelVersion,
-        digest: Digest,
-    ) -> Result<(), EngineError> {
+    pub fn model_ready(&mut self, now: Millis, round: RoundId, version: ModelVersion, digest: Digest) -> Result<(), EngineError> {
         self.engine.model_ready(now, round, version, digest)
     }
 }

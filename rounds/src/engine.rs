@@ -71,9 +71,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 use fedfleet_protocol::messages::PPM;
-use fedfleet_protocol::{
-    DeviceId, Digest, FleetId, ModelVersion, RoundId, Selection as WireSelection,
-};
+use fedfleet_protocol::{DeviceId, Digest, FleetId, ModelVersion, RoundId, Selection as WireSelection};
 use serde::{Deserialize, Serialize};
 
 use crate::reject::RejectReason;
@@ -313,7 +311,10 @@ pub enum EngineEvent {
         contributions: Vec<Contribution>,
     },
     /// Discard the round's folded updates (`Strategy::abort_round`).
-    RoundFailed { round: RoundId, reason: FailReason },
+    RoundFailed {
+        round: RoundId,
+        reason: FailReason,
+    },
     /// A device was revoked; `contributed_to` names the open round if it had an accepted update
     /// in it (kept, see the module docs).
     DeviceRevoked {
@@ -354,9 +355,7 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig {
-            nonce_retention_rounds: 1024,
-        }
+        EngineConfig { nonce_retention_rounds: 1024 }
     }
 }
 
@@ -538,12 +537,9 @@ impl RoundEngine {
         self.handle_timeout(now);
         let accepted = self.admit(&meta)?;
         let c = self.campaign.as_mut().expect("admitted ⇒ campaign");
-        let Phase::Open(r) = &mut c.phase else {
-            unreachable!("admitted ⇒ open round")
-        };
+        let Phase::Open(r) = &mut c.phase else { unreachable!("admitted ⇒ open round") };
         self.seen_nonces.insert((meta.device.clone(), meta.nonce));
-        self.nonce_log
-            .push_back((r.id, meta.device.clone(), meta.nonce));
+        self.nonce_log.push_back((r.id, meta.device.clone(), meta.nonce));
         r.contributions.insert(
             meta.device.clone(),
             Contribution {
@@ -579,11 +575,7 @@ impl RoundEngine {
             } else if !r.extended && policy.extension_ms > 0 {
                 r.extended = true;
                 r.deadline = r.deadline.saturating_add(policy.extension_ms);
-                let ev = EngineEvent::RoundExtended {
-                    round: r.id,
-                    deadline: r.deadline,
-                    accepted,
-                };
+                let ev = EngineEvent::RoundExtended { round: r.id, deadline: r.deadline, accepted };
                 self.events.push_back(ev);
                 // Loop: a shell that wakes up late may already be past the new deadline.
             } else {
@@ -595,13 +587,7 @@ impl RoundEngine {
 
     /// The closed round `round` has been finalized and published as `version`/`digest`: open the
     /// next round on it, or finish the campaign.
-    pub fn model_ready(
-        &mut self,
-        now: Millis,
-        round: RoundId,
-        version: ModelVersion,
-        digest: Digest,
-    ) -> Result<(), EngineError> {
+    pub fn model_ready(&mut self, now: Millis, round: RoundId, version: ModelVersion, digest: Digest) -> Result<(), EngineError> {
         let c = self.campaign.as_mut().ok_or(EngineError::NoCampaign)?;
         match c.phase {
             Phase::AwaitingModel { round: r } if r == round => {}
@@ -621,12 +607,7 @@ impl RoundEngine {
 
     /// Fails the current round — open, or closed and awaiting its model (e.g. finalize failed) —
     /// discarding its updates; the campaign goes on as after any failed round.
-    pub fn abort_round(
-        &mut self,
-        now: Millis,
-        round: RoundId,
-        detail: impl Into<String>,
-    ) -> Result<(), EngineError> {
+    pub fn abort_round(&mut self, now: Millis, round: RoundId, detail: impl Into<String>) -> Result<(), EngineError> {
         let c = self.campaign.as_ref().ok_or(EngineError::NoCampaign)?;
         let current = match &c.phase {
             Phase::Open(r) => r.id,
@@ -635,12 +616,7 @@ impl RoundEngine {
         if current != round {
             return Err(EngineError::NotCurrentRound(round));
         }
-        self.fail_round(
-            now,
-            FailReason::Aborted {
-                detail: detail.into(),
-            },
-        );
+        self.fail_round(now, FailReason::Aborted { detail: detail.into() });
         Ok(())
     }
 
@@ -651,10 +627,7 @@ impl RoundEngine {
             Phase::Open(r) => r.id,
             Phase::AwaitingModel { round } => *round,
         };
-        self.events.push_back(EngineEvent::RoundFailed {
-            round,
-            reason: FailReason::CampaignStopped,
-        });
+        self.events.push_back(EngineEvent::RoundFailed { round, reason: FailReason::CampaignStopped });
         self.finish(CampaignOutcome::Stopped);
         Ok(())
     }
@@ -669,10 +642,7 @@ impl RoundEngine {
             Some(Phase::Open(r)) if r.contributions.contains_key(&device) => Some(r.id),
             _ => None,
         };
-        self.events.push_back(EngineEvent::DeviceRevoked {
-            device,
-            contributed_to,
-        });
+        self.events.push_back(EngineEvent::DeviceRevoked { device, contributed_to });
         // The open round may have every update it can still get.
         let reached = match &self.campaign {
             Some(c) => match &c.phase {
@@ -725,10 +695,7 @@ impl RoundEngine {
             Some(Phase::Open(r)) => Some(r.id),
             _ => None,
         };
-        Reject {
-            reason,
-            current_round,
-        }
+        Reject { reason, current_round }
     }
 
     fn admit(&self, meta: &UpdateMeta) -> Result<Accepted, Reject> {
@@ -738,18 +705,11 @@ impl RoundEngine {
         if self.revoked.contains(&meta.device) {
             return Err(self.reject(RejectReason::Revoked));
         }
-        if self
-            .seen_nonces
-            .contains(&(meta.device.clone(), meta.nonce))
-        {
+        if self.seen_nonces.contains(&(meta.device.clone(), meta.nonce)) {
             return Err(self.reject(RejectReason::Replay));
         }
         let Some(c) = self.campaign.as_ref() else {
-            let reason = if meta.round < self.next_round {
-                RejectReason::StaleRound
-            } else {
-                RejectReason::UnknownRound
-            };
+            let reason = if meta.round < self.next_round { RejectReason::StaleRound } else { RejectReason::UnknownRound };
             return Err(self.reject(reason));
         };
         let r = match &c.phase {
@@ -774,13 +734,7 @@ impl RoundEngine {
         }
         let accepted = r.contributions.len() as u32 + 1;
         let target = self.round_target(c);
-        Ok(Accepted {
-            round: r.id,
-            weight: meta.num_examples.min(MAX_WEIGHT),
-            accepted,
-            target,
-            closed_round: accepted >= target,
-        })
+        Ok(Accepted { round: r.id, weight: meta.num_examples.min(MAX_WEIGHT), accepted, target, closed_round: accepted >= target })
     }
 
     /// Updates that close a round early: the policy's target, or fewer when an explicit
@@ -813,13 +767,10 @@ impl RoundEngine {
         let policy = &c.spec.policy;
         let deadline = now.saturating_add(policy.duration_ms);
         let selection = match &c.spec.selection {
-            Invitation::Rate { rate } => WireSelection::Sample {
-                rate_ppm: effective_ppm(*rate, policy),
-                seed: round_seed(&c.spec.seed, id),
-            },
-            Invitation::Explicit { devices } => {
-                WireSelection::Devices(devices.iter().cloned().collect())
+            Invitation::Rate { rate } => {
+                WireSelection::Sample { rate_ppm: effective_ppm(*rate, policy), seed: round_seed(&c.spec.seed, id) }
             }
+            Invitation::Explicit { devices } => WireSelection::Devices(devices.iter().cloned().collect()),
         };
         let announcement = OpenedRound {
             fleet: self.fleet.clone(),
@@ -845,15 +796,11 @@ impl RoundEngine {
             extended: false,
             contributions: BTreeMap::new(),
         });
-        self.events
-            .push_back(EngineEvent::RoundOpened(announcement));
+        self.events.push_back(EngineEvent::RoundOpened(announcement));
     }
 
     fn close_round(&mut self, cause: CloseCause) {
-        let c = self
-            .campaign
-            .as_mut()
-            .expect("close_round needs a campaign");
+        let c = self.campaign.as_mut().expect("close_round needs a campaign");
         let Phase::Open(r) = &mut c.phase else { return };
         let round = r.id;
         let contributions = std::mem::take(&mut r.contributions).into_values().collect();
@@ -875,8 +822,7 @@ impl RoundEngine {
         };
         c.consecutive_failures += 1;
         let give_up = c.consecutive_failures >= c.spec.max_consecutive_failures;
-        self.events
-            .push_back(EngineEvent::RoundFailed { round, reason });
+        self.events.push_back(EngineEvent::RoundFailed { round, reason });
         if give_up {
             self.finish(CampaignOutcome::TooManyFailures);
         } else {
@@ -886,11 +832,7 @@ impl RoundEngine {
 
     fn finish(&mut self, outcome: CampaignOutcome) {
         let c = self.campaign.take().expect("finish needs a campaign");
-        self.events.push_back(EngineEvent::CampaignFinished {
-            campaign: c.spec.id,
-            outcome,
-            rounds_completed: c.completed,
-        });
+        self.events.push_back(EngineEvent::CampaignFinished { campaign: c.spec.id, outcome, rounds_completed: c.completed });
     }
 }
 
@@ -912,16 +854,10 @@ fn validate(spec: &CampaignSpec) -> Result<(), EngineError> {
         return bad("rounds must be >= 1".into());
     }
     if p.target_count == 0 || p.min_quorum == 0 || p.min_quorum > p.target_count {
-        return bad(format!(
-            "need 1 <= min_quorum ({}) <= target_count ({})",
-            p.min_quorum, p.target_count
-        ));
+        return bad(format!("need 1 <= min_quorum ({}) <= target_count ({})", p.min_quorum, p.target_count));
     }
     if !(p.over_selection.is_finite() && p.over_selection >= 1.0) {
-        return bad(format!(
-            "over_selection must be >= 1, got {}",
-            p.over_selection
-        ));
+        return bad(format!("over_selection must be >= 1, got {}", p.over_selection));
     }
     if p.duration_ms == 0 {
         return bad("duration_ms must be > 0".into());
@@ -937,11 +873,7 @@ fn validate(spec: &CampaignSpec) -> Result<(), EngineError> {
             bad(format!("rate must be in [1e-6, 1], got {rate}"))
         }
         Invitation::Explicit { devices } if (devices.len() as u64) < p.min_quorum as u64 => {
-            bad(format!(
-                "{} explicit devices can never reach min_quorum {}",
-                devices.len(),
-                p.min_quorum
-            ))
+            bad(format!("{} explicit devices can never reach min_quorum {}", devices.len(), p.min_quorum))
         }
         _ => Ok(()),
     }
@@ -953,14 +885,8 @@ mod tests {
 
     #[test]
     fn round_seeds_and_rates() {
-        assert_ne!(
-            round_seed(&[7; 32], RoundId(1)),
-            round_seed(&[7; 32], RoundId(2))
-        );
-        assert_eq!(
-            round_seed(&[7; 32], RoundId(1)),
-            round_seed(&[7; 32], RoundId(1))
-        );
+        assert_ne!(round_seed(&[7; 32], RoundId(1)), round_seed(&[7; 32], RoundId(2)));
+        assert_eq!(round_seed(&[7; 32], RoundId(1)), round_seed(&[7; 32], RoundId(1)));
         assert_eq!(rate_to_ppm(0.25), 250_000);
         assert_eq!(rate_to_ppm(3.0), PPM);
         assert_eq!(rate_to_ppm(f64::NAN), 0);

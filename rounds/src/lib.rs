@@ -51,14 +51,12 @@ pub mod strategy;
 
 pub use coordinator::{Coordinator, FinalizeError};
 pub use engine::{
-    Accepted, CampaignId, CampaignOutcome, CampaignSpec, CloseCause, Contribution, EngineConfig,
-    EngineError, EngineEvent, FailReason, Millis, Nonce, Reject, OpenedRound, RoundEngine,
-    RoundPolicy, RoundStatus, Invitation, UpdateMeta, rate_to_ppm, round_seed,
+    Accepted, CampaignId, CampaignOutcome, CampaignSpec, CloseCause, Contribution, EngineConfig, EngineError, EngineEvent, FailReason,
+    Invitation, Millis, Nonce, OpenedRound, Reject, RoundEngine, RoundPolicy, RoundStatus, UpdateMeta, rate_to_ppm, round_seed,
 };
 pub use reject::RejectReason;
 pub use strategy::{
-    AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, Evaluation,
-    Exact, FedOptKind, FedOptParams, FoldError, Krum, Median, MemorySpill, PartialSum,
-    ServerOptimizer, ServerStrategy, SpillError, SpillStore, Strategy, StrategyConfig,
+    AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, Evaluation, Exact, FedOptKind, FedOptParams,
+    FoldError, Krum, Median, MemorySpill, PartialSum, ServerOptimizer, ServerStrategy, SpillError, SpillStore, Strategy, StrategyConfig,
     StrategyError, TrimmedMean, WeightedMean,
 };

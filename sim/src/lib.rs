@@ -37,20 +37,19 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
 use fedfleet_agent_core::lifecycle::{
-    Action, Backoff, CoreConfig, HealthReport, Input, Lifecycle, MetadataSet, OutboxEntry, Persist, Saved, SlotModel,
-    UploadOutcome,
+    Action, Backoff, CoreConfig, HealthReport, Input, Lifecycle, MetadataSet, OutboxEntry, Persist, Saved, SlotModel, UploadOutcome,
 };
 use fedfleet_protocol::messages::BASIS_POINTS;
 use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use fedfleet_protocol::{
-    BundleLimits, DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, Layout, ModelInfo, ModelRef, ModelVersion,
-    Receipt, RejectReason, Rejection, RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, Signed, SignedUpdate,
-    SpecJson, TensorBundle, UpdateHeader, verify_payload,
+    BundleLimits, DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, Layout, ModelInfo, ModelRef, ModelVersion, Receipt,
+    RejectReason, Rejection, RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, Signed, SignedUpdate, SpecJson, TensorBundle,
+    UpdateHeader, verify_payload,
 };
 use fedfleet_rollout::{Event as RolloutEvent, Phase, Rollout, RolloutPlan, VersionReport};
 use fedfleet_rounds::{
-    CampaignId, CampaignOutcome, CampaignSpec, ClientConfig, Contribution, Coordinator, EngineConfig, EngineEvent,
-    FailReason, Invitation, RoundEngine, RoundPolicy, ServerStrategy, StrategyConfig, UpdateMeta,
+    CampaignId, CampaignOutcome, CampaignSpec, ClientConfig, Contribution, Coordinator, EngineConfig, EngineEvent, FailReason, Invitation,
+    RoundEngine, RoundPolicy, ServerStrategy, StrategyConfig, UpdateMeta,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -423,7 +422,8 @@ impl Aggregator {
         b.check_layout(&self.layout).map_err(|e| refuse(e.reason(), e.to_string()))?;
         b.check_finite().map_err(|e| refuse(e.reason(), e.to_string()))?;
         let delta = flatten(&b);
-        let accepted = self.coordinator.handle_update(now, meta, &delta).map_err(|r| refuse(r.reason, format!("round {}: {}", h.round, r.reason)))?;
+        let accepted =
+            self.coordinator.handle_update(now, meta, &delta).map_err(|r| refuse(r.reason, format!("round {}: {}", h.round, r.reason)))?;
         let receipt = Receipt {
             fleet: h.fleet.clone(),
             device: h.device.clone(),
@@ -476,9 +476,19 @@ struct CrashPlan {
 
 enum Delivery {
     /// An input for one incarnation of a device.
-    Device { to: usize, incarnation: u64, input: Input },
+    Device {
+        to: usize,
+        incarnation: u64,
+        input: Input,
+    },
     /// An upload, at the aggregator; the answer goes back to `incarnation`.
-    Upload { from: usize, incarnation: u64, outbox_id: u64, header: Vec<u8>, payload: Vec<u8> },
+    Upload {
+        from: usize,
+        incarnation: u64,
+        outbox_id: u64,
+        header: Vec<u8>,
+        payload: Vec<u8>,
+    },
     /// A status report, at the registry.
     Report(DeviceStatus),
     Restart(usize),

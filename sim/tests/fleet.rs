@@ -140,7 +140,8 @@ fn a_good_version_reaches_every_device_in_phases_and_moves_the_alias() {
     let s = r.summary();
     assert_eq!((s.healthy, s.failed), (20, 0));
     assert_eq!(f.stable(), Some(v2.version), "the alias moved to v2");
-    let advanced: Vec<_> = f.rollout_events.iter().filter_map(|e| if let Event::PhaseAdvanced { phase, .. } = e { Some(*phase) } else { None }).collect();
+    let advanced: Vec<_> =
+        f.rollout_events.iter().filter_map(|e| if let Event::PhaseAdvanced { phase, .. } = e { Some(*phase) } else { None }).collect();
     assert_eq!(advanced, vec![1, 2]);
     assert!(f.rollout_events.iter().any(|e| matches!(e, Event::SetAlias { version: Some(v), .. } if *v == v2.version)));
     for d in &f.devices {
@@ -173,7 +174,11 @@ fn broken_version_rollout(min_sample: u32) {
     assert_eq!(r.status(), Status::Aborted);
     assert_eq!(r.phase(), 0, "the first phase never advanced");
     assert!(f.rollout_events.iter().any(|e| matches!(e, Event::AutoAborted { phase: 0, .. })), "{:?}", f.rollout_events);
-    assert!(!f.rollout_events.iter().any(|e| matches!(e, Event::PhaseAdvanced { .. } | Event::Completed { .. } | Event::SetAlias { .. })), "{:?}", f.rollout_events);
+    assert!(
+        !f.rollout_events.iter().any(|e| matches!(e, Event::PhaseAdvanced { .. } | Event::Completed { .. } | Event::SetAlias { .. })),
+        "{:?}",
+        f.rollout_events
+    );
     assert_eq!(f.stable(), Some(ModelVersion(1)), "the alias never moved");
     for (i, d) in f.devices.iter().enumerate() {
         assert_eq!(d.active().unwrap().version, ModelVersion(1), "{} runs v1", d.id);

@@ -24,4 +24,3 @@ impl Clock for FakeClock {
         self.0.load(Ordering::SeqCst)
     }
 }
-

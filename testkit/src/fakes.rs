@@ -7,12 +7,12 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use fedfleet_protocol::{ModelInfo, SpecJson};
-use fedfleet_protocol::{
-    DeviceId, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutAction,
-    RolloutNotice, RoundAnnouncement, RoundId, SignedUpdate, verify_payload,
-};
 use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::{
+    DeviceId, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutAction, RolloutNotice,
+    RoundAnnouncement, RoundId, SignedUpdate, verify_payload,
+};
+use fedfleet_protocol::{ModelInfo, SpecJson};
 
 use fedfleet_agent::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 
@@ -116,13 +116,7 @@ impl Aggregator for FakeAggregator {
         Ok(self.inner.lock().unwrap().round.clone().filter(|r| &r.fleet == fleet))
     }
     async fn fetch_base_model(&self, model: &ModelRef) -> Result<BaseModel, TransportError> {
-        self.inner
-            .lock()
-            .unwrap()
-            .base
-            .get(&model.digest)
-            .cloned()
-            .ok_or_else(|| TransportError(format!("no base model {}", model.digest)))
+        self.inner.lock().unwrap().base.get(&model.digest).cloned().ok_or_else(|| TransportError(format!("no base model {}", model.digest)))
     }
     async fn upload(&self, header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {
         let mut inner = self.inner.lock().unwrap();
@@ -294,10 +288,7 @@ impl Registry for FakeRegistry {
             return Err(TransportError("download interrupted (injected)".into()));
         }
         let corrupt = i.corrupt_downloads;
-        let bytes = i
-            .artifacts
-            .get(&(name.to_owned(), version))
-            .ok_or_else(|| TransportError(format!("no artifact {name} v{version}")))?;
+        let bytes = i.artifacts.get(&(name.to_owned(), version)).ok_or_else(|| TransportError(format!("no artifact {name} v{version}")))?;
         let start = (offset as usize).min(bytes.len());
         let end = (start + max_len as usize).min(bytes.len());
         let mut out = bytes[start..end].to_vec();

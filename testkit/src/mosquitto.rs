@@ -22,20 +22,13 @@ const LISTEN_TIMEOUT: Duration = Duration::from_secs(20);
 #[derive(Debug, thiserror::Error)]
 pub enum MosquittoError {
     #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+    Io { path: PathBuf, error: std::io::Error },
     #[error("broker key for mosquitto: {0}")]
     Key(fedfleet_certs::CertError),
     #[error("mosquitto exited ({status}); its log:\n{log}")]
     Exited { status: String, log: String },
     #[error("mosquitto did not listen on {addr} within {secs} s; its log:\n{log}")]
-    NotListening {
-        addr: SocketAddr,
-        secs: u64,
-        log: String,
-    },
+    NotListening { addr: SocketAddr, secs: u64, log: String },
 }
 
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
@@ -76,24 +69,8 @@ pub struct MosquittoConfig {
 }
 
 impl MosquittoConfig {
-    pub fn new(
-        binary: PathBuf,
-        listen: SocketAddr,
-        ca_cert: PathBuf,
-        cert: PathBuf,
-        key: PathBuf,
-        work_dir: PathBuf,
-    ) -> MosquittoConfig {
-        MosquittoConfig {
-            binary,
-            listen,
-            ca_cert,
-            cert,
-            key,
-            work_dir,
-            max_packet_size: 4 * 1024 * 1024,
-            acl: None,
-        }
+    pub fn new(binary: PathBuf, listen: SocketAddr, ca_cert: PathBuf, cert: PathBuf, key: PathBuf, work_dir: PathBuf) -> MosquittoConfig {
+        MosquittoConfig { binary, listen, ca_cert, cert, key, work_dir, max_packet_size: 4 * 1024 * 1024, acl: None }
     }
 }
 
@@ -129,13 +106,7 @@ impl Mosquitto {
         }
         let conf = cfg.work_dir.join("mosquitto.conf");
         std::fs::write(&conf, config_text(&cfg, addr, &key)).map_err(io(&conf))?;
-        let mut m = Mosquitto {
-            binary: cfg.binary,
-            conf,
-            log: cfg.work_dir.join("mosquitto.log"),
-            addr,
-            child: None,
-        };
+        let mut m = Mosquitto { binary: cfg.binary, conf, log: cfg.work_dir.join("mosquitto.log"), addr, child: None };
         m.spawn_and_wait().await?;
         Ok(m)
     }
@@ -159,9 +130,7 @@ impl Mosquitto {
     }
 
     pub fn is_running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     /// Kills the broker (SIGKILL, as a crash) and reaps it; every connection drops.
@@ -187,28 +156,18 @@ impl Mosquitto {
                 if tokio::net::TcpStream::connect(self.addr).await.is_ok() {
                     return Ok(());
                 }
-                let exited = self
-                    .child
-                    .as_mut()
-                    .and_then(|c| c.try_wait().ok().flatten());
+                let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
                 if let Some(status) = exited {
                     self.child = None;
                     if tokio::time::Instant::now() >= deadline {
-                        return Err(MosquittoError::Exited {
-                            status: status.to_string(),
-                            log: self.log(),
-                        });
+                        return Err(MosquittoError::Exited { status: status.to_string(), log: self.log() });
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     break;
                 }
                 if tokio::time::Instant::now() >= deadline {
                     self.kill();
-                    return Err(MosquittoError::NotListening {
-                        addr: self.addr,
-                        secs: LISTEN_TIMEOUT.as_secs(),
-                        log: self.log(),
-                    });
+                    return Err(MosquittoError::NotListening { addr: self.addr, secs: LISTEN_TIMEOUT.as_secs(), log: self.log() });
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -220,11 +179,7 @@ impl Mosquitto {
             let path = path.to_path_buf();
             move |error| MosquittoError::Io { path, error }
         };
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(io(&self.log))?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io(&self.log))?;
         let child = Command::new(&self.binary)
             .arg("-c")
             .arg(&self.conf)
@@ -296,10 +251,7 @@ mod tests {
             "allow_anonymous false",
             "persistence false",
         ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "{line:?} missing from:\n{text}"
-            );
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from:\n{text}");
         }
     }
 }

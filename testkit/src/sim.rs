@@ -10,10 +10,9 @@ use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, ModelSpec, Partition, evaluate, model::init_bundle, sim as fsim};
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, RoundAnnouncement, RoundConfig, RoundId, Selection, TensorBundle};
 
-
-use fedfleet_agent::agent::{Agent, LocalData, ShellConfig};
 use crate::clock::FakeClock;
 use crate::fakes::{FakeAggregator, FakeRegistry};
+use fedfleet_agent::agent::{Agent, LocalData, ShellConfig};
 use fedfleet_agent::lifecycle::{AgentError, CoreConfig, DurableLifecycle, HealthPolicy, SlotModel};
 use fedfleet_agent::store::AgentStore;
 
@@ -248,12 +247,18 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
             let id = fedfleet_certs::DeviceIdentity::load(&o.pki_dir, device)
                 .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
             let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-            let agg_client = fedfleet_aggregator_client::client::AggregatorClient::new(o.aggregator_addr, &o.aggregator_server_name, tls.clone())
-                .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
+            let agg_client =
+                fedfleet_aggregator_client::client::AggregatorClient::new(o.aggregator_addr, &o.aggregator_server_name, tls.clone())
+                    .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
             let agg = Arc::new(fedfleet_agent::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
             let reg_client = fedfleet_registry_client::client::RegistryClient::new(o.registry_addr, &o.registry_server_name, tls)
                 .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
-            let reg = Arc::new(fedfleet_agent::remote::RemoteRegistry::with_clock(reg_client, o.model_name.clone(), o.pinned_root.clone(), clock.clone()));
+            let reg = Arc::new(fedfleet_agent::remote::RemoteRegistry::with_clock(
+                reg_client,
+                o.model_name.clone(),
+                o.pinned_root.clone(),
+                clock.clone(),
+            ));
             let key = id.signing_key();
             let links = AgentLinks { index: i, device: device.clone(), identity: id, aggregator: agg.clone(), registry: reg };
             let (agent_agg, agent_reg) = wrap(&links)?;

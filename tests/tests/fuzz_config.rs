@@ -33,9 +33,15 @@ fn every_corpus_input_parses_or_fails_without_panicking() {
 fn the_seed_configs_parse() {
     use std::path::Path as P;
     for (target, ok) in [
-        ("registry_config", &(|t: &str| fedfleet_registry::config::Config::parse(P::new("/etc/r.toml"), t).map(drop).map_err(|e| e.to_string())) as &dyn Fn(&str) -> Result<(), String>),
+        (
+            "registry_config",
+            &(|t: &str| fedfleet_registry::config::Config::parse(P::new("/etc/r.toml"), t).map(drop).map_err(|e| e.to_string()))
+                as &dyn Fn(&str) -> Result<(), String>,
+        ),
         ("agent_config", &|t: &str| fedfleet_agent::config::AgentConfig::parse(t).map(drop)),
-        ("aggregator_config", &|t: &str| fedfleet_aggregator::config::Config::parse_all(P::new("/etc/a.toml"), t).map(drop).map_err(|e| e.to_string())),
+        ("aggregator_config", &|t: &str| {
+            fedfleet_aggregator::config::Config::parse_all(P::new("/etc/a.toml"), t).map(drop).map_err(|e| e.to_string())
+        }),
     ] {
         for (path, bytes) in replay::inputs(CORPUS, target) {
             if path.file_name().unwrap().to_string_lossy().starts_with("seed-") {

@@ -33,59 +33,16 @@ use serde_json::Value;
 const CORES: &[(&str, &[&str])] = &[
     (
         "fedfleet-protocol",
-        &[
-            "blake3",
-            "ed25519-dalek",
-            "half",
-            "hex",
-            "postcard",
-            "rand_core",
-            "safetensors",
-            "serde",
-            "serde_json",
-            "thiserror",
-        ],
+        &["blake3", "ed25519-dalek", "half", "hex", "postcard", "rand_core", "safetensors", "serde", "serde_json", "thiserror"],
     ),
-    (
-        "fedfleet-rounds",
-        &[
-            "blake3",
-            "fedfleet-protocol",
-            "postcard",
-            "serde",
-            "serde_json",
-            "thiserror",
-        ],
-    ),
-    (
-        "fedfleet-rollout",
-        &[
-            "blake3",
-            "fedfleet-protocol",
-            "serde",
-            "thiserror",
-            "tracing",
-        ],
-    ),
-    (
-        "fedfleet-agent-core",
-        &[
-            "fedfleet-protocol",
-            "rand",
-            "rand_chacha",
-            "serde",
-            "serde_json",
-            "thiserror",
-            "tracing",
-        ],
-    ),
+    ("fedfleet-rounds", &["blake3", "fedfleet-protocol", "postcard", "serde", "serde_json", "thiserror"]),
+    ("fedfleet-rollout", &["blake3", "fedfleet-protocol", "serde", "thiserror", "tracing"]),
+    ("fedfleet-agent-core", &["fedfleet-protocol", "rand", "rand_chacha", "serde", "serde_json", "thiserror", "tracing"]),
 ];
 
 /// What no core may reach anywhere in its normal dependency graph: async runtimes, network
 /// stacks, storage, the ML framework. `burn` stands for every crate whose name starts with it.
-const CORE_DENY: &[&str] = &[
-    "tokio", "quinn", "sled", "burn", "rustls", "rumqttc", "axum", "hyper",
-];
+const CORE_DENY: &[&str] = &["tokio", "quinn", "sled", "burn", "rustls", "rumqttc", "axum", "hyper"];
 
 /// What the device binary must not reach: the services, the test harness, the embedded broker,
 /// the HTTP stack, the GPU backend and the metrics exporter.
@@ -103,22 +60,14 @@ const AGENT_DENY: &[&str] = &[
 ];
 
 fn core_denied(name: &str) -> Option<&'static str> {
-    CORE_DENY.iter().copied().find(|&deny| {
-        if deny == "burn" {
-            name.starts_with("burn")
-        } else {
-            name == deny
-        }
-    })
+    CORE_DENY.iter().copied().find(|&deny| if deny == "burn" { name.starts_with("burn") } else { name == deny })
 }
 
 #[test]
 fn core_dependencies_are_allow_listed() {
     let metadata = cargo_json(&["metadata", "--format-version", "1", "--no-deps"]);
     let root = workspace_root();
-    let packages = metadata["packages"]
-        .as_array()
-        .expect("cargo metadata: no packages array");
+    let packages = metadata["packages"].as_array().expect("cargo metadata: no packages array");
 
     let mut failures = Vec::new();
     for &(core, allowed) in CORES {
@@ -131,13 +80,7 @@ fn core_dependencies_are_allow_listed() {
         };
         let manifest = package["manifest_path"].as_str().map_or_else(
             || format!("{core}'s Cargo.toml"),
-            |path| {
-                Path::new(path)
-                    .strip_prefix(&root)
-                    .unwrap_or(Path::new(path))
-                    .display()
-                    .to_string()
-            },
+            |path| Path::new(path).strip_prefix(&root).unwrap_or(Path::new(path)).display().to_string(),
         );
         // `kind` is null for normal dependencies, "dev" or "build" otherwise; a target-specific
         // (`[target.'cfg(..)'.dependencies]`) or optional dependency is still a normal one.
@@ -146,11 +89,7 @@ fn core_dependencies_are_allow_listed() {
             .expect("cargo metadata: no dependencies array")
             .iter()
             .filter(|dep| dep["kind"].is_null())
-            .map(|dep| {
-                dep["name"]
-                    .as_str()
-                    .expect("cargo metadata: dependency without a name")
-            })
+            .map(|dep| dep["name"].as_str().expect("cargo metadata: dependency without a name"))
             .collect();
         let allowed: BTreeSet<&str> = allowed.iter().copied().collect();
 
@@ -229,9 +168,7 @@ struct Tree {
 /// cross-compiled, so a forbidden crate behind a `cfg(target_..)` counts as well (cargo tree
 /// shows the host's platform alone unless told `--target all`).
 fn normal_tree(package: &str) -> Tree {
-    let args = [
-        "tree", "-p", package, "-e", "normal", "--target", "all", "--prefix", "depth", "-f", "{p}",
-    ];
+    let args = ["tree", "-p", package, "-e", "normal", "--target", "all", "--prefix", "depth", "-f", "{p}"];
     let stdout = cargo(&args);
     let lines: Vec<(usize, String)> = stdout
         .lines()
@@ -239,21 +176,13 @@ fn normal_tree(package: &str) -> Tree {
         .map(|line| {
             // "3serde v1.0.228", "1fedfleet-protocol v0.1.0 (/path)", "4libc v0.2.180 (*)".
             let digits = line.len() - line.trim_start_matches(|c: char| c.is_ascii_digit()).len();
-            let depth = line[..digits]
-                .parse()
-                .unwrap_or_else(|_| panic!("cargo tree: no depth in {line:?}"));
-            let name = line[digits..]
-                .split_whitespace()
-                .next()
-                .unwrap_or_default()
-                .to_owned();
+            let depth = line[..digits].parse().unwrap_or_else(|_| panic!("cargo tree: no depth in {line:?}"));
+            let name = line[digits..].split_whitespace().next().unwrap_or_default().to_owned();
             (depth, name)
         })
         .collect();
     assert!(
-        lines
-            .first()
-            .is_some_and(|(depth, name)| *depth == 0 && name == package),
+        lines.first().is_some_and(|(depth, name)| *depth == 0 && name == package),
         "`cargo {}` did not print {package}'s tree:\n{stdout}",
         args.join(" ")
     );
@@ -263,19 +192,14 @@ fn normal_tree(package: &str) -> Tree {
 impl Tree {
     /// For each deny-list entry `matches` returns for some package in the tree, the first chain
     /// of packages from the root to such a package.
-    fn first_paths(
-        &self,
-        matches: impl Fn(&str) -> Option<&'static str>,
-    ) -> BTreeMap<&'static str, Vec<String>> {
+    fn first_paths(&self, matches: impl Fn(&str) -> Option<&'static str>) -> BTreeMap<&'static str, Vec<String>> {
         let mut found = BTreeMap::new();
         let mut stack: Vec<&str> = Vec::new();
         for (depth, name) in &self.lines {
             stack.truncate(*depth);
             stack.push(name);
             if let Some(denied) = matches(name) {
-                found
-                    .entry(denied)
-                    .or_insert_with(|| stack.iter().map(|s| s.to_string()).collect());
+                found.entry(denied).or_insert_with(|| stack.iter().map(|s| s.to_string()).collect());
             }
         }
         found
@@ -287,10 +211,7 @@ fn report(failures: Vec<String>) {
 }
 
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask/ has a parent")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask/ has a parent").to_path_buf()
 }
 
 fn cargo(args: &[&str]) -> String {
@@ -299,20 +220,8 @@ fn cargo(args: &[&str]) -> String {
         .args(args)
         .current_dir(workspace_root())
         .output()
-        .unwrap_or_else(|err| {
-            panic!(
-                "running {} {}: {err}",
-                cargo.to_string_lossy(),
-                args.join(" ")
-            )
-        });
-    assert!(
-        output.status.success(),
-        "`cargo {}` failed ({}):\n{}",
-        args.join(" "),
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
+        .unwrap_or_else(|err| panic!("running {} {}: {err}", cargo.to_string_lossy(), args.join(" ")));
+    assert!(output.status.success(), "`cargo {}` failed ({}):\n{}", args.join(" "), output.status, String::from_utf8_lossy(&output.stderr));
     String::from_utf8(output.stdout).expect("cargo printed UTF-8")
 }
 

@@ -12,13 +12,13 @@ use std::rc::Rc;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_agent_core::lifecycle::{
-    Action, Backoff, CoreConfig, HealthPolicy, Input, Lifecycle, LifecycleError, MetadataSet, Millis, OutboxEntry, Persist,
-    Saved, SlotModel,
+    Action, Backoff, CoreConfig, HealthPolicy, Input, Lifecycle, LifecycleError, MetadataSet, Millis, OutboxEntry, Persist, Saved,
+    SlotModel,
 };
 use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use fedfleet_protocol::{
-    DType, DeviceId, Digest, FleetId, ModelInfo, ModelRef, ModelVersion, Receipt, RolloutAction, RolloutNotice,
-    RoundAnnouncement, RoundConfig, RoundId, Selection, Signed, SpecJson, UpdateHeader,
+    DType, DeviceId, Digest, FleetId, ModelInfo, ModelRef, ModelVersion, Receipt, RolloutAction, RolloutNotice, RoundAnnouncement,
+    RoundConfig, RoundId, Selection, Signed, SpecJson, UpdateHeader,
 };
 
 pub const T0: u64 = 1_700_000_000_000;

@@ -51,11 +51,7 @@ impl Base {
         self.dim() as u64 * 4 + HEADER_SLACK + self.sent.layout.len() as u64 * 512
     }
     pub(super) fn limits(&self) -> BundleLimits {
-        BundleLimits {
-            max_bytes: self.max_payload() as usize,
-            max_tensors: self.sent.layout.len(),
-            max_params: self.dim(),
-        }
+        BundleLimits { max_bytes: self.max_payload() as usize, max_tensors: self.sent.layout.len(), max_params: self.dim() }
     }
     /// The base's values at the sent coordinates: the global model the strategy steps.
     pub(super) fn global(&self) -> Vec<f32> {

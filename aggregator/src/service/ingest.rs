@@ -21,34 +21,23 @@ pub fn unflatten(layout: &Layout, values: &[f32]) -> TensorBundle {
     let mut off = 0;
     for (name, shape) in layout {
         let n: usize = shape.iter().product();
-        b.insert_f32(name, shape.clone(), values[off..off + n].to_vec())
-            .expect("layout from a valid bundle");
+        b.insert_f32(name, shape.clone(), values[off..off + n].to_vec()).expect("layout from a valid bundle");
         off += n;
     }
     b
 }
 
 /// Decodes and checks an update payload against the base model: limits, layout, dtype, finite.
-pub fn decode_update(
-    payload: &[u8],
-    base_layout: &Layout,
-    limits: &BundleLimits,
-    dtype: DType,
-    dim: usize,
-) -> Result<Vec<f32>, Rejection> {
+pub fn decode_update(payload: &[u8], base_layout: &Layout, limits: &BundleLimits, dtype: DType, dim: usize) -> Result<Vec<f32>, Rejection> {
     let bundle = TensorBundle::decode(payload, limits).map_err(|e| reject(e.reason(), e.to_string()))?;
-    bundle
-        .check_layout(base_layout)
-        .map_err(|e| reject(e.reason(), e.to_string()))?;
+    bundle.check_layout(base_layout).map_err(|e| reject(e.reason(), e.to_string()))?;
     if let Some((name, t)) = bundle.iter().find(|(_, t)| t.dtype() != dtype) {
         return Err(reject(
             RejectReason::WrongDtype,
             format!("tensor {name:?} is {}, the header signs {}", t.dtype().as_str(), dtype.as_str()),
         ));
     }
-    bundle
-        .check_finite()
-        .map_err(|e| reject(e.reason(), e.to_string()))?;
+    bundle.check_finite().map_err(|e| reject(e.reason(), e.to_string()))?;
     Ok(flatten(&bundle, dim))
 }
 
@@ -78,7 +67,6 @@ pub(super) struct Checked {
 }
 
 impl Aggregator {
-
     // ----- ingest -----
 
     /// Checks, folds and commits one upload from either transport; the answer is the signed
@@ -181,18 +169,14 @@ impl Aggregator {
     /// 7. Decode, check, fold and commit, off the async threads.
     pub(super) async fn commit_blocking(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.fold_and_commit(checked))
-            .await
-            .map_err(|e| reject(RejectReason::Internal, e.to_string()))?
+        tokio::task::spawn_blocking(move || me.fold_and_commit(checked)).await.map_err(|e| reject(RejectReason::Internal, e.to_string()))?
     }
 
     fn fold_and_commit(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
         let Checked { h, meta, payload, base, dtype } = checked;
         let sh = &self.shared;
         let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
-        sh.store
-            .put_update(&h.payload_digest, &payload)
-            .map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
+        sh.store.put_update(&h.payload_digest, &payload).map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
         drop(payload);
         let mut core = self.lock();
         if core.base.as_ref().map(|b| b.digest) != Some(base.digest) {

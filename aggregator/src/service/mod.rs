@@ -33,18 +33,14 @@ use fedfleet_net::FramedStream;
 use fedfleet_protocol::framing::{Frame, FrameKind};
 use fedfleet_protocol::messages::{self, ModelRef};
 use fedfleet_protocol::{
-    AdapterLineage, BundleLimits, DType, Digest, Layout, Message, ModelInfo, ModelVersion, NewVersion,
-    PayloadCheck, Receipt, RejectReason,
+    AdapterLineage, BundleLimits, DType, Digest, Layout, Message, ModelInfo, ModelVersion, NewVersion, PayloadCheck, Receipt, RejectReason,
     Rejection, RoundId, SharedClock, Signed, SignedUpdate, SpecJson, TensorBundle,
 };
 use tokio::sync::{Notify, watch};
 
 use crate::config::{Config, FoldBackend};
 use crate::coordinator::FoldMode;
-use crate::engine::{
-    CampaignId, CampaignSpec, EngineConfig, EngineEvent, Millis, RoundEngine, RoundPolicy,
-    Invitation, UpdateMeta,
-};
+use crate::engine::{CampaignId, CampaignSpec, EngineConfig, EngineEvent, Invitation, Millis, RoundEngine, RoundPolicy, UpdateMeta};
 use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, Store};
 use crate::publish::{PublishRequest, Publisher};
 use crate::strategy::{ServerStrategy, Strategy};
@@ -203,21 +199,13 @@ impl Aggregator {
             None => None,
         };
         let engine = match store.engine()? {
-            Some(b) => RoundEngine::from_bytes(&b).map_err(|e| {
-                ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("engine snapshot: {e}") }
-            })?,
-            None => RoundEngine::new(
-                fleet,
-                EngineConfig {
-                    nonce_retention_rounds: 8,
-                },
-                RoundId(1),
-            ),
+            Some(b) => RoundEngine::from_bytes(&b)
+                .map_err(|e| ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("engine snapshot: {e}") })?,
+            None => RoundEngine::new(fleet, EngineConfig { nonce_retention_rounds: 8 }, RoundId(1)),
         };
         let strategy = match store.strategy()? {
-            Some(b) => postcard::from_bytes(&b).map_err(|e| {
-                ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("strategy snapshot: {e}") }
-            })?,
+            Some(b) => postcard::from_bytes(&b)
+                .map_err(|e| ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("strategy snapshot: {e}") })?,
             None => ServerStrategy::new(&cfg.campaign.strategy_config(), update_dim(&spec))
                 .map_err(|e| ServiceError::Strategy(e.to_string()))?,
         };
@@ -226,26 +214,14 @@ impl Aggregator {
         let mode = fold_mode(tensor_device.is_some(), &strategy);
         let mut coord = Coordinator::new(engine, strategy);
         coord.set_mode(mode);
-        let mut core = Core {
-            coord,
-            base: None,
-            global,
-            campaign,
-            closing: None,
-            finalized: None,
-        };
+        let mut core = Core { coord, base: None, global, campaign, closing: None, finalized: None };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;
             core.base = Some(Base::new(g.digest, g.version, layout, values, &spec.update_layout()));
         }
         // Refold the current round (open, or closed and not yet published).
-        let current = core
-            .coord
-            .engine()
-            .round_status()
-            .map(|s| s.round)
-            .or_else(|| core.coord.engine().awaiting_model());
+        let current = core.coord.engine().round_status().map(|s| s.round).or_else(|| core.coord.engine().awaiting_model());
         if let Some(round) = current {
             let base = core.base.clone().ok_or_else(|| resume("a round is open but no global model is recorded".into()))?;
             let dtype = core.campaign.payload_dtype();
@@ -254,9 +230,7 @@ impl Aggregator {
             let deferred = core.coord.mode() == FoldMode::Deferred;
             for rec in &records {
                 let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(resume)? };
-                core.coord
-                    .resume_fold(round, &delta, rec.weight)
-                    .map_err(|e| resume(format!("refold of {}: {e}", rec.payload_digest)))?;
+                core.coord.resume_fold(round, &delta, rec.weight).map_err(|e| resume(format!("refold of {}: {e}", rec.payload_digest)))?;
             }
             if !records.is_empty() {
                 tracing::info!(round = %round, updates = records.len(), "refolded the current round after restart");

@@ -3,7 +3,6 @@
 use super::*;
 
 impl Aggregator {
-
     /// Binds the QUIC endpoint of the config.
     pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
         let (ca, id) = (&self.shared.ca, &self.shared.identity);
@@ -184,10 +183,7 @@ impl Aggregator {
                 None
             }
             Request::CampaignStart(_) | Request::CampaignStatus | Request::CampaignStop if !is_operator => {
-                Some(Response::Error(reject(
-                    RejectReason::NotPermitted,
-                    "campaign requests need an operator service certificate",
-                )))
+                Some(Response::Error(reject(RejectReason::NotPermitted, "campaign requests need an operator service certificate")))
             }
             Request::CampaignStart(o) => Some(match self.start_campaign(o).await {
                 Ok(s) => Response::Status(s),

@@ -4,7 +4,6 @@
 use super::*;
 
 impl Aggregator {
-
     // ----- events, rounds, campaigns -----
 
     /// Processes engine events; commits a round boundary when one happened.
@@ -22,11 +21,7 @@ impl Aggregator {
                     let ann = fedfleet_protocol::RoundAnnouncement {
                         fleet: a.fleet,
                         round: a.round,
-                        base_model: ModelRef {
-                            name: sh.cfg.model.name.clone(),
-                            version: a.base_version,
-                            digest: a.base_digest,
-                        },
+                        base_model: ModelRef { name: sh.cfg.model.name.clone(), version: a.base_version, digest: a.base_digest },
                         config: a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0),
                         deadline_unix_ms: a.deadline,
                         selection: a.selection,
@@ -101,8 +96,8 @@ impl Aggregator {
 
     pub(super) fn commit_boundary(&self, core: &mut Core, _now: Millis) {
         let sh = &self.shared;
-        let strategy = (core.coord.strategy().folded() == 0)
-            .then(|| postcard::to_stdvec(core.coord.strategy()).expect("strategy serializes"));
+        let strategy =
+            (core.coord.strategy().folded() == 0).then(|| postcard::to_stdvec(core.coord.strategy()).expect("strategy serializes"));
         let engine = core.coord.engine().to_bytes();
         let r = sh.store.commit_boundary(Boundary {
             engine: &engine,
@@ -114,12 +109,7 @@ impl Aggregator {
             tracing::error!(error = %e, "cannot commit a round boundary; aborting so a restart resumes from disk");
             std::process::abort();
         }
-        let keep = core
-            .coord
-            .engine()
-            .round_status()
-            .map(|s| s.round)
-            .unwrap_or(RoundId(u64::MAX));
+        let keep = core.coord.engine().round_status().map(|s| s.round).unwrap_or(RoundId(u64::MAX));
         let _ = sh.store.gc_updates(keep, false);
     }
 
@@ -184,9 +174,7 @@ impl Aggregator {
                     let dtype = core.campaign.payload_dtype();
                     let mut records = me.shared.store.accepted_in(round).map_err(|e| e.to_string())?;
                     records.sort_by_key(|r| r.payload_digest);
-                    let updates = records
-                        .iter()
-                        .map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
+                    let updates = records.iter().map(|rec| Ok((stored_delta(&me.shared.store, rec, &base, dtype)?, rec.weight)));
                     let r = core.coord.finalize_with(me.now_ms(), round, |s| {
                         s.finalize_on(&crate::accel::TensorBackend::new(device), &base.global(), updates)
                     });
@@ -257,9 +245,7 @@ impl Aggregator {
             me.shared.metrics.round("published");
             tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
             let now = me.now_ms();
-            core.coord
-                .model_ready(now, round, version, digest)
-                .map_err(|e| e.to_string())?;
+            core.coord.model_ready(now, round, version, digest).map_err(|e| e.to_string())?;
             me.drain(&mut core, now);
             Ok::<(), String>(())
         })
@@ -274,9 +260,8 @@ impl Aggregator {
         }
         let sh = &self.shared;
         let path = &sh.cfg.model.initial;
-        let bytes = std::fs::read(path).map_err(|e| {
-            format!("initial model {}: {e} (create it with `fedfleet-aggregator init-model`)", path.display())
-        })?;
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("initial model {}: {e} (create it with `fedfleet-aggregator init-model`)", path.display()))?;
         let (layout, values) = decode_base(&bytes).map_err(|e| format!("initial model {}: {e}", path.display()))?;
         let expected: Layout = sh.spec.params().into_iter().map(|p| (p.name, p.shape)).collect();
         if layout != expected {

@@ -54,9 +54,7 @@ async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, 
     let log = cfg.data_dir.with_extension("log");
     let mut child = spawn(&toml, &log);
     let op = fleet.operator(child.addr).await;
-    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(42), ..Default::default() }))
-        .await
-        .unwrap();
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(42), ..Default::default() })).await.unwrap();
     let mut last: Option<(usize, fedfleet_protocol::SignedUpdate, Vec<u8>)> = None;
     for r in 0..ROUNDS {
         let round = RoundId(1 + r as u64);
@@ -78,7 +76,8 @@ async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, 
                 }
             }
             let payload = delta(1000 * r as u64 + i as u64).encode();
-            let h = header(&fleet.fleet, &dev(i), round, base, nonce(i, r as u64), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
+            let h =
+                header(&fleet.fleet, &dev(i), round, base, nonce(i, r as u64), 10 + i as u64, &payload, DType::F32, &fleet.device_key(i));
             let c = fleet.device_client(i, child.addr).await;
             match c.upload(&h, &payload).await.unwrap() {
                 UploadOutcome::Accepted(_) => {}

@@ -10,9 +10,7 @@ use fedfleet_aggregator::config::MqttConfig;
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_certs::DeviceIdentity;
 use fedfleet_control::{ClientOptions, ControlClient, ControlEvent, ControlEvents, Role, device_tls};
-use fedfleet_protocol::{
-    DType, DeviceState, DeviceStatus, Digest, Receipt, RoundAnnouncement, RoundId, Signed, SignedUpdate,
-};
+use fedfleet_protocol::{DType, DeviceState, DeviceStatus, Digest, Receipt, RoundAnnouncement, RoundId, Signed, SignedUpdate};
 use tokio::time::timeout;
 
 use crate::support::*;
@@ -66,10 +64,8 @@ async fn published(svc: &RunningAggregator, base: Digest) -> Vec<u8> {
 /// One round of `DEVICES` identical updates; returns the published global model.
 async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
     let svc = start(fleet.config(data, DEVICES as u32, 1)).await;
-    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &MqttConfig::embedded("127.0.0.1:0".parse().unwrap()))
-        .await
-        .unwrap()
-        .expect("mqtt on");
+    let mqtt =
+        fedfleet_aggregator::mqtt::start(&svc.agg, &MqttConfig::embedded("127.0.0.1:0".parse().unwrap())).await.unwrap().expect("mqtt on");
     let port = mqtt.broker_addr().unwrap().port();
     let key = svc.agg.receipt_key();
     svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();

@@ -5,14 +5,14 @@ use std::path::{Path, PathBuf};
 
 use ed25519_dalek::SigningKey;
 use fedfleet_aggregator::client::AggregatorClient;
-use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig};
 pub use fedfleet_aggregator::config::CampaignStrategy;
+use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig};
 use fedfleet_aggregator::publish::DirPublisher;
 use fedfleet_certs::{ALPN_V1, CaCert, DeviceIdentity, Pki, ServerIdentity};
 use fedfleet_learning::ModelSpec;
-pub use fedfleet_testkit::services::RunningAggregator;
-use fedfleet_testkit::services;
 use fedfleet_protocol::{DType, DeviceId, Digest, FleetId, RoundId, Signed, SignedUpdate, TensorBundle, UpdateHeader};
+use fedfleet_testkit::services;
+pub use fedfleet_testkit::services::RunningAggregator;
 use rand::{Rng, SeedableRng};
 
 pub fn spec() -> ModelSpec {
@@ -52,7 +52,8 @@ impl Fleet {
     }
 
     pub fn config(&self, data: &str, target: u32, rounds: u32) -> Config {
-        let model = ModelConfig { name: "tiny".into(), spec: spec(), initial: self.dir.path().join("initial.safetensors"), validation: None };
+        let model =
+            ModelConfig { name: "tiny".into(), spec: spec(), initial: self.dir.path().join("initial.safetensors"), validation: None };
         Config {
             campaign: CampaignDefaults { rounds, target, quorum: 1, deadline_secs: 600, ..Default::default() },
             ..Config::new("127.0.0.1:0".parse().unwrap(), self.pki_dir(), self.dir.path().join(data), model)

@@ -6,9 +6,7 @@ use fedfleet_aggregator::accel::{AccelError, TensorBackend, compiled_devices, se
 use fedfleet_aggregator::strategy::{Backend, ClientConfig, FedOptParams, ServerStrategy, Strategy, StrategyConfig};
 
 fn updates() -> Vec<(Vec<f32>, u64)> {
-    (0..6u64)
-        .map(|i| ((0..257).map(|j| ((i * 31 + j) % 17) as f32 * 0.01 - 0.08).collect(), 10 + i * 7))
-        .collect()
+    (0..6u64).map(|i| ((0..257).map(|j| ((i * 31 + j) % 17) as f32 * 0.01 - 0.08).collect(), 10 + i * 7)).collect()
 }
 
 fn close(a: &[f32], b: &[f32], tol: f32) {

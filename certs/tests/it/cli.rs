@@ -24,32 +24,18 @@ fn stderr(o: &Output) -> String {
 
 #[track_caller]
 fn ok(o: Output) -> String {
-    assert!(
-        o.status.success(),
-        "exit {:?}, stderr: {}",
-        o.status,
-        stderr(&o)
-    );
+    assert!(o.status.success(), "exit {:?}, stderr: {}", o.status, stderr(&o));
     stdout(&o)
 }
 
 /// Exit 1 and exactly one line on stderr, starting with "error: ". Returns the line.
 #[track_caller]
 fn one_line_error(o: Output) -> String {
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "stdout: {} stderr: {}",
-        stdout(&o),
-        stderr(&o)
-    );
+    assert_eq!(o.status.code(), Some(1), "stdout: {} stderr: {}", stdout(&o), stderr(&o));
     let err = stderr(&o);
     assert_eq!(err.lines().count(), 1, "not one line: {err:?}");
     assert!(err.starts_with("error: "), "{err:?}");
-    assert!(
-        !err.contains("Backtrace") && !err.contains("Caused by"),
-        "{err:?}"
-    );
+    assert!(!err.contains("Backtrace") && !err.contains("Caused by"), "{err:?}");
     err
 }
 
@@ -68,43 +54,19 @@ fn init_enroll_force_and_modes() {
 
     let err = one_line_error(certs(&dir, &["init", "--fleet", "demo"]));
     assert!(err.contains("ca.key") && err.contains("--force"), "{err}");
-    assert_eq!(
-        std::fs::read(dir.join("ca.key")).unwrap(),
-        ca_key,
-        "refused init must not touch the key"
-    );
+    assert_eq!(std::fs::read(dir.join("ca.key")).unwrap(), ca_key, "refused init must not touch the key");
 
     ok(certs(&dir, &["init", "--fleet", "demo", "--force"]));
     assert_ne!(std::fs::read(dir.join("ca.key")).unwrap(), ca_key);
     assert_eq!(mode(&dir.join("ca.key")), 0o600);
 
-    let out = ok(certs(
-        &dir,
-        &[
-            "issue-server",
-            "--name",
-            "aggregator",
-            "--san",
-            "localhost",
-            "--san",
-            "10.0.0.1",
-        ],
-    ));
-    assert!(
-        out.contains("servers/aggregator.crt") && out.contains("10.0.0.1"),
-        "{out}"
-    );
+    let out = ok(certs(&dir, &["issue-server", "--name", "aggregator", "--san", "localhost", "--san", "10.0.0.1"]));
+    assert!(out.contains("servers/aggregator.crt") && out.contains("10.0.0.1"), "{out}");
     assert_eq!(mode(&dir.join("servers/aggregator.key")), 0o600);
 
     let out = ok(certs(&dir, &["enroll-device", "--id", "cam-7"]));
-    assert!(
-        out.contains("devices/cam-7.crt") && out.contains("devices/cam-7.key"),
-        "{out}"
-    );
-    assert!(
-        out.contains("\"public_key\"") && out.contains("\"serial\""),
-        "allow-list entry printed: {out}"
-    );
+    assert!(out.contains("devices/cam-7.crt") && out.contains("devices/cam-7.key"), "{out}");
+    assert!(out.contains("\"public_key\"") && out.contains("\"serial\""), "allow-list entry printed: {out}");
     let key = dir.join("devices/cam-7.key");
     assert_eq!(mode(&key), 0o600);
     let before = std::fs::read(&key).unwrap();
@@ -119,40 +81,20 @@ fn init_enroll_force_and_modes() {
     let err = one_line_error(certs(&dir, &["enroll-device", "--id", "bad/id"]));
     assert!(err.contains("bad/id"), "{err}");
 
-    let out = ok(certs(
-        &dir,
-        &["inspect", dir.join("devices/cam-7.crt").to_str().unwrap()],
-    ));
-    assert!(
-        out.contains("CN=cam-7") && out.contains("clientAuth"),
-        "{out}"
-    );
+    let out = ok(certs(&dir, &["inspect", dir.join("devices/cam-7.crt").to_str().unwrap()]));
+    assert!(out.contains("CN=cam-7") && out.contains("clientAuth"), "{out}");
     let out = ok(certs(&dir, &["inspect", key.to_str().unwrap()]));
-    assert!(
-        out.contains("public key") && !out.contains("PRIVATE KEY"),
-        "{out}"
-    );
+    assert!(out.contains("public key") && !out.contains("PRIVATE KEY"), "{out}");
 
-    ok(certs(
-        &dir,
-        &["revoke", "--id", "cam-7", "--reason", "stolen"],
-    ));
+    ok(certs(&dir, &["revoke", "--id", "cam-7", "--reason", "stolen"]));
     let revoked = dir.join("revoked.json");
     let out = ok(certs(&dir, &["inspect", revoked.to_str().unwrap()]));
-    assert!(
-        out.contains("signature:   valid") && out.contains("cam-7") && out.contains("stolen"),
-        "{out}"
-    );
-    let out = ok(certs(
-        &dir,
-        &["inspect", dir.join("devices.json").to_str().unwrap()],
-    ));
+    assert!(out.contains("signature:   valid") && out.contains("cam-7") && out.contains("stolen"), "{out}");
+    let out = ok(certs(&dir, &["inspect", dir.join("devices.json").to_str().unwrap()]));
     assert!(out.contains("cam-7") && out.contains("REVOKED"), "{out}");
 
     // A tampered revocation list shows as invalid.
-    let text = std::fs::read_to_string(&revoked)
-        .unwrap()
-        .replace("stolen", "found");
+    let text = std::fs::read_to_string(&revoked).unwrap().replace("stolen", "found");
     std::fs::write(&revoked, text).unwrap();
     let out = ok(certs(&dir, &["inspect", revoked.to_str().unwrap()]));
     assert!(out.contains("INVALID"), "{out}");
@@ -171,11 +113,7 @@ fn bad_inputs_give_one_line_errors() {
     assert!(err.contains("nope.crt"), "{err}");
 
     let corrupt = tmp.path().join("corrupt.crt");
-    std::fs::write(
-        &corrupt,
-        "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n",
-    )
-    .unwrap();
+    std::fs::write(&corrupt, "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n").unwrap();
     let err = one_line_error(certs(&dir, &["inspect", corrupt.to_str().unwrap()]));
     assert!(err.contains("corrupt.crt"), "{err}");
 
@@ -184,11 +122,7 @@ fn bad_inputs_give_one_line_errors() {
     one_line_error(certs(&dir, &["inspect", broken.to_str().unwrap()]));
 
     let key = tmp.path().join("bad.key");
-    std::fs::write(
-        &key,
-        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
-    )
-    .unwrap();
+    std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n").unwrap();
     let err = one_line_error(certs(&dir, &["inspect", key.to_str().unwrap()]));
     assert!(err.contains("bad.key"), "{err}");
 

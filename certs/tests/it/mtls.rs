@@ -9,8 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fedfleet_certs::{
-    ALPN_V1, CaCert, DeviceIdentity, PeerIdentity, Pki, RevocationWatcher, ServerIdentity,
-    device_id_from_peer, peer_identity, tls,
+    ALPN_V1, CaCert, DeviceIdentity, PeerIdentity, Pki, RevocationWatcher, ServerIdentity, device_id_from_peer, peer_identity, tls,
 };
 use fedfleet_protocol::{DeviceId, FleetId};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -76,11 +75,7 @@ fn start_server(pki_dir: &Path) -> Server {
             });
         }
     });
-    Server {
-        addr,
-        endpoint,
-        seen,
-    }
+    Server { addr, endpoint, seen }
 }
 
 /// Connects, sends on a bi stream, returns the server's echo (the device id it saw) or the error.
@@ -89,11 +84,7 @@ async fn exchange(client_tls: rustls::ClientConfig, addr: SocketAddr) -> Result<
     let quic = QuicClientConfig::try_from(client_tls).unwrap();
     endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
     let result = timeout(LIMIT, async {
-        let conn = endpoint
-            .connect(addr, "localhost")
-            .map_err(|e| e.to_string())?
-            .await
-            .map_err(|e| e.to_string())?;
+        let conn = endpoint.connect(addr, "localhost").map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
         send.write_all(b"hello").await.map_err(|e| e.to_string())?;
         send.finish().map_err(|e| e.to_string())?;
@@ -112,10 +103,7 @@ fn assert_refused(result: Result<String, String>, what: &str) {
         Ok(echo) => panic!("{what}: expected refusal, server answered {echo:?}"),
         Err(e) => {
             eprintln!("{what}: refused: {e}");
-            assert!(
-                !e.contains("timed out"),
-                "{what}: expected a refusal, not a timeout"
-            )
+            assert!(!e.contains("timed out"), "{what}: expected a refusal, not a timeout")
         }
     }
 }
@@ -132,11 +120,7 @@ async fn mtls_accepts_enrolled_devices_and_refuses_the_rest() {
 
     // (a) An enrolled device connects and the server sees its id.
     let dev = DeviceIdentity::load(dir.path(), &id("cam-1")).unwrap();
-    let echo = exchange(
-        tls::client_config(&ca, &dev, &[ALPN_V1]).unwrap(),
-        server.addr,
-    )
-    .await;
+    let echo = exchange(tls::client_config(&ca, &dev, &[ALPN_V1]).unwrap(), server.addr).await;
     assert_eq!(echo.unwrap(), "cam-1");
     assert_eq!(server.seen.recv().await.unwrap(), id("cam-1"));
 
@@ -145,58 +129,25 @@ async fn mtls_accepts_enrolled_devices_and_refuses_the_rest() {
     let other = init_pki(other_dir.path(), "fleet-b");
     other.enroll_device(&id("cam-1"), 30, false).unwrap();
     let foreign = DeviceIdentity::load(other_dir.path(), &id("cam-1")).unwrap();
-    assert_refused(
-        exchange(
-            tls::client_config(&ca, &foreign, &[ALPN_V1]).unwrap(),
-            server.addr,
-        )
-        .await,
-        "foreign CA",
-    );
+    assert_refused(exchange(tls::client_config(&ca, &foreign, &[ALPN_V1]).unwrap(), server.addr).await, "foreign CA");
 
     // (c) No client certificate: refused.
-    assert_refused(
-        exchange(
-            tls::anonymous_client_config(&ca, &[ALPN_V1]).unwrap(),
-            server.addr,
-        )
-        .await,
-        "no cert",
-    );
+    assert_refused(exchange(tls::anonymous_client_config(&ca, &[ALPN_V1]).unwrap(), server.addr).await, "no cert");
 
     // (d) cam-2 works, is revoked while the server runs, and is refused on the next handshake.
     let dev2 = DeviceIdentity::load(dir.path(), &id("cam-2")).unwrap();
-    let echo = exchange(
-        tls::client_config(&ca, &dev2, &[ALPN_V1]).unwrap(),
-        server.addr,
-    )
-    .await;
+    let echo = exchange(tls::client_config(&ca, &dev2, &[ALPN_V1]).unwrap(), server.addr).await;
     assert_eq!(echo.unwrap(), "cam-2");
     pki.revoke(&id("cam-2"), "stolen").unwrap();
-    assert_refused(
-        exchange(
-            tls::client_config(&ca, &dev2, &[ALPN_V1]).unwrap(),
-            server.addr,
-        )
-        .await,
-        "revoked",
-    );
+    assert_refused(exchange(tls::client_config(&ca, &dev2, &[ALPN_V1]).unwrap(), server.addr).await, "revoked");
     // cam-1 is unaffected.
-    let echo = exchange(
-        tls::client_config(&ca, &dev, &[ALPN_V1]).unwrap(),
-        server.addr,
-    )
-    .await;
+    let echo = exchange(tls::client_config(&ca, &dev, &[ALPN_V1]).unwrap(), server.addr).await;
     assert_eq!(echo.unwrap(), "cam-1");
 
     // A service presenting its server certificate is accepted and told apart from devices.
     pki.issue_server("registry", &[], 30, false).unwrap();
     let registry = ServerIdentity::load(dir.path(), "registry").unwrap();
-    let echo = exchange(
-        tls::service_client_config(&ca, &registry, &[ALPN_V1]).unwrap(),
-        server.addr,
-    )
-    .await;
+    let echo = exchange(tls::service_client_config(&ca, &registry, &[ALPN_V1]).unwrap(), server.addr).await;
     assert_eq!(echo.unwrap(), "service:registry");
 
     // Only the accepted device connections reached the device channel.
@@ -219,11 +170,7 @@ async fn server_identity_is_checked_by_devices() {
     pki_b.issue_server("aggregator", &[], 30, false).unwrap();
     let server = start_server(b.path());
     let dev = DeviceIdentity::load(a.path(), &id("cam-1")).unwrap();
-    let result = exchange(
-        tls::client_config(dev.ca(), &dev, &[ALPN_V1]).unwrap(),
-        server.addr,
-    )
-    .await;
+    let result = exchange(tls::client_config(dev.ca(), &dev, &[ALPN_V1]).unwrap(), server.addr).await;
     assert_refused(result, "foreign server");
     server.endpoint.close(0u32.into(), b"bye");
 }

@@ -8,16 +8,15 @@ use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::{AllowList, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
-use fedfleet_testkit::services::fleet_pki;
 use fedfleet_control::{
-    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, ControlEvents,
-    Presence, Rejected, Role, device_tls, service_tls,
+    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, ControlEvents, Presence, Rejected, Role, device_tls,
+    service_tls,
 };
 use fedfleet_protocol::{
-    DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt,
-    RejectReason, RoundAnnouncement, RoundConfig, RoundId, Selection, Signed, UpdateHeader,
-    random_nonce,
+    DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, RoundAnnouncement,
+    RoundConfig, RoundId, Selection, Signed, UpdateHeader, random_nonce,
 };
+use fedfleet_testkit::services::fleet_pki;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, timeout};
 
@@ -40,9 +39,7 @@ impl Fleet {
     pub fn with_fleet(n: usize, fleet: &str) -> Fleet {
         let dir = tempfile::tempdir().unwrap();
         let fleet = FleetId::new(fleet).unwrap();
-        let devices: Vec<DeviceId> = (1..=n)
-            .map(|i| DeviceId::new(format!("dev-{i}")).unwrap())
-            .collect();
+        let devices: Vec<DeviceId> = (1..=n).map(|i| DeviceId::new(format!("dev-{i}")).unwrap()).collect();
         let pki = fleet_pki(&dir.path().join("pki"), &fleet, &["aggregator"], &devices, LEAF_DAYS).unwrap();
         Fleet {
             dir,
@@ -61,12 +58,7 @@ impl Fleet {
 
     pub fn broker_config(&self, port: u16) -> BrokerConfig {
         let (crt, key) = self.server_files();
-        BrokerConfig::new(
-            ([127, 0, 0, 1], port).into(),
-            self.pki.ca_cert_path(),
-            crt,
-            key,
-        )
+        BrokerConfig::new(([127, 0, 0, 1], port).into(), self.pki.ca_cert_path(), crt, key)
     }
 
     pub fn options(&self, port: u16, client_id: &str) -> ClientOptions {
@@ -83,12 +75,7 @@ impl Fleet {
         let id = ServerIdentity::load(self.pki.dir(), "aggregator").unwrap();
         let tls = service_tls(self.pki.ca(), &id).unwrap();
         let keys = Arc::new(AllowList::load(self.pki.allow_list_path()).unwrap());
-        let role = Role::Service {
-            keys,
-            status: true,
-            updates: true,
-            limits: AssemblerLimits::default(),
-        };
+        let role = Role::Service { keys, status: true, updates: true, limits: AssemblerLimits::default() };
         ControlClient::start(self.options(port, "aggregator"), tls, role)
     }
 
@@ -130,28 +117,16 @@ impl Fleet {
 }
 
 pub fn base_model(round: u64) -> ModelRef {
-    ModelRef {
-        name: "digits".into(),
-        version: ModelVersion(round),
-        digest: Digest::of(&round.to_be_bytes()),
-    }
+    ModelRef { name: "digits".into(), version: ModelVersion(round), digest: Digest::of(&round.to_be_bytes()) }
 }
 
 /// The update a device sends in a round: deterministic, ~50 KB (4 chunks of 16 KiB).
 pub fn payload(device: &DeviceId, round: u64) -> Vec<u8> {
     let seed = Digest::of(format!("{device}/{round}").as_bytes()).0;
-    (0..50_000usize)
-        .map(|i| seed[i % 32].wrapping_add((i / 32) as u8))
-        .collect()
+    (0..50_000usize).map(|i| seed[i % 32].wrapping_add((i / 32) as u8)).collect()
 }
 
-pub fn signed_update(
-    fleet: &FleetId,
-    device: &DeviceId,
-    key: &SigningKey,
-    round: u64,
-    payload: &[u8],
-) -> fedfleet_protocol::SignedUpdate {
+pub fn signed_update(fleet: &FleetId, device: &DeviceId, key: &SigningKey, round: u64, payload: &[u8]) -> fedfleet_protocol::SignedUpdate {
     Signed::sign(
         UpdateHeader {
             device: device.clone(),
@@ -169,20 +144,13 @@ pub fn signed_update(
 }
 
 /// Waits for the first event `f` maps to `Some`, skipping others.
-pub async fn wait_for<T>(
-    events: &mut ControlEvents,
-    what: &str,
-    mut f: impl FnMut(&ControlEvent) -> Option<T>,
-) -> T {
+pub async fn wait_for<T>(events: &mut ControlEvents, what: &str, mut f: impl FnMut(&ControlEvent) -> Option<T>) -> T {
     let deadline = Instant::now() + WAIT;
     loop {
-        let ev = timeout(
-            deadline.saturating_duration_since(Instant::now()),
-            events.recv(),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-        .unwrap_or_else(|| panic!("event stream ended waiting for {what}"));
+        let ev = timeout(deadline.saturating_duration_since(Instant::now()), events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .unwrap_or_else(|| panic!("event stream ended waiting for {what}"));
         if let Some(t) = f(&ev) {
             return t;
         }
@@ -262,26 +230,16 @@ pub async fn run_device(
 }
 
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
-async fn wait_reports(
-    rx: &mut mpsc::UnboundedReceiver<Report>,
-    what: &str,
-    mut done: impl FnMut(&Report) -> bool,
-) {
+async fn wait_reports(rx: &mut mpsc::UnboundedReceiver<Report>, what: &str, mut done: impl FnMut(&Report) -> bool) {
     let deadline = Instant::now() + WAIT;
     loop {
-        let r = timeout(
-            deadline.saturating_duration_since(Instant::now()),
-            rx.recv(),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-        .unwrap();
+        let r = timeout(deadline.saturating_duration_since(Instant::now()), rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .unwrap();
         if let Report::Rejected(d, r) = &r {
             panic!("device {d} rejected a genuine message: {r}");
         }
@@ -301,9 +259,7 @@ async fn send_receipt(f: &Fleet, agg: &ControlClient, h: &UpdateHeader) {
         payload_digest: h.payload_digest,
         accepted_at_unix_ms: now_ms(),
     };
-    agg.publish_receipt(&Signed::sign(receipt, &f.aggregator_key))
-        .await
-        .unwrap();
+    agg.publish_receipt(&Signed::sign(receipt, &f.aggregator_key)).await.unwrap();
 }
 
 /// Waits until every device holds its receipt for `round`, answering re-sent updates of that
@@ -344,34 +300,21 @@ async fn await_receipts(
 
 /// The aggregator side of one round: collects a verified update from every device (checking
 /// the bytes are exactly those sent), answers each with a signed receipt.
-async fn collect_round(
-    f: &Fleet,
-    agg: &ControlClient,
-    events: &mut ControlEvents,
-    round: u64,
-    presence: &mut Presence,
-) {
+async fn collect_round(f: &Fleet, agg: &ControlClient, events: &mut ControlEvents, round: u64, presence: &mut Presence) {
     let mut got: BTreeSet<DeviceId> = BTreeSet::new();
     let deadline = Instant::now() + WAIT;
     while got.len() < f.devices.len() {
-        let ev = timeout(
-            deadline.saturating_duration_since(Instant::now()),
-            events.recv(),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("round {round}: updates from {got:?} only"))
-        .unwrap();
+        let ev = timeout(deadline.saturating_duration_since(Instant::now()), events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: updates from {got:?} only"))
+            .unwrap();
         match ev {
             ControlEvent::Update(v) => {
                 let h = v.signed.body().clone();
                 if h.round.0 != round {
                     continue; // a late re-send of an earlier round
                 }
-                assert_eq!(
-                    v.payload,
-                    payload(&v.device, round),
-                    "bytes differ from those sent"
-                );
+                assert_eq!(v.payload, payload(&v.device, round), "bytes differ from those sent");
                 assert_eq!(h.device, v.device);
                 got.insert(v.device.clone());
                 send_receipt(f, agg, &h).await;
@@ -395,10 +338,7 @@ fn lost_header(r: &Rejected) -> bool {
 /// returns true, the flow waits for every client to reconnect before going on.
 pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> bool) {
     let (agg, mut agg_events) = f.aggregator(port);
-    wait_for(&mut agg_events, "aggregator connect", |e| {
-        matches!(e, ControlEvent::Connected { .. }).then_some(())
-    })
-    .await;
+    wait_for(&mut agg_events, "aggregator connect", |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
     agg.publish_announcement(&f.announcement(1)).await.unwrap();
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -438,11 +378,7 @@ pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> b
         // (its backoff is its own) is awaited here, not assumed.
         let deadline = Instant::now() + WAIT;
         while agg.stats().connects < 2 {
-            assert!(
-                Instant::now() < deadline,
-                "the aggregator did not reconnect: {:?}",
-                agg.stats()
-            );
+            assert!(Instant::now() < deadline, "the aggregator did not reconnect: {:?}", agg.stats());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -456,12 +392,7 @@ pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> b
     // Status heartbeats reached the aggregator, verified (retained ones arrive on reconnect too).
     let deadline = Instant::now() + WAIT;
     while presence.known() < f.devices.len() {
-        match timeout(
-            deadline.saturating_duration_since(Instant::now()),
-            agg_events.recv(),
-        )
-        .await
-        {
+        match timeout(deadline.saturating_duration_since(Instant::now()), agg_events.recv()).await {
             Ok(Some(ControlEvent::Status(s))) => presence.record(s.body(), now_ms()),
             Ok(Some(_)) => {}
             _ => panic!("status of {} devices only", presence.known()),
@@ -471,13 +402,7 @@ pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> b
 
     let stats = agg.stats();
     // Only chunks orphaned by a broker restart may have been refused (see `lost_header`).
-    assert!(
-        stats
-            .rejected
-            .keys()
-            .all(|reason| restarted && *reason == RejectReason::Malformed),
-        "{stats:?}"
-    );
+    assert!(stats.rejected.keys().all(|reason| restarted && *reason == RejectReason::Malformed), "{stats:?}");
     for c in &clients {
         assert!(c.stats().rejected.is_empty(), "{:?}", c.stats());
         c.shutdown().await;

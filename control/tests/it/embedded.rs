@@ -1,9 +1,6 @@
 use std::time::Duration;
 
-use fedfleet_control::{
-    ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, QoS, Role,
-    encode_frames, topics,
-};
+use fedfleet_control::{ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, QoS, Role, encode_frames, topics};
 use fedfleet_protocol::{DeviceId, FleetId, RejectReason, RoundAnnouncement, Signed};
 
 use crate::common::{self, Fleet, wait_for};
@@ -45,16 +42,8 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     let (dev_a, mut a_events, key_a) = f.device(port, a);
     let (dev_b, mut b_events, key_b) = f.device(port, b);
     let (rogue, mut rogue_events) = f.rogue_service(port);
-    for (what, events) in [
-        ("aggregator", &mut agg_events),
-        ("a", &mut a_events),
-        ("b", &mut b_events),
-        ("rogue", &mut rogue_events),
-    ] {
-        wait_for(events, what, |e| {
-            matches!(e, ControlEvent::Connected { .. }).then_some(())
-        })
-        .await;
+    for (what, events) in [("aggregator", &mut agg_events), ("a", &mut a_events), ("b", &mut b_events), ("rogue", &mut rogue_events)] {
+        wait_for(events, what, |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
     }
 
     // An announcement signed by the wrong key, published straight to the broker by a client
@@ -62,39 +51,19 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     // device could not: see the_broker_closes_a_device_publishing_outside_its_own_topics).
     let mut ann = f.announcement(5).into_body();
     let forged = Signed::sign(ann.clone(), &key_b);
-    rogue
-        .publish_raw(
-            &topics::rounds(&f.fleet),
-            forged.encode(),
-            QoS::AtLeastOnce,
-            true,
-        )
-        .await
-        .unwrap();
-    let r = wait_for(
-        &mut a_events,
-        "forged announcement rejection",
-        |e| match e {
-            ControlEvent::Rejected(r) => Some(r.clone()),
-            ControlEvent::Announcement(_) => panic!("forged announcement accepted"),
-            _ => None,
-        },
-    )
+    rogue.publish_raw(&topics::rounds(&f.fleet), forged.encode(), QoS::AtLeastOnce, true).await.unwrap();
+    let r = wait_for(&mut a_events, "forged announcement rejection", |e| match e {
+        ControlEvent::Rejected(r) => Some(r.clone()),
+        ControlEvent::Announcement(_) => panic!("forged announcement accepted"),
+        _ => None,
+    })
     .await;
     assert_eq!(r.reason, RejectReason::BadSignature, "{r}");
 
     // Right key, another fleet's announcement replayed into ours.
     ann.fleet = FleetId::new("other").unwrap();
     let other_fleet: Signed<RoundAnnouncement> = Signed::sign(ann, &f.aggregator_key);
-    rogue
-        .publish_raw(
-            &topics::rounds(&f.fleet),
-            other_fleet.encode(),
-            QoS::AtLeastOnce,
-            true,
-        )
-        .await
-        .unwrap();
+    rogue.publish_raw(&topics::rounds(&f.fleet), other_fleet.encode(), QoS::AtLeastOnce, true).await.unwrap();
     let r = wait_for(&mut a_events, "wrong-fleet rejection", |e| match e {
         ControlEvent::Rejected(r) => Some(r.clone()),
         ControlEvent::Announcement(_) => panic!("other fleet's announcement accepted"),
@@ -108,34 +77,18 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     let p = common::payload(a, 5);
     let cases: Vec<(&str, Vec<Vec<u8>>, RejectReason)> = vec![
         // Header naming a, signed with b's key.
-        (
-            "signed by b",
-            encode_frames(
-                &common::signed_update(&f.fleet, a, &key_b, 5, &p),
-                &p,
-                16 * 1024,
-            ),
-            RejectReason::BadSignature,
-        ),
+        ("signed by b", encode_frames(&common::signed_update(&f.fleet, a, &key_b, 5, &p), &p, 16 * 1024), RejectReason::BadSignature),
         // b's genuine header, published on a's topic.
         (
             "b's header on a's topic",
-            encode_frames(
-                &common::signed_update(&f.fleet, b, &key_b, 5, &p),
-                &p,
-                16 * 1024,
-            ),
+            encode_frames(&common::signed_update(&f.fleet, b, &key_b, 5, &p), &p, 16 * 1024),
             RejectReason::BadSignature,
         ),
         // a's genuine header, payload altered in flight.
         (
             "bad digest",
             {
-                let mut frames = encode_frames(
-                    &common::signed_update(&f.fleet, a, &key_a, 5, &p),
-                    &p,
-                    16 * 1024,
-                );
+                let mut frames = encode_frames(&common::signed_update(&f.fleet, a, &key_a, 5, &p), &p, 16 * 1024);
                 let last = frames.last_mut().unwrap();
                 let n = last.len() - 1;
                 last[n] ^= 0x40;
@@ -146,10 +99,7 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     ];
     for (what, frames, reason) in cases {
         for frame in frames {
-            rogue
-                .publish_raw(&topic_a, frame, QoS::AtLeastOnce, false)
-                .await
-                .unwrap();
+            rogue.publish_raw(&topic_a, frame, QoS::AtLeastOnce, false).await.unwrap();
         }
         let r = wait_for(&mut agg_events, what, |e| match e {
             ControlEvent::Rejected(r) => Some(r.clone()),
@@ -157,28 +107,12 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
             _ => None,
         })
         .await;
-        assert_eq!(
-            (r.reason, r.device.as_ref()),
-            (reason, Some(a)),
-            "{what}: {r}"
-        );
+        assert_eq!((r.reason, r.device.as_ref()), (reason, Some(a)), "{what}: {r}");
     }
     // A device that is not enrolled.
     let ghost = DeviceId::new("ghost").unwrap();
-    for frame in encode_frames(
-        &common::signed_update(&f.fleet, &ghost, &key_b, 5, &p),
-        &p,
-        16 * 1024,
-    ) {
-        rogue
-            .publish_raw(
-                &topics::updates(&f.fleet, &ghost),
-                frame,
-                QoS::AtLeastOnce,
-                false,
-            )
-            .await
-            .unwrap();
+    for frame in encode_frames(&common::signed_update(&f.fleet, &ghost, &key_b, 5, &p), &p, 16 * 1024) {
+        rogue.publish_raw(&topics::updates(&f.fleet, &ghost), frame, QoS::AtLeastOnce, false).await.unwrap();
     }
     let r = wait_for(&mut agg_events, "ghost", |e| match e {
         ControlEvent::Rejected(r) => Some(r.clone()),
@@ -196,10 +130,7 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
     .await;
     assert_eq!(round, 6);
     let genuine = common::signed_update(&f.fleet, a, &key_a, 6, &common::payload(a, 6));
-    dev_a
-        .upload_update(&genuine, &common::payload(a, 6))
-        .await
-        .unwrap();
+    dev_a.upload_update(&genuine, &common::payload(a, 6)).await.unwrap();
     let v = wait_for(&mut agg_events, "genuine update", |e| match e {
         ControlEvent::Update(v) => Some(v.clone()),
         ControlEvent::Rejected(r) => panic!("genuine update rejected: {r}"),
@@ -347,16 +278,9 @@ async fn the_embedded_broker_requires_a_fleet_client_certificate() {
     let broker = EmbeddedBroker::start(f.broker_config(0)).await.unwrap();
     let port = broker.local_addr().port();
     let anonymous = fedfleet_certs::tls::anonymous_client_config(f.pki.ca(), &[]).unwrap();
-    let role = Role::Device {
-        id: f.devices[0].clone(),
-        aggregator_key: f.aggregator_key.verifying_key(),
-        registry_key: None,
-    };
-    let (c, mut events) = ControlClient::start(
-        ClientOptions::new("127.0.0.1", port, "anon", f.fleet.clone()),
-        std::sync::Arc::new(anonymous),
-        role,
-    );
+    let role = Role::Device { id: f.devices[0].clone(), aggregator_key: f.aggregator_key.verifying_key(), registry_key: None };
+    let (c, mut events) =
+        ControlClient::start(ClientOptions::new("127.0.0.1", port, "anon", f.fleet.clone()), std::sync::Arc::new(anonymous), role);
     let connected = tokio::time::timeout(Duration::from_secs(2), async {
         loop {
             if let Some(ControlEvent::Connected { .. }) = events.recv().await {
@@ -365,10 +289,7 @@ async fn the_embedded_broker_requires_a_fleet_client_certificate() {
         }
     })
     .await;
-    assert!(
-        connected.is_err(),
-        "a client without a certificate connected"
-    );
+    assert!(connected.is_err(), "a client without a certificate connected");
     c.shutdown().await;
     broker.shutdown().await;
 }
@@ -399,27 +320,16 @@ async fn upload_refusals_are_verified_at_the_device() {
     // topics): the device must still verify what it hears.
     let (rogue, mut rogue_events) = f.rogue_service(port);
     for (what, events) in [("a", &mut a_events), ("b", &mut b_events), ("rogue", &mut rogue_events)] {
-        wait_for(events, what, |e| {
-            matches!(e, ControlEvent::Connected { .. }).then_some(())
-        })
-        .await;
+        wait_for(events, what, |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
     }
     let p = common::payload(a, 5);
     let header = common::signed_update(&f.fleet, a, &key_a, 5, &p);
-    let refusal = UploadRejection::of(
-        header.body(),
-        RejectReason::NonFinite,
-        "NaN in fc1.weight",
-        1,
-    );
+    let refusal = UploadRejection::of(header.body(), RejectReason::NonFinite, "NaN in fc1.weight", 1);
     let topic_a = topics::rejections(&f.fleet, a);
 
     // Signed by device b instead of the aggregator.
     let forged = SignedRejection::sign(refusal.clone(), &key_b);
-    rogue
-        .publish_raw(&topic_a, forged.encode(), QoS::AtLeastOnce, false)
-        .await
-        .unwrap();
+    rogue.publish_raw(&topic_a, forged.encode(), QoS::AtLeastOnce, false).await.unwrap();
     let r = wait_for(&mut a_events, "forged refusal rejection", |e| match e {
         ControlEvent::Rejected(r) => Some(r.clone()),
         ControlEvent::UploadRefused(_) => panic!("forged refusal accepted"),
@@ -432,28 +342,18 @@ async fn upload_refusals_are_verified_at_the_device() {
     let mut for_b = refusal.clone();
     for_b.device = b.clone();
     let misdirected = SignedRejection::sign(for_b, &f.aggregator_key);
-    rogue
-        .publish_raw(&topic_a, misdirected.encode(), QoS::AtLeastOnce, false)
-        .await
-        .unwrap();
-    let r = wait_for(
-        &mut a_events,
-        "misdirected refusal rejection",
-        |e| match e {
-            ControlEvent::Rejected(r) => Some(r.clone()),
-            ControlEvent::UploadRefused(_) => panic!("another device's refusal accepted"),
-            _ => None,
-        },
-    )
+    rogue.publish_raw(&topic_a, misdirected.encode(), QoS::AtLeastOnce, false).await.unwrap();
+    let r = wait_for(&mut a_events, "misdirected refusal rejection", |e| match e {
+        ControlEvent::Rejected(r) => Some(r.clone()),
+        ControlEvent::UploadRefused(_) => panic!("another device's refusal accepted"),
+        _ => None,
+    })
     .await;
     assert_eq!(r.reason, RejectReason::BadSignature, "{r}");
 
     // The genuine one, published by the aggregator's key holder.
     let genuine = SignedRejection::sign(refusal.clone(), &f.aggregator_key);
-    rogue
-        .publish_raw(&topic_a, genuine.encode(), QoS::AtLeastOnce, false)
-        .await
-        .unwrap();
+    rogue.publish_raw(&topic_a, genuine.encode(), QoS::AtLeastOnce, false).await.unwrap();
     let got = wait_for(&mut a_events, "genuine refusal", |e| match e {
         ControlEvent::UploadRefused(s) => Some(s.clone()),
         _ => None,

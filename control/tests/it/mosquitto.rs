@@ -63,14 +63,7 @@ async fn round_flow_and_restart_over_mosquitto() {
     let Some(bin) = binary() else { return };
     let f = Fleet::new(3);
     let (crt, key) = f.server_files();
-    let cfg = MosquittoConfig::new(
-        bin,
-        ([127, 0, 0, 1], 0).into(),
-        f.pki.ca_cert_path(),
-        crt,
-        key,
-        f.dir.path().join("mosquitto"),
-    );
+    let cfg = MosquittoConfig::new(bin, ([127, 0, 0, 1], 0).into(), f.pki.ca_cert_path(), crt, key, f.dir.path().join("mosquitto"));
     let cfg = MosquittoConfig { acl: Some(topics::mosquitto_acl(&f.fleet, &["aggregator"])), ..cfg };
     let mut broker = Mosquitto::start(cfg).await.unwrap();
     let port = broker.port();

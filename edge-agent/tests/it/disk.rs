@@ -7,8 +7,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
@@ -128,7 +128,11 @@ async fn a_download_that_fills_the_disk_defers_the_install_and_the_agent_serves_
     let spec_json = spec.to_json();
     let v1_bytes = fedfleet_learning::model::init_bundle(&spec, 1).unwrap().encode();
     let v2_bytes = fedfleet_learning::model::init_bundle(&spec, 2).unwrap().encode();
-    let reg = Arc::new(FillingRegistry { inner: FakeRegistry::new(3, u64::MAX / 2), armed: AtomicBool::new(false), disk: disk.path().to_owned() });
+    let reg = Arc::new(FillingRegistry {
+        inner: FakeRegistry::new(3, u64::MAX / 2),
+        armed: AtomicBool::new(false),
+        disk: disk.path().to_owned(),
+    });
     let v1 = reg.inner.publish("digits", &spec_json, v1_bytes.clone());
 
     let store = AgentStore::open(disk.path()).unwrap();
@@ -140,18 +144,34 @@ async fn a_download_that_fills_the_disk_defers_the_install_and_the_agent_serves_
     let row = holdout.example(0).to_vec();
     let data = LocalData { train: train.subset(&(0..100).collect::<Vec<_>>()), holdout: holdout.subset(&(0..50).collect::<Vec<_>>()) };
     let shell = ShellConfig { download_chunk: 4096, latency_samples: 8, ..Default::default() };
-    let mut agent = Agent::new(core, Arc::new(FakeAggregator::new()), reg.clone(), SigningKey::from_bytes(&[5; 32]), data, Arc::new(SystemClock), shell);
+    let mut agent = Agent::new(
+        core,
+        Arc::new(FakeAggregator::new()),
+        reg.clone(),
+        SigningKey::from_bytes(&[5; 32]),
+        data,
+        Arc::new(SystemClock),
+        shell,
+    );
 
     // The local inference endpoint, as the daemon runs it, and the agent's loop.
     let sock = outside.path().join("agent.sock");
     let (stop_serving, serving_stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn({
         let (sock, serving) = (sock.clone(), agent.serving());
-        async move { inference::serve_unix(&sock, serving, Normalization::None, async { let _ = serving_stopped.await; }).await }
+        async move {
+            inference::serve_unix(&sock, serving, Normalization::None, async {
+                let _ = serving_stopped.await;
+            })
+            .await
+        }
     });
     let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
     let daemon = tokio::spawn(async move {
-        let r = run_agent(&mut agent, Duration::from_millis(20), async { let _ = agent_stopped.await; }).await;
+        let r = run_agent(&mut agent, Duration::from_millis(20), async {
+            let _ = agent_stopped.await;
+        })
+        .await;
         (agent, r)
     });
     wait_for("v1 to serve", || !daemon.is_finished() && std::fs::exists(&sock).unwrap()).await;
@@ -162,9 +182,8 @@ async fn a_download_that_fills_the_disk_defers_the_install_and_the_agent_serves_
     let v2 = reg.inner.publish("digits", &spec_json, v2_bytes);
     reg.armed.store(true, Ordering::SeqCst);
     reg.inner.assign_all(Some(FakeRegistry::notice(&fleet, 1, &v2)));
-    let deferred = |r: &FakeRegistry| {
-        r.reports().into_iter().find(|s| s.state.as_str() == "install_deferred" && s.staged.as_ref() == Some(&v2))
-    };
+    let deferred =
+        |r: &FakeRegistry| r.reports().into_iter().find(|s| s.state.as_str() == "install_deferred" && s.staged.as_ref() == Some(&v2));
     wait_for("the install to be reported deferred", || deferred(&reg.inner).is_some() || daemon.is_finished()).await;
     assert!(!daemon.is_finished(), "the agent stopped: {:?}", daemon.await.unwrap().1.err());
     let report = deferred(&reg.inner).unwrap();
@@ -183,7 +202,8 @@ async fn a_download_that_fills_the_disk_defers_the_install_and_the_agent_serves_
 
     // Space is back: the next retry takes the reserve back and installs v2.
     std::fs::remove_file(disk.filler()).unwrap();
-    wait_for("v2 to be installed", || reg.inner.reports().iter().any(|s| s.state.as_str() == "active" && s.active.as_ref() == Some(&v2))).await;
+    wait_for("v2 to be installed", || reg.inner.reports().iter().any(|s| s.state.as_str() == "active" && s.active.as_ref() == Some(&v2)))
+        .await;
     assert_eq!(answering_model(&sock, &row).await, v2);
     assert!(disk.path().join("reserve").is_file(), "the reserve is taken again");
 

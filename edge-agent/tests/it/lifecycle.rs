@@ -2,14 +2,20 @@
 //! (outbox entries put and removed, the state with an activation) and reopens from it after a
 //! crash. The core's behaviour is tested without sled in `agent-core/tests/lifecycle.rs`.
 
-use fedfleet_testkit::fakes::FakeRegistry;
-use fedfleet_agent::lifecycle::{Action, HealthReport, Input, UploadOutcome};
 use fedfleet_agent::Registry;
+use fedfleet_agent::lifecycle::{Action, HealthReport, Input, UploadOutcome};
 use fedfleet_protocol::{RejectReason, Rejection};
+use fedfleet_testkit::fakes::FakeRegistry;
 
 use crate::support::*;
 
-fn train_and_finish(lc: &mut fedfleet_agent::DurableLifecycle, round: u64, base: &fedfleet_protocol::ModelRef, payload: &[u8], nonce: u8) -> u64 {
+fn train_and_finish(
+    lc: &mut fedfleet_agent::DurableLifecycle,
+    round: u64,
+    base: &fedfleet_protocol::ModelRef,
+    payload: &[u8],
+    nonce: u8,
+) -> u64 {
     lc.handle(T0, Input::RoundAnnounced(announcement(round, base))).unwrap();
     let acts = drain(lc);
     assert!(acts.iter().any(|a| matches!(a, Action::Train(r) if r.round.0 == round)), "{acts:?}");
@@ -40,7 +46,8 @@ fn restart_resends_exactly_the_unacknowledged_updates() {
     assert_eq!(uploads(&acts), vec![a, c]);
     assert!(!acts.iter().any(|x| matches!(x, Action::Train(_))), "finished rounds are not retrained");
     // Round 1's receipt was lost before the crash: the aggregator answers the resend with Replay.
-    lc.handle(T0, Input::UploadResult { outbox_id: a, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Replay, "seen")) }).unwrap();
+    lc.handle(T0, Input::UploadResult { outbox_id: a, outcome: UploadOutcome::Rejected(Rejection::new(RejectReason::Replay, "seen")) })
+        .unwrap();
     lc.handle(T0, Input::UploadResult { outbox_id: c, outcome: UploadOutcome::Receipt(receipt(3, b"delta-3", 3)) }).unwrap();
     assert!(lc.store().outbox().unwrap().is_empty());
     drop(lc);
@@ -68,7 +75,15 @@ async fn install_to_health_check(lc: &mut fedfleet_agent::DurableLifecycle, reg:
 }
 
 fn report(cand: f64, active: f64) -> HealthReport {
-    HealthReport { holdout: 50, non_finite: false, latency_p50_ms: 1.0, latency_p99_ms: 2.0, candidate_score: cand, active_score: Some(active), metric: "accuracy".into() }
+    HealthReport {
+        holdout: 50,
+        non_finite: false,
+        latency_p50_ms: 1.0,
+        latency_p99_ms: 2.0,
+        candidate_score: cand,
+        active_score: Some(active),
+        metric: "accuracy".into(),
+    }
 }
 
 #[tokio::test]
@@ -90,4 +105,3 @@ async fn healthy_candidate_is_activated_atomically() {
     assert_eq!(lc.active().unwrap().model, v2);
     assert!(matches!(drain(&mut lc).as_slice(), [Action::Serve { model, .. }] if model.model == v2));
 }
-

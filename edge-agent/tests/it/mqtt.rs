@@ -9,20 +9,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
+use fedfleet_agent::AgentStore;
 use fedfleet_agent::agent::{Agent, Clock, LocalData, ShellConfig, SystemClock};
 use fedfleet_agent::clients::{Aggregator, BaseModel, TransportError, UploadReply};
-use fedfleet_testkit::fakes::FakeRegistry;
 use fedfleet_agent::lifecycle::{Backoff, CoreConfig, DurableLifecycle, HealthPolicy};
 use fedfleet_agent::mqtt::{MqttAggregator, MqttRegistry, MqttUploadOptions, StatusPublisher, UploadPath};
-use fedfleet_agent::AgentStore;
 use fedfleet_certs::{AllowList, DeviceIdentity, LEAF_DAYS, ServerIdentity};
 use fedfleet_control::{
     AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, EmbeddedBroker, Role, device_tls, service_tls,
 };
 use fedfleet_learning::{Dataset, ModelSpec, Partition, model::init_bundle};
-use fedfleet_protocol::{
-    DeviceId, FleetId, ModelRef, Receipt, RoundAnnouncement, RoundConfig, RoundId, Selection, Signed,
-};
+use fedfleet_protocol::{DeviceId, FleetId, ModelRef, Receipt, RoundAnnouncement, RoundConfig, RoundId, Selection, Signed};
+use fedfleet_testkit::fakes::FakeRegistry;
 
 /// QUIC that is blocked for everything but the base model download.
 struct Blocked {
@@ -55,7 +53,9 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
     let dir = tempfile::tempdir().unwrap();
     let fleet = FleetId::new("fleetm").unwrap();
     let device = DeviceId::new("dev-1").unwrap();
-    let pki = fedfleet_testkit::services::fleet_pki(&dir.path().join("pki"), &fleet, &["aggregator"], std::slice::from_ref(&device), LEAF_DAYS).unwrap();
+    let pki =
+        fedfleet_testkit::services::fleet_pki(&dir.path().join("pki"), &fleet, &["aggregator"], std::slice::from_ref(&device), LEAF_DAYS)
+            .unwrap();
     let servers = pki.dir().join("servers");
     let broker = EmbeddedBroker::start(BrokerConfig::new(
         ([127, 0, 0, 1], 0).into(),
@@ -72,7 +72,8 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
     let spec = ModelSpec::digits_mlp();
     let spec_json = spec.to_json();
     let bytes = init_bundle(&spec, 1).unwrap().encode();
-    let base = ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(0), digest: fedfleet_protocol::Digest::of(&bytes) };
+    let base =
+        ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(0), digest: fedfleet_protocol::Digest::of(&bytes) };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let round = RoundAnnouncement {
         fleet: fleet.clone(),
@@ -125,14 +126,17 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
         device_tls(&identity).unwrap(),
         Role::Device { id: device.clone(), aggregator_key: agg_key.verifying_key(), registry_key: None },
     );
-    let opts = MqttUploadOptions {
-        path: UploadPath::Auto,
-        switch_after: 2,
-        receipt_timeout: Duration::from_secs(5),
-        ..Default::default()
-    };
-    let agg = Arc::new(MqttAggregator::new(Arc::new(Blocked { base: BaseModel { spec: spec_json.clone(), bytes } }), control.clone(), events, opts));
-    let reg = Arc::new(MqttRegistry::new(Arc::new(FakeRegistry::new(3, u64::MAX / 2)), StatusPublisher::new(control.clone(), identity.signing_key())));
+    let opts = MqttUploadOptions { path: UploadPath::Auto, switch_after: 2, receipt_timeout: Duration::from_secs(5), ..Default::default() };
+    let agg = Arc::new(MqttAggregator::new(
+        Arc::new(Blocked { base: BaseModel { spec: spec_json.clone(), bytes } }),
+        control.clone(),
+        events,
+        opts,
+    ));
+    let reg = Arc::new(MqttRegistry::new(
+        Arc::new(FakeRegistry::new(3, u64::MAX / 2)),
+        StatusPublisher::new(control.clone(), identity.signing_key()),
+    ));
     let (train, _) = Dataset::digits_split().unwrap();
     let part = Partition::Iid.split_dataset(&train, 10, 1).swap_remove(0);
     let (tr, holdout) = part.split(0.2, 1);
@@ -149,7 +153,12 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut uploaded = false;
     loop {
-        assert!(Instant::now() < deadline, "no MQTT receipt in time: outbox {:?}, mqtt uploads {}", agent.core().pending_uploads().len(), agg.mqtt_uploads());
+        assert!(
+            Instant::now() < deadline,
+            "no MQTT receipt in time: outbox {:?}, mqtt uploads {}",
+            agent.core().pending_uploads().len(),
+            agg.mqtt_uploads()
+        );
         agent.poll_control().await.unwrap();
         agent.drive().await.unwrap();
         uploaded |= agg.mqtt_uploads() > 0;
@@ -192,10 +201,14 @@ fn mqtt_section_parses_with_defaults() {
     assert_eq!((m.client.address().unwrap(), m.upload, m.switch_after), (("broker".into(), 8883), UploadPath::Mqtt, 3));
     let e = fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\n")).unwrap_err();
     assert!(e.contains("receipt_key"), "{e}");
-    assert!(fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\nreceipt_key = \"k\"\nupload = \"udp\"\n")).is_err());
+    assert!(
+        fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\nreceipt_key = \"k\"\nupload = \"udp\"\n"))
+            .is_err()
+    );
     // The keys every program shares are named alike, a misspelt one is refused by name, and
     // the broker must be named.
-    let e = fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\nreceipt_key = \"k\"\nprot = 1883\n")).unwrap_err();
+    let e =
+        fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nhost = \"b\"\nreceipt_key = \"k\"\nprot = 1883\n")).unwrap_err();
     assert!(e.contains("unknown key(s) prot"), "{e}");
     let e = fedfleet_agent::config::AgentConfig::parse(&format!("{base}[mqtt]\nreceipt_key = \"k\"\n")).unwrap_err();
     assert!(e.contains("host is missing"), "{e}");

@@ -1,10 +1,10 @@
 //! The tokio shell with real training on digits partitions and the in-memory services.
 
-use fedfleet_testkit::fakes::UploadFault;
 use fedfleet_agent::inference::{self, Request};
-use fedfleet_testkit::sim::SimFleet;
 use fedfleet_learning::evaluate;
 use fedfleet_protocol::{DType, RoundConfig};
+use fedfleet_testkit::fakes::UploadFault;
+use fedfleet_testkit::sim::SimFleet;
 
 fn round_config() -> RoundConfig {
     RoundConfig { local_epochs: 2, batch_size: 16, learning_rate: 0.1, quantization: DType::F16, ..Default::default() }
@@ -41,7 +41,12 @@ async fn fleet_trains_uploads_aggregates_and_rolls_out() {
     assert_eq!(serving.get().unwrap().model, s.model);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let path = sock.clone();
-    let server = tokio::spawn(async move { inference::serve_unix(&path, serving, fedfleet_learning::Normalization::None, async { let _ = rx.await; }).await });
+    let server = tokio::spawn(async move {
+        inference::serve_unix(&path, serving, fedfleet_learning::Normalization::None, async {
+            let _ = rx.await;
+        })
+        .await
+    });
     let rows: Vec<Vec<f32>> = (0..3).map(|i| fleet.test.example(i).to_vec()).collect();
     let resp = query_once_listening(&sock, &Request { inputs: rows.clone(), feedback: false }).await;
     assert_eq!(resp.error, None);
@@ -102,7 +107,10 @@ async fn inbox_examples_pushed_through_the_socket_are_what_the_next_round_trains
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (path, serving, endpoint_inbox) = (sock.clone(), fleet.agents[0].serving(), fleet.agents[0].inbox());
     let server = tokio::spawn(async move {
-        inference::serve_unix_with_inbox(&path, serving, fedfleet_learning::Normalization::None, endpoint_inbox, async { let _ = rx.await; }).await
+        inference::serve_unix_with_inbox(&path, serving, fedfleet_learning::Normalization::None, endpoint_inbox, async {
+            let _ = rx.await;
+        })
+        .await
     });
     let examples: Vec<Example> =
         (0..40).map(|i| Example { input: fleet.test.example(i).to_vec(), label: fleet.test.labels[i], target: vec![] }).collect();
@@ -143,11 +151,13 @@ async fn fedbn_batch_norms_stay_on_the_device_and_are_used_for_training_and_infe
     let mut fleet = SimFleet::with_spec(dir.path(), 2, 3, spec.clone()).unwrap();
     fleet.run_round(1, round_config()).await.unwrap();
     // The updates leave the batch norm out; each device kept its own.
-    let local = |fleet: &SimFleet, i: usize| {
-        fleet.agents[i].core().store().local_state().unwrap().expect("local tensors kept after training")
-    };
+    let local =
+        |fleet: &SimFleet, i: usize| fleet.agents[i].core().store().local_state().unwrap().expect("local tensors kept after training");
     let (a, b) = (local(&fleet, 0), local(&fleet, 1));
-    assert_eq!(a.layout().keys().cloned().collect::<Vec<_>>(), ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight"]);
+    assert_eq!(
+        a.layout().keys().cloned().collect::<Vec<_>>(),
+        ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight"]
+    );
     assert_ne!(a.to_f32("bn.running_mean"), fleet.global.to_f32("bn.running_mean"), "the device's statistics moved");
     assert_ne!(a.to_f32("bn.running_mean"), b.to_f32("bn.running_mean"), "each device has its own");
     assert_eq!(fleet.global.to_f32("bn.running_mean"), fedfleet_learning::model::init_bundle(&spec, 3).unwrap().to_f32("bn.running_mean"));
@@ -156,7 +166,10 @@ async fn fedbn_batch_norms_stay_on_the_device_and_are_used_for_training_and_infe
     // installed model serves with it: the device's predictions, not the global model's.
     fleet.run_round(2, round_config()).await.unwrap();
     let a2 = local(&fleet, 0);
-    assert!(a2.to_f32("bn.num_batches_tracked").unwrap()[0] > a.to_f32("bn.num_batches_tracked").unwrap()[0], "round 2 continued from round 1's statistics");
+    assert!(
+        a2.to_f32("bn.num_batches_tracked").unwrap()[0] > a.to_f32("bn.num_batches_tracked").unwrap()[0],
+        "round 2 continued from round 1's statistics"
+    );
     let served = fleet.agents[0].serving().get().expect("serving the installed model");
     let x = fleet.test.example(0);
     let got = served.predictor.predict(x, 1).unwrap().remove(0);
@@ -182,7 +195,10 @@ async fn feedback_on_a_prediction_becomes_an_example_the_next_round_trains_on() 
     let (_tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (path, serving, endpoint_inbox) = (sock.clone(), fleet.agents[0].serving(), fleet.agents[0].inbox());
     tokio::spawn(async move {
-        inference::serve_unix_with_inbox(&path, serving, fedfleet_learning::Normalization::None, endpoint_inbox, async { let _ = rx.await; }).await
+        inference::serve_unix_with_inbox(&path, serving, fedfleet_learning::Normalization::None, endpoint_inbox, async {
+            let _ = rx.await;
+        })
+        .await
     });
 
     // The application asks for predictions it may answer later.
@@ -192,7 +208,9 @@ async fn feedback_on_a_prediction_becomes_an_example_the_next_round_trains_on() 
     let plain = inference::query(&sock, &Request { inputs: vec![fleet.test.example(0).to_vec()], feedback: false }).await.unwrap();
     assert!(plain.ids.is_empty(), "inputs are kept only when asked");
     // It answers two of them with the true label; an unknown id is refused.
-    let answers = |ids: &[u64]| FeedbackPush { feedback: ids.iter().map(|&id| Feedback { id, label: fleet.test.labels[id as usize], target: vec![] }).collect() };
+    let answers = |ids: &[u64]| FeedbackPush {
+        feedback: ids.iter().map(|&id| Feedback { id, label: fleet.test.labels[id as usize], target: vec![] }).collect(),
+    };
     let stats = inference::query(&sock, &answers(&[1, 2])).await.unwrap().inbox.expect("feedback stored");
     assert_eq!((stats.stored, stats.examples, stats.fresh), (2, 2, 2));
     let err = inference::query(&sock, &answers(&[9])).await.unwrap().error.expect("refused");

@@ -1,11 +1,10 @@
 use ed25519_dalek::SigningKey;
-use fedfleet_testkit::fakes::FakeRegistry;
-use fedfleet_agent::lifecycle::{Action, Backoff, CoreConfig, DurableLifecycle, HealthPolicy, SlotModel};
 use fedfleet_agent::AgentStore;
+use fedfleet_agent::lifecycle::{Action, Backoff, CoreConfig, DurableLifecycle, HealthPolicy, SlotModel};
 use fedfleet_protocol::{
-    DType, DeviceId, Digest, FleetId, ModelRef, Receipt, RoundAnnouncement, RoundConfig, RoundId, Selection, Signed,
-    UpdateHeader,
+    DType, DeviceId, Digest, FleetId, ModelRef, Receipt, RoundAnnouncement, RoundConfig, RoundId, Selection, Signed, UpdateHeader,
 };
+use fedfleet_testkit::fakes::FakeRegistry;
 use std::path::Path;
 
 pub const T0: u64 = 1_700_000_000_000;

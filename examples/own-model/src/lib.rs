@@ -13,7 +13,7 @@ use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::activation::{log_softmax, sigmoid};
 use burn::tensor::{Device, Tensor, TensorData};
 use fedfleet_agent::{Evaluation, LocalUpdate, ModelView, RoundJob, Serve, Trainer};
-use fedfleet_learning::{CustomSpec, Dataset, ModelSpec, Prediction, TensorDecl, Task};
+use fedfleet_learning::{CustomSpec, Dataset, ModelSpec, Prediction, Task, TensorDecl};
 use fedfleet_protocol::TensorBundle;
 use rand::{Rng, SeedableRng, seq::SliceRandom};
 

@@ -57,8 +57,7 @@ impl Loopback {
         // 3. aggregator, publishing into the registry, with its MQTT control plane
         let campaign = campaign_defaults(o, trainers.max(1))?;
         let publisher: Box<dyn Publisher> = Box::new(
-            RegistryPublisher::connect_lazy(pki.dir(), "aggregator", reg_run.addr, SERVER_NAME)
-                .map_err(|e| anyhow::anyhow!("{e}"))?,
+            RegistryPublisher::connect_lazy(pki.dir(), "aggregator", reg_run.addr, SERVER_NAME).map_err(|e| anyhow::anyhow!("{e}"))?,
         );
         let initial = match &o.model {
             Some(m) => m.initial.clone(),
@@ -191,9 +190,16 @@ impl Loopback {
     pub async fn stop(self) {
         self.op.close().await;
         self.fleet.shutdown().await;
-        LoopbackParts { pki: self.pki, registry: self.registry, aggregator: self.aggregator, reg_run: self.reg_run, agg_run: self.agg_run, mqtt: self.mqtt }
-            .stop()
-            .await;
+        LoopbackParts {
+            pki: self.pki,
+            registry: self.registry,
+            aggregator: self.aggregator,
+            reg_run: self.reg_run,
+            agg_run: self.agg_run,
+            mqtt: self.mqtt,
+        }
+        .stop()
+        .await;
     }
 }
 

@@ -29,13 +29,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use fedfleet_testkit::sim::FleetOptions;
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::{CampaignDefaults, CampaignStrategy, Config as AggConfig, ModelConfig, MqttConfig};
 use fedfleet_aggregator::mqtt::Mqtt;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
-use fedfleet_testkit::services::{self, RegistrySetup, RunningAggregator, RunningRegistry};
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request as AggRequest};
 use fedfleet_certs::Pki;
 use fedfleet_learning::{Dataset, ModelSpec, OptimizerConfig, Partition, TrainConfig, evaluate, model::init_bundle, sim as lsim};
@@ -44,6 +42,8 @@ use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::ops::Registry;
 use fedfleet_registry::rollout::Phase;
 use fedfleet_registry::wire::{AdminRequest, RolloutStart};
+use fedfleet_testkit::services::{self, RegistrySetup, RunningAggregator, RunningRegistry};
+use fedfleet_testkit::sim::FleetOptions;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::attack::Attack;
@@ -405,7 +405,12 @@ fn print_summary(ui: &Ui, o: &DemoOptions, r: &DemoReport) {
     ));
     ui.line(format!("  centralized baseline {:.2} % (same model, same initial weights, same held-out split)", r.baseline_accuracy * 100.0));
     ui.line(format!("  initial model        {:.2} %", r.initial_accuracy * 100.0));
-    ui.line(format!("  versions             {} (initial) -> {} (final); {} versions published", v(&r.initial), v(&r.final_model), r.rounds.iter().filter(|x| x.version.is_some()).count() + 1));
+    ui.line(format!(
+        "  versions             {} (initial) -> {} (final); {} versions published",
+        v(&r.initial),
+        v(&r.final_model),
+        r.rounds.iter().filter(|x| x.version.is_some()).count() + 1
+    ));
     ui.line(format!("  bytes uploaded       {}", human_bytes(bytes)));
     if let Some(m) = &r.final_model {
         ui.line(format!("  final model digest   {}", m.digest.to_hex()));

@@ -46,7 +46,13 @@ pub struct RolloutOutcome {
 /// every device of its audience reports the new version healthy; the registry aborts by itself
 /// when too many devices fail their health check. Prints each phase and the fleet's device
 /// states at each phase change.
-pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &ModelRef, plan: &RolloutPlan) -> anyhow::Result<RolloutOutcome> {
+pub async fn rollout(
+    ui: &Ui,
+    op: &RegistryClient,
+    fleet: &mut Fleet,
+    target: &ModelRef,
+    plan: &RolloutPlan,
+) -> anyhow::Result<RolloutOutcome> {
     let id = format!("{}-stable-v{}", target.name, target.version.0);
     let percents = &plan.percents;
     let soak = plan.soak;
@@ -109,18 +115,21 @@ pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &M
     let spinner = ui.spinner("rollout");
     let t0 = Instant::now();
     let mut phase = 0usize;
-    let mut outcome =
-        RolloutOutcome { status: String::new(), phases: Vec::new(), agents_on_target: 0, healthy: 0, failed: 0, states_at_end: String::new() };
+    let mut outcome = RolloutOutcome {
+        status: String::new(),
+        phases: Vec::new(),
+        agents_on_target: 0,
+        healthy: 0,
+        failed: 0,
+        states_at_end: String::new(),
+    };
     let status = loop {
         if t0.elapsed() > Duration::from_secs(300) {
             break "timeout".to_owned();
         }
         // Status first, then a step: the device states printed at a phase change are those the
         // registry judged, before the agents act on the next phase.
-        let s = op
-            .admin(AdminRequest::RolloutStatus { id: Some(id.clone()) })
-            .await
-            .map_err(|e| anyhow::anyhow!("rollout status: {e}"))?;
+        let s = op.admin(AdminRequest::RolloutStatus { id: Some(id.clone()) }).await.map_err(|e| anyhow::anyhow!("rollout status: {e}"))?;
         let now_phase = s["phase"].as_u64().unwrap_or(0) as usize;
         let status = s["status"].as_str().unwrap_or("?").to_owned();
         let (healthy, failed) = (s["healthy"].as_u64().unwrap_or(0), s["failed"].as_u64().unwrap_or(0));
@@ -182,7 +191,14 @@ pub async fn rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &M
 }
 
 /// The demo's rollout of the final model; anything short of every agent on it is a failure.
-pub(super) async fn run_rollout(ui: &Ui, op: &RegistryClient, fleet: &mut Fleet, target: &ModelRef, soak: Duration, report: &mut DemoReport) -> anyhow::Result<()> {
+pub(super) async fn run_rollout(
+    ui: &Ui,
+    op: &RegistryClient,
+    fleet: &mut Fleet,
+    target: &ModelRef,
+    soak: Duration,
+    report: &mut DemoReport,
+) -> anyhow::Result<()> {
     let o = rollout(ui, op, fleet, target, &RolloutPlan::canary(soak)).await?;
     report.phases = o.phases;
     report.agents_on_final = o.agents_on_target;

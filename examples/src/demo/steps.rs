@@ -115,10 +115,7 @@ pub async fn start_campaign(pki: &Pki, agg_addr: SocketAddr, rounds: u32, seed: 
         .await
         .map_err(|e| anyhow::anyhow!("operator connection to the aggregator: {e}"))?;
     let o = CampaignOverrides { rounds: Some(rounds), seed: Some(seed), ..Default::default() };
-    client
-        .campaign(AggRequest::CampaignStart(o))
-        .await
-        .map_err(|e| anyhow::anyhow!("campaign start: {e}"))
+    client.campaign(AggRequest::CampaignStart(o)).await.map_err(|e| anyhow::anyhow!("campaign start: {e}"))
 }
 
 /// An operator connection to the registry.
@@ -151,7 +148,10 @@ pub async fn run_campaign(
     let agents_bar = ui.bar(fleet.len() as u64, "agents");
     let mqtt = fleet.has_mqtt();
     let heard_header = if mqtt { " | heard via MQTT" } else { "" };
-    ui.line(format!("{:>5} | {:>12} | {:>8} | {:>10} | {:>10}{heard_header}", "round", "participants", "accuracy", "bytes up", "round time"));
+    ui.line(format!(
+        "{:>5} | {:>12} | {:>8} | {:>10} | {:>10}{heard_header}",
+        "round", "participants", "accuracy", "bytes up", "round time"
+    ));
     ui.line(format!("{:-<5}-+-{:-<12}-+-{:-<8}-+-{:-<10}-+-{:-<10}{}", "", "", "", "", "", if mqtt { "-+----------------" } else { "" }));
     let round_timeout = Duration::from_secs(300);
     for r in 1..=rounds {

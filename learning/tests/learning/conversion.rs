@@ -4,8 +4,12 @@ use fedfleet_learning::{Dataset, Model, ModelSpec, TrainConfig, sim, train_local
 use fedfleet_protocol::bundle::{BundleLimits, TensorBundle};
 
 fn specs() -> Vec<ModelSpec> {
-    vec![ModelSpec::digits_mlp(), ModelSpec::digits_cnn(), ModelSpec::mnist_cnn(),
-         ModelSpec::Mlp { input: vec![1, 8, 8], hidden: vec![32, 16], classes: 10 }]
+    vec![
+        ModelSpec::digits_mlp(),
+        ModelSpec::digits_cnn(),
+        ModelSpec::mnist_cnn(),
+        ModelSpec::Mlp { input: vec![1, 8, 8], hidden: vec![32, 16], classes: 10 },
+    ]
 }
 
 #[test]
@@ -85,7 +89,8 @@ fn bundle_layout_is_pytorch_out_in() {
     let x = [0.5f32, -1.0, 2.0, 0.25, 1.5];
     let model = Model::from_bundle(&spec, &b).unwrap();
     let y: Vec<f32> = model
-        .forward(Tensor::from_data(TensorData::new(x.to_vec(), [1, 5]), model.device())).unwrap()
+        .forward(Tensor::from_data(TensorData::new(x.to_vec(), [1, 5]), model.device()))
+        .unwrap()
         .into_data()
         .try_into_vec::<f32>()
         .unwrap();

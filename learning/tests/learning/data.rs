@@ -39,12 +39,8 @@ fn digits_loads_through_the_csv_loader() {
 
 #[test]
 fn csv_options_header_label_first_and_scaling() {
-    let opts = CsvOptions {
-        label: LabelColumn::First,
-        has_header: true,
-        normalization: Normalization::Scale(0.5),
-        ..CsvOptions::default()
-    };
+    let opts =
+        CsvOptions { label: LabelColumn::First, has_header: true, normalization: Normalization::Scale(0.5), ..CsvOptions::default() };
     let d = csv("label,a,b\n1, 2,4\r\n\n0,6,8\n", &opts).unwrap();
     assert_eq!(d.labels, vec![1, 0]);
     assert_eq!(d.features, vec![1.0, 2.0, 3.0, 4.0]);
@@ -155,12 +151,9 @@ fn idx_loader_reads_and_rejects() {
 }
 
 fn mnist_dir() -> Option<PathBuf> {
-    [
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist-t10k"),
-        PathBuf::from("/work/shared/data/mnist-t10k"),
-    ]
-    .into_iter()
-    .find(|p| p.join("t10k-images-idx3-ubyte.gz").exists())
+    [PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist-t10k"), PathBuf::from("/work/shared/data/mnist-t10k")]
+        .into_iter()
+        .find(|p| p.join("t10k-images-idx3-ubyte.gz").exists())
 }
 
 #[test]
@@ -185,7 +178,9 @@ fn csv_columns_can_be_regression_targets_or_all_features() {
     assert_eq!((r.features.len(), r.targets.clone(), r.shape.clone(), r.targets_per_example()), (6, vec![0.5, 1.5], vec![3], 1));
     let two = Dataset::from_csv_bytes(text, "r", &CsvOptions { label: LabelColumn::Targets(2), ..CsvOptions::default() }).unwrap();
     assert_eq!((two.shape.clone(), two.targets), (vec![2], vec![3.0, 0.5, 6.0, 1.5]));
-    let all = Dataset::from_csv_bytes(b"1 2 3\n4 5 6\n", "a", &CsvOptions { label: LabelColumn::None, delimiter: ' ', ..CsvOptions::default() }).unwrap();
+    let all =
+        Dataset::from_csv_bytes(b"1 2 3\n4 5 6\n", "a", &CsvOptions { label: LabelColumn::None, delimiter: ' ', ..CsvOptions::default() })
+            .unwrap();
     assert_eq!((all.len(), all.shape, all.targets.len()), (2, vec![3], 0));
     let err = Dataset::from_csv_bytes(b"1,x\n", "r", &CsvOptions { label: LabelColumn::Targets(1), ..CsvOptions::default() }).unwrap_err();
     assert!(err.to_string().contains("target \"x\" is not a number"), "{err}");

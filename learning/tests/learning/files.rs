@@ -22,7 +22,10 @@ fn npy_features_with_integer_labels_or_float_targets() {
     assert_eq!(&r.targets[..4], &[0.0, -0.0, 0.5, -1.0]);
     assert_eq!(r.features[1], 0.5);
     // Trains as a regression.
-    let spec = ModelSpec::from_json(r#"{"arch":"graph","input":[2,3],"task":"regression","layers":[{"type":"flatten"},{"type":"linear","out_features":2}]}"#).unwrap();
+    let spec = ModelSpec::from_json(
+        r#"{"arch":"graph","input":[2,3],"task":"regression","layers":[{"type":"flatten"},{"type":"linear","out_features":2}]}"#,
+    )
+    .unwrap();
     let g = fedfleet_learning::model::init_bundle(&spec, 1).unwrap();
     assert!(train_local(&spec, &g, &r, &TrainConfig::default(), 1).is_ok());
 }
@@ -75,7 +78,8 @@ fn image_folders_become_resized_chw_examples() {
     let red = image::RgbImage::from_pixel(4, 4, image::Rgb([255, 0, 0]));
     red.save(root.join("cats/a.png")).unwrap();
     let blue = image::RgbImage::from_pixel(6, 2, image::Rgb([0, 0, 255]));
-    blue.save(root.join("dogs/b.JPG")).unwrap_or_else(|_| blue.save_with_format(root.join("dogs/b.JPG"), image::ImageFormat::Jpeg).unwrap());
+    blue.save(root.join("dogs/b.JPG"))
+        .unwrap_or_else(|_| blue.save_with_format(root.join("dogs/b.JPG"), image::ImageFormat::Jpeg).unwrap());
     std::fs::write(root.join("dogs/notes.txt"), "not an image").unwrap();
     let opts = ImageFolderOptions::for_input(&[3, 2, 2]).unwrap();
     let (data, classes) = Dataset::load_image_folder(root, &opts).unwrap();

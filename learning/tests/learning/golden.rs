@@ -17,7 +17,8 @@ fn golden() -> Vec<(&'static str, String)> {
     let cnn = ModelSpec::digits_cnn();
     let cnn_data = small.clone().reshaped(vec![1, 8, 8]).unwrap();
     let sgd = TrainConfig { local_epochs: 2, batch_size: 32, learning_rate: 0.05, proximal_mu: 0.01, ..TrainConfig::default() };
-    let adam = TrainConfig { local_epochs: 1, batch_size: 32, learning_rate: 0.003, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
+    let adam =
+        TrainConfig { local_epochs: 1, batch_size: 32, learning_rate: 0.003, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
     let g_mlp = init_bundle(&mlp, 7).unwrap();
     let g_cnn = init_bundle(&cnn, 7).unwrap();
     vec![

@@ -6,8 +6,7 @@ use fedfleet_learning::finetune::{attach_adapters, base_spec, merge_lora, overla
 use fedfleet_learning::interop::{export_state_dict, import_state_dict};
 use fedfleet_learning::model::init_bundle;
 use fedfleet_learning::{
-    Dataset, LearningError, Model, ModelSpec, OptimizerConfig, Predictor, Task, TensorRole, TrainConfig, evaluate, sim,
-    train_local,
+    Dataset, LearningError, Model, ModelSpec, OptimizerConfig, Predictor, Task, TensorRole, TrainConfig, evaluate, sim, train_local,
 };
 use fedfleet_protocol::bundle::TensorBundle;
 
@@ -58,7 +57,8 @@ fn the_readme_example_trains_and_summarises() {
     let mut r = fedfleet_learning::rng::rng(3, 50);
     let n = 24;
     let features = (0..n * 3 * 16 * 16).map(|_| fedfleet_learning::rng::uniform(&mut r, 0.0, 1.0) as f32).collect();
-    let data = Dataset { features, labels: (0..n as u32).map(|i| i % 4).collect(), targets: vec![], shape: vec![3, 16, 16], num_classes: 4 };
+    let data =
+        Dataset { features, labels: (0..n as u32).map(|i| i % 4).collect(), targets: vec![], shape: vec![3, 16, 16], num_classes: 4 };
     let g = init_bundle(&spec, 1).unwrap();
     let cfg = TrainConfig { local_epochs: 1, batch_size: 8, ..TrainConfig::default() };
     let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
@@ -82,23 +82,32 @@ fn errors_name_the_layer() {
     let e = err(r#"{"arch":"graph","input":[4],"layers":[{"type":"linear","out_features":4},
         {"type":"residual","layers":[{"type":"linear","out_features":3}]}]}"#);
     assert!(e.contains(r#"layer 1 (residual "layers.1"): the block gives [3] but the shortcut gives [4]"#), "{e}");
-    let e = err(r#"{"arch":"graph","input":[4],"layers":[{"type":"residual","layers":[{"type":"conv2d","out_channels":3,"kernel_size":3}]}]}"#);
+    let e =
+        err(r#"{"arch":"graph","input":[4],"layers":[{"type":"residual","layers":[{"type":"conv2d","out_channels":3,"kernel_size":3}]}]}"#);
     assert!(e.contains(r#"layer 0.0 (conv2d "layers.0.layers.0"): expects input [channels, height, width] but gets [4]"#), "{e}");
     let e = err(r#"{"arch":"graph","input":[3,4,4],"layers":[{"type":"conv2d","out_channels":4,"kernel_size":7}]}"#);
     assert!(e.contains("layer 0 (conv2d") && e.contains("larger than the input"), "{e}");
     let e = err(r#"{"arch":"graph","input":[5,6],"layers":[{"type":"multihead_attention","num_heads":4}]}"#);
     assert!(e.contains("embed_dim 6 is not divisible by num_heads 4"), "{e}");
-    let e = err(r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":4},{"type":"embedding","num_embeddings":3,"embedding_dim":2}]}"#);
+    let e = err(
+        r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":4},{"type":"embedding","num_embeddings":3,"embedding_dim":2}]}"#,
+    );
     assert!(e.contains("layer 1 (embedding") && e.contains("first layer"), "{e}");
     let e = err(r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":1}]}"#);
     assert!(e.contains("classification needs an output of [classes >= 2]"), "{e}");
     let e = err(r#"{"arch":"graph","input":[5],"task":"reconstruction","layers":[{"type":"linear","out_features":4}]}"#);
     assert!(e.contains("shaped like the input [5]"), "{e}");
-    let e = err(r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","name":"a","out_features":5},{"type":"linear","name":"a","out_features":2}]}"#);
+    let e = err(
+        r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","name":"a","out_features":5},{"type":"linear","name":"a","out_features":2}]}"#,
+    );
     assert!(e.contains(r#"two tensors are called "a.weight""#), "{e}");
-    let e = err(r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":2}],"finetune":{"mode":"freeze","trainable":["head.*"]}}"#);
+    let e = err(
+        r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":2}],"finetune":{"mode":"freeze","trainable":["head.*"]}}"#,
+    );
     assert!(e.contains(r#"freeze pattern "head.*" matches no parameter"#), "{e}");
-    let e = err(r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":2}],"finetune":{"mode":"lora","rank":2,"alpha":4,"targets":["x*"]}}"#);
+    let e = err(
+        r#"{"arch":"graph","input":[5],"layers":[{"type":"linear","out_features":2}],"finetune":{"mode":"lora","rank":2,"alpha":4,"targets":["x*"]}}"#,
+    );
     assert!(e.contains(r#"lora target "x*" matches no linear or convolution layer"#), "{e}");
 }
 
@@ -171,13 +180,17 @@ fn regression_data() -> Dataset {
 
 #[test]
 fn regression_trains_and_reports_rmse_as_a_score() {
-    let spec = graph(r#"{"arch":"graph","input":[6],"task":"regression","layers":[
-        {"type":"linear","out_features":16},{"type":"tanh"},{"type":"linear","out_features":2}]}"#).unwrap();
+    let spec = graph(
+        r#"{"arch":"graph","input":[6],"task":"regression","layers":[
+        {"type":"linear","out_features":16},{"type":"tanh"},{"type":"linear","out_features":2}]}"#,
+    )
+    .unwrap();
     assert_eq!(spec.task(), Task::Regression);
     let data = regression_data();
     let g = init_bundle(&spec, 1).unwrap();
     let before = evaluate(&spec, &g, &data).unwrap();
-    let cfg = TrainConfig { local_epochs: 30, batch_size: 16, learning_rate: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
+    let cfg =
+        TrainConfig { local_epochs: 30, batch_size: 16, learning_rate: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
     let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     let after = evaluate(&spec, &sim::apply_delta(&g, &out.delta, 1.0).unwrap(), &data).unwrap();
     let (name, rmse, higher_better) = after.metric();
@@ -197,18 +210,18 @@ fn regression_trains_and_reports_rmse_as_a_score() {
 
 #[test]
 fn an_autoencoder_scores_outliers_higher() {
-    let spec = graph(r#"{"arch":"graph","input":[6],"task":"reconstruction","layers":[
-        {"type":"linear","out_features":3},{"type":"linear","out_features":6}]}"#).unwrap();
+    let spec = graph(
+        r#"{"arch":"graph","input":[6],"task":"reconstruction","layers":[
+        {"type":"linear","out_features":3},{"type":"linear","out_features":6}]}"#,
+    )
+    .unwrap();
     // Data on a 2-dimensional subspace of R^6; the outlier is off it.
     let base = regression_data();
-    let features: Vec<f32> = base
-        .features
-        .chunks(6)
-        .flat_map(|x| [x[0], x[1], x[0] + x[1], x[0] - x[1], 0.5 * x[0], -x[1]])
-        .collect();
+    let features: Vec<f32> = base.features.chunks(6).flat_map(|x| [x[0], x[1], x[0] + x[1], x[0] - x[1], 0.5 * x[0], -x[1]]).collect();
     let data = Dataset { features, labels: vec![0; 200], targets: vec![], shape: vec![6], num_classes: 2 };
     let g = init_bundle(&spec, 2).unwrap();
-    let cfg = TrainConfig { local_epochs: 40, batch_size: 16, learning_rate: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
+    let cfg =
+        TrainConfig { local_epochs: 40, batch_size: 16, learning_rate: 0.01, optimizer: OptimizerConfig::adam(), ..TrainConfig::default() };
     let out = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     let trained = sim::apply_delta(&g, &out.delta, 1.0).unwrap();
     let before = evaluate(&spec, &g, &data).unwrap();
@@ -271,7 +284,8 @@ fn lora_trains_only_adapters_and_merges_into_the_base_weights() {
     assert_eq!(bits(&fedfleet_learning::interop::import_pretrained(&lora, &file, 11).unwrap()), bits(&start));
     assert!(import_state_dict(&lora, &file).is_err(), "the adapters are missing from a base file");
     assert_eq!(bits(&merge_lora(&lora, &start).unwrap()), bits(&pre));
-    let out = train_local(&lora, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.02, ..TrainConfig::default() }, 2).unwrap();
+    let out =
+        train_local(&lora, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.02, ..TrainConfig::default() }, 2).unwrap();
     let names: Vec<_> = out.delta.layout().into_keys().collect();
     assert_eq!(names, ["body.lora_A", "body.lora_B", "head.lora_A", "head.lora_B"]);
     assert_eq!(out.delta.layout(), lora.update_layout());
@@ -285,8 +299,11 @@ fn lora_trains_only_adapters_and_merges_into_the_base_weights() {
     assert!(worst < 1e-4, "merged differs by {worst}");
     assert_ne!(bits(&merged), bits(&pre), "training moved the adapters");
     // Conv layers get adapters in peft's layout.
-    let conv = graph(r#"{"arch":"graph","input":[2,6,6],"layers":[{"type":"conv2d","name":"c","out_channels":4,"kernel_size":3},
-        {"type":"flatten"},{"type":"linear","name":"fc","out_features":3}],"finetune":{"mode":"lora","rank":2,"alpha":2,"targets":["c"]}}"#).unwrap();
+    let conv = graph(
+        r#"{"arch":"graph","input":[2,6,6],"layers":[{"type":"conv2d","name":"c","out_channels":4,"kernel_size":3},
+        {"type":"flatten"},{"type":"linear","name":"fc","out_features":3}],"finetune":{"mode":"lora","rank":2,"alpha":2,"targets":["c"]}}"#,
+    )
+    .unwrap();
     assert_eq!(conv.layout()["c.lora_A"], vec![2, 2, 3, 3]);
     assert_eq!(conv.layout()["c.lora_B"], vec![4, 2, 1, 1]);
     assert!(!conv.layout().contains_key("fc.lora_A"));
@@ -300,7 +317,8 @@ fn lora_also_trains_the_named_parameters_in_full_and_merges_them() {
     let update: Vec<_> = lora.update_layout().into_keys().collect();
     assert_eq!(update, ["body.lora_A", "body.lora_B", "head.bias", "head.weight"]);
     let start = attach_adapters(&lora, &init_bundle(&base, 4).unwrap(), 11).unwrap();
-    let out = train_local(&lora, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.05, ..TrainConfig::default() }, 2).unwrap();
+    let out =
+        train_local(&lora, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.05, ..TrainConfig::default() }, 2).unwrap();
     assert_eq!(out.delta.layout(), lora.update_layout());
     let tuned = sim::apply_update(&start, &out.delta, 1.0).unwrap();
     let merged = merge_lora(&lora, &tuned).unwrap();
@@ -322,7 +340,8 @@ fn ffa_lora_trains_and_sends_only_b_and_keeps_a_as_it_started() {
     assert_eq!(update, ["body.lora_B"]);
     assert_eq!(fedfleet_learning::ModelSpec::from_json(&ffa.to_json()).unwrap(), ffa, "freeze_a round-trips");
     let start = attach_adapters(&ffa, &init_bundle(&base, 4).unwrap(), 11).unwrap();
-    let out = train_local(&ffa, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.05, ..TrainConfig::default() }, 2).unwrap();
+    let out =
+        train_local(&ffa, &start, &train, &TrainConfig { local_epochs: 1, learning_rate: 0.05, ..TrainConfig::default() }, 2).unwrap();
     assert_eq!(out.delta.layout(), ffa.update_layout());
     let tuned = sim::apply_update(&start, &out.delta, 1.0).unwrap();
     assert_eq!(tuned.to_f32("body.lora_A"), start.to_f32("body.lora_A"));
@@ -382,8 +401,11 @@ fn sim_subset(from: &TensorBundle, like: &TensorBundle) -> TensorBundle {
 
 #[test]
 fn dropout_is_seeded_and_only_active_in_training() {
-    let spec = graph(r#"{"arch":"graph","input":[64],"layers":[{"type":"linear","out_features":32},{"type":"relu"},
-        {"type":"dropout","p":0.5},{"type":"linear","out_features":10}]}"#).unwrap();
+    let spec = graph(
+        r#"{"arch":"graph","input":[64],"layers":[{"type":"linear","out_features":32},{"type":"relu"},
+        {"type":"dropout","p":0.5},{"type":"linear","out_features":10}]}"#,
+    )
+    .unwrap();
     let (train, test) = Dataset::digits_split().unwrap();
     let g = init_bundle(&spec, 1).unwrap();
     let cfg = TrainConfig { local_epochs: 1, ..TrainConfig::default() };
@@ -397,8 +419,11 @@ fn dropout_is_seeded_and_only_active_in_training() {
 
 #[test]
 fn bad_token_ids_are_refused() {
-    let spec = graph(r#"{"arch":"graph","input":[3],"layers":[{"type":"embedding","num_embeddings":5,"embedding_dim":2},
-        {"type":"flatten"},{"type":"linear","out_features":2}]}"#).unwrap();
+    let spec = graph(
+        r#"{"arch":"graph","input":[3],"layers":[{"type":"embedding","num_embeddings":5,"embedding_dim":2},
+        {"type":"flatten"},{"type":"linear","out_features":2}]}"#,
+    )
+    .unwrap();
     let p = Predictor::new(&spec, &init_bundle(&spec, 1).unwrap()).unwrap();
     assert!(p.outputs(&[0.0, 4.0, 2.0], 1).is_ok());
     for bad in [[0.0, 5.0, 1.0], [0.5, 1.0, 1.0], [-1.0, 0.0, 0.0], [f32::NAN, 0.0, 0.0]] {
@@ -420,7 +445,11 @@ fn a_mismatched_state_dict_lists_every_problem() {
         let (dtype, shape, data) = match name.as_str() {
             "head.bias" => continue,
             "head.weight" => (Dtype::F32, vec![8, 4], v.data().to_vec()),
-            "stem.weight" => (Dtype::F64, v.shape().to_vec(), v.data().chunks(4).flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) as f64).to_le_bytes()).collect()),
+            "stem.weight" => (
+                Dtype::F64,
+                v.shape().to_vec(),
+                v.data().chunks(4).flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) as f64).to_le_bytes()).collect(),
+            ),
             "stem_bn.running_mean" => (Dtype::I32, v.shape().to_vec(), v.data().to_vec()),
             "stem_bn.num_batches_tracked" => (Dtype::F64, vec![], 0f64.to_le_bytes().to_vec()),
             _ => (v.dtype(), v.shape().to_vec(), v.data().to_vec()),

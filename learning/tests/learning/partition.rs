@@ -9,10 +9,7 @@ fn check_cover(parts: &[Vec<usize>], n: usize) {
 
 /// Mean over clients of the share of their most common label.
 fn mean_top_share(h: &[Vec<usize>]) -> f64 {
-    h.iter()
-        .filter(|c| c.iter().sum::<usize>() > 0)
-        .map(|c| *c.iter().max().unwrap() as f64 / c.iter().sum::<usize>() as f64)
-        .sum::<f64>()
+    h.iter().filter(|c| c.iter().sum::<usize>() > 0).map(|c| *c.iter().max().unwrap() as f64 / c.iter().sum::<usize>() as f64).sum::<f64>()
         / h.len() as f64
 }
 
@@ -38,11 +35,8 @@ fn dirichlet_small_alpha_is_visibly_skewed() {
         check_cover(p, n);
         assert!(p.iter().all(|c| c.len() >= 10), "{:?}", p.iter().map(Vec::len).collect::<Vec<_>>());
     }
-    let (hi, h5, h1) = (
-        label_histograms(&train.labels, 10, &iid),
-        label_histograms(&train.labels, 10, &d05),
-        label_histograms(&train.labels, 10, &d01),
-    );
+    let (hi, h5, h1) =
+        (label_histograms(&train.labels, 10, &iid), label_histograms(&train.labels, 10, &d05), label_histograms(&train.labels, 10, &d01));
     println!("Dirichlet(0.1) label histograms (client: counts for labels 0..9):");
     for (c, h) in h1.iter().enumerate() {
         println!("  {c:2}: {h:?}");

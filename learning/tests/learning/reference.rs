@@ -31,7 +31,8 @@ pub fn cases() -> Vec<Case> {
         .map(|c| {
             let name = c["name"].as_str().unwrap().to_string();
             let spec = ModelSpec::from_json(&c["spec"].to_string()).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let io = TensorBundle::decode(&std::fs::read(dir().join(format!("{name}.io.safetensors"))).unwrap(), &BundleLimits::default()).unwrap();
+            let io = TensorBundle::decode(&std::fs::read(dir().join(format!("{name}.io.safetensors"))).unwrap(), &BundleLimits::default())
+                .unwrap();
             let input_shape = io.get("input").unwrap().shape.clone();
             Case { name, spec, input: io.to_f32("input").unwrap(), input_shape, output: io.to_f32("output").unwrap() }
         })

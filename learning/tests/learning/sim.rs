@@ -19,10 +19,8 @@ fn fedavg_20_clients_dirichlet_05_reaches_92_percent() {
     let t = Instant::now();
     println!("FedAvg, digits MLP 64-64-10, 20 clients, Dirichlet(0.5), {:?}", cfg.train);
     println!("round  test_acc  test_loss  client_train_loss");
-    let (_, curve) = run_fedavg(&cfg, &train, &test, |r| {
-        println!("{:5}  {:8.4}  {:9.4}  {:17.4}", r.round, r.accuracy, r.loss, r.train_loss)
-    })
-    .unwrap();
+    let (_, curve) =
+        run_fedavg(&cfg, &train, &test, |r| println!("{:5}  {:8.4}  {:9.4}  {:17.4}", r.round, r.accuracy, r.loss, r.train_loss)).unwrap();
     let last = curve.last().unwrap().accuracy;
     println!("final test accuracy {last:.4} after {} rounds in {:.1?}", curve.len(), t.elapsed());
     assert_eq!(curve.len(), 30);

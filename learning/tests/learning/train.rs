@@ -3,8 +3,7 @@ use fedfleet_learning::eval::evaluate_model;
 use fedfleet_learning::model::init_bundle;
 use fedfleet_learning::train::OptimizerConfig;
 use fedfleet_learning::{
-    Dataset, LearningError, Model, ModelSpec, Predictor, ScaffoldState, TrainConfig, evaluate, sim,
-    train_local, train_local_scaffold,
+    Dataset, LearningError, Model, ModelSpec, Predictor, ScaffoldState, TrainConfig, evaluate, sim, train_local, train_local_scaffold,
 };
 
 #[test]
@@ -79,7 +78,14 @@ fn same_seed_same_weights_bit_for_bit() {
         let data = part.clone().reshaped(spec.input_shape().to_vec()).unwrap();
         let g = spec.init(9).to_bundle().unwrap();
         for opt in [OptimizerConfig::Sgd { momentum: 0.9 }, OptimizerConfig::adam()] {
-            let cfg = TrainConfig { local_epochs: 2, batch_size: 16, learning_rate: 0.01, optimizer: opt, proximal_mu: 0.1, ..TrainConfig::default() };
+            let cfg = TrainConfig {
+                local_epochs: 2,
+                batch_size: 16,
+                learning_rate: 0.01,
+                optimizer: opt,
+                proximal_mu: 0.1,
+                ..TrainConfig::default()
+            };
             let a = train_local(&spec, &g, &data, &cfg, 5).unwrap();
             let b = train_local(&spec, &g, &data, &cfg, 5).unwrap();
             assert_eq!(bits(&a.delta), bits(&b.delta), "{}", spec.arch());
@@ -118,7 +124,13 @@ fn scaffold_hooks() {
     let spec = ModelSpec::digits_mlp();
     let g = init_bundle(&spec, 4).unwrap();
     let zero = sim::scale(&g, 0.0).unwrap();
-    let cfg = TrainConfig { local_epochs: 1, batch_size: 20, learning_rate: 0.05, optimizer: OptimizerConfig::Sgd { momentum: 0.0 }, ..TrainConfig::default() };
+    let cfg = TrainConfig {
+        local_epochs: 1,
+        batch_size: 20,
+        learning_rate: 0.05,
+        optimizer: OptimizerConfig::Sgd { momentum: 0.0 },
+        ..TrainConfig::default()
+    };
     let plain = train_local(&spec, &g, &data, &cfg, 1).unwrap();
     let state = ScaffoldState { server_c: zero.clone(), client_c: zero.clone() };
     let (out, sc) = train_local_scaffold(&spec, &g, &data, &cfg, 1, &state).unwrap();

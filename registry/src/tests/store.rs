@@ -9,10 +9,7 @@ use crate::store::{NewVersion, Store, StoreConfig, StoreError};
 const CHUNK: u32 = 4096;
 
 fn cfg() -> StoreConfig {
-    StoreConfig {
-        chunk_size: CHUNK,
-        deep_check_on_open: true,
-    }
+    StoreConfig { chunk_size: CHUNK, deep_check_on_open: true }
 }
 
 fn meta(name: &str, parent: Option<u64>) -> NewVersion {
@@ -20,10 +17,7 @@ fn meta(name: &str, parent: Option<u64>) -> NewVersion {
         name: name.into(),
         spec: serde_json::json!({"arch": "mlp", "input": [1, 28, 28], "hidden": [128]}).into(),
         parent: parent.map(ModelVersion),
-        metrics: BTreeMap::from([(
-            "accuracy".to_string(),
-            0.9 + parent.unwrap_or(0) as f64 / 100.0,
-        )]),
+        metrics: BTreeMap::from([("accuracy".to_string(), 0.9 + parent.unwrap_or(0) as f64 / 100.0)]),
         created_at_unix_ms: 1_700_000_000_000 + parent.unwrap_or(0),
         publisher: "test".into(),
         adapter: None,
@@ -51,47 +45,30 @@ fn publish_and_read_back() {
     assert_eq!(m.model.length, 10_000);
     assert_eq!(m.model.digest, Digest::of(&bytes));
     assert_eq!(m.chunks.len(), 3);
-    assert_eq!(
-        m.chunks.iter().map(|c| c.len).collect::<Vec<_>>(),
-        vec![4096, 4096, 1808]
-    );
+    assert_eq!(m.chunks.iter().map(|c| c.len).collect::<Vec<_>>(), vec![4096, 4096, 1808]);
     assert_eq!(m.chunk_offset(2), 8192);
     assert_eq!(m.model.spec["arch"], "mlp");
     for (i, c) in m.chunks.iter().enumerate() {
         let off = m.chunk_offset(i) as usize;
-        assert_eq!(
-            store.chunk(&c.digest).unwrap(),
-            &bytes[off..off + c.len as usize]
-        );
+        assert_eq!(store.chunk(&c.digest).unwrap(), &bytes[off..off + c.len as usize]);
     }
     assert_eq!(store.read_artifact(&m.model.digest).unwrap(), bytes);
     assert_eq!(store.manifest("mnist", ModelVersion(1)).unwrap(), m);
 
     // Versions are monotonic per name; names are independent.
-    let m2 = store
-        .publish(meta("mnist", Some(1)), &blob(2, 5000))
-        .unwrap();
+    let m2 = store.publish(meta("mnist", Some(1)), &blob(2, 5000)).unwrap();
     assert_eq!(m2.model.version, ModelVersion(2));
     assert_eq!(m2.model.parent, Some(ModelVersion(1)));
     let other = store.publish(meta("kws", None), &blob(3, 100)).unwrap();
     assert_eq!(other.model.version, ModelVersion(1));
-    assert_eq!(
-        store.versions("mnist").unwrap(),
-        vec![ModelVersion(1), ModelVersion(2)]
-    );
+    assert_eq!(store.versions("mnist").unwrap(), vec![ModelVersion(1), ModelVersion(2)]);
     assert_eq!(store.latest("mnist").unwrap(), Some(ModelVersion(2)));
     assert_eq!(store.latest("nope").unwrap(), None);
-    assert_eq!(
-        store.models().unwrap(),
-        vec!["kws".to_string(), "mnist".to_string()]
-    );
+    assert_eq!(store.models().unwrap(), vec!["kws".to_string(), "mnist".to_string()]);
     // "mnist" must not see "mnist2"'s versions (prefix separation).
     store.publish(meta("mnist2", None), &blob(4, 10)).unwrap();
     assert_eq!(store.versions("mnist").unwrap().len(), 2);
-    assert!(matches!(
-        store.manifest("mnist", ModelVersion(9)),
-        Err(StoreError::UnknownVersion { .. })
-    ));
+    assert!(matches!(store.manifest("mnist", ModelVersion(9)), Err(StoreError::UnknownVersion { .. })));
 
     // Reopen: everything is still there.
     drop(store);
@@ -123,10 +100,7 @@ fn only_changed_chunks_are_missing() {
     let m4 = store.publish(meta("m", None), &v1).unwrap();
     assert_eq!((m4.model.version, m4.model.digest), (ModelVersion(4), m1.model.digest));
     let after = store.check(false).unwrap();
-    assert_eq!(
-        (after.artifacts, after.chunks),
-        (before.artifacts, before.chunks)
-    );
+    assert_eq!((after.artifacts, after.chunks), (before.artifacts, before.chunks));
 }
 
 #[test]
@@ -147,43 +121,18 @@ fn names_made_of_dots_or_starting_with_a_symbol_are_refused() {
 fn publish_rejects_bad_input() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), cfg()).unwrap();
-    assert!(matches!(
-        store.publish(meta("a/b", None), b"x"),
-        Err(StoreError::InvalidName { .. })
-    ));
-    assert!(matches!(
-        store.publish(meta("m", None), b""),
-        Err(StoreError::EmptyArtifact)
-    ));
-    assert!(matches!(
-        store.publish(meta("m", Some(7)), b"x"),
-        Err(StoreError::UnknownParent { .. })
-    ));
+    assert!(matches!(store.publish(meta("a/b", None), b"x"), Err(StoreError::InvalidName { .. })));
+    assert!(matches!(store.publish(meta("m", None), b""), Err(StoreError::EmptyArtifact)));
+    assert!(matches!(store.publish(meta("m", Some(7)), b"x"), Err(StoreError::UnknownParent { .. })));
     let mut nan = meta("m", None);
     nan.metrics.insert("loss".into(), f64::NAN);
-    assert!(matches!(
-        store.publish(nan, b"x"),
-        Err(StoreError::InvalidMetric(_))
-    ));
-    assert_eq!(
-        store.latest("m").unwrap(),
-        None,
-        "failed publishes leave no version"
-    );
+    assert!(matches!(store.publish(nan, b"x"), Err(StoreError::InvalidMetric(_))));
+    assert_eq!(store.latest("m").unwrap(), None, "failed publishes leave no version");
     // The refused parent left chunks but no version; gc reclaims them.
     assert_eq!(store.check(false).unwrap().versions, 0);
     assert!(store.gc().unwrap() >= 1);
     assert_eq!(store.check(false).unwrap().chunks, 0);
-    assert!(matches!(
-        Store::open(
-            dir.path().join("x"),
-            StoreConfig {
-                chunk_size: 0,
-                ..cfg()
-            }
-        ),
-        Err(StoreError::InvalidChunkSize(0))
-    ));
+    assert!(matches!(Store::open(dir.path().join("x"), StoreConfig { chunk_size: 0, ..cfg() }), Err(StoreError::InvalidChunkSize(0))));
 }
 
 #[test]
@@ -192,35 +141,14 @@ fn aliases_move() {
     let store = Store::open(dir.path(), cfg()).unwrap();
     store.publish(meta("m", None), &blob(1, 10)).unwrap();
     store.publish(meta("m", Some(1)), &blob(2, 10)).unwrap();
-    assert_eq!(
-        store.set_alias("m", "stable", ModelVersion(1)).unwrap(),
-        None
-    );
-    assert_eq!(
-        store.set_alias("m", "canary", ModelVersion(2)).unwrap(),
-        None
-    );
-    assert_eq!(
-        store.set_alias("m", "stable", ModelVersion(2)).unwrap(),
-        Some(ModelVersion(1))
-    );
+    assert_eq!(store.set_alias("m", "stable", ModelVersion(1)).unwrap(), None);
+    assert_eq!(store.set_alias("m", "canary", ModelVersion(2)).unwrap(), None);
+    assert_eq!(store.set_alias("m", "stable", ModelVersion(2)).unwrap(), Some(ModelVersion(1)));
     assert_eq!(store.alias("m", "stable").unwrap(), Some(ModelVersion(2)));
-    assert!(matches!(
-        store.set_alias("m", "stable", ModelVersion(3)),
-        Err(StoreError::UnknownVersion { .. })
-    ));
+    assert!(matches!(store.set_alias("m", "stable", ModelVersion(3)), Err(StoreError::UnknownVersion { .. })));
     assert_eq!(store.alias("m", "stable").unwrap(), Some(ModelVersion(2)));
-    assert_eq!(
-        store.aliases("m").unwrap(),
-        BTreeMap::from([
-            ("canary".into(), ModelVersion(2)),
-            ("stable".into(), ModelVersion(2))
-        ])
-    );
-    assert_eq!(
-        store.remove_alias("m", "canary").unwrap(),
-        Some(ModelVersion(2))
-    );
+    assert_eq!(store.aliases("m").unwrap(), BTreeMap::from([("canary".into(), ModelVersion(2)), ("stable".into(), ModelVersion(2))]));
+    assert_eq!(store.remove_alias("m", "canary").unwrap(), Some(ModelVersion(2)));
     assert_eq!(store.alias("m", "canary").unwrap(), None);
     drop(store);
     let store = Store::open(dir.path(), cfg()).unwrap();
@@ -234,18 +162,10 @@ fn chunk_reads_verify_digest() {
     let m = store.publish(meta("m", None), &blob(1, 9000)).unwrap();
     let c = m.chunks[1].digest;
     store.chunks.insert(c.0, vec![7u8; 4096]).unwrap();
-    assert!(
-        matches!(store.chunk(&c), Err(StoreError::CorruptChunk { expected, .. }) if expected == c)
-    );
-    assert!(matches!(
-        store.read_artifact(&m.model.digest),
-        Err(StoreError::CorruptChunk { .. })
-    ));
+    assert!(matches!(store.chunk(&c), Err(StoreError::CorruptChunk { expected, .. }) if expected == c));
+    assert!(matches!(store.read_artifact(&m.model.digest), Err(StoreError::CorruptChunk { .. })));
     assert!(matches!(store.check(true), Err(StoreError::Corrupt { .. })));
-    assert!(matches!(
-        store.chunk(&Digest::of(b"nope")),
-        Err(StoreError::MissingChunk(_))
-    ));
+    assert!(matches!(store.chunk(&Digest::of(b"nope")), Err(StoreError::MissingChunk(_))));
     drop(store);
     // A deep check on open refuses the store.
     let err = Store::open(dir.path(), cfg()).unwrap_err();
@@ -262,24 +182,14 @@ fn inconsistent_store_is_refused_on_open() {
     drop(store);
     let err = Store::open(dir.path(), cfg()).unwrap_err();
     assert!(matches!(err, StoreError::Inconsistent { .. }), "{err}");
-    assert!(
-        err.to_string().contains("Restore it from a backup"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("Restore it from a backup"), "{err}");
 }
 
 #[test]
 fn damaged_files_are_refused_not_replaced_by_an_empty_store() {
     let dir = tempfile::tempdir().unwrap();
     {
-        let store = Store::open(
-            dir.path(),
-            StoreConfig {
-                chunk_size: 512,
-                ..cfg()
-            },
-        )
-        .unwrap();
+        let store = Store::open(dir.path(), StoreConfig { chunk_size: 512, ..cfg() }).unwrap();
         for i in 0..4 {
             store.publish(meta("m", None), &blob(i, 20_000)).unwrap();
         }
@@ -303,21 +213,14 @@ fn damaged_files_are_refused_not_replaced_by_an_empty_store() {
         let f = f.unwrap();
         if f.file_name() != "COMMIT" {
             let p = f.path();
-            if p.is_dir() {
-                std::fs::remove_dir_all(p).unwrap()
-            } else {
-                std::fs::remove_file(p).unwrap()
-            }
+            if p.is_dir() { std::fs::remove_dir_all(p).unwrap() } else { std::fs::remove_file(p).unwrap() }
         }
     }
     let err = Store::open(dir.path(), cfg()).unwrap_err();
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
     // A garbled marker is refused, not ignored.
     std::fs::write(dir.path().join("COMMIT"), "garbage").unwrap();
-    assert!(matches!(
-        Store::open(dir.path(), cfg()),
-        Err(StoreError::Corrupt { .. })
-    ));
+    assert!(matches!(Store::open(dir.path(), cfg()), Err(StoreError::Corrupt { .. })));
 }
 
 #[test]
@@ -342,10 +245,7 @@ fn commit_sequence_tracks_every_commit() {
     std::fs::write(dir.path().join("COMMIT"), "fedfleet-registry-commit 99\n").unwrap();
     let err = Store::open(dir.path(), cfg()).unwrap_err();
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
-    assert!(
-        err.to_string().contains("acknowledged data was lost"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("acknowledged data was lost"), "{err}");
 }
 
 #[test]
@@ -377,10 +277,7 @@ const CHILD_ENV: &str = "FEDFLEET_REGISTRY_CRASH_CHILD";
 const DIR_ENV: &str = "FEDFLEET_REGISTRY_CRASH_DIR";
 
 fn fault(stage: usize) {
-    let at: usize = std::env::var("FEDFLEET_REGISTRY_CRASH_AT")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let at: usize = std::env::var("FEDFLEET_REGISTRY_CRASH_AT").unwrap().parse().unwrap();
     if stage == at {
         std::process::abort();
     }
@@ -397,20 +294,13 @@ fn crash_child() {
     match mode.as_str() {
         "abort" => {
             store.fault = Some(fault);
-            store
-                .publish(meta("m", Some(1)), &blob(2, 5 * CHUNK as usize))
-                .unwrap();
+            store.publish(meta("m", Some(1)), &blob(2, 5 * CHUNK as usize)).unwrap();
             unreachable!("the fault hook aborts");
         }
         "loop" => {
             use std::io::Write;
             for i in 0u64.. {
-                let m = store
-                    .publish(
-                        meta("m", None),
-                        &blob((i % 251) as u8, 3 * CHUNK as usize + 17),
-                    )
-                    .unwrap();
+                let m = store.publish(meta("m", None), &blob((i % 251) as u8, 3 * CHUNK as usize + 17)).unwrap();
                 if i % 3 == 0 {
                     store.set_alias("m", "stable", m.model.version).unwrap();
                 }
@@ -424,16 +314,11 @@ fn crash_child() {
 
 fn child(mode: &str, dir: &std::path::Path, crash_at: &str) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args([
-        "--exact",
-        "tests::store::crash_child",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD_ENV, mode)
-    .env(DIR_ENV, dir)
-    .env("FEDFLEET_REGISTRY_CRASH_AT", crash_at)
-    .stdin(Stdio::null());
+    c.args(["--exact", "tests::store::crash_child", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, mode)
+        .env(DIR_ENV, dir)
+        .env("FEDFLEET_REGISTRY_CRASH_AT", crash_at)
+        .stdin(Stdio::null());
     c
 }
 
@@ -442,10 +327,7 @@ fn assert_consistent(store: &Store) {
     for name in store.models().unwrap() {
         for v in store.versions(&name).unwrap() {
             let m = store.manifest(&name, v).unwrap();
-            assert_eq!(
-                Digest::of(&store.read_artifact(&m.model.digest).unwrap()),
-                m.model.digest
-            );
+            assert_eq!(Digest::of(&store.read_artifact(&m.model.digest).unwrap()), m.model.digest);
         }
     }
     assert!(rep.versions > 0);
@@ -461,37 +343,20 @@ fn crash_between_chunks_and_commit_leaves_no_version() {
             let store = Store::open(dir.path(), cfg()).unwrap();
             store.publish(meta("m", None), &blob(1, 10_000)).unwrap();
         }
-        let status = child("abort", dir.path(), crash_at)
-            .stderr(Stdio::null())
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
+        let status = child("abort", dir.path(), crash_at).stderr(Stdio::null()).stdout(Stdio::null()).status().unwrap();
         assert!(!status.success(), "child must have died");
         #[cfg(unix)]
         {
             use std::os::unix::process::ExitStatusExt;
-            assert_eq!(
-                status.signal(),
-                Some(6),
-                "child aborted (SIGABRT), status {status:?}"
-            );
+            assert_eq!(status.signal(), Some(6), "child aborted (SIGABRT), status {status:?}");
         }
         let store = Store::open(dir.path(), cfg()).unwrap();
-        assert_eq!(
-            store.versions("m").unwrap(),
-            vec![ModelVersion(1)],
-            "crash at {crash_at}"
-        );
+        assert_eq!(store.versions("m").unwrap(), vec![ModelVersion(1)], "crash at {crash_at}");
         assert_eq!(store.latest("m").unwrap(), Some(ModelVersion(1)));
-        assert!(matches!(
-            store.manifest("m", ModelVersion(2)),
-            Err(StoreError::UnknownVersion { .. })
-        ));
+        assert!(matches!(store.manifest("m", ModelVersion(2)), Err(StoreError::UnknownVersion { .. })));
         assert_consistent(&store);
         // The same publish now succeeds and reuses whatever chunks the crash left.
-        let m = store
-            .publish(meta("m", Some(1)), &blob(2, 5 * CHUNK as usize))
-            .unwrap();
+        let m = store.publish(meta("m", Some(1)), &blob(2, 5 * CHUNK as usize)).unwrap();
         assert_eq!(m.model.version, ModelVersion(2));
         assert_eq!(store.check(true).unwrap().orphan_chunks, 0);
         assert_consistent(&store);
@@ -501,11 +366,7 @@ fn crash_between_chunks_and_commit_leaves_no_version() {
 #[test]
 fn sigkill_during_publish_loop_keeps_every_acknowledged_version() {
     let dir = tempfile::tempdir().unwrap();
-    let mut proc = child("loop", dir.path(), "none")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut proc = child("loop", dir.path(), "none").stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
     let out = BufReader::new(proc.stdout.take().unwrap());
     let mut last = 0u64;
     for line in out.lines() {
@@ -522,14 +383,8 @@ fn sigkill_during_publish_loop_keeps_every_acknowledged_version() {
     assert!(last >= 8, "child stopped early");
     let store = Store::open(dir.path(), cfg()).unwrap();
     let latest = store.latest("m").unwrap().unwrap();
-    assert!(
-        latest.0 >= last,
-        "acknowledged v{last} lost; latest is v{latest}"
-    );
-    assert_eq!(
-        store.versions("m").unwrap(),
-        (1..=latest.0).map(ModelVersion).collect::<Vec<_>>()
-    );
+    assert!(latest.0 >= last, "acknowledged v{last} lost; latest is v{latest}");
+    assert_eq!(store.versions("m").unwrap(), (1..=latest.0).map(ModelVersion).collect::<Vec<_>>());
     assert!(store.alias("m", "stable").unwrap().is_some());
     assert_consistent(&store);
     let m = store.publish(meta("m", None), b"after the crash").unwrap();

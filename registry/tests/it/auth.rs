@@ -1,7 +1,7 @@
+use crate::support::unix_ms;
 use fedfleet_certs::{ALPN_V1, tls};
 use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, RejectReason};
 use fedfleet_registry::client::ClientError;
-use crate::support::unix_ms;
 use fedfleet_registry::wire::AdminRequest;
 
 use crate::support::{Harness, bytes, deadline};
@@ -35,20 +35,11 @@ async fn identities_are_enforced() {
         let e = dev.admin(AdminRequest::List).await.unwrap_err();
         assert!(matches!(e, ClientError::Denied(_)), "{e}");
         let intruder = h.client(h.service_tls("intruder"));
-        assert!(matches!(
-            intruder.admin(AdminRequest::List).await.unwrap_err(),
-            ClientError::Denied(_)
-        ));
+        assert!(matches!(intruder.admin(AdminRequest::List).await.unwrap_err(), ClientError::Denied(_)));
         // A service cannot report as a device or ask for an assignment.
         let op = h.client(h.service_tls("operator"));
-        assert!(matches!(
-            op.report(&idle("dev-1", "test-fleet")).await.unwrap_err(),
-            ClientError::Denied(_)
-        ));
-        assert!(matches!(
-            op.assignment("m").await.unwrap_err(),
-            ClientError::Denied(_)
-        ));
+        assert!(matches!(op.report(&idle("dev-1", "test-fleet")).await.unwrap_err(), ClientError::Denied(_)));
+        assert!(matches!(op.assignment("m").await.unwrap_err(), ClientError::Denied(_)));
         // The operator can.
         let list = op.admin(AdminRequest::List).await.unwrap();
         assert_eq!(list["models"][0]["name"], "m");
@@ -65,17 +56,10 @@ async fn identities_are_enforced() {
         dev.report(&idle("dev-1", "test-fleet")).await.unwrap();
 
         // Unknown things are named as such.
-        assert!(matches!(
-            dev.manifest("nope", fedfleet_protocol::ModelVersion(1))
-                .await
-                .unwrap_err(),
-            ClientError::NotFound(_)
-        ));
+        assert!(matches!(dev.manifest("nope", fedfleet_protocol::ModelVersion(1)).await.unwrap_err(), ClientError::NotFound(_)));
 
         // Revocation takes effect on the next handshake, named from the TLS alert.
-        h.pki
-            .revoke(&DeviceId::new("dev-1").unwrap(), "stolen")
-            .unwrap();
+        h.pki.revoke(&DeviceId::new("dev-1").unwrap(), "stolen").unwrap();
         let mut again = h.client(h.device_tls_no_enroll("dev-1"));
         again.max_retries = 1;
         match again.metadata(0).await.unwrap_err() {
@@ -85,10 +69,7 @@ async fn identities_are_enforced() {
 
         let m = h.reg.metrics();
         assert!(m.get("fedfleet_registry_rejections_total", "denied") >= 4);
-        assert_eq!(
-            m.get("fedfleet_registry_rejections_total", "identity_mismatch"),
-            1
-        );
+        assert_eq!(m.get("fedfleet_registry_rejections_total", "identity_mismatch"), 1);
         h.stop().await;
     })
     .await;

@@ -1,8 +1,8 @@
 use std::sync::atomic::Ordering;
 
+use crate::support::unix_ms;
 use fedfleet_registry::client::{DirChunkCache, MemChunkCache};
 use fedfleet_registry::tuf::Verifier;
-use crate::support::unix_ms;
 
 use crate::support::{CHUNK, Harness, bytes, deadline, v};
 
@@ -25,16 +25,9 @@ async fn cut_at_random_offset_resumes_to_the_exact_artifact() {
         let dest = tmp.path().join("model.bin");
         let c = h.device("dev-1");
         let r = c.download("m", v(1), &mut cache, &dest).await.unwrap();
-        assert_eq!(
-            std::fs::read(&dest).unwrap(),
-            data,
-            "exact artifact after the cut"
-        );
+        assert_eq!(std::fs::read(&dest).unwrap(), data, "exact artifact after the cut");
         assert!(r.reconnects >= 1, "{r:?}");
-        assert_eq!(
-            r.bytes_fetched, LEN as u64,
-            "each chunk verified and stored once: {r:?}"
-        );
+        assert_eq!(r.bytes_fetched, LEN as u64, "each chunk verified and stored once: {r:?}");
         assert!(r.wire_bytes >= LEN as u64);
         h.stop().await;
     })
@@ -62,9 +55,7 @@ async fn resume_across_a_restart_fetches_only_the_rest() {
         }
         // Chunks delivered before the cut are in the cache (QUIC drops data in flight on close,
         // so that is up to 20 of them).
-        let held = std::fs::read_dir(tmp.path().join("chunks"))
-            .unwrap()
-            .count() as u64;
+        let held = std::fs::read_dir(tmp.path().join("chunks")).unwrap().count() as u64;
         eprintln!("{held} chunks cached before the cut");
         assert!(held <= 20);
         // "Restart": a new client and cache handle over the same directory.
@@ -97,10 +88,7 @@ async fn corrupt_chunks_are_detected_and_refetched() {
         assert_eq!(r.corrupt_on_arrival, 3, "{r:?}");
         assert_eq!(r.bytes_fetched, LEN as u64);
         let chunks = LEN.div_ceil(CHUNK as usize) as u64;
-        assert_eq!(
-            h.reg.metrics().chunks_served.get(),
-            chunks + 3
-        );
+        assert_eq!(h.reg.metrics().chunks_served.get(), chunks + 3);
 
         // In the cache: a chunk file rots on disk; assembly notices and refetches just it.
         let m = c.manifest("m", v(1)).await.unwrap();
@@ -111,11 +99,7 @@ async fn corrupt_chunks_are_detected_and_refetched() {
         let dest2 = tmp.path().join("b.bin");
         let r = c.download("m", v(1), &mut cache, &dest2).await.unwrap();
         assert_eq!(std::fs::read(&dest2).unwrap(), data);
-        assert_eq!(
-            (r.corrupt_in_cache, r.chunks_fetched, r.bytes_fetched),
-            (1, 1, CHUNK as u64),
-            "{r:?}"
-        );
+        assert_eq!((r.corrupt_in_cache, r.chunks_fetched, r.bytes_fetched), (1, 1, CHUNK as u64), "{r:?}");
         h.stop().await;
     })
     .await;
@@ -136,16 +120,11 @@ async fn delta_download_moves_only_the_missing_chunks() {
         let tmp = tempfile::tempdir().unwrap();
         let mut cache = MemChunkCache::default();
         let c = h.device("dev-1");
-        c.download("m", v(1), &mut cache, &tmp.path().join("v1"))
-            .await
-            .unwrap();
+        c.download("m", v(1), &mut cache, &tmp.path().join("v1")).await.unwrap();
         let served_before = h.reg.metrics().bytes_served.get();
         let wire_before = c.wire_bytes();
 
-        let r = c
-            .download("m", v(2), &mut cache, &tmp.path().join("v2"))
-            .await
-            .unwrap();
+        let r = c.download("m", v(2), &mut cache, &tmp.path().join("v2")).await.unwrap();
         assert_eq!(std::fs::read(tmp.path().join("v2")).unwrap(), v2);
         let served = h.reg.metrics().bytes_served.get() - served_before;
         let wire = c.wire_bytes() - wire_before;
@@ -196,10 +175,7 @@ async fn concurrent_agents_and_verified_metadata() {
                 // The byte-range API the agent's trait uses.
                 let part = c.read_range("m", v(1), 70_000, 100_000).await.unwrap();
                 assert_eq!(part, data[70_000..170_000]);
-                let tail = c
-                    .read_range("m", v(1), data.len() as u64 - 10, 100)
-                    .await
-                    .unwrap();
+                let tail = c.read_range("m", v(1), data.len() as u64 - 10, 100).await.unwrap();
                 assert_eq!(tail, data[data.len() - 10..]);
                 c.close().await;
             }));
@@ -208,10 +184,7 @@ async fn concurrent_agents_and_verified_metadata() {
             t.await.unwrap();
         }
         let text = h.reg.metrics().render();
-        assert!(
-            text.contains("fedfleet_registry_requests_total{kind=\"chunks\"}"),
-            "{text}"
-        );
+        assert!(text.contains("fedfleet_registry_requests_total{kind=\"chunks\"}"), "{text}");
         h.stop().await;
     })
     .await;

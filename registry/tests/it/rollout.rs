@@ -1,11 +1,9 @@
-use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, ModelRef};
-use fedfleet_registry::rollout::{Phase, Reason};
 use crate::support::unix_ms;
+use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, ModelRef};
 use fedfleet_registry::client::RegistryClient;
+use fedfleet_registry::rollout::{Phase, Reason};
 use fedfleet_registry::tuf::Root;
-use fedfleet_registry::wire::{
-    AdminRequest, AssignmentBody, AssignmentError, AssignmentSource, RolloutCommand, RolloutStart,
-};
+use fedfleet_registry::wire::{AdminRequest, AssignmentBody, AssignmentError, AssignmentSource, RolloutCommand, RolloutStart};
 
 use crate::support::{Harness, bytes, deadline, v};
 
@@ -41,25 +39,13 @@ async fn signed_assignments_follow_the_rollout() {
         let op = h.client(h.service_tls("operator"));
         let a = h.device("dev-a");
         let b = h.device("dev-b");
-        let (ida, idb) = (
-            DeviceId::new("dev-a").unwrap(),
-            DeviceId::new("dev-b").unwrap(),
-        );
+        let (ida, idb) = (DeviceId::new("dev-a").unwrap(), DeviceId::new("dev-b").unwrap());
 
         // Nothing aliased yet.
         let body = assigned(&a, &root, &ida).await;
-        assert_eq!(
-            (body.target, body.source),
-            (None, AssignmentSource::Nothing)
-        );
+        assert_eq!((body.target, body.source), (None, AssignmentSource::Nothing));
 
-        op.admin(AdminRequest::AliasSet {
-            name: "m".into(),
-            alias: "stable".into(),
-            version: v(1),
-        })
-        .await
-        .unwrap();
+        op.admin(AdminRequest::AliasSet { name: "m".into(), alias: "stable".into(), version: v(1) }).await.unwrap();
         let body = assigned(&a, &root, &ida).await;
         assert_eq!(body.target.as_ref().map(|t| t.version), Some(v(1)));
         assert_eq!(body.target.as_ref().unwrap().digest, m1.model.digest);
@@ -74,10 +60,7 @@ async fn signed_assignments_follow_the_rollout() {
                 model: "m".into(),
                 alias: "stable".into(),
                 target: v(2),
-                phases: vec![
-                    Phase::cohort("canary", [ida.clone()], 3_600_000),
-                    Phase::percent(100.0, 0),
-                ],
+                phases: vec![Phase::cohort("canary", [ida.clone()], 3_600_000), Phase::percent(100.0, 0)],
                 failure_threshold: 0.0,
                 min_sample: 1,
             }))
@@ -86,50 +69,25 @@ async fn signed_assignments_follow_the_rollout() {
         assert_eq!(out["status"], "running");
         let sa = a.assignment("m").await.unwrap();
         let body = sa.verify(&root, &ida, unix_ms()).unwrap();
-        assert_eq!(
-            body.target.as_ref().map(|t| (t.version, t.digest)),
-            Some((v(2), m2.model.digest))
-        );
-        assert_eq!(
-            body.source,
-            AssignmentSource::Rollout {
-                id: "r1".into(),
-                reason: Reason::InRollout { phase: 0 }
-            }
-        );
+        assert_eq!(body.target.as_ref().map(|t| (t.version, t.digest)), Some((v(2), m2.model.digest)));
+        assert_eq!(body.source, AssignmentSource::Rollout { id: "r1".into(), reason: Reason::InRollout { phase: 0 } });
         let bb = assigned(&b, &root, &idb).await;
         assert_eq!(bb.target.map(|t| t.version), Some(v(1)));
 
         // Signed for dev-a only, by the timestamp key, and it expires.
-        assert!(matches!(
-            sa.verify(&root, &idb, unix_ms()),
-            Err(AssignmentError::WrongDevice { .. })
-        ));
-        assert!(matches!(
-            sa.verify(&root, &ida, body.expires_unix_ms),
-            Err(AssignmentError::Expired { .. })
-        ));
+        assert!(matches!(sa.verify(&root, &idb, unix_ms()), Err(AssignmentError::WrongDevice { .. })));
+        assert!(matches!(sa.verify(&root, &ida, body.expires_unix_ms), Err(AssignmentError::Expired { .. })));
         let mut forged = sa.clone();
         let n = forged.body.len();
         forged.body[n - 3] ^= 1;
-        assert!(matches!(
-            forged.verify(&root, &ida, unix_ms()),
-            Err(AssignmentError::UnderThreshold { .. })
-        ));
+        assert!(matches!(forged.verify(&root, &ida, unix_ms()), Err(AssignmentError::UnderThreshold { .. })));
 
-        let r2 = ModelRef {
-            name: "m".into(),
-            version: v(2),
-            digest: m2.model.digest,
-        };
+        let r2 = ModelRef { name: "m".into(), version: v(2), digest: m2.model.digest };
         // dev-a's disk is full: a deferred install is recorded, but it is no verdict on v2 (the
         // rollout runs on, nothing failed) and dev-a stays assigned v2, to retry.
         a.report(&status(
             "dev-a",
-            DeviceState::InstallDeferred {
-                fault: fedfleet_protocol::StorageFault::DiskFull,
-                detail: "no space left on device".into(),
-            },
+            DeviceState::InstallDeferred { fault: fedfleet_protocol::StorageFault::DiskFull, detail: "no space left on device".into() },
             Some(r2.clone()),
         ))
         .await
@@ -140,46 +98,20 @@ async fn signed_assignments_follow_the_rollout() {
         assert_eq!(body.target.map(|t| t.version), Some(v(2)));
 
         // dev-a fails the health check: the failure rate (1/1) passes the threshold → auto-abort.
-        a.report(&status("dev-a", DeviceState::Downloaded, Some(r2.clone())))
-            .await
-            .unwrap();
-        a.report(&status(
-            "dev-a",
-            DeviceState::Failed {
-                reason: "nan in outputs".into(),
-            },
-            Some(r2.clone()),
-        ))
-        .await
-        .unwrap();
+        a.report(&status("dev-a", DeviceState::Downloaded, Some(r2.clone()))).await.unwrap();
+        a.report(&status("dev-a", DeviceState::Failed { reason: "nan in outputs".into() }, Some(r2.clone()))).await.unwrap();
         let st = rollout_status(&op, "r1").await;
         assert_eq!(st["status"], "aborted", "{st}");
         assert_eq!(st["failed"], 1);
         let body = assigned(&a, &root, &ida).await;
         assert_eq!(body.target.map(|t| t.version), Some(v(1)));
-        assert_eq!(
-            h.reg
-                .metrics()
-                .get("fedfleet_registry_rollout_events_total", "auto_aborted"),
-            1
-        );
+        assert_eq!(h.reg.metrics().get("fedfleet_registry_rollout_events_total", "auto_aborted"), 1);
 
         // Operator views.
-        let dev = op
-            .admin(AdminRequest::DeviceStatus {
-                device: Some("dev-a".into()),
-            })
-            .await
-            .unwrap();
+        let dev = op.admin(AdminRequest::DeviceStatus { device: Some("dev-a".into()) }).await.unwrap();
         assert_eq!(dev["state"], "failed");
         assert_eq!(dev["reason"], "nan in outputs");
-        let e = op
-            .admin(AdminRequest::Rollout {
-                id: "r1".into(),
-                command: RolloutCommand::Pause,
-            })
-            .await
-            .unwrap_err();
+        let e = op.admin(AdminRequest::Rollout { id: "r1".into(), command: RolloutCommand::Pause }).await.unwrap_err();
         assert!(e.to_string().contains("cannot pause"), "{e}");
 
         // A second rollout that completes moves the alias; rollback moves it back.
@@ -197,12 +129,7 @@ async fn signed_assignments_follow_the_rollout() {
         assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(2)));
         let bb = assigned(&b, &root, &idb).await;
         assert_eq!(bb.target.map(|t| t.version), Some(v(2)));
-        op.admin(AdminRequest::Rollout {
-            id: "r2".into(),
-            command: RolloutCommand::Rollback,
-        })
-        .await
-        .unwrap();
+        op.admin(AdminRequest::Rollout { id: "r2".into(), command: RolloutCommand::Rollback }).await.unwrap();
         assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(1)));
         h.stop().await;
     })

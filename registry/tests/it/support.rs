@@ -37,11 +37,7 @@ impl Harness {
         let dir = tempfile::tempdir().unwrap();
         let fleet = FleetId::new("test-fleet").unwrap();
         let pki = services::fleet_pki(&dir.path().join("pki"), &fleet, &["registry", "operator", "intruder"], &[], 30).unwrap();
-        let setup = RegistrySetup {
-            operators: vec!["operator".into()],
-            chunk_size: CHUNK,
-            ..Default::default()
-        };
+        let setup = RegistrySetup { operators: vec!["operator".into()], chunk_size: CHUNK, ..Default::default() };
         let running = RunningRegistry::start(&pki, &dir.path().join("data"), setup).unwrap();
         Harness { addr: running.addr, reg: running.reg.clone(), faults: running.faults.clone(), dir, pki, running }
     }
@@ -102,9 +98,7 @@ pub fn v(n: u64) -> ModelVersion {
 
 /// Runs a test body with an overall deadline.
 pub async fn deadline<F: std::future::Future<Output = ()>>(secs: u64, f: F) {
-    tokio::time::timeout(Duration::from_secs(secs), f)
-        .await
-        .expect("test timed out");
+    tokio::time::timeout(Duration::from_secs(secs), f).await.expect("test timed out");
 }
 
 impl Harness {

@@ -86,7 +86,15 @@ impl Backend for Exact {
     }
     fn sign(&self, a: &Vec<f64>) -> Vec<f64> {
         a.iter()
-            .map(|&x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { 0.0 })
+            .map(|&x| {
+                if x > 0.0 {
+                    1.0
+                } else if x < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                }
+            })
             .collect()
     }
 }

@@ -71,9 +71,7 @@ pub enum FoldError {
     ShapeMismatch { expected: usize, got: usize },
     #[error("element {index} is NaN or infinite")]
     NonFinite { index: usize },
-    #[error(
-        "element {index}: |weight x delta| = {value:e} is at or above the fixed-point range 2^52"
-    )]
+    #[error("element {index}: |weight x delta| = {value:e} is at or above the fixed-point range 2^52")]
     OutOfRange { index: usize, value: f64 },
     #[error("weight {0} is outside 1..=2^24")]
     BadWeight(u64),
@@ -95,11 +93,7 @@ pub struct PartialSum {
 impl PartialSum {
     /// An empty sum over a model of `dim` coordinates.
     pub fn new(dim: usize) -> Self {
-        PartialSum {
-            sums: vec![0; dim],
-            total_weight: 0,
-            count: 0,
-        }
+        PartialSum { sums: vec![0; dim], total_weight: 0, count: 0 }
     }
     pub fn dim(&self) -> usize {
         self.sums.len()
@@ -137,10 +131,7 @@ impl PartialSum {
     pub fn fold_scaled(&mut self, delta: &[f32], weight: u64, scale: f64) -> Result<(), FoldError> {
         check_weight(weight)?;
         if delta.len() != self.sums.len() {
-            return Err(FoldError::ShapeMismatch {
-                expected: self.sums.len(),
-                got: delta.len(),
-            });
+            return Err(FoldError::ShapeMismatch { expected: self.sums.len(), got: delta.len() });
         }
         if self.count + 1 > MAX_FOLDS {
             return Err(FoldError::TooManyFolds);
@@ -164,10 +155,7 @@ impl PartialSum {
     /// Adds another partial sum (a relay's, or a shard's). Exact.
     pub fn merge(&mut self, other: &PartialSum) -> Result<(), FoldError> {
         if other.sums.len() != self.sums.len() {
-            return Err(FoldError::ShapeMismatch {
-                expected: self.sums.len(),
-                got: other.sums.len(),
-            });
+            return Err(FoldError::ShapeMismatch { expected: self.sums.len(), got: other.sums.len() });
         }
         if self.count + other.count > MAX_FOLDS {
             return Err(FoldError::TooManyFolds);
@@ -186,10 +174,7 @@ impl PartialSum {
             return Err(FoldError::Empty);
         }
         if out.len() != self.sums.len() {
-            return Err(FoldError::ShapeMismatch {
-                expected: self.sums.len(),
-                got: out.len(),
-            });
+            return Err(FoldError::ShapeMismatch { expected: self.sums.len(), got: out.len() });
         }
         // Σw ≤ 2^50, so Σw·2^48 is exact in f64.
         let denom = self.total_weight as f64 * SCALE;
@@ -208,11 +193,7 @@ impl PartialSum {
 }
 
 pub fn check_weight(weight: u64) -> Result<(), FoldError> {
-    if weight == 0 || weight > MAX_WEIGHT {
-        Err(FoldError::BadWeight(weight))
-    } else {
-        Ok(())
-    }
+    if weight == 0 || weight > MAX_WEIGHT { Err(FoldError::BadWeight(weight)) } else { Ok(()) }
 }
 
 /// The grid value of one element, as an `i128`, and whether it is in range.
@@ -264,10 +245,7 @@ fn first_bad(delta: &[f32], ws: f64) -> FoldError {
         // d and ws are finite and |ws·d| < 2^200: x is finite.
         let x = ws * d as f64;
         if x.abs() >= LIMIT_UNITS {
-            return FoldError::OutOfRange {
-                index,
-                value: x / SCALE,
-            };
+            return FoldError::OutOfRange { index, value: x / SCALE };
         }
     }
     unreachable!("add_chunk flagged an element that is in range")
@@ -311,19 +289,10 @@ mod tests {
         bad[9_000] = f32::NAN; // in the third chunk: two chunks must be undone
         assert_eq!(s.fold(&bad, 2), Err(FoldError::NonFinite { index: 9_000 }));
         bad[9_000] = 1e30;
-        assert!(matches!(
-            s.fold(&bad, 2),
-            Err(FoldError::OutOfRange { index: 9_000, .. })
-        ));
+        assert!(matches!(s.fold(&bad, 2), Err(FoldError::OutOfRange { index: 9_000, .. })));
         assert_eq!(s.fold(&good, 0), Err(FoldError::BadWeight(0)));
-        assert_eq!(
-            s.fold(&good, MAX_WEIGHT + 1),
-            Err(FoldError::BadWeight(MAX_WEIGHT + 1))
-        );
-        assert!(matches!(
-            s.fold(&good[1..], 1),
-            Err(FoldError::ShapeMismatch { .. })
-        ));
+        assert_eq!(s.fold(&good, MAX_WEIGHT + 1), Err(FoldError::BadWeight(MAX_WEIGHT + 1)));
+        assert!(matches!(s.fold(&good[1..], 1), Err(FoldError::ShapeMismatch { .. })));
         assert_eq!(s, before);
     }
 

@@ -90,12 +90,7 @@ impl ClientConfig {
 
 impl Default for ClientConfig {
     fn default() -> Self {
-        ClientConfig {
-            local_epochs: 1,
-            batch_size: 32,
-            learning_rate: 0.1,
-            proximal_mu: 0.0,
-        }
+        ClientConfig { local_epochs: 1, batch_size: 32, learning_rate: 0.1, proximal_mu: 0.0 }
     }
 }
 
@@ -115,11 +110,7 @@ pub enum StrategyError {
     #[error(transparent)]
     Spill(#[from] SpillError),
     #[error("{strategy} needs at least {need} updates, got {got}")]
-    TooFewUpdates {
-        strategy: &'static str,
-        need: usize,
-        got: usize,
-    },
+    TooFewUpdates { strategy: &'static str, need: usize, got: usize },
     #[error("global model has {got} elements, the strategy was built for {expected}")]
     GlobalShape { expected: usize, got: usize },
     #[error("invalid strategy parameter: {0}")]
@@ -321,15 +312,11 @@ impl ServerStrategy {
                 client.proximal_mu = proximal_mu;
                 plain(client, mean())
             }
-            StrategyConfig::ClippedFedAvg { client, clip_norm } => {
-                plain(client, A::ClippedMean(ClippedMean::new(dim, clip_norm)?))
-            }
+            StrategyConfig::ClippedFedAvg { client, clip_norm } => plain(client, A::ClippedMean(ClippedMean::new(dim, clip_norm)?)),
             StrategyConfig::FedAdam { client, params } => adaptive(client, FedOptKind::Adam, params)?,
             StrategyConfig::FedYogi { client, params } => adaptive(client, FedOptKind::Yogi, params)?,
             StrategyConfig::FedAdagrad { client, params } => adaptive(client, FedOptKind::Adagrad, params)?,
-            StrategyConfig::Median { client, max_updates } => {
-                plain(client, A::Median(Median::new(MemorySpill::new(dim, max_updates))))
-            }
+            StrategyConfig::Median { client, max_updates } => plain(client, A::Median(Median::new(MemorySpill::new(dim, max_updates)))),
             StrategyConfig::TrimmedMean { client, trim_fraction, max_updates } => {
                 plain(client, A::TrimmedMean(TrimmedMean::new(trim_fraction, MemorySpill::new(dim, max_updates))?))
             }

@@ -54,36 +54,15 @@ pub struct FedOptParams {
 impl FedOptParams {
     /// Flower's FedAdam defaults: η = 0.1, η_l = 0.1, β₁ = 0.9, β₂ = 0.99, τ = 1e-9.
     pub fn adam() -> Self {
-        FedOptParams {
-            eta: 0.1,
-            eta_l: 0.1,
-            beta_1: 0.9,
-            beta_2: 0.99,
-            tau: 1e-9,
-            bias_correction: false,
-        }
+        FedOptParams { eta: 0.1, eta_l: 0.1, beta_1: 0.9, beta_2: 0.99, tau: 1e-9, bias_correction: false }
     }
     /// Flower's FedYogi defaults: η = 0.01, η_l = 0.0316, β₁ = 0.9, β₂ = 0.99, τ = 1e-3.
     pub fn yogi() -> Self {
-        FedOptParams {
-            eta: 1e-2,
-            eta_l: 0.0316,
-            beta_1: 0.9,
-            beta_2: 0.99,
-            tau: 1e-3,
-            bias_correction: false,
-        }
+        FedOptParams { eta: 1e-2, eta_l: 0.0316, beta_1: 0.9, beta_2: 0.99, tau: 1e-3, bias_correction: false }
     }
     /// Flower's FedAdagrad defaults: η = 0.1, η_l = 0.1, β₁ = 0, τ = 1e-9.
     pub fn adagrad() -> Self {
-        FedOptParams {
-            eta: 0.1,
-            eta_l: 0.1,
-            beta_1: 0.0,
-            beta_2: 0.0,
-            tau: 1e-9,
-            bias_correction: false,
-        }
+        FedOptParams { eta: 0.1, eta_l: 0.1, beta_1: 0.0, beta_2: 0.0, tau: 1e-9, bias_correction: false }
     }
     pub(crate) fn validate(&self) -> Result<(), StrategyError> {
         let ok = self.eta.is_finite()
@@ -94,13 +73,7 @@ impl FedOptParams {
             && (0.0..1.0).contains(&self.beta_2)
             && self.tau.is_finite()
             && self.tau > 0.0;
-        if ok {
-            Ok(())
-        } else {
-            Err(StrategyError::BadParameter(format!(
-                "FedOpt parameters out of range: {self:?}"
-            )))
-        }
+        if ok { Ok(()) } else { Err(StrategyError::BadParameter(format!("FedOpt parameters out of range: {self:?}"))) }
     }
 }
 

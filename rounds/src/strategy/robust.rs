@@ -76,13 +76,7 @@ pub struct MemorySpill {
 
 impl MemorySpill {
     pub fn new(dim: usize, max_updates: usize) -> Self {
-        MemorySpill {
-            dim,
-            max_updates,
-            data: Vec::new(),
-            weights: Vec::new(),
-            keys: Vec::new(),
-        }
+        MemorySpill { dim, max_updates, data: Vec::new(), weights: Vec::new(), keys: Vec::new() }
     }
 }
 
@@ -98,15 +92,10 @@ impl SpillStore for MemorySpill {
     }
     fn push(&mut self, delta: &[f32], weight: u64, key: [u8; 32]) -> Result<(), SpillError> {
         if self.len() >= self.max_updates {
-            return Err(SpillError::Full {
-                capacity: self.max_updates,
-            });
+            return Err(SpillError::Full { capacity: self.max_updates });
         }
         if delta.len() != self.dim {
-            return Err(SpillError::ShapeMismatch {
-                expected: self.dim,
-                got: delta.len(),
-            });
+            return Err(SpillError::ShapeMismatch { expected: self.dim, got: delta.len() });
         }
         self.data.extend_from_slice(delta);
         self.weights.push(weight);
@@ -173,11 +162,7 @@ impl<R: HoldsEveryUpdate> Aggregation for R {
 /// Validates and pushes one update with its content key.
 fn spill<S: SpillStore>(store: &mut S, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
     if delta.len() != store.dim() {
-        return Err(SpillError::ShapeMismatch {
-            expected: store.dim(),
-            got: delta.len(),
-        }
-        .into());
+        return Err(SpillError::ShapeMismatch { expected: store.dim(), got: delta.len() }.into());
     }
     if let Some(index) = delta.iter().position(|x| !x.is_finite()) {
         return Err(SpillError::NonFinite { index }.into());
@@ -203,10 +188,7 @@ fn canonical_order<S: SpillStore>(store: &S) -> Vec<usize> {
 
 /// Walks the coordinates in blocks: `f(offset, width, rows)` where `rows[r*width..(r+1)*width]`
 /// is block `offset..offset+width` of the `r`-th update in canonical order.
-fn for_each_block<S: SpillStore>(
-    store: &S,
-    mut f: impl FnMut(usize, usize, &[f32]),
-) -> Result<(), StrategyError> {
+fn for_each_block<S: SpillStore>(store: &S, mut f: impl FnMut(usize, usize, &[f32])) -> Result<(), StrategyError> {
     let n = store.len();
     let dim = store.dim();
     let order = canonical_order(store);
@@ -225,10 +207,7 @@ fn for_each_block<S: SpillStore>(
 }
 
 /// Applies a per-coordinate statistic of the sorted column to every coordinate.
-fn coordinatewise<S: SpillStore>(
-    store: &S,
-    mut stat: impl FnMut(&[f32]) -> f64,
-) -> Result<Vec<f64>, StrategyError> {
+fn coordinatewise<S: SpillStore>(store: &S, mut stat: impl FnMut(&[f32]) -> f64) -> Result<Vec<f64>, StrategyError> {
     let n = store.len();
     let mut out = vec![0f64; store.dim()];
     let mut col = vec![0f32; n];
@@ -268,19 +247,10 @@ impl<S: SpillStore> HoldsEveryUpdate for Median<S> {
     fn combine(&self) -> Result<Vec<f64>, StrategyError> {
         let n = self.store.len();
         if n == 0 {
-            return Err(StrategyError::TooFewUpdates {
-                strategy: Self::NAME,
-                need: 1,
-                got: 0,
-            });
+            return Err(StrategyError::TooFewUpdates { strategy: Self::NAME, need: 1, got: 0 });
         }
-        let med = coordinatewise(&self.store, |c| {
-            if n % 2 == 1 {
-                c[n / 2] as f64
-            } else {
-                (c[n / 2 - 1] as f64 + c[n / 2] as f64) / 2.0
-            }
-        })?;
+        let med =
+            coordinatewise(&self.store, |c| if n % 2 == 1 { c[n / 2] as f64 } else { (c[n / 2 - 1] as f64 + c[n / 2] as f64) / 2.0 })?;
         Ok(med)
     }
 }
@@ -296,14 +266,9 @@ pub struct TrimmedMean<S> {
 impl<S: SpillStore> TrimmedMean<S> {
     pub fn new(trim_fraction: f64, store: S) -> Result<Self, StrategyError> {
         if !(0.0..0.5).contains(&trim_fraction) {
-            return Err(StrategyError::BadParameter(format!(
-                "trim_fraction must be in [0, 0.5), got {trim_fraction}"
-            )));
+            return Err(StrategyError::BadParameter(format!("trim_fraction must be in [0, 0.5), got {trim_fraction}")));
         }
-        Ok(TrimmedMean {
-            trim_fraction,
-            store,
-        })
+        Ok(TrimmedMean { trim_fraction, store })
     }
 }
 
@@ -320,16 +285,10 @@ impl<S: SpillStore> HoldsEveryUpdate for TrimmedMean<S> {
         let n = self.store.len();
         let k = (self.trim_fraction * n as f64).floor() as usize;
         if n == 0 || n <= 2 * k {
-            return Err(StrategyError::TooFewUpdates {
-                strategy: Self::NAME,
-                need: 2 * k + 1,
-                got: n,
-            });
+            return Err(StrategyError::TooFewUpdates { strategy: Self::NAME, need: 2 * k + 1, got: n });
         }
         let kept = (n - 2 * k) as f64;
-        let mean = coordinatewise(&self.store, |c| {
-            c[k..n - k].iter().map(|&x| x as f64).sum::<f64>() / kept
-        })?;
+        let mean = coordinatewise(&self.store, |c| c[k..n - k].iter().map(|&x| x as f64).sum::<f64>() / kept)?;
         Ok(mean)
     }
 }
@@ -345,21 +304,11 @@ pub struct Krum<S> {
 }
 
 impl<S: SpillStore> Krum<S> {
-    pub fn new(
-        byzantine: usize,
-        select: usize,
-        store: S,
-    ) -> Result<Self, StrategyError> {
+    pub fn new(byzantine: usize, select: usize, store: S) -> Result<Self, StrategyError> {
         if select == 0 {
-            return Err(StrategyError::BadParameter(
-                "krum select must be >= 1".into(),
-            ));
+            return Err(StrategyError::BadParameter("krum select must be >= 1".into()));
         }
-        Ok(Krum {
-            byzantine,
-            select,
-            store,
-        })
+        Ok(Krum { byzantine, select, store })
     }
 
     /// Indices (into the store) of the selected updates, best first.
@@ -367,11 +316,7 @@ impl<S: SpillStore> Krum<S> {
         let n = self.store.len();
         let need = (2 * self.byzantine + 3).max(self.select);
         if n < need {
-            return Err(StrategyError::TooFewUpdates {
-                strategy: Self::NAME,
-                need,
-                got: n,
-            });
+            return Err(StrategyError::TooFewUpdates { strategy: Self::NAME, need, got: n });
         }
         let order = canonical_order(&self.store);
         let mut dist = vec![0f64; n * n];
@@ -380,11 +325,7 @@ impl<S: SpillStore> Krum<S> {
                 let ra = &rows[a * w..(a + 1) * w];
                 for b in a + 1..n {
                     let rb = &rows[b * w..(b + 1) * w];
-                    let d: f64 = ra
-                        .iter()
-                        .zip(rb)
-                        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-                        .sum();
+                    let d: f64 = ra.iter().zip(rb).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
                     dist[a * n + b] += d;
                     dist[b * n + a] += d;
                 }
@@ -402,10 +343,7 @@ impl<S: SpillStore> Krum<S> {
             .collect();
         // Ties break on canonical position, i.e. on content: never on arrival order.
         scores.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
-        Ok(scores[..self.select]
-            .iter()
-            .map(|&(_, a)| order[a])
-            .collect())
+        Ok(scores[..self.select].iter().map(|&(_, a)| order[a]).collect())
     }
 }
 
@@ -459,15 +397,9 @@ mod tests {
         })
         .unwrap();
         assert_eq!(seen, 1);
-        assert!(matches!(
-            spill(&mut s, &[f32::NAN, 0.0, 0.0], 1),
-            Err(StrategyError::Spill(SpillError::NonFinite { index: 0 }))
-        ));
+        assert!(matches!(spill(&mut s, &[f32::NAN, 0.0, 0.0], 1), Err(StrategyError::Spill(SpillError::NonFinite { index: 0 }))));
         let mut full = MemorySpill::new(1, 1);
         spill(&mut full, &[1.0], 1).unwrap();
-        assert!(matches!(
-            spill(&mut full, &[1.0], 1),
-            Err(StrategyError::Spill(SpillError::Full { capacity: 1 }))
-        ));
+        assert!(matches!(spill(&mut full, &[1.0], 1), Err(StrategyError::Spill(SpillError::Full { capacity: 1 }))));
     }
 }

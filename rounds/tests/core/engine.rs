@@ -3,8 +3,8 @@
 
 use std::collections::BTreeSet;
 
-use fedfleet_rounds::*;
 use fedfleet_protocol::{DeviceId, Digest, FleetId, ModelVersion, RoundId, Selection};
+use fedfleet_rounds::*;
 
 const T0: Millis = 1_700_000_000_000;
 const MIN: u64 = 60_000;
@@ -43,9 +43,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
         base_version: ModelVersion(1),
         base_digest: base(),
         client: ClientConfig::default(),
-        selection: fedfleet_rounds::Invitation::Explicit {
-            devices: (0..devices).map(dev).collect(),
-        },
+        selection: fedfleet_rounds::Invitation::Explicit { devices: (0..devices).map(dev).collect() },
         policy,
         seed: [42; 32],
         max_consecutive_failures: 3,
@@ -55,9 +53,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
 fn engine_with(spec: CampaignSpec) -> (RoundEngine, OpenedRound) {
     let mut e = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
     e.start_campaign(T0, spec).unwrap();
-    let Some(EngineEvent::RoundOpened(a)) = e.poll_event() else {
-        panic!("round must open")
-    };
+    let Some(EngineEvent::RoundOpened(a)) = e.poll_event() else { panic!("round must open") };
     assert_eq!(e.poll_event(), None);
     (e, a)
 }
@@ -89,67 +85,29 @@ fn round_closes_early_at_target_and_stragglers_are_stale() {
     assert_eq!(a.deadline, T0 + 10 * MIN);
     assert_eq!(e.poll_timeout(), Some(T0 + 10 * MIN));
     for (i, d) in [4, 1, 7].into_iter().enumerate() {
-        let acc = e
-            .handle_update(T0 + 1000 * i as u64, meta(d, a.round, 0))
-            .unwrap();
+        let acc = e.handle_update(T0 + 1000 * i as u64, meta(d, a.round, 0)).unwrap();
         assert_eq!(acc.accepted, i as u32 + 1);
         assert_eq!(acc.closed_round, i == 2);
     }
     let ev = events(&mut e);
-    let [
-        EngineEvent::RoundClosed {
-            round,
-            cause,
-            contributions,
-            base_digest,
-            ..
-        },
-    ] = &ev[..]
-    else {
-        panic!("{ev:?}")
-    };
-    assert_eq!(
-        (*round, *cause, *base_digest),
-        (RoundId(1), CloseCause::TargetReached, base())
-    );
+    let [EngineEvent::RoundClosed { round, cause, contributions, base_digest, .. }] = &ev[..] else { panic!("{ev:?}") };
+    assert_eq!((*round, *cause, *base_digest), (RoundId(1), CloseCause::TargetReached, base()));
     let devices: Vec<_> = contributions.iter().map(|c| c.device.clone()).collect();
     assert_eq!(devices, vec![dev(1), dev(4), dev(7)], "sorted by device id");
     assert_eq!(contributions[0].weight, 11);
-    assert_eq!(
-        e.poll_timeout(),
-        None,
-        "nothing to time out while the model is finalized"
-    );
+    assert_eq!(e.poll_timeout(), None, "nothing to time out while the model is finalized");
     // A straggler of the closed round.
-    assert_eq!(
-        reason(e.handle_update(T0 + 5000, meta(2, RoundId(1), 0))),
-        RejectReason::StaleRound
-    );
+    assert_eq!(reason(e.handle_update(T0 + 5000, meta(2, RoundId(1), 0))), RejectReason::StaleRound);
     assert_eq!(e.awaiting_model(), Some(RoundId(1)));
     // Publishing opens round 2 on the new base; round-1 updates stay stale.
     let v2 = Digest::of(b"model v2");
-    e.model_ready(T0 + 6000, RoundId(1), ModelVersion(2), v2)
-        .unwrap();
+    e.model_ready(T0 + 6000, RoundId(1), ModelVersion(2), v2).unwrap();
     let ev = events(&mut e);
-    let [EngineEvent::RoundOpened(a2)] = &ev[..] else {
-        panic!("{ev:?}")
-    };
-    assert_eq!(
-        (a2.round, a2.base_version, a2.base_digest),
-        (RoundId(2), ModelVersion(2), v2)
-    );
-    assert_eq!(
-        reason(e.handle_update(T0 + 7000, meta(2, RoundId(1), 1))),
-        RejectReason::StaleRound
-    );
-    assert_eq!(
-        reason(e.handle_update(T0 + 7000, meta(2, RoundId(2), 2))),
-        RejectReason::WrongBaseModel
-    );
-    assert_eq!(
-        reason(e.handle_update(T0 + 7000, meta(2, RoundId(3), 3))),
-        RejectReason::UnknownRound
-    );
+    let [EngineEvent::RoundOpened(a2)] = &ev[..] else { panic!("{ev:?}") };
+    assert_eq!((a2.round, a2.base_version, a2.base_digest), (RoundId(2), ModelVersion(2), v2));
+    assert_eq!(reason(e.handle_update(T0 + 7000, meta(2, RoundId(1), 1))), RejectReason::StaleRound);
+    assert_eq!(reason(e.handle_update(T0 + 7000, meta(2, RoundId(2), 2))), RejectReason::WrongBaseModel);
+    assert_eq!(reason(e.handle_update(T0 + 7000, meta(2, RoundId(3), 3))), RejectReason::UnknownRound);
 }
 
 #[test]
@@ -161,9 +119,7 @@ fn quorum_met_at_deadline_closes() {
     assert!(events(&mut e).is_empty());
     e.handle_timeout(a.deadline);
     let ev = events(&mut e);
-    assert!(
-        matches!(&ev[..], [EngineEvent::RoundClosed { cause: CloseCause::Deadline, contributions, .. }] if contributions.len() == 2)
-    );
+    assert!(matches!(&ev[..], [EngineEvent::RoundClosed { cause: CloseCause::Deadline, contributions, .. }] if contributions.len() == 2));
 }
 
 #[test]
@@ -172,47 +128,18 @@ fn quorum_not_met_extends_once_then_fails_and_never_hangs() {
     e.handle_update(T0 + 1, meta(0, a.round, 0)).unwrap();
     e.handle_timeout(a.deadline);
     let ev = events(&mut e);
-    assert_eq!(
-        ev,
-        vec![EngineEvent::RoundExtended {
-            round: a.round,
-            deadline: a.deadline + 2 * MIN,
-            accepted: 1
-        }]
-    );
+    assert_eq!(ev, vec![EngineEvent::RoundExtended { round: a.round, deadline: a.deadline + 2 * MIN, accepted: 1 }]);
     assert_eq!(e.poll_timeout(), Some(a.deadline + 2 * MIN));
     // Updates during the extension count.
-    e.handle_update(a.deadline + 10, meta(1, a.round, 0))
-        .unwrap();
+    e.handle_update(a.deadline + 10, meta(1, a.round, 0)).unwrap();
     e.handle_timeout(a.deadline + 2 * MIN);
     let ev = events(&mut e);
-    assert_eq!(
-        ev[0],
-        EngineEvent::RoundFailed {
-            round: a.round,
-            reason: FailReason::QuorumNotMet {
-                accepted: 2,
-                quorum: 3
-            }
-        }
-    );
-    assert_eq!(
-        FailReason::QuorumNotMet {
-            accepted: 2,
-            quorum: 3
-        }
-        .as_str(),
-        "quorum_not_met"
-    );
+    assert_eq!(ev[0], EngineEvent::RoundFailed { round: a.round, reason: FailReason::QuorumNotMet { accepted: 2, quorum: 3 } });
+    assert_eq!(FailReason::QuorumNotMet { accepted: 2, quorum: 3 }.as_str(), "quorum_not_met");
     // The campaign goes on with a fresh round on the same base.
-    let EngineEvent::RoundOpened(a2) = &ev[1] else {
-        panic!("{ev:?}")
-    };
+    let EngineEvent::RoundOpened(a2) = &ev[1] else { panic!("{ev:?}") };
     assert_eq!((a2.round, a2.base_digest), (RoundId(2), base()));
-    assert_eq!(
-        reason(e.handle_update(a.deadline + 3 * MIN, meta(3, a.round, 0))),
-        RejectReason::StaleRound
-    );
+    assert_eq!(reason(e.handle_update(a.deadline + 3 * MIN, meta(3, a.round, 0))), RejectReason::StaleRound);
 }
 
 #[test]
@@ -221,13 +148,7 @@ fn a_late_shell_processes_extension_and_failure_in_one_call() {
     e.handle_timeout(a.deadline + 60 * MIN);
     let ev = events(&mut e);
     assert!(matches!(ev[0], EngineEvent::RoundExtended { .. }));
-    assert!(matches!(
-        ev[1],
-        EngineEvent::RoundFailed {
-            reason: FailReason::QuorumNotMet { accepted: 0, .. },
-            ..
-        }
-    ));
+    assert!(matches!(ev[1], EngineEvent::RoundFailed { reason: FailReason::QuorumNotMet { accepted: 0, .. }, .. }));
     assert!(matches!(&ev[2], EngineEvent::RoundOpened(r) if r.opened_at == a.deadline + 60 * MIN));
 }
 
@@ -240,18 +161,11 @@ fn too_many_failures_end_the_campaign() {
         e.handle_timeout(now);
     }
     let ev = events(&mut e);
-    let fails = ev
-        .iter()
-        .filter(|x| matches!(x, EngineEvent::RoundFailed { .. }))
-        .count();
+    let fails = ev.iter().filter(|x| matches!(x, EngineEvent::RoundFailed { .. })).count();
     assert_eq!(fails, 3);
     assert_eq!(
         ev.last(),
-        Some(&EngineEvent::CampaignFinished {
-            campaign: CampaignId(7),
-            outcome: CampaignOutcome::TooManyFailures,
-            rounds_completed: 0
-        })
+        Some(&EngineEvent::CampaignFinished { campaign: CampaignId(7), outcome: CampaignOutcome::TooManyFailures, rounds_completed: 0 })
     );
     assert_eq!(e.poll_timeout(), None);
     assert_eq!(e.campaign_id(), None);
@@ -262,17 +176,8 @@ fn late_update_after_deadline_is_stale_even_before_handle_timeout() {
     let (mut e, a) = engine_with(spec(10, policy(5, 1, 0)));
     e.handle_update(T0 + 5, meta(0, a.round, 0)).unwrap();
     // The shell did not call handle_timeout; the update arrives at the deadline.
-    assert_eq!(
-        reason(e.handle_update(a.deadline, meta(1, a.round, 0))),
-        RejectReason::StaleRound
-    );
-    assert!(matches!(
-        events(&mut e)[..],
-        [EngineEvent::RoundClosed {
-            cause: CloseCause::Deadline,
-            ..
-        }]
-    ));
+    assert_eq!(reason(e.handle_update(a.deadline, meta(1, a.round, 0))), RejectReason::StaleRound);
+    assert!(matches!(events(&mut e)[..], [EngineEvent::RoundClosed { cause: CloseCause::Deadline, .. }]));
 }
 
 #[test]
@@ -280,18 +185,9 @@ fn duplicates_replays_and_admission_reasons() {
     let (mut e, a) = engine_with(spec(10, policy(8, 2, 0)));
     let r = a.round;
     e.handle_update(T0, meta(1, r, 0)).unwrap();
-    assert_eq!(
-        reason(e.handle_update(T0, meta(1, r, 1))),
-        RejectReason::Duplicate
-    );
-    assert_eq!(
-        reason(e.handle_update(T0, meta(1, r, 0))),
-        RejectReason::Replay
-    );
-    assert_eq!(
-        reason(e.handle_update(T0, meta(99, r, 0))),
-        RejectReason::NotSelected
-    );
+    assert_eq!(reason(e.handle_update(T0, meta(1, r, 1))), RejectReason::Duplicate);
+    assert_eq!(reason(e.handle_update(T0, meta(1, r, 0))), RejectReason::Replay);
+    assert_eq!(reason(e.handle_update(T0, meta(99, r, 0))), RejectReason::NotSelected);
     let mut m = meta(2, r, 0);
     m.fleet = FleetId::new("other").unwrap();
     assert_eq!(reason(e.handle_update(T0, m)), RejectReason::WrongFleet);
@@ -307,25 +203,13 @@ fn duplicates_replays_and_admission_reasons() {
     e.handle_timeout(a.deadline);
     let closed = events(&mut e);
     assert!(matches!(closed[..], [EngineEvent::RoundClosed { .. }]));
-    e.model_ready(a.deadline, r, ModelVersion(2), base())
-        .unwrap();
+    e.model_ready(a.deadline, r, ModelVersion(2), base()).unwrap();
     let ev = events(&mut e);
-    let [EngineEvent::RoundOpened(a2)] = &ev[..] else {
-        panic!()
-    };
-    assert_eq!(
-        reason(e.handle_update(a.deadline + 1, meta(1, a2.round, 0))),
-        RejectReason::Replay
-    );
-    e.handle_update(a.deadline + 1, meta(1, a2.round, 5))
-        .unwrap();
-    let err = e
-        .handle_update(a.deadline + 1, meta(1, a2.round, 6))
-        .unwrap_err();
-    assert_eq!(
-        (err.reason, err.current_round),
-        (RejectReason::Duplicate, Some(a2.round))
-    );
+    let [EngineEvent::RoundOpened(a2)] = &ev[..] else { panic!() };
+    assert_eq!(reason(e.handle_update(a.deadline + 1, meta(1, a2.round, 0))), RejectReason::Replay);
+    e.handle_update(a.deadline + 1, meta(1, a2.round, 5)).unwrap();
+    let err = e.handle_update(a.deadline + 1, meta(1, a2.round, 6)).unwrap_err();
+    assert_eq!((err.reason, err.current_round), (RejectReason::Duplicate, Some(a2.round)));
     assert_eq!(err.reason.as_str(), "duplicate");
 }
 
@@ -339,48 +223,21 @@ fn revoked_device_mid_round_keeps_its_accepted_update_and_is_refused_after() {
     assert_eq!(
         events(&mut e),
         vec![
-            EngineEvent::DeviceRevoked {
-                device: dev(1),
-                contributed_to: Some(a.round)
-            },
-            EngineEvent::DeviceRevoked {
-                device: dev(2),
-                contributed_to: None
-            },
+            EngineEvent::DeviceRevoked { device: dev(1), contributed_to: Some(a.round) },
+            EngineEvent::DeviceRevoked { device: dev(2), contributed_to: None },
         ]
     );
-    assert_eq!(
-        reason(e.handle_update(T0 + 1, meta(2, a.round, 0))),
-        RejectReason::Revoked
-    );
-    assert_eq!(
-        reason(e.handle_update(T0 + 1, meta(1, a.round, 9))),
-        RejectReason::Revoked
-    );
+    assert_eq!(reason(e.handle_update(T0 + 1, meta(2, a.round, 0))), RejectReason::Revoked);
+    assert_eq!(reason(e.handle_update(T0 + 1, meta(1, a.round, 9))), RejectReason::Revoked);
     e.handle_update(T0 + 2, meta(3, a.round, 0)).unwrap();
     e.handle_timeout(a.deadline);
     let ev = events(&mut e);
-    let [EngineEvent::RoundClosed { contributions, .. }] = &ev[..] else {
-        panic!("{ev:?}")
-    };
-    assert_eq!(
-        contributions
-            .iter()
-            .map(|c| c.device.clone())
-            .collect::<Vec<_>>(),
-        vec![dev(1), dev(3)]
-    );
+    let [EngineEvent::RoundClosed { contributions, .. }] = &ev[..] else { panic!("{ev:?}") };
+    assert_eq!(contributions.iter().map(|c| c.device.clone()).collect::<Vec<_>>(), vec![dev(1), dev(3)]);
     // Compromised key: the operator aborts the closed round instead of publishing it.
-    e.abort_round(a.deadline, a.round, "dev-00001 compromised")
-        .unwrap();
+    e.abort_round(a.deadline, a.round, "dev-00001 compromised").unwrap();
     let ev = events(&mut e);
-    assert!(matches!(
-        &ev[0],
-        EngineEvent::RoundFailed {
-            reason: FailReason::Aborted { .. },
-            ..
-        }
-    ));
+    assert!(matches!(&ev[0], EngineEvent::RoundFailed { reason: FailReason::Aborted { .. }, .. }));
     assert!(matches!(&ev[1], EngineEvent::RoundOpened(_)));
     e.reinstate(&dev(2));
     assert!(!e.is_revoked(&dev(2)));
@@ -390,10 +247,7 @@ fn revoked_device_mid_round_keeps_its_accepted_update_and_is_refused_after() {
 fn rate_sampling_is_deterministic_and_close_to_the_rate() {
     let devices: Vec<DeviceId> = (0..20_000).map(dev).collect();
     let pick = |seed: u64, rate: f64| -> BTreeSet<DeviceId> {
-        let sel = Selection::Sample {
-            rate_ppm: rate_to_ppm(rate),
-            seed,
-        };
+        let sel = Selection::Sample { rate_ppm: rate_to_ppm(rate), seed };
         devices.iter().filter(|d| sel.selects(d)).cloned().collect()
     };
     let seed = round_seed(&[1; 32], RoundId(5));
@@ -405,10 +259,7 @@ fn rate_sampling_is_deterministic_and_close_to_the_rate() {
     let other = pick(round_seed(&[1; 32], RoundId(6)), 0.1);
     assert_ne!(a, other, "another round draws another sample");
     let overlap = a.intersection(&other).count();
-    assert!(
-        overlap < 400,
-        "independent draws overlap about 1%: {overlap}"
-    );
+    assert!(overlap < 400, "independent draws overlap about 1%: {overlap}");
     // Monotone in the rate: a higher rate selects a superset.
     assert!(a.is_subset(&pick(seed, 0.3)));
 
@@ -419,26 +270,14 @@ fn rate_sampling_is_deterministic_and_close_to_the_rate() {
     let mut s = spec(0, p);
     s.selection = fedfleet_rounds::Invitation::Rate { rate: 0.1 };
     let (e, ann) = engine_with(s);
-    let Selection::Sample { rate_ppm, seed } = ann.selection.clone() else {
-        panic!()
-    };
-    assert_eq!(
-        (rate_ppm, seed),
-        (150_000, round_seed(&[42; 32], ann.round))
-    );
+    let Selection::Sample { rate_ppm, seed } = ann.selection.clone() else { panic!() };
+    assert_eq!((rate_ppm, seed), (150_000, round_seed(&[42; 32], ann.round)));
     let n = devices.iter().filter(|d| e.is_selected(d)).count();
     assert!((n as i64 - 3000).abs() < 250, "{n}");
-    assert!(
-        devices
-            .iter()
-            .all(|d| e.is_selected(d) == ann.selection.selects(d))
-    );
+    assert!(devices.iter().all(|d| e.is_selected(d) == ann.selection.selects(d)));
     // An explicit list is announced as such.
     let (e, ann) = engine_with(spec(3, policy(2, 1, 0)));
-    assert_eq!(
-        ann.selection,
-        Selection::Devices(vec![dev(0), dev(1), dev(2)])
-    );
+    assert_eq!(ann.selection, Selection::Devices(vec![dev(0), dev(1), dev(2)]));
     assert!(e.is_selected(&dev(2)) && !e.is_selected(&dev(3)));
 }
 
@@ -448,56 +287,28 @@ fn campaign_runs_its_rounds_then_finishes() {
     for k in 0..3u64 {
         e.handle_update(T0, meta(0, a.round, k)).unwrap();
         e.handle_update(T0, meta(1, a.round, k)).unwrap();
-        assert!(matches!(
-            events(&mut e)[..],
-            [EngineEvent::RoundClosed { .. }]
-        ));
-        e.model_ready(T0, a.round, ModelVersion(2 + k), base())
-            .unwrap();
+        assert!(matches!(events(&mut e)[..], [EngineEvent::RoundClosed { .. }]));
+        e.model_ready(T0, a.round, ModelVersion(2 + k), base()).unwrap();
         let ev = events(&mut e);
         match &ev[..] {
             [EngineEvent::RoundOpened(next)] => a = next.clone(),
-            [
-                EngineEvent::CampaignFinished {
-                    outcome: CampaignOutcome::Completed,
-                    rounds_completed: 3,
-                    ..
-                },
-            ] => {
+            [EngineEvent::CampaignFinished { outcome: CampaignOutcome::Completed, rounds_completed: 3, .. }] => {
                 assert_eq!(k, 2)
             }
             other => panic!("{other:?}"),
         }
     }
-    assert!(
-        e.start_campaign(T0, spec(4, policy(2, 1, 0))).is_ok(),
-        "a new campaign may start"
-    );
-    assert!(matches!(
-        e.start_campaign(T0, spec(4, policy(2, 1, 0))),
-        Err(EngineError::CampaignRunning(_))
-    ));
+    assert!(e.start_campaign(T0, spec(4, policy(2, 1, 0))).is_ok(), "a new campaign may start");
+    assert!(matches!(e.start_campaign(T0, spec(4, policy(2, 1, 0))), Err(EngineError::CampaignRunning(_))));
     let ev = events(&mut e);
-    let [EngineEvent::RoundOpened(next)] = &ev[..] else {
-        panic!()
-    };
-    assert_eq!(
-        next.round,
-        RoundId(4),
-        "round ids keep increasing across campaigns"
-    );
+    let [EngineEvent::RoundOpened(next)] = &ev[..] else { panic!() };
+    assert_eq!(next.round, RoundId(4), "round ids keep increasing across campaigns");
     e.stop_campaign(T0).unwrap();
     assert!(matches!(
         events(&mut e)[..],
         [
-            EngineEvent::RoundFailed {
-                reason: FailReason::CampaignStopped,
-                ..
-            },
-            EngineEvent::CampaignFinished {
-                outcome: CampaignOutcome::Stopped,
-                ..
-            }
+            EngineEvent::RoundFailed { reason: FailReason::CampaignStopped, .. },
+            EngineEvent::CampaignFinished { outcome: CampaignOutcome::Stopped, .. }
         ]
     ));
 }
@@ -506,21 +317,12 @@ fn campaign_runs_its_rounds_then_finishes() {
 fn invalid_specs_are_refused() {
     let mut e = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
     for bad in [policy(2, 3, 0), policy(0, 0, 0)] {
-        assert!(matches!(
-            e.start_campaign(T0, spec(10, bad)),
-            Err(EngineError::InvalidSpec(_))
-        ));
+        assert!(matches!(e.start_campaign(T0, spec(10, bad)), Err(EngineError::InvalidSpec(_))));
     }
-    assert!(matches!(
-        e.start_campaign(T0, spec(1, policy(3, 2, 0))),
-        Err(EngineError::InvalidSpec(_))
-    ));
+    assert!(matches!(e.start_campaign(T0, spec(1, policy(3, 2, 0))), Err(EngineError::InvalidSpec(_))));
     let mut s = spec(10, policy(3, 2, 0));
     s.selection = fedfleet_rounds::Invitation::Rate { rate: 0.0 };
-    assert!(matches!(
-        e.start_campaign(T0, s),
-        Err(EngineError::InvalidSpec(_))
-    ));
+    assert!(matches!(e.start_campaign(T0, s), Err(EngineError::InvalidSpec(_))));
     assert!(e.poll_event().is_none());
 }
 
@@ -538,10 +340,7 @@ fn engine_snapshot_restores_to_the_same_behaviour() {
     assert!(RoundEngine::from_bytes(&bytes[..bytes.len() / 2]).is_err());
     // Drive both identically, including a replay of an update accepted before the snapshot.
     for x in [&mut e, &mut restored] {
-        assert_eq!(
-            reason(x.handle_update(T0 + 3, meta(1, a.round, 0))),
-            RejectReason::Replay
-        );
+        assert_eq!(reason(x.handle_update(T0 + 3, meta(1, a.round, 0))), RejectReason::Replay);
         x.handle_update(T0 + 4, meta(2, a.round, 0)).unwrap();
         x.handle_timeout(a.deadline);
     }
@@ -551,16 +350,11 @@ fn engine_snapshot_restores_to_the_same_behaviour() {
 
 /// Deltas for device `d`: mixed magnitudes, deterministic.
 fn delta(d: usize, dim: usize) -> Vec<f32> {
-    (0..dim)
-        .map(|j| (((d * 31 + j * 17) % 97) as f32 - 48.0) * 10f32.powi((d % 7) as i32 - 4))
-        .collect()
+    (0..dim).map(|j| (((d * 31 + j * 17) % 97) as f32 - 48.0) * 10f32.powi((d % 7) as i32 - 4)).collect()
 }
 
 fn fed_adam(dim: usize) -> ServerStrategy {
-    let config = StrategyConfig::FedAdam {
-        client: ClientConfig::default(),
-        params: FedOptParams::adam(),
-    };
+    let config = StrategyConfig::FedAdam { client: ClientConfig::default(), params: FedOptParams::adam() };
     ServerStrategy::new(&config, dim).unwrap()
 }
 
@@ -582,16 +376,14 @@ fn run_round(crash_after: Option<usize>, order: &[usize]) -> (Vec<EngineEvent>, 
                 assert_eq!(r.unwrap_err().reason, RejectReason::Replay);
             }
         }
-        c.handle_update(T0 + i as u64, meta(d, a.round, 0), &delta(d, dim))
-            .unwrap();
+        c.handle_update(T0 + i as u64, meta(d, a.round, 0), &delta(d, dim)).unwrap();
     }
     c.handle_timeout(a.deadline);
     while let Some(ev) = c.poll_event() {
         log.push(ev);
     }
     let model = c.finalize(a.deadline, a.round, &global).unwrap();
-    c.model_ready(a.deadline, a.round, ModelVersion(2), Digest::of(b"v2"))
-        .unwrap();
+    c.model_ready(a.deadline, a.round, ModelVersion(2), Digest::of(b"v2")).unwrap();
     log.extend(std::iter::from_fn(|| c.poll_event()));
     (log, model, postcard::to_stdvec(c.strategy()).unwrap())
 }
@@ -604,26 +396,17 @@ fn snapshot_restore_and_replay_give_the_same_model() {
         let (ev2, model2, state2) = run_round(Some(crash), &order);
         // Accept times differ (replays), so compare what matters: contributors, model, state.
         let devices = |ev: &[EngineEvent]| match &ev[0] {
-            EngineEvent::RoundClosed { contributions, .. } => contributions
-                .iter()
-                .map(|c| c.device.clone())
-                .collect::<Vec<_>>(),
+            EngineEvent::RoundClosed { contributions, .. } => contributions.iter().map(|c| c.device.clone()).collect::<Vec<_>>(),
             other => panic!("{other:?}"),
         };
         assert_eq!(devices(&ev), devices(&ev2));
-        assert_eq!(
-            model.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            model2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
+        assert_eq!(model.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), model2.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
         assert_eq!(state, state2, "server optimizer state (m, v, t) identical");
     }
     // Arrival order does not matter either.
     let reversed: Vec<usize> = (0..10).rev().collect();
     let (_, model3, state3) = run_round(Some(4), &reversed);
-    assert_eq!(
-        model.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-        model3.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-    );
+    assert_eq!(model.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), model3.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
     assert_eq!(state, state3);
 }
 
@@ -634,37 +417,20 @@ fn coordinator_refuses_bad_payloads_without_recording_them() {
     let mut c = Coordinator::new(engine, fed_adam(dim));
     let mut bad = delta(0, dim);
     bad[3] = f32::INFINITY;
-    assert_eq!(
-        c.handle_update(T0, meta(0, a.round, 0), &bad)
-            .unwrap_err()
-            .reason,
-        RejectReason::NonFinite
-    );
-    assert_eq!(
-        c.handle_update(T0, meta(0, a.round, 0), &bad[1..])
-            .unwrap_err()
-            .reason,
-        RejectReason::ShapeMismatch
-    );
+    assert_eq!(c.handle_update(T0, meta(0, a.round, 0), &bad).unwrap_err().reason, RejectReason::NonFinite);
+    assert_eq!(c.handle_update(T0, meta(0, a.round, 0), &bad[1..]).unwrap_err().reason, RejectReason::ShapeMismatch);
     assert_eq!(c.engine().round_status().unwrap().accepted, 0);
     // The same nonce, now with a good payload, is accepted: nothing was recorded.
-    c.handle_update(T0, meta(0, a.round, 0), &delta(0, dim))
-        .unwrap();
+    c.handle_update(T0, meta(0, a.round, 0), &delta(0, dim)).unwrap();
     assert_eq!(c.strategy().folded(), 1);
     // A failed round's folds are discarded before the next round folds.
     let _ = std::iter::from_fn(|| c.poll_event()).count();
     c.engine_mut().abort_round(T0, a.round, "operator").unwrap();
     let ev: Vec<_> = std::iter::from_fn(|| c.poll_event()).collect();
-    let EngineEvent::RoundOpened(a2) = &ev[1] else {
-        panic!("{ev:?}")
-    };
-    c.handle_update(T0 + 1, meta(1, a2.round, 0), &delta(1, dim))
-        .unwrap();
+    let EngineEvent::RoundOpened(a2) = &ev[1] else { panic!("{ev:?}") };
+    c.handle_update(T0 + 1, meta(1, a2.round, 0), &delta(1, dim)).unwrap();
     assert_eq!(c.strategy().folded(), 1);
-    assert!(matches!(
-        c.finalize(T0, a.round, &vec![0.0; dim]),
-        Err(FinalizeError::NotAwaiting(_))
-    ));
+    assert!(matches!(c.finalize(T0, a.round, &vec![0.0; dim]), Err(FinalizeError::NotAwaiting(_))));
 }
 
 #[test]

@@ -1,12 +1,12 @@
 //! Strategies: determinism under any arrival order, relay equivalence, server optimizers against
 //! hand-computed values, clipping, robust aggregation.
 
+use fedfleet_protocol::RoundId;
+use fedfleet_rounds::strategy::fixed::{MAX_FOLDS, MAX_WEIGHT};
+use fedfleet_rounds::strategy::l2_norm;
+use fedfleet_rounds::*;
 use rand::seq::SliceRandom;
 use rand::{Rng as _, RngCore, SeedableRng};
-use fedfleet_rounds::strategy::l2_norm;
-use fedfleet_rounds::strategy::fixed::{MAX_FOLDS, MAX_WEIGHT};
-use fedfleet_rounds::*;
-use fedfleet_protocol::RoundId;
 
 /// The tests' seeded generator.
 type Rng = rand_chacha::ChaCha8Rng;
@@ -43,41 +43,14 @@ fn all_configs(dim_updates: usize) -> Vec<StrategyConfig> {
     let c = client();
     vec![
         StrategyConfig::FedAvg { client: c.clone() },
-        StrategyConfig::FedProx {
-            client: c.clone(),
-            proximal_mu: 0.01,
-        },
-        StrategyConfig::ClippedFedAvg {
-            client: c.clone(),
-            clip_norm: 10.0,
-        },
-        StrategyConfig::FedAdam {
-            client: c.clone(),
-            params: FedOptParams::adam(),
-        },
-        StrategyConfig::FedYogi {
-            client: c.clone(),
-            params: FedOptParams::yogi(),
-        },
-        StrategyConfig::FedAdagrad {
-            client: c.clone(),
-            params: FedOptParams::adagrad(),
-        },
-        StrategyConfig::Median {
-            client: c.clone(),
-            max_updates: dim_updates,
-        },
-        StrategyConfig::TrimmedMean {
-            client: c.clone(),
-            trim_fraction: 0.2,
-            max_updates: dim_updates,
-        },
-        StrategyConfig::Krum {
-            client: c,
-            byzantine: 2,
-            select: 3,
-            max_updates: dim_updates,
-        },
+        StrategyConfig::FedProx { client: c.clone(), proximal_mu: 0.01 },
+        StrategyConfig::ClippedFedAvg { client: c.clone(), clip_norm: 10.0 },
+        StrategyConfig::FedAdam { client: c.clone(), params: FedOptParams::adam() },
+        StrategyConfig::FedYogi { client: c.clone(), params: FedOptParams::yogi() },
+        StrategyConfig::FedAdagrad { client: c.clone(), params: FedOptParams::adagrad() },
+        StrategyConfig::Median { client: c.clone(), max_updates: dim_updates },
+        StrategyConfig::TrimmedMean { client: c.clone(), trim_fraction: 0.2, max_updates: dim_updates },
+        StrategyConfig::Krum { client: c, byzantine: 2, select: 3, max_updates: dim_updates },
     ]
 }
 
@@ -123,17 +96,9 @@ fn fixed_point_mean_is_accurate() {
     let mean = s.mean().unwrap();
     let total: f64 = updates.iter().map(|(_, w)| *w as f64).sum();
     for j in 0..dim {
-        let exact: f64 = updates
-            .iter()
-            .map(|(d, w)| d[j] as f64 * *w as f64)
-            .sum::<f64>()
-            / total;
+        let exact: f64 = updates.iter().map(|(d, w)| d[j] as f64 * *w as f64).sum::<f64>() / total;
         let tol = exact.abs() * 1e-12 + 1e-14;
-        assert!(
-            (mean[j] - exact).abs() <= tol,
-            "coord {j}: {} vs {exact}",
-            mean[j]
-        );
+        assert!((mean[j] - exact).abs() <= tol, "coord {j}: {} vs {exact}", mean[j]);
     }
 }
 
@@ -163,10 +128,7 @@ fn relay_partial_sums_equal_fedavg_over_all_devices() {
     }
     assert_eq!(root.partial_sum(), Some(&expected));
     assert_eq!(root.partial_sum().unwrap().count(), 15);
-    assert_eq!(
-        bits(&root.finalize(&global).unwrap()),
-        bits(&direct.finalize(&global).unwrap())
-    );
+    assert_eq!(bits(&root.finalize(&global).unwrap()), bits(&direct.finalize(&global).unwrap()));
 
     // Robust steps have no partial sum to merge.
     let mut s = ServerStrategy::new(&StrategyConfig::Median { client: client(), max_updates: 4 }, dim).unwrap();
@@ -181,14 +143,7 @@ fn adaptive(s: &ServerStrategy) -> &AdaptiveOptimizer {
 }
 
 fn fedopt_two_rounds(kind: FedOptKind, beta_1: f64) -> (Vec<f32>, Vec<f32>, ServerStrategy) {
-    let params = FedOptParams {
-        eta: 0.1,
-        eta_l: 0.05,
-        beta_1,
-        beta_2: 0.99,
-        tau: 1e-3,
-        bias_correction: false,
-    };
+    let params = FedOptParams { eta: 0.1, eta_l: 0.05, beta_1, beta_2: 0.99, tau: 1e-3, bias_correction: false };
     let config = match kind {
         FedOptKind::Adam => StrategyConfig::FedAdam { client: client(), params },
         FedOptKind::Yogi => StrategyConfig::FedYogi { client: client(), params },
@@ -255,10 +210,7 @@ fn fedopt_state_survives_serialization() {
     for x in [&mut orig, &mut back] {
         x.fold(&[0.5, 0.5], 1).unwrap();
     }
-    assert_eq!(
-        bits(&orig.finalize(&r2).unwrap()),
-        bits(&back.finalize(&r2).unwrap())
-    );
+    assert_eq!(bits(&orig.finalize(&r2).unwrap()), bits(&back.finalize(&r2).unwrap()));
 }
 
 fn clipped(s: &ServerStrategy) -> u64 {
@@ -281,10 +233,7 @@ fn clipping_bounds_every_contribution() {
         let norm = l2_norm(&out);
         assert!(norm <= clip * (1.0 + 1e-6), "norm {norm} > {clip}");
         if l2_norm(d) > clip {
-            assert!(
-                norm > clip * (1.0 - 1e-6),
-                "a clipped delta keeps the bound as its norm: {norm}"
-            );
+            assert!(norm > clip * (1.0 - 1e-6), "a clipped delta keeps the bound as its norm: {norm}");
         }
     }
     // The mean of clipped deltas is bounded too; the count of clipped updates is reported.
@@ -301,46 +250,19 @@ fn clipping_bounds_every_contribution() {
     c.fold(&small, 3).unwrap();
     f.fold(&small, 3).unwrap();
     assert_eq!(clipped(&c), 0);
-    assert_eq!(
-        bits(&c.finalize(&global).unwrap()),
-        bits(&f.finalize(&global).unwrap())
-    );
+    assert_eq!(bits(&c.finalize(&global).unwrap()), bits(&f.finalize(&global).unwrap()));
 }
 
 #[test]
 fn robust_strategies_resist_an_outlier() {
-    let honest = [
-        [1.0f32, 2.0],
-        [1.1, 2.1],
-        [0.9, 1.9],
-        [1.05, 2.05],
-        [0.95, 1.95],
-        [1.0, 2.0],
-    ];
+    let honest = [[1.0f32, 2.0], [1.1, 2.1], [0.9, 1.9], [1.05, 2.05], [0.95, 1.95], [1.0, 2.0]];
     let evil = [1e6f32, -1e6];
     let global = [0.0f32, 0.0];
     let configs = [
-        StrategyConfig::Median {
-            client: client(),
-            max_updates: 16,
-        },
-        StrategyConfig::TrimmedMean {
-            client: client(),
-            trim_fraction: 0.15,
-            max_updates: 16,
-        },
-        StrategyConfig::Krum {
-            client: client(),
-            byzantine: 1,
-            select: 1,
-            max_updates: 16,
-        },
-        StrategyConfig::Krum {
-            client: client(),
-            byzantine: 1,
-            select: 3,
-            max_updates: 16,
-        },
+        StrategyConfig::Median { client: client(), max_updates: 16 },
+        StrategyConfig::TrimmedMean { client: client(), trim_fraction: 0.15, max_updates: 16 },
+        StrategyConfig::Krum { client: client(), byzantine: 1, select: 1, max_updates: 16 },
+        StrategyConfig::Krum { client: client(), byzantine: 1, select: 3, max_updates: 16 },
     ];
     for config in configs {
         let mut s = ServerStrategy::new(&config, 2).unwrap();
@@ -349,10 +271,7 @@ fn robust_strategies_resist_an_outlier() {
             s.fold(h, 1).unwrap();
         }
         let out = s.finalize(&global).unwrap();
-        assert!(
-            (out[0] - 1.0).abs() < 0.11 && (out[1] - 2.0).abs() < 0.11,
-            "{config:?}: {out:?}"
-        );
+        assert!((out[0] - 1.0).abs() < 0.11 && (out[1] - 2.0).abs() < 0.11, "{config:?}: {out:?}");
         assert_eq!(s.folded(), 0, "finalize clears the round");
     }
     // Median of an even count averages the middle pair.
@@ -369,14 +288,7 @@ fn robust_strategies_refuse_what_they_cannot_use() {
     for x in 0..6 {
         krum.fold(&[x as f32], 1).unwrap();
     }
-    assert!(matches!(
-        krum.aggregate(),
-        Err(StrategyError::TooFewUpdates {
-            need: 7,
-            got: 6,
-            ..
-        })
-    ));
+    assert!(matches!(krum.aggregate(), Err(StrategyError::TooFewUpdates { need: 7, got: 6, .. })));
     let mut med = Median::new(MemorySpill::new(2, 1));
     med.fold(&[1.0, 1.0], 1).unwrap();
     let e = med.fold(&[1.0, 1.0], 1).unwrap_err();
@@ -394,28 +306,14 @@ fn bad_updates_are_refused_with_named_reasons_and_leave_no_trace() {
         s.fold(&good, 2).unwrap();
         let mut nan = good.clone();
         nan[4999] = f32::NAN;
-        assert_eq!(
-            s.fold(&nan, 1).unwrap_err().reason(),
-            RejectReason::NonFinite,
-            "{config:?}"
-        );
-        assert_eq!(
-            s.fold(&good[1..], 1).unwrap_err().reason(),
-            RejectReason::ShapeMismatch
-        );
-        assert_eq!(
-            s.fold(&good, 0).unwrap_err().reason(),
-            RejectReason::BadSampleCount
-        );
+        assert_eq!(s.fold(&nan, 1).unwrap_err().reason(), RejectReason::NonFinite, "{config:?}");
+        assert_eq!(s.fold(&good[1..], 1).unwrap_err().reason(), RejectReason::ShapeMismatch);
+        assert_eq!(s.fold(&good, 0).unwrap_err().reason(), RejectReason::BadSampleCount);
         assert_eq!(s.folded(), 1);
         if s.partial_sum().is_some() && s.name() != "clipped_fedavg" {
             let mut huge = good.clone();
             huge[7] = 1e30;
-            assert_eq!(
-                s.fold(&huge, 1).unwrap_err().reason(),
-                RejectReason::TooLarge,
-                "{config:?}"
-            );
+            assert_eq!(s.fold(&huge, 1).unwrap_err().reason(), RejectReason::TooLarge, "{config:?}");
             assert_eq!(s.partial_sum().unwrap().count(), 1);
         }
     }
@@ -439,9 +337,7 @@ fn aborted_round_keeps_server_state() {
 #[ignore]
 fn fold_throughput() {
     let dim = 4 << 20; // 16 MiB of f32
-    let delta: Vec<f32> = (0..dim)
-        .map(|i| ((i % 1000) as f32 - 500.0) * 1e-3)
-        .collect();
+    let delta: Vec<f32> = (0..dim).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
     let mut sum = PartialSum::new(dim);
     let mut copy = vec![0f32; dim];
     let reps = 20;
@@ -457,9 +353,5 @@ fn fold_throughput() {
     }
     let memcpy = t.elapsed().as_secs_f64();
     let gb = (reps as usize * dim * 4) as f64 / 1e9;
-    println!(
-        "fold: {:.2} GB/s of f32 input; memcpy: {:.2} GB/s",
-        gb / fold,
-        gb / memcpy
-    );
+    println!("fold: {:.2} GB/s of f32 input; memcpy: {:.2} GB/s", gb / fold, gb / memcpy);
 }

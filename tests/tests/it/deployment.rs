@@ -80,8 +80,24 @@ impl Deployment {
     /// Starts the registry, the aggregator and the agents (`agent_bin run --config ...`).
     pub fn start(&mut self, agent_bin: &str) {
         let dir = self.dir.clone();
-        self.services.push(Proc::spawn(&[], "registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &dir, &self.log("registry"), "info"));
-        self.services.push(Proc::spawn(&[], "aggregator", "fedfleet-aggregator", &["serve", "--config", "aggregator.toml"], &dir, &self.log("aggregator"), "info"));
+        self.services.push(Proc::spawn(
+            &[],
+            "registry",
+            "fedfleet-registry",
+            &["--config", "registry.toml", "serve"],
+            &dir,
+            &self.log("registry"),
+            "info",
+        ));
+        self.services.push(Proc::spawn(
+            &[],
+            "aggregator",
+            "fedfleet-aggregator",
+            &["serve", "--config", "aggregator.toml"],
+            &dir,
+            &self.log("aggregator"),
+            "info",
+        ));
         for i in 1..=self.agents {
             let name = format!("agent-{i}");
             let config = format!("agents/{name}.toml");
@@ -91,11 +107,13 @@ impl Deployment {
 
     /// The `metric` of every version of the model in the registry, oldest first.
     pub fn version_metrics(&self, model: &str, metric: &str) -> Vec<f64> {
-        let list: serde_json::Value = serde_json::from_str(&self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model])).unwrap();
+        let list: serde_json::Value =
+            serde_json::from_str(&self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model])).unwrap();
         let latest = list["version"].as_u64().expect("show names the version");
         (1..=latest)
             .map(|v| {
-                let out = self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model, "--version", &v.to_string()]);
+                let out =
+                    self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model, "--version", &v.to_string()]);
                 let record: serde_json::Value = serde_json::from_str(&out).unwrap();
                 record["metrics"][metric].as_f64().unwrap_or_else(|| panic!("v{v} has no {metric} metric: {out}"))
             })

@@ -32,14 +32,16 @@ fn pushed_examples_are_capped_survive_kill_9_and_are_trained_on_next() {
     let socket = d.path("agents/agent-1/agent.sock");
 
     let (_, test) = fedfleet_learning::Dataset::digits_split().unwrap();
-    let examples: Vec<Example> = (0..40).map(|i| Example { input: test.example(i).to_vec(), label: test.labels[i], target: vec![] }).collect();
+    let examples: Vec<Example> =
+        (0..40).map(|i| Example { input: test.example(i).to_vec(), label: test.labels[i], target: vec![] }).collect();
     let stats = push(&rt, &socket, examples);
     assert_eq!((stats.stored, stats.examples, stats.dropped, stats.fresh), (30, 30, 10, 30), "{stats:?}");
 
     // kill -9 right after the acknowledgement, then start the agent again on the same store.
     d.agent_procs[0].sigkill();
     let _ = std::fs::remove_file(&socket);
-    d.agent_procs[0] = Proc::spawn(&[], "agent-1", "fedfleet-agent", &["run", "--config", "agents/agent-1.toml"], &d.dir, &d.log("agent-1"), "info");
+    d.agent_procs[0] =
+        Proc::spawn(&[], "agent-1", "fedfleet-agent", &["run", "--config", "agents/agent-1.toml"], &d.dir, &d.log("agent-1"), "info");
     let stats = push(&rt, &socket, Vec::new());
     assert_eq!((stats.examples, stats.dropped, stats.fresh), (30, 10, 30), "the inbox after kill -9: {stats:?}");
 

@@ -5,16 +5,14 @@
 
 use std::time::Duration;
 
-use fedfleet_testkit::services::RunningAggregator;
-use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_aggregator::config::{CampaignDefaults, Config, ModelConfig, PublishConfig};
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_learning::ModelSpec;
 use fedfleet_protocol::{ModelVersion, RoundId};
+use fedfleet_testkit::services::RunningAggregator;
+use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 
-use crate::inproc::{
-    FleetDir, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
-};
+use crate::inproc::{FleetDir, assert_acks_match_records, edge_devices, wait_until, write_initial_model};
 
 const MODEL: &str = "digits";
 const N: usize = 5;
@@ -43,7 +41,14 @@ async fn body() {
     let model = ModelConfig { name: MODEL.into(), spec: spec.clone(), initial, validation: None };
     let cfg = Config {
         publish: Some(PublishConfig { registry: reg_addr, server_name: "localhost".into() }),
-        campaign: CampaignDefaults { rounds: 3, target: N as u32, quorum: N as u32, deadline_secs: 600, learning_rate: 0.1, ..Default::default() },
+        campaign: CampaignDefaults {
+            rounds: 3,
+            target: N as u32,
+            quorum: N as u32,
+            deadline_secs: 600,
+            learning_rate: 0.1,
+            ..Default::default()
+        },
         ..Config::new("127.0.0.1:0".parse().unwrap(), pki_dir.clone(), root_dir.join("aggregator"), model)
     };
     let running = RunningAggregator::publishing_to(cfg.clone(), reg_addr).await.unwrap();

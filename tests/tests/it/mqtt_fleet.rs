@@ -21,17 +21,15 @@ use fedfleet_aggregator::config::Config;
 use fedfleet_aggregator::service::Aggregator as AggregatorService;
 use fedfleet_aggregator::wire::CampaignOverrides;
 use fedfleet_certs::{ALPN_V1, DeviceIdentity, tls};
-use fedfleet_testkit::mosquitto::{Mosquitto, MosquittoConfig};
-use fedfleet_testkit::services::RunningAggregator;
-use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use fedfleet_control::{ClientOptions, ControlClient, Role, device_tls};
 use fedfleet_learning::ModelSpec;
 use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
 use fedfleet_registry::ops::Registry;
+use fedfleet_testkit::mosquitto::{Mosquitto, MosquittoConfig};
+use fedfleet_testkit::services::RunningAggregator;
+use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 
-use crate::inproc::{
-    FleetDir, assert_acks_match_records, edge_devices, wait_until, write_initial_model,
-};
+use crate::inproc::{FleetDir, assert_acks_match_records, edge_devices, wait_until, write_initial_model};
 
 const MODEL: &str = "digits";
 const N: usize = 4;
@@ -77,7 +75,13 @@ impl Fleet {
                 if cond(self) {
                     return;
                 }
-                assert!(tokio::time::Instant::now() < end, "timed out waiting for {what}: outboxes {:?}, agents {:?}, acks {:?}", self.outboxes(), self.states(), self.acks());
+                assert!(
+                    tokio::time::Instant::now() < end,
+                    "timed out waiting for {what}: outboxes {:?}, agents {:?}, acks {:?}",
+                    self.outboxes(),
+                    self.states(),
+                    self.acks()
+                );
                 if i != usize::MAX {
                     self.step(i..i + 1).await;
                 }
@@ -121,7 +125,17 @@ struct Setup<'a> {
 /// Agents wired like the daemon with `[mqtt] upload = "mqtt"`: `MqttAggregator` over the QUIC
 /// client, `MqttRegistry` publishing signed status, heartbeats every 500 ms.
 fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
-    let mut o = FleetOptions::new(s.pki_dir, s.fleet.clone(), devices.to_vec(), s.agg_addr, s.reg_addr, s.receipt_key, s.pinned_root.clone(), MODEL, s.data_dir);
+    let mut o = FleetOptions::new(
+        s.pki_dir,
+        s.fleet.clone(),
+        devices.to_vec(),
+        s.agg_addr,
+        s.reg_addr,
+        s.receipt_key,
+        s.pinned_root.clone(),
+        MODEL,
+        s.data_dir,
+    );
     o.backoff = Backoff { base_ms: 200, max_ms: 1_000 };
     // Generous: a base model fetch that times out makes the agent skip the round for good.
     o.call_timeout = Duration::from_secs(30);
@@ -145,7 +159,11 @@ fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
         .agents
         .iter()
         .zip(publishers)
-        .map(|(a, p)| tokio::spawn(fedfleet_agent::mqtt::heartbeats(p, a.core().status(SystemClock.now_ms()), Duration::from_millis(500), || SystemClock.now_ms())))
+        .map(|(a, p)| {
+            tokio::spawn(fedfleet_agent::mqtt::heartbeats(p, a.core().status(SystemClock.now_ms()), Duration::from_millis(500), || {
+                SystemClock.now_ms()
+            }))
+        })
         .collect();
     Fleet { inner, aggs, controls, heartbeats }
 }
@@ -183,7 +201,9 @@ async fn mqtt_fleet_three_rounds_on_mosquitto_with_restart() {
         eprintln!("NOTE: mosquitto not found on PATH or in /usr/sbin; skipping the external-broker fleet test outside CI");
         return;
     };
-    tokio::time::timeout(Duration::from_secs(150), body(BrokerKind::Mosquitto(binary))).await.expect("MQTT fleet test on mosquitto timed out");
+    tokio::time::timeout(Duration::from_secs(150), body(BrokerKind::Mosquitto(binary)))
+        .await
+        .expect("MQTT fleet test on mosquitto timed out");
 }
 
 /// The broker the fleet scenario runs against.
@@ -311,7 +331,11 @@ async fn body(kind: BrokerKind) {
     }
 
     // Round 2: every agent hears the announcement; two upload while the broker is up.
-    fleet.run_until("round 2 announced to every agent", 20, 0..0, |f| f.aggs.iter().all(|a| a.announced().map(|r| r.round) == Some(RoundId(2)))).await;
+    fleet
+        .run_until("round 2 announced to every agent", 20, 0..0, |f| {
+            f.aggs.iter().all(|a| a.announced().map(|r| r.round) == Some(RoundId(2)))
+        })
+        .await;
     fleet.run_until("two round 2 receipts", 40, 0..2, |f| f.round_acks(2) == 2).await;
 
     // The broker goes down while the other agents train and upload: their first attempts get
@@ -328,7 +352,9 @@ async fn body(kind: BrokerKind) {
 
     // Every agent reconnects; round 2 completes, then round 3 and the campaign.
     fleet
-        .run_until("rounds 2 and 3", 90, 0..N, |f| f.pending() == 0 && f.round_acks(1) == N && f.round_acks(3) == N && agg.status().last_outcome.is_some())
+        .run_until("rounds 2 and 3", 90, 0..N, |f| {
+            f.pending() == 0 && f.round_acks(1) == N && f.round_acks(3) == N && agg.status().last_outcome.is_some()
+        })
         .await;
     let status = agg.status();
     assert_eq!(status.last_outcome.as_deref(), Some("completed"), "{status:?}");
@@ -388,7 +414,13 @@ fn external_mqtt(addr: SocketAddr) -> String {
 
 /// `aggregator.toml` with `mqtt_section` and a campaign of `rounds` rounds needing all `N`
 /// devices; publishing into the registry at `registry`, or a directory.
-fn write_aggregator_config(root_dir: &std::path::Path, spec: &ModelSpec, registry: Option<SocketAddr>, rounds: u32, mqtt_section: &str) -> std::path::PathBuf {
+fn write_aggregator_config(
+    root_dir: &std::path::Path,
+    spec: &ModelSpec,
+    registry: Option<SocketAddr>,
+    rounds: u32,
+    mqtt_section: &str,
+) -> std::path::PathBuf {
     let publish = match registry {
         Some(addr) => format!("[publish]\nregistry = \"{addr}\"\nserver_name = \"localhost\"\n"),
         None => String::new(),
@@ -451,7 +483,8 @@ async fn refusal_body() {
     let spec = ModelSpec::digits_mlp();
     write_initial_model(root_dir, &spec);
     let (cfg, mqtt_cfg) = Config::load_all(&write_aggregator_config(root_dir, &spec, None, 1, EMBEDDED_MQTT)).unwrap();
-    let publisher = fedfleet_aggregator::publish::DirPublisher::new(cfg.publish_dir(), ed25519_dalek::SigningKey::from_bytes(&[5; 32]), "test");
+    let publisher =
+        fedfleet_aggregator::publish::DirPublisher::new(cfg.publish_dir(), ed25519_dalek::SigningKey::from_bytes(&[5; 32]), "test");
     let agg = AggregatorService::open(cfg.clone(), Box::new(publisher), fedfleet_protocol::SystemClock::shared()).unwrap();
     let mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg.unwrap()).await.unwrap().expect("embedded broker");
     let receipt_key = agg.receipt_key();
@@ -607,7 +640,17 @@ async fn rollout_body() {
     // Agents: an hour between polls; QUIC only for metadata, assignments and downloads.
     let unused_receipt_key = ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key();
     let no_aggregator: SocketAddr = "127.0.0.1:9".parse().unwrap();
-    let mut o = FleetOptions::new(&pki_dir, fleet_id.clone(), devices.clone(), no_aggregator, reg_addr, unused_receipt_key, pinned_root.clone(), MODEL, root_dir.join("agents"));
+    let mut o = FleetOptions::new(
+        &pki_dir,
+        fleet_id.clone(),
+        devices.clone(),
+        no_aggregator,
+        reg_addr,
+        unused_receipt_key,
+        pinned_root.clone(),
+        MODEL,
+        root_dir.join("agents"),
+    );
     // Any accuracy passes: this test is about how the rollout travels, not the model.
     o.health = HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 1.0 };
     assert!(notice_key(&pinned_root).is_some(), "the root names the timestamp key");
@@ -662,9 +705,7 @@ async fn rollout_body() {
     }
 
     // Their statuses (over MQTT only) complete the rollout: min_healthy counts every device.
-    let status = |reg: &Registry| {
-        reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, reg.now_ms()).unwrap()
-    };
+    let status = |reg: &Registry| reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, reg.now_ms()).unwrap();
     wait_until("the rollout to complete on MQTT status", 30, || status(&reg)["status"] == "completed").await;
     let s = status(&reg);
     assert_eq!(s["healthy"], DEVICES, "{s}");

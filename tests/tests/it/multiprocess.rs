@@ -32,8 +32,7 @@ use fedfleet_learning::{Dataset, ModelSpec};
 use fedfleet_protocol::{BundleLimits, DeviceState, DeviceStatus, Digest, RoundId, TensorBundle};
 
 use crate::procs::{
-    Proc, Relay, SeededRng, cli, count_lines, free_tcp_port, free_udp_port, parse_metrics, poll_every, sample,
-    scrape, wait_for,
+    Proc, Relay, SeededRng, cli, count_lines, free_tcp_port, free_udp_port, parse_metrics, poll_every, sample, scrape, wait_for,
 };
 
 pub(crate) const MODEL: &str = "digits";
@@ -63,13 +62,7 @@ impl Plan {
     /// `rounds` rounds that each wait for every agent, with time to spare.
     pub(crate) fn every_agent(rounds: u32) -> Plan {
         let n = AGENTS as u32;
-        Plan {
-            rounds,
-            target: n,
-            quorum: n,
-            deadline_secs: 300,
-            extension_secs: 60,
-        }
+        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60 }
     }
 }
 
@@ -95,10 +88,7 @@ impl Fleet {
     /// Writes the PKI (through `fedfleet-certs`), the registry keys, the aggregator's initial
     /// model and every config. Starts nothing; every device starts idle.
     pub(crate) fn new(test: &str, plan: Plan) -> Fleet {
-        let dir = tempfile::Builder::new()
-            .prefix(&format!("{test}-"))
-            .tempdir()
-            .expect("temp dir");
+        let dir = tempfile::Builder::new().prefix(&format!("{test}-")).tempdir().expect("temp dir");
         let root = dir.path().to_owned();
         eprintln!("{test}: working directory {}", root.display());
         for d in ["logs", "conditions", "agents"] {
@@ -106,24 +96,12 @@ impl Fleet {
         }
         let devices: Vec<String> = (0..AGENTS).map(|i| format!("edge-{i:02}")).collect();
 
-        cli(
-            "fedfleet-certs",
-            &["--dir", "pki", "init", "--fleet", FLEET],
-            &root,
-        );
+        cli("fedfleet-certs", &["--dir", "pki", "init", "--fleet", FLEET], &root);
         for name in ["registry", "aggregator", "operator"] {
-            cli(
-                "fedfleet-certs",
-                &["--dir", "pki", "issue-server", "--name", name],
-                &root,
-            );
+            cli("fedfleet-certs", &["--dir", "pki", "issue-server", "--name", name], &root);
         }
         for d in &devices {
-            cli(
-                "fedfleet-certs",
-                &["--dir", "pki", "enroll-device", "--id", d],
-                &root,
-            );
+            cli("fedfleet-certs", &["--dir", "pki", "enroll-device", "--id", d], &root);
         }
 
         let (reg_port, agg_port) = (free_udp_port(), free_udp_port());
@@ -138,19 +116,9 @@ impl Fleet {
             ),
         )
         .unwrap();
-        cli(
-            "fedfleet-registry",
-            &["--config", "registry.toml", "init-keys"],
-            &root,
-        );
+        cli("fedfleet-registry", &["--config", "registry.toml", "init-keys"], &root);
 
-        let Plan {
-            rounds,
-            target,
-            quorum,
-            deadline_secs,
-            extension_secs,
-        } = plan;
+        let Plan { rounds, target, quorum, deadline_secs, extension_secs } = plan;
         std::fs::write(
             root.join("aggregator.toml"),
             format!(
@@ -164,11 +132,7 @@ impl Fleet {
             ),
         )
         .unwrap();
-        cli(
-            "fedfleet-aggregator",
-            &["init-model", "--config", "aggregator.toml", "--seed", "7"],
-            &root,
-        );
+        cli("fedfleet-aggregator", &["init-model", "--config", "aggregator.toml", "--seed", "7"], &root);
 
         for (i, d) in devices.iter().enumerate() {
             let state = root.join("agents").join(d);
@@ -234,15 +198,7 @@ impl Fleet {
     /// Starts `fedfleet-<service> args` and waits until it serves (its metrics endpoint, at
     /// `metrics`, is bound after the QUIC endpoint).
     fn start_service(&self, service: &str, args: &[&str], metrics: SocketAddr) -> Proc {
-        let mut p = Proc::spawn(
-            &[],
-            service,
-            &format!("fedfleet-{service}"),
-            args,
-            &self.root,
-            &self.log(service),
-            "info",
-        );
+        let mut p = Proc::spawn(&[], service, &format!("fedfleet-{service}"), args, &self.root, &self.log(service), "info");
         wait_for(&format!("the {service} to serve"), STEP_TIMEOUT, || {
             p.assert_running();
             scrape(metrics)
@@ -252,21 +208,13 @@ impl Fleet {
 
     /// Starts `fedfleet-registry serve`.
     fn start_registry(&mut self) {
-        let p = self.start_service(
-            "registry",
-            &["--config", "registry.toml", "serve"],
-            self.reg_metrics,
-        );
+        let p = self.start_service("registry", &["--config", "registry.toml", "serve"], self.reg_metrics);
         self.registry = Some(p);
     }
 
     /// Starts `fedfleet-aggregator serve` (it also creates `receipt.pub` the agents pin).
     fn start_aggregator(&mut self) {
-        let p = self.start_service(
-            "aggregator",
-            &["serve", "--config", "aggregator.toml"],
-            self.agg_metrics,
-        );
+        let p = self.start_service("aggregator", &["serve", "--config", "aggregator.toml"], self.agg_metrics);
         self.aggregator = Some(p);
     }
 
@@ -281,11 +229,7 @@ impl Fleet {
     }
 
     fn agent_config(&self, i: usize) -> String {
-        self.root
-            .join("agents")
-            .join(format!("{}.toml", self.devices[i]))
-            .display()
-            .to_string()
+        self.root.join("agents").join(format!("{}.toml", self.devices[i])).display().to_string()
     }
 
     /// Points agent `i` at `addr` (e.g. a [`Relay`]) instead of the aggregator; before it starts.
@@ -303,11 +247,7 @@ impl Fleet {
         let text = std::fs::read_to_string(&path).unwrap();
         let from = format!("[{section}]\naddr = \"{service}\"");
         assert!(text.contains(&from), "{text}");
-        std::fs::write(
-            &path,
-            text.replace(&from, &format!("[{section}]\naddr = \"{addr}\"")),
-        )
-        .unwrap();
+        std::fs::write(&path, text.replace(&from, &format!("[{section}]\naddr = \"{addr}\""))).unwrap();
     }
 
     /// Starts the agents (from now on) under `wrapper`, e.g. `ip netns exec NS`, which must
@@ -336,47 +276,26 @@ impl Fleet {
     /// Writes device `i`'s conditions file (read at each of its polls): only an idle device
     /// joins a round.
     fn set_idle(&self, i: usize, idle: bool) {
-        let path = self
-            .root
-            .join("conditions")
-            .join(format!("{}.json", self.devices[i]));
+        let path = self.root.join("conditions").join(format!("{}.json", self.devices[i]));
         let tmp = path.with_extension("tmp");
-        std::fs::write(
-            &tmp,
-            format!("{{\"idle\":{idle},\"charging\":true,\"fresh_samples\":1000}}"),
-        )
-        .unwrap();
+        std::fs::write(&tmp, format!("{{\"idle\":{idle},\"charging\":true,\"fresh_samples\":1000}}")).unwrap();
         std::fs::rename(&tmp, &path).unwrap();
     }
 
     /// The agent's last status report (`status.json`), if it wrote one.
     pub(crate) fn status_file(&self, i: usize) -> Option<DeviceStatus> {
-        let text = std::fs::read_to_string(
-            self.root
-                .join("agents")
-                .join(&self.devices[i])
-                .join("status.json"),
-        )
-        .ok()?;
+        let text = std::fs::read_to_string(self.root.join("agents").join(&self.devices[i]).join("status.json")).ok()?;
         serde_json::from_str(&text).ok()
     }
 
     /// `fedfleet-agent status`.
     fn status_cli(&self, i: usize) -> DeviceStatus {
-        let out = cli(
-            "fedfleet-agent",
-            &["status", "--config", &self.agent_config(i)],
-            &self.root,
-        );
-        serde_json::from_str(&out).unwrap_or_else(|e| {
-            panic!("`fedfleet-agent status` of {}: {e}: {out}", self.devices[i])
-        })
+        let out = cli("fedfleet-agent", &["status", "--config", &self.agent_config(i)], &self.root);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("`fedfleet-agent status` of {}: {e}: {out}", self.devices[i]))
     }
 
     pub(crate) fn aggregator_metrics(&self) -> String {
-        wait_for("the aggregator's metrics", STEP_TIMEOUT, || {
-            scrape(self.agg_metrics)
-        })
+        wait_for("the aggregator's metrics", STEP_TIMEOUT, || scrape(self.agg_metrics))
     }
 
     fn aggregator_cli(&self, args: &[&str]) -> String {
@@ -396,25 +315,12 @@ impl Fleet {
             let s = self.aggregator_cli(&["status"]);
             s.contains("no campaign running").then_some(s)
         });
-        assert!(
-            text.contains("(last: completed)"),
-            "campaign ended but did not complete:\n{text}"
-        );
+        assert!(text.contains("(last: completed)"), "campaign ended but did not complete:\n{text}");
         let global: u64 = text
             .lines()
-            .find_map(|l| {
-                l.strip_prefix("global model: version ")?
-                    .split(',')
-                    .next()?
-                    .parse()
-                    .ok()
-            })
+            .find_map(|l| l.strip_prefix("global model: version ")?.split(',').next()?.parse().ok())
             .unwrap_or_else(|| panic!("no global model in the status:\n{text}"));
-        assert_eq!(
-            global,
-            1 + self.rounds as u64,
-            "the initial model and one version per round:\n{text}"
-        );
+        assert_eq!(global, 1 + self.rounds as u64, "the initial model and one version per round:\n{text}");
         global
     }
 
@@ -422,8 +328,7 @@ impl Fleet {
         let mut all = vec!["--config", "registry.toml", "--json"];
         all.extend_from_slice(args);
         let out = cli("fedfleet-registry", &all, &self.root);
-        serde_json::from_str(&out)
-            .unwrap_or_else(|e| panic!("fedfleet-registry {}: {e}: {out}", args.join(" ")))
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("fedfleet-registry {}: {e}: {out}", args.join(" ")))
     }
 
     /// The registry's versions of the model: version → (parent, digest in hex).
@@ -439,10 +344,7 @@ impl Fleet {
             .iter()
             .map(|v| {
                 let digest = v["digest"].as_str().expect("digest").to_owned();
-                (
-                    v["version"].as_u64().expect("version"),
-                    (v["parent"].as_u64(), digest),
-                )
+                (v["version"].as_u64().expect("version"), (v["parent"].as_u64(), digest))
             })
             .collect()
     }
@@ -495,24 +397,15 @@ impl Fleet {
     /// through `fedfleet-agent status`. Returns the active model's digest.
     pub(crate) fn wait_all_active(&self, version: u64) -> Digest {
         for i in 0..AGENTS {
-            wait_for(
-                &format!("{} to run version {version}", self.devices[i]),
-                STEP_TIMEOUT,
-                || {
-                    self.status_file(i)
-                        .filter(|s| s.active.as_ref().is_some_and(|m| m.version.0 == version))
-                },
-            );
+            wait_for(&format!("{} to run version {version}", self.devices[i]), STEP_TIMEOUT, || {
+                self.status_file(i).filter(|s| s.active.as_ref().is_some_and(|m| m.version.0 == version))
+            });
         }
         let statuses: Vec<DeviceStatus> = (0..AGENTS).map(|i| self.status_cli(i)).collect();
         let digest = statuses[0].active.as_ref().expect("active model").digest;
         for s in &statuses {
             let m = s.active.as_ref().expect("active model");
-            assert_eq!(
-                (m.name.as_str(), m.version.0, m.digest),
-                (MODEL, version, digest),
-                "{s:?}"
-            );
+            assert_eq!((m.name.as_str(), m.version.0, m.digest), (MODEL, version, digest), "{s:?}");
             assert_eq!(s.state, DeviceState::Active, "{s:?}");
         }
         digest
@@ -535,43 +428,25 @@ impl Fleet {
     /// one update per (device, round) for `expected[device]` rounds, that every agent's outbox
     /// is empty, and that agents acknowledged no more updates than they trained.
     pub(crate) fn assert_exactly_once(&self, expected: &[u32]) {
-        let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator"))
-            .expect("aggregator store");
+        let store = fedfleet_aggregator::persist::Store::open(&self.root.join("aggregator")).expect("aggregator store");
         let mut per_device: BTreeMap<String, Vec<RoundId>> = BTreeMap::new();
         for r in 1..=self.rounds as u64 {
             for rec in store.accepted_in(RoundId(r)).expect("accepted records") {
                 assert_eq!(rec.round, RoundId(r));
-                per_device
-                    .entry(rec.device.as_str().to_owned())
-                    .or_default()
-                    .push(rec.round);
+                per_device.entry(rec.device.as_str().to_owned()).or_default().push(rec.round);
             }
         }
         for (i, d) in self.devices.iter().enumerate() {
             let rounds = per_device.remove(d).unwrap_or_default();
             let mut unique = rounds.clone();
             unique.dedup();
-            assert_eq!(
-                unique.len(),
-                rounds.len(),
-                "{d}: an update counted twice: {rounds:?}"
-            );
-            assert_eq!(
-                rounds.len(),
-                expected[i] as usize,
-                "{d}: accepted in rounds {rounds:?}"
-            );
-            let outbox = fedfleet_agent::store::AgentStore::open(
-                self.root.join("agents").join(d).join("store"),
-            )
-            .expect("agent store")
-            .outbox()
-            .expect("outbox");
-            assert!(
-                outbox.is_empty(),
-                "{d}: {} updates still in the outbox",
-                outbox.len()
-            );
+            assert_eq!(unique.len(), rounds.len(), "{d}: an update counted twice: {rounds:?}");
+            assert_eq!(rounds.len(), expected[i] as usize, "{d}: accepted in rounds {rounds:?}");
+            let outbox = fedfleet_agent::store::AgentStore::open(self.root.join("agents").join(d).join("store"))
+                .expect("agent store")
+                .outbox()
+                .expect("outbox");
+            assert!(outbox.is_empty(), "{d}: {} updates still in the outbox", outbox.len());
             // An agent killed after logging an acknowledgement but before its outbox write
             // landed sends that update again and logs it again: count outbox entries, not lines.
             let log = self.log(d);
@@ -584,10 +459,7 @@ impl Fleet {
                 expected[i]
             );
         }
-        assert!(
-            per_device.is_empty(),
-            "records of unknown devices: {per_device:?}"
-        );
+        assert!(per_device.is_empty(), "records of unknown devices: {per_device:?}");
     }
 }
 
@@ -604,18 +476,13 @@ fn outbox_ids(log: &Path, needle: &str) -> std::collections::BTreeSet<u64> {
 fn test_accuracy(bytes: &[u8]) -> f64 {
     let bundle = TensorBundle::decode(bytes, &BundleLimits::default()).expect("model decodes");
     let (_, test) = Dataset::digits_split().expect("digits");
-    fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test)
-        .expect("evaluates")
-        .accuracy
+    fedfleet_learning::evaluate(&ModelSpec::digits_mlp(), &bundle, &test).expect("evaluates").accuracy
 }
 
 /// The aggregator's open round and its accepted updates (from its metrics).
 pub(crate) fn open_round(metrics: &str) -> (u64, u64) {
     let get = |n| sample(metrics, n).unwrap_or_else(|| panic!("{n} missing from the metrics"));
-    (
-        get("fedfleet_aggregator_open_round") as u64,
-        get("fedfleet_aggregator_round_accepted") as u64,
-    )
+    (get("fedfleet_aggregator_open_round") as u64, get("fedfleet_aggregator_round_accepted") as u64)
 }
 
 #[test]
@@ -628,10 +495,7 @@ fn campaign_and_rollout_reach_every_agent() {
 
     // The registry holds every version, each trained from the one before.
     let versions = f.registry_versions();
-    assert_eq!(
-        versions.keys().copied().collect::<Vec<_>>(),
-        (1..=global).collect::<Vec<_>>()
-    );
+    assert_eq!(versions.keys().copied().collect::<Vec<_>>(), (1..=global).collect::<Vec<_>>());
     for (v, (parent, _)) in &versions {
         assert_eq!(*parent, (*v > 1).then(|| v - 1), "parent of v{v}");
     }
@@ -640,27 +504,12 @@ fn campaign_and_rollout_reach_every_agent() {
     let id = format!("{MODEL}-stable-v{global}");
     f.rollout_start(global, &id);
     let rollout = f.wait_rollout_completed(&id);
-    assert_eq!(
-        rollout["healthy"].as_u64(),
-        Some(AGENTS as u64),
-        "{rollout:#}"
-    );
+    assert_eq!(rollout["healthy"].as_u64(), Some(AGENTS as u64), "{rollout:#}");
     let digest = f.wait_all_active(global);
-    assert_eq!(
-        digest.to_hex(),
-        versions[&global].1,
-        "agents run the registry's bytes"
-    );
+    assert_eq!(digest.to_hex(), versions[&global].1, "agents run the registry's bytes");
 
     // The model the agents run classifies held-out digits.
-    let bytes = std::fs::read(
-        f.root
-            .join("agents")
-            .join(&f.devices[0])
-            .join("store/blobs")
-            .join(digest.to_hex()),
-    )
-    .expect("active blob");
+    let bytes = std::fs::read(f.root.join("agents").join(&f.devices[0]).join("store/blobs").join(digest.to_hex())).expect("active blob");
     let accuracy = test_accuracy(&bytes);
     eprintln!("v{global} after {rounds} rounds of {AGENTS} agents: test accuracy {accuracy:.3}");
     assert!(accuracy > 0.8, "test accuracy {accuracy}");
@@ -669,10 +518,7 @@ fn campaign_and_rollout_reach_every_agent() {
     let reg = parse_metrics(&scrape(f.reg_metrics).expect("registry metrics"));
     let agg = f.aggregator_metrics();
     assert_eq!(sample(&agg, "fedfleet_aggregator_updates_accepted_total"), Some((AGENTS * rounds as usize) as f64), "{agg}");
-    assert!(
-        reg.samples.iter().any(|s| s.metric == "fedfleet_registry_chunks_served_total"),
-        "registry metrics lack chunks_served"
-    );
+    assert!(reg.samples.iter().any(|s| s.metric == "fedfleet_registry_chunks_served_total"), "registry metrics lack chunks_served");
     for addr in [f.reg_metrics, f.agg_metrics] {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let (status, _) = rt.block_on(fedfleet_http::scrape(addr, "/anything-else")).unwrap();
@@ -709,21 +555,11 @@ fn services_killed_with_sigkill_recover() {
     f.start_campaign_with(order[..k].iter().copied());
 
     // 1. The aggregator, SIGKILLed after k of the round's updates, restarts with them.
-    wait_for(&format!("{k} updates in round 1"), STEP_TIMEOUT, || {
-        (open_round(&f.aggregator_metrics()) == (1, k as u64)).then_some(())
-    });
-    eprintln!(
-        "[{:.1?}] SIGKILL aggregator after {k} of {AGENTS} updates of round 1 (devices {:?} uploaded)",
-        t0.elapsed(),
-        &order[..k]
-    );
+    wait_for(&format!("{k} updates in round 1"), STEP_TIMEOUT, || (open_round(&f.aggregator_metrics()) == (1, k as u64)).then_some(()));
+    eprintln!("[{:.1?}] SIGKILL aggregator after {k} of {AGENTS} updates of round 1 (devices {:?} uploaded)", t0.elapsed(), &order[..k]);
     f.aggregator.as_mut().unwrap().sigkill();
     f.start_aggregator();
-    assert_eq!(
-        open_round(&f.aggregator_metrics()),
-        (1, k as u64),
-        "round 1 after the restart"
-    );
+    assert_eq!(open_round(&f.aggregator_metrics()), (1, k as u64), "round 1 after the restart");
 
     // 2. An agent SIGKILLed while uploading restarts and delivers its update exactly once, from
     //    its outbox. It reaches the aggregator through a relay that cuts the link part-way
@@ -735,22 +571,13 @@ fn services_killed_with_sigkill_recover() {
     f.route_agent_to_aggregator_via(victim, relay.addr);
     relay.cut_after(12 * 1024);
     f.start_agent(victim);
-    wait_for(&format!("{name}'s upload to be cut"), STEP_TIMEOUT, || {
-        relay.is_cut().then_some(())
-    });
+    wait_for(&format!("{name}'s upload to be cut"), STEP_TIMEOUT, || relay.is_cut().then_some(()));
     let delay = rng.range(0, 300);
     std::thread::sleep(Duration::from_millis(delay));
     let state = f.status_file(victim).map(|s| s.state);
-    eprintln!(
-        "[{:.1?}] SIGKILL {name} {delay} ms after its link was cut mid-upload (status then: {state:?})",
-        t0.elapsed()
-    );
+    eprintln!("[{:.1?}] SIGKILL {name} {delay} ms after its link was cut mid-upload (status then: {state:?})", t0.elapsed());
     f.agents[victim].as_mut().unwrap().sigkill();
-    assert_eq!(
-        open_round(&f.aggregator_metrics()),
-        (1, k as u64),
-        "a partial upload is not an update"
-    );
+    assert_eq!(open_round(&f.aggregator_metrics()), (1, k as u64), "a partial upload is not an update");
     relay.set_cut(false);
     f.start_agent(victim);
     for &i in &order[k + 1..] {
@@ -758,11 +585,7 @@ fn services_killed_with_sigkill_recover() {
     }
 
     let global = f.wait_campaign_completed();
-    assert_eq!(
-        count_lines(&f.log(&name), "update acknowledged"),
-        rounds as usize,
-        "{name}: one receipt per round"
-    );
+    assert_eq!(count_lines(&f.log(&name), "update acknowledged"), rounds as usize, "{name}: one receipt per round");
 
     // 3. The registry, SIGKILLed while the agents install the rolled-out version, restarts and
     //    the agents still converge on it.
@@ -770,26 +593,14 @@ fn services_killed_with_sigkill_recover() {
     f.rollout_start(global, &id);
     let installing = |f: &Fleet, i: usize| {
         f.status_file(i).is_some_and(|s| {
-            matches!(
-                s.state,
-                DeviceState::Downloading
-                    | DeviceState::Downloaded
-                    | DeviceState::Verified
-                    | DeviceState::Healthy
-            ) || s.active.is_some_and(|m| m.version.0 == global)
+            matches!(s.state, DeviceState::Downloading | DeviceState::Downloaded | DeviceState::Verified | DeviceState::Healthy)
+                || s.active.is_some_and(|m| m.version.0 == global)
         })
     };
-    catch("an agent to start installing", || {
-        (0..AGENTS).any(|i| installing(&f, i)).then_some(())
-    });
+    catch("an agent to start installing", || (0..AGENTS).any(|i| installing(&f, i)).then_some(()));
     let delay = rng.range(0, 100);
     std::thread::sleep(Duration::from_millis(delay));
-    let active = (0..AGENTS)
-        .filter(|&i| {
-            f.status_file(i)
-                .is_some_and(|s| s.active.is_some_and(|m| m.version.0 == global))
-        })
-        .count();
+    let active = (0..AGENTS).filter(|&i| f.status_file(i).is_some_and(|s| s.active.is_some_and(|m| m.version.0 == global))).count();
     eprintln!(
         "[{:.1?}] SIGKILL registry {delay} ms after the first agent began installing ({active} of {AGENTS} agents active on v{global})",
         t0.elapsed()
@@ -811,74 +622,34 @@ fn revoked_device_is_locked_out_mid_campaign() {
     let rounds = 2;
     let n = AGENTS as u32;
     // The revoked device never completes a round again: rounds close at the deadline on quorum.
-    let mut f = Fleet::new(
-        "mp-revoke",
-        Plan {
-            rounds,
-            target: n,
-            quorum: n - 1,
-            deadline_secs: 10,
-            extension_secs: 30,
-        },
-    );
+    let mut f = Fleet::new("mp-revoke", Plan { rounds, target: n, quorum: n - 1, deadline_secs: 10, extension_secs: 30 });
     let revoked = AGENTS - 1;
     f.set_idle(revoked, false);
     f.start_campaign_with(0..AGENTS);
-    wait_for("the others' round-1 updates", STEP_TIMEOUT, || {
-        (open_round(&f.aggregator_metrics()) == (1, n as u64 - 1)).then_some(())
-    });
+    wait_for("the others' round-1 updates", STEP_TIMEOUT, || (open_round(&f.aggregator_metrics()) == (1, n as u64 - 1)).then_some(()));
 
     // Revoked while round 1 is open, once the device has heard of the round (so its QUIC
     // connection to the aggregator predates the revocation: it is refused at ingest, and
     // counted, not at a later handshake); then the device tries to take part.
     let name = f.devices[revoked].clone();
-    wait_for(&format!("{name} to hear of round 1"), STEP_TIMEOUT, || {
-        (count_lines(&f.log(&name), "not joining round") > 0).then_some(())
-    });
-    cli(
-        "fedfleet-certs",
-        &[
-            "--dir",
-            "pki",
-            "revoke",
-            "--id",
-            &name,
-            "--reason",
-            "lost in test",
-        ],
-        &f.root,
-    );
+    wait_for(&format!("{name} to hear of round 1"), STEP_TIMEOUT, || (count_lines(&f.log(&name), "not joining round") > 0).then_some(()));
+    cli("fedfleet-certs", &["--dir", "pki", "revoke", "--id", &name, "--reason", "lost in test"], &f.root);
     f.set_idle(revoked, true);
     wait_for("an update refused as revoked", STEP_TIMEOUT, || {
-        (sample(
-            &f.aggregator_metrics(),
-            "fedfleet_aggregator_updates_rejected_total{reason=\"revoked\"}",
-        )? >= 1.0)
-            .then_some(())
+        (sample(&f.aggregator_metrics(), "fedfleet_aggregator_updates_rejected_total{reason=\"revoked\"}")? >= 1.0).then_some(())
     });
 
     // Every round completes without the revoked device.
     f.wait_campaign_completed();
     let m = f.aggregator_metrics();
-    assert_eq!(
-        sample(&m, "fedfleet_aggregator_updates_accepted_total"),
-        Some(((AGENTS - 1) * rounds as usize) as f64),
-        "{m}"
-    );
-    assert_eq!(
-        sample(&m, "fedfleet_aggregator_rounds_total{event=\"failed\"}"),
-        Some(0.0),
-        "{m}"
-    );
+    assert_eq!(sample(&m, "fedfleet_aggregator_updates_accepted_total"), Some(((AGENTS - 1) * rounds as usize) as f64), "{m}");
+    assert_eq!(sample(&m, "fedfleet_aggregator_rounds_total{event=\"failed\"}"), Some(0.0), "{m}");
     let status = f.status_cli(revoked);
     assert!(
         matches!(&status.state, DeviceState::Failed { reason } if reason.contains("revoked")),
         "{name} should report its refused update: {status:?}"
     );
-    assert!(
-        count_lines(&f.log(&name), "reason=revoked") >= 1,
-        "{name}'s log names the refusal"
-    );
+    assert!(count_lines(&f.log(&name), "reason=revoked") >= 1, "{name}'s log names the refusal");
 
     f.stop_all();
     let mut expected = [rounds; AGENTS];
@@ -953,7 +724,11 @@ fn chaos_run(victim: Option<Victim>, rng: &mut SeededRng) -> Vec<String> {
         while kills < KILL_POINTS {
             // Within the soak the rollout is running whatever the devices report.
             let into = rollout_started.elapsed();
-            assert!(into + Duration::from_secs(1) < CHAOS_SOAK, "{name}: kill point {} would come after the rollout's soak; lengthen CHAOS_SOAK", kills + 1);
+            assert!(
+                into + Duration::from_secs(1) < CHAOS_SOAK,
+                "{name}: kill point {} would come after the rollout's soak; lengthen CHAOS_SOAK",
+                kills + 1
+            );
             kill(&mut f, rng, v, &format!("{into:.1?} into the rollout"));
             kills += 1;
         }

@@ -53,19 +53,11 @@ const ROUNDS: u32 = 3;
 
 /// Runs `program args`; `Err` with its output unless it succeeds.
 fn run(program: &str, args: &[&str]) -> Result<(), String> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run `{program}`: {e}"))?;
+    let out = Command::new(program).args(args).output().map_err(|e| format!("cannot run `{program}`: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "`{program} {}` failed ({}): {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(format!("`{program} {}` failed ({}): {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
@@ -96,10 +88,7 @@ impl NetLab {
         };
         // From here on, dropping `lab` removes whatever was made.
         run("ip", &["netns", "add", &lab.ns])?;
-        run(
-            "ip",
-            &["link", "add", &lab.host_if, "type", "veth", "peer", "name", &dev_if, "netns", &lab.ns],
-        )?;
+        run("ip", &["link", "add", &lab.host_if, "type", "veth", "peer", "name", &dev_if, "netns", &lab.ns])?;
         run("ip", &["addr", "add", &format!("{}/30", lab.host_ip), "dev", &lab.host_if])?;
         run("ip", &["link", "set", &lab.host_if, "up"])?;
         run("ip", &["-n", &lab.ns, "addr", "add", &format!("{}/30", lab.dev_ip), "dev", &dev_if])?;
@@ -143,12 +132,7 @@ fn sweep_stale() {
 
 /// Loss 5–12 %, delay 20–60 ms ± 5–20 ms, 10–30 % of datagrams sent at once (overtaking).
 fn draw_faults(rng: &mut SeededRng) -> LinkFaults {
-    LinkFaults {
-        loss_pct: rng.range(5, 12),
-        delay_ms: rng.range(20, 60),
-        jitter_ms: rng.range(5, 20),
-        reorder_pct: rng.range(10, 30),
-    }
+    LinkFaults { loss_pct: rng.range(5, 12), delay_ms: rng.range(20, 60), jitter_ms: rng.range(5, 20), reorder_pct: rng.range(10, 30) }
 }
 
 /// The agents' link to the services: a relay per service (and the namespace they are in).
@@ -185,18 +169,11 @@ impl Link {
 /// reach the services through faulty relays (from the namespace `ns`, if there is one) and the
 /// link is cut twice; without, directly on loopback. Returns the final model's digest (hex).
 fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SeededRng, t0: Instant) -> String {
-    let mut f = Fleet::new(
-        if faulty.is_some() { "mp-netfaults" } else { "mp-netfaults-baseline" },
-        Plan::every_agent(ROUNDS),
-    );
+    let mut f = Fleet::new(if faulty.is_some() { "mp-netfaults" } else { "mp-netfaults-baseline" }, Plan::every_agent(ROUNDS));
     let link = faulty.map(|ns| {
         let front = ns.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |l| IpAddr::V4(l.host_ip));
-        let link = Link {
-            relays: [
-                Relay::start_on(front, f.agg_addr, rng.next_u64()),
-                Relay::start_on(front, f.reg_addr, rng.next_u64()),
-            ],
-        };
+        let link =
+            Link { relays: [Relay::start_on(front, f.agg_addr, rng.next_u64()), Relay::start_on(front, f.reg_addr, rng.next_u64())] };
         for i in 0..AGENTS {
             f.route_agent_to_aggregator_via(i, link.relays[0].addr);
             f.route_agent_to_registry_via(i, link.relays[1].addr);
@@ -232,12 +209,7 @@ fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SeededRng, t0
             let (round, accepted) = open_round(&f.aggregator_metrics());
             (round > p || (round == p && accepted >= k)).then_some((round, accepted))
         });
-        eprintln!(
-            "[{:.1?}] open round {} with {} of {AGENTS} updates (aimed at round {p} with {k})",
-            t0.elapsed(),
-            at.0,
-            at.1
-        );
+        eprintln!("[{:.1?}] open round {} with {} of {AGENTS} updates (aimed at round {p} with {k})", t0.elapsed(), at.0, at.1);
         link.partition(&f, secs, t0, true);
     }
     let global = f.wait_campaign_completed();
@@ -248,14 +220,10 @@ fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SeededRng, t0
     f.rollout_start(global, &id);
     if let Some(link) = &link {
         let installing = |i: usize| {
-            f.status_file(i).is_some_and(|s| {
-                matches!(s.state, DeviceState::Downloading)
-                    || s.active.is_some_and(|m| m.version.0 == global)
-            })
+            f.status_file(i).is_some_and(|s| matches!(s.state, DeviceState::Downloading) || s.active.is_some_and(|m| m.version.0 == global))
         };
-        let first = poll_every(Duration::from_millis(5), "an agent to start downloading", STEP_TIMEOUT, || {
-            (0..AGENTS).find(|&i| installing(i))
-        });
+        let first =
+            poll_every(Duration::from_millis(5), "an agent to start downloading", STEP_TIMEOUT, || (0..AGENTS).find(|&i| installing(i)));
         let state = f.status_file(first).map(|s| s.state);
         eprintln!("[{:.1?}] {} downloading (status {state:?})", t0.elapsed(), f.devices[first]);
         let secs = if long_partitions() { rng.range(32, 40) } else { rng.range(2, 5) };

@@ -12,10 +12,7 @@ use std::time::{Duration, Instant};
 /// test executable's `deps/` directory.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("path of the test executable");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test executable lives in target/<profile>/deps");
+    let dir = exe.parent().and_then(Path::parent).expect("test executable lives in target/<profile>/deps");
     let path = dir.join(name);
     assert!(
         path.is_file(),
@@ -64,21 +61,10 @@ impl Proc {
     /// NS`, or nothing), stdout and stderr appended to `log` (kept across restarts), logging at
     /// `rust_log` (an `EnvFilter` directive). A wrapper must exec the binary, so the child's pid
     /// and signals are the binary's.
-    pub fn spawn(
-        wrapper: &[String],
-        name: &str,
-        binary: &str,
-        args: &[&str],
-        cwd: &Path,
-        log: &Path,
-        rust_log: &str,
-    ) -> Proc {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .expect("log file");
-        let _ = writeln!(f, "===== {name}: {}{binary} {} =====", wrapper.iter().map(|w| format!("{w} ")).collect::<String>(), args.join(" "));
+    pub fn spawn(wrapper: &[String], name: &str, binary: &str, args: &[&str], cwd: &Path, log: &Path, rust_log: &str) -> Proc {
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+        let _ =
+            writeln!(f, "===== {name}: {}{binary} {} =====", wrapper.iter().map(|w| format!("{w} ")).collect::<String>(), args.join(" "));
         let mut cmd = match wrapper.split_first() {
             Some((program, rest)) => {
                 let mut c = Command::new(program);
@@ -97,11 +83,7 @@ impl Proc {
             .stderr(f)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        Proc {
-            name: name.into(),
-            child: Some(child),
-            log: log.to_owned(),
-        }
+        Proc { name: name.into(), child: Some(child), log: log.to_owned() }
     }
 
     /// Panics (with the log tail) if the child has exited.
@@ -126,32 +108,19 @@ impl Proc {
         let Some(mut c) = self.child.take() else {
             return;
         };
-        let _ = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status();
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
         let t0 = Instant::now();
         loop {
             match c.try_wait() {
                 Ok(Some(status)) => {
-                    assert!(
-                        status.success(),
-                        "{} did not stop cleanly ({status}):\n{}",
-                        self.name,
-                        tail(&self.log, 40)
-                    );
+                    assert!(status.success(), "{} did not stop cleanly ({status}):\n{}", self.name, tail(&self.log, 40));
                     return;
                 }
-                Ok(None) if t0.elapsed() < Duration::from_secs(30) => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
+                Ok(None) if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(50)),
                 _ => {
                     let _ = c.kill();
                     let _ = c.wait();
-                    panic!(
-                        "{} did not stop within 30 s of SIGTERM:\n{}",
-                        self.name,
-                        tail(&self.log, 40)
-                    );
+                    panic!("{} did not stop within 30 s of SIGTERM:\n{}", self.name, tail(&self.log, 40));
                 }
             }
         }
@@ -162,20 +131,14 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.sigkill();
         if std::thread::panicking() {
-            eprintln!(
-                "----- {} ({}) -----\n{}",
-                self.name,
-                self.log.display(),
-                tail(&self.log, 30)
-            );
+            eprintln!("----- {} ({}) -----\n{}", self.name, self.log.display(), tail(&self.log, 30));
         }
     }
 }
 
 /// The last `n` lines of a file.
 pub fn tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path)
-        .unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
@@ -183,18 +146,12 @@ pub fn tail(path: &Path, n: usize) -> String {
 /// A UDP port on 127.0.0.1 that was free a moment ago (for QUIC services restarted on the same
 /// address, where the binary cannot be told port 0).
 pub fn free_udp_port() -> u16 {
-    UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .expect("free UDP port")
-        .port()
+    UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free UDP port").port()
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (metrics endpoints).
 pub fn free_tcp_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .expect("free TCP port")
-        .port()
+    TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free TCP port").port()
 }
 
 /// Polls `f` every 100 ms until it returns `Some`; panics after `timeout` with `what`.
@@ -203,21 +160,13 @@ pub fn wait_for<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) 
 }
 
 /// Polls `f` every `interval` until it returns `Some`; panics after `timeout` with `what`.
-pub fn poll_every<T>(
-    interval: Duration,
-    what: &str,
-    timeout: Duration,
-    mut f: impl FnMut() -> Option<T>,
-) -> T {
+pub fn poll_every<T>(interval: Duration, what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     let t0 = Instant::now();
     loop {
         if let Some(v) = f() {
             return v;
         }
-        assert!(
-            t0.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
+        assert!(t0.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
         std::thread::sleep(interval);
     }
 }
@@ -225,9 +174,8 @@ pub fn poll_every<T>(
 /// `GET /metrics` of a service, with hyper (through `fedfleet_http::scrape`).
 pub fn scrape(addr: SocketAddr) -> Option<String> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
-    let (status, body) = rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(5), fedfleet_http::scrape(addr, "/metrics")).await.ok()?.ok()
-    })?;
+    let (status, body) =
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), fedfleet_http::scrape(addr, "/metrics")).await.ok()?.ok() })?;
     (status == 200).then_some(body)
 }
 
@@ -244,16 +192,14 @@ pub fn sample(text: &str, selector: &str) -> Option<f64> {
         Some((n, rest)) => (n, rest.trim_end_matches('}')),
         None => (selector, ""),
     };
-    let wanted: Vec<(&str, &str)> = labels
-        .split(',')
-        .filter(|l| !l.is_empty())
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k, v.trim_matches('"')))
-        .collect();
+    let wanted: Vec<(&str, &str)> =
+        labels.split(',').filter(|l| !l.is_empty()).filter_map(|l| l.split_once('=')).map(|(k, v)| (k, v.trim_matches('"'))).collect();
     parse_metrics(text).samples.into_iter().find_map(|s| {
         let matches = s.metric == name && wanted.iter().all(|(k, v)| s.labels.get(k) == Some(*v));
         match (matches, s.value) {
-            (true, prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v)) => Some(v),
+            (true, prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v)) => {
+                Some(v)
+            }
             _ => None,
         }
     })
@@ -264,11 +210,7 @@ pub fn count_lines(path: &Path, needle: &str) -> usize {
     let Ok(f) = std::fs::File::open(path) else {
         return 0;
     };
-    BufReader::new(f)
-        .lines()
-        .map_while(Result::ok)
-        .filter(|l| l.contains(needle))
-        .count()
+    BufReader::new(f).lines().map_while(Result::ok).filter(|l| l.contains(needle)).count()
 }
 
 /// The tests' seeded generator for their "random points" (reproducible from the printed seed).
@@ -277,15 +219,9 @@ pub struct SeededRng(rand_chacha::ChaCha8Rng);
 impl SeededRng {
     /// The seed from `FEDFLEET_TEST_SEED`, else from the clock; printed so a run can be repeated.
     pub fn from_env(test: &str) -> SeededRng {
-        let seed = std::env::var("FEDFLEET_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(1)
-            });
+        let seed = std::env::var("FEDFLEET_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+        });
         eprintln!("{test}: seed {seed} (rerun with FEDFLEET_TEST_SEED={seed})");
         SeededRng::new(seed)
     }
@@ -318,11 +254,7 @@ pub struct LinkFaults {
 
 impl std::fmt::Display for LinkFaults {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "loss {}% delay {}ms ± {}ms reorder {}%",
-            self.loss_pct, self.delay_ms, self.jitter_ms, self.reorder_pct
-        )
+        write!(f, "loss {}% delay {}ms ± {}ms reorder {}%", self.loss_pct, self.delay_ms, self.jitter_ms, self.reorder_pct)
     }
 }
 
@@ -399,9 +331,7 @@ impl Relay {
         use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
         use std::sync::{Arc, Mutex, mpsc};
         let front = Arc::new(UdpSocket::bind((front, 0)).expect("relay socket"));
-        front
-            .set_read_timeout(Some(Duration::from_millis(100)))
-            .unwrap();
+        front.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
         let addr = front.local_addr().unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
@@ -435,21 +365,19 @@ impl Relay {
         // Sends `bytes` to `to` through `socket` now or after the delay the faults decide.
         let forward = {
             let (delay_tx, seq) = (Mutex::new(delay_tx), seq.clone());
-            Arc::new(move |impair: &mut Impair, bytes: &[u8], socket: &Arc<UdpSocket>, to: SocketAddr| {
-                match impair.decide() {
-                    None => {}
-                    Some(d) if d.is_zero() => {
-                        let _ = socket.send_to(bytes, to);
-                    }
-                    Some(d) => {
-                        let _ = delay_tx.lock().unwrap_or_else(|p| p.into_inner()).send(Delayed {
-                            due: Instant::now() + d,
-                            seq: seq.fetch_add(1, Ordering::Relaxed),
-                            bytes: bytes.to_vec(),
-                            socket: socket.clone(),
-                            to,
-                        });
-                    }
+            Arc::new(move |impair: &mut Impair, bytes: &[u8], socket: &Arc<UdpSocket>, to: SocketAddr| match impair.decide() {
+                None => {}
+                Some(d) if d.is_zero() => {
+                    let _ = socket.send_to(bytes, to);
+                }
+                Some(d) => {
+                    let _ = delay_tx.lock().unwrap_or_else(|p| p.into_inner()).send(Delayed {
+                        due: Instant::now() + d,
+                        seq: seq.fetch_add(1, Ordering::Relaxed),
+                        bytes: bytes.to_vec(),
+                        socket: socket.clone(),
+                        to,
+                    });
                 }
             })
         };
@@ -472,16 +400,12 @@ impl Relay {
                     continue;
                 }
                 let up = upstreams.entry(client).or_insert_with(|| {
-                    let up =
-                        Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay upstream socket"));
-                    up.set_read_timeout(Some(Duration::from_millis(100)))
-                        .unwrap();
+                    let up = Arc::new(UdpSocket::bind("127.0.0.1:0").expect("relay upstream socket"));
+                    up.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
                     let (up2, front2, c2, s2) = (up.clone(), front.clone(), c.clone(), s.clone());
                     let forward = forward.clone();
-                    let mut impair = Impair {
-                        rng: SeededRng::new(seed ^ (client.port() as u64).wrapping_mul(0x9E37_79B9)),
-                        faults: fl.clone(),
-                    };
+                    let mut impair =
+                        Impair { rng: SeededRng::new(seed ^ (client.port() as u64).wrapping_mul(0x9E37_79B9)), faults: fl.clone() };
                     std::thread::spawn(move || {
                         let mut buf = vec![0u8; 65536];
                         while !s2.load(Ordering::Relaxed) {
@@ -498,13 +422,7 @@ impl Relay {
                 forward(&mut impair, &buf[..n], up, upstream);
             }
         });
-        Relay {
-            addr,
-            cut,
-            budget,
-            faults,
-            stop,
-        }
+        Relay { addr, cut, budget, faults, stop }
     }
 
     /// Loss, delay and reordering from now on, both directions (`LinkFaults::default()`: none).
@@ -514,15 +432,13 @@ impl Relay {
 
     /// Drops (true) or forwards (false, with no byte limit) every datagram from now on.
     pub fn set_cut(&self, cut: bool) {
-        self.budget
-            .store(i64::MAX, std::sync::atomic::Ordering::Relaxed);
+        self.budget.store(i64::MAX, std::sync::atomic::Ordering::Relaxed);
         self.cut.store(cut, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Forwards `bytes` more from the client, then cuts itself.
     pub fn cut_after(&self, bytes: i64) {
-        self.budget
-            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.budget.store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn is_cut(&self) -> bool {

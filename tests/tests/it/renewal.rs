@@ -112,13 +112,8 @@ async fn a_device_that_renewed_keeps_working_past_its_original_lifetime() {
     dev.registry.client().metadata(0).await.expect("registry answers the renewed certificate");
     assert!(matches!(dev.renewer.check().await.unwrap(), RenewalOutcome::NotDue { .. }));
     // The certificate it started with would no longer load.
-    let err = DeviceIdentity::from_files_at(
-        &fleet.pki.dir().join("devices/edge-00.crt"),
-        &dev.ids.key,
-        &dev.ids.ca,
-        fleet.now_secs(),
-    )
-    .unwrap_err();
+    let err = DeviceIdentity::from_files_at(&fleet.pki.dir().join("devices/edge-00.crt"), &dev.ids.key, &dev.ids.ca, fleet.now_secs())
+        .unwrap_err();
     assert!(matches!(err, fedfleet_certs::CertError::Expired { .. }), "{err}");
     fleet.stop().await;
 }
@@ -166,6 +161,11 @@ async fn a_revoked_device_cannot_renew() {
     assert_eq!(fleet.registry.reg.metrics().certificates_renewed.get(), 0);
     // The certificate on disk is untouched.
     let kept = DeviceIdentity::from_files_at(&dev.ids.cert, &dev.ids.key, &dev.ids.ca, fleet.now_secs()).unwrap();
-    assert_eq!(kept.cert(), DeviceIdentity::from_files_at(&fleet.pki.dir().join("devices/edge-01.crt"), &dev.ids.key, &dev.ids.ca, fleet.now_secs()).unwrap().cert());
+    assert_eq!(
+        kept.cert(),
+        DeviceIdentity::from_files_at(&fleet.pki.dir().join("devices/edge-01.crt"), &dev.ids.key, &dev.ids.ca, fleet.now_secs())
+            .unwrap()
+            .cert()
+    );
     fleet.stop().await;
 }

@@ -44,7 +44,23 @@ fn deployment(model: &ModelSpec, train: &Dataset, validation: &Dataset, campaign
 
 fn rollout(d: &Deployment, version: usize) -> String {
     let v = version.to_string();
-    let args = ["--config", "registry.toml", "rollout", "start", "--model", "digits", "--version", &v, "--phases", "100", "--soak", "1s", "--min-healthy", "3", "--wait"];
+    let args = [
+        "--config",
+        "registry.toml",
+        "rollout",
+        "start",
+        "--model",
+        "digits",
+        "--version",
+        &v,
+        "--phases",
+        "100",
+        "--soak",
+        "1s",
+        "--min-healthy",
+        "3",
+        "--wait",
+    ];
     d.cli("fedfleet-registry", &args)
 }
 
@@ -56,7 +72,8 @@ fn regression_trains_over_rounds_and_the_health_check_compares_rmse() {
             "layers":[{"type":"linear","out_features":32},{"type":"relu"},{"type":"linear","out_features":1}]}"#,
     );
     let rounds = 5;
-    let mut d = deployment(&model, &train, &test, &[("rounds", "5"), ("local_epochs", "5"), ("batch_size", "16"), ("learning_rate", "0.05")]);
+    let mut d =
+        deployment(&model, &train, &test, &[("rounds", "5"), ("local_epochs", "5"), ("batch_size", "16"), ("learning_rate", "0.05")]);
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
 
     // The aggregator scored every global model on the held-out patients.
@@ -76,10 +93,37 @@ fn regression_trains_over_rounds_and_the_health_check_compares_rmse() {
 
     // A worse model (the untrained one, published as the next version) fails the health check
     // on RMSE and is rolled back; the active model keeps serving.
-    d.cli("fedfleet-registry", &["--config", "registry.toml", "publish", "aggregator/initial.safetensors", "--model", "digits", "--spec", &spec_file(&d, &model)]);
+    d.cli(
+        "fedfleet-registry",
+        &["--config", "registry.toml", "publish", "aggregator/initial.safetensors", "--model", "digits", "--spec", &spec_file(&d, &model)],
+    );
     let v = (rounds + 2).to_string();
-    let args = ["--config", "registry.toml", "rollout", "start", "--model", "digits", "--version", &v, "--phases", "100", "--soak", "1s", "--min-healthy", "3", "--min-sample", "3", "--wait"];
-    let refused = std::process::Command::new("timeout").arg("300").arg(crate::procs::bin("fedfleet-registry")).args(args).current_dir(&d.dir).output().unwrap();
+    let args = [
+        "--config",
+        "registry.toml",
+        "rollout",
+        "start",
+        "--model",
+        "digits",
+        "--version",
+        &v,
+        "--phases",
+        "100",
+        "--soak",
+        "1s",
+        "--min-healthy",
+        "3",
+        "--min-sample",
+        "3",
+        "--wait",
+    ];
+    let refused = std::process::Command::new("timeout")
+        .arg("300")
+        .arg(crate::procs::bin("fedfleet-registry"))
+        .args(args)
+        .current_dir(&d.dir)
+        .output()
+        .unwrap();
     assert!(!refused.status.success(), "the rollout of a worse model succeeded");
     let logs = d.agent_logs();
     assert!(
@@ -108,7 +152,8 @@ fn an_autoencoder_learns_normal_sensor_windows_and_scores_anomalies() {
                       {"type":"linear","out_features":32},{"type":"tanh"},{"type":"linear","out_features":16}]}"#,
     );
     let rounds = 6;
-    let mut d = deployment(&model, &train, &validation, &[("rounds", "6"), ("local_epochs", "5"), ("batch_size", "16"), ("learning_rate", "0.1")]);
+    let mut d =
+        deployment(&model, &train, &validation, &[("rounds", "6"), ("local_epochs", "5"), ("batch_size", "16"), ("learning_rate", "0.1")]);
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
     let rmse = d.version_metrics("digits", "rmse");
     eprintln!("validation reconstruction RMSE by version: {rmse:.3?}");
@@ -122,7 +167,22 @@ fn an_autoencoder_learns_normal_sensor_windows_and_scores_anomalies() {
     assert_eq!(scores.len(), probe.len());
     // AUROC of the anomaly score: the chance that an anomalous window outscores a normal one.
     let (pos, neg): (Vec<_>, Vec<_>) = scores.iter().zip(&anomalous).partition(|(_, a)| **a);
-    let wins: f64 = pos.iter().map(|(p, _)| neg.iter().map(|(n, _)| if p > n { 1.0 } else if p == n { 0.5 } else { 0.0 }).sum::<f64>()).sum();
+    let wins: f64 = pos
+        .iter()
+        .map(|(p, _)| {
+            neg.iter()
+                .map(|(n, _)| {
+                    if p > n {
+                        1.0
+                    } else if p == n {
+                        0.5
+                    } else {
+                        0.0
+                    }
+                })
+                .sum::<f64>()
+        })
+        .sum();
     let auroc = wins / (pos.len() * neg.len()) as f64;
     eprintln!("anomaly score AUROC over {} windows ({} anomalous): {auroc:.3}", scores.len(), pos.len());
     assert!(auroc > 0.9, "anomaly scores do not separate the injected anomalies: AUROC {auroc:.3}");

@@ -19,11 +19,7 @@ fn tour_commands(readme: &str) -> Vec<String> {
     let section = readme.split("\n## Quick tour").nth(1).expect("README.md has a \"## Quick tour\" section");
     let block = section.split("```sh\n").nth(1).expect("the Quick tour has a ```sh block");
     let block = block.split("\n```").next().unwrap();
-    block
-        .lines()
-        .filter(|l| !l.starts_with("cargo ") && !l.starts_with("export PATH="))
-        .map(str::to_owned)
-        .collect()
+    block.lines().filter(|l| !l.starts_with("cargo ") && !l.starts_with("export PATH=")).map(str::to_owned).collect()
 }
 
 #[test]
@@ -45,14 +41,8 @@ fn readme_quick_tour_runs_as_written() {
     std::fs::write(work.path().join("tour.sh"), &script).unwrap();
     let stdout = std::fs::File::create(work.path().join("tour.out")).unwrap();
     let stderr = std::fs::File::create(work.path().join("tour.err")).unwrap();
-    let mut child = Command::new("bash")
-        .arg("tour.sh")
-        .current_dir(work.path())
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
+    let mut child =
+        Command::new("bash").arg("tour.sh").current_dir(work.path()).stdin(Stdio::null()).stdout(stdout).stderr(stderr).spawn().unwrap();
     let t0 = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
