@@ -1063,7 +1063,8 @@ impl Lifecycle {
         if r.non_finite {
             return Err(HealthFailure::NonFinite);
         }
-        if !(r.latency_p99_ms <= p.max_latency_ms) {
+        // A NaN latency fails the check too (it is not within the budget).
+        if !matches!(r.latency_p99_ms.partial_cmp(&p.max_latency_ms), Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)) {
             return Err(HealthFailure::TooSlow { p99_ms: r.latency_p99_ms, budget_ms: p.max_latency_ms });
         }
         if !r.candidate_score.is_finite() {

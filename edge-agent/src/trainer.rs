@@ -124,7 +124,7 @@ impl Trainer for GraphTrainer {
         builtin_only(model.spec)?;
         let out = fedfleet_learning::train_local(model.spec, model.weights, job.data, &job.train_config(), job.seed)
             .map_err(|e| e.to_string())?;
-        let loss = out.metrics.epochs.last().map(|e| e.loss as f64);
+        let loss = out.metrics.epochs.last().map(|e| e.loss);
         Ok(LocalUpdate { delta: out.delta, num_examples: out.num_examples, loss, local_state: out.local_state })
     }
 

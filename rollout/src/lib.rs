@@ -498,13 +498,11 @@ impl Rollout {
                 self.events.push_back(Event::AutoAborted { phase: self.phase, failure_rate: rate, failed, reporting });
                 return;
             }
-            if phase.min_healthy > 0 {
-                if healthy < phase.min_healthy {
-                    if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {
-                        self.stall(now, healthy, failed);
-                    }
-                    return;
+            if phase.min_healthy > 0 && healthy < phase.min_healthy {
+                if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {
+                    self.stall(now, healthy, failed);
                 }
+                return;
             }
             if self.phase + 1 == self.plan.phases.len() {
                 self.status = Status::Completed;
