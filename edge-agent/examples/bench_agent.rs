@@ -2,7 +2,7 @@
 //! inference latency through the local endpoint (the unix socket `fedfleet-agent run` serves).
 //!
 //! cargo run --release -p fedfleet-agent --example bench_agent
-//! (binary size: `cargo build --release --bin fedfleet-agent && ls -l target/release/fedfleet-agent`)
+//! (binary size as shipped: `cargo build --profile device -p fedfleet-agent && ls -l target/device/fedfleet-agent`)
 
 use std::sync::Arc;
 use std::time::Instant;
