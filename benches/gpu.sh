@@ -9,6 +9,11 @@
 #   bash benches/gpu.sh            # P = 1M,10M,100M; N = 10,100,1000
 #   bash benches/gpu.sh --quick    # P = 1M,10M;      N = 10,100
 #
+# On a machine that cannot build (a lent GPU machine with no registry access), build here with
+# the line below, carry the binary and point BENCH_BIN at it: the build step is skipped.
+#   CARGO_TARGET_DIR=target/gpu cargo build --release -p fedfleet-aggregator --features wgpu --example bench_aggregate
+#   BENCH_BIN=target/gpu/release/examples/bench_aggregate bash benches/gpu.sh
+#
 # Needs a wgpu adapter (Vulkan, Metal, DX12 or GL); with none it stops with one line saying
 # what it looked for. On a machine without a GPU, Mesa's software Vulkan driver (Debian
 # package mesa-vulkan-drivers: lavapipe) makes it run on the CPU: the figures are then not GPU
@@ -30,8 +35,11 @@ if [ "$#" -gt 0 ]; then
 fi
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/gpu}"
-cargo build --release -p fedfleet-aggregator --features wgpu --example bench_aggregate
+bin="${BENCH_BIN:-$CARGO_TARGET_DIR/release/examples/bench_aggregate}"
+if [ -z "${BENCH_BIN:-}" ]; then
+    cargo build --release -p fedfleet-aggregator --features wgpu --example bench_aggregate
+fi
 echo "machine: $(nproc) CPU cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-exec "$CARGO_TARGET_DIR/release/examples/bench_aggregate" \
+exec "$bin" \
     --params "$params" --updates "$updates" --e2e-max "$e2e_max" --device gpu
