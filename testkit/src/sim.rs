@@ -1,13 +1,15 @@
 //! Simulation mode: many agents in one process, each with its own key, store and data
 //! partition, driven through the same [`Agent`] shell and lifecycle as the daemon, against the
-//! in-memory services of [`crate::fakes`] and a fake clock. The "aggregator" step here is plain
-//! FedAvg from `fedfleet-learning::sim`; the real aggregator replaces it in loopback tests.
+//! in-memory services of [`crate::fakes`] and a fake clock. The "aggregator" step here is the
+//! aggregator's own exact FedAvg fold (`fedfleet_rounds::strategy::PartialSum`); the real
+//! aggregator service replaces it in loopback tests.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use ed25519_dalek::SigningKey;
-use fedfleet_learning::{Dataset, ModelSpec, Partition, evaluate, model::init_bundle, sim as fsim};
+use fedfleet_aggregator::strategy::PartialSum;
+use fedfleet_learning::{Dataset, ModelSpec, Partition, evaluate, model::init_bundle};
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, RoundAnnouncement, RoundConfig, RoundId, Selection, TensorBundle};
 
 use crate::clock::FakeClock;
@@ -101,16 +103,12 @@ impl SimFleet {
         self.agg.add_base_model(&self.spec.to_json(), self.global.encode());
         self.step().await?;
         let updates = self.agg.drain_accepted();
-        let deltas: Vec<(TensorBundle, f64)> = updates
+        let deltas: Vec<(TensorBundle, u64)> = updates
             .iter()
-            .filter_map(|(h, p)| {
-                TensorBundle::decode(p, &BundleLimits::default()).ok().map(|b| (b.dequantize(), h.body().sample_count as f64))
-            })
+            .filter_map(|(h, p)| TensorBundle::decode(p, &BundleLimits::default()).ok().map(|b| (b.dequantize(), h.body().sample_count)))
             .collect();
         if !deltas.is_empty() {
-            let refs: Vec<(&TensorBundle, f64)> = deltas.iter().map(|(b, w)| (b, *w)).collect();
-            let avg = fsim::weighted_average(&refs).expect("same layout");
-            self.global = fsim::apply_update(&self.global, &avg, 1.0).expect("same layout");
+            self.global = exact_fedavg(&self.global, &deltas);
             self.global_ref = self.reg.publish("digits", &self.spec.to_json(), self.global.encode());
             self.reg.assign_all(Some(FakeRegistry::notice(&self.fleet, round, &self.global_ref)));
             self.step().await?;
@@ -119,6 +117,37 @@ impl SimFleet {
         let activated = self.agents.iter().filter(|a| a.core().active().is_some_and(|m| m.model == self.global_ref)).count();
         Ok(RoundSummary { round: now, updates: updates.len(), test_accuracy, activated, model: self.global_ref.clone() })
     }
+}
+
+/// `global` plus the sample-weighted mean of `deltas`, folded exactly as the aggregator folds a
+/// FedAvg round (fixed point, order-independent). The deltas carry the trainable tensors only;
+/// the others are carried over.
+fn exact_fedavg(global: &TensorBundle, deltas: &[(TensorBundle, u64)]) -> TensorBundle {
+    let names: Vec<String> = deltas[0].0.iter().map(|(n, _)| n.to_owned()).collect();
+    let flat = |b: &TensorBundle| -> Vec<f32> { names.iter().flat_map(|n| b.get(n).expect("same layout").to_f32_vec()).collect() };
+    let mut sum = PartialSum::new(flat(&deltas[0].0).len());
+    for (delta, weight) in deltas {
+        sum.fold(&flat(delta), *weight).expect("finite deltas of one layout");
+    }
+    let mean = sum.mean().expect("a positive total weight");
+    let mut offsets = std::collections::HashMap::new();
+    let mut at = 0;
+    for n in &names {
+        let len = deltas[0].0.get(n).expect("listed").to_f32_vec().len();
+        offsets.insert(n.as_str(), (at, len));
+        at += len;
+    }
+    let mut out = TensorBundle::new();
+    for (name, t) in global.iter() {
+        match offsets.get(name) {
+            Some(&(at, len)) => {
+                let values = t.to_f32_vec().iter().zip(&mean[at..at + len]).map(|(&v, m)| (v as f64 + m) as f32).collect();
+                out.insert_f32(name, t.shape.clone(), values).expect("the global model's own shapes");
+            }
+            None => out.insert(name, t.clone()).expect("the global model's own tensors"),
+        }
+    }
+    out
 }
 
 // ----- a fleet over the real services -----
