@@ -59,6 +59,33 @@ pub struct Saved {
     pub outbox: Vec<OutboxEntry>,
 }
 
+/// The core's writes applied in memory: what any store holds after them (the agent's sled store
+/// applies the same writes durably). The store of the core-only tests and of `fedfleet-sim`.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore {
+    pub state: Option<Vec<u8>>,
+    pub outbox: BTreeMap<u64, OutboxEntry>,
+}
+
+impl MemoryStore {
+    pub fn apply(&mut self, write: Persist) {
+        match write {
+            Persist::State(bytes) => self.state = Some(bytes),
+            Persist::PutOutbox(entry) => {
+                self.outbox.insert(entry.id, entry);
+            }
+            Persist::RemoveOutbox(id) => {
+                self.outbox.remove(&id);
+            }
+        }
+    }
+
+    /// What a reopened core starts from.
+    pub fn saved(&self) -> Saved {
+        Saved { state: self.state.clone(), outbox: self.outbox.values().cloned().collect() }
+    }
+}
+
 /// Unix time in milliseconds.
 pub use fedfleet_protocol::Millis;
 

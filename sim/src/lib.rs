@@ -36,9 +36,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use fedfleet_agent_core::lifecycle::{
-    Action, Backoff, CoreConfig, HealthReport, Input, Lifecycle, MetadataSet, OutboxEntry, Persist, Saved, SlotModel, UploadOutcome,
-};
+use fedfleet_agent_core::lifecycle::{Action, Backoff, CoreConfig, HealthReport, Input, Lifecycle, MetadataSet, SlotModel, UploadOutcome};
 use fedfleet_protocol::messages::BASIS_POINTS;
 use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use fedfleet_protocol::{
@@ -164,29 +162,7 @@ pub fn rollout_number(id: &str) -> u64 {
 // ----- devices -----
 
 /// A device's storage, as its writes left it. It outlives the core: a crash drops the core only.
-#[derive(Debug, Clone, Default)]
-pub struct Disk {
-    pub state: Option<Vec<u8>>,
-    pub outbox: BTreeMap<u64, OutboxEntry>,
-}
-
-impl Disk {
-    pub fn apply(&mut self, write: Persist) {
-        match write {
-            Persist::State(bytes) => self.state = Some(bytes),
-            Persist::PutOutbox(e) => {
-                self.outbox.insert(e.id, e);
-            }
-            Persist::RemoveOutbox(id) => {
-                self.outbox.remove(&id);
-            }
-        }
-    }
-
-    pub fn saved(&self) -> Saved {
-        Saved { state: self.state.clone(), outbox: self.outbox.values().cloned().collect() }
-    }
-}
+pub use fedfleet_agent_core::MemoryStore as Disk;
 
 /// An update a device trained (whether or not it was ever sent).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,8 +12,7 @@ use std::rc::Rc;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_agent_core::lifecycle::{
-    Action, Backoff, CoreConfig, HealthPolicy, Input, Lifecycle, LifecycleError, MetadataSet, Millis, OutboxEntry, Persist, Saved,
-    SlotModel,
+    Action, Backoff, CoreConfig, HealthPolicy, Input, Lifecycle, LifecycleError, MetadataSet, Millis, SlotModel,
 };
 use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
 use fedfleet_protocol::{
@@ -44,29 +43,7 @@ pub fn core_cfg() -> CoreConfig {
 }
 
 /// What the shell made durable: the last state and the outbox, as the core's writes left them.
-#[derive(Debug, Default)]
-pub struct Stored {
-    pub state: Option<Vec<u8>>,
-    pub outbox: BTreeMap<u64, OutboxEntry>,
-}
-
-impl Stored {
-    pub fn apply(&mut self, write: Persist) {
-        match write {
-            Persist::State(bytes) => self.state = Some(bytes),
-            Persist::PutOutbox(entry) => {
-                self.outbox.insert(entry.id, entry);
-            }
-            Persist::RemoveOutbox(id) => {
-                self.outbox.remove(&id);
-            }
-        }
-    }
-
-    pub fn saved(&self) -> Saved {
-        Saved { state: self.state.clone(), outbox: self.outbox.values().cloned().collect() }
-    }
-}
+pub use fedfleet_agent_core::MemoryStore as Stored;
 
 /// The device's storage; it outlives a [`Device`] (a crash drops the device, not the disk).
 #[derive(Debug, Default, Clone)]
