@@ -291,7 +291,7 @@ const MAX_CONNECTIONS: usize = 16_384;
 
 async fn accept_loop(listener: TcpListener, gate: Arc<Gate>, stop: Shutdown) {
     let metrics = gate.metrics.clone();
-    let conns = fedfleet_net::serve::accept_until(
+    let mut conns = fedfleet_net::serve::accept_until(
         &listener,
         MAX_CONNECTIONS,
         stop.wait(),
@@ -300,7 +300,6 @@ async fn accept_loop(listener: TcpListener, gate: Arc<Gate>, stop: Shutdown) {
     )
     .await;
     drop(listener);
-    let mut conns = conns;
     conns.shutdown().await;
 }
 

@@ -124,7 +124,7 @@ pub async fn serve_unix_with_inbox(
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path)?;
     tracing::info!(socket = %path.display(), "inference endpoint listening");
-    let handlers = fedfleet_net::serve::accept_until(
+    let mut handlers = fedfleet_net::serve::accept_until(
         &listener,
         MAX_CONNECTIONS,
         shutdown,
@@ -141,7 +141,6 @@ pub async fn serve_unix_with_inbox(
     )
     .await;
     // Connections still open end with the endpoint.
-    let mut handlers = handlers;
     handlers.shutdown().await;
     let _ = std::fs::remove_file(path);
     Ok(())

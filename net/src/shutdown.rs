@@ -52,8 +52,7 @@ impl Shutdown {
     pub fn wait(&self) -> impl Future<Output = ()> + Send + 'static {
         let mut seen = self.switch.subscribe();
         async move {
-            // The sender lives in `self.switch`, which this future's subscription keeps alive
-            // only through clones; a dropped switch counts as flipped.
+            // Every clone of the switch dropped (nobody can flip it any more) counts as flipped.
             let _ = seen.wait_for(|flipped| *flipped).await;
         }
     }

@@ -265,6 +265,30 @@ pub struct Timestamp {
     pub targets: MetaRef,
 }
 
+impl SignedMetadata<Root> {
+    /// A version-1 root naming one key per role (threshold 1), signed by its root key: what
+    /// `fedfleet-registry init-keys` writes, and what the tests' and the simulator's registries pin.
+    pub fn single_key_root(expires: u64, root: &SigningKey, targets: &VerifyingKey, timestamp: &VerifyingKey) -> Self {
+        let body = Root::new(1, expires, (&[&root.verifying_key()], 1), (&[targets], 1), (&[timestamp], 1));
+        SignedMetadata::sign(&body, &[root])
+    }
+}
+
+/// `models` as targets `version` signed by `targets_key`, and the timestamp of the same version
+/// naming them signed by `timestamp_key`, both expiring at `expires`: one publication of an
+/// in-memory registry (the service itself re-signs through its `MetadataSigner`).
+pub fn sign_targets_and_timestamp(
+    version: u64,
+    expires: u64,
+    models: Vec<ModelInfo>,
+    targets_key: &SigningKey,
+    timestamp_key: &SigningKey,
+) -> (SignedMetadata<Targets>, SignedMetadata<Timestamp>) {
+    let targets = SignedMetadata::sign(&Targets { version, expires, targets: models }, &[targets_key]);
+    let ts = Timestamp::for_targets(version, expires, &targets).expect("targets just signed parse");
+    (targets, SignedMetadata::sign(&ts, &[timestamp_key]))
+}
+
 impl Timestamp {
     /// A timestamp pointing at `targets`.
     pub fn for_targets(version: u64, expires: u64, targets: &SignedMetadata<Targets>) -> Result<Self, TufError> {

@@ -106,9 +106,7 @@ pub fn init_keys(data_dir: &Path, root_days: u32, force: bool, now: u64) -> Resu
     let new_key = || SigningKey::generate(&mut rand_core::OsRng);
     let (root_key, targets_key, ts_key) = (new_key(), new_key(), new_key());
     let expires = now + root_days.max(1) as u64 * DAY_MS;
-    let body =
-        Root::new(1, expires, (&[&root_key.verifying_key()], 1), (&[&targets_key.verifying_key()], 1), (&[&ts_key.verifying_key()], 1));
-    let root = SignedMetadata::sign(&body, &[&root_key]);
+    let root = SignedMetadata::single_key_root(expires, &root_key, &targets_key.verifying_key(), &ts_key.verifying_key());
     write_key(&data_dir.join(ROOT_KEY), &root_key)?;
     write_key(&data_dir.join(TARGETS_KEY), &targets_key)?;
     write_key(&data_dir.join(TIMESTAMP_KEY), &ts_key)?;

@@ -38,7 +38,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ed25519_dalek::{SigningKey, VerifyingKey};
 use fedfleet_agent_core::lifecycle::{Action, Backoff, CoreConfig, HealthReport, Input, Lifecycle, MetadataSet, SlotModel, UploadOutcome};
 use fedfleet_protocol::messages::BASIS_POINTS;
-use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, sign_targets_and_timestamp};
 use fedfleet_protocol::{
     BundleLimits, DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, Layout, ModelInfo, ModelRef, ModelVersion, Receipt,
     RejectReason, Rejection, RolloutAction, RolloutNotice, RoundAnnouncement, RoundId, Signed, SignedUpdate, SpecJson, TensorBundle,
@@ -248,14 +248,7 @@ impl Registry {
     fn new(seed: u64, expires: Millis) -> Self {
         let key = |role: &str| SigningKey::from_bytes(&derive(seed, "registry key", &[role.as_bytes()]));
         let (root_key, targets_key, timestamp_key) = (key("root"), key("targets"), key("timestamp"));
-        let body = Root::new(
-            1,
-            expires,
-            (&[&root_key.verifying_key()], 1),
-            (&[&targets_key.verifying_key()], 1),
-            (&[&timestamp_key.verifying_key()], 1),
-        );
-        let root = SignedMetadata::sign(&body, &[&root_key]);
+        let root = SignedMetadata::single_key_root(expires, &root_key, &targets_key.verifying_key(), &timestamp_key.verifying_key());
         Registry { root, targets_key, timestamp_key, expires, versions: Vec::new(), meta_version: 0, aliases: BTreeMap::new() }
     }
 
@@ -302,10 +295,8 @@ impl Registry {
     /// The signed metadata as served now (every published version; no root rotation).
     pub fn metadata(&self) -> MetadataSet {
         let version = self.meta_version.max(1);
-        let body = Targets { version, expires: self.expires, targets: self.versions.iter().map(|(i, _)| i.clone()).collect() };
-        let targets = SignedMetadata::sign(&body, &[&self.targets_key]);
-        let ts = Timestamp::for_targets(version, self.expires, &targets).expect("targets parse");
-        let timestamp = SignedMetadata::sign(&ts, &[&self.timestamp_key]);
+        let models = self.versions.iter().map(|(i, _)| i.clone()).collect();
+        let (targets, timestamp) = sign_targets_and_timestamp(version, self.expires, models, &self.targets_key, &self.timestamp_key);
         MetadataSet { roots: Vec::new(), timestamp, targets }
     }
 }

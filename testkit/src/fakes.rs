@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, sign_targets_and_timestamp};
 use fedfleet_protocol::{
     DeviceId, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutAction, RolloutNotice,
     RoundAnnouncement, RoundId, SignedUpdate, verify_payload,
@@ -164,14 +164,7 @@ impl FakeRegistry {
         let root_key = SigningKey::from_bytes(&[seed.wrapping_add(1); 32]);
         let targets_key = SigningKey::from_bytes(&[seed.wrapping_add(2); 32]);
         let timestamp_key = SigningKey::from_bytes(&[seed.wrapping_add(3); 32]);
-        let body = Root::new(
-            1,
-            expires,
-            (&[&root_key.verifying_key()], 1),
-            (&[&targets_key.verifying_key()], 1),
-            (&[&timestamp_key.verifying_key()], 1),
-        );
-        let root = SignedMetadata::sign(&body, &[&root_key]);
+        let root = SignedMetadata::single_key_root(expires, &root_key, &targets_key.verifying_key(), &timestamp_key.verifying_key());
         FakeRegistry {
             inner: Mutex::new(RegInner {
                 root_key,
@@ -268,12 +261,9 @@ impl FakeRegistry {
 impl Registry for FakeRegistry {
     async fn metadata(&self, _have_root_version: u64) -> Result<MetadataSet, TransportError> {
         let i = self.inner.lock().unwrap();
-        let targets_body = Targets { version: i.meta_version.max(1), expires: i.expires, targets: i.targets.clone() };
         let forged = SigningKey::from_bytes(&[0xEE; 32]);
         let tkey = if i.forge_targets { &forged } else { &i.targets_key };
-        let targets = SignedMetadata::sign(&targets_body, &[tkey]);
-        let ts = Timestamp::for_targets(i.meta_version.max(1), i.expires, &targets).expect("targets parse");
-        let timestamp = SignedMetadata::sign(&ts, &[&i.timestamp_key]);
+        let (targets, timestamp) = sign_targets_and_timestamp(i.meta_version.max(1), i.expires, i.targets.clone(), tkey, &i.timestamp_key);
         let _ = &i.root_key;
         Ok(MetadataSet { roots: Vec::new(), timestamp, targets })
     }

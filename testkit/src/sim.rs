@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ed25519_dalek::SigningKey;
+use fedfleet_aggregator::service::flatten;
 use fedfleet_aggregator::strategy::PartialSum;
 use fedfleet_learning::{Dataset, ModelSpec, Partition, evaluate, model::init_bundle};
 use fedfleet_protocol::{BundleLimits, DeviceId, FleetId, ModelRef, RoundAnnouncement, RoundConfig, RoundId, Selection, TensorBundle};
@@ -123,25 +124,19 @@ impl SimFleet {
 /// FedAvg round (fixed point, order-independent). The deltas carry the trainable tensors only;
 /// the others are carried over.
 fn exact_fedavg(global: &TensorBundle, deltas: &[(TensorBundle, u64)]) -> TensorBundle {
-    let names: Vec<String> = deltas[0].0.iter().map(|(n, _)| n.to_owned()).collect();
-    let flat = |b: &TensorBundle| -> Vec<f32> { names.iter().flat_map(|n| b.get(n).expect("same layout").to_f32_vec()).collect() };
-    let mut sum = PartialSum::new(flat(&deltas[0].0).len());
+    let carried = &deltas[0].0;
+    let dim = carried.iter().map(|(_, t)| t.len()).sum();
+    let mut sum = PartialSum::new(dim);
     for (delta, weight) in deltas {
-        sum.fold(&flat(delta), *weight).expect("finite deltas of one layout");
+        sum.fold(&flatten(delta, dim), *weight).expect("finite deltas of one layout");
     }
-    let mean = sum.mean().expect("a positive total weight");
-    let mut offsets = std::collections::HashMap::new();
-    let mut at = 0;
-    for n in &names {
-        let len = deltas[0].0.get(n).expect("listed").to_f32_vec().len();
-        offsets.insert(n.as_str(), (at, len));
-        at += len;
-    }
+    // Both bundles iterate in name order, so the mean's values come in the global's order.
+    let mut mean = sum.mean().expect("a positive total weight").into_iter();
     let mut out = TensorBundle::new();
     for (name, t) in global.iter() {
-        match offsets.get(name) {
-            Some(&(at, len)) => {
-                let values = t.to_f32_vec().iter().zip(&mean[at..at + len]).map(|(&v, m)| (v as f64 + m) as f32).collect();
+        match carried.get(name) {
+            Some(_) => {
+                let values = t.to_f32_vec().iter().map(|&v| (v as f64 + mean.next().expect("one mean per value")) as f32).collect();
                 out.insert_f32(name, t.shape.clone(), values).expect("the global model's own shapes");
             }
             None => out.insert(name, t.clone()).expect("the global model's own tensors"),

@@ -14,7 +14,7 @@ use ed25519_dalek::SigningKey;
 use fedfleet_agent_core::lifecycle::{
     Action, Backoff, CoreConfig, HealthPolicy, Input, Lifecycle, LifecycleError, MetadataSet, Millis, SlotModel,
 };
-use fedfleet_protocol::tuf::{Root, SignedMetadata, Targets, Timestamp};
+use fedfleet_protocol::tuf::{Root, SignedMetadata, sign_targets_and_timestamp};
 use fedfleet_protocol::{
     DType, DeviceId, Digest, FleetId, ModelInfo, ModelRef, ModelVersion, Receipt, RolloutAction, RolloutNotice, RoundAnnouncement,
     RoundConfig, RoundId, Selection, Signed, SpecJson, UpdateHeader,
@@ -156,14 +156,7 @@ impl Registry {
         let root_key = SigningKey::from_bytes(&[seed.wrapping_add(1); 32]);
         let targets_key = SigningKey::from_bytes(&[seed.wrapping_add(2); 32]);
         let timestamp_key = SigningKey::from_bytes(&[seed.wrapping_add(3); 32]);
-        let body = Root::new(
-            1,
-            expires,
-            (&[&root_key.verifying_key()], 1),
-            (&[&targets_key.verifying_key()], 1),
-            (&[&timestamp_key.verifying_key()], 1),
-        );
-        let root = SignedMetadata::sign(&body, &[&root_key]);
+        let root = SignedMetadata::single_key_root(expires, &root_key, &targets_key.verifying_key(), &timestamp_key.verifying_key());
         Registry {
             root,
             targets_key,
@@ -209,12 +202,10 @@ impl Registry {
     /// The signed metadata as the registry serves it now (no root updates).
     pub fn metadata(&self) -> MetadataSet {
         let i = self.inner.borrow();
-        let targets_body = Targets { version: i.meta_version.max(1), expires: self.expires, targets: i.targets.clone() };
         let forged = SigningKey::from_bytes(&[0xEE; 32]);
         let tkey = if i.forge_targets { &forged } else { &self.targets_key };
-        let targets = SignedMetadata::sign(&targets_body, &[tkey]);
-        let ts = Timestamp::for_targets(i.meta_version.max(1), self.expires, &targets).expect("targets parse");
-        let timestamp = SignedMetadata::sign(&ts, &[&self.timestamp_key]);
+        let (targets, timestamp) =
+            sign_targets_and_timestamp(i.meta_version.max(1), self.expires, i.targets.clone(), tkey, &self.timestamp_key);
         MetadataSet { roots: Vec::new(), timestamp, targets }
     }
 
