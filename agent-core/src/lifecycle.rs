@@ -294,7 +294,15 @@ pub struct InstallJob {
     pub model: ModelRef,
     pub phase: InstallPhase,
     pub attempts: u32,
+    /// Health checks of the staged candidate started (committed before each one runs): a
+    /// check that kills the agent is not retried on every start for ever.
+    #[serde(default)]
+    pub health_checks_started: u32,
 }
+
+/// Starts of a candidate's health check that may end without a result (the agent died during
+/// it) before the candidate is given up and reported failed.
+pub const MAX_HEALTH_CHECK_STARTS: u32 = 3;
 
 /// Everything that survives a restart (besides the outbox and blobs).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -586,7 +594,7 @@ impl Lifecycle {
             self.actions.push_back(Action::Train(r));
         }
         if let Some(job) = self.state.install.clone() {
-            self.queue_install_step(&job, now);
+            self.queue_install_step(&job, now)?;
         }
         Ok(())
     }
@@ -679,8 +687,10 @@ impl Lifecycle {
         }
         if self.install_retry_at.is_some_and(|at| at <= now) {
             self.install_retry_at = None;
-            if let Some(job) = self.state.install.clone() {
-                self.queue_install_step(&job, now);
+            if let Some(job) = self.state.install.clone()
+                && let Err(e) = self.queue_install_step(&job, now)
+            {
+                tracing::warn!(error = %e, "install step not queued");
             }
         }
     }
@@ -926,7 +936,7 @@ impl Lifecycle {
             tracing::info!(model = %model.name, version = %model.version, "install in progress; newer assignment replaces it");
         }
         // Roll back to the previous model: it passed its health check before; re-verify anyway.
-        let job = InstallJob { rollout_id, model, phase: InstallPhase::Metadata, attempts: 0 };
+        let job = InstallJob { rollout_id, model, phase: InstallPhase::Metadata, attempts: 0, health_checks_started: 0 };
         let mut next = self.state.clone();
         if let Some(staged) = next.staged.take() {
             self.actions.push_back(Action::Discard { digest: staged.model.digest });
@@ -936,12 +946,12 @@ impl Lifecycle {
         self.commit(next)?;
         self.install_retry_at = None;
         self.storage_attempts = 0;
-        self.queue_install_step(&job, now);
+        self.queue_install_step(&job, now)?;
         self.report(now);
         Ok(())
     }
 
-    fn queue_install_step(&mut self, job: &InstallJob, _now: Millis) {
+    fn queue_install_step(&mut self, job: &InstallJob, now: Millis) -> Result<(), LifecycleError> {
         match &job.phase {
             InstallPhase::Metadata => {
                 self.actions.push_back(Action::FetchMetadata { model: job.model.clone(), root_version: self.state.verifier.root().version })
@@ -950,15 +960,26 @@ impl Lifecycle {
                 self.actions.push_back(Action::Download { model: job.model.clone(), length: *length })
             }
             InstallPhase::Staged => {
-                if let Some(c) = self.state.staged.clone() {
-                    self.actions.push_back(Action::HealthCheck {
-                        slot: self.state.active_slot.other(),
-                        candidate: c,
-                        active: self.state.active.clone(),
-                    });
+                let Some(c) = self.state.staged.clone() else { return Ok(()) };
+                if job.health_checks_started >= MAX_HEALTH_CHECK_STARTS {
+                    let reason = format!(
+                        "health check started {} times without finishing (the agent stopped during it): candidate given up",
+                        job.health_checks_started
+                    );
+                    return self.fail_install(now, job.clone(), reason, true);
                 }
+                // Commit point: the start is counted before the check can take the agent down.
+                let mut next = self.state.clone();
+                next.install = Some(InstallJob { health_checks_started: job.health_checks_started + 1, ..job.clone() });
+                self.commit(next)?;
+                self.actions.push_back(Action::HealthCheck {
+                    slot: self.state.active_slot.other(),
+                    candidate: c,
+                    active: self.state.active.clone(),
+                });
             }
         }
+        Ok(())
     }
 
     fn install_retry(&mut self, now: Millis, reason: String) -> Result<(), LifecycleError> {
@@ -1058,7 +1079,7 @@ impl Lifecycle {
         let job = InstallJob { phase: InstallPhase::Downloading { length: target.length, spec }, attempts: 0, ..job };
         next.install = Some(job.clone());
         self.commit(next)?;
-        self.queue_install_step(&job, now);
+        self.queue_install_step(&job, now)?;
         Ok(())
     }
 
@@ -1077,7 +1098,7 @@ impl Lifecycle {
         // Commit point: staged in the inactive slot; the active model is untouched.
         self.commit(next)?;
         self.report(now);
-        self.queue_install_step(&job, now);
+        self.queue_install_step(&job, now)?;
         Ok(())
     }
 

@@ -4,7 +4,9 @@
 
 mod support;
 
-use fedfleet_agent_core::lifecycle::{Action, Conditions, HealthFailure, HealthReport, Input, InstallPhase, RoundRefusal, UploadOutcome};
+use fedfleet_agent_core::lifecycle::{
+    Action, Conditions, HealthFailure, HealthReport, Input, InstallPhase, MAX_HEALTH_CHECK_STARTS, RoundRefusal, UploadOutcome,
+};
 use fedfleet_protocol::{DeviceState, RejectReason, Rejection};
 
 use support::*;
@@ -341,6 +343,43 @@ fn crash_between_staging_and_activation_keeps_the_old_model_active() {
         "re-checked, not activated: {acts:?}"
     );
     assert!(!acts.iter().any(|a| matches!(a, Action::Serve { model, .. } if model.model == v2)));
+}
+
+#[test]
+fn a_health_check_that_kills_the_agent_is_given_up_after_a_bounded_number_of_starts() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    {
+        let mut lc = open(&disk, &reg, &v1);
+        install_to_health_check(&mut lc, &reg, &v2);
+        // The check takes the agent down (e.g. out of memory): no result, ever.
+    }
+    // Each start counts the check before it runs; the candidate is checked again...
+    for start in 2..=MAX_HEALTH_CHECK_STARTS {
+        let mut lc = open(&disk, &reg, &v1);
+        let acts = drain(&mut lc);
+        assert!(
+            acts.iter().any(|a| matches!(a, Action::HealthCheck { candidate, .. } if candidate.model == v2)),
+            "start {start}: {acts:?}"
+        );
+        assert_eq!(lc.state().install.as_ref().unwrap().health_checks_started, start);
+    }
+    // ...until the bound: then it is given up, reported as rolled back, and the old model serves on.
+    let mut lc = open(&disk, &reg, &v1);
+    let acts = drain(&mut lc);
+    assert!(!acts.iter().any(|a| matches!(a, Action::HealthCheck { .. })), "{acts:?}");
+    let given_up = |r: &str| r.contains("health check started 3 times without finishing");
+    assert!(acts.iter().any(|a| matches!(a, Action::Rollback { reason, .. } if given_up(reason))), "{acts:?}");
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::Report(s) if s.staged.as_ref() == Some(&v2)
+            && matches!(&s.state, DeviceState::RolledBack { reason } if given_up(reason)))),
+        "{acts:?}"
+    );
+    assert_eq!(lc.active().unwrap().model, v1);
+    assert!(lc.state().install.is_none());
+    let lc = open(&disk, &reg, &v1);
+    assert!(lc.state().install.is_none(), "given up for good");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //!
 //! # Code map
 //!
-//! Shell (I/O): [`service`] ([`service::Aggregator`]: accept loop, ingest, round driver,
+//! Shell (I/O): [`lifecycle`] (open → bind → run, for the daemon and the test kit), [`service`] ([`service::Aggregator`]: accept loop, ingest, round driver,
 //! campaigns), [`persist`] (sled state and commit points; crash recovery by exact refold),
 //! [`publish`] ([`publish::Publisher`], [`publish::DirPublisher`]), [`config`]
 //! (`aggregator.toml`), [`keys`] (the receipt key), [`metrics`] (Prometheus), [`accel`] (the
@@ -14,6 +14,7 @@
 pub mod accel;
 pub mod config;
 pub mod keys;
+pub mod lifecycle;
 pub mod metrics;
 pub mod mqtt;
 pub mod persist;

@@ -7,8 +7,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::Config;
-use fedfleet_aggregator::publish::{DirPublisher, RegistryPublisher};
-use fedfleet_aggregator::service::Aggregator;
+use fedfleet_aggregator::lifecycle::AggregatorService;
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request};
 
 /// Federated-learning aggregator: ingests signed updates over QUIC (mTLS), aggregates them with
@@ -192,53 +191,20 @@ async fn run(cli: Cli) -> Result<()> {
 }
 
 async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<()> {
-    let (cfg, mqtt_cfg) = Config::load_all(&config)?;
-    let addr = listen.unwrap_or(cfg.listen);
-    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("data_dir {}", cfg.data_dir.display()))?;
-    let key =
-        fedfleet_aggregator::keys::load_or_create(&cfg.data_dir).with_context(|| format!("receipt key in {}", cfg.data_dir.display()))?;
-    let publisher: Box<dyn fedfleet_aggregator::publish::Publisher> = match &cfg.publish {
-        Some(p) => {
-            tracing::info!(registry = %p.registry, "publishing into the registry");
-            Box::new(
-                RegistryPublisher::connect_lazy(&cfg.pki_dir, &cfg.server_identity, p.registry, &p.server_name)
-                    .with_context(|| format!("[publish] registry = {}", p.registry))?,
-            )
-        }
-        None => Box::new(DirPublisher::new(cfg.publish_dir(), key, format!("fedfleet-aggregator/{}", cfg.server_identity))),
-    };
-    let (metrics_addr, metrics_public) = (cfg.metrics_addr, cfg.metrics_public);
-    let name = cfg.server_identity.clone();
-    let clock = fedfleet_protocol::SystemClock::shared();
-    let agg = Aggregator::open(cfg, publisher, clock.clone())?;
-    let validity = agg.identity().validity().with_context(|| format!("server identity {name:?}"))?;
-    // Warn well before this service's own certificate lapses (on start, then hourly).
-    tokio::spawn(fedfleet_http::watch_certificate_expiry(
-        agg.metrics().certificate_expiry_seconds.clone(),
-        std::time::Duration::from_secs(3600),
-        move || fedfleet_certs::renewal::warn_if_expiring(&name, validity, clock.now_secs()),
-    ));
-    let endpoint = agg.bind(addr)?;
-    let bound = endpoint.local_addr()?;
-    if let Some(m) = metrics_addr {
-        let listener = fedfleet_http::bind(m, metrics_public).await.with_context(|| format!("metrics_addr {m}"))?;
-        tracing::info!(addr = %listener.local_addr()?, "metrics at /metrics");
-        tokio::spawn(fedfleet_http::serve_metrics(listener, agg.metrics()));
+    let (cfg, mqtt) = Config::load_all(&config)?;
+    let mut service = AggregatorService::open(cfg, mqtt, fedfleet_protocol::SystemClock::shared())?;
+    if let Some(addr) = listen {
+        service = service.listen_on(addr);
     }
-    let mqtt = match &mqtt_cfg {
-        Some(m) => fedfleet_aggregator::mqtt::start(&agg, m).await?,
-        None => None,
-    };
-    tracing::info!(%bound, "listening");
+    let bound = service.bind().await?;
+    let addr = bound.local_addr()?;
+    tracing::info!(%addr, "listening");
     // Tests and scripts read this line to find an ephemeral port.
-    println!("listening on {bound}");
-    if let Some(b) = mqtt.as_ref().and_then(|m| m.broker_addr()) {
+    println!("listening on {addr}");
+    if let Some(b) = bound.broker_addr() {
         println!("mqtt broker on {b}");
     }
-    agg.run(endpoint, fedfleet_net::Shutdown::on_signal()).await;
-    if let Some(m) = mqtt {
-        m.shutdown().await;
-    }
+    bound.run(fedfleet_net::Shutdown::on_signal()).await?;
     Ok(())
 }
 

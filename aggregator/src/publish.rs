@@ -165,19 +165,14 @@ impl Publisher for RegistryPublisher {
             use fedfleet_registry_client::wire::AdminRequest;
             let admin = AdminRequest::Publish(NewVersion { publisher: self.publisher.clone(), ..req.model.clone() });
             let v = self.client.publish(admin, req.bundle.as_slice()).await.map_err(|e| PublishError(format!("registry: {e}")))?;
-            let version = v
-                .get("version")
-                .and_then(|x| x.as_u64())
-                .ok_or_else(|| PublishError(format!("registry answered without a version: {v}")))?;
-            let digest = v
-                .get("digest")
-                .and_then(|x| x.as_str())
-                .and_then(|h| h.parse::<Digest>().ok())
-                .ok_or_else(|| PublishError(format!("registry answered without a digest: {v}")))?;
+            let fedfleet_registry_client::admin::AdminAnswer::Published(p) = v else {
+                return Err(PublishError(format!("registry answered a publish with {v:?}")));
+            };
+            let (version, digest) = (p.version, p.digest);
             if digest != Digest::of(&req.bundle) {
                 return Err(PublishError(format!("registry stored digest {digest}, not the one sent")));
             }
-            Ok((ModelVersion(version), digest))
+            Ok((version, digest))
         })
     }
 }

@@ -41,8 +41,13 @@ struct Reading {
 impl MonotonicClock {
     /// Over the system clock and `std::time::Instant`.
     pub fn system() -> Self {
+        Self::over(SystemClock::shared())
+    }
+
+    /// Over the wall clock `wall` and `std::time::Instant`.
+    pub fn over(wall: fedfleet_protocol::SharedClock) -> Self {
         let start = std::time::Instant::now();
-        Self::with_sources(move || SystemClock.now_ms(), move || start.elapsed().as_millis() as u64)
+        Self::with_sources(move || wall.now_ms(), move || start.elapsed().as_millis() as u64)
     }
 
     /// Over a wall clock and a monotonic one (ms since any origin): tests step the wall clock.
@@ -263,6 +268,9 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 Ok(bytes) => match ml::load_served(self.trainer.as_ref(), &model.spec, &bytes, self.local_state()?.as_ref()) {
                     Ok(p) => {
                         tracing::info!(?slot, name = %model.model.name, version = %model.model.version, "serving model");
+                        if let (Some((inbox, _)), Ok(spec)) = (&self.inbox, fedfleet_learning::ModelSpec::from_json(&model.spec)) {
+                            inbox.model_activated(&spec);
+                        }
                         self.serving.set(Served { model: model.model, predictor: p });
                     }
                     Err(e) => tracing::error!(error = %e, "active model does not load; inference unavailable"),

@@ -1,4 +1,5 @@
-//! The daemon and the CLI commands' logic (`run`, `status`, `enroll`, `infer`).
+//! The daemon's lifecycle ([`AgentService`]: open → bind → run) and the CLI commands' logic
+//! (`run`, `status`, `enroll`, `infer`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -7,12 +8,13 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use fedfleet_certs::DeviceIdentity;
 use fedfleet_learning::{CsvOptions, Dataset, ImageFolderOptions, LabelColumn, Partition};
+use fedfleet_net::Shutdown;
 use fedfleet_protocol::tuf::Verifier;
 use fedfleet_protocol::tuf::{Root, SignedMetadata};
-use fedfleet_protocol::{FleetId, ModelRef, ModelVersion};
+use fedfleet_protocol::{FleetId, ModelRef, ModelVersion, SharedClock};
 use rand::RngCore;
 
-use crate::agent::{Agent, Clock, LocalData, MonotonicClock, ShellConfig, run_agent};
+use crate::agent::{Agent, Clock, LocalData, MonotonicClock, ShellConfig, SystemClock, run_agent};
 use crate::clients::{Aggregator, Registry, Unlinked};
 use crate::config::{AgentConfig, IdentityPaths};
 use crate::inbox::{ExampleShape, Inbox};
@@ -96,7 +98,7 @@ pub fn build_agent<A: Aggregator, R: Registry>(
     trainer: Arc<dyn Trainer>,
 ) -> Result<Agent<A, R>> {
     let ids = cfg.identity_paths();
-    let identity = load_identity(&ids)?;
+    let identity = load_identity_at(&ids, clock.now_ms())?;
     let data = load_data(cfg)?;
     let store = AgentStore::open(cfg.store_dir())?;
     let fleet = FleetId::new(&cfg.fleet).map_err(|e| anyhow::anyhow!("fleet: {e}"))?;
@@ -133,7 +135,12 @@ pub fn build_agent<A: Aggregator, R: Registry>(
     } else {
         (None, None)
     };
-    let inbox = Inbox::open(&store, cfg.inbox, ExampleShape::of(&data.train))?;
+    // Without `[data]`, pushed examples are shaped like the model the agent serves.
+    let inbox = if data.train.is_empty() {
+        Inbox::open_following_model(&store, cfg.inbox)?
+    } else {
+        Inbox::open(&store, cfg.inbox, ExampleShape::of(&data.train))?
+    };
     let core = DurableLifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
     let shell =
         ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
@@ -142,10 +149,97 @@ pub fn build_agent<A: Aggregator, R: Registry>(
     Ok(agent)
 }
 
+/// The agent daemon's lifecycle, the same for `fedfleet-agent run` and a team's own binary:
+/// [`AgentService::open`] (the config, the identity, a clock passed in) →
+/// [`AgentService::bind`] (the inference socket) → [`BoundAgent::run`] until a [`Shutdown`] is
+/// triggered. Rounds, signing, the outbox, installs, health checks, rollbacks and the inference
+/// socket are the agent's; training, scoring and predicting are the [`Trainer`]'s.
+pub struct AgentService {
+    cfg: AgentConfig,
+    trainer: Arc<dyn Trainer>,
+    clock: Arc<MonotonicClock>,
+}
+
+impl AgentService {
+    /// Loads `config` and checks the device identity (a lapsed certificate refuses the start by
+    /// name). The agent's time is `wall`, kept from stepping back by a monotonic clock.
+    pub fn open(config: &Path, trainer: Arc<dyn Trainer>, wall: SharedClock) -> Result<AgentService> {
+        let cfg = AgentConfig::load(config)?;
+        let clock = Arc::new(MonotonicClock::over(wall));
+        load_identity_at(&cfg.identity_paths(), clock.now_ms())?;
+        if !cfg.data.is_configured() && trainer.own_examples() == 0 {
+            tracing::warn!("no [data] source: this agent trains only on what the application pushes into its inbox");
+        }
+        Ok(AgentService { cfg, trainer, clock })
+    }
+
+    /// Binds the inference socket. Call inside a tokio runtime.
+    pub fn bind(self) -> Result<BoundAgent> {
+        let path = self.cfg.socket_path();
+        let inference = inference::bind(&path).with_context(|| format!("inference socket {}", path.display()))?;
+        Ok(BoundAgent { service: self, inference })
+    }
+}
+
+/// An agent with its inference socket bound, ready to [`run`](BoundAgent::run).
+pub struct BoundAgent {
+    service: AgentService,
+    inference: tokio::net::UnixListener,
+}
+
+impl BoundAgent {
+    /// Connects its clients (lazily), renews its certificate, and runs rounds, installs and
+    /// inference until `shutdown` is triggered.
+    pub async fn run(self, shutdown: Shutdown) -> Result<()> {
+        let BoundAgent { service: AgentService { cfg, trainer, clock }, inference } = self;
+        let ids = cfg.identity_paths();
+        let agg = match &cfg.aggregator {
+            Some(a) => Some(Arc::new(remote_aggregator(&ids, a)?)),
+            None => {
+                tracing::warn!("no [aggregator] in the config: this agent will not train");
+                None
+            }
+        };
+        let reg = match &cfg.registry {
+            Some(r) => Some(Arc::new(remote_registry(&ids, r)?)),
+            None => {
+                tracing::warn!("no [registry] in the config: this agent will not install new models");
+                None
+            }
+        };
+        let _renewal = match &reg {
+            Some(r) => {
+                let renewer = crate::renewal::Renewer::new(ids.clone(), cfg.renewal, r.clone(), agg.clone(), clock.clone());
+                Some(AbortOnDrop(tokio::spawn(renewer.run())))
+            }
+            None => {
+                let validity = load_identity_at(&ids, clock.now_ms())?.validity();
+                tracing::warn!(not_after = %fedfleet_certs::renewal::rfc3339(validity.not_after), "no [registry] in the config: this device's certificate is not renewed");
+                None
+            }
+        };
+        let run = Run { cfg, trainer, clock, inference, shutdown };
+        match (agg, reg) {
+            (Some(a), Some(r)) => run_maybe_mqtt(run, a, r).await,
+            (Some(a), None) => run_maybe_mqtt(run, a, Arc::new(Unlinked)).await,
+            (None, Some(r)) => run_maybe_mqtt(run, Arc::new(Unlinked), r).await,
+            (None, None) => run_maybe_mqtt(run, Arc::new(Unlinked), Arc::new(Unlinked)).await,
+        }
+    }
+}
+
+/// What a bound agent runs with, whatever its clients.
+struct Run {
+    cfg: AgentConfig,
+    trainer: Arc<dyn Trainer>,
+    clock: Arc<MonotonicClock>,
+    inference: tokio::net::UnixListener,
+    shutdown: Shutdown,
+}
+
 /// Runs the agent daemon of a config around a device team's own model code, the way
-/// `fedfleet-agent run` runs the built-in engine: rounds, signing, the outbox, installs, health
-/// checks, rollbacks and the inference socket are the agent's; training, scoring and
-/// predicting are the [`Trainer`]'s.
+/// `fedfleet-agent run` runs the built-in engine ([`AgentService`] on the system clock until
+/// SIGTERM or Ctrl-C).
 ///
 /// ```no_run
 /// # async fn f(my_trainer: std::sync::Arc<dyn fedfleet_agent::Trainer>) -> anyhow::Result<()> {
@@ -171,7 +265,7 @@ impl AgentBuilder {
 
     /// Runs until SIGTERM or Ctrl-C.
     pub async fn run(self) -> Result<()> {
-        run_daemon(&self.config, self.trainer).await
+        AgentService::open(&self.config, self.trainer, SystemClock::shared())?.bind()?.run(Shutdown::on_signal()).await
     }
 }
 
@@ -180,53 +274,14 @@ pub async fn run(config: &Path) -> Result<()> {
     AgentBuilder::new(config).run().await
 }
 
-async fn run_daemon(config: &Path, trainer: Arc<dyn Trainer>) -> Result<()> {
-    let cfg = AgentConfig::load(config)?;
-    if !cfg.data.is_configured() && trainer.own_examples() == 0 {
-        tracing::warn!("no [data] source: this agent trains only on what the application pushes into its inbox");
-    }
-    let ids = cfg.identity_paths();
-    let agg = match &cfg.aggregator {
-        Some(a) => Some(Arc::new(remote_aggregator(&ids, a)?)),
-        None => {
-            tracing::warn!("no [aggregator] in the config: this agent will not train");
-            None
-        }
-    };
-    let reg = match &cfg.registry {
-        Some(r) => Some(Arc::new(remote_registry(&ids, r)?)),
-        None => {
-            tracing::warn!("no [registry] in the config: this agent will not install new models");
-            None
-        }
-    };
-    // Fails at start with a named error if the certificate has already lapsed.
-    let validity = load_identity(&ids)?.validity();
-    let _renewal = match &reg {
-        Some(r) => {
-            let renewer =
-                crate::renewal::Renewer::new(ids.clone(), cfg.renewal, r.clone(), agg.clone(), Arc::new(crate::agent::SystemClock));
-            Some(AbortOnDrop(tokio::spawn(renewer.run())))
-        }
-        None => {
-            tracing::warn!(not_after = %fedfleet_certs::renewal::rfc3339(validity.not_after), "no [registry] in the config: this device's certificate is not renewed");
-            None
-        }
-    };
-    match (agg, reg) {
-        (Some(a), Some(r)) => run_maybe_mqtt(&cfg, a, r, trainer).await,
-        (Some(a), None) => run_maybe_mqtt(&cfg, a, Arc::new(Unlinked), trainer).await,
-        (None, Some(r)) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), r, trainer).await,
-        (None, None) => run_maybe_mqtt(&cfg, Arc::new(Unlinked), Arc::new(Unlinked), trainer).await,
-    }
-}
-
 /// With `[mqtt]`: wraps the clients in [`MqttAggregator`]/[`MqttRegistry`] and runs status
 /// heartbeats; without: runs them as they are.
-async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<A>, reg: Arc<R>, trainer: Arc<dyn Trainer>) -> Result<()> {
-    let Some(m) = &cfg.mqtt else { return run_with(cfg, agg, reg, trainer, None, None).await };
+async fn run_maybe_mqtt<A: Aggregator, R: Registry>(run: Run, agg: Arc<A>, reg: Arc<R>) -> Result<()> {
+    let Some(m) = run.cfg.mqtt.clone() else { return run_with(run, agg, reg, None, None).await };
+    let m = &m;
+    let cfg = &run.cfg;
     let ids = cfg.identity_paths();
-    let identity = load_identity(&ids)?;
+    let identity = load_identity_at(&ids, run.clock.now_ms())?;
     let key_path =
         m.receipt_key.clone().or_else(|| cfg.aggregator.as_ref().map(|a| a.receipt_key.clone())).context("[mqtt] needs receipt_key")?;
     let aggregator_key = read_receipt_key(&key_path)?;
@@ -243,7 +298,7 @@ async fn run_maybe_mqtt<A: Aggregator, R: Registry>(cfg: &AgentConfig, agg: Arc<
     let reg = Arc::new(MqttRegistry::new(reg, publisher.clone()));
     let hb = (m.heartbeat_interval_ms > 0).then(|| (publisher, Duration::from_millis(m.heartbeat_interval_ms)));
     let wake = agg.wake();
-    let r = run_with(cfg, agg, reg, trainer, hb, Some(wake)).await;
+    let r = run_with(run, agg, reg, hb, Some(wake)).await;
     control.shutdown().await;
     r
 }
@@ -305,16 +360,15 @@ pub fn remote_registry(ids: &IdentityPaths, r: &crate::config::RegistryEndpoint)
 }
 
 async fn run_with<A: Aggregator, R: Registry>(
-    cfg: &AgentConfig,
+    run: Run,
     agg: Arc<A>,
     reg: Arc<R>,
-    trainer: Arc<dyn Trainer>,
     heartbeat: Option<(StatusPublisher, Duration)>,
     wake: Option<Arc<tokio::sync::Notify>>,
 ) -> Result<()> {
-    let monotonic = Arc::new(MonotonicClock::system());
+    let Run { cfg, trainer, clock: monotonic, inference, shutdown } = run;
     let clock: Arc<dyn Clock> = monotonic.clone();
-    let mut agent = build_agent(cfg, agg, reg, clock.clone(), trainer)?;
+    let mut agent = build_agent(&cfg, agg, reg, clock.clone(), trainer)?;
     // A restart on a clock stepped back still starts from the latest time this device saw.
     monotonic.raise_to(agent.core().state().latest_time);
     let _heartbeats = heartbeat.map(|(p, every)| {
@@ -326,14 +380,13 @@ async fn run_with<A: Aggregator, R: Registry>(
     if agent.core().state().revoked {
         tracing::warn!("this device's certificate was revoked: it serves inference but joins no rounds; enroll it again to rejoin");
     }
-    let shutdown = fedfleet_net::Shutdown::on_signal();
     let socket = cfg.socket_path();
     let serving = agent.serving();
     let normalization = cfg.data.normalization();
     let inbox = agent.inbox();
     let server = tokio::spawn({
         let stop = shutdown.wait();
-        async move { inference::serve_unix_with_inbox(&socket, serving, normalization, inbox, stop).await }
+        async move { inference::serve_listener(inference, &socket, serving, normalization, inbox, stop).await }
     });
     let poll = Duration::from_millis(cfg.poll_interval_ms);
     let stop = shutdown.wait();
@@ -391,18 +444,24 @@ pub fn enroll(cert: &Path, key: &Path, ca: &Path, root: &Path, state_dir: &Path,
     Ok(format!("enrolled device {} into {}\n", id.device_id(), dir.display()))
 }
 
+/// How long `infer` waits for the running daemon's answer.
+const INFER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// `fedfleet-agent infer`: through the running daemon's socket, or (no daemon) from the store.
 pub async fn infer(config: &Path, input: &Path) -> Result<String> {
     let cfg = AgentConfig::load(config)?;
     let text = std::fs::read_to_string(input).with_context(|| format!("cannot read {}", input.display()))?;
     let rows = inference::parse_csv_rows(&text).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
     let req = inference::Request { inputs: rows, feedback: false };
-    let resp = match inference::query(&cfg.socket_path(), &req).await {
-        Ok(r) => r,
-        Err(_) => {
+    // A daemon that accepts but never answers (stopped, hung) is named, not waited on forever.
+    let socket = cfg.socket_path();
+    let resp = match tokio::time::timeout(INFER_TIMEOUT, inference::query(&socket, &req)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => {
             let served = load_active_offline(&cfg.store_dir())?;
             inference::answer(Some(served), &req, &cfg.data.normalization())
         }
+        Err(_) => bail!("the daemon's socket {} took the request but gave no answer within {INFER_TIMEOUT:?}", socket.display()),
     };
     if let Some(e) = resp.error {
         bail!("inference failed: {e}");

@@ -108,6 +108,18 @@ impl ExampleShape {
         ExampleShape { input_len: data.example_len(), num_classes: data.num_classes, targets: data.targets_per_example() }
     }
 
+    /// What a model of `spec` trains on: its input size, and its classes (classification),
+    /// targets (regression) or nothing more (reconstruction).
+    pub fn of_spec(spec: &fedfleet_learning::ModelSpec) -> Self {
+        use fedfleet_learning::Task;
+        let (num_classes, targets) = match spec.task() {
+            Task::Classification => (spec.classes(), 0),
+            Task::Regression => (0, spec.output_len()),
+            Task::Reconstruction => (0, 0),
+        };
+        ExampleShape { input_len: spec.input_len(), num_classes, targets }
+    }
+
     fn check(&self, e: &Example) -> Result<(), String> {
         if e.input.len() != self.input_len {
             return Err(format!("{} input values, the model takes {}", e.input.len(), self.input_len));
@@ -178,7 +190,9 @@ fn decode_entry(kv: sled::Result<(sled::IVec, sled::IVec)>) -> Result<(u64, Exam
 pub struct Inbox {
     tree: sled::Tree,
     cfg: InboxConfig,
-    shape: ExampleShape,
+    /// `None` until the agent has a model, when the shape follows the model (no `[data]`).
+    shape: Arc<Mutex<Option<ExampleShape>>>,
+    follows_model: bool,
     /// Pushes and marks read-modify-write the counters.
     lock: Arc<Mutex<()>>,
     /// The store's space reserve, released before a write on a nearly full disk.
@@ -186,8 +200,34 @@ pub struct Inbox {
 }
 
 impl Inbox {
+    /// An inbox whose examples are shaped like the device's data.
     pub fn open(store: &AgentStore, cfg: InboxConfig, shape: ExampleShape) -> Result<Self, StoreError> {
-        Ok(Inbox { tree: store.tree("inbox")?, cfg, shape, lock: Arc::default(), reserve: store.reserve() })
+        Self::open_with(store, cfg, Some(shape), false)
+    }
+
+    /// An inbox of an agent without `[data]`: examples are shaped like the active model (see
+    /// [`Inbox::model_activated`]); until there is one, pushes are refused by name.
+    pub fn open_following_model(store: &AgentStore, cfg: InboxConfig) -> Result<Self, StoreError> {
+        Self::open_with(store, cfg, None, true)
+    }
+
+    fn open_with(store: &AgentStore, cfg: InboxConfig, shape: Option<ExampleShape>, follows_model: bool) -> Result<Self, StoreError> {
+        let shape = Arc::new(Mutex::new(shape));
+        Ok(Inbox { tree: store.tree("inbox")?, cfg, shape, follows_model, lock: Arc::default(), reserve: store.reserve() })
+    }
+
+    /// The agent serves a model of `spec`: an inbox that follows the model takes its shape.
+    pub fn model_activated(&self, spec: &fedfleet_learning::ModelSpec) {
+        if self.follows_model {
+            *self.shape.lock().unwrap_or_else(|p| p.into_inner()) = Some(ExampleShape::of_spec(spec));
+        }
+    }
+
+    /// Longest push line the socket reads: the inbox's whole byte bound written as JSON text
+    /// (up to ~6 characters per stored byte) and room for the keys. Longer lines are refused
+    /// while they are read, without holding them.
+    pub fn max_push_line(&self) -> usize {
+        usize::try_from(self.cfg.max_bytes.saturating_mul(6).saturating_add(64 << 10)).unwrap_or(usize::MAX)
     }
 
     fn meta(&self) -> Result<Meta, StoreError> {
@@ -228,6 +268,7 @@ impl Inbox {
     /// push is.
     pub fn feedback(&self, answers: &[Feedback]) -> Result<InboxStats, InboxError> {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let meta = self.meta()?;
         let mut examples = Vec::with_capacity(answers.len());
         let mut ids = Vec::with_capacity(answers.len());
         for (index, a) in answers.iter().enumerate() {
@@ -236,7 +277,14 @@ impl Inbox {
                 return Err(invalid(format!("prediction {} is answered twice", a.id)));
             }
             let input = self.tree.get(asked_key(a.id)).map_err(StoreError::from)?.ok_or_else(|| {
-                invalid(format!("prediction {} is unknown or no longer kept (the newest {} are)", a.id, self.cfg.max_asked))
+                let kept_from = meta.next_asked.saturating_sub(self.cfg.max_asked);
+                invalid(if a.id >= meta.next_asked {
+                    format!("prediction {} is unknown: no prediction got that id", a.id)
+                } else if a.id >= kept_from {
+                    format!("prediction {} was already answered", a.id)
+                } else {
+                    format!("prediction {} is no longer kept (the newest {} are)", a.id, self.cfg.max_asked)
+                })
             })?;
             let input = serde_json::from_slice(&input)
                 .map_err(|e| StoreError::Corrupt { key: format!("asked {}", a.id), detail: e.to_string() })?;
@@ -250,7 +298,14 @@ impl Inbox {
     /// examples dropped beyond the bounds. The caller holds the lock.
     fn store(&self, examples: &[Example], answered: &[u64]) -> Result<InboxStats, InboxError> {
         for (index, e) in examples.iter().enumerate() {
-            self.shape.check(e).map_err(|detail| InboxError::Invalid { index, detail })?;
+            let shape = *self.shape.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(shape) = shape else {
+                return Err(InboxError::Invalid {
+                    index,
+                    detail: "this agent has no model yet: the inbox takes examples once one is installed".into(),
+                });
+            };
+            shape.check(e).map_err(|detail| InboxError::Invalid { index, detail })?;
         }
         let mut meta = self.meta()?;
         let mut batch = sled::Batch::default();
@@ -417,7 +472,9 @@ mod tests {
         assert_eq!(inbox.examples().unwrap()[0].1, ex(2.0, 2));
         // Each prediction is answered once; a bad answer stores nothing of the batch.
         let again = inbox.feedback(&[answer(0, 1), answer(1, 0)]).unwrap_err().to_string();
-        assert!(again.starts_with("example 1: prediction 1 is unknown or no longer kept"), "{again}");
+        assert!(again.starts_with("example 1: prediction 1 was already answered"), "{again}");
+        let never = inbox.feedback(&[answer(9, 1)]).unwrap_err().to_string();
+        assert!(never.contains("prediction 9 is unknown: no prediction got that id"), "{never}");
         let bad = inbox.feedback(&[answer(0, 7)]).unwrap_err().to_string();
         assert!(bad.contains("label 7 is not below the 3 classes"), "{bad}");
         assert_eq!(inbox.examples().unwrap().len(), 1);
@@ -426,6 +483,24 @@ mod tests {
         let gone = inbox.feedback(&[answer(0, 1)]).unwrap_err().to_string();
         assert!(gone.contains("the newest 3 are"), "{gone}");
         assert_eq!(inbox.feedback(&[answer(4, 1)]).unwrap().examples, 2);
+    }
+
+    #[test]
+    fn an_inbox_only_agent_takes_examples_shaped_like_its_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = AgentStore::open(dir.path()).unwrap();
+        let inbox = Inbox::open_following_model(&store, InboxConfig::default()).unwrap();
+        // No model yet: refused by name, nothing stored.
+        let e = inbox.push(&[ex(1.0, 0)]).unwrap_err().to_string();
+        assert!(e.contains("this agent has no model yet"), "{e}");
+        let spec = fedfleet_learning::ModelSpec::from_json(r#"{"arch":"mlp","input":[4],"hidden":[8],"classes":3}"#).unwrap();
+        inbox.model_activated(&spec);
+        assert_eq!(inbox.push(&[ex(1.0, 2)]).unwrap().stored, 1);
+        // Empty or wrongly sized examples are refused, not stored.
+        let empty = Example { input: vec![], label: 0, target: vec![] };
+        let e = inbox.push(&[empty]).unwrap_err().to_string();
+        assert!(e.contains("0 input values, the model takes 4"), "{e}");
+        assert_eq!(inbox.examples().unwrap().len(), 1);
     }
 
     #[test]

@@ -121,8 +121,25 @@ pub async fn serve_unix_with_inbox(
     inbox: Option<Inbox>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
+    let listener = bind(path)?;
+    serve_listener(listener, path, serving, normalization, inbox, shutdown).await
+}
+
+/// Binds the inference socket at `path` (replacing a stale one a stopped daemon left).
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path)?;
+    UnixListener::bind(path)
+}
+
+/// Serves a socket bound by [`bind`] at `path` until `shutdown` resolves, then removes it.
+pub async fn serve_listener(
+    listener: UnixListener,
+    path: &Path,
+    serving: Serving,
+    normalization: Normalization,
+    inbox: Option<Inbox>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
     tracing::info!(socket = %path.display(), "inference endpoint listening");
     let mut handlers = fedfleet_net::serve::accept_until(
         &listener,
@@ -146,24 +163,85 @@ pub async fn serve_unix_with_inbox(
     Ok(())
 }
 
+/// Longest request line without an inbox (an inference batch): 8 MiB.
+const MAX_REQUEST_LINE: usize = 8 << 20;
+
+/// What one bounded read of a line found.
+#[derive(Debug, PartialEq)]
+enum Line {
+    /// A whole line is in the buffer (without its newline).
+    Read,
+    /// The line went past the limit: what was read of it is dropped, the rest skipped.
+    TooLong,
+    /// The connection ended.
+    End,
+}
+
+/// Reads one line of at most `max` bytes into `buf`, never holding more than `max` bytes of a
+/// longer one: memory stays bounded whatever a client sends.
+async fn read_line_bounded<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R, buf: &mut Vec<u8>, max: usize) -> std::io::Result<Line> {
+    buf.clear();
+    let mut too_long = false;
+    loop {
+        let available = r.fill_buf().await?;
+        if available.is_empty() {
+            return Ok(match (too_long, buf.is_empty()) {
+                (true, _) => Line::TooLong,
+                (false, true) => Line::End,
+                (false, false) => Line::Read,
+            });
+        }
+        let (chunk, end) = match available.iter().position(|&b| b == b'\n') {
+            Some(i) => (&available[..i], Some(i + 1)),
+            None => (available, None),
+        };
+        if !too_long && buf.len() + chunk.len() <= max {
+            buf.extend_from_slice(chunk);
+        } else {
+            too_long = true;
+            buf.clear();
+        }
+        let used = end.unwrap_or(available.len());
+        r.consume(used);
+        if end.is_some() {
+            return Ok(if too_long { Line::TooLong } else { Line::Read });
+        }
+    }
+}
+
 async fn handle(stream: UnixStream, serving: Serving, normalization: Normalization, inbox: Option<Inbox>) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
-    let mut lines = BufReader::new(r).lines();
-    while let Some(line) = lines.next_line().await? {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let resp = respond(&line, &serving, normalization, inbox.as_ref()).await;
+    let mut r = BufReader::new(r);
+    let max = inbox.as_ref().map_or(MAX_REQUEST_LINE, |i| i.max_push_line().max(MAX_REQUEST_LINE));
+    let mut buf = Vec::new();
+    loop {
+        let resp = match read_line_bounded(&mut r, &mut buf, max).await? {
+            Line::End => return Ok(()),
+            Line::TooLong => Response::error(format!("request line longer than {max} bytes: refused, nothing stored")),
+            Line::Read => match std::str::from_utf8(&buf) {
+                Err(e) => Response::error(format!("request is not UTF-8 text (invalid byte at {})", e.valid_up_to())),
+                Ok(line) if line.trim().is_empty() => continue,
+                Ok(line) => respond(line, &serving, normalization, inbox.as_ref()).await,
+            },
+        };
         let mut out = serde_json::to_vec(&resp).expect("response serializes");
         out.push(b'\n');
         w.write_all(&out).await?;
     }
-    Ok(())
+}
+
+/// The keys that tell a push, feedback and an inference request apart, read without building
+/// their values.
+#[derive(Deserialize, Default)]
+struct Keys {
+    examples: Option<serde::de::IgnoredAny>,
+    feedback: Option<serde::de::IgnoredAny>,
+    inputs: Option<serde::de::IgnoredAny>,
 }
 
 /// The answer to one line: a push, feedback, or an inference request (told apart by their key).
 async fn respond(line: &str, serving: &Serving, normalization: Normalization, inbox: Option<&Inbox>) -> Response {
-    let keys = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(line).unwrap_or_default();
+    let keys = serde_json::from_str::<Keys>(line).unwrap_or_default();
     // Storing into the inbox flushes to disk before it is acknowledged.
     let store = async |what: &str, work: Box<dyn FnOnce(Inbox) -> Result<InboxStats, InboxError> + Send>| {
         let Some(inbox) = inbox.cloned() else { return Response::error("this agent has no inbox") };
@@ -173,13 +251,13 @@ async fn respond(line: &str, serving: &Serving, normalization: Normalization, in
             Err(e) => Response::error(format!("inbox {what} panicked: {e}")),
         }
     };
-    if keys.contains_key("examples") {
+    if keys.examples.is_some() {
         return match serde_json::from_str::<Push>(line) {
             Ok(push) => store("push", Box::new(move |inbox| inbox.push(&push.examples))).await,
             Err(e) => Response::error(format!("bad push: {e}")),
         };
     }
-    if keys.contains_key("feedback") && !keys.contains_key("inputs") {
+    if keys.feedback.is_some() && keys.inputs.is_none() {
         return match serde_json::from_str::<FeedbackPush>(line) {
             Ok(f) => store("feedback", Box::new(move |inbox| inbox.feedback(&f.feedback))).await,
             Err(e) => Response::error(format!("bad feedback: {e}")),
@@ -252,6 +330,62 @@ mod tests {
         let req = Request { inputs: vec![vec![1.0; 65]], feedback: false };
         let err = answer(Some(served()), &req, &Normalization::None).error.expect("refused");
         assert!(err.contains("has 65 values, the model takes 64 (is the label column still in?)"), "{err}");
+    }
+
+    /// A line far past the limit is refused while it is read: the buffer never holds more
+    /// than the limit, and the next line on the connection is read whole.
+    #[tokio::test]
+    async fn an_overlong_line_is_refused_with_bounded_memory_and_the_next_one_read() {
+        let max = 1 << 20;
+        let mut input = vec![b'x'; 63 << 20];
+        input.extend_from_slice(b"\n{\"inputs\": []}\n\xff\xfe\n");
+        let mut r = tokio::io::BufReader::new(input.as_slice());
+        let mut buf = Vec::new();
+        assert_eq!(read_line_bounded(&mut r, &mut buf, max).await.unwrap(), Line::TooLong);
+        assert!(buf.capacity() <= max + (8 << 10), "held {} bytes of an overlong line", buf.capacity());
+        assert_eq!(read_line_bounded(&mut r, &mut buf, max).await.unwrap(), Line::Read);
+        assert_eq!(buf, b"{\"inputs\": []}");
+        assert_eq!(read_line_bounded(&mut r, &mut buf, max).await.unwrap(), Line::Read);
+        assert!(std::str::from_utf8(&buf).is_err());
+        assert_eq!(read_line_bounded(&mut r, &mut buf, max).await.unwrap(), Line::End);
+    }
+
+    /// Every line gets an answer: an overlong one and one that is not UTF-8 included.
+    #[tokio::test]
+    async fn the_socket_answers_overlong_and_non_utf8_lines_and_stays_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = bind(&path).unwrap();
+        let serving = Serving::default();
+        serving.set(served());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn({
+            let path = path.clone();
+            async move {
+                serve_listener(listener, &path, serving, Normalization::None, None, async {
+                    let _ = rx.await;
+                })
+                .await
+            }
+        });
+        let stream = UnixStream::connect(&path).await.unwrap();
+        let (r, mut w) = stream.into_split();
+        let mut lines = BufReader::new(r).lines();
+        let writer = tokio::spawn(async move {
+            w.write_all(&vec![b'1'; MAX_REQUEST_LINE + 10]).await.unwrap();
+            w.write_all(b"\n\xff\xfe\n").await.unwrap();
+            w.write_all(format!("{{\"inputs\": [{:?}]}}\n", vec![0.5f32; 64]).as_bytes()).await.unwrap();
+            w
+        });
+        let first: Response = serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+        assert!(first.error.unwrap().contains(&format!("longer than {MAX_REQUEST_LINE} bytes")));
+        let second: Response = serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+        assert!(second.error.unwrap().contains("not UTF-8"));
+        let third: Response = serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+        assert_eq!(third.predictions.len(), 1, "{third:?}");
+        drop(writer.await.unwrap());
+        tx.send(()).unwrap();
+        server.await.unwrap().unwrap();
     }
 
     #[test]

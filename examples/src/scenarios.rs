@@ -354,8 +354,8 @@ async fn publish(lb: &Loopback, model: &TensorBundle, parent: ModelVersion) -> a
         adapter: None,
     });
     let r = lb.op.publish(req, bytes.as_slice()).await.map_err(|e| anyhow::anyhow!("publish: {e}"))?;
-    let version = r["version"].as_u64().with_context(|| format!("publish answered {r}"))?;
-    Ok(ModelRef { name: MODEL_NAME.into(), version: ModelVersion(version), digest: fedfleet_protocol::Digest::of(&bytes) })
+    let fedfleet_registry::admin::AdminAnswer::Published(p) = r else { anyhow::bail!("publish answered {r:?}") };
+    Ok(ModelRef { name: MODEL_NAME.into(), version: p.version, digest: p.digest })
 }
 
 // ----- transfer: bring your own pre-trained model -----

@@ -602,6 +602,12 @@ impl Plan {
 
 /// Largest size of any one dimension or tensor we accept (guards allocation from bad JSON).
 const MAX_ELEMENTS: usize = 1 << 28;
+/// Most values a model may hold in all its tensors (1 GiB of f32): specs are checked for cost
+/// before anything is allocated.
+pub const MAX_MODEL_VALUES: usize = 1 << 28;
+/// Most values one example's forward pass may produce (every layer's output, attention
+/// scores included): 256 MiB of f32 per example.
+pub const MAX_ACTIVATIONS_PER_EXAMPLE: usize = 1 << 26;
 const MAX_DEPTH: usize = 16;
 
 /// `*` matches any run of characters (dots included), `?` any one character.
@@ -682,8 +688,56 @@ impl GraphSpec {
         if let Some(dup) = plan.slots.iter().find(|s| !seen.insert(s.name.as_str())) {
             return bad(format!("two tensors are called {:?}; give the layers distinct names", dup.name));
         }
+        check_cost(&plan)?;
         Ok(plan)
     }
+}
+
+/// Refuses a plan too costly to hold or run, by name, before anything is allocated: its
+/// parameters, one example's activations, and LoRA ranks above the layer they adapt.
+fn check_cost(plan: &Plan) -> Result<(), LearningError> {
+    let bad = |m: String| Err(LearningError::InvalidSpec(m));
+    let values = plan.slots.iter().try_fold(0usize, |a, s| checked_product(&s.shape).and_then(|n| a.checked_add(n)));
+    match values {
+        Some(n) if n <= MAX_MODEL_VALUES => {}
+        n => {
+            let n = n.map_or("more than 2^64".to_string(), |n| n.to_string());
+            return bad(format!("the model has {n} parameter values; the limit is {MAX_MODEL_VALUES}"));
+        }
+    }
+    fn activations(nodes: &[Node]) -> Option<usize> {
+        nodes.iter().try_fold(0usize, |a, n| {
+            let own = checked_product(&n.output)?;
+            let inner = match &n.op {
+                // Scores: heads × sequence × sequence.
+                Op::Attention { heads, .. } => heads.checked_mul(n.input.first()?.checked_pow(2)?)?,
+                Op::Residual { body, shortcut } => activations(body)?.checked_add(activations(shortcut)?)?,
+                Op::Sequence(inner) => activations(inner)?,
+                _ => 0,
+            };
+            a.checked_add(own)?.checked_add(inner)
+        })
+    }
+    match activations(&plan.nodes) {
+        Some(n) if n <= MAX_ACTIVATIONS_PER_EXAMPLE => {}
+        n => {
+            let n = n.map_or("more than 2^64".to_string(), |n| n.to_string());
+            return bad(format!("one example's forward pass produces {n} values; the limit is {MAX_ACTIVATIONS_PER_EXAMPLE}"));
+        }
+    }
+    for a in plan.slots.iter().filter(|s| s.name.ends_with(".lora_A")) {
+        let layer = a.name.trim_end_matches(".lora_A");
+        let rank = a.shape[0];
+        let fan_in: usize = a.shape[1..].iter().product();
+        let out = plan.slots.iter().find(|s| s.name == format!("{layer}.weight")).map_or(0, |w| w.shape[0]);
+        if rank > fan_in.min(out) {
+            return bad(format!(
+                "lora rank {rank} exceeds layer {layer:?} ({out} outputs, {fan_in} inputs): use a rank of at most {}",
+                fan_in.min(out)
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), LearningError> {

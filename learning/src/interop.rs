@@ -78,6 +78,13 @@ fn float_values(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 /// [`LearningError::StateDict`].
 pub fn import_state_dict(spec: &ModelSpec, bytes: &[u8]) -> Result<TensorBundle, LearningError> {
     let slots = state_dict_slots(spec)?;
+    // The safetensors crate keeps the last of a repeated name: which one was meant is unknown.
+    let names = fedfleet_protocol::bundle::safetensors_names(bytes, &fedfleet_protocol::bundle::BundleLimits::default())
+        .map_err(|e| LearningError::Safetensors(e.to_string()))?;
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = names.iter().find(|n| !seen.insert(n.as_str())) {
+        return Err(LearningError::Safetensors(format!("tensor {dup:?} is listed twice in the file")));
+    }
     let file = SafeTensors::deserialize(bytes).map_err(|e| LearningError::Safetensors(e.to_string()))?;
     let views: HashMap<String, _> = file.tensors().into_iter().collect();
     let mut problems = Vec::new();

@@ -107,6 +107,14 @@ impl CustomSpec {
                 return bad(format!("tensor {} has shape {:?} (empty or too large)", t.name, t.shape));
             }
         }
+        let values = self.tensors.iter().try_fold(0usize, |a, t| a.checked_add(t.shape.iter().product()));
+        if values.is_none_or(|n| n > crate::graph::MAX_MODEL_VALUES) {
+            return bad(format!(
+                "its tensors hold {} values; the limit is {}",
+                values.map_or("more than 2^64".into(), |n| n.to_string()),
+                crate::graph::MAX_MODEL_VALUES
+            ));
+        }
         for g in self.trainable.iter().flatten() {
             if !self.tensors.iter().any(|t| crate::graph::glob_match(g, &t.name)) {
                 return bad(format!("trainable pattern {g:?} matches no tensor"));

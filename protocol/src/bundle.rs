@@ -328,11 +328,7 @@ impl TensorBundle {
             return Err(BundleError::DuplicateTensor { tensor: name });
         }
         validate_shape(&name, &tensor.shape, tensor.len())?;
-        if let TensorData::I8 { scale, .. } = tensor.data
-            && !valid_scale(scale)
-        {
-            return Err(BundleError::InvalidScale { value: scale.to_string(), tensor: name });
-        }
+        check_int8_scale(&name, &tensor.data)?;
         self.tensors.insert(name, tensor);
         Ok(())
     }
@@ -440,6 +436,7 @@ impl TensorBundle {
                 return Err(BundleError::Safetensors(format!("tensor {:?} read differently", entry.name)));
             }
             let data = decode_values(entry.dtype, view.data(), entry.scale);
+            check_int8_scale(&entry.name, &data)?;
             bundle.tensors.insert(entry.name, Tensor { shape: entry.shape, data });
         }
         Ok(bundle)
@@ -472,6 +469,20 @@ fn validate_shape(name: &str, shape: &[usize], len: usize) -> Result<(), BundleE
 
 fn valid_scale(scale: f32) -> bool {
     scale.is_finite() && scale >= 0.0
+}
+
+/// An int8 scale must be finite and not negative, and 0 only for an all-zero tensor (what
+/// quantizing zeros gives): a scale of 0 over nonzero values silently zeroes an update.
+fn check_int8_scale(name: &str, data: &TensorData) -> Result<(), BundleError> {
+    match data {
+        TensorData::I8 { scale, .. } if !valid_scale(*scale) => {
+            Err(BundleError::InvalidScale { value: scale.to_string(), tensor: name.to_owned() })
+        }
+        TensorData::I8 { scale, values } if *scale == 0.0 && values.iter().any(|&q| q != 0) => {
+            Err(BundleError::InvalidScale { value: "0 over nonzero values".into(), tensor: name.to_owned() })
+        }
+        _ => Ok(()),
+    }
 }
 
 struct EncodedTensor {
@@ -507,8 +518,22 @@ struct ValidatedHeader {
     entries: Vec<HeaderEntry>,
 }
 
+/// The tensor names a safetensors file's header lists, in order and with repeats (the
+/// `safetensors` crate keeps only the last of a repeated name, so readers that use it refuse
+/// repeats with this first).
+pub fn safetensors_names(bytes: &[u8], limits: &BundleLimits) -> Result<Vec<String>, BundleError> {
+    let (header, _) = ValidatedHeader::split(bytes)?;
+    let too_many = Cell::new(false);
+    let mut json = serde_json::Deserializer::from_str(header);
+    let raw = RawHeaderSeed { max_tensors: limits.max_tensors, too_many: &too_many }
+        .deserialize(&mut json)
+        .map_err(|e| BundleError::BadHeader(e.to_string()))?;
+    Ok(raw.tensors.into_iter().map(|(name, _)| name).collect())
+}
+
 impl ValidatedHeader {
-    fn parse(bytes: &[u8], limits: &BundleLimits) -> Result<Self, BundleError> {
+    /// The header text and the data after it.
+    fn split(bytes: &[u8]) -> Result<(&str, &[u8]), BundleError> {
         let Some((len_bytes, rest)) = bytes.split_first_chunk::<8>() else {
             return Err(BundleError::Truncated);
         };
@@ -526,7 +551,11 @@ impl ValidatedHeader {
         }
         let (header, data) = rest.split_at(header_len);
         let header = std::str::from_utf8(header).map_err(|e| BundleError::BadHeader(e.to_string()))?;
+        Ok((header, data))
+    }
 
+    fn parse(bytes: &[u8], limits: &BundleLimits) -> Result<Self, BundleError> {
+        let (header, data) = Self::split(bytes)?;
         let too_many = Cell::new(false);
         let mut json = serde_json::Deserializer::from_str(header);
         let raw = RawHeaderSeed { max_tensors: limits.max_tensors, too_many: &too_many }
@@ -848,6 +877,19 @@ mod tests {
 
         let bad_scale = r#"{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]},"__metadata__":{"fedfleet.scale.a":"-1"}}"#;
         assert!(matches!(decode(&with_header(bad_scale, &[0])), Err(BundleError::InvalidScale { .. })));
+
+        // Scale 0 over nonzero values would silently zero the tensor; over zeros it is what
+        // quantizing zeros gives.
+        let zero_scale = r#"{"a":{"dtype":"I8","shape":[2],"data_offsets":[0,2]},"__metadata__":{"fedfleet.scale.a":"0"}}"#;
+        assert!(
+            matches!(decode(&with_header(zero_scale, &[5, 0])), Err(BundleError::InvalidScale { value, .. }) if value.contains("nonzero"))
+        );
+        assert!(decode(&with_header(zero_scale, &[0, 0])).is_ok());
+
+        // A repeated name is refused here, and listed for readers that use the safetensors crate.
+        let twice = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
+        assert!(matches!(decode(&with_header(twice, &[0; 8])), Err(BundleError::DuplicateTensor { .. })));
+        assert_eq!(safetensors_names(&with_header(twice, &[0; 8]), &BundleLimits::default()).unwrap(), ["a", "a"]);
 
         let stray_scale = r#"{"__metadata__":{"fedfleet.scale.ghost":"1"}}"#;
         assert!(matches!(decode(&with_header(stray_scale, b"")), Err(BundleError::InvalidScale { .. })));

@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, RejectReason, Rejection};
 
+use crate::admin::AdminAnswer;
 use crate::wire::{self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel};
 use fedfleet_protocol::ModelInfo;
 use fedfleet_protocol::artifact::Manifest;
@@ -527,12 +528,12 @@ impl RegistryClient {
     }
 
     /// Sends an operator command (needs an operator service certificate). Not retried.
-    pub async fn admin(&self, req: AdminRequest) -> Result<serde_json::Value, ClientError> {
+    pub async fn admin(&self, req: AdminRequest) -> Result<AdminAnswer, ClientError> {
         let mut s = self.start(&Request::Admin(req), false).await?;
         self.admin_reply(&mut s).await
     }
 
-    async fn admin_reply(&self, s: &mut FramedStream) -> Result<serde_json::Value, ClientError> {
+    async fn admin_reply(&self, s: &mut FramedStream) -> Result<AdminAnswer, ClientError> {
         match self.read_response(s).await? {
             Response::Admin(json) => serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string())),
             r => Err(response_error(r)),
@@ -540,7 +541,7 @@ impl RegistryClient {
     }
 
     /// Publishes an artifact read from `r` (an `AdminRequest::Publish` carrying the metadata).
-    pub async fn publish(&self, req: AdminRequest, mut r: impl std::io::Read) -> Result<serde_json::Value, ClientError> {
+    pub async fn publish(&self, req: AdminRequest, mut r: impl std::io::Read) -> Result<AdminAnswer, ClientError> {
         if !matches!(req, AdminRequest::Publish(_)) {
             return Err(ClientError::Protocol("publish needs AdminRequest::Publish".into()));
         }

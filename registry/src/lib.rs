@@ -46,7 +46,7 @@ pub use fedfleet_protocol::{Digest, ModelVersion};
 // The pure parts other crates share: TUF metadata (protocol), the rollout core, and the client
 // with its wire types (what devices link instead of this crate).
 pub use fedfleet_protocol::tuf;
-pub use fedfleet_registry_client::{client, wire};
+pub use fedfleet_registry_client::{admin, client, wire};
 pub use fedfleet_rollout as rollout;
 pub use rollout::{
     Assignment, Audience, Event as RolloutEvent, Phase, Reason, Rollout, RolloutError, RolloutPlan, Status as RolloutStatus, VersionReport,

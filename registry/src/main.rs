@@ -1,31 +1,27 @@
 //! `fedfleet-registry`: the registry service and its operator CLI.
 //!
-//! Operator commands open the store directly when no `serve` process holds it (sled allows one
-//! process per database); while `serve` runs they go to it over QUIC, presenting the operator
-//! service certificate (`operator_identity` in the config, issued with
-//! `fedfleet-certs issue-server --name operator`). Either way the same code runs them
-//! (`ops::Registry::admin`).
+//! Operator commands go to a running registry over QUIC (the config's `listen`, or `--addr`),
+//! presenting the operator service certificate (`operator_identity` in the config, issued with
+//! `fedfleet-certs issue-server --name operator`); they never open a store themselves, so they
+//! work the same from the registry's host and from an operator's. `serve`, `init-keys` and
+//! `check` are the registry host's own.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use fedfleet_protocol::{Clock, SystemClock};
-use fedfleet_protocol::{DeviceId, FleetId, ModelVersion, SpecJson};
-use fedfleet_registry::RegistryError;
+use fedfleet_protocol::{DeviceId, ModelVersion, SpecJson};
 use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::config::Config;
-use fedfleet_registry::metadata::{self, MetadataSigner};
-use fedfleet_registry::metrics::Metrics;
-use fedfleet_registry::ops::Registry;
-use fedfleet_registry::rollout::Phase;
+use fedfleet_registry::metadata;
+use fedfleet_registry::rollout::{Phase, Status};
 use fedfleet_registry::service::RegistryService;
-use fedfleet_registry::store::{NewVersion, Store, StoreConfig, StoreError};
+use fedfleet_registry::store::{NewVersion, Store, StoreConfig};
 use fedfleet_registry::wire::{AdminRequest, RolloutCommand, RolloutStart};
+use fedfleet_registry_client::admin::{AdminAnswer, DeviceReport, RolloutReport};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -40,6 +36,10 @@ struct Cli {
     /// Print machine-readable JSON.
     #[arg(long, global = true)]
     json: bool,
+    /// The registry operator commands talk to (default: the config's `listen`, with 0.0.0.0
+    /// read as 127.0.0.1).
+    #[arg(long, global = true)]
+    addr: Option<SocketAddr>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -95,7 +95,7 @@ enum Cmd {
         #[command(subcommand)]
         cmd: DeviceCmd,
     },
-    /// Check the store's integrity (offline only).
+    /// Check the store's integrity (on the registry's host, while `serve` is stopped).
     Check {
         /// Re-hash every chunk.
         #[arg(long)]
@@ -233,119 +233,132 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "created keys in {} and root v{} (expires {}); pin {} on devices. Move {} offline.",
                 cfg.data_dir.join("keys").display(),
                 body.version,
-                body.expires,
+                rfc3339_ms(body.expires),
                 cfg.data_dir.join(metadata::ROOT_JSON).display(),
                 cfg.data_dir.join(metadata::ROOT_KEY).display()
             );
             Ok(())
         }
         Cmd::Check { deep } => {
-            let store = Store::open(cfg.store_dir(), store_config(&cfg))?;
+            let dir = cfg.store_dir();
+            if !dir.exists() {
+                bail!("no store at {}: check `data_dir` in {}", dir.display(), cli.config.display());
+            }
+            let store = Store::open(dir, StoreConfig { chunk_size: cfg.chunk_size, ..StoreConfig::default() })?;
             let r = store.check(deep)?;
             println!("ok: {} versions, {} artifacts, {} chunks ({} unreferenced)", r.versions, r.artifacts, r.chunks, r.orphan_chunks);
             Ok(())
         }
-        Cmd::Publish { file, model, spec, parent, metrics, publisher } => {
-            let spec = match spec {
-                Some(p) => {
-                    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-                    SpecJson::parse(&text).with_context(|| format!("{} is not JSON", p.display()))?
-                }
-                None => SpecJson(serde_json::json!({})),
-            };
-            let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
-            let publisher = publisher.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
-            let req = AdminRequest::Publish(NewVersion {
-                name: model,
-                spec,
-                parent: parent.map(ModelVersion),
-                metrics: metrics.into_iter().collect(),
-                created_at_unix_ms: SystemClock.now_ms(),
-                publisher,
-                adapter: None,
-            });
-            let out = rt.block_on(admin(&cfg, req, Some(f)))?;
-            print_out(&out, cli.json, |v| {
-                format!(
-                    "published {} v{} ({} bytes, {} chunks, digest {})",
-                    v["name"].as_str().unwrap_or("?"),
-                    v["version"],
-                    v["length"],
-                    v["chunks"],
-                    v["digest"].as_str().unwrap_or("?")
-                )
-            });
-            Ok(())
-        }
-        Cmd::List => {
-            let out = rt.block_on(admin(&cfg, AdminRequest::List, None))?;
-            print_out(&out, cli.json, render_list);
-            Ok(())
-        }
-        Cmd::Show { name, version } => {
-            let out = rt.block_on(admin(&cfg, AdminRequest::Show { name, version: version.map(ModelVersion) }, None))?;
-            print_out(&out, true, |_| String::new());
-            Ok(())
-        }
-        Cmd::Alias { cmd: AliasCmd::Set { name, alias, version } } => {
-            let out = rt.block_on(admin(&cfg, AdminRequest::AliasSet { name, alias, version: ModelVersion(version) }, None))?;
-            print_out(&out, cli.json, |v| {
-                format!(
-                    "{} {} -> v{} (was {})",
-                    v["name"].as_str().unwrap_or("?"),
-                    v["alias"].as_str().unwrap_or("?"),
-                    v["version"],
-                    match &v["previous"] {
-                        serde_json::Value::Null => "unset".to_string(),
-                        p => format!("v{p}"),
-                    }
-                )
-            });
-            Ok(())
-        }
-        Cmd::Rollout { cmd } => {
-            let mut wait = false;
-            let req = match cmd {
-                RolloutCmd::Start(a) => {
-                    wait = a.wait;
-                    AdminRequest::RolloutStart(start_request(a)?)
-                }
-                RolloutCmd::Pause { id } => AdminRequest::Rollout { id, command: RolloutCommand::Pause },
-                RolloutCmd::Resume { id } => AdminRequest::Rollout { id, command: RolloutCommand::Resume },
-                RolloutCmd::Abort { id, reason } => AdminRequest::Rollout { id, command: RolloutCommand::Abort { reason } },
-                RolloutCmd::Rollback { id } => AdminRequest::Rollout { id, command: RolloutCommand::Rollback },
-                RolloutCmd::Status { id } => AdminRequest::RolloutStatus { id },
-            };
-            let out = rt.block_on(admin(&cfg, req, None))?;
-            print_out(&out, true, |_| String::new());
-            if wait {
-                rt.block_on(wait_for_rollout_end(&cfg, &out))?;
-            }
-            Ok(())
-        }
-        Cmd::Device { cmd: DeviceCmd::Status { id } } => {
-            let out = rt.block_on(admin(&cfg, AdminRequest::DeviceStatus { device: id }, None))?;
-            print_out(&out, true, |_| String::new());
-            Ok(())
+        cmd => {
+            let op = Operator { cfg, addr: cli.addr, json: cli.json };
+            rt.block_on(op.command(cmd))
         }
     }
 }
 
-/// Polls a started rollout until it leaves `running`/`paused`, printing each phase change.
-async fn wait_for_rollout_end(cfg: &Config, started: &serde_json::Value) -> anyhow::Result<()> {
-    let id = started["id"].as_str().context("the registry's answer names no rollout id")?.to_string();
-    let mut last = (started["status"].clone(), started["phase"].clone());
-    loop {
-        let s = admin(cfg, AdminRequest::RolloutStatus { id: Some(id.clone()) }, None).await?;
-        let now = (s["status"].clone(), s["phase"].clone());
-        if now != last {
-            println!("rollout {id}: {} (phase {})", now.0.as_str().unwrap_or("?"), now.1);
-            last = now;
+/// An operator's connection settings: the registry's address, the operator certificate.
+struct Operator {
+    cfg: Config,
+    addr: Option<SocketAddr>,
+    json: bool,
+}
+
+impl Operator {
+    async fn command(&self, cmd: Cmd) -> anyhow::Result<()> {
+        let (req, artifact, wait) = match cmd {
+            Cmd::Publish { file, model, spec, parent, metrics, publisher } => {
+                let spec = match spec {
+                    Some(p) => {
+                        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+                        SpecJson::parse(&text).with_context(|| format!("{} is not JSON", p.display()))?
+                    }
+                    None => SpecJson(serde_json::json!({})),
+                };
+                let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
+                let publisher = publisher.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+                let new = NewVersion {
+                    name: model,
+                    spec,
+                    parent: parent.map(ModelVersion),
+                    metrics: metrics.into_iter().collect(),
+                    // The registry stamps the time with its own clock.
+                    created_at_unix_ms: 0,
+                    publisher,
+                    adapter: None,
+                };
+                (AdminRequest::Publish(new), Some(f), false)
+            }
+            Cmd::List => (AdminRequest::List, None, false),
+            Cmd::Show { name, version } => (AdminRequest::Show { name, version: version.map(ModelVersion) }, None, false),
+            Cmd::Alias { cmd: AliasCmd::Set { name, alias, version } } => {
+                (AdminRequest::AliasSet { name, alias, version: ModelVersion(version) }, None, false)
+            }
+            Cmd::Rollout { cmd } => match cmd {
+                RolloutCmd::Start(a) => {
+                    let wait = a.wait;
+                    (AdminRequest::RolloutStart(start_request(a)?), None, wait)
+                }
+                RolloutCmd::Pause { id } => (AdminRequest::Rollout { id, command: RolloutCommand::Pause }, None, false),
+                RolloutCmd::Resume { id } => (AdminRequest::Rollout { id, command: RolloutCommand::Resume }, None, false),
+                RolloutCmd::Abort { id, reason } => (AdminRequest::Rollout { id, command: RolloutCommand::Abort { reason } }, None, false),
+                RolloutCmd::Rollback { id } => (AdminRequest::Rollout { id, command: RolloutCommand::Rollback }, None, false),
+                RolloutCmd::Status { id } => (AdminRequest::RolloutStatus { id }, None, false),
+            },
+            Cmd::Device { cmd: DeviceCmd::Status { id } } => (AdminRequest::DeviceStatus { device: id }, None, false),
+            Cmd::Serve | Cmd::InitKeys { .. } | Cmd::Check { .. } => unreachable!("the registry host's own commands run locally"),
+        };
+        let answer = self.call(req, artifact).await?;
+        print_answer(&answer, self.json);
+        match (&answer, wait) {
+            (AdminAnswer::Rollout(r), true) => self.wait_for_rollout_end(r).await,
+            _ => Ok(()),
         }
-        match s["status"].as_str() {
-            Some("running" | "paused") => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
-            Some("completed") => return Ok(()),
-            other => bail!("rollout {id} ended {}: {} devices healthy, {} failed", other.unwrap_or("?"), s["healthy"], s["failed"]),
+    }
+
+    /// Sends one command to the running registry.
+    async fn call(&self, req: AdminRequest, artifact: Option<std::fs::File>) -> anyhow::Result<AdminAnswer> {
+        let cfg = &self.cfg;
+        let pki = fedfleet_certs::Pki::open(&cfg.pki_dir)
+            .with_context(|| format!("opening the PKI directory {} for the operator certificate", cfg.pki_dir.display()))?;
+        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.operator_identity).with_context(|| {
+            format!(
+                "operator commands present the operator certificate {:?} (fedfleet-certs issue-server --name {})",
+                cfg.operator_identity, cfg.operator_identity
+            )
+        })?;
+        let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
+        let mut addr = self.addr.unwrap_or(cfg.listen);
+        if addr.ip().is_unspecified() {
+            addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
+        }
+        let client = RegistryClient::connect(addr, &cfg.server_name, tls)
+            .await
+            .with_context(|| format!("connecting to the registry at {addr} (is `fedfleet-registry serve` running there?)"))?;
+        let out = match artifact {
+            Some(f) => client.publish(req, std::io::BufReader::with_capacity(1 << 20, f)).await,
+            None => client.admin(req).await,
+        };
+        client.close().await;
+        Ok(out?)
+    }
+
+    /// Polls a started rollout until it leaves `running`/`paused`, printing each phase change.
+    async fn wait_for_rollout_end(&self, started: &RolloutReport) -> anyhow::Result<()> {
+        let id = started.id.clone();
+        let mut last = (started.status, started.phase);
+        loop {
+            let AdminAnswer::Rollout(r) = self.call(AdminRequest::RolloutStatus { id: Some(id.clone()) }, None).await? else {
+                bail!("the registry answered rollout status {id} with something else");
+            };
+            if (r.status, r.phase) != last {
+                println!("rollout {id}: {}", rollout_stage(&r));
+                last = (r.status, r.phase);
+            }
+            match r.status {
+                Status::Running | Status::Paused => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
+                Status::Completed => return Ok(()),
+                _ => bail!("rollout {id} {}: {} devices healthy, {} failed", rollout_stage(&r), r.healthy, r.failed),
+            }
         }
     }
 }
@@ -386,90 +399,113 @@ fn start_request(a: StartArgs) -> anyhow::Result<RolloutStart> {
     })
 }
 
-fn print_out(v: &serde_json::Value, json: bool, human: impl Fn(&serde_json::Value) -> String) {
+/// Prints an answer as text, or (with `--json`) as the JSON the registry sent.
+fn print_answer(a: &AdminAnswer, json: bool) {
     if json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        println!("{}", serde_json::to_string_pretty(a).unwrap_or_default());
     } else {
-        println!("{}", human(v));
+        print!("{}", render(a));
     }
 }
 
-fn render_list(v: &serde_json::Value) -> String {
+fn render(a: &AdminAnswer) -> String {
+    use std::fmt::Write;
     let mut out = String::new();
-    let models = v["models"].as_array().cloned().unwrap_or_default();
-    if models.is_empty() {
-        return "no models published".into();
-    }
-    for m in models {
-        let aliases: BTreeMap<String, u64> = serde_json::from_value(m["aliases"].clone()).unwrap_or_default();
-        out.push_str(&format!("{}\n", m["name"].as_str().unwrap_or("?")));
-        for ver in m["versions"].as_array().cloned().unwrap_or_default() {
-            let n = ver["version"].as_u64().unwrap_or(0);
-            let tags: Vec<&str> = aliases.iter().filter(|(_, t)| **t == n).map(|(a, _)| a.as_str()).collect();
-            out.push_str(&format!(
-                "  v{n:<4} {:>12} bytes  {}  {}{}\n",
-                ver["length"],
-                &ver["digest"].as_str().unwrap_or("")[..16.min(ver["digest"].as_str().unwrap_or("").len())],
-                ver["publisher"].as_str().unwrap_or(""),
-                if tags.is_empty() { String::new() } else { format!("  [{}]", tags.join(", ")) }
-            ));
+    match a {
+        AdminAnswer::Published(p) => {
+            let _ = writeln!(out, "published {} v{} ({} bytes, {} chunks, digest {})", p.name, p.version, p.length, p.chunks, p.digest);
         }
-    }
-    out.trim_end().to_owned()
-}
-
-fn store_config(cfg: &Config) -> StoreConfig {
-    StoreConfig { chunk_size: cfg.chunk_size, ..StoreConfig::default() }
-}
-
-fn fleet_of(cfg: &Config) -> FleetId {
-    fedfleet_certs::Pki::open(&cfg.pki_dir).map(|p| p.fleet().clone()).unwrap_or_else(|_| FleetId::new("unknown").expect("valid id"))
-}
-
-/// Runs an operator command: directly on the store if no server holds it, else over QUIC.
-async fn admin(cfg: &Config, req: AdminRequest, artifact: Option<std::fs::File>) -> anyhow::Result<serde_json::Value> {
-    match Store::open(cfg.store_dir(), store_config(cfg)) {
-        Ok(store) => {
-            let signer =
-                if metadata::keys_exist(&cfg.data_dir) { Some(MetadataSigner::load(&cfg.data_dir, cfg.lifetimes())?) } else { None };
-            let reg = Registry::new(store, fleet_of(cfg), signer, Arc::new(Metrics::default()), SystemClock::shared())?;
-            let now = SystemClock.now_ms();
-            let out = match req {
-                AdminRequest::Publish(mut new) => {
-                    new.created_at_unix_ms = now;
-                    let m = reg.publish(new, std::io::BufReader::with_capacity(1 << 20, artifact.context("no artifact")?))?;
-                    fedfleet_registry::ops::published_summary(&m)
+        AdminAnswer::Models { models } if models.is_empty() => out.push_str("no models published\n"),
+        AdminAnswer::Models { models } => {
+            for m in models {
+                let _ = writeln!(out, "{}", m.name);
+                for v in &m.versions {
+                    let tags: Vec<&str> = m.aliases.iter().filter(|(_, t)| **t == v.version).map(|(a, _)| a.as_str()).collect();
+                    let _ = writeln!(
+                        out,
+                        "  v{:<4} {:>12} bytes  {}  {}  {}{}{}",
+                        v.version.0,
+                        v.length,
+                        &v.digest.to_hex()[..16],
+                        rfc3339_ms(v.created_at_unix_ms),
+                        v.publisher,
+                        if v.adapter { "  (LoRA adapters)" } else { "" },
+                        if tags.is_empty() { String::new() } else { format!("  [{}]", tags.join(", ")) }
+                    );
                 }
-                req => reg.admin(req, now)?,
-            };
-            reg.drive(now)?;
-            reg.store().flush()?;
-            Ok(out)
-        }
-        Err(StoreError::Locked { .. }) => {
-            let pki = fedfleet_certs::Pki::open(&cfg.pki_dir).context("opening the PKI directory for the operator certificate")?;
-            let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.operator_identity).with_context(|| {
-                format!(
-                    "the registry is running; operator commands go through it and need the operator certificate \
-                     (fedfleet-certs issue-server --name {})",
-                    cfg.operator_identity
-                )
-            })?;
-            let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-            let mut addr = cfg.listen;
-            if addr.ip().is_unspecified() {
-                addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
             }
-            let client = RegistryClient::connect(addr, &cfg.server_name, tls).await.context("connecting to the running registry")?;
-            let out = match artifact {
-                Some(f) => client.publish(req, f).await,
-                None => client.admin(req).await,
-            };
-            client.close().await;
-            Ok(out?)
         }
-        Err(e) => Err(RegistryError::from(e).into()),
+        AdminAnswer::Version(v) => {
+            let m = &v.model;
+            let _ = writeln!(
+                out,
+                "{} v{}{}",
+                m.name,
+                m.version,
+                if v.aliases.is_empty() { String::new() } else { format!("  [{}]", v.aliases.join(", ")) }
+            );
+            let _ = writeln!(
+                out,
+                "digest:    {}{}",
+                m.digest,
+                if m.adapter.is_some() { " (the artifact: LoRA adapters over its base)" } else { "" }
+            );
+            let _ = writeln!(out, "length:    {} bytes in {} chunks of {}", m.length, v.chunks, v.chunk_size);
+            let _ = writeln!(out, "parent:    {}", m.parent.map_or("none".into(), |p| format!("v{p}")));
+            let _ = writeln!(out, "published: {} by {}", rfc3339_ms(m.created_at_unix_ms), m.publisher);
+            for (k, x) in &m.metrics {
+                let _ = writeln!(out, "metric:    {k} = {x}");
+            }
+            let _ = writeln!(out, "spec:      {}", m.spec.0);
+        }
+        AdminAnswer::Alias(a) => {
+            let _ =
+                writeln!(out, "{} {} -> v{} (was {})", a.name, a.alias, a.version, a.previous.map_or("unset".into(), |p| format!("v{p}")));
+        }
+        AdminAnswer::Rollout(r) => out.push_str(&render_rollout(r)),
+        AdminAnswer::Rollouts { rollouts } if rollouts.is_empty() => out.push_str("no rollouts\n"),
+        AdminAnswer::Rollouts { rollouts } => rollouts.iter().for_each(|r| out.push_str(&render_rollout(r))),
+        AdminAnswer::Device(d) => out.push_str(&render_device(d)),
+        AdminAnswer::Devices { devices } if devices.is_empty() => out.push_str("no device has reported\n"),
+        AdminAnswer::Devices { devices } => devices.iter().for_each(|d| out.push_str(&render_device(d))),
     }
+    out
+}
+
+/// "running (phase 1 of 2)", "completed (2 phases)", "aborted in phase 1 of 2".
+fn rollout_stage(r: &RolloutReport) -> String {
+    let status = r.status;
+    match r.status {
+        Status::Running | Status::Paused => format!("{status} (phase {} of {})", r.phase + 1, r.phases),
+        Status::Completed => format!("{status} ({} of {} phases)", r.phases, r.phases),
+        _ => format!("{status} in phase {} of {}", r.phase + 1, r.phases),
+    }
+}
+
+fn render_rollout(r: &RolloutReport) -> String {
+    let rate = r.failure_rate.map_or("not judged yet".into(), |f| format!("{:.0} %", f * 100.0));
+    format!(
+        "rollout {}: {} {} -> v{} (from {}), {}\n  healthy {}, failed {}, in progress {}; failure rate {rate} (abort above {:.0} %)\n",
+        r.id,
+        r.model,
+        r.alias,
+        r.target,
+        r.previous.map_or("nothing".into(), |p| format!("v{p}")),
+        rollout_stage(r),
+        r.healthy,
+        r.failed,
+        r.in_progress,
+        r.failure_threshold * 100.0
+    )
+}
+
+fn render_device(d: &DeviceReport) -> String {
+    let revoked = if d.revoked { "  REVOKED" } else { "" };
+    format!("{}{revoked}\n  {}\n", d.device, d.report)
+}
+
+fn rfc3339_ms(ms: u64) -> String {
+    fedfleet_certs::inspect::rfc3339((ms / 1000) as i64)
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {

@@ -187,7 +187,12 @@ impl MetadataSigner {
         let mut targets = Vec::new();
         for name in store.models()? {
             for v in store.versions(&name)? {
-                targets.push(store.version(&name, v)?);
+                // One unreadable record must not stop the registry signing the others (and
+                // with it every device's metadata): it is left out, so no device installs it.
+                match store.version(&name, v) {
+                    Ok(info) => targets.push(info),
+                    Err(e) => tracing::error!(model = %name, version = %v, error = %e, "version left out of the signed targets"),
+                }
             }
         }
         let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());

@@ -23,6 +23,10 @@ use crate::metadata::MetadataSigner;
 use crate::metrics::Metrics;
 use crate::rollout::{Event as RolloutEvent, Rollout, RolloutPlan, Status, VersionReport};
 use crate::store::{Manifest, NewVersion, Store};
+use fedfleet_registry_client::admin::{
+    AdminAnswer, AliasMoved, DeviceReport, ModelListing, PublishedVersion, RolloutReport, VersionListed, VersionShown,
+};
+
 use crate::wire::{AdminRequest, AssignmentBody, AssignmentSource, MetadataSet, RolloutCommand, RolloutStart, SignedAssignment};
 
 /// The alias devices run when no rollout decides for them.
@@ -113,13 +117,10 @@ impl Registry {
     }
 
     /// A stored status record as JSON, with `"revoked": true` for a revoked device.
-    fn device_status_json(&self, device: &str, record: &[u8]) -> Value {
-        let mut v = serde_json::from_slice::<Value>(record).unwrap_or(Value::Null);
+    fn device_report(&self, device: &str, record: &[u8]) -> DeviceReport {
+        let report = serde_json::from_slice::<Value>(record).unwrap_or(Value::Null);
         let revoked = self.revocation.as_ref().is_some_and(|w| fedfleet_protocol::DeviceId::new(device).is_ok_and(|id| w.is_revoked(&id)));
-        if let Value::Object(m) = &mut v {
-            m.insert("revoked".into(), Value::Bool(revoked));
-        }
-        v
+        DeviceReport { device: device.to_owned(), revoked, report }
     }
 
     /// The registry's clock, read (unix ms).
@@ -302,8 +303,8 @@ impl Registry {
     }
 
     /// Runs an operator command (all but `Publish`, which carries bytes: see
-    /// [`Registry::publish`]). Returns JSON for the CLI to print.
-    pub fn admin(&self, req: AdminRequest, now: u64) -> Result<Value, RegistryError> {
+    /// [`Registry::publish`]).
+    pub fn admin(&self, req: AdminRequest, now: u64) -> Result<AdminAnswer, RegistryError> {
         match req {
             AdminRequest::Publish(_) => Err(RegistryError::Invalid("publish carries the artifact bytes; use Registry::publish".into())),
             AdminRequest::List => {
@@ -311,18 +312,12 @@ impl Registry {
                 for name in self.store.models()? {
                     let mut versions = Vec::new();
                     for v in self.store.versions(&name)? {
-                        let mut r = json!(self.store.version(&name, v)?);
-                        // The listing leaves out what `show` gives: the spec and the name.
-                        if let Some(r) = r.as_object_mut() {
-                            r.remove("spec");
-                            r.remove("name");
-                        }
-                        versions.push(r);
+                        versions.push(VersionListed::of(&self.store.version(&name, v)?));
                     }
-                    let aliases: BTreeMap<String, u64> = self.store.aliases(&name)?.into_iter().map(|(k, v)| (k, v.0)).collect();
-                    models.push(json!({"name": name, "versions": versions, "aliases": aliases}));
+                    let aliases = self.store.aliases(&name)?.into_iter().collect();
+                    models.push(ModelListing { name, versions, aliases });
                 }
-                Ok(json!({ "models": models }))
+                Ok(AdminAnswer::Models { models })
             }
             AdminRequest::Show { name, version } => {
                 let v = match version {
@@ -330,19 +325,12 @@ impl Registry {
                     None => self.store.latest(&name)?.ok_or_else(|| RegistryError::NotFound(format!("no model named {name:?}")))?,
                 };
                 let m = self.store.manifest(&name, v)?;
-                let aliases: Vec<String> = self.store.aliases(&name)?.into_iter().filter(|(_, t)| *t == v).map(|(a, _)| a).collect();
-                let mut shown = json!(m.model);
-                if let Some(o) = shown.as_object_mut() {
-                    o.insert("chunk_size".into(), json!(m.chunk_size));
-                    o.insert("chunks".into(), json!(m.chunks.len()));
-                    o.insert("aliases".into(), json!(aliases));
-                }
-                Ok(shown)
+                let aliases = self.store.aliases(&name)?.into_iter().filter(|(_, t)| *t == v).map(|(a, _)| a).collect();
+                Ok(AdminAnswer::Version(VersionShown { chunk_size: m.chunk_size, chunks: m.chunks.len(), aliases, model: m.model }))
             }
             AdminRequest::AliasSet { name, alias, version } => {
-                let prev = self.store.set_alias(&name, &alias, version)?;
-                Ok(json!({"name": name, "alias": alias, "version": version.0,
-                          "previous": prev.map(|p| p.0)}))
+                let previous = self.store.set_alias(&name, &alias, version)?;
+                Ok(AdminAnswer::Alias(AliasMoved { name, alias, version, previous }))
             }
             AdminRequest::RolloutStart(start) => self.rollout_start(start, now),
             AdminRequest::Rollout { id, command } => {
@@ -355,7 +343,7 @@ impl Registry {
                     RolloutCommand::Rollback => r.rollback(now),
                 }?;
                 self.pump(r, true)?;
-                Ok(rollout_json(r))
+                Ok(AdminAnswer::Rollout(rollout_report(r)))
             }
             AdminRequest::RolloutStatus { id } => {
                 let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
@@ -366,27 +354,27 @@ impl Registry {
                     }
                 }
                 match id {
-                    Some(id) => rollouts.get(&id).map(rollout_json).ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}"))),
-                    None => Ok(json!({"rollouts": rollouts.values().map(rollout_json).collect::<Vec<_>>()})),
+                    Some(id) => rollouts
+                        .get(&id)
+                        .map(|r| AdminAnswer::Rollout(rollout_report(r)))
+                        .ok_or_else(|| RegistryError::NotFound(format!("no rollout {id:?}"))),
+                    None => Ok(AdminAnswer::Rollouts { rollouts: rollouts.values().map(rollout_report).collect() }),
                 }
             }
             AdminRequest::DeviceStatus { device } => match device {
                 Some(d) => self
                     .store
                     .device_status(&d)?
-                    .map(|b| self.device_status_json(&d, &b))
+                    .map(|b| AdminAnswer::Device(self.device_report(&d, &b)))
                     .ok_or_else(|| RegistryError::NotFound(format!("no report from device {d:?}"))),
-                None => Ok(json!({"devices": self
-                    .store
-                    .device_statuses()?
-                    .iter()
-                    .map(|(d, b)| self.device_status_json(d, b))
-                    .collect::<Vec<_>>()})),
+                None => Ok(AdminAnswer::Devices {
+                    devices: self.store.device_statuses()?.iter().map(|(d, b)| self.device_report(d, b)).collect(),
+                }),
             },
         }
     }
 
-    fn rollout_start(&self, s: RolloutStart, now: u64) -> Result<Value, RegistryError> {
+    fn rollout_start(&self, s: RolloutStart, now: u64) -> Result<AdminAnswer, RegistryError> {
         self.store.version(&s.model, s.target)?;
         let previous = self.store.alias(&s.model, &s.alias)?;
         let id = s.id.unwrap_or_else(|| format!("{}-{}-v{}-{now}", s.model, s.alias, s.target));
@@ -415,30 +403,45 @@ impl Registry {
         let mut r = Rollout::start(plan, now)?;
         r.handle_timeout(now);
         self.pump(&mut r, true)?;
-        let out = rollout_json(&r);
+        let out = AdminAnswer::Rollout(rollout_report(&r));
         rollouts.insert(id, r);
         Ok(out)
     }
 }
 
-fn rollout_json(r: &Rollout) -> Value {
+fn rollout_report(r: &Rollout) -> RolloutReport {
     let p = r.plan();
     let s = r.summary();
-    json!({
-        "id": p.id, "model": p.model, "alias": p.alias, "target": p.target.0,
-        "previous": p.previous.map(|v| v.0), "status": s.status, "phase": s.phase,
-        "phases": s.phases, "healthy": s.healthy, "failed": s.failed,
-        "in_progress": s.in_progress, "failure_rate": s.failure_rate,
-        "failure_threshold": p.failure_threshold, "started_at": r.started_at(),
-        "ended_at": r.ended_at(), "reporting_devices": r.devices().len(),
-        "plan": p.phases,
-    })
+    RolloutReport {
+        id: p.id.clone(),
+        model: p.model.clone(),
+        alias: p.alias.clone(),
+        target: p.target,
+        previous: p.previous,
+        status: s.status,
+        phase: s.phase,
+        phases: s.phases,
+        healthy: s.healthy,
+        failed: s.failed,
+        in_progress: s.in_progress,
+        failure_rate: s.failure_rate,
+        failure_threshold: p.failure_threshold,
+        started_at: r.started_at(),
+        ended_at: r.ended_at(),
+        reporting_devices: r.devices().len(),
+        plan: p.phases.clone(),
+    }
 }
 
 /// What a publish answers the operator: the version, its length, digest and chunk count.
-pub fn published_summary(m: &Manifest) -> Value {
-    json!({"name": m.model.name, "version": m.model.version.0, "length": m.model.length,
-           "digest": m.model.digest.to_hex(), "chunks": m.chunks.len()})
+pub fn published_answer(m: &Manifest) -> AdminAnswer {
+    AdminAnswer::Published(PublishedVersion {
+        name: m.model.name.clone(),
+        version: m.model.version,
+        length: m.model.length,
+        digest: m.model.digest,
+        chunks: m.chunks.len(),
+    })
 }
 
 /// Convenience for callers holding a version selector.

@@ -197,6 +197,7 @@ fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
         RegistryError::Store(
             e @ (StoreError::InvalidName { .. }
             | StoreError::InvalidMetric(_)
+            | StoreError::InvalidRecord(_)
             | StoreError::EmptyArtifact
             | StoreError::UnknownParent { .. }),
         ) => {
@@ -304,7 +305,7 @@ async fn stream(ctx: &Arc<Ctx>, conn: &quinn::Connection, peer: &PeerIdentity, s
             PeerIdentity::Service(n) if ctx.opts.operators.iter().any(|o| o == n) => match req {
                 AdminRequest::Publish(new) => publish(ctx, s, new, n).await.unwrap_or_else(|e| error_response(ctx, e)),
                 req => match blocking(move || reg.admin(req, now)).await {
-                    Ok(v) => Response::Admin(v.to_string()),
+                    Ok(v) => Response::Admin(admin_json(&v)),
                     Err(e) => error_response(ctx, e),
                 },
             },
@@ -313,6 +314,11 @@ async fn stream(ctx: &Arc<Ctx>, conn: &quinn::Connection, peer: &PeerIdentity, s
         },
     };
     send(s, &resp).await
+}
+
+/// An operator answer as the wire carries it.
+fn admin_json(a: &fedfleet_registry_client::admin::AdminAnswer) -> String {
+    serde_json::to_string(a).expect("admin answers serialize")
 }
 
 /// Issues a device a new certificate for the one it is connected with (same id, fleet, key),
@@ -407,7 +413,7 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
     .await;
     let _ = tokio::fs::remove_file(&path).await;
     let m = res?;
-    Ok(Response::Admin(crate::ops::published_summary(&m).to_string()))
+    Ok(Response::Admin(admin_json(&crate::ops::published_answer(&m))))
 }
 
 /// Sends `bytes` as Chunk frames, honouring the cut fault. Returns false if the connection was

@@ -92,6 +92,9 @@ pub enum StoreError {
     InvalidChunkSize(u32),
     #[error("metric {0:?} is not a finite number")]
     InvalidMetric(String),
+    /// The version's record (spec, lineage, metrics) would not be read back as written.
+    #[error("version record refused: {0}")]
+    InvalidRecord(String),
     #[error("refusing to publish an empty artifact")]
     EmptyArtifact,
     #[error("unknown model version {name} v{version}")]
@@ -262,6 +265,42 @@ fn decode<T: serde::de::DeserializeOwned>(key: &[u8], v: &[u8]) -> Result<T> {
     })
 }
 
+/// Largest spec a version may carry, as JSON text, and its deepest nesting: bounds on what
+/// every later read of the record (signing, manifests, devices) must parse.
+pub const MAX_SPEC_BYTES: usize = 1 << 20;
+pub const MAX_SPEC_DEPTH: usize = 32;
+
+/// Refuses a record that would not read back as written (a NaN becomes `null`, deep nesting
+/// passes the parser's recursion limit): once stored it would stop the registry signing.
+fn check_record(meta: &NewVersion) -> Result<()> {
+    fn depth(v: &serde_json::Value) -> usize {
+        match v {
+            serde_json::Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+            serde_json::Value::Object(o) => 1 + o.values().map(depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+    let spec_len = serde_json::to_vec(&meta.spec.0).map_or(usize::MAX, |b| b.len());
+    if spec_len > MAX_SPEC_BYTES {
+        return Err(StoreError::InvalidRecord(format!("the spec is {spec_len} bytes of JSON; the limit is {MAX_SPEC_BYTES}")));
+    }
+    let d = depth(&meta.spec.0);
+    if d > MAX_SPEC_DEPTH {
+        return Err(StoreError::InvalidRecord(format!("the spec nests {d} levels deep; the limit is {MAX_SPEC_DEPTH}")));
+    }
+    if let Some(a) = &meta.adapter
+        && !(a.alpha.is_finite() && a.rank > 0)
+    {
+        return Err(StoreError::InvalidRecord(format!("adapter lineage: alpha {} and rank {} must be finite and > 0", a.alpha, a.rank)));
+    }
+    let probe = ModelInfo::published(meta.clone(), ModelVersion(1), 1, Digest::of(b""));
+    match serde_json::from_slice::<ModelInfo>(&encode(&probe)) {
+        Ok(back) if back == probe => Ok(()),
+        Ok(_) => Err(StoreError::InvalidRecord("it holds a value JSON cannot carry (NaN or infinity)".into())),
+        Err(e) => Err(StoreError::InvalidRecord(format!("it would not read back: {e}"))),
+    }
+}
+
 fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("registry records serialize")
 }
@@ -394,7 +433,14 @@ impl Store {
         if let Some((k, _)) = meta.metrics.iter().find(|(_, v)| !v.is_finite()) {
             return Err(StoreError::InvalidMetric(k.clone()));
         }
+        check_record(&meta)?;
         let _guard = self.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // Refused before a chunk is written (the commit checks again, under the transaction).
+        if let Some(p) = meta.parent
+            && self.versions.get(version_key(&meta.name, p))?.is_none()
+        {
+            return Err(StoreError::UnknownParent { name: meta.name.clone(), version: p });
+        }
 
         // 1. chunks: content-addressed, idempotent.
         let cs = self.config.chunk_size;

@@ -148,6 +148,25 @@ pub enum Status {
     RolledBack,
 }
 
+impl Status {
+    /// The name operators see (as serialized).
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Running => "running",
+            Status::Paused => "paused",
+            Status::Completed => "completed",
+            Status::Aborted => "aborted",
+            Status::RolledBack => "rolled_back",
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A device's report about one version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

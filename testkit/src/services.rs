@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use fedfleet_aggregator::config::Config as AggregatorConfig;
+use fedfleet_aggregator::lifecycle::AggregatorService;
 use fedfleet_aggregator::publish::{Publisher, RegistryPublisher};
 use fedfleet_aggregator::service::Aggregator;
 use fedfleet_certs::{ALPN_V1, DeviceIdentity, Pki, ServerIdentity, tls};
@@ -161,11 +162,11 @@ impl RunningAggregator {
     /// calls [`Aggregator::clock_moved`]).
     pub async fn start_at(cfg: AggregatorConfig, publisher: Box<dyn Publisher>, clock: SharedClock) -> anyhow::Result<RunningAggregator> {
         let listen = cfg.listen;
-        let agg = Aggregator::open(cfg, publisher, clock).context("opening the aggregator")?;
+        let service = AggregatorService::open_with(cfg, None, publisher, clock).context("opening the aggregator")?;
         let mut tries = 0;
-        let endpoint = loop {
-            match agg.bind(listen) {
-                Ok(e) => break e,
+        let bound = loop {
+            match service.bind().await {
+                Ok(b) => break b,
                 Err(_) if tries < 50 => {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -173,8 +174,12 @@ impl RunningAggregator {
                 Err(e) => return Err(e).with_context(|| format!("binding {listen}")),
             }
         };
-        let addr = endpoint.local_addr()?;
-        let serving = Serving::spawn(|shutdown| agg.clone().run(endpoint, shutdown));
+        let (agg, addr) = (bound.aggregator().clone(), bound.local_addr()?);
+        let serving = Serving::spawn(|shutdown| async move {
+            if let Err(e) = bound.run(shutdown).await {
+                panic!("the aggregator stopped with an error: {e}");
+            }
+        });
         Ok(RunningAggregator { agg, addr, serving })
     }
 

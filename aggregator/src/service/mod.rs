@@ -1,8 +1,9 @@
 //! The service shell: QUIC ingest, the round driver, sled state and publishing around the
 //! sans-IO [`Coordinator`].
 //!
-//! The lifecycle is `Aggregator::open(config, publisher, clock)` → [`Aggregator::bind`] →
-//! [`Aggregator::run`]`(endpoint, shutdown)`, the same for the daemon and the test kit. `run`
+//! The daemon and the test kit start it through [`crate::lifecycle`], which wraps
+//! `Aggregator::open(config, publisher, clock)` → [`Aggregator::bind`] →
+//! [`Aggregator::run`]`(endpoint, shutdown)` with `/metrics` and MQTT. `run`
 //! serves on `fedfleet_net`'s accept loop until the [`fedfleet_net::Shutdown`] switch flips;
 //! every connection handler waits on the same switch, so shutdown stops accepting, lets
 //! in-flight requests finish (each commit point is atomic, so a cut-off upload simply gets no
@@ -89,6 +90,12 @@ pub enum ServiceError {
     /// `[mqtt]`: the fleet, the broker or the control client.
     #[error("[mqtt]: {0}")]
     Mqtt(String),
+    /// `[publish]`: the registry publisher could not be set up.
+    #[error("{0}")]
+    Publisher(String),
+    /// `metrics_addr` could not be bound.
+    #[error("metrics_addr {addr}: {cause}")]
+    Metrics { addr: SocketAddr, cause: std::io::Error },
 }
 
 struct Core {
@@ -284,6 +291,11 @@ impl Aggregator {
 
     pub fn metrics(&self) -> Arc<Metrics> {
         self.shared.metrics.clone()
+    }
+
+    /// The clock the service was opened with.
+    pub fn clock(&self) -> SharedClock {
+        self.shared.clock.clone()
     }
 
     pub fn config(&self) -> &Config {

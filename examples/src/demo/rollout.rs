@@ -129,10 +129,12 @@ pub async fn rollout(
         }
         // Status first, then a step: the device states printed at a phase change are those the
         // registry judged, before the agents act on the next phase.
-        let s = op.admin(AdminRequest::RolloutStatus { id: Some(id.clone()) }).await.map_err(|e| anyhow::anyhow!("rollout status: {e}"))?;
-        let now_phase = s["phase"].as_u64().unwrap_or(0) as usize;
-        let status = s["status"].as_str().unwrap_or("?").to_owned();
-        let (healthy, failed) = (s["healthy"].as_u64().unwrap_or(0), s["failed"].as_u64().unwrap_or(0));
+        let answer =
+            op.admin(AdminRequest::RolloutStatus { id: Some(id.clone()) }).await.map_err(|e| anyhow::anyhow!("rollout status: {e}"))?;
+        let fedfleet_registry::admin::AdminAnswer::Rollout(s) = answer else { anyhow::bail!("rollout status answered {answer:?}") };
+        let now_phase = s.phase;
+        let status = s.status.name().to_owned();
+        let (healthy, failed) = (s.healthy as u64, s.failed as u64);
         spinner.set_message(format!(
             "phase {}/{} {} ({} healthy, {} failed, {} in progress)",
             now_phase + 1,
@@ -140,7 +142,7 @@ pub async fn rollout(
             status,
             healthy,
             failed,
-            s["in_progress"].as_u64().unwrap_or(0)
+            s.in_progress
         ));
         let finished = status != "running" && status != "paused";
         while phase < now_phase || (finished && phase < percents.len() && status == "completed") {

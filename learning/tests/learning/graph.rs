@@ -526,3 +526,38 @@ fn a_custom_model_declares_its_tensors_and_which_an_update_carries() {
         assert!(err.contains(says), "{bad}: {err}");
     }
 }
+
+/// Specs are checked for cost, not only shape, before anything is allocated (the error names
+/// the figure and its limit).
+#[test]
+fn specs_too_costly_to_hold_or_run_are_refused_by_name() {
+    let err = |json: &str| match ModelSpec::from_json(json) {
+        Err(LearningError::InvalidSpec(m)) => m,
+        other => panic!("{json}: expected InvalidSpec, got {other:?}"),
+    };
+    // 16 layers of 16384×16384: 4.3e9 parameters.
+    let big = format!(
+        r#"{{"arch":"graph","input":[16384],"task":"regression","layers":[{}]}}"#,
+        vec![r#"{"type":"linear","out_features":16384}"#; 16].join(",")
+    );
+    let e = err(&big);
+    assert!(e.contains("parameter values; the limit is 268435456"), "{e}");
+    // A small attention model whose scores need 2^40 values per example.
+    let e = err(r#"{"arch":"graph","input":[524288,4],"task":"regression","layers":[{"type":"multihead_attention","num_heads":4}]}"#);
+    assert!(e.contains("one example's forward pass produces") && e.contains("the limit is 67108864"), "{e}");
+    // LoRA rank above the layer it adapts.
+    let e = err(
+        r#"{"arch":"graph","input":[16],"layers":[{"type":"linear","name":"fc","out_features":8}],"finetune":{"mode":"lora","rank":64,"alpha":8}}"#,
+    );
+    assert!(e.contains(r#"lora rank 64 exceeds layer "fc" (8 outputs, 16 inputs)"#), "{e}");
+    // A custom model's declared tensors count too.
+    let e = err(
+        r#"{"arch":"custom","kind":"acme/huge","input":[4],"output":2,"tensors":[{"name":"a","shape":[16384,16384]},{"name":"b","shape":[16384,16384]}]}"#,
+    );
+    assert!(e.contains("values; the limit is 268435456"), "{e}");
+    // Within the bounds, the same shapes pass.
+    ModelSpec::from_json(
+        r#"{"arch":"graph","input":[16],"layers":[{"type":"linear","out_features":8}],"finetune":{"mode":"lora","rank":8,"alpha":8}}"#,
+    )
+    .unwrap();
+}

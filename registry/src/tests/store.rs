@@ -127,11 +127,27 @@ fn publish_rejects_bad_input() {
     let mut nan = meta("m", None);
     nan.metrics.insert("loss".into(), f64::NAN);
     assert!(matches!(store.publish(nan, b"x"), Err(StoreError::InvalidMetric(_))));
+    // Records that would not read back as written (and, once stored, would stop the registry
+    // signing its metadata) are refused by name.
+    let mut lora = meta("m", None);
+    lora.adapter =
+        Some(fedfleet_protocol::AdapterLineage { method: "lora".into(), rank: 4, alpha: f64::NAN, tensors: vec!["fc.weight".into()] });
+    let e = store.publish(lora, b"x").unwrap_err();
+    assert!(matches!(&e, StoreError::InvalidRecord(d) if d.contains("alpha NaN")), "{e}");
+    let mut deep = meta("m", None);
+    let mut spec = serde_json::json!(1);
+    for _ in 0..126 {
+        spec = serde_json::json!([spec]);
+    }
+    deep.spec = spec.into();
+    let e = store.publish(deep, b"x").unwrap_err();
+    assert!(matches!(&e, StoreError::InvalidRecord(d) if d.contains("nests 126 levels deep; the limit is 32")), "{e}");
     assert_eq!(store.latest("m").unwrap(), None, "failed publishes leave no version");
-    // The refused parent left chunks but no version; gc reclaims them.
-    assert_eq!(store.check(false).unwrap().versions, 0);
-    assert!(store.gc().unwrap() >= 1);
-    assert_eq!(store.check(false).unwrap().chunks, 0);
+    // ...and nothing else: no chunk of a refused publish is written.
+    let c = store.check(false).unwrap();
+    assert_eq!((c.versions, c.chunks), (0, 0));
+    // A good publish after them goes through.
+    assert_eq!(store.publish(meta("m", None), b"x").unwrap().model.version, ModelVersion(1));
     assert!(matches!(Store::open(dir.path().join("x"), StoreConfig { chunk_size: 0, ..cfg() }), Err(StoreError::InvalidChunkSize(0))));
 }
 

@@ -23,8 +23,39 @@ fn free_tcp_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Starts `fedfleet-registry serve` and waits for its metrics port.
+fn serve(cfg: &Path, mport: u16) -> std::process::Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_fedfleet-registry"))
+        .arg("--config")
+        .arg(cfg)
+        .arg("serve")
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", mport)).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "serve did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+/// SIGTERM: graceful shutdown, exit 0.
+fn stop(mut child: std::process::Child) {
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    let start = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            assert!(st.success(), "{st:?}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "serve did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
-fn operator_cli_offline_then_through_the_running_service() {
+fn operator_cli_talks_to_the_running_registry_only() {
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::init(dir.path().join("pki"), &FleetId::new("cli-fleet").unwrap(), 30, false).unwrap();
     pki.issue_server("registry", &[], 30, false).unwrap();
@@ -45,68 +76,61 @@ fn operator_cli_offline_then_through_the_running_service() {
     std::fs::write(&spec, r#"{"arch":"cnn","input":[1,28,28]}"#).unwrap();
     let m = model.to_str().unwrap();
 
-    // Offline: nothing runs, the CLI opens the store itself.
     let out = ok(&cfg, &["init-keys"]);
     assert!(out.contains("root v1"), "{out}");
     assert!(dir.path().join("data/root.json").exists());
+    // Nothing serves: an operator command says so and creates no store.
+    let o = run(&cfg, &["list"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains(&format!("connecting to the registry at 127.0.0.1:{port}")), "{err}");
+    assert!(!dir.path().join("data/store").exists(), "an operator command created a store");
+    let o = run(&cfg, &["check"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no store at"), "{o:?}");
+
+    let child = serve(&cfg, mport);
     let out = ok(&cfg, &["publish", m, "--model", "digits", "--spec", spec.to_str().unwrap(), "--metrics", "accuracy=0.91"]);
     assert!(out.starts_with("published digits v1"), "{out}");
     ok(&cfg, &["publish", m, "--model", "digits", "--parent", "1"]);
-    ok(&cfg, &["alias", "set", "digits", "stable", "1"]);
+    let out = ok(&cfg, &["alias", "set", "digits", "stable", "1"]);
+    assert_eq!(out.trim(), "digits stable -> v1 (was unset)");
     let out = ok(&cfg, &["list"]);
     assert!(out.contains("v1") && out.contains("v2") && out.contains("[stable]"), "{out}");
     let out = ok(&cfg, &["show", "digits"]);
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!((v["version"].as_u64(), v["chunks"].as_u64()), (Some(2), Some(4)));
+    assert!(out.starts_with("digits v2\n") && out.contains("parent:    v1"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&ok(&cfg, &["--json", "show", "digits"])).unwrap();
+    assert_eq!((v["answer"].as_str(), v["version"].as_u64(), v["chunks"].as_u64()), (Some("version"), Some(2), Some(4)));
     let out = ok(&cfg, &["rollout", "start", "--model", "digits", "--version", "2", "--phases", "10,100", "--soak", "1h", "--id", "r1"]);
-    assert!(out.contains("\"running\""), "{out}");
+    assert!(out.starts_with("rollout r1: digits stable -> v2 (from v1), running (phase 1 of 2)"), "{out}");
     let out = ok(&cfg, &["rollout", "pause", "r1"]);
-    assert!(out.contains("\"paused\""), "{out}");
+    assert!(out.contains("paused (phase 1 of 2)"), "{out}");
     let o = run(&cfg, &["show", "nosuch"]);
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.starts_with("fedfleet-registry: ") && err.trim_end().lines().count() == 1, "{err}");
-
-    // Online: `serve` holds the store; the same commands go over QUIC with the operator cert.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fedfleet-registry"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("serve")
-        .env("RUST_LOG", "warn")
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", mport)).is_err() {
-        assert!(start.elapsed() < Duration::from_secs(20), "serve did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = ok(&cfg, &["publish", m, "--model", "digits"]);
-    assert!(out.starts_with("published digits v3"), "{out}");
-    let out = ok(&cfg, &["rollout", "status", "r1"]);
-    assert!(out.contains("\"paused\""), "{out}");
-    ok(&cfg, &["rollout", "resume", "r1"]);
     let out = ok(&cfg, &["device", "status"]);
-    assert!(out.contains("devices"), "{out}");
+    assert_eq!(out.trim(), "no device has reported");
+
+    // From another directory with no config at all: `--addr` and the operator's files.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let op_cfg = elsewhere.path().join("operator.toml");
+    std::fs::write(&op_cfg, format!("pki_dir = \"{}\"\n", dir.path().join("pki").display())).unwrap();
+    let out = ok(&op_cfg, &["--addr", &format!("127.0.0.1:{port}"), "rollout", "status", "r1"]);
+    assert!(out.contains("paused"), "{out}");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let (status, text) = rt.block_on(fedfleet_http::scrape(([127, 0, 0, 1], mport).into(), "/metrics")).unwrap();
     assert_eq!(status, 200);
-    assert!(text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 1"), "{text}");
+    assert!(text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 2"), "{text}");
+    stop(child);
 
-    // SIGTERM: graceful shutdown, exit 0.
-    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
-    let start = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            assert!(st.success(), "{st:?}");
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(15), "serve did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // And offline again afterwards.
+    // The store outlives the process: a restart serves the same versions.
+    let child = serve(&cfg, mport);
     let out = ok(&cfg, &["list"]);
-    assert!(out.contains("v3"), "{out}");
+    assert!(out.contains("v2"), "{out}");
+    stop(child);
+    let out = ok(&cfg, &["check", "--deep"]);
+    assert!(out.starts_with("ok: 2 versions"), "{out}");
 }
 
 #[test]

@@ -26,7 +26,7 @@ async fn assigned(c: &RegistryClient, root: &Root, device: &DeviceId) -> Assignm
 
 /// The operator's view of rollout `id`.
 async fn rollout_status(op: &RegistryClient, id: &str) -> serde_json::Value {
-    op.admin(AdminRequest::RolloutStatus { id: Some(id.into()) }).await.unwrap()
+    serde_json::to_value(op.admin(AdminRequest::RolloutStatus { id: Some(id.into()) }).await.unwrap()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,7 +66,8 @@ async fn signed_assignments_follow_the_rollout() {
             }))
             .await
             .unwrap();
-        assert_eq!(out["status"], "running");
+        let fedfleet_registry_client::admin::AdminAnswer::Rollout(out) = out else { panic!("{out:?}") };
+        assert_eq!(out.status, fedfleet_rollout::Status::Running);
         let sa = a.assignment("m").await.unwrap();
         let body = sa.verify(&root, &ida, unix_ms()).unwrap();
         assert_eq!(body.target.as_ref().map(|t| (t.version, t.digest)), Some((v(2), m2.model.digest)));
@@ -108,9 +109,9 @@ async fn signed_assignments_follow_the_rollout() {
         assert_eq!(h.reg.metrics().get("fedfleet_registry_rollout_events_total", "auto_aborted"), 1);
 
         // Operator views.
-        let dev = op.admin(AdminRequest::DeviceStatus { device: Some("dev-a".into()) }).await.unwrap();
-        assert_eq!(dev["state"], "failed");
-        assert_eq!(dev["reason"], "nan in outputs");
+        let dev = serde_json::to_value(op.admin(AdminRequest::DeviceStatus { device: Some("dev-a".into()) }).await.unwrap()).unwrap();
+        assert_eq!(dev["report"]["state"], "failed");
+        assert_eq!(dev["report"]["reason"], "nan in outputs");
         let e = op.admin(AdminRequest::Rollout { id: "r1".into(), command: RolloutCommand::Pause }).await.unwrap_err();
         assert!(e.to_string().contains("cannot pause"), "{e}");
 

@@ -705,7 +705,9 @@ async fn rollout_body() {
     }
 
     // Their statuses (over MQTT only) complete the rollout: min_healthy counts every device.
-    let status = |reg: &Registry| reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, reg.now_ms()).unwrap();
+    let status = |reg: &Registry| {
+        serde_json::to_value(reg.admin(AdminRequest::RolloutStatus { id: Some("digits-v2".into()) }, reg.now_ms()).unwrap()).unwrap()
+    };
     wait_until("the rollout to complete on MQTT status", 30, || status(&reg)["status"] == "completed").await;
     let s = status(&reg);
     assert_eq!(s["healthy"], DEVICES, "{s}");
