@@ -5,6 +5,7 @@
 //! **Architecture invariant:** no protocol decisions here. This crate moves frames; what a frame
 //! means is decided by the protocol crate and by the service cores.
 
+pub mod admission;
 pub mod rpc;
 pub mod serve;
 pub mod shutdown;

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use fedfleet_certs::PeerIdentity;
+use fedfleet_net::admission::{Admission, AdmissionConfig, PeerClass, Refused};
 use fedfleet_net::{FramedStream, NetError};
 use fedfleet_protocol::{FrameKind, RejectReason};
 
@@ -84,12 +85,13 @@ pub async fn run(endpoint: quinn::Endpoint, reg: Arc<Registry>, opts: ServerOpti
     let ctx = Arc::new(Ctx { reg: reg.clone(), opts });
     let timer = tokio::spawn(timer_loop(reg.clone(), shutdown.clone()));
     tracing::info!(addr = ?endpoint.local_addr().ok(), "registry serving");
+    let admission = Admission::new(AdmissionConfig::for_devices(ctx.opts.max_connections));
     let handlers = fedfleet_net::serve::accept_until(
         &endpoint,
-        ctx.opts.max_connections,
+        admission.config().total(),
         shutdown.wait(),
         || ctx.reg.metrics().rejection(RejectReason::Overloaded),
-        |incoming| connection(incoming, ctx.clone()),
+        |incoming| connection(incoming, ctx.clone(), admission.clone()),
     )
     .await;
     tracing::info!("registry shutting down");
@@ -140,20 +142,44 @@ fn peer_of(conn: &quinn::Connection) -> Result<PeerIdentity, String> {
     fedfleet_certs::peer_identity(&certs).map_err(|e| e.to_string())
 }
 
-async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>) {
+async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>, admission: Arc<Admission>) {
     let remote = incoming.remote_address();
-    let conn = match incoming.await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::debug!(%remote, error = %e, "handshake failed");
-            match fedfleet_net::tls_alert(&e) {
-                Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => ctx.reg.metrics().rejection(RejectReason::CertificateExpired),
-                Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => ctx.reg.metrics().rejection(RejectReason::Revoked),
-                _ => ctx.reg.metrics().rejection_named("handshake"),
-            }
+    let classify = |conn: &quinn::Connection| match peer_of(conn) {
+        Ok(PeerIdentity::Service(_)) => PeerClass::Service,
+        _ => PeerClass::Device,
+    };
+    let admitted = match admission.admit(incoming, classify).await {
+        Ok(a) => a,
+        Err(r @ (Refused::HandshakeTimeout | Refused::Retried)) => {
+            tracing::debug!(%remote, refused = ?r, "handshake not finished");
+            return;
+        }
+        Err(Refused::HandshakeFailed(e)) => {
+            handshake_failed(&ctx, remote, e);
+            return;
+        }
+        Err(r) => {
+            tracing::debug!(%remote, refused = ?r, "connection refused: overloaded");
+            ctx.reg.metrics().rejection(RejectReason::Overloaded);
             return;
         }
     };
+    let conn = admitted.conn.clone();
+    serve_connection(conn, remote, ctx).await;
+    drop(admitted);
+}
+
+fn handshake_failed(ctx: &Ctx, remote: std::net::SocketAddr, e: quinn::ConnectionError) {
+    tracing::debug!(%remote, error = %e, "handshake failed");
+    match fedfleet_net::tls_alert(&e) {
+        Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => ctx.reg.metrics().rejection(RejectReason::CertificateExpired),
+        Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => ctx.reg.metrics().rejection(RejectReason::Revoked),
+        _ => ctx.reg.metrics().rejection_named("handshake"),
+    }
+}
+
+/// Serves an admitted connection's streams until it closes.
+async fn serve_connection(conn: quinn::Connection, remote: std::net::SocketAddr, ctx: Arc<Ctx>) {
     let peer = match peer_of(&conn) {
         Ok(p) => p,
         Err(e) => {

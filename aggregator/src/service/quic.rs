@@ -1,6 +1,7 @@
 //! The QUIC shell: bind, the accept loop with graceful shutdown, and one request per stream.
 
 use super::*;
+use fedfleet_net::admission::{Admission, AdmissionConfig, PeerClass, Refused};
 
 impl Aggregator {
     /// Binds the QUIC endpoint of the config.
@@ -31,15 +32,17 @@ impl Aggregator {
                 }
             })
         };
+        let admission = Admission::new(AdmissionConfig::for_devices(MAX_CONNECTIONS));
         let handlers = fedfleet_net::serve::accept_until(
             &endpoint,
-            MAX_CONNECTIONS,
+            admission.config().total(),
             shutdown.wait(),
             || self.shared.metrics.rejected(RejectReason::Overloaded),
             |incoming| {
                 let me = self.clone();
                 let stop = shutdown.clone();
-                async move { me.connection(incoming, stop).await }
+                let admission = admission.clone();
+                async move { me.connection(incoming, &admission, stop).await }
             },
         )
         .await;
@@ -52,19 +55,34 @@ impl Aggregator {
         tracing::info!("stopped");
     }
 
-    pub(super) async fn connection(&self, incoming: quinn::Incoming, shutdown: fedfleet_net::Shutdown) {
-        let conn = match incoming.await {
-            Ok(c) => c,
-            Err(e) => {
+    pub(super) async fn connection(&self, incoming: quinn::Incoming, admission: &Admission, shutdown: fedfleet_net::Shutdown) {
+        let peer_of = |conn: &quinn::Connection| {
+            conn.peer_identity()
+                .and_then(|any| any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
+                .and_then(|certs| fedfleet_certs::peer_identity(&certs).ok())
+        };
+        let classify = |conn: &quinn::Connection| match peer_of(conn) {
+            Some(PeerIdentity::Service(_)) => PeerClass::Service,
+            _ => PeerClass::Device,
+        };
+        let admitted = match admission.admit(incoming, classify).await {
+            Ok(a) => a,
+            Err(Refused::HandshakeFailed(e)) => {
                 tracing::debug!(error = %e, "handshake failed");
                 return;
             }
+            Err(r @ (Refused::HandshakeTimeout | Refused::Retried)) => {
+                tracing::debug!(refused = ?r, "handshake not finished");
+                return;
+            }
+            Err(r) => {
+                tracing::debug!(refused = ?r, "connection refused: overloaded");
+                self.shared.metrics.rejected(RejectReason::Overloaded);
+                return;
+            }
         };
-        let peer = conn
-            .peer_identity()
-            .and_then(|any| any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
-            .and_then(|certs| fedfleet_certs::peer_identity(&certs).ok());
-        let Some(peer) = peer else {
+        let conn = &admitted.conn;
+        let Some(peer) = peer_of(conn) else {
             conn.close(1u32.into(), b"no fleet identity");
             return;
         };

@@ -2,6 +2,7 @@
 //! (`ingest`), and crash/restart of a child process (`crash`). The sans-IO core's tests live in
 //! `fedfleet-rounds`.
 
+mod admission;
 mod cli;
 mod compute;
 mod crash;
