@@ -320,6 +320,10 @@ pub struct PersistedState {
     pub round: Option<RoundAnnouncement>,
     /// Highest round this device trained for or gave up on.
     pub last_round: Option<RoundId>,
+    /// The base model of `last_round`: a round id at or below it with another base is a fresh
+    /// aggregator instance counting from 1 again, not a round already done.
+    #[serde(default)]
+    pub last_round_base: Option<Digest>,
     pub install: Option<InstallJob>,
     /// Last install that failed (rollout id, digest): not retried for the same rollout.
     pub last_failed: Option<(u64, Digest)>,
@@ -540,6 +544,7 @@ impl Lifecycle {
                     previous: None,
                     round: None,
                     last_round: None,
+                    last_round_base: None,
                     install: None,
                     last_failed: None,
                     verifier,
@@ -582,8 +587,8 @@ impl Lifecycle {
             && outbox.iter().any(|e| e.round == r.round)
         {
             let mut next = self.state.clone();
-            next.last_round = Some(r.round);
-            next.round = None;
+            let round = r.round;
+            close_round(&mut next, round);
             self.commit(next)?;
         }
         for e in &outbox {
@@ -725,8 +730,7 @@ impl Lifecycle {
                 self.train_retry_at = None;
                 tracing::warn!(%round, %reason, "training failed; skipping the round");
                 let mut next = self.state.clone();
-                next.round = None;
-                next.last_round = Some(round);
+                close_round(&mut next, round);
                 next.last_state = DeviceState::Failed { reason: format!("training round {round}: {reason}") };
                 self.commit(next)?;
                 self.report(now);
@@ -757,7 +761,7 @@ impl Lifecycle {
             RoundRefusal::OtherFleet { round: a.fleet.clone(), device: self.state.fleet.clone() }
         } else if self.state.revoked {
             RoundRefusal::Revoked
-        } else if self.state.last_round.is_some_and(|r| r >= a.round) {
+        } else if self.already_done(a) {
             RoundRefusal::AlreadyDone(a.round)
         } else if let Some(r) = &self.state.round {
             RoundRefusal::Busy(r.round)
@@ -778,11 +782,21 @@ impl Lifecycle {
         })
     }
 
+    /// Whether `a` is a round this device already trained for or gave up on: at or below the
+    /// last one, with the same base model where the last one's base is known (a lower id with
+    /// another base comes from a fresh aggregator instance).
+    fn already_done(&self, a: &RoundAnnouncement) -> bool {
+        self.state.last_round.is_some_and(|r| r >= a.round) && self.state.last_round_base.is_none_or(|b| b == a.base_model.digest)
+    }
+
     fn on_round(&mut self, now: Millis, a: RoundAnnouncement) -> Result<(), LifecycleError> {
+        if self.state.last_round.is_some_and(|r| r >= a.round) && !self.already_done(&a) && self.state.round.is_none() {
+            tracing::info!(round = %a.round, last = ?self.state.last_round, "round ids started over with another base model: a fresh aggregator instance");
+        }
         if let Some(why) = self.round_refusal(now, &a) {
             // A round this device skips says why at INFO, once per round and reason; a round it
             // already did or is training for is routine (every poll sees it again).
-            let routine = self.state.last_round.is_some_and(|r| r >= a.round) || self.state.round.is_some();
+            let routine = self.already_done(&a) || self.state.round.is_some();
             let said = self.last_refusal.as_ref().is_some_and(|(r, w)| *r == a.round && *w == why);
             if routine || said {
                 tracing::debug!(round = %a.round, %why, "not joining round");
@@ -830,8 +844,7 @@ impl Lifecycle {
         self.outbox.insert(entry.id, entry.clone());
         self.train_retry_at = None;
         let mut next = self.state.clone();
-        next.round = None;
-        next.last_round = Some(round);
+        close_round(&mut next, round);
         next.last_state = DeviceState::Idle;
         self.commit(next)?;
         self.uploads.insert(entry.id, UploadTrack { in_flight: true, ..Default::default() });
@@ -1176,6 +1189,14 @@ impl Lifecycle {
     fn report(&mut self, now: Millis) {
         self.actions.push_back(Action::Report(self.status(now)));
     }
+}
+
+/// The round in progress is over (trained, given up, or found already uploaded): remember it
+/// and its base model.
+fn close_round(next: &mut PersistedState, round: RoundId) {
+    let base = next.round.take().filter(|r| r.round == round).map(|r| r.base_model.digest);
+    next.last_round = Some(round);
+    next.last_round_base = base.or(next.last_round_base);
 }
 
 #[cfg(test)]

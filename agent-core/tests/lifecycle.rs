@@ -207,6 +207,26 @@ fn participation_conditions_gate_training() {
     assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Train(_))));
 }
 
+/// Issue 31 defect 4: a fresh aggregator counts rounds from 1 again; its rounds are joined, not
+/// skipped as done, while a round the device did is still not trained twice.
+#[test]
+fn a_fresh_aggregator_instance_is_joined_from_its_first_round() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    train_and_finish(&mut lc, 8, &v1, b"round 8", 1);
+    assert_eq!(lc.round_refusal(T0, &announcement(8, &v1)), Some(RoundRefusal::AlreadyDone(fedfleet_protocol::RoundId(8))));
+    // The fresh instance's round 1 starts from another model: joined (also after a restart).
+    let fresh = reg.publish("digits", SPEC, b"fresh instance's initial model".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    assert_eq!(lc.round_refusal(T0, &announcement(1, &fresh)), None);
+    train_and_finish(&mut lc, 1, &fresh, b"fresh round 1", 2);
+    train_and_finish(&mut lc, 2, &fresh, b"fresh round 2", 3);
+    assert_eq!(lc.round_refusal(T0, &announcement(2, &fresh)), Some(RoundRefusal::AlreadyDone(fedfleet_protocol::RoundId(2))));
+}
+
 /// Drives an install of `v2` up to the health check; returns the staged model ref.
 fn install_to_health_check(lc: &mut Device, reg: &Registry, v2: &fedfleet_protocol::ModelRef) {
     drain(lc);

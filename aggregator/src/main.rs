@@ -114,13 +114,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // wgpu logs each graphics API it probes and does not find as ERROR; the device selection
     // reports what it found in one line instead.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wgpu_hal=off")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    fedfleet_net::logging::init("info,wgpu_hal=off");
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -181,7 +175,7 @@ async fn run(cli: Cli) -> Result<()> {
                 CampaignCmd::Stop { conn } => (conn, Request::CampaignStop),
             };
             let status = operator_call(&conn, req).await?;
-            print_status(&status, conn.json);
+            print_status(&status, &conn);
             if wait {
                 wait_for_campaign_end(&conn, status).await?;
             }
@@ -208,7 +202,7 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
     Ok(())
 }
 
-async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
+async fn operator_client(conn: &Conn) -> Result<AggregatorClient> {
     let cfg = Config::load(&conn.config)?;
     let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
     let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator)
@@ -218,35 +212,52 @@ async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
     if addr.ip().is_unspecified() {
         addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
-    let client =
-        AggregatorClient::connect(addr, &conn.server_name, tls).await.with_context(|| format!("connecting to the aggregator at {addr}"))?;
+    AggregatorClient::connect(addr, &conn.server_name, tls).await.with_context(|| format!("connecting to the aggregator at {addr}"))
+}
+
+async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
+    let client = operator_client(conn).await?;
     let status = client.campaign(req).await?;
     client.close().await;
     Ok(status)
 }
 
-/// Polls the campaign until it ends, printing each completed round and the final status.
-async fn wait_for_campaign_end(conn: &Conn, mut status: CampaignStatus) -> Result<()> {
-    let mut reported = status.rounds_completed.unwrap_or(0);
-    while status.campaign.is_some() {
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        status = operator_call(conn, Request::CampaignStatus).await?;
-        let done = status.rounds_completed.unwrap_or(reported);
-        if done > reported && !conn.json {
-            reported = done;
-            let global = status.global.as_ref().map(|(v, d)| format!(": global model version {v}, digest {d}"));
-            println!("round {done} completed{}", global.unwrap_or_default());
+/// Polls the campaign (over one connection) until it ends, printing every round it completed
+/// (each publishes the next global model version, so none is missed between polls, the last
+/// included), then the final status.
+async fn wait_for_campaign_end(conn: &Conn, started: CampaignStatus) -> Result<()> {
+    let client = operator_client(conn).await?;
+    let first = started.global.as_ref().map_or(0, |(v, _)| v.0);
+    let mut reported = first;
+    let mut status = started;
+    loop {
+        let done = status.campaign.is_none();
+        if let Some((v, d)) = &status.global
+            && v.0 > reported
+            && !conn.json
+        {
+            for version in reported + 1..=v.0 {
+                let digest = if version == v.0 { format!(", digest {d}") } else { String::new() };
+                println!("campaign round {} completed: global model version {version}{digest}", version - first);
+            }
+            reported = v.0;
         }
+        if done {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        status = client.campaign(Request::CampaignStatus).await?;
     }
-    print_status(&status, conn.json);
+    client.close().await;
+    print_status(&status, conn);
     match status.last_outcome.as_deref() {
         Some("completed") => Ok(()),
         other => Err(anyhow!("the campaign ended {}", other.unwrap_or("without an outcome"))),
     }
 }
 
-fn print_status(s: &CampaignStatus, json: bool) {
-    if json {
+fn print_status(s: &CampaignStatus, conn: &Conn) {
+    if conn.json {
         println!("{}", serde_json::to_string(s).unwrap_or_default());
         return;
     }
@@ -267,6 +278,10 @@ fn print_status(s: &CampaignStatus, json: bool) {
         None => println!("no campaign running{}", s.last_outcome.as_deref().map(|o| format!(" (last: {o})")).unwrap_or_default()),
     }
     if let Some((v, d)) = &s.global {
-        println!("global model: version {v}, digest {d}");
+        // Under LoRA the aggregator's model holds the adapters; the registry also stores (and
+        // names by digest) the model with them merged in: say which digest this is.
+        let lora = Config::load(&conn.config).is_ok_and(|c| matches!(c.model.spec.finetune(), fedfleet_learning::FineTune::Lora { .. }));
+        let which = if lora { " (base weights + LoRA adapters; the registry's merged model has its own digest)" } else { "" };
+        println!("global model: version {v}, digest {d}{which}");
     }
 }

@@ -6,11 +6,11 @@
 //! | `fedfleet_aggregator_rounds_total` | counter | `event` = opened, closed, failed, published, tensor_folded |
 //! | `fedfleet_aggregator_updates_accepted_total` | counter | |
 //! | `fedfleet_aggregator_updates_rejected_total` | counter | `reason` (every `RejectReason`) |
-//! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes received |
+//! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes of accepted updates |
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
-//! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round |
+//! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round (0 between campaigns) |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
 //! | `fedfleet_aggregator_peak_resident_memory_bytes` | gauge | VmHWM |
 //! | `fedfleet_aggregator_mqtt_connected` | gauge | 1 while the MQTT control client is connected |
@@ -120,7 +120,7 @@ impl Metrics {
         );
         registry.register("updates_accepted", "Updates accepted", m.accepted.clone());
         registry.register("updates_rejected", "Updates and requests refused, by reason", m.rejected.clone());
-        registry.register("update_bytes", "Update payload bytes received", m.update_bytes.clone());
+        registry.register("update_bytes", "Payload bytes of accepted updates", m.update_bytes.clone());
         registry.register("fold_bytes", "f32 bytes folded into partial sums", m.fold_bytes.clone());
         registry.register("fold_seconds", "Seconds spent folding", m.fold_seconds.clone());
         registry.register("open_round", "Open round id, 0 if none", m.open_round.clone());

@@ -17,6 +17,7 @@
 //! ```
 
 mod allowlist;
+pub mod bundle;
 mod error;
 mod fsutil;
 mod identity;

@@ -88,6 +88,33 @@ enum Command {
         #[arg(long, default_value = "unspecified")]
         reason: String,
     },
+    /// Copy the files one host needs into OUT, laid out as a PKI directory (point the host's
+    /// `pki_dir` at it, or give a device's files to `fedfleet-agent enroll`).
+    ///
+    /// registry, aggregator: ca.crt, devices.json, revoked.json, servers/NAME.{crt,key};
+    /// operator: ca.crt, servers/NAME.{crt,key}; device: ca.crt, devices/ID.{crt,key}. Every
+    /// later `enroll-device` and `revoke` changes devices.json and revoked.json: copy them to
+    /// every service host again (services reread them by themselves).
+    Bundle {
+        /// registry, aggregator, operator or device.
+        #[arg(long, value_parser = ["registry", "aggregator", "operator", "device"])]
+        role: String,
+        /// The service identity's name (default: the role's name).
+        #[arg(long)]
+        name: Option<String>,
+        /// The device id (role device).
+        #[arg(long)]
+        id: Option<String>,
+        /// Also copy ca.key (role registry with `[renewal]`: it issues renewed device certificates).
+        #[arg(long)]
+        with_ca_key: bool,
+        /// Where the files go.
+        #[arg(long)]
+        out: PathBuf,
+        /// Replace files already in OUT.
+        #[arg(long)]
+        force: bool,
+    },
     /// Describe a certificate, a private key (public half only), revoked.json (with a signature
     /// check) or devices.json.
     Inspect {
@@ -157,6 +184,27 @@ fn run(cli: Cli) -> Result<String> {
                 r.list_path.display(),
                 r.list_version,
             );
+        }
+        Command::Bundle { role, name, id, with_ca_key, out: to, force } => {
+            use fedfleet_certs::bundle::{Role, write_bundle};
+            let name = name.unwrap_or_else(|| role.clone());
+            let role = match role.as_str() {
+                "registry" => Role::Registry { name, ca_key: with_ca_key },
+                "aggregator" => Role::Aggregator { name },
+                "operator" => Role::Operator { name },
+                _ => {
+                    let id = id.context("--role device needs --id ID")?;
+                    Role::Device(DeviceId::new(&id).with_context(|| format!("invalid device id {id:?}"))?)
+                }
+            };
+            if with_ca_key && !matches!(role, Role::Registry { .. }) {
+                anyhow::bail!("--with-ca-key is for --role registry only: the CA key stays on the CA host");
+            }
+            let files = write_bundle(dir, &role, &to, force).with_context(|| format!("cannot bundle {role:?} into {}", to.display()))?;
+            out += &format!("wrote {} files for {role:?} into {}\n", files.len(), to.display());
+            for f in files {
+                out += &format!("  {}\n", f.display());
+            }
         }
         Command::Inspect { file, ca } => {
             out += &inspect::describe(&file, ca.as_deref()).context("cannot inspect")?;

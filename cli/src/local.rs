@@ -159,10 +159,10 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
             dir,
             &config,
             &format!(
-                "# fedfleet-agent {name}, written by `fedfleet init-local` (paths relative to the\n\
-                 # deployment directory). Every key: edge-agent/src/config.rs.\n\
+                "# fedfleet-agent {name}, written by `fedfleet init-local` (paths relative to this\n\
+                 # file, as in every fedfleet config). Every key: edge-agent/src/config.rs.\n\
                  fleet = \"{fleet}\"\n\
-                 state_dir = \"agents/{name}\"          # identity/ (enrolled), store, agent.sock\n\
+                 state_dir = \"{name}\"          # identity/ (enrolled), store, agent.sock\n\
                  poll_interval_ms = 500\n\n\
                  # This device's own data: share {index} of {n} of the built-in digits set.\n\
                  [data]\n\
@@ -177,7 +177,7 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
                  [aggregator]\n\
                  addr = \"127.0.0.1:{agg_port}\"\n\
                  server_name = \"{SERVER_NAME}\"\n\
-                 receipt_key = \"aggregator/receipt.pub\"\n\n\
+                 receipt_key = \"../aggregator/receipt.pub\"\n\n\
                  [registry]\n\
                  addr = \"127.0.0.1:{reg_port}\"\n\
                  server_name = \"{SERVER_NAME}\"\n\

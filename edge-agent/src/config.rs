@@ -1,4 +1,4 @@
-//! `agent.toml`.
+//! `agent.toml`. Relative paths are relative to the file's own directory.
 //!
 //! ```toml
 //! fleet = "default"
@@ -351,9 +351,53 @@ pub enum ConfigError {
 }
 
 impl AgentConfig {
+    /// Reads and checks `path`; relative paths inside are resolved against its directory, as
+    /// the services' configs are (not against the working directory).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        Self::parse(&text).map_err(|detail| ConfigError::Invalid { path: path.to_owned(), detail })
+        let mut cfg = Self::parse(&text).map_err(|detail| ConfigError::Invalid { path: path.to_owned(), detail })?;
+        cfg.resolve(path.parent().unwrap_or(Path::new(".")));
+        Ok(cfg)
+    }
+
+    /// Every relative path made relative to `base` (the config file's directory).
+    fn resolve(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.state_dir);
+        let id = &mut self.identity;
+        [&mut id.cert, &mut id.key, &mut id.ca, &mut id.registry_root].into_iter().flatten().for_each(fix);
+        let d = &mut self.data;
+        d.csv.iter_mut().for_each(fix);
+        if let Some(n) = &mut d.npy {
+            fix(&mut n.features);
+            n.labels.iter_mut().for_each(fix);
+        }
+        if let Some(n) = &mut d.npz {
+            fix(&mut n.path);
+        }
+        if let Some(i) = &mut d.idx {
+            fix(&mut i.images);
+            fix(&mut i.labels);
+        }
+        if let Some(i) = &mut d.images {
+            fix(&mut i.dir);
+        }
+        self.participation.status_file.iter_mut().for_each(fix);
+        if let Some(m) = &mut self.initial_model {
+            fix(&mut m.spec);
+            fix(&mut m.weights);
+        }
+        self.inference.socket.iter_mut().for_each(fix);
+        if let Some(a) = &mut self.aggregator {
+            fix(&mut a.receipt_key);
+        }
+        if let Some(m) = &mut self.mqtt {
+            m.receipt_key.iter_mut().for_each(fix);
+        }
     }
 
     pub fn parse(text: &str) -> Result<Self, String> {
@@ -411,5 +455,33 @@ impl AgentConfig {
     }
     pub fn store_dir(&self) -> PathBuf {
         self.state_dir.join("store")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 31 defect 9: an agent config's relative paths are the config file's, as the
+    /// services' are, whatever directory the agent starts in.
+    #[test]
+    fn relative_paths_are_relative_to_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("agents")).unwrap();
+        let path = dir.path().join("agents/a1.toml");
+        std::fs::write(
+            &path,
+            "fleet = \"f\"\nstate_dir = \"a1\"\n[data]\ncsv = \"data/a1.csv\"\n\
+             [aggregator]\naddr = \"127.0.0.1:1\"\nreceipt_key = \"../aggregator/receipt.pub\"\n\
+             [inference]\nsocket = \"/run/agent.sock\"\n",
+        )
+        .unwrap();
+        let c = AgentConfig::load(&path).unwrap();
+        let agents = dir.path().join("agents");
+        assert_eq!(c.state_dir, agents.join("a1"));
+        assert_eq!(c.data.csv, Some(agents.join("data/a1.csv")));
+        assert_eq!(c.aggregator.as_ref().unwrap().receipt_key, agents.join("../aggregator/receipt.pub"));
+        assert_eq!(c.identity_paths().cert, agents.join("a1/identity/device.crt"));
+        assert_eq!(c.socket_path(), PathBuf::from("/run/agent.sock"), "absolute paths stay as written");
     }
 }

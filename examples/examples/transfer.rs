@@ -54,10 +54,7 @@ struct Args {
 async fn main() -> ExitCode {
     let a = Args::parse();
     // Quiet unless RUST_LOG asks (e.g. RUST_LOG=info shows the services and agents at work).
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "off".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    fedfleet_net::logging::init("off");
     let [full_lr, head_lr, lora_lr] = a.lr[..] else {
         eprintln!("transfer: --lr takes three values (full, head, lora), e.g. --lr 0.2,0.5,0.2");
         return ExitCode::from(2);

@@ -116,15 +116,9 @@ fn main() -> ExitCode {
 }
 
 fn demo_main(a: DemoArgs) -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                // rumqttd logs every client disconnect at shutdown as an error (rumqttc closes TLS
-                // without close_notify); the demo checks the control plane itself.
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error,rumqttd=off")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // rumqttd logs every client disconnect at shutdown as an error (rumqttc closes TLS without
+    // close_notify); the demo checks the control plane itself.
+    fedfleet_net::logging::init("error,rumqttd=off");
     let d = DemoOptions::default();
     let model = if a.pretrained {
         match mnist_pretrained(a.seed, PRETRAIN_EPOCHS) {

@@ -6,6 +6,7 @@
 //! means is decided by the protocol crate and by the service cores.
 
 pub mod admission;
+pub mod logging;
 pub mod rpc;
 pub mod serve;
 pub mod shutdown;

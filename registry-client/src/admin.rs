@@ -54,7 +54,7 @@ pub struct VersionListed {
     pub parent: Option<ModelVersion>,
     pub created_at_unix_ms: u64,
     pub publisher: String,
-    /// The version holds LoRA adapters over a base model (the digest is the artifact's).
+    /// The version is a LoRA fine-tune merged into its base weights (see `show` for the lineage).
     pub adapter: bool,
 }
 

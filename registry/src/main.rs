@@ -210,8 +210,7 @@ fn main() -> ExitCode {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    fedfleet_net::logging::init("info");
 }
 
 fn load_config(path: &Path) -> anyhow::Result<Config> {
@@ -429,7 +428,7 @@ fn render(a: &AdminAnswer) -> String {
                         &v.digest.to_hex()[..16],
                         rfc3339_ms(v.created_at_unix_ms),
                         v.publisher,
-                        if v.adapter { "  (LoRA adapters)" } else { "" },
+                        if v.adapter { "  (LoRA, merged)" } else { "" },
                         if tags.is_empty() { String::new() } else { format!("  [{}]", tags.join(", ")) }
                     );
                 }
@@ -448,7 +447,7 @@ fn render(a: &AdminAnswer) -> String {
                 out,
                 "digest:    {}{}",
                 m.digest,
-                if m.adapter.is_some() { " (the artifact: LoRA adapters over its base)" } else { "" }
+                if m.adapter.is_some() { " (a LoRA fine-tune merged into its base weights)" } else { "" }
             );
             let _ = writeln!(out, "length:    {} bytes in {} chunks of {}", m.length, v.chunks, v.chunk_size);
             let _ = writeln!(out, "parent:    {}", m.parent.map_or("none".into(), |p| format!("v{p}")));

@@ -141,7 +141,6 @@ impl Aggregator {
         let mut check = PayloadCheck::new(&h);
         let stream = match payload {
             Payload::Bytes(bytes) => {
-                sh.metrics.update_bytes.inc_by(bytes.len() as u64);
                 check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
                 check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
                 return self.commit_blocking(Checked { h, meta, payload: bytes, base, dtype }).await;
@@ -152,7 +151,6 @@ impl Aggregator {
         loop {
             match stream.recv().await {
                 Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
-                    sh.metrics.update_bytes.inc_by(body.len() as u64);
                     check.update(&body).map_err(|e| reject(e.reason(), e.to_string()))?;
                     payload.extend_from_slice(&body);
                 }
@@ -215,6 +213,8 @@ impl Aggregator {
         };
         let seq = sh.store.apply_update(&core.coord.engine().to_bytes(), &h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
         sh.metrics.accepted.inc();
+        // Accepted payloads only: refused bytes are counted by their refusal, not here.
+        sh.metrics.update_bytes.inc_by(h.payload_len);
         sh.metrics.round_accepted.set(accepted.accepted as i64);
         tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
             target = accepted.target, "update accepted");

@@ -90,6 +90,13 @@ pub enum ServiceError {
     /// `[mqtt]`: the fleet, the broker or the control client.
     #[error("[mqtt]: {0}")]
     Mqtt(String),
+    /// `[model] spec` no longer describes the campaign's global model (e.g. full fine-tuning
+    /// switched to LoRA): resuming would refuse every update.
+    #[error(
+        "{data_dir}: model.spec changed since global model v{version} was made ({detail}); keep the old spec, or start the new \
+         lineage in a fresh data_dir from `fedfleet-aggregator init-model` (with --pretrained for LoRA over trained weights)"
+    )]
+    SpecChanged { data_dir: std::path::PathBuf, version: u64, detail: String },
     /// `[publish]`: the registry publisher could not be set up.
     #[error("{0}")]
     Publisher(String),
@@ -170,6 +177,30 @@ fn update_dim(spec: &ModelSpec) -> usize {
     spec.update_layout().values().map(|shape| shape.iter().product::<usize>()).sum()
 }
 
+/// What differs between the global model's tensors and the spec's, named (at most a few of
+/// each kind); `None` when they agree.
+fn layout_change(global: &Layout, spec: &Layout) -> Option<String> {
+    let list = |names: Vec<String>| {
+        let more = names.len().saturating_sub(4);
+        let mut s = names.into_iter().take(4).collect::<Vec<_>>().join(", ");
+        if more > 0 {
+            s += &format!(" and {more} more");
+        }
+        s
+    };
+    let added: Vec<String> = spec.iter().filter(|(n, _)| !global.contains_key(*n)).map(|(n, s)| format!("{n} {s:?}")).collect();
+    let removed: Vec<String> = global.iter().filter(|(n, _)| !spec.contains_key(*n)).map(|(n, s)| format!("{n} {s:?}")).collect();
+    let reshaped: Vec<String> =
+        spec.iter().filter_map(|(n, s)| global.get(n).filter(|g| *g != s).map(|g| format!("{n} {g:?} -> {s:?}"))).collect();
+    let mut parts = Vec::new();
+    for (what, names) in [("the spec adds", added), ("the spec drops", removed), ("the spec reshapes", reshaped)] {
+        if !names.is_empty() {
+            parts.push(format!("{what} {}", list(names)));
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
 /// Streaming unless the tensor path is on and `strategy` is a weighted mean.
 fn fold_mode(tensor: bool, strategy: &ServerStrategy) -> FoldMode {
     if tensor && strategy.is_mean_based() { FoldMode::Deferred } else { FoldMode::Streaming }
@@ -225,6 +256,9 @@ impl Aggregator {
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;
+            if let Some(detail) = layout_change(&layout, &spec.layout()) {
+                return Err(ServiceError::SpecChanged { data_dir: cfg.data_dir.clone(), version: g.version.0, detail });
+            }
             core.base = Some(Base::new(g.digest, g.version, layout, values, &spec.update_layout()));
         }
         // Refold the current round (open, or closed and not yet published).

@@ -62,6 +62,7 @@ impl Aggregator {
                 EngineEvent::CampaignFinished { campaign, outcome, rounds_completed } => {
                     tracing::info!(campaign = %campaign, outcome = outcome.as_str(), rounds_completed, "campaign finished");
                     core.campaign.last_outcome = Some(outcome.as_str().to_owned());
+                    sh.metrics.round_accepted.set(0);
                     core.campaign.announcement = None;
                     sh.announce.send_replace(None);
                     boundary = true;

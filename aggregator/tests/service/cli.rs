@@ -109,3 +109,64 @@ fn auto_device_without_an_adapter_falls_back_to_the_cpu() {
         assert!(err.contains("no GPU adapter, folding on the CPU"), "{err}");
     }
 }
+
+/// Issue 31 defect 7: `campaign start --wait` prints every round the campaign completed, the
+/// last one included, numbered within the campaign, then exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaign_wait_reports_every_round_including_the_last() {
+    use crate::support::*;
+    use fedfleet_aggregator::client::UploadOutcome;
+    use fedfleet_protocol::{DType, RoundAnnouncement};
+    let fleet = Fleet::new(1);
+    let cfg = fleet.config("wait", 1, 3);
+    let svc = start(cfg.clone()).await;
+    let toml = fleet.write_toml(&cfg);
+    let child = Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
+        .args(["campaign", "start", "--config", toml.to_str().unwrap(), "--addr", &svc.addr.to_string(), "--wait", "--rounds", "3"])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let d = fleet.device_client(0, svc.addr).await;
+    let mut done = 0;
+    let t0 = std::time::Instant::now();
+    while done < 3 {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(60), "rounds did not complete");
+        let info = d.current_round().await.unwrap();
+        let Some(ann) = info.announcement else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
+        let ann: RoundAnnouncement = ann.verify(&info.receipt_key).unwrap().clone();
+        if ann.round.0 as usize <= done {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        }
+        let payload = delta(ann.round.0).encode();
+        let h = header(
+            &fleet.fleet,
+            &dev(0),
+            ann.round,
+            ann.base_model.digest,
+            nonce(0, ann.round.0),
+            10,
+            &payload,
+            DType::F32,
+            &fleet.device_key(0),
+        );
+        assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)));
+        done += 1;
+    }
+    let out = tokio::time::timeout(std::time::Duration::from_secs(30), tokio::task::spawn_blocking(move || child.wait_with_output()))
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for k in 1..=3 {
+        assert!(text.contains(&format!("campaign round {k} completed: global model version {}", k + 1)), "{text}");
+    }
+    assert!(text.contains("no campaign running (last: completed)"), "{text}");
+    svc.stop().await;
+}

@@ -196,3 +196,27 @@ async fn clients_of_a_killed_aggregator_are_reset_by_its_successor() {
     child.child.kill().unwrap();
     child.child.wait().unwrap();
 }
+
+/// Issue 31 defect 3: restarting on a data_dir whose global model the spec no longer describes
+/// is refused with what changed, instead of resuming and refusing every update as too large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_spec_on_an_existing_data_dir_is_refused_naming_the_change() {
+    let fleet = Fleet::new(1);
+    let cfg = fleet.config("spec-change", 1, 1);
+    let svc = start(cfg.clone()).await;
+    let op = fleet.operator(svc.addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides::default())).await.unwrap();
+    svc.stop().await;
+    let mut changed = cfg.clone();
+    changed.model.spec = fedfleet_learning::ModelSpec::Mlp { input: vec![8], hidden: vec![5], classes: 3 };
+    let key = fedfleet_aggregator::keys::load_or_create(&changed.data_dir).unwrap();
+    let publisher = fedfleet_aggregator::publish::DirPublisher::new(changed.publish_dir(), key, "test");
+    let err = fedfleet_aggregator::service::Aggregator::open(changed, Box::new(publisher), fedfleet_protocol::SystemClock::shared())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.spec changed since global model v1 was made (the spec reshapes"), "{err}");
+    assert!(err.contains("[4, 8] -> [5, 8]"), "{err}");
+    // The old spec still resumes.
+    start(cfg).await.stop().await;
+}

@@ -185,6 +185,9 @@ async fn every_bad_input_is_refused_with_its_reason_and_the_service_keeps_servin
     let text = m.render();
     assert!(text.contains("fedfleet_aggregator_updates_rejected_total{reason=\"non_finite\"} 1"), "{text}");
     assert!(text.contains("fedfleet_aggregator_updates_accepted_total 4"), "{text}");
+    // Bytes of the 4 accepted payloads only (the refused ones are counted by reason above).
+    let accepted_bytes = 4 * good(0, 1).1.len();
+    assert!(text.contains(&format!("fedfleet_aggregator_update_bytes_total {accepted_bytes}\n")), "{text}");
 
     // The announcement is a protocol `Signed<RoundAnnouncement>`.
     let _: Option<Signed<RoundAnnouncement>> = None;

@@ -133,3 +133,48 @@ fn bad_inputs_give_one_line_errors() {
     let help = ok(certs(&dir, &["enroll-device", "--help"]));
     assert!(help.contains("--force") && help.contains("--id"), "{help}");
 }
+
+/// Issue 31: each host's files, and only those, in a directory of its own laid out as a PKI
+/// (the CA key never, unless a renewing registry asks for it).
+#[test]
+fn bundle_copies_exactly_the_files_a_role_needs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("pki");
+    ok(certs(&dir, &["init", "--fleet", "f1"]));
+    ok(certs(&dir, &["issue-server", "--name", "aggregator"]));
+    ok(certs(&dir, &["issue-server", "--name", "operator"]));
+    ok(certs(&dir, &["enroll-device", "--id", "dev-1"]));
+    let listing = |root: &Path| {
+        let mut files: Vec<String> = walk(root).iter().map(|p| p.strip_prefix(root).unwrap().display().to_string()).collect();
+        files.sort();
+        files
+    };
+    fn walk(p: &Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(p)
+            .unwrap()
+            .flat_map(|e| {
+                let p = e.unwrap().path();
+                if p.is_dir() { walk(&p) } else { vec![p] }
+            })
+            .collect()
+    }
+    let agg = tmp.path().join("agg-host");
+    ok(certs(&dir, &["bundle", "--role", "aggregator", "--out", agg.to_str().unwrap()]));
+    assert_eq!(listing(&agg), ["ca.crt", "devices.json", "revoked.json", "servers/aggregator.crt", "servers/aggregator.key"]);
+    assert_eq!(std::fs::metadata(agg.join("servers/aggregator.key")).unwrap().permissions().mode() & 0o777, 0o600);
+    let dev = tmp.path().join("dev-host");
+    ok(certs(&dir, &["bundle", "--role", "device", "--id", "dev-1", "--out", dev.to_str().unwrap()]));
+    assert_eq!(listing(&dev), ["ca.crt", "devices/dev-1.crt", "devices/dev-1.key"]);
+    let op = tmp.path().join("op-host");
+    ok(certs(&dir, &["bundle", "--role", "operator", "--out", op.to_str().unwrap()]));
+    assert_eq!(listing(&op), ["ca.crt", "servers/operator.crt", "servers/operator.key"]);
+    // Not issued yet: named, nothing written. Again into a full directory: refused without --force.
+    let reg = tmp.path().join("reg-host");
+    let e = one_line_error(certs(&dir, &["bundle", "--role", "registry", "--out", reg.to_str().unwrap()]));
+    assert!(e.contains("registry.crt"), "{e}");
+    assert!(!reg.exists());
+    one_line_error(certs(&dir, &["bundle", "--role", "aggregator", "--out", agg.to_str().unwrap()]));
+    ok(certs(&dir, &["bundle", "--role", "aggregator", "--out", agg.to_str().unwrap(), "--force"]));
+    let e = one_line_error(certs(&dir, &["bundle", "--role", "aggregator", "--with-ca-key", "--out", op.to_str().unwrap()]));
+    assert!(e.contains("the CA key stays on the CA host"), "{e}");
+}

@@ -38,10 +38,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    fedfleet_net::logging::init("info");
     let result = match Cli::parse().command {
         Command::Spec => {
             println!("{}", spec().to_json());
