@@ -189,6 +189,26 @@ fn unavailable_base_model_is_asked_again_until_the_deadline() {
     assert_eq!(lc.poll_timeout(), None);
 }
 
+/// Issue 27: an upload refused as `overloaded` waits the retry-after the service named, plus
+/// the backoff's jitter (so a refused crowd does not come back in lockstep), and stays in the
+/// outbox until a receipt.
+#[test]
+fn an_overloaded_upload_waits_the_named_retry_after_plus_jitter() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    let id = train_and_finish(&mut lc, 1, &v1, b"delta-1", 1);
+    let busy = Rejection::new(RejectReason::Overloaded, "268435456 bytes of updates in flight; retry after 5000 ms");
+    lc.handle(T0, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Rejected(busy) }).unwrap();
+    let at = lc.poll_timeout().expect("a retry is scheduled");
+    // 5 s named, plus the first backoff step's jitter (500..=1000 ms with base 1 s).
+    assert!((T0 + 5_500..=T0 + 6_000).contains(&at), "retry at +{} ms", at - T0);
+    assert!(disk.has_outbox_entry(id));
+    lc.handle_timeout(at);
+    assert_eq!(uploads(&drain(&mut lc)), vec![id]);
+}
+
 #[test]
 fn participation_conditions_gate_training() {
     let disk = Disk::new();

@@ -107,6 +107,29 @@ pub struct Config {
     pub campaign: CampaignDefaults,
     #[serde(default)]
     pub compute: ComputeConfig,
+    #[serde(default)]
+    pub admission: AdmissionLimits,
+}
+
+/// `[admission]`: what the service takes at once. Connections are cheap (an idle QUIC
+/// connection holds a few kilobytes and no file descriptor); the bytes of updates being received
+/// are what is bounded. Operators and services have their own connections, never counted here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionLimits {
+    /// Device connections held at once; past it a device is closed as `overloaded`.
+    pub max_connections: usize,
+    /// Update payload bytes received and not yet committed, all uploads together; past it an
+    /// upload is refused as `overloaded` (with a retry-after) before its payload is read.
+    pub max_bytes_in_flight: u64,
+    /// The retry-after an overloaded device is told, in ms (devices add jitter).
+    pub retry_after_ms: u64,
+}
+
+impl Default for AdmissionLimits {
+    fn default() -> Self {
+        AdmissionLimits { max_connections: 16_384, max_bytes_in_flight: 256 << 20, retry_after_ms: 1_000 }
+    }
 }
 
 /// `[compute] fold`: how a round's accepted updates become the next global model.
@@ -481,6 +504,7 @@ impl Config {
             model,
             campaign: CampaignDefaults::default(),
             compute: ComputeConfig::default(),
+            admission: AdmissionLimits::default(),
         }
     }
 

@@ -57,8 +57,6 @@ use base::Base;
 use ingest::{decode_base, stored_delta};
 pub use ingest::{decode_update, flatten, unflatten};
 
-/// Connections served at once.
-const MAX_CONNECTIONS: usize = 1024;
 /// Safetensors header slack allowed above `4 × params` in an update payload.
 const HEADER_SLACK: u64 = 64 * 1024;
 
@@ -142,6 +140,8 @@ struct Shared {
     tensor_device: Option<burn::tensor::Device>,
     core: Mutex<Core>,
     wake: Notify,
+    /// `[admission] max_bytes_in_flight` in KiB permits.
+    in_flight: Arc<tokio::sync::Semaphore>,
     /// The open round's signed announcement (encoded), for the MQTT control plane.
     announce: watch::Sender<Option<Vec<u8>>>,
 }
@@ -284,6 +284,7 @@ impl Aggregator {
             metrics.round_accepted.set(s.accepted as i64);
         }
         let announce = watch::Sender::new(core.campaign.announcement.clone());
+        let in_flight_kib = usize::try_from(cfg.admission.max_bytes_in_flight.div_ceil(1024).max(1)).unwrap_or(usize::MAX >> 4);
         let agg = Aggregator {
             shared: Arc::new(Shared {
                 announce,
@@ -303,6 +304,7 @@ impl Aggregator {
                 tensor_device,
                 core: Mutex::new(core),
                 wake: Notify::new(),
+                in_flight: Arc::new(tokio::sync::Semaphore::new(in_flight_kib)),
             }),
         };
         {

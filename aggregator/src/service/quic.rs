@@ -32,7 +32,11 @@ impl Aggregator {
                 }
             })
         };
-        let admission = Admission::new(AdmissionConfig::for_devices(MAX_CONNECTIONS));
+        let limits = self.shared.cfg.admission;
+        let admission = Admission::new(AdmissionConfig {
+            retry_after: Duration::from_millis(limits.retry_after_ms),
+            ..AdmissionConfig::for_devices(limits.max_connections)
+        });
         let handlers = fedfleet_net::serve::accept_until(
             &endpoint,
             admission.config().total(),

@@ -62,3 +62,72 @@ async fn unfinished_handshakes_do_not_lock_out_operators_or_devices() {
     assert!(svc.agg.metrics().rejected_count(fedfleet_protocol::RejectReason::Overloaded) > 0);
     svc.stop().await;
 }
+
+/// Issue 27: more devices upload at once than the bytes-in-flight budget takes. Those past it
+/// are told `overloaded` with a retry-after before their payload is read; each resends after a
+/// jittered pause, and every update gets in exactly once (the round closes at its target) while
+/// the operator's status calls are answered throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_past_the_bytes_in_flight_get_in_after_backing_off_and_the_operator_is_answered() {
+    const N: usize = 24;
+    let fleet = Fleet::new(N);
+    let mut cfg = fleet.config("bytes", N as u32, 1);
+    let payload_len = delta(0).encode().len() as u64;
+    // Room for about two payloads at once.
+    cfg.admission.max_bytes_in_flight = 2 * payload_len;
+    cfg.admission.retry_after_ms = 20;
+    let svc = start(cfg).await;
+    let addr = svc.addr;
+    let op = fleet.operator(addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(3), ..Default::default() })).await.unwrap();
+    let info = fleet.device_client(0, addr).await.current_round().await.unwrap();
+    let ann: RoundAnnouncement = info.announcement.expect("open round").verify(&info.receipt_key).unwrap().clone();
+
+    let mut uploads = tokio::task::JoinSet::new();
+    for i in 0..N {
+        let d = fleet.device_client(i, addr).await;
+        let payload = delta(i as u64).encode();
+        let h =
+            header(&fleet.fleet, &dev(i), ann.round, ann.base_model.digest, nonce(i, 1), 10, &payload, DType::F32, &fleet.device_key(i));
+        uploads.spawn(async move {
+            let mut overloaded = 0u32;
+            loop {
+                match d.upload(&h, &payload).await.unwrap() {
+                    UploadOutcome::Accepted(_) => return overloaded,
+                    UploadOutcome::Rejected(r) if r.reason == fedfleet_protocol::RejectReason::Overloaded => {
+                        assert!(r.detail.contains("retry after 20 ms"), "{}", r.detail);
+                        overloaded += 1;
+                        // Jitter: devices do not come back in lockstep.
+                        tokio::time::sleep(Duration::from_millis(20 + (i as u64 * 7) % 23)).await;
+                    }
+                    UploadOutcome::Rejected(r) => panic!("device {i}: {r:?}"),
+                }
+            }
+        });
+    }
+    // The operator is answered while the uploads contend.
+    let mut retried = 0;
+    let mut answered = 0;
+    while !uploads.is_empty() && answered < 1000 {
+        let st =
+            tokio::time::timeout(Duration::from_secs(5), op.campaign(Request::CampaignStatus)).await.expect("operator answered").unwrap();
+        assert!(st.campaign.is_some() || st.last_outcome.as_deref() == Some("completed"));
+        answered += 1;
+        while let Some(r) = uploads.try_join_next() {
+            retried += r.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    while let Some(r) = uploads.join_next().await {
+        retried += r.unwrap();
+    }
+    // Every update counted once: the round closed at its target of N.
+    let m = svc.agg.metrics();
+    assert_eq!(
+        m.render().lines().find(|l| l.starts_with("fedfleet_aggregator_updates_accepted_total")),
+        Some(format!("fedfleet_aggregator_updates_accepted_total {N}").as_str())
+    );
+    assert_eq!(u64::from(retried), m.rejected_count(fedfleet_protocol::RejectReason::Overloaded));
+    assert!(retried > 0, "the budget never bound: nothing was tested");
+    svc.stop().await;
+}
