@@ -1,6 +1,7 @@
 //! Who gets into a service's QUIC endpoint, and in what order. A peer that has not
-//! authenticated holds only a handshake slot, for a bounded time, and only a bounded number per
-//! source address; under load, sources prove their address first (a stateless retry). Once the
+//! authenticated holds only a handshake slot, for a bounded time; under load (over half the
+//! slots in use) only a bounded number per source address, and sources prove their address
+//! first (a stateless retry). Once the
 //! certificate is known, devices and services (operators, the registry's publisher, relays)
 //! draw from separate pools, so no flood of strangers or devices fills what an operator needs.
 //! Past a pool, a peer is told `overloaded` with a retry-after in the close reason.
@@ -20,7 +21,8 @@ pub const OVERLOADED: u32 = 0x4f4c; // "OL"
 pub struct AdmissionConfig {
     /// Handshakes in progress at once, all sources together.
     pub handshakes: usize,
-    /// Handshakes in progress at once from one IP address.
+    /// Handshakes in progress at once from one IP address while the endpoint is busy (over
+    /// half of `handshakes` in use).
     pub per_source: usize,
     /// A handshake not finished by then is dropped.
     pub handshake_timeout: Duration,
@@ -123,10 +125,10 @@ impl Admission {
         &self.cfg
     }
 
-    fn enter_source(&self, ip: IpAddr) -> Option<SourceSlot> {
+    fn enter_source(&self, ip: IpAddr, busy: bool) -> Option<SourceSlot> {
         let mut s = self.sources.lock().unwrap_or_else(|p| p.into_inner());
         let n = s.entry(ip).or_insert(0);
-        if *n >= self.cfg.per_source {
+        if busy && *n >= self.cfg.per_source {
             return None;
         }
         *n += 1;
@@ -151,9 +153,14 @@ impl Admission {
                 }
             };
         }
-        let Some(source) = self.enter_source(incoming.remote_address().ip()) else {
-            incoming.refuse();
-            return Err(Refused::SourceBusy);
+        // The per-source bound applies under load only: many devices behind one NAT address
+        // connect freely while the endpoint has room.
+        let source = match self.enter_source(incoming.remote_address().ip(), busy) {
+            Some(s) => s,
+            None => {
+                incoming.refuse();
+                return Err(Refused::SourceBusy);
+            }
         };
         let Ok(handshake) = self.handshakes.clone().try_acquire_owned() else {
             incoming.refuse();

@@ -58,8 +58,6 @@ async fn unfinished_handshakes_do_not_lock_out_operators_or_devices() {
     let h = header(&fleet.fleet, &dev(0), ann.round, ann.base_model.digest, nonce(0, 1), 10, &payload, DType::F32, &fleet.device_key(0));
     assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)));
     assert_eq!(op.campaign(Request::CampaignStatus).await.unwrap().accepted, 1);
-    // The flood was turned away and counted, not served.
-    assert!(svc.agg.metrics().rejected_count(fedfleet_protocol::RejectReason::Overloaded) > 0);
     svc.stop().await;
 }
 
