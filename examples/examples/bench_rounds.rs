@@ -207,7 +207,7 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
     );
     println!(
-        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split; agents poll every {} ms",
+        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 2 per agent above 719 agents); agents poll every {} ms",
         args.sampling_rate.min(1.0),
         args.local_epochs,
         args.batch_size,

@@ -262,7 +262,13 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
     /// clients and identity.
     pub fn start_with(o: FleetOptions, mut wrap: impl FnMut(&AgentLinks) -> anyhow::Result<(Arc<A>, Arc<R>)>) -> anyhow::Result<Self> {
         use anyhow::Context;
-        let (train, _) = Dataset::digits_split().context("embedded digits data")?;
+        let (mut train, _) = Dataset::digits_split().context("embedded digits data")?;
+        // More devices than examples: the examples are reused (tiled) so that every device
+        // holds at least two and can train.
+        if o.devices.len() * 2 > train.len() {
+            let tiled: Vec<usize> = (0..o.devices.len() * 2).map(|i| i % train.len()).collect();
+            train = train.subset(&tiled);
+        }
         let parts = o.partition.split_dataset(&train, o.devices.len(), o.partition_seed);
         let clock: Arc<dyn fedfleet_agent::agent::Clock> = Arc::new(fedfleet_agent::agent::SystemClock);
         let mut agents = Vec::with_capacity(o.devices.len());
