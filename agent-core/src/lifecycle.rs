@@ -861,7 +861,7 @@ impl Lifecycle {
         let retry = |lc: &mut Self, why: String| {
             // An overloaded service names when to come back; the jitter of the backoff is
             // added on top, so a refused crowd does not return in lockstep.
-            let after = retry_after_ms(&why).unwrap_or(0);
+            let after = fedfleet_protocol::reject::retry_after_ms(&why).unwrap_or(0);
             let t = lc.uploads.entry(id).or_default();
             t.attempts += 1;
             t.in_flight = false;
@@ -1192,11 +1192,6 @@ impl Lifecycle {
     fn report(&mut self, now: Millis) {
         self.actions.push_back(Action::Report(self.status(now)));
     }
-}
-
-/// The `retry after N ms` an overloaded service names in its refusal.
-fn retry_after_ms(detail: &str) -> Option<u64> {
-    detail.split("retry after ").nth(1)?.split(" ms").next()?.trim().parse().ok()
 }
 
 /// The round in progress is over (trained, given up, or found already uploaded): remember it

@@ -126,6 +126,13 @@ pub struct AdmissionLimits {
     pub retry_after_ms: u64,
 }
 
+impl AdmissionLimits {
+    /// `max_bytes_in_flight` as the KiB permits the ingest path takes (at least one).
+    pub fn in_flight_kib(&self) -> u32 {
+        self.max_bytes_in_flight.div_ceil(1024).clamp(1, u64::from(u32::MAX)) as u32
+    }
+}
+
 impl Default for AdmissionLimits {
     fn default() -> Self {
         AdmissionLimits { max_connections: 16_384, max_bytes_in_flight: 256 << 20, retry_after_ms: 1_000 }

@@ -183,22 +183,10 @@ impl Admission {
         match slot {
             Ok(slot) => Ok(Admitted { conn, _slot: slot }),
             Err(_) => {
-                let reason = format!("overloaded; retry after {} ms", self.cfg.retry_after.as_millis());
+                let reason = fedfleet_protocol::reject::overloaded_detail("overloaded", self.cfg.retry_after.as_millis() as u64);
                 conn.close(OVERLOADED.into(), reason.as_bytes());
                 Err(Refused::Overloaded(class))
             }
         }
-    }
-}
-
-/// The retry-after of a connection closed as [`OVERLOADED`], if that is why it closed.
-pub fn overloaded_retry_after(e: &quinn::ConnectionError) -> Option<Duration> {
-    match e {
-        quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(OVERLOADED) => {
-            let text = std::str::from_utf8(&c.reason).ok()?;
-            let ms = text.split("retry after ").nth(1)?.trim_end_matches(" ms").parse().ok()?;
-            Some(Duration::from_millis(ms))
-        }
-        _ => None,
     }
 }

@@ -91,9 +91,28 @@ impl fmt::Display for RejectReason {
     }
 }
 
+/// The detail of an `overloaded` refusal (an upload's, or the reason a connection was closed
+/// with): what is full, and when to come back. [`retry_after_ms`] reads it back.
+pub fn overloaded_detail(what: impl fmt::Display, retry_after_ms: u64) -> String {
+    format!("{what}; retry after {retry_after_ms} ms")
+}
+
+/// The retry-after that text ending in an [`overloaded_detail`] names.
+pub fn retry_after_ms(text: &str) -> Option<u64> {
+    text.rsplit_once("retry after ")?.1.strip_suffix(" ms")?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_overloaded_detail_reads_back_its_retry_after() {
+        let d = overloaded_detail("268435456 bytes of updates in flight", 1_000);
+        assert_eq!(d, "268435456 bytes of updates in flight; retry after 1000 ms");
+        assert_eq!(retry_after_ms(&format!("overloaded: {d}")), Some(1_000));
+        assert_eq!(retry_after_ms("overloaded"), None);
+    }
 
     #[test]
     fn names_are_unique_snake_case() {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use fedfleet_protocol::{Digest, ModelInfo, ModelVersion};
-use fedfleet_rollout::{Phase, Status};
+use fedfleet_rollout::{Phase, Summary};
 use serde::{Deserialize, Serialize};
 
 /// An operator command's answer.
@@ -97,14 +97,9 @@ pub struct RolloutReport {
     pub alias: String,
     pub target: ModelVersion,
     pub previous: Option<ModelVersion>,
-    pub status: Status,
-    /// The current phase (0-based; the last one reached once it ended).
-    pub phase: usize,
-    pub phases: usize,
-    pub healthy: u32,
-    pub failed: u32,
-    pub in_progress: u32,
-    pub failure_rate: Option<f64>,
+    /// Status, phase (0-based; the last one reached once it ended) and outcome counts.
+    #[serde(flatten)]
+    pub summary: Summary,
     pub failure_threshold: f64,
     pub started_at: u64,
     pub ended_at: Option<u64>,

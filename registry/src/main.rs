@@ -344,19 +344,19 @@ impl Operator {
     /// Polls a started rollout until it leaves `running`/`paused`, printing each phase change.
     async fn wait_for_rollout_end(&self, started: &RolloutReport) -> anyhow::Result<()> {
         let id = started.id.clone();
-        let mut last = (started.status, started.phase);
+        let mut last = (started.summary.status, started.summary.phase);
         loop {
             let AdminAnswer::Rollout(r) = self.call(AdminRequest::RolloutStatus { id: Some(id.clone()) }, None).await? else {
                 bail!("the registry answered rollout status {id} with something else");
             };
-            if (r.status, r.phase) != last {
+            if (r.summary.status, r.summary.phase) != last {
                 println!("rollout {id}: {}", rollout_stage(&r));
-                last = (r.status, r.phase);
+                last = (r.summary.status, r.summary.phase);
             }
-            match r.status {
+            match r.summary.status {
                 Status::Running | Status::Paused => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
                 Status::Completed => return Ok(()),
-                _ => bail!("rollout {id} {}: {} devices healthy, {} failed", rollout_stage(&r), r.healthy, r.failed),
+                _ => bail!("rollout {id} {}: {} devices healthy, {} failed", rollout_stage(&r), r.summary.healthy, r.summary.failed),
             }
         }
     }
@@ -473,16 +473,16 @@ fn render(a: &AdminAnswer) -> String {
 
 /// "running (phase 1 of 2)", "completed (2 phases)", "aborted in phase 1 of 2".
 fn rollout_stage(r: &RolloutReport) -> String {
-    let status = r.status;
-    match r.status {
-        Status::Running | Status::Paused => format!("{status} (phase {} of {})", r.phase + 1, r.phases),
-        Status::Completed => format!("{status} ({} of {} phases)", r.phases, r.phases),
-        _ => format!("{status} in phase {} of {}", r.phase + 1, r.phases),
+    let s = &r.summary;
+    match s.status {
+        Status::Running | Status::Paused => format!("{} (phase {} of {})", s.status, s.phase + 1, s.phases),
+        Status::Completed => format!("{} ({} of {} phases)", s.status, s.phases, s.phases),
+        _ => format!("{} in phase {} of {}", s.status, s.phase + 1, s.phases),
     }
 }
 
 fn render_rollout(r: &RolloutReport) -> String {
-    let rate = r.failure_rate.map_or("not judged yet".into(), |f| format!("{:.0} %", f * 100.0));
+    let rate = r.summary.failure_rate.map_or("not judged yet".into(), |f| format!("{:.0} %", f * 100.0));
     format!(
         "rollout {}: {} {} -> v{} (from {}), {}\n  healthy {}, failed {}, in progress {}; failure rate {rate} (abort above {:.0} %)\n",
         r.id,
@@ -491,9 +491,9 @@ fn render_rollout(r: &RolloutReport) -> String {
         r.target,
         r.previous.map_or("nothing".into(), |p| format!("v{p}")),
         rollout_stage(r),
-        r.healthy,
-        r.failed,
-        r.in_progress,
+        r.summary.healthy,
+        r.summary.failed,
+        r.summary.in_progress,
         r.failure_threshold * 100.0
     )
 }

@@ -411,20 +411,13 @@ impl Registry {
 
 fn rollout_report(r: &Rollout) -> RolloutReport {
     let p = r.plan();
-    let s = r.summary();
     RolloutReport {
         id: p.id.clone(),
         model: p.model.clone(),
         alias: p.alias.clone(),
         target: p.target,
         previous: p.previous,
-        status: s.status,
-        phase: s.phase,
-        phases: s.phases,
-        healthy: s.healthy,
-        failed: s.failed,
-        in_progress: s.in_progress,
-        failure_rate: s.failure_rate,
+        summary: r.summary(),
         failure_threshold: p.failure_threshold,
         started_at: r.started_at(),
         ended_at: r.ended_at(),

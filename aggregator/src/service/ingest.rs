@@ -140,13 +140,10 @@ impl Aggregator {
         // 6. Admission by bytes in flight, before the payload is read. (An update larger than
         // the whole budget takes all of it, and waits for it alone.)
         let limits = sh.cfg.admission;
-        let budget = limits.max_bytes_in_flight.div_ceil(1024).max(1);
-        let kib = h.payload_len.div_ceil(1024).clamp(1, budget.min(u32::MAX as u64)) as u32;
+        let kib = h.payload_len.div_ceil(1024).clamp(1, u64::from(limits.in_flight_kib())) as u32;
         let Ok(_in_flight) = sh.in_flight.clone().try_acquire_many_owned(kib) else {
-            return Err(reject(
-                RejectReason::Overloaded,
-                format!("{} bytes of updates in flight; retry after {} ms", limits.max_bytes_in_flight, limits.retry_after_ms),
-            ));
+            let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
+            return Err(reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms)));
         };
         // 7. The payload through the digest/length check (streamed over QUIC).
         let mut check = PayloadCheck::new(&h);

@@ -284,7 +284,7 @@ impl Aggregator {
             metrics.round_accepted.set(s.accepted as i64);
         }
         let announce = watch::Sender::new(core.campaign.announcement.clone());
-        let in_flight_kib = usize::try_from(cfg.admission.max_bytes_in_flight.div_ceil(1024).max(1)).unwrap_or(usize::MAX >> 4);
+        let in_flight_kib = cfg.admission.in_flight_kib();
         let agg = Aggregator {
             shared: Arc::new(Shared {
                 announce,
@@ -304,7 +304,7 @@ impl Aggregator {
                 tensor_device,
                 core: Mutex::new(core),
                 wake: Notify::new(),
-                in_flight: Arc::new(tokio::sync::Semaphore::new(in_flight_kib)),
+                in_flight: Arc::new(tokio::sync::Semaphore::new(in_flight_kib as usize)),
             }),
         };
         {

@@ -131,7 +131,8 @@ pub async fn rollout(
         // registry judged, before the agents act on the next phase.
         let answer =
             op.admin(AdminRequest::RolloutStatus { id: Some(id.clone()) }).await.map_err(|e| anyhow::anyhow!("rollout status: {e}"))?;
-        let fedfleet_registry::admin::AdminAnswer::Rollout(s) = answer else { anyhow::bail!("rollout status answered {answer:?}") };
+        let fedfleet_registry::admin::AdminAnswer::Rollout(report) = answer else { anyhow::bail!("rollout status answered {answer:?}") };
+        let s = report.summary;
         let now_phase = s.phase;
         let status = s.status.name().to_owned();
         let (healthy, failed) = (s.healthy as u64, s.failed as u64);

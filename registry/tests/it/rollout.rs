@@ -67,7 +67,7 @@ async fn signed_assignments_follow_the_rollout() {
             .await
             .unwrap();
         let fedfleet_registry_client::admin::AdminAnswer::Rollout(out) = out else { panic!("{out:?}") };
-        assert_eq!(out.status, fedfleet_rollout::Status::Running);
+        assert_eq!(out.summary.status, fedfleet_rollout::Status::Running);
         let sa = a.assignment("m").await.unwrap();
         let body = sa.verify(&root, &ida, unix_ms()).unwrap();
         assert_eq!(body.target.as_ref().map(|t| (t.version, t.digest)), Some((v(2), m2.model.digest)));
