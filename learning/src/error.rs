@@ -118,3 +118,13 @@ impl From<BundleError> for LearningError {
         LearningError::Bundle(e)
     }
 }
+
+impl From<fedfleet_modelspec::SpecError> for LearningError {
+    fn from(e: fedfleet_modelspec::SpecError) -> Self {
+        use fedfleet_modelspec::SpecError;
+        match e {
+            SpecError::InvalidSpec(m) => LearningError::InvalidSpec(m),
+            SpecError::Layout(m) | SpecError::Weights(m) => LearningError::Layout(m),
+        }
+    }
+}

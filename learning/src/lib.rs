@@ -12,7 +12,7 @@
 //! use fedfleet_learning::{ModelSpec, Dataset, TrainConfig, train_local, evaluate};
 //! let spec = ModelSpec::digits_mlp();
 //! let (train, test) = Dataset::digits_split().unwrap();
-//! let global = spec.init(7).to_bundle().unwrap();
+//! let global = fedfleet_learning::Model::init(&spec, 7).unwrap().to_bundle().unwrap();
 //! let out = train_local(&spec, &global, &train, &TrainConfig::default(), 1).unwrap();
 //! let local = fedfleet_learning::sim::apply_delta(&global, &out.delta, 1.0).unwrap();
 //! let report = evaluate(&spec, &local, &test).unwrap();
@@ -24,13 +24,13 @@ pub mod error;
 pub mod eval;
 pub mod files;
 pub mod finetune;
-pub mod graph;
+pub use fedfleet_modelspec::graph;
 pub mod interop;
 pub mod model;
 pub mod partition;
 pub mod rng;
 pub mod sim;
-pub mod spec;
+pub use fedfleet_modelspec::spec;
 pub mod train;
 
 pub use data::{CsvOptions, Dataset, LabelColumn, Normalization};

@@ -476,29 +476,7 @@ impl Net {
     }
 }
 
-/// Checks that the bundle has exactly the spec's tensors and shapes, naming every difference.
-pub fn check_layout(spec: &ModelSpec, bundle: &TensorBundle) -> Result<(), LearningError> {
-    spec.validate()?;
-    let want = spec.layout();
-    let got = bundle.layout();
-    if want == got {
-        return Ok(());
-    }
-    let mut problems = Vec::new();
-    for (name, shape) in want.iter() {
-        match got.get(name) {
-            None => problems.push(format!("missing {name}")),
-            Some(s) if s != shape => problems.push(format!("{name} has shape {s:?}, expected {shape:?}")),
-            _ => {}
-        }
-    }
-    for name in got.keys() {
-        if !want.contains_key(name) {
-            problems.push(format!("unexpected {name}"));
-        }
-    }
-    Err(LearningError::Layout(format!("{} ({}): {}", spec.arch(), spec.to_json(), problems.join("; "))))
-}
+pub use fedfleet_modelspec::check_layout;
 
 /// A model: its spec and its engine, on a device.
 #[derive(Debug, Clone)]

@@ -3,7 +3,7 @@
 
 use crate::data::Dataset;
 use crate::error::LearningError;
-use crate::graph::{Node, Op, Plan, Task};
+use crate::graph::{Plan, Task, updated_slots};
 use crate::model::{Net, TrainCtx, read};
 use crate::rng::{self, streams};
 use crate::sim;
@@ -209,31 +209,6 @@ pub fn train_local_scaffold(
     let client_c = sim::apply_delta(&neg_corr, &outcome.delta, (-1.0 / (k * config.learning_rate)) as f32)?;
     let client_c_delta = sim::apply_delta(&client_c, &scaffold.client_c, -1.0)?;
     Ok((outcome, ScaffoldOutcome { client_c, client_c_delta }))
-}
-
-/// Per slot: whether local training changes it (trainable parameters, and the statistics of
-/// batch norms whose weight trains).
-pub(crate) fn updated_slots(plan: &Plan) -> Vec<bool> {
-    fn walk(nodes: &[Node], plan: &Plan, out: &mut [bool]) {
-        for n in nodes {
-            match &n.op {
-                Op::BatchNorm { weight, mean, var, count, .. } if plan.slots[*weight].trainable => {
-                    for s in [mean, var, count] {
-                        out[*s] = true;
-                    }
-                }
-                Op::Residual { body, shortcut } => {
-                    walk(body, plan, out);
-                    walk(shortcut, plan, out);
-                }
-                Op::Sequence(nodes) => walk(nodes, plan, out),
-                _ => {}
-            }
-        }
-    }
-    let mut out: Vec<bool> = plan.slots.iter().map(|s| s.trainable).collect();
-    walk(&plan.nodes, plan, &mut out);
-    out
 }
 
 /// The trainable tensors of `bundle` (a bundle with at least those), flat in the engine's

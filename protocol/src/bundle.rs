@@ -267,7 +267,8 @@ impl Tensor {
         Tensor { shape: self.shape.clone(), data }
     }
 
-    fn is_finite(&self) -> bool {
+    /// Whether every value is finite (for int8, the scale).
+    pub fn is_finite(&self) -> bool {
         match &self.data {
             TensorData::F32(v) => v.iter().all(|x| x.is_finite()),
             TensorData::F16(v) => v.iter().all(|x| x.is_finite()),

@@ -74,6 +74,9 @@ pub enum RegistryError {
     NotFound(String),
     #[error("invalid command: {0}")]
     Invalid(String),
+    /// An artifact that is not a model of its spec; nothing was stored.
+    #[error("{0}")]
+    NotAModel(String),
     /// The registry's own failure (a worker task panicked), not the request's.
     #[error("internal error: {0}")]
     Internal(String),

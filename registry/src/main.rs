@@ -54,14 +54,15 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
-    /// Publish FILE as the next version of a model.
+    /// Publish FILE (safetensors weights) as the next version of a model. The registry refuses
+    /// weights that are not a model of the spec, naming every wrong tensor.
     Publish {
         file: PathBuf,
         #[arg(long)]
         model: String,
-        /// Model spec (architecture, input shape) as a JSON file.
+        /// The model's spec as a JSON file (what `init-model` and the agents read).
         #[arg(long)]
-        spec: Option<PathBuf>,
+        spec: PathBuf,
         /// The version this one was trained from.
         #[arg(long)]
         parent: Option<u64>,
@@ -148,8 +149,9 @@ struct StartArgs {
     /// Minimum soak time per phase: 30s, 10m, 2h, 500ms.
     #[arg(long, default_value = "10m", value_parser = parse_duration_ms)]
     soak: u64,
-    /// Devices that must report healthy before a phase advances.
-    #[arg(long, default_value_t = 0)]
+    /// Devices that must report healthy before a phase advances (at least 1 whatever is given:
+    /// a rollout advances on evidence, never on time alone).
+    #[arg(long, default_value_t = 1)]
     min_healthy: u32,
     /// Most running time a phase may wait for --min-healthy healthy devices before the rollout
     /// stops as stalled (default: the soak plus 1h; 0 waits forever).
@@ -266,13 +268,8 @@ impl Operator {
     async fn command(&self, cmd: Cmd) -> anyhow::Result<()> {
         let (req, artifact, wait) = match cmd {
             Cmd::Publish { file, model, spec, parent, metrics, publisher } => {
-                let spec = match spec {
-                    Some(p) => {
-                        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-                        SpecJson::parse(&text).with_context(|| format!("{} is not JSON", p.display()))?
-                    }
-                    None => SpecJson(serde_json::json!({})),
-                };
+                let text = std::fs::read_to_string(&spec).with_context(|| format!("reading {}", spec.display()))?;
+                let spec = SpecJson::parse(&text).with_context(|| format!("{} is not JSON", spec.display()))?;
                 let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
                 let publisher = publisher.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
                 let new = NewVersion {

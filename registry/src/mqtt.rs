@@ -444,6 +444,21 @@ mod tests {
         }
         // A completed rollout: every device, the target (even when the last phase was 50 %).
         reg.admin(start("r2", 50.0), 10_000).unwrap();
+        // A device of the first phase runs the target healthy: the evidence a phase advances on.
+        let canary = (0..)
+            .map(|i| fedfleet_protocol::DeviceId::new(format!("d{i}")).unwrap())
+            .find(|d| fedfleet_rollout::in_percent("r2", d, 10.0))
+            .unwrap();
+        let healthy = fedfleet_protocol::DeviceStatus {
+            fleet: reg.fleet().clone(),
+            device: canary,
+            reported_at_unix_ms: 10_001,
+            state: fedfleet_protocol::DeviceState::Healthy,
+            active: Some(ModelRef { name: "m".into(), version: ModelVersion(2), digest: v2.digest }),
+            staged: None,
+            rollout_id: None,
+        };
+        reg.report(&healthy, 10_001).unwrap();
         reg.drive(10_000 + 60_000).unwrap();
         reg.drive(10_000 + 120_000).unwrap();
         let n = current("r2");

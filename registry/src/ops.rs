@@ -446,3 +446,17 @@ pub fn resolve_version(store: &Store, name: &str, sel: &crate::wire::VersionSel)
         VersionSel::Latest => store.latest(name)?.ok_or_else(|| RegistryError::NotFound(format!("no model named {name:?}"))),
     }
 }
+
+/// Refuses an artifact that is not a model of the spec it is published with (a tensor missing,
+/// unexpected or of the wrong shape, NaN or infinities, a spec over the cost bounds): every
+/// device would refuse it, or serve it, after the registry had signed it. Every problem is
+/// named. Memory: the artifact, which the network path bounds by `MAX_BUNDLE_BYTES`.
+pub fn check_artifact(new: &NewVersion, artifact: &[u8]) -> Result<(), RegistryError> {
+    use fedfleet_modelspec::ModelSpec;
+    let refuse = |what: String| RegistryError::NotAModel(format!("{} is not published: {what}", new.name));
+    let spec: ModelSpec =
+        serde_json::from_value(new.spec.0.clone()).map_err(|e| refuse(format!("its spec is not a model spec ({e}); pass --spec FILE")))?;
+    let bundle = fedfleet_protocol::TensorBundle::decode(artifact, &fedfleet_protocol::BundleLimits::default())
+        .map_err(|e| refuse(format!("the artifact is not a tensor bundle: {e}")))?;
+    fedfleet_modelspec::check_weights(&spec, &bundle).map_err(|e| refuse(e.to_string()))
+}

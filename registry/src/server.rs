@@ -230,6 +230,10 @@ fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
             m.rejection_named("invalid_command");
             Response::Invalid(e.to_string())
         }
+        RegistryError::NotAModel(d) => {
+            m.rejection_named("not_a_model");
+            Response::Invalid(d)
+        }
         e @ (RegistryError::Rollout(_) | RegistryError::Invalid(_)) => {
             m.rejection_named("invalid_command");
             Response::Invalid(e.to_string())
@@ -431,8 +435,9 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
         }
         new.created_at_unix_ms = ctx.reg.now_ms();
         blocking(move || {
-            let file = std::fs::File::open(&p).map_err(|cause| RegistryError::Io { path: p.clone(), cause })?;
-            reg.publish(new, std::io::BufReader::with_capacity(1 << 20, file))
+            let artifact = std::fs::read(&p).map_err(|cause| RegistryError::Io { path: p.clone(), cause })?;
+            crate::ops::check_artifact(&new, &artifact)?;
+            reg.publish(new, artifact.as_slice())
         })
         .await
     }

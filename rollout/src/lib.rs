@@ -16,8 +16,11 @@
 //!
 //! # Progress and failure
 //! Each phase soaks for at least `soak_ms` of *running* time (time spent paused does not count),
-//! and, if `min_healthy` is set, until that many devices of the audience report the target
-//! healthy or active. After the last phase the rollout completes and asks the shell to point the
+//! and until `min_healthy` devices of the audience so far, and never fewer than one, report the
+//! target healthy or active: a phase advances, and the alias moves, on evidence, never on time
+//! alone. (One exception: a phase none of whose audience so far has reported at all, such as the
+//! 1 % phase of a small fleet, widens on its soak, as nobody runs the target yet; the last phase
+//! always needs a healthy device.) A phase still short at its `deadline_ms` stalls the rollout. After the last phase the rollout completes and asks the shell to point the
 //! alias at the target ([`Event::SetAlias`]); until then the alias keeps the previous version and
 //! only the audience is told to run the target.
 //!
@@ -66,7 +69,8 @@ pub struct Phase {
     pub audience: Audience,
     /// Minimum running time in this phase before the next one starts, in ms.
     pub soak_ms: u64,
-    /// Devices of the audience that must report the target healthy/active before advancing.
+    /// Devices of the audience so far that must report the target healthy/active before the
+    /// phase advances; read as at least 1 (a rollout advances on evidence, never on time alone).
     #[serde(default)]
     pub min_healthy: u32,
     /// Most running time, in ms, the phase may take to meet `min_healthy`; past it the rollout
@@ -466,7 +470,7 @@ impl Rollout {
                 return;
             }
         }
-        let min_healthy = self.plan.phases[self.phase].min_healthy;
+        let min_healthy = self.plan.phases[self.phase].min_healthy.max(1);
         if self.status == Status::Running && audience.is_some_and(|n| n.saturating_sub(failed) < min_healthy) {
             self.stall(now, ok, failed);
         }
@@ -478,7 +482,7 @@ impl Rollout {
     }
 
     fn stall(&mut self, now: u64, healthy: u32, failed: u32) {
-        let min_healthy = self.plan.phases[self.phase].min_healthy;
+        let min_healthy = self.plan.phases[self.phase].min_healthy.max(1);
         self.end_aborted(now);
         tracing::warn!(rollout = %self.plan.id, phase = self.phase, healthy, min_healthy, failed, "stalled");
         self.events.push_back(Event::Stalled { phase: self.phase, healthy, min_healthy, failed });
@@ -517,7 +521,15 @@ impl Rollout {
                 self.events.push_back(Event::AutoAborted { phase: self.phase, failure_rate: rate, failed, reporting });
                 return;
             }
-            if phase.min_healthy > 0 && healthy < phase.min_healthy {
+            // Evidence, not time alone: whatever `min_healthy` says, at least one device of the
+            // audience so far runs the target healthy before the audience widens or the alias
+            // moves. Only a phase whose audience so far holds no device that has reported (a 1 %
+            // phase of a small fleet) widens on its soak: nobody runs the target, so there is
+            // nothing to wait for; the last phase never completes without a healthy device.
+            let last = self.phase + 1 == self.plan.phases.len();
+            let audience_seen = self.devices.values().any(|r| r.first_phase.is_some_and(|f| f <= self.phase));
+            let wait_for_evidence = phase.min_healthy > 0 || last || audience_seen;
+            if wait_for_evidence && healthy < phase.min_healthy.max(1) {
                 if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {
                     self.stall(now, healthy, failed);
                 }

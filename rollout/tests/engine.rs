@@ -24,8 +24,13 @@ fn plan(phases: Vec<Phase>) -> RolloutPlan {
     }
 }
 
+/// 1 %, 10 % and 100 %, each soaking [`SOAK`]; a device of the first phase runs the target
+/// healthy from the start (the evidence every phase needs).
 fn standard() -> Rollout {
-    Rollout::start(plan(vec![Phase::percent(1.0, SOAK), Phase::percent(10.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap()
+    let mut r = Rollout::start(plan(vec![Phase::percent(1.0, SOAK), Phase::percent(10.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap();
+    let canary = device_in_phase(&r, 0);
+    r.handle_report(T0, canary, ModelVersion(2), VersionReport::Healthy);
+    r
 }
 
 fn events(r: &mut Rollout) -> Vec<Event> {
@@ -257,6 +262,44 @@ fn membership_is_monotonic_across_phases() {
     }
     assert_eq!(got_early, vec![Some(ModelVersion(2)); 3]);
     assert_eq!(got_mid, vec![Some(ModelVersion(1)), Some(ModelVersion(2)), Some(ModelVersion(2))]);
+}
+
+#[test]
+fn no_phase_advances_on_time_alone() {
+    // `min_healthy` 0 (the value that used to switch the gate off) still needs one healthy
+    // device: a phase nobody reported on waits past its soak, then stalls at its deadline, and
+    // the alias never moves.
+    let mut ph = Phase::percent(100.0, SOAK);
+    ph.deadline_ms = 3 * SOAK;
+    let mut r = Rollout::start(plan(vec![ph]), T0).unwrap();
+    events(&mut r);
+    r.handle_timeout(T0 + 2 * SOAK);
+    assert_eq!((r.status(), r.phase()), (Status::Running, 0));
+    // A download is no outcome.
+    r.handle_report(T0 + 2 * SOAK, dev(0), ModelVersion(2), VersionReport::Downloaded);
+    r.handle_timeout(T0 + 3 * SOAK);
+    assert_eq!(r.status(), Status::Aborted);
+    assert_eq!(events(&mut r), vec![Event::Stalled { phase: 0, healthy: 0, min_healthy: 1, failed: 0 }]);
+    assert_eq!(r.assignment(&dev(1), T0 + 3 * SOAK).version, Some(ModelVersion(1)));
+
+    // A first phase with nobody in it so far widens on its soak (nothing to wait for); the last
+    // phase does not complete without a healthy device.
+    let mut r = Rollout::start(plan(vec![Phase::percent(1.0, SOAK), Phase::percent(100.0, SOAK)]), T0).unwrap();
+    let outside = device_in_phase(&r, 1);
+    r.handle_report(T0 + 1, outside.clone(), ModelVersion(1), VersionReport::Active);
+    r.handle_timeout(T0 + SOAK);
+    assert_eq!((r.status(), r.phase()), (Status::Running, 1));
+    r.handle_timeout(T0 + 5 * SOAK);
+    assert_eq!((r.status(), r.phase()), (Status::Running, 1), "no evidence, no completion");
+    r.handle_report(T0 + 5 * SOAK, outside, ModelVersion(2), VersionReport::Healthy);
+    r.handle_timeout(T0 + 5 * SOAK);
+    assert_eq!(r.status(), Status::Completed);
+
+    // The same rollout with one healthy device completes and moves the alias.
+    let mut r = Rollout::start(plan(vec![Phase::percent(100.0, SOAK)]), T0).unwrap();
+    r.handle_report(T0 + 1, dev(0), ModelVersion(2), VersionReport::Healthy);
+    r.handle_timeout(T0 + SOAK);
+    assert_eq!(r.status(), Status::Completed);
 }
 
 #[test]

@@ -76,7 +76,7 @@ fn same_seed_same_weights_bit_for_bit() {
     let part = train.subset(&(0..300).collect::<Vec<_>>());
     for spec in [ModelSpec::digits_mlp(), ModelSpec::digits_cnn()] {
         let data = part.clone().reshaped(spec.input_shape().to_vec()).unwrap();
-        let g = spec.init(9).to_bundle().unwrap();
+        let g = fedfleet_learning::Model::init(&spec, 9).unwrap().to_bundle().unwrap();
         for opt in [OptimizerConfig::Sgd { momentum: 0.9 }, OptimizerConfig::adam()] {
             let cfg = TrainConfig {
                 local_epochs: 2,

@@ -23,6 +23,16 @@ fn free_tcp_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Zero weights of exactly `spec`'s layout, as a safetensors file's bytes.
+fn weights_of(spec: &fedfleet_modelspec::ModelSpec) -> fedfleet_protocol::TensorBundle {
+    let mut b = fedfleet_protocol::TensorBundle::new();
+    for (name, shape) in spec.layout() {
+        let n = shape.iter().product();
+        b.insert_f32(name, shape, vec![0.0; n]).unwrap();
+    }
+    b
+}
+
 /// Starts `fedfleet-registry serve` and waits for its metrics port.
 fn serve(cfg: &Path, mport: u16) -> std::process::Child {
     let child = Command::new(env!("CARGO_BIN_EXE_fedfleet-registry"))
@@ -70,11 +80,14 @@ fn operator_cli_talks_to_the_running_registry_only() {
         ),
     )
     .unwrap();
+    let spec_text = r#"{"arch":"mlp","input":[64],"hidden":[512],"classes":10}"#;
+    let model_spec = fedfleet_modelspec::ModelSpec::from_json(spec_text).unwrap();
     let model = dir.path().join("model.safetensors");
-    std::fs::write(&model, vec![7u8; 200_000]).unwrap();
+    let weights = weights_of(&model_spec).encode();
+    std::fs::write(&model, &weights).unwrap();
     let spec = dir.path().join("spec.json");
-    std::fs::write(&spec, r#"{"arch":"cnn","input":[1,28,28]}"#).unwrap();
-    let m = model.to_str().unwrap();
+    std::fs::write(&spec, spec_text).unwrap();
+    let (m, spec) = (model.to_str().unwrap(), spec.to_str().unwrap());
 
     let out = ok(&cfg, &["init-keys"]);
     assert!(out.contains("root v1"), "{out}");
@@ -89,17 +102,61 @@ fn operator_cli_talks_to_the_running_registry_only() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("no store at"), "{o:?}");
 
     let child = serve(&cfg, mport);
-    let out = ok(&cfg, &["publish", m, "--model", "digits", "--spec", spec.to_str().unwrap(), "--metrics", "accuracy=0.91"]);
+    let out = ok(&cfg, &["publish", m, "--model", "digits", "--spec", spec, "--metrics", "accuracy=0.91"]);
     assert!(out.starts_with("published digits v1"), "{out}");
-    ok(&cfg, &["publish", m, "--model", "digits", "--parent", "1"]);
+    ok(&cfg, &["publish", m, "--model", "digits", "--spec", spec, "--parent", "1"]);
+
+    // Weights that are not a model of their spec are refused, every problem named, and leave
+    // nothing behind (issue 31 item 6): a NaN, a missing tensor, a wrong shape, an extra one.
+    let layout: Vec<(String, Vec<usize>)> = model_spec.layout().into_iter().collect();
+    let (nan, missing, misshapen) = (&layout[0].0, &layout[1].0, &layout[layout.len() - 1].0);
+    let mut bad = fedfleet_protocol::TensorBundle::new();
+    for (name, shape) in &layout {
+        let n: usize = shape.iter().product();
+        if name == missing {
+            continue;
+        }
+        let shape = if name == misshapen { vec![n + 1] } else { shape.clone() };
+        let mut v = vec![0.0; shape.iter().product()];
+        if name == nan {
+            v[3] = f32::NAN;
+        }
+        bad.insert_f32(name.clone(), shape, v).unwrap();
+    }
+    bad.insert_f32("extra.weight", vec![2], vec![1.0, 2.0]).unwrap();
+    let bad_path = dir.path().join("bad.safetensors");
+    std::fs::write(&bad_path, bad.encode()).unwrap();
+    let o = run(&cfg, &["publish", bad_path.to_str().unwrap(), "--model", "digits", "--spec", spec]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let n = layout[layout.len() - 1].1.iter().product::<usize>();
+    let problems = [
+        format!("missing {missing}"),
+        format!("{misshapen} has shape [{}], expected {:?}", n + 1, layout[layout.len() - 1].1),
+        "unexpected extra.weight".into(),
+        format!("{nan} holds NaN"),
+    ];
+    for problem in problems {
+        assert!(err.contains(&problem), "the refusal names {problem:?}: {err}");
+    }
+    // A spec that is not a model spec, and bytes that are not weights.
+    let junk_spec = dir.path().join("junk-spec.json");
+    std::fs::write(&junk_spec, r#"{"arch":"cnn"}"#).unwrap();
+    let o = run(&cfg, &["publish", m, "--model", "digits", "--spec", junk_spec.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("its spec is not a model spec"), "{o:?}");
+    std::fs::write(&bad_path, vec![7u8; 1000]).unwrap();
+    let o = run(&cfg, &["publish", bad_path.to_str().unwrap(), "--model", "digits", "--spec", spec]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("the artifact is not a tensor bundle"), "{o:?}");
+
     let out = ok(&cfg, &["alias", "set", "digits", "stable", "1"]);
     assert_eq!(out.trim(), "digits stable -> v1 (was unset)");
     let out = ok(&cfg, &["list"]);
-    assert!(out.contains("v1") && out.contains("v2") && out.contains("[stable]"), "{out}");
+    assert!(out.contains("v1") && out.contains("v2") && out.contains("[stable]") && !out.contains("v3"), "{out}");
     let out = ok(&cfg, &["show", "digits"]);
     assert!(out.starts_with("digits v2\n") && out.contains("parent:    v1"), "{out}");
     let v: serde_json::Value = serde_json::from_str(&ok(&cfg, &["--json", "show", "digits"])).unwrap();
-    assert_eq!((v["answer"].as_str(), v["version"].as_u64(), v["chunks"].as_u64()), (Some("version"), Some(2), Some(4)));
+    let chunks = weights.len().div_ceil(65536) as u64;
+    assert_eq!((v["answer"].as_str(), v["version"].as_u64(), v["chunks"].as_u64()), (Some("version"), Some(2), Some(chunks)));
     let out = ok(&cfg, &["rollout", "start", "--model", "digits", "--version", "2", "--phases", "10,100", "--soak", "1h", "--id", "r1"]);
     assert!(out.starts_with("rollout r1: digits stable -> v2 (from v1), running (phase 1 of 2)"), "{out}");
     let out = ok(&cfg, &["rollout", "pause", "r1"]);
@@ -121,7 +178,8 @@ fn operator_cli_talks_to_the_running_registry_only() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let (status, text) = rt.block_on(fedfleet_http::scrape(([127, 0, 0, 1], mport).into(), "/metrics")).unwrap();
     assert_eq!(status, 200);
-    assert!(text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 2"), "{text}");
+    assert!(text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 5"), "{text}");
+    assert!(text.contains("fedfleet_registry_rejections_total{reason=\"not_a_model\"} 3"), "{text}");
     stop(child);
 
     // The store outlives the process: a restart serves the same versions.

@@ -127,7 +127,16 @@ async fn signed_assignments_follow_the_rollout() {
         }))
         .await
         .unwrap();
-        assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(2)));
+        // No soak, but no evidence yet either: the alias stays until a device runs v2 healthy.
+        assert_eq!(h.reg.store().alias("m", "stable").unwrap(), Some(v(1)));
+        let mut healthy = status("dev-b", DeviceState::Healthy, None);
+        healthy.active = Some(r2.clone());
+        b.report(&healthy).await.unwrap();
+        let t0 = std::time::Instant::now();
+        while h.reg.store().alias("m", "stable").unwrap() != Some(v(2)) {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the alias did not move after a healthy report");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
         let bb = assigned(&b, &root, &idb).await;
         assert_eq!(bb.target.map(|t| t.version), Some(v(2)));
         op.admin(AdminRequest::Rollout { id: "r2".into(), command: RolloutCommand::Rollback }).await.unwrap();

@@ -4,9 +4,9 @@
 //! The graph is compiled into a [`Plan`]: one [`Node`] per layer with its input/output shapes
 //! (per example, without the batch dimension) and the indices of its tensors in
 //! [`Plan::slots`]. The MLP and CNN presets of [`crate::ModelSpec`] compile to the same kind of
-//! plan, so one engine ([`crate::model::Net`]) runs every model.
+//! plan, so one engine (fedfleet-learning's `Net`) runs every model.
 
-use crate::error::LearningError;
+use crate::SpecError;
 use serde::{Deserialize, Serialize};
 use std::hash::{Hash, Hasher};
 
@@ -79,7 +79,7 @@ pub enum FineTune {
         /// exactly `mean(B)·A`.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         freeze_a: bool,
-        /// How [`crate::finetune::attach_adapters`] starts each `lora_A` from the pre-trained
+        /// How fedfleet-learning's `attach_adapters` starts each `lora_A` from the pre-trained
         /// weights: seeded random (peft's default) or the weight's principal input directions.
         #[serde(default, skip_serializing_if = "AdapterInit::is_random")]
         init_a: AdapterInit,
@@ -636,8 +636,8 @@ fn where_(path: &str, layer: &Layer, prefix: &str) -> String {
 
 impl GraphSpec {
     /// Validates the graph, infers every shape and lists the tensors. Errors name the layer.
-    pub fn compile(&self) -> Result<Plan, LearningError> {
-        let bad = |m: String| Err(LearningError::InvalidSpec(m));
+    pub fn compile(&self) -> Result<Plan, SpecError> {
+        let bad = |m: String| Err(SpecError::InvalidSpec(m));
         if self.input.is_empty() || self.input.len() > 3 {
             return bad(format!("input shape {:?} must have 1 to 3 dimensions", self.input));
         }
@@ -695,8 +695,8 @@ impl GraphSpec {
 
 /// Refuses a plan too costly to hold or run, by name, before anything is allocated: its
 /// parameters, one example's activations, and LoRA ranks above the layer they adapt.
-fn check_cost(plan: &Plan) -> Result<(), LearningError> {
-    let bad = |m: String| Err(LearningError::InvalidSpec(m));
+fn check_cost(plan: &Plan) -> Result<(), SpecError> {
+    let bad = |m: String| Err(SpecError::InvalidSpec(m));
     let values = plan.slots.iter().try_fold(0usize, |a, s| checked_product(&s.shape).and_then(|n| a.checked_add(n)));
     match values {
         Some(n) if n <= MAX_MODEL_VALUES => {}
@@ -740,7 +740,7 @@ fn check_cost(plan: &Plan) -> Result<(), LearningError> {
     Ok(())
 }
 
-fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), LearningError> {
+fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), SpecError> {
     if let FineTune::Lora { also_train, .. } = finetune {
         for p in also_train {
             let mut hit = false;
@@ -749,7 +749,7 @@ fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), LearningErro
                 hit = true;
             }
             if !hit {
-                return Err(LearningError::InvalidSpec(format!("lora also_train pattern {p:?} matches no parameter")));
+                return Err(SpecError::InvalidSpec(format!("lora also_train pattern {p:?} matches no parameter")));
             }
         }
         return Ok(());
@@ -758,7 +758,7 @@ fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), LearningErro
     let params: Vec<&str> = plan.slots.iter().filter(|s| s.kind == SlotKind::Param).map(|s| s.name.as_str()).collect();
     for p in trainable.iter().flatten().chain(frozen) {
         if !params.iter().any(|n| glob_match(p, n)) {
-            return Err(LearningError::InvalidSpec(format!("freeze pattern {p:?} matches no parameter")));
+            return Err(SpecError::InvalidSpec(format!("freeze pattern {p:?} matches no parameter")));
         }
     }
     for s in plan.slots.iter_mut().filter(|s| s.kind == SlotKind::Param) {
@@ -766,7 +766,7 @@ fn apply_freeze(plan: &mut Plan, finetune: &FineTune) -> Result<(), LearningErro
         s.trainable = listed && !frozen.iter().any(|p| glob_match(p, &s.name));
     }
     if !plan.slots.iter().any(|s| s.trainable) {
-        return Err(LearningError::InvalidSpec("the freeze patterns leave nothing to train".into()));
+        return Err(SpecError::InvalidSpec("the freeze patterns leave nothing to train".into()));
     }
     Ok(())
 }
@@ -789,9 +789,9 @@ impl Builder<'_> {
         path_prefix: &str,
         name_prefix: &str,
         depth: usize,
-    ) -> Result<(Vec<Node>, Vec<usize>), LearningError> {
+    ) -> Result<(Vec<Node>, Vec<usize>), SpecError> {
         if depth > MAX_DEPTH {
-            return Err(LearningError::InvalidSpec(format!("residual blocks nest deeper than {MAX_DEPTH}")));
+            return Err(SpecError::InvalidSpec(format!("residual blocks nest deeper than {MAX_DEPTH}")));
         }
         let mut nodes = Vec::with_capacity(layers.len());
         for (i, layer) in layers.iter().enumerate() {
@@ -869,21 +869,13 @@ impl Builder<'_> {
         (w, b, lora)
     }
 
-    fn layer(
-        &mut self,
-        layer: &Layer,
-        input: Vec<usize>,
-        path: &str,
-        prefix: &str,
-        first: bool,
-        depth: usize,
-    ) -> Result<Node, LearningError> {
+    fn layer(&mut self, layer: &Layer, input: Vec<usize>, path: &str, prefix: &str, first: bool, depth: usize) -> Result<Node, SpecError> {
         let at = where_(path, layer, prefix);
-        let bad = |m: String| LearningError::InvalidSpec(format!("{at}: {m}"));
-        let positive = |what: &str, v: usize| -> Result<(), LearningError> {
+        let bad = |m: String| SpecError::InvalidSpec(format!("{at}: {m}"));
+        let positive = |what: &str, v: usize| -> Result<(), SpecError> {
             if v == 0 || v > 1 << 20 { Err(bad(format!("{what} {v} must be in 1..=1048576"))) } else { Ok(()) }
         };
-        let rank = |want: usize, form: &str| -> Result<(), LearningError> {
+        let rank = |want: usize, form: &str| -> Result<(), SpecError> {
             if input.len() != want { Err(bad(format!("expects input {form} but gets {input:?}"))) } else { Ok(()) }
         };
         let declared = match layer {
@@ -1144,4 +1136,29 @@ impl Builder<'_> {
         }
         Ok(Node { op, input, output })
     }
+}
+
+/// Per slot: whether local training changes it (trainable parameters, and the statistics of
+/// batch norms whose weight trains).
+pub fn updated_slots(plan: &Plan) -> Vec<bool> {
+    fn walk(nodes: &[Node], plan: &Plan, out: &mut [bool]) {
+        for n in nodes {
+            match &n.op {
+                Op::BatchNorm { weight, mean, var, count, .. } if plan.slots[*weight].trainable => {
+                    for s in [mean, var, count] {
+                        out[*s] = true;
+                    }
+                }
+                Op::Residual { body, shortcut } => {
+                    walk(body, plan, out);
+                    walk(shortcut, plan, out);
+                }
+                Op::Sequence(nodes) => walk(nodes, plan, out),
+                _ => {}
+            }
+        }
+    }
+    let mut out: Vec<bool> = plan.slots.iter().map(|s| s.trainable).collect();
+    walk(&plan.nodes, plan, &mut out);
+    out
 }

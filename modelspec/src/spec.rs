@@ -1,9 +1,8 @@
 //! `ModelSpec`: architecture name + configuration, serialised into model manifests so any
 //! component can rebuild the module and check a bundle's layout.
 
-use crate::error::LearningError;
+use crate::SpecError;
 use crate::graph::{FineTune, GraphSpec, Layer, Plan, SlotKind, Task};
-use crate::model::Model;
 use serde::{Deserialize, Serialize};
 
 /// Architecture and sizes of a model. JSON form (the `arch` tag selects the variant):
@@ -87,8 +86,8 @@ impl CustomSpec {
         self.trainable.as_ref().is_none_or(|globs| globs.iter().any(|g| crate::graph::glob_match(g, name)))
     }
 
-    fn validate(&self) -> Result<(), LearningError> {
-        let bad = |m: String| Err(LearningError::InvalidSpec(format!("custom model \"{}\": {m}", self.kind)));
+    fn validate(&self) -> Result<(), SpecError> {
+        let bad = |m: String| Err(SpecError::InvalidSpec(format!("custom model \"{}\": {m}", self.kind)));
         if self.input.is_empty() || self.input.contains(&0) {
             return bad(format!("input shape {:?} is empty", self.input));
         }
@@ -280,9 +279,9 @@ impl ModelSpec {
     }
 
     /// Validates and compiles the model: shapes of every layer and the tensor list.
-    pub fn plan(&self) -> Result<Plan, LearningError> {
+    pub fn plan(&self) -> Result<Plan, SpecError> {
         if let ModelSpec::Custom(c) = self {
-            return Err(LearningError::InvalidSpec(format!(
+            return Err(SpecError::InvalidSpec(format!(
                 "custom model \"{}\" has no built-in engine: the device team's Trainer runs it",
                 c.kind
             )));
@@ -291,8 +290,8 @@ impl ModelSpec {
         self.to_graph().compile()
     }
 
-    fn validate_preset(&self) -> Result<(), LearningError> {
-        let bad = |m: String| Err(LearningError::InvalidSpec(m));
+    fn validate_preset(&self) -> Result<(), SpecError> {
+        let bad = |m: String| Err(SpecError::InvalidSpec(m));
         if let ModelSpec::Graph(_) | ModelSpec::Custom(_) = self {
             return Ok(());
         }
@@ -328,7 +327,7 @@ impl ModelSpec {
     }
 
     /// Checks the spec is usable (every layer's shapes, sizes, fine-tuning patterns).
-    pub fn validate(&self) -> Result<(), LearningError> {
+    pub fn validate(&self) -> Result<(), SpecError> {
         match self {
             ModelSpec::Custom(c) => c.validate(),
             _ => self.plan().map(|_| ()),
@@ -363,7 +362,7 @@ impl ModelSpec {
             return c.tensors.iter().map(|t| (t.name.clone(), role(&t.name))).collect();
         }
         let Ok(plan) = self.plan() else { return Vec::new() };
-        let updated = crate::train::updated_slots(&plan);
+        let updated = crate::graph::updated_slots(&plan);
         plan.slots
             .iter()
             .zip(updated)
@@ -378,7 +377,7 @@ impl ModelSpec {
             .collect()
     }
 
-    /// Layout of a training update (the tensors [`crate::train_local`]'s delta carries).
+    /// Layout of a training update (the tensors local training's delta carries).
     pub fn update_layout(&self) -> fedfleet_protocol::bundle::Layout {
         let roles: std::collections::HashMap<String, TensorRole> = self.roles().into_iter().collect();
         self.layout().into_iter().filter(|(n, _)| roles.get(n) == Some(&TensorRole::Sent)).collect()
@@ -399,7 +398,7 @@ impl ModelSpec {
 
     /// One line per layer: position, kind, tensor prefix, input → output shape and the number
     /// of values in its tensors (like `torchinfo.summary`), then the totals.
-    pub fn summary(&self) -> Result<String, LearningError> {
+    pub fn summary(&self) -> Result<String, SpecError> {
         use crate::graph::{Node, Op};
         fn slots_of(op: &Op, out: &mut Vec<usize>) {
             match op {
@@ -478,15 +477,9 @@ impl ModelSpec {
     }
 
     /// Parses and validates the JSON form.
-    pub fn from_json(s: &str) -> Result<Self, LearningError> {
-        let spec: ModelSpec = serde_json::from_str(s).map_err(|e| LearningError::InvalidSpec(e.to_string()))?;
+    pub fn from_json(s: &str) -> Result<Self, SpecError> {
+        let spec: ModelSpec = serde_json::from_str(s).map_err(|e| SpecError::InvalidSpec(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
-    }
-
-    /// A freshly initialised model, reproducible from `seed`. Panics if the spec is invalid;
-    /// see [`Model::init`] for the fallible form.
-    pub fn init(&self, seed: u64) -> Model {
-        Model::init(self, seed).expect("valid model spec")
     }
 }
