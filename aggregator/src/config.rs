@@ -593,6 +593,38 @@ impl Config {
     }
 }
 
+/// What the operator commands (`campaign start|status|stop`) read of a config: the service's
+/// own `aggregator.toml`, or an operator's file naming only `pki_dir` (and perhaps `listen`), on
+/// a host that has nothing else of the service's.
+#[derive(Debug, Clone, Deserialize)]
+pub struct OperatorConfig {
+    pub pki_dir: PathBuf,
+    pub listen: Option<SocketAddr>,
+    /// The service's `[model]`, if this is its config (`campaign status` says which digest it
+    /// shows under LoRA).
+    #[serde(default)]
+    model: Option<toml::Value>,
+}
+
+impl OperatorConfig {
+    pub fn load(path: &Path) -> Result<OperatorConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read { path: path.to_owned(), cause })?;
+        let mut cfg: OperatorConfig =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_owned(), detail: e.message().to_owned() })?;
+        if cfg.pki_dir.is_relative() {
+            cfg.pki_dir = path.parent().unwrap_or(Path::new(".")).join(&cfg.pki_dir);
+        }
+        Ok(cfg)
+    }
+
+    /// Whether the service's model is fine-tuned with LoRA (false when the file does not say).
+    pub fn lora(&self) -> bool {
+        let spec = self.model.as_ref().and_then(|m| m.get("spec")).and_then(|s| serde_json::to_value(s).ok());
+        spec.and_then(|s| serde_json::from_value::<fedfleet_learning::ModelSpec>(s).ok())
+            .is_some_and(|s| matches!(s.finetune(), fedfleet_learning::FineTune::Lora { .. }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

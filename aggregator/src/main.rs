@@ -203,12 +203,12 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
 }
 
 async fn operator_client(conn: &Conn) -> Result<AggregatorClient> {
-    let cfg = Config::load(&conn.config)?;
+    let cfg = fedfleet_aggregator::config::OperatorConfig::load(&conn.config)?;
     let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
     let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator)
         .with_context(|| format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator))?;
     let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])?;
-    let mut addr = conn.addr.unwrap_or(cfg.listen);
+    let mut addr = conn.addr.or(cfg.listen).ok_or_else(|| anyhow!("{}: no `listen` address: pass --addr", conn.config.display()))?;
     if addr.ip().is_unspecified() {
         addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
@@ -280,7 +280,7 @@ fn print_status(s: &CampaignStatus, conn: &Conn) {
     if let Some((v, d)) = &s.global {
         // Under LoRA the aggregator's model holds the adapters; the registry also stores (and
         // names by digest) the model with them merged in: say which digest this is.
-        let lora = Config::load(&conn.config).is_ok_and(|c| matches!(c.model.spec.finetune(), fedfleet_learning::FineTune::Lora { .. }));
+        let lora = fedfleet_aggregator::config::OperatorConfig::load(&conn.config).is_ok_and(|c| c.lora());
         let which = if lora { " (base weights + LoRA adapters; the registry's merged model has its own digest)" } else { "" };
         println!("global model: version {v}, digest {d}{which}");
     }

@@ -85,9 +85,18 @@ impl Aggregator {
                         boundary = true;
                     }
                 }
-                EngineEvent::DeviceRevoked { device, contributed_to } => {
-                    tracing::warn!(device = %device, ?contributed_to, "device revoked");
-                }
+                EngineEvent::DeviceRevoked { device, contributed_to } => match contributed_to {
+                    // The engine knows the open round only: what the device gave earlier rounds
+                    // is in the models published since, and no log line should suggest otherwise.
+                    Some(round) => tracing::warn!(
+                        device = %device, %round,
+                        "device revoked: its update stays in the open round (abort the round if its key was compromised); updates to earlier rounds stay in the versions published since"
+                    ),
+                    None => tracing::warn!(
+                        device = %device,
+                        "device revoked: nothing of it in the open round; updates to earlier rounds stay in the versions published since"
+                    ),
+                },
             }
         }
         if boundary {

@@ -1,6 +1,7 @@
 //! End-to-end tests over loopback: the real registry, aggregator and agents.
 
 mod deployment;
+mod hosts;
 mod inbox;
 mod inproc;
 mod loopback;
