@@ -66,14 +66,21 @@ pub struct BrokerConfig {
     pub max_payload_bytes: usize,
     /// Most concurrent client connections.
     pub max_connections: usize,
+    /// The service certificates (by name) that may publish on the fleet's topics: by default
+    /// the broker's own (the aggregator's, from `server_cert`'s file name) and `registry`. Any
+    /// other service certificate, an operator's, may subscribe but not publish: it could
+    /// otherwise replace the retained round announcement and leave late joiners without one.
+    pub publishers: Vec<String>,
     /// Where refusals are counted (share it with the service's metrics registry).
     pub metrics: BrokerMetrics,
 }
 
 impl BrokerConfig {
     pub fn new(listen: SocketAddr, ca_cert: PathBuf, server_cert: PathBuf, server_key: PathBuf) -> Self {
+        let own_name = server_cert.file_stem().map(|n| n.to_string_lossy().into_owned());
         BrokerConfig {
             listen,
+            publishers: own_name.into_iter().chain(["registry".to_owned()]).collect(),
             revocation_list: ca_cert.with_file_name(fedfleet_certs::layout::REVOKED_JSON),
             ca_cert,
             server_cert,
@@ -208,6 +215,7 @@ struct Gate {
     backend: SocketAddr,
     password: String,
     max_payload_bytes: usize,
+    publishers: Vec<String>,
     metrics: BrokerMetrics,
 }
 
@@ -242,15 +250,15 @@ impl EmbeddedBroker {
             })
             .map_err(|e| BrokerError::Rumqttd(e.to_string()))?;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            if TcpStream::connect(backend).await.is_ok() {
-                break;
+        let probe = loop {
+            if let Some(probe) = rumqttd_answers(backend, &password).await {
+                break probe;
             }
             if tokio::time::Instant::now() > deadline {
                 return Err(BrokerError::Rumqttd(format!("rumqttd did not listen on {backend}")));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        };
 
         let gate = Arc::new(Gate {
             tls: TlsAcceptor::from(Arc::new(tls)),
@@ -258,11 +266,13 @@ impl EmbeddedBroker {
             backend,
             password,
             max_payload_bytes: config.max_payload_bytes,
+            publishers: config.publishers.clone(),
             metrics: config.metrics.clone(),
         });
         let stop = Shutdown::new();
         let gate = tokio::spawn(accept_loop(listener, gate, stop.clone()));
         tracing::info!(%local_addr, %backend, "embedded MQTT broker listening");
+        tokio::spawn(hold_probe(probe, stop.clone()));
         Ok(EmbeddedBroker { local_addr, stop, gate: Some(gate) })
     }
 
@@ -333,6 +343,44 @@ async fn serve_client(gate: Arc<Gate>, client: TcpStream, peer: SocketAddr) {
     }
 }
 
+/// Seconds between the readiness probe's pings (its MQTT keep-alive is twice that).
+const PROBE_PING_SECS: u64 = 60;
+
+/// A connection to rumqttd at `backend` logged in as the gate (CONNECT answered by an accepting
+/// CONNACK), or `None` while it does not answer. The probe speaks MQTT and then stays connected
+/// (see [`hold_probe`]): rumqttd logs a bare TCP probe, and any disconnect, as an ERROR.
+async fn rumqttd_answers(backend: SocketAddr, password: &str) -> Option<TcpStream> {
+    let mut s = TcpStream::connect(backend).await.ok()?;
+    let mut connect = rumqttc::Connect::new("fedfleet-gate-probe");
+    connect.keep_alive = 2 * PROBE_PING_SECS as u16;
+    connect.login = Some(rumqttc::Login::new(GATE_USER, password));
+    let mut out = BytesMut::new();
+    connect.write(&mut out).ok()?;
+    s.write_all(&out).await.ok()?;
+    // CONNACK: 0x20, remaining length 2, session-present flags, return code (0: accepted).
+    let mut ack = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut ack)).await.ok()?.ok()?;
+    (ack[0] == 0x20 && ack[3] == 0).then_some(s)
+}
+
+/// Keeps the readiness probe connected, pinging, until the broker stops: closing it would log
+/// an ERROR at every start.
+async fn hold_probe(mut probe: TcpStream, stop: Shutdown) {
+    let stopped = stop.wait();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = &mut stopped => return,
+            _ = tokio::time::sleep(Duration::from_secs(PROBE_PING_SECS)) => {
+                let mut pong = [0u8; 2];
+                if probe.write_all(&[0xC0, 0x00]).await.is_err() || probe.read_exact(&mut pong).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
 /// Copies the client's packets to rumqttd, each checked against the rules. Returns why it
 /// stopped when a rule did it (`None`: the client or the broker went away).
 async fn forward_checked(
@@ -385,7 +433,8 @@ fn judge(gate: &Gate, who: &PeerIdentity, header: mqttbytes::FixedHeader, frame:
         PacketType::Publish => {
             let publish = rumqttc::Publish::read(header, frame.clone()).map_err(malformed)?;
             let topic = &publish.topic;
-            if !topics::may_publish(who, &gate.fleet, topic) {
+            let listed = |name: &String| gate.publishers.contains(name);
+            if !topics::may_publish(who, &gate.fleet, topic) || matches!(who, PeerIdentity::Service(name) if !listed(name)) {
                 return Err((Refusal::Acl, format!("publish on {topic}")));
             }
             Ok(frame)

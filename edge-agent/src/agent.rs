@@ -144,7 +144,13 @@ pub struct Agent<A, R> {
     inbox: Option<(Inbox, Normalization)>,
     /// The model code rounds, health checks and inference run.
     trainer: Arc<dyn Trainer>,
+    /// Polls in a row on which a service refused this device's certificate as revoked: the
+    /// poll interval doubles with each (see [`Agent::poll_interval`]).
+    refused_as_revoked: u32,
 }
+
+/// The longest a device whose certificate the services refuse as revoked waits between polls.
+const REVOKED_POLL_MAX: Duration = Duration::from_secs(3600);
 
 impl<A: Aggregator, R: Registry> Agent<A, R> {
     pub fn new(
@@ -157,7 +163,19 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         cfg: ShellConfig,
     ) -> Self {
         let trainer = Arc::new(GraphTrainer);
-        Agent { core, agg, reg, key, data: Arc::new(data), serving: Serving::default(), clock, cfg, inbox: None, trainer }
+        Agent {
+            core,
+            agg,
+            reg,
+            key,
+            data: Arc::new(data),
+            serving: Serving::default(),
+            clock,
+            cfg,
+            inbox: None,
+            trainer,
+            refused_as_revoked: 0,
+        }
     }
 
     /// Runs rounds, health checks and inference with a device team's own model code instead of
@@ -232,18 +250,41 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             self.input(Input::Conditions(c))?;
         }
         let fleet = self.core.state().fleet.clone();
+        let mut revoked = None;
         match self.agg.current_round(&fleet).await {
             Ok(Some(r)) => self.input(Input::RoundAnnounced(r))?,
             Ok(None) => {}
+            Err(e) if e.is_certificate_revoked() => revoked = Some(e),
             Err(e) => tracing::debug!(error = %e, "round poll failed"),
         }
         let device = self.core.state().device.clone();
         match self.reg.assignment(&device).await {
             Ok(Some(n)) => self.input(Input::Assignment(n))?,
             Ok(None) => {}
+            Err(e) if e.is_certificate_revoked() => revoked = Some(e),
             Err(e) => tracing::debug!(error = %e, "assignment poll failed"),
         }
+        match revoked {
+            Some(e) => {
+                self.refused_as_revoked += 1;
+                // Said once; a device that keeps knocking is only slowed down.
+                if self.refused_as_revoked == 1 {
+                    tracing::warn!(error = %e, "the services refuse this certificate as revoked: polling them less and less often (at most hourly); enroll the device again to rejoin");
+                } else {
+                    tracing::debug!(error = %e, polls = self.refused_as_revoked, "still refused as revoked");
+                }
+            }
+            None => self.refused_as_revoked = 0,
+        }
         Ok(())
+    }
+
+    /// How long to wait before the next poll: `poll`, doubled for each poll in a row on which
+    /// a service refused this device's certificate as revoked, up to an hour (or `poll`, if
+    /// longer). A revoked device does not knock every few seconds for ever.
+    pub fn poll_interval(&self, poll: Duration) -> Duration {
+        let doubled = poll.saturating_mul(1u32 << self.refused_as_revoked.min(16));
+        doubled.min(REVOKED_POLL_MAX.max(poll))
     }
 
     /// Fires due timers, then executes queued actions until none are left. Returns how many
@@ -497,7 +538,7 @@ pub async fn run_agent<A: Aggregator, R: Registry>(
         agent.poll_control().await?;
         agent.drive().await?;
         let now = agent.now();
-        let mut wait = poll;
+        let mut wait = agent.poll_interval(poll);
         if let Some(t) = agent.core.poll_timeout() {
             wait = wait.min(Duration::from_millis(t.saturating_sub(now)));
         }

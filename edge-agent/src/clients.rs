@@ -13,6 +13,19 @@ pub use crate::lifecycle::MetadataSet;
 #[error("transport: {0}")]
 pub struct TransportError(pub String);
 
+const REVOKED: &str = "this device's certificate is revoked: ";
+
+impl TransportError {
+    /// The service refused this device's certificate as revoked (at the handshake).
+    pub fn certificate_revoked(detail: impl std::fmt::Display) -> TransportError {
+        TransportError(format!("{REVOKED}{detail}"))
+    }
+
+    pub fn is_certificate_revoked(&self) -> bool {
+        self.0.starts_with(REVOKED)
+    }
+}
+
 /// The aggregator's answer to an upload.
 #[derive(Debug, Clone, PartialEq)]
 pub enum UploadReply {

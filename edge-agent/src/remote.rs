@@ -23,18 +23,24 @@ use ed25519_dalek::VerifyingKey;
 use fedfleet_aggregator_client::client::{AggregatorClient, ClientError as AggError, UploadOutcome};
 use fedfleet_protocol::tuf::Verifier;
 use fedfleet_protocol::tuf::{Root, SignedMetadata};
-use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RoundAnnouncement};
+use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, RoundAnnouncement};
 use fedfleet_registry_client::client::{ClientError as RegError, RegistryClient};
 
 use crate::agent::Clock;
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 
 fn agg_err(e: AggError) -> TransportError {
-    TransportError(format!("aggregator: {e}"))
+    match &e {
+        AggError::Refused(r) if r.reason == RejectReason::Revoked => TransportError::certificate_revoked(format!("aggregator: {e}")),
+        _ => TransportError(format!("aggregator: {e}")),
+    }
 }
 
 fn reg_err(e: RegError) -> TransportError {
-    TransportError(format!("registry: {e}"))
+    match &e {
+        RegError::Rejected(r) if r.reason == RejectReason::Revoked => TransportError::certificate_revoked(format!("registry: {e}")),
+        _ => TransportError(format!("registry: {e}")),
+    }
 }
 
 /// An acknowledged upload, as the agent saw it (for accounting in tests and the fleet).

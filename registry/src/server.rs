@@ -287,6 +287,14 @@ async fn stream(ctx: &Arc<Ctx>, conn: &quinn::Connection, peer: &PeerIdentity, s
         }
     };
     m.request(request_kind(&req));
+    // A connection made before the revocation keeps no access: the signed list is checked at
+    // every request, as at every handshake.
+    if let PeerIdentity::Device(id) = peer
+        && ctx.reg.is_revoked(id)
+    {
+        m.rejection(RejectReason::Revoked);
+        return send(s, &wire::rejected(RejectReason::Revoked, format!("device {id} is revoked"))).await;
+    }
     let reg = ctx.reg.clone();
     let now = ctx.reg.now_ms();
     let resp = match req {

@@ -144,7 +144,11 @@ impl Aggregator {
                 stream.finish();
             }
             FrameKind::Message => {
+                // A connection made before the revocation keeps no access: the signed list is
+                // checked at every request, as at every handshake and every ingest.
+                let revoked = matches!(peer, PeerIdentity::Device(id) if self.shared.revocation.is_revoked(id));
                 let resp = match messages::decode::<Request>(&first.body, MAX_WIRE_MESSAGE) {
+                    Ok(_) if revoked => Some(Response::Error(reject(RejectReason::Revoked, "this device's certificate is revoked"))),
                     Ok(req) => self.request(peer, req, stream).await,
                     Err(e) => Some(Response::Error(reject(e.reason(), e.to_string()))),
                 };

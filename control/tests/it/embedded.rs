@@ -223,6 +223,52 @@ async fn the_broker_closes_a_device_publishing_outside_its_own_topics() {
     broker.shutdown().await;
 }
 
+/// Issue 31.15: an operator's service certificate could replace the retained round
+/// announcement, and a late joiner then saw none. Only the broker's own service and the registry
+/// publish; any other service certificate may listen only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_certificate_cannot_replace_the_retained_announcement() {
+    let f = Fleet::new(1);
+    f.pki.issue_server("operator", &[], 30, false).unwrap();
+    let config = f.broker_config(0);
+    let metrics = config.metrics.clone();
+    let broker = EmbeddedBroker::start(config).await.unwrap();
+    let port = broker.local_addr().port();
+    let (agg, mut agg_events) = f.aggregator(port);
+    wait_for(&mut agg_events, "aggregator", |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
+    agg.publish_announcement(&f.announcement(6)).await.unwrap();
+
+    // The operator clears the retained announcement (an empty retained publish).
+    let id = fedfleet_certs::ServerIdentity::load(f.pki.dir(), "operator").unwrap();
+    let tls = fedfleet_control::service_tls(f.pki.ca(), &id).unwrap();
+    let mut o = rumqttc::MqttOptions::new("operator", "127.0.0.1", port);
+    o.set_transport(rumqttc::Transport::tls_with_config(rumqttc::TlsConfiguration::Rustls(tls)));
+    let (client, mut events) = rumqttc::AsyncClient::new(o, 10);
+    client.publish(topics::rounds(&f.fleet), QoS::AtLeastOnce, true, Vec::new()).await.unwrap();
+    let closed = tokio::time::timeout(common::WAIT, async {
+        loop {
+            if events.poll().await.is_err() {
+                return;
+            }
+        }
+    });
+    closed.await.expect("the broker kept the operator's publishing connection");
+    assert_eq!(metrics.refused(fedfleet_control::Refusal::Acl), 1);
+
+    // A device connecting now still hears the aggregator's announcement.
+    let (late, mut late_events, _) = f.device(port, &f.devices[0]);
+    let round = wait_for(&mut late_events, "retained announcement", |e| match e {
+        ControlEvent::Announcement(s) => Some(s.body().round.0),
+        _ => None,
+    })
+    .await;
+    assert_eq!(round, 6);
+    for c in [&agg, &late] {
+        c.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
 /// Issue 14.7: a publish over the size limit closes the connection and is counted, instead of
 /// vanishing without a trace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

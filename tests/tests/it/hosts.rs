@@ -416,6 +416,14 @@ fn a_deployment_on_separate_hosts_fails_safe() {
     let fresh = [1, 2, 4].iter().filter(|&&i| count_lines(&h.log(&device(i)), "a fresh aggregator instance") > 0).count();
     assert!(fresh >= 3, "every agent that took part says it followed the fresh instance ({fresh} of 3)");
 
+    // The revoked device is told once and slowed down, not let in: it warns once, and knocks
+    // ever less often (its poll interval doubles up to an hour), not every 200 ms.
+    let log3 = h.log(&device(3));
+    assert_eq!(count_lines(&log3, "refuse this certificate as revoked"), 1, "{}", crate::procs::tail(&log3, 20));
+    let knocks = count_lines(&h.log("registry"), "refused revoked device certificate")
+        + count_lines(&h.log("aggregator"), "refused revoked device certificate");
+    assert!(knocks < 40, "the revoked device knocked {knocks} times");
+
     for a in h.agents.iter_mut().flatten() {
         a.stop();
     }
