@@ -448,6 +448,12 @@ pub enum Input {
         model: ModelRef,
         result: Result<HealthReport, String>,
     },
+    /// A service refused this device's certificate as revoked (at the handshake, or on a
+    /// connection made before the revocation): like an update refused as revoked, the device
+    /// joins no more rounds and reports why.
+    CertificateRevoked {
+        detail: String,
+    },
 }
 
 /// Actions for the shell, polled in order.
@@ -748,6 +754,7 @@ impl Lifecycle {
             }
             Input::StorageFailed { model, fault, detail } => self.on_storage_failed(now, model, fault, detail),
             Input::HealthResult { model, result } => self.on_health(now, model, result),
+            Input::CertificateRevoked { detail } => self.on_certificate_revoked(now, detail),
         }
     }
 
@@ -909,6 +916,19 @@ impl Lifecycle {
             },
             UploadOutcome::TransportError(e) => retry(self, e),
         }
+        Ok(())
+    }
+
+    fn on_certificate_revoked(&mut self, now: Millis, detail: String) -> Result<(), LifecycleError> {
+        if self.state.revoked {
+            return Ok(());
+        }
+        tracing::warn!(%detail, "this device's certificate is revoked: it joins no more rounds");
+        let mut next = self.state.clone();
+        next.last_state = DeviceState::Failed { reason: format!("certificate revoked: {detail}") };
+        next.revoked = true;
+        self.commit(next)?;
+        self.report(now);
         Ok(())
     }
 

@@ -9,6 +9,7 @@
 //! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes of accepted updates |
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
+//! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, decode, store_payload, fold, snapshot, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
 //! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round (0 between campaigns) |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
@@ -34,10 +35,17 @@ use fedfleet_protocol::{DeviceId, DeviceStatus, RejectReason};
 
 pub use fedfleet_http::process_memory as memory;
 
+/// The stages of ingesting one update, timed in `ingest_seconds_total{step}`: identity,
+/// enrolment, revocation and signature; resend lookup, round checks and admission; the payload
+/// streamed in and digested (waits on the network); decode and checks; the payload written and
+/// fsynced; the exact fold and the receipt signature; the engine state and the accepted record
+/// written; the group commit the receipt waits for.
+pub const INGEST_STEPS: [&str; 8] = ["authenticate", "admit", "receive", "decode", "store_payload", "fold", "snapshot", "sync"];
+
 /// Round events counted in `rounds_total`.
 pub const ROUND_EVENTS: [&str; 5] = ["opened", "closed", "failed", "published", "tensor_folded"];
 
-use fedfleet_http::labels::{Device as DeviceLabel, Event as EventLabel, Reason as ReasonLabel};
+use fedfleet_http::labels::{Device as DeviceLabel, Event as EventLabel, Reason as ReasonLabel, Step as StepLabel};
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
@@ -48,6 +56,7 @@ pub struct Metrics {
     pub update_bytes: Counter,
     pub fold_bytes: Counter,
     fold_seconds: Counter<f64, AtomicU64>,
+    ingest_seconds: Family<StepLabel, Counter<f64, AtomicU64>>,
     pub open_round: Gauge,
     pub round_accepted: Gauge,
     rejected: Family<ReasonLabel, Counter>,
@@ -85,6 +94,7 @@ impl Metrics {
             update_bytes: Counter::default(),
             fold_bytes: Counter::default(),
             fold_seconds: Counter::default(),
+            ingest_seconds: Family::default(),
             open_round: Gauge::default(),
             round_accepted: Gauge::default(),
             rejected: Family::default(),
@@ -108,6 +118,9 @@ impl Metrics {
         for ev in ROUND_EVENTS {
             let _ = m.rounds.get_or_create(&EventLabel { event: ev.into() });
         }
+        for step in INGEST_STEPS {
+            let _ = m.ingest_seconds.get_or_create(&StepLabel { step: step.into() });
+        }
         for r in RejectReason::ALL {
             let _ = m.rejected.get_or_create(&ReasonLabel { reason: r.as_str().into() });
             let _ = m.mqtt_rejected.get_or_create(&ReasonLabel { reason: r.as_str().into() });
@@ -123,6 +136,7 @@ impl Metrics {
         registry.register("update_bytes", "Payload bytes of accepted updates", m.update_bytes.clone());
         registry.register("fold_bytes", "f32 bytes folded into partial sums", m.fold_bytes.clone());
         registry.register("fold_seconds", "Seconds spent folding", m.fold_seconds.clone());
+        registry.register("ingest_seconds", "Seconds spent in each stage of ingesting updates", m.ingest_seconds.clone());
         registry.register("open_round", "Open round id, 0 if none", m.open_round.clone());
         registry.register("round_accepted", "Updates accepted in the open round", m.round_accepted.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());
@@ -181,6 +195,15 @@ impl Metrics {
     pub fn round(&self, event: &'static str) {
         self.rounds.get_or_create(&EventLabel { event: event.into() }).inc();
     }
+    /// Adds the time since `*since` to ingest stage `step` (one of [`INGEST_STEPS`]) and moves
+    /// `*since` to now: consecutive calls time consecutive stages.
+    pub fn ingest_step(&self, step: &'static str, since: &mut std::time::Instant) {
+        debug_assert!(INGEST_STEPS.contains(&step), "{step}");
+        let now = std::time::Instant::now();
+        self.ingest_seconds.get_or_create(&StepLabel { step: step.into() }).inc_by((now - *since).as_secs_f64());
+        *since = now;
+    }
+
     pub fn folded(&self, bytes: u64, elapsed: std::time::Duration) {
         self.fold_bytes.inc_by(bytes);
         self.fold_seconds.inc_by(elapsed.as_secs_f64());

@@ -266,6 +266,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         }
         match revoked {
             Some(e) => {
+                self.input(Input::CertificateRevoked { detail: e.to_string() })?;
                 self.refused_as_revoked += 1;
                 // Said once; a device that keeps knocking is only slowed down.
                 if self.refused_as_revoked == 1 {

@@ -36,6 +36,7 @@
 //!
 //! Resolution: round events come from a 5 ms metrics poll; CPU times in 10 ms ticks.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -254,6 +255,14 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     println!("their payload bytes over the ingest windows (first upload start -> last receipt). agents RSS/N: the agents' process");
     println!("peak RSS (agents, in-process registry, runtime) / N; above base: minus its RSS before the agents were opened.");
     println!("CPU/update: the process's user+system CPU time over the campaign / accepted updates.");
+    println!("Where an accepted update's milliseconds go in the aggregator (wall time per stage, ingest_seconds_total / accepted):");
+    for r in results {
+        let steps = r["ingest_ms_per_update"].as_object().cloned().unwrap_or_default();
+        let order = fedfleet_aggregator::metrics::INGEST_STEPS;
+        let line: Vec<String> =
+            order.iter().map(|s| format!("{s} {:.3}", steps.get(*s).and_then(|v| v.as_f64()).unwrap_or(f64::NAN))).collect();
+        println!("{:>6} agents: {} ms", u(r, "agents"), line.join(" | "));
+    }
     println!("Per round:");
     println!(
         "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
@@ -395,6 +404,8 @@ struct CampaignRecord {
     status: String,
     loadavg: String,
     udp_drops: u64,
+    /// Seconds the aggregator spent in each ingest stage over the campaign.
+    ingest_s: BTreeMap<String, f64>,
 }
 
 /// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
@@ -413,6 +424,7 @@ async fn run_campaign(
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
+    let ingest0 = ingest_seconds(sv.metrics_addr).await;
     campaign_start(&sv.aggregator_bin, &sv.config, sv.agg.addr, args.rounds, target)?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
@@ -429,6 +441,8 @@ async fn run_campaign(
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
     }
     let udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
+    let ingest_s =
+        ingest_seconds(sv.metrics_addr).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
     let agg_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
     let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
     let agg_peak_rss_kib = proc_status_kib(&sv.agg.pid().to_string(), "VmHWM").unwrap_or(0);
@@ -436,7 +450,7 @@ async fn run_campaign(
     let samples = poller.stop().await;
     let status = operator_status(&sv.pki, sv.agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
     sv.agg.stop();
-    Ok(CampaignRecord { samples, closed0, published0, agg_cpu_s, agg_peak_rss_kib, own_cpu_s, status, loadavg, udp_drops })
+    Ok(CampaignRecord { samples, closed0, published0, agg_cpu_s, agg_peak_rss_kib, own_cpu_s, status, loadavg, udp_drops, ingest_s })
 }
 
 /// Per-round figures from the aggregator's metrics and the agents' events.
@@ -535,6 +549,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "agg_cpu_s": rec.agg_cpu_s,
         "agg_cpu_ms_per_update": rec.agg_cpu_s * 1e3 / accepted,
         "agents_cpu_ms_per_update": rec.own_cpu_s * 1e3 / accepted,
+        "ingest_ms_per_update": rec.ingest_s.iter().map(|(k, v)| (k.clone(), json!(v * 1e3 / accepted))).collect::<serde_json::Map<_, _>>(),
         "worker_peak_rss_kib": worker_peak_rss_kib,
         "worker_base_rss_kib": base_rss_kib,
         "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
@@ -936,6 +951,20 @@ impl MetricsPoller {
         let _ = self.task.await;
         std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
     }
+}
+
+/// The aggregator's `ingest_seconds_total{step}` counters, by step (empty if unreachable).
+async fn ingest_seconds(addr: std::net::SocketAddr) -> BTreeMap<String, f64> {
+    let Ok(Ok((200, text))) = tokio::time::timeout(Duration::from_secs(2), fedfleet_http::scrape(addr, "/metrics")).await else {
+        return BTreeMap::new();
+    };
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("fedfleet_aggregator_ingest_seconds_total{step=\"")?;
+            let (step, value) = rest.split_once("\"} ")?;
+            Some((step.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 fn parse_metrics(text: &str, at: Instant) -> Sample {

@@ -37,6 +37,12 @@ pub mod labels {
         pub event: String,
     }
 
+    /// `step`: a stage of work (e.g. of ingesting one update).
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    pub struct Step {
+        pub step: String,
+    }
+
     /// `device`: a device id.
     #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
     pub struct Device {

@@ -557,6 +557,36 @@ impl RoundEngine {
         Ok(accepted)
     }
 
+    /// Re-admits an update accepted into the open round `round` before a restart, from the
+    /// shell's durable record of it. The shell snapshots the engine at round boundaries, not at
+    /// every update (each snapshot copies every contribution and retained nonce: quadratic in a
+    /// round's size), so on restart it hands the open round's accepted updates back here. Returns
+    /// false for one the snapshot already holds. Closes the round when the count reaches the
+    /// target, as the original acceptance did. The engine reads `num_examples` nowhere else: a
+    /// record that kept only the weight may pass the weight.
+    pub fn readmit(&mut self, round: RoundId, contribution: Contribution) -> Result<bool, EngineError> {
+        let c = self.campaign.as_mut().ok_or(EngineError::NoCampaign)?;
+        let Phase::Open(r) = &mut c.phase else { return Err(EngineError::NotCurrentRound(round)) };
+        if r.id != round {
+            return Err(EngineError::NotCurrentRound(round));
+        }
+        if let Some(have) = r.contributions.get(&contribution.device) {
+            if have.nonce == contribution.nonce {
+                return Ok(false);
+            }
+            return Err(EngineError::Snapshot(format!("round {round} holds another update of {}", contribution.device)));
+        }
+        self.seen_nonces.insert((contribution.device.clone(), contribution.nonce));
+        self.nonce_log.push_back((round, contribution.device.clone(), contribution.nonce));
+        r.contributions.insert(contribution.device.clone(), contribution);
+        let accepted = r.contributions.len() as u32;
+        let c = self.campaign.as_ref().expect("checked above");
+        if accepted >= self.round_target(c) {
+            self.close_round(CloseCause::TargetReached);
+        }
+        Ok(true)
+    }
+
     /// Processes every deadline due at `now`. Idempotent; call it when
     /// [`poll_timeout`](Self::poll_timeout) says, or whenever.
     pub fn handle_timeout(&mut self, now: Millis) {

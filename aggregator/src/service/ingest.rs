@@ -64,6 +64,8 @@ pub(super) struct Checked {
     payload: Vec<u8>,
     base: Base,
     dtype: DType,
+    /// When the current ingest stage began (see [`crate::metrics::INGEST_STEPS`]).
+    since: Instant,
 }
 
 impl Aggregator {
@@ -75,6 +77,7 @@ impl Aggregator {
     /// counts and reports a rejection.
     pub async fn ingest(&self, peer: &PeerIdentity, update: SignedUpdate, payload: Payload<'_>) -> Result<Signed<Receipt>, Rejection> {
         let sh = &self.shared;
+        let mut since = Instant::now();
         let h = update.body().clone();
         // 1. The connection's certificate must be the header's device.
         match peer {
@@ -105,6 +108,7 @@ impl Aggregator {
         };
         // 3. Signature.
         update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
+        sh.metrics.ingest_step("authenticate", &mut since);
         // 4. A resend of an accepted update gets its receipt again (once the record is durable:
         // the first attempt may still be waiting for its flush).
         if let Ok(Some(rec)) = sh.store.accepted(&h.device, &h.nonce)
@@ -145,13 +149,15 @@ impl Aggregator {
             let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
             return Err(reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms)));
         };
+        sh.metrics.ingest_step("admit", &mut since);
         // 7. The payload through the digest/length check (streamed over QUIC).
         let mut check = PayloadCheck::new(&h);
         let stream = match payload {
             Payload::Bytes(bytes) => {
                 check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
                 check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-                return self.commit_blocking(Checked { h, meta, payload: bytes, base, dtype }).await;
+                sh.metrics.ingest_step("receive", &mut since);
+                return self.commit_blocking(Checked { h, meta, payload: bytes, base, dtype, since }).await;
             }
             Payload::Quic(stream) => stream,
         };
@@ -169,7 +175,8 @@ impl Aggregator {
             }
         }
         check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-        self.commit_blocking(Checked { h, meta, payload, base, dtype }).await
+        sh.metrics.ingest_step("receive", &mut since);
+        self.commit_blocking(Checked { h, meta, payload, base, dtype, since }).await
     }
 
     /// 7. Decode, check, fold and commit, off the async threads.
@@ -179,11 +186,13 @@ impl Aggregator {
     }
 
     fn fold_and_commit(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
-        let Checked { h, meta, payload, base, dtype } = checked;
+        let Checked { h, meta, payload, base, dtype, mut since } = checked;
         let sh = &self.shared;
         let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
+        sh.metrics.ingest_step("decode", &mut since);
         sh.store.put_update(&h.payload_digest, &payload).map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
         drop(payload);
+        sh.metrics.ingest_step("store_payload", &mut since);
         let mut core = self.lock();
         if core.base.as_ref().map(|b| b.digest) != Some(base.digest) {
             return Err(reject(RejectReason::StaleRound, "the round changed while the payload streamed"));
@@ -212,6 +221,7 @@ impl Aggregator {
             },
             &sh.key,
         );
+        sh.metrics.ingest_step("fold", &mut since);
         let rec = AcceptedRecord {
             round: accepted.round,
             device: h.device.clone(),
@@ -219,7 +229,8 @@ impl Aggregator {
             weight: accepted.weight,
             receipt: receipt.encode(),
         };
-        let seq = sh.store.apply_update(&core.coord.engine().to_bytes(), &h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
+        let seq = sh.store.apply_update(&h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
+        sh.metrics.ingest_step("snapshot", &mut since);
         sh.metrics.accepted.inc();
         // Accepted payloads only: refused bytes are counted by their refusal, not here.
         sh.metrics.update_bytes.inc_by(h.payload_len);
@@ -230,6 +241,7 @@ impl Aggregator {
         drop(core);
         // Durable before the receipt leaves; concurrent uploads share this flush.
         sh.store.sync(seq).unwrap_or_else(|e| abort_on_commit_failure(e));
+        sh.metrics.ingest_step("sync", &mut since);
         Ok(receipt)
     }
 }

@@ -267,6 +267,25 @@ impl Aggregator {
             let base = core.base.clone().ok_or_else(|| resume("a round is open but no global model is recorded".into()))?;
             let dtype = core.campaign.payload_dtype();
             let records = store.accepted_in(round)?;
+            // The engine was snapshotted at the round's last boundary: updates accepted since
+            // are re-admitted from their records (an open round only; a closed one holds them).
+            if core.coord.engine().round_status().is_some_and(|s| s.round == round) {
+                for rec in &records {
+                    let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    let contribution = fedfleet_rounds::engine::Contribution {
+                        device: rec.device.clone(),
+                        nonce: fedfleet_rounds::Nonce(receipt.body().nonce),
+                        num_examples: rec.weight,
+                        weight: rec.weight,
+                        payload_digest: rec.payload_digest,
+                        accepted_at: receipt.body().accepted_at_unix_ms,
+                    };
+                    core.coord
+                        .engine_mut()
+                        .readmit(round, contribution)
+                        .map_err(|e| resume(format!("re-admitting {}: {e}", rec.payload_digest)))?;
+                }
+            }
             // A deferred fold only counts here; its payloads are read when the round closes.
             let deferred = core.coord.mode() == FoldMode::Deferred;
             for rec in &records {

@@ -11,7 +11,7 @@ use fedfleet_learning::{
 use fedfleet_protocol::bundle::TensorBundle;
 
 fn graph(json: &str) -> Result<ModelSpec, LearningError> {
-    ModelSpec::from_json(json)
+    ModelSpec::from_json(json).map_err(Into::into)
 }
 
 fn err(json: &str) -> String {
@@ -532,7 +532,7 @@ fn a_custom_model_declares_its_tensors_and_which_an_update_carries() {
 #[test]
 fn specs_too_costly_to_hold_or_run_are_refused_by_name() {
     let err = |json: &str| match ModelSpec::from_json(json) {
-        Err(LearningError::InvalidSpec(m)) => m,
+        Err(fedfleet_modelspec::SpecError::InvalidSpec(m)) => m,
         other => panic!("{json}: expected InvalidSpec, got {other:?}"),
     };
     // 16 layers of 16384×16384: 4.3e9 parameters.

@@ -348,6 +348,46 @@ fn engine_snapshot_restores_to_the_same_behaviour() {
     assert_eq!(e, restored);
 }
 
+#[test]
+fn a_snapshot_from_the_round_boundary_plus_readmitted_records_is_the_engine_that_ran_on() {
+    // The shell snapshots the engine when a round opens and keeps a record per accepted update;
+    // re-admitting the records into that snapshot gives the engine that accepted them (and
+    // closes the round where the last one reached the target).
+    let (mut e, a) = engine_with(spec(10, policy(3, 2, MIN)));
+    let at_open = e.to_bytes();
+    let mut contributions = Vec::new();
+    for d in 0..3 {
+        let m = meta(d, a.round, 0);
+        let acc = e.handle_update(T0 + 1 + d as u64, m.clone()).unwrap();
+        contributions.push(Contribution {
+            device: m.device,
+            nonce: m.nonce,
+            num_examples: acc.weight,
+            weight: acc.weight,
+            payload_digest: m.payload_digest,
+            accepted_at: T0 + 1 + d as u64,
+        });
+    }
+    let mut restored = RoundEngine::from_bytes(&at_open).unwrap();
+    events(&mut restored);
+    let mut original = events(&mut e);
+    // Two records, the third not yet written: the round stays open, and a resend of a
+    // readmitted update is a replay; the third then closes it with the same contributions.
+    for c in &contributions[..2] {
+        assert!(restored.readmit(a.round, c.clone()).unwrap());
+        assert!(!restored.readmit(a.round, c.clone()).unwrap(), "readmitting twice changes nothing");
+    }
+    assert_eq!(restored.round_status().map(|s| s.accepted), Some(2));
+    assert_eq!(reason(restored.check_update(T0 + 10, &meta(1, a.round, 0))), RejectReason::Replay);
+    assert!(restored.readmit(a.round, contributions[2].clone()).unwrap());
+    let replayed = events(&mut restored);
+    assert!(matches!(&replayed[..], [EngineEvent::RoundClosed { cause: CloseCause::TargetReached, .. }]), "{replayed:?}");
+    original.retain(|ev| matches!(ev, EngineEvent::RoundClosed { .. }));
+    assert_eq!(replayed, original);
+    assert_eq!(restored, e);
+    assert!(matches!(restored.readmit(a.round, contributions[0].clone()), Err(EngineError::NotCurrentRound(_))));
+}
+
 /// Deltas for device `d`: mixed magnitudes, deterministic.
 fn delta(d: usize, dim: usize) -> Vec<f32> {
     (0..dim).map(|j| (((d * 31 + j * 17) % 97) as f32 - 48.0) * 10f32.powi((d % 7) as i32 - 4)).collect()

@@ -371,7 +371,8 @@ fn a_deployment_on_separate_hosts_fails_safe() {
     assert_eq!(count_lines(&h.log(&device(4)), &format!("v{bad_version}")), 0, "the new device heard of the bad version");
 
     // Defect 2: sensor-003 is revoked while it waits in an open round; only the signed
-    // `revoked.json` reaches the aggregator's host. Its next update is refused at ingest, counted.
+    // `revoked.json` reaches the aggregator's host. Its next contact (its update at ingest, or a
+    // poll on the connection it made before the revocation) is refused as revoked, and counted.
     // sensor-004 sits this out until the refusal is counted: the round cannot fill without it.
     h.set_idle(3, false);
     h.set_idle(4, false);
@@ -381,8 +382,13 @@ fn a_deployment_on_separate_hosts_fails_safe() {
     copy_into(&h.host("ca").join("pki/revoked.json"), &h.host("aggregator").join("aggregator-pki"));
     copy_into(&h.host("ca").join("pki/revoked.json"), &h.host("registry").join("registry-pki"));
     h.set_idle(3, true);
-    wait_for("sensor-003's update refused as revoked", STEP_TIMEOUT, || {
+    wait_for("sensor-003 refused as revoked", STEP_TIMEOUT, || {
         (h.agg_metric("fedfleet_aggregator_updates_rejected_total{reason=\"revoked\"}") >= 1.0).then_some(())
+    });
+    wait_for("sensor-003 to report itself revoked", STEP_TIMEOUT, || {
+        h.status(3)
+            .is_some_and(|s| matches!(&s.state, fedfleet_protocol::DeviceState::Failed { reason } if reason.contains("revoked")))
+            .then_some(())
     });
     h.set_idle(4, true);
     wait_for("the round to complete without sensor-003", Duration::from_secs(120), || {
