@@ -263,6 +263,17 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             order.iter().map(|s| format!("{s} {:.3}", steps.get(*s).and_then(|v| v.as_f64()).unwrap_or(f64::NAN))).collect();
         println!("{:>6} agents: {} ms", u(r, "agents"), line.join(" | "));
     }
+    println!("The operator's `campaign status` during the campaign (a new mTLS connection each, every {STATUS_PROBE_PERIOD:?}):");
+    for r in results {
+        println!(
+            "{:>6} agents: median {:.1} ms, max {:.1} ms over {} probes, {} failed",
+            u(r, "agents"),
+            f(r, "operator_status_ms_median"),
+            f(r, "operator_status_ms_max"),
+            u(r, "operator_status_probes"),
+            u(r, "operator_status_failures")
+        );
+    }
     println!("Per round:");
     println!(
         "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
@@ -406,6 +417,36 @@ struct CampaignRecord {
     udp_drops: u64,
     /// Seconds the aggregator spent in each ingest stage over the campaign.
     ingest_s: BTreeMap<String, f64>,
+    /// The operator's `campaign status` (a fresh connection each, as the CLI makes), timed
+    /// every [`STATUS_PROBE_PERIOD`] while the campaign ran: latencies, and the failures.
+    status_ms: Vec<f64>,
+    status_failures: u64,
+}
+
+/// How often the operator's `campaign status` is timed during a campaign.
+const STATUS_PROBE_PERIOD: Duration = Duration::from_millis(500);
+
+/// Times the operator's `campaign status` every [`STATUS_PROBE_PERIOD`] until stopped.
+fn probe_operator_status(
+    pki: Pki,
+    addr: std::net::SocketAddr,
+) -> (tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<(Vec<f64>, u64)>) {
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(async move {
+        let (mut ms, mut failures) = (Vec::new(), 0);
+        loop {
+            let t = Instant::now();
+            match tokio::time::timeout(Duration::from_secs(30), operator_status(&pki, addr)).await {
+                Ok(Ok(_)) => ms.push(t.elapsed().as_secs_f64() * 1e3),
+                _ => failures += 1,
+            }
+            tokio::select! {
+                _ = stopped.changed() => return (ms, failures),
+                _ = tokio::time::sleep(STATUS_PROBE_PERIOD) => {}
+            }
+        }
+    });
+    (stop, task)
 }
 
 /// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
@@ -425,6 +466,7 @@ async fn run_campaign(
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     let ingest0 = ingest_seconds(sv.metrics_addr).await;
+    let (stop_probe, probe) = probe_operator_status(sv.pki.clone(), sv.agg.addr);
     campaign_start(&sv.aggregator_bin, &sv.config, sv.agg.addr, args.rounds, target)?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
@@ -441,6 +483,8 @@ async fn run_campaign(
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
     }
     let udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
+    let _ = stop_probe.send(true);
+    let (status_ms, status_failures) = probe.await.unwrap_or_default();
     let ingest_s =
         ingest_seconds(sv.metrics_addr).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
     let agg_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
@@ -450,7 +494,20 @@ async fn run_campaign(
     let samples = poller.stop().await;
     let status = operator_status(&sv.pki, sv.agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
     sv.agg.stop();
-    Ok(CampaignRecord { samples, closed0, published0, agg_cpu_s, agg_peak_rss_kib, own_cpu_s, status, loadavg, udp_drops, ingest_s })
+    Ok(CampaignRecord {
+        samples,
+        closed0,
+        published0,
+        agg_cpu_s,
+        agg_peak_rss_kib,
+        own_cpu_s,
+        status,
+        loadavg,
+        udp_drops,
+        ingest_s,
+        status_ms,
+        status_failures,
+    })
 }
 
 /// Per-round figures from the aggregator's metrics and the agents' events.
@@ -549,6 +606,10 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "agg_cpu_s": rec.agg_cpu_s,
         "agg_cpu_ms_per_update": rec.agg_cpu_s * 1e3 / accepted,
         "agents_cpu_ms_per_update": rec.own_cpu_s * 1e3 / accepted,
+        "operator_status_ms_median": percentile(&rec.status_ms, 0.5),
+        "operator_status_ms_max": percentile(&rec.status_ms, 1.0),
+        "operator_status_probes": rec.status_ms.len(),
+        "operator_status_failures": rec.status_failures,
         "ingest_ms_per_update": rec.ingest_s.iter().map(|(k, v)| (k.clone(), json!(v * 1e3 / accepted))).collect::<serde_json::Map<_, _>>(),
         "worker_peak_rss_kib": worker_peak_rss_kib,
         "worker_base_rss_kib": base_rss_kib,
@@ -951,6 +1012,16 @@ impl MetricsPoller {
         let _ = self.task.await;
         std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
     }
+}
+
+/// The `q` quantile (0..=1) of `values` (NaN when empty).
+fn percentile(values: &[f64], q: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
 /// The aggregator's `ingest_seconds_total{step}` counters, by step (empty if unreachable).
