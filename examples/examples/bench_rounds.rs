@@ -555,7 +555,26 @@ fn total(rounds: &[Value], k: &str) -> f64 {
     rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum()
 }
 
+/// Open files a simulated agent holds (its sled store's files and its QUIC socket), measured as
+/// the point where 6,661 agents hit a 20,000-file limit.
+const FILES_PER_AGENT: u64 = 3;
+
+/// Refuses, before any agent is opened, a fleet this process cannot hold the files of.
+fn check_open_file_limit(n: usize) -> anyhow::Result<()> {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    let soft = limits.lines().find(|l| l.starts_with("Max open files")).and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok());
+    let need = n as u64 * FILES_PER_AGENT + 1024;
+    match soft {
+        Some(limit) if limit < need => bail!(
+            "{n} simulated agents need about {need} open files (a sled store each, plus sockets); this process may open {limit} \
+             (`ulimit -n`, at most the hard limit `ulimit -Hn`)"
+        ),
+        _ => Ok(()),
+    }
+}
+
 async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
+    check_open_file_limit(n)?;
     let events = Recorder::install();
     let target = if args.sampling_rate >= 1.0 { n as u32 } else { ((args.sampling_rate * n as f64).floor() as u32).max(1) };
     let devices: Vec<DeviceId> = (0..n).map(|i| DeviceId::new(format!("bench-{i:04}"))).collect::<Result<_, _>>()?;
