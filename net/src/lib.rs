@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod logging;
+pub mod peer;
 pub mod rpc;
 pub mod serve;
 pub mod shutdown;

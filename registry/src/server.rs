@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use fedfleet_certs::PeerIdentity;
-use fedfleet_net::admission::{Admission, AdmissionConfig, PeerClass, Refused};
+use fedfleet_net::admission::{Admission, AdmissionConfig, Refused};
 use fedfleet_net::{FramedStream, NetError};
 use fedfleet_protocol::{FrameKind, RejectReason};
 
@@ -135,20 +135,9 @@ async fn timer_loop(reg: Arc<Registry>, shutdown: fedfleet_net::Shutdown) {
     }
 }
 
-fn peer_of(conn: &quinn::Connection) -> Result<PeerIdentity, String> {
-    let any = conn.peer_identity().ok_or("no client certificate")?;
-    let certs =
-        any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().map_err(|_| "unexpected peer identity type".to_string())?;
-    fedfleet_certs::peer_identity(&certs).map_err(|e| e.to_string())
-}
-
 async fn connection(incoming: quinn::Incoming, ctx: Arc<Ctx>, admission: Arc<Admission>) {
     let remote = incoming.remote_address();
-    let classify = |conn: &quinn::Connection| match peer_of(conn) {
-        Ok(PeerIdentity::Service(_)) => PeerClass::Service,
-        _ => PeerClass::Device,
-    };
-    let admitted = match admission.admit(incoming, classify).await {
+    let admitted = match admission.admit(incoming, fedfleet_net::peer::class).await {
         Ok(a) => a,
         Err(r @ (Refused::HandshakeTimeout | Refused::Retried)) => {
             tracing::debug!(%remote, refused = ?r, "handshake not finished");
@@ -180,7 +169,7 @@ fn handshake_failed(ctx: &Ctx, remote: std::net::SocketAddr, e: quinn::Connectio
 
 /// Serves an admitted connection's streams until it closes.
 async fn serve_connection(conn: quinn::Connection, remote: std::net::SocketAddr, ctx: Arc<Ctx>) {
-    let peer = match peer_of(&conn) {
+    let peer = match fedfleet_net::peer::identity(&conn) {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(%remote, error = %e, "refusing peer");
@@ -374,11 +363,7 @@ fn renew_certificate(ctx: &Ctx, conn: &quinn::Connection, id: &fedfleet_protocol
     if ctx.reg.is_revoked(id) {
         return refuse(RejectReason::Revoked, format!("device {id} is revoked"));
     }
-    let Some(cert) = conn
-        .peer_identity()
-        .and_then(|a| a.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok())
-        .and_then(|c| c.first().cloned())
-    else {
+    let Some(cert) = fedfleet_net::peer::certificates(conn).and_then(|c| c.into_iter().next()) else {
         return refuse(RejectReason::Internal, "no peer certificate".into());
     };
     if let Some(allow) = &r.allow_list {

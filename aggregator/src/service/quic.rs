@@ -1,7 +1,7 @@
 //! The QUIC shell: bind, the accept loop with graceful shutdown, and one request per stream.
 
 use super::*;
-use fedfleet_net::admission::{Admission, AdmissionConfig, PeerClass, Refused};
+use fedfleet_net::admission::{Admission, AdmissionConfig, Refused};
 
 impl Aggregator {
     /// Binds the QUIC endpoint of the config.
@@ -60,16 +60,7 @@ impl Aggregator {
     }
 
     pub(super) async fn connection(&self, incoming: quinn::Incoming, admission: &Admission, shutdown: fedfleet_net::Shutdown) {
-        let peer_of = |conn: &quinn::Connection| {
-            conn.peer_identity()
-                .and_then(|any| any.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>().ok())
-                .and_then(|certs| fedfleet_certs::peer_identity(&certs).ok())
-        };
-        let classify = |conn: &quinn::Connection| match peer_of(conn) {
-            Some(PeerIdentity::Service(_)) => PeerClass::Service,
-            _ => PeerClass::Device,
-        };
-        let admitted = match admission.admit(incoming, classify).await {
+        let admitted = match admission.admit(incoming, fedfleet_net::peer::class).await {
             Ok(a) => a,
             Err(Refused::HandshakeFailed(e)) => {
                 tracing::debug!(error = %e, "handshake failed");
@@ -86,7 +77,7 @@ impl Aggregator {
             }
         };
         let conn = &admitted.conn;
-        let Some(peer) = peer_of(conn) else {
+        let Ok(peer) = fedfleet_net::peer::identity(conn) else {
             conn.close(1u32.into(), b"no fleet identity");
             return;
         };
