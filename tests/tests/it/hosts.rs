@@ -324,8 +324,9 @@ fn a_deployment_on_separate_hosts_fails_safe() {
     assert_eq!(h.stable(), Some(good));
 
     // Defect 1: a bad model (the untrained initial weights) rolled out in two phases with the
-    // default gate: every device that tries it rolls back, the rollout aborts (or stalls, if its
-    // first phase holds nobody), the command fails, and `stable` does not move.
+    // default gate: every device that tries it rolls back, the rollout aborts (an empty first
+    // phase widens on its soak; with no outcome at all it would stall at its deadline), the
+    // command fails, and `stable` does not move.
     let bad = h.host("operator").join("untrained.safetensors");
     std::fs::copy(h.host("aggregator").join("initial.safetensors"), &bad).unwrap();
     h.operator_ok("registry", &["publish", "untrained.safetensors", "--model", MODEL, "--spec", "spec.json", "--parent", &good_s]);
