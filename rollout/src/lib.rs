@@ -20,9 +20,10 @@
 //! target healthy or active: a phase advances, and the alias moves, on evidence, never on time
 //! alone. (One exception: a phase none of whose audience so far has reported at all, such as the
 //! 1 % phase of a small fleet, widens on its soak, as nobody runs the target yet; the last phase
-//! always needs a healthy device.) A phase still short at its `deadline_ms` stalls the rollout. After the last phase the rollout completes and asks the shell to point the
-//! alias at the target ([`Event::SetAlias`]); until then the alias keeps the previous version and
-//! only the audience is told to run the target.
+//! always needs a healthy device.) A phase still short at its `deadline_ms` stalls the rollout.
+//! After the last phase the rollout completes and asks the shell to point the alias at the
+//! target ([`Event::SetAlias`]); until then the alias keeps the previous version and only the
+//! audience is told to run the target.
 //!
 //! Device reports ([`VersionReport`]) drive the failure rate: among audience devices that reported
 //! an *outcome* for the target (healthy, active, failed, rolled back), the share that failed or
@@ -80,6 +81,11 @@ pub struct Phase {
 }
 
 impl Phase {
+    /// Healthy devices the phase needs before it advances: `min_healthy`, and never fewer than one.
+    pub fn required_healthy(&self) -> u32 {
+        self.min_healthy.max(1)
+    }
+
     pub fn percent(p: f64, soak_ms: u64) -> Self {
         Phase { audience: Audience::Percent(p), soak_ms, min_healthy: 0, deadline_ms: 0 }
     }
@@ -470,7 +476,7 @@ impl Rollout {
                 return;
             }
         }
-        let min_healthy = self.plan.phases[self.phase].min_healthy.max(1);
+        let min_healthy = self.plan.phases[self.phase].required_healthy();
         if self.status == Status::Running && audience.is_some_and(|n| n.saturating_sub(failed) < min_healthy) {
             self.stall(now, ok, failed);
         }
@@ -482,7 +488,7 @@ impl Rollout {
     }
 
     fn stall(&mut self, now: u64, healthy: u32, failed: u32) {
-        let min_healthy = self.plan.phases[self.phase].min_healthy.max(1);
+        let min_healthy = self.plan.phases[self.phase].required_healthy();
         self.end_aborted(now);
         tracing::warn!(rollout = %self.plan.id, phase = self.phase, healthy, min_healthy, failed, "stalled");
         self.events.push_back(Event::Stalled { phase: self.phase, healthy, min_healthy, failed });
@@ -529,7 +535,7 @@ impl Rollout {
             let last = self.phase + 1 == self.plan.phases.len();
             let audience_seen = self.devices.values().any(|r| r.first_phase.is_some_and(|f| f <= self.phase));
             let wait_for_evidence = phase.min_healthy > 0 || last || audience_seen;
-            if wait_for_evidence && healthy < phase.min_healthy.max(1) {
+            if wait_for_evidence && healthy < phase.required_healthy() {
                 if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {
                     self.stall(now, healthy, failed);
                 }
