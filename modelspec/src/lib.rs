@@ -9,7 +9,7 @@
 pub mod graph;
 pub mod spec;
 
-use fedfleet_protocol::bundle::TensorBundle;
+use fedfleet_protocol::bundle::{LayoutDiff, TensorBundle};
 pub use graph::{AdapterInit, FineTune, GraphSpec, Layer, Task};
 pub use spec::{CustomSpec, ModelSpec, TensorDecl, TensorRole};
 
@@ -52,20 +52,9 @@ pub fn check_weights(spec: &ModelSpec, bundle: &TensorBundle) -> Result<(), Spec
 }
 
 fn layout_problems(spec: &ModelSpec, bundle: &TensorBundle) -> Vec<String> {
-    let want = spec.layout();
-    let got = bundle.layout();
-    let mut problems = Vec::new();
-    for (name, shape) in want.iter() {
-        match got.get(name) {
-            None => problems.push(format!("missing {name}")),
-            Some(s) if s != shape => problems.push(format!("{name} has shape {s:?}, expected {shape:?}")),
-            _ => {}
-        }
-    }
-    for name in got.keys() {
-        if !want.contains_key(name) {
-            problems.push(format!("unexpected {name}"));
-        }
-    }
-    problems
+    let diff = LayoutDiff::between(&spec.layout(), &bundle.layout());
+    let missing = diff.missing.iter().map(|(name, _)| format!("missing {name}"));
+    let reshaped = diff.reshaped.iter().map(|(name, got, want)| format!("{name} has shape {got:?}, expected {want:?}"));
+    let unexpected = diff.unexpected.iter().map(|(name, _)| format!("unexpected {name}"));
+    missing.chain(reshaped).chain(unexpected).collect()
 }

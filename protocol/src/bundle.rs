@@ -290,6 +290,33 @@ impl Tensor {
 /// Tensor name -> shape.
 pub type Layout = BTreeMap<String, Vec<usize>>;
 
+/// Every way a layout `got` differs from the layout `want`, each list in name order (for a
+/// message naming every difference; [`TensorBundle::check_layout`] stops at the first).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayoutDiff {
+    /// In `want` only: name and shape.
+    pub missing: Vec<(String, Vec<usize>)>,
+    /// In `got` only: name and shape.
+    pub unexpected: Vec<(String, Vec<usize>)>,
+    /// In both with other shapes: name, the shape in `got`, the shape in `want`.
+    pub reshaped: Vec<(String, Vec<usize>, Vec<usize>)>,
+}
+
+impl LayoutDiff {
+    pub fn between(want: &Layout, got: &Layout) -> LayoutDiff {
+        let only = |a: &Layout, b: &Layout| a.iter().filter(|(n, _)| !b.contains_key(*n)).map(|(n, s)| (n.clone(), s.clone())).collect();
+        LayoutDiff {
+            missing: only(want, got),
+            unexpected: only(got, want),
+            reshaped: want.iter().filter_map(|(n, w)| got.get(n).filter(|g| *g != w).map(|g| (n.clone(), g.clone(), w.clone()))).collect(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.missing.is_empty() && self.unexpected.is_empty() && self.reshaped.is_empty()
+    }
+}
+
 /// Limits applied by [`TensorBundle::decode`] before anything is allocated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BundleLimits {

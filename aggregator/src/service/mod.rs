@@ -188,10 +188,10 @@ fn layout_change(global: &Layout, spec: &Layout) -> Option<String> {
         }
         s
     };
-    let added: Vec<String> = spec.iter().filter(|(n, _)| !global.contains_key(*n)).map(|(n, s)| format!("{n} {s:?}")).collect();
-    let removed: Vec<String> = global.iter().filter(|(n, _)| !spec.contains_key(*n)).map(|(n, s)| format!("{n} {s:?}")).collect();
-    let reshaped: Vec<String> =
-        spec.iter().filter_map(|(n, s)| global.get(n).filter(|g| *g != s).map(|g| format!("{n} {g:?} -> {s:?}"))).collect();
+    let diff = fedfleet_protocol::bundle::LayoutDiff::between(spec, global);
+    let added: Vec<String> = diff.missing.iter().map(|(n, s)| format!("{n} {s:?}")).collect();
+    let removed = diff.unexpected.iter().map(|(n, s)| format!("{n} {s:?}")).collect();
+    let reshaped = diff.reshaped.iter().map(|(n, g, s)| format!("{n} {g:?} -> {s:?}")).collect();
     let mut parts = Vec::new();
     for (what, names) in [("the spec adds", added), ("the spec drops", removed), ("the spec reshapes", reshaped)] {
         if !names.is_empty() {
