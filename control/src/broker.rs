@@ -433,8 +433,7 @@ fn judge(gate: &Gate, who: &PeerIdentity, header: mqttbytes::FixedHeader, frame:
         PacketType::Publish => {
             let publish = rumqttc::Publish::read(header, frame.clone()).map_err(malformed)?;
             let topic = &publish.topic;
-            let listed = |name: &String| gate.publishers.contains(name);
-            if !topics::may_publish(who, &gate.fleet, topic) || matches!(who, PeerIdentity::Service(name) if !listed(name)) {
+            if !topics::may_publish(who, &gate.fleet, &gate.publishers, topic) {
                 return Err((Refusal::Acl, format!("publish on {topic}")));
             }
             Ok(frame)

@@ -97,13 +97,16 @@ impl Topic {
     }
 }
 
-/// Whether `client` (by the identity in its certificate) may publish on `topic` in `fleet` — the embedded broker's access rule. A
-/// device publishes only its own status and updates; a fleet service (aggregator, registry)
-/// anything of the fleet's schema. So no device can forge another's status or plant a retained
-/// announcement that later devices would see instead of the real one.
-pub fn may_publish(client: &PeerIdentity, fleet: &FleetId, topic: &str) -> bool {
+/// Whether `client` (by the identity in its certificate) may publish on `topic` in `fleet` — the
+/// embedded broker's access rule. A device publishes only its own status and updates; a fleet
+/// service named in `publishers` (the aggregator, the registry) anything of the fleet's schema;
+/// any other service certificate (an operator's) nothing. So no device can forge another's
+/// status, and no one but the services can plant a retained announcement that later devices
+/// would see instead of the real one (the same rules as [`mosquitto_acl`] with `publishers` as
+/// its services).
+pub fn may_publish(client: &PeerIdentity, fleet: &FleetId, publishers: &[String], topic: &str) -> bool {
     match client {
-        PeerIdentity::Service(_) => in_fleet(fleet, topic),
+        PeerIdentity::Service(name) => publishers.contains(name) && in_fleet(fleet, topic),
         PeerIdentity::Device(me) => matches!(parse(topic),
             Ok(Topic::Status { fleet: f, device } | Topic::Updates { fleet: f, device })
                 if &f == fleet && &device == me),
@@ -255,6 +258,8 @@ mod tests {
         let peer = DeviceId::new("cam-2").unwrap();
         let device = PeerIdentity::Device(me.clone());
         let service = PeerIdentity::Service("aggregator".into());
+        let publishers = ["aggregator".to_owned(), "registry".to_owned()];
+        let may_publish = |who: &PeerIdentity, fleet: &FleetId, topic: &str| may_publish(who, fleet, &publishers, topic);
         assert!(may_publish(&device, &fleet, &status(&fleet, &me)));
         assert!(may_publish(&device, &fleet, &updates(&fleet, &me)));
         for forbidden in [
@@ -276,6 +281,8 @@ mod tests {
         }
         assert!(!may_publish(&service, &fleet, &rounds(&other)));
         assert!(!may_publish(&service, &fleet, "fedfleet/v1/demonstration/rounds"));
+        // A service certificate that is not a publisher (an operator's) may publish nothing.
+        assert!(!may_publish(&PeerIdentity::Service("operator".into()), &fleet, &rounds(&fleet)));
 
         for allowed in [rounds(&fleet), rollouts(&fleet), receipts(&fleet, &me), rejections(&fleet, &me)] {
             assert!(may_subscribe(&device, &fleet, &allowed), "{allowed}");
