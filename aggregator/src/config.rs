@@ -619,9 +619,8 @@ impl OperatorConfig {
 
     /// Whether the service's model is fine-tuned with LoRA (false when the file does not say).
     pub fn lora(&self) -> bool {
-        let spec = self.model.as_ref().and_then(|m| m.get("spec")).and_then(|s| serde_json::to_value(s).ok());
-        spec.and_then(|s| serde_json::from_value::<fedfleet_learning::ModelSpec>(s).ok())
-            .is_some_and(|s| matches!(s.finetune(), fedfleet_learning::FineTune::Lora { .. }))
+        let spec = self.model.as_ref().and_then(|m| m.get("spec")).and_then(|s| s.clone().try_into::<fedfleet_learning::ModelSpec>().ok());
+        spec.is_some_and(|s| matches!(s.finetune(), fedfleet_learning::FineTune::Lora { .. }))
     }
 }
 

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use fedfleet_aggregator::client::AggregatorClient;
-use fedfleet_aggregator::config::Config;
+use fedfleet_aggregator::config::{Config, OperatorConfig};
 use fedfleet_aggregator::lifecycle::AggregatorService;
 use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request};
 
@@ -174,10 +174,11 @@ async fn run(cli: Cli) -> Result<()> {
                 CampaignCmd::Status { conn } => (conn, Request::CampaignStatus),
                 CampaignCmd::Stop { conn } => (conn, Request::CampaignStop),
             };
-            let status = operator_call(&conn, req).await?;
-            print_status(&status, &conn);
+            let cfg = OperatorConfig::load(&conn.config)?;
+            let status = operator_call(&conn, &cfg, req).await?;
+            print_status(&status, &conn, &cfg);
             if wait {
-                wait_for_campaign_end(&conn, status).await?;
+                wait_for_campaign_end(&conn, &cfg, status).await?;
             }
             Ok(())
         }
@@ -202,8 +203,7 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
     Ok(())
 }
 
-async fn operator_client(conn: &Conn) -> Result<AggregatorClient> {
-    let cfg = fedfleet_aggregator::config::OperatorConfig::load(&conn.config)?;
+async fn operator_client(conn: &Conn, cfg: &OperatorConfig) -> Result<AggregatorClient> {
     let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
     let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator)
         .with_context(|| format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator))?;
@@ -215,8 +215,8 @@ async fn operator_client(conn: &Conn) -> Result<AggregatorClient> {
     AggregatorClient::connect(addr, &conn.server_name, tls).await.with_context(|| format!("connecting to the aggregator at {addr}"))
 }
 
-async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
-    let client = operator_client(conn).await?;
+async fn operator_call(conn: &Conn, cfg: &OperatorConfig, req: Request) -> Result<CampaignStatus> {
+    let client = operator_client(conn, cfg).await?;
     let status = client.campaign(req).await?;
     client.close().await;
     Ok(status)
@@ -225,8 +225,8 @@ async fn operator_call(conn: &Conn, req: Request) -> Result<CampaignStatus> {
 /// Polls the campaign (over one connection) until it ends, printing every round it completed
 /// (each publishes the next global model version, so none is missed between polls, the last
 /// included), then the final status.
-async fn wait_for_campaign_end(conn: &Conn, started: CampaignStatus) -> Result<()> {
-    let client = operator_client(conn).await?;
+async fn wait_for_campaign_end(conn: &Conn, cfg: &OperatorConfig, started: CampaignStatus) -> Result<()> {
+    let client = operator_client(conn, cfg).await?;
     let first = started.global.as_ref().map_or(0, |(v, _)| v.0);
     let mut reported = first;
     let mut status = started;
@@ -249,14 +249,14 @@ async fn wait_for_campaign_end(conn: &Conn, started: CampaignStatus) -> Result<(
         status = client.campaign(Request::CampaignStatus).await?;
     }
     client.close().await;
-    print_status(&status, conn);
+    print_status(&status, conn, cfg);
     match status.last_outcome.as_deref() {
         Some("completed") => Ok(()),
         other => Err(anyhow!("the campaign ended {}", other.unwrap_or("without an outcome"))),
     }
 }
 
-fn print_status(s: &CampaignStatus, conn: &Conn) {
+fn print_status(s: &CampaignStatus, conn: &Conn, cfg: &OperatorConfig) {
     if conn.json {
         println!("{}", serde_json::to_string(s).unwrap_or_default());
         return;
@@ -280,8 +280,7 @@ fn print_status(s: &CampaignStatus, conn: &Conn) {
     if let Some((v, d)) = &s.global {
         // Under LoRA the aggregator's model holds the adapters; the registry also stores (and
         // names by digest) the model with them merged in: say which digest this is.
-        let lora = fedfleet_aggregator::config::OperatorConfig::load(&conn.config).is_ok_and(|c| c.lora());
-        let which = if lora { " (base weights + LoRA adapters; the registry's merged model has its own digest)" } else { "" };
+        let which = if cfg.lora() { " (base weights + LoRA adapters; the registry's merged model has its own digest)" } else { "" };
         println!("global model: version {v}, digest {d}{which}");
     }
 }
