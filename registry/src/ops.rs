@@ -453,9 +453,9 @@ pub fn resolve_version(store: &Store, name: &str, sel: &crate::wire::VersionSel)
 /// named. Memory: the artifact, which the network path bounds by `MAX_BUNDLE_BYTES`.
 pub fn check_artifact(new: &NewVersion, artifact: &[u8]) -> Result<(), RegistryError> {
     use fedfleet_modelspec::ModelSpec;
+    use serde::Deserialize;
     let refuse = |what: String| RegistryError::NotAModel(format!("{} is not published: {what}", new.name));
-    let spec: ModelSpec =
-        serde_json::from_value(new.spec.0.clone()).map_err(|e| refuse(format!("its spec is not a model spec ({e}); pass --spec FILE")))?;
+    let spec = ModelSpec::deserialize(&new.spec.0).map_err(|e| refuse(format!("its spec is not a model spec ({e}); pass --spec FILE")))?;
     let bundle = fedfleet_protocol::TensorBundle::decode(artifact, &fedfleet_protocol::BundleLimits::default())
         .map_err(|e| refuse(format!("the artifact is not a tensor bundle: {e}")))?;
     fedfleet_modelspec::check_weights(&spec, &bundle).map_err(|e| refuse(e.to_string()))

@@ -349,7 +349,7 @@ fn admin_json(a: &fedfleet_registry_client::admin::AdminAnswer) -> String {
 }
 
 /// Issues a device a new certificate for the one it is connected with (same id, fleet, key),
-/// after checking it is enrolled with that key and not revoked.
+/// after checking it is enrolled with that key (and not revoked on the allow-list).
 fn renew_certificate(ctx: &Ctx, conn: &quinn::Connection, id: &fedfleet_protocol::DeviceId, now_ms: u64) -> Response {
     let m = ctx.reg.metrics();
     let refuse = |reason: RejectReason, detail: String| {
@@ -360,9 +360,7 @@ fn renew_certificate(ctx: &Ctx, conn: &quinn::Connection, id: &fedfleet_protocol
     let Some(r) = &ctx.opts.renewal else {
         return refuse(RejectReason::NotPermitted, "this registry does not renew certificates (no [renewal] ca_key)".into());
     };
-    if ctx.reg.is_revoked(id) {
-        return refuse(RejectReason::Revoked, format!("device {id} is revoked"));
-    }
+    // A revoked device never gets here: every request of one is refused in `stream`.
     let Some(cert) = fedfleet_net::peer::certificates(conn).and_then(|c| c.into_iter().next()) else {
         return refuse(RejectReason::Internal, "no peer certificate".into());
     };
