@@ -9,7 +9,7 @@
 //! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes of accepted updates |
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
-//! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, decode, store_payload, fold, snapshot, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
+//! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, decode, store_payload, fold, record, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
 //! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round (0 between campaigns) |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
@@ -38,9 +38,9 @@ pub use fedfleet_http::process_memory as memory;
 /// The stages of ingesting one update, timed in `ingest_seconds_total{step}`: identity,
 /// enrolment, revocation and signature; resend lookup, round checks and admission; the payload
 /// streamed in and digested (waits on the network); decode and checks; the payload written and
-/// fsynced; the exact fold and the receipt signature; the engine state and the accepted record
-/// written; the group commit the receipt waits for.
-pub const INGEST_STEPS: [&str; 8] = ["authenticate", "admit", "receive", "decode", "store_payload", "fold", "snapshot", "sync"];
+/// fsynced; the exact fold and the receipt signature; the accepted record written; the group
+/// commit the receipt waits for.
+pub const INGEST_STEPS: [&str; 8] = ["authenticate", "admit", "receive", "decode", "store_payload", "fold", "record", "sync"];
 
 /// Round events counted in `rounds_total`.
 pub const ROUND_EVENTS: [&str; 5] = ["opened", "closed", "failed", "published", "tensor_folded"];

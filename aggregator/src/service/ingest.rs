@@ -230,7 +230,7 @@ impl Aggregator {
             receipt: receipt.encode(),
         };
         let seq = sh.store.apply_update(&h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
-        sh.metrics.ingest_step("snapshot", &mut since);
+        sh.metrics.ingest_step("record", &mut since);
         sh.metrics.accepted.inc();
         // Accepted payloads only: refused bytes are counted by their refusal, not here.
         sh.metrics.update_bytes.inc_by(h.payload_len);
