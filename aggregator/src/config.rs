@@ -22,7 +22,11 @@
 //!                                    # int classes, float regression targets, absent for autoencoders)
 //!
 //! [campaign]                         # defaults of `campaign start`
-//! rounds = 5
+//! rounds = 5                         # async: versions to publish
+//! mode = "rounds"                    # rounds (synchronous) | async (FedBuff: a version every `target` updates,
+//!                                    #   devices train on whatever recent version they hold)
+//! # max_staleness = 4                # async: updates more versions behind are refused (too_stale);
+//!                                    #   the rest weigh weight/sqrt(1+staleness)
 //! strategy = "fedavg"                # fedavg fedprox clipped_fedavg fedadam fedyogi fedadagrad median trimmed_mean krum;
 //!                                    # then only that strategy's own keys (defaults shown):
 //! target = 10
@@ -297,6 +301,10 @@ impl Validation {
 #[serde(default)]
 pub struct CampaignDefaults {
     pub rounds: u32,
+    /// Synchronous rounds or asynchronous buffers (FedBuff).
+    pub mode: CampaignMode,
+    /// `mode = "async"` only (default 4).
+    pub max_staleness: Option<u32>,
     /// `strategy = "<name>"` and that strategy's own keys, read from `[campaign]` straight into
     /// the tagged [`CampaignStrategy`] (fedavg when absent). Unknown keys are refused there.
     #[serde(flatten, deserialize_with = "strategy_or_fedavg")]
@@ -325,6 +333,8 @@ impl Default for CampaignDefaults {
     fn default() -> Self {
         CampaignDefaults {
             rounds: 5,
+            mode: CampaignMode::Rounds,
+            max_staleness: None,
             strategy: CampaignStrategy::FedAvg {},
             target: 10,
             quorum: 2,
@@ -340,6 +350,26 @@ impl Default for CampaignDefaults {
             proximal_mu: 0.0,
             quantization: "f32".into(),
             max_consecutive_failures: 3,
+        }
+    }
+}
+
+/// `[campaign] mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CampaignMode {
+    /// Synchronous rounds: a round's updates are all trained on its base model.
+    #[default]
+    Rounds,
+    /// FedBuff: a buffer of `target` updates, each trained on a recent version, per new version.
+    Async,
+}
+
+impl CampaignMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CampaignMode::Rounds => "rounds",
+            CampaignMode::Async => "async",
         }
     }
 }
@@ -405,6 +435,8 @@ pub struct FedOptKeys {
 }
 
 mod defaults {
+    /// `max_staleness` of an async campaign: FedBuff's experiments bound staleness to a few versions.
+    pub const MAX_STALENESS: u32 = 4;
     pub fn clip_norm() -> f64 {
         10.0
     }
@@ -466,6 +498,28 @@ impl CampaignDefaults {
         DType::ALL.into_iter().find(|d| d.as_str() == self.quantization).ok_or_else(|| {
             ConfigError::Invalid(format!("campaign.quantization {:?}: expected one of f32, f16, bf16, i8", self.quantization))
         })
+    }
+
+    /// The engine's asynchronous mode, if `mode = "async"`.
+    pub fn buffer(&self) -> Option<fedfleet_rounds::BufferPolicy> {
+        (self.mode == CampaignMode::Async)
+            .then(|| fedfleet_rounds::BufferPolicy { max_staleness: self.max_staleness.unwrap_or(defaults::MAX_STALENESS) })
+    }
+
+    fn validate_mode(&self) -> Result<(), ConfigError> {
+        use CampaignStrategy as S;
+        match self.mode {
+            CampaignMode::Rounds if self.max_staleness.is_some() => {
+                Err(ConfigError::Invalid("campaign.max_staleness applies to mode = \"async\" only".into()))
+            }
+            CampaignMode::Async if matches!(self.strategy, S::Median { .. } | S::TrimmedMean { .. } | S::Krum { .. }) => {
+                Err(ConfigError::Invalid(format!(
+                    "campaign.strategy {:?} does not weigh updates, so it cannot discount stale ones: mode = \"async\" takes fedavg, fedprox, clipped_fedavg, fedadam, fedyogi or fedadagrad",
+                    self.strategy.name()
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The round engine's strategy config: the tagged strategy plus the client settings.
@@ -570,6 +624,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.model.spec.validate().map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
         self.campaign.dtype()?;
+        self.campaign.validate_mode()?;
         if !matches!(self.campaign.optimizer.as_str(), "sgd" | "adam") {
             return Err(ConfigError::Invalid(format!("campaign.optimizer {:?}: expected sgd or adam", self.campaign.optimizer)));
         }
@@ -667,6 +722,20 @@ mod tests {
              spec = { arch = \"mlp\", input = [4], hidden = [4], classes = 2 }\ninitial = \"i\"\n[campaign]\n";
         std::fs::write(&p, format!("{base}{keys}")).unwrap();
         Config::load(&p).map(|c| c.campaign).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn async_mode_reads_its_staleness_bound_and_refuses_what_cannot_discount() {
+        let c = campaign_of("mode = \"async\"\nmax_staleness = 2\nstrategy = \"fedadam\"\n").unwrap();
+        assert_eq!(c.buffer(), Some(fedfleet_rounds::BufferPolicy { max_staleness: 2 }));
+        assert_eq!(campaign_of("mode = \"async\"\n").unwrap().buffer(), Some(fedfleet_rounds::BufferPolicy { max_staleness: 4 }));
+        assert_eq!(campaign_of("").unwrap().buffer(), None);
+        let e = campaign_of("max_staleness = 2\n").unwrap_err();
+        assert!(e.contains("max_staleness applies to mode = \"async\" only"), "{e}");
+        let e = campaign_of("mode = \"async\"\nstrategy = \"median\"\n").unwrap_err();
+        assert!(e.contains("\"median\" does not weigh updates"), "{e}");
+        let e = campaign_of("mode = \"fedbuff\"\n").unwrap_err();
+        assert!(e.contains("fedbuff"), "{e}");
     }
 
     #[test]

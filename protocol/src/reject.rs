@@ -83,6 +83,9 @@ reasons! {
     /// The sender's certificate is past its validity: it must be re-enrolled (renewal needs a
     /// certificate that is still valid).
     CertificateExpired => "certificate_expired",
+    /// Asynchronous mode: the update's base model is more versions behind the current one than
+    /// the campaign's staleness bound.
+    TooStale => "too_stale",
 }
 
 impl fmt::Display for RejectReason {

@@ -48,6 +48,20 @@
 //! (`contributed_to`); if the revocation means the key was compromised, the operator or shell
 //! calls [`RoundEngine::abort_round`], which fails the round and discards all its updates.
 //!
+//! # Asynchronous mode (FedBuff)
+//!
+//! With [`CampaignSpec::buffer`] set, a campaign runs FedBuff (Nguyen et al. 2022) instead of
+//! synchronous rounds: each "round" is a buffer that closes after `target_count` accepted updates
+//! (or at its deadline, as a round does) and publishes the next version, and devices train on
+//! whatever recent version they hold. An update made for an earlier buffer `r` of the campaign is
+//! admitted into the open buffer when its base — the model `r` announced — is at most
+//! [`BufferPolicy::max_staleness`] versions behind the current one (else `too_stale`); it must
+//! name `r`'s base model and `r`'s selection must include the device. Its weight is discounted
+//! by its staleness `s` (versions published since its base) with [`staleness_weight`]:
+//! `weight × 1/√(1+s)` on the integer grid, so the fold stays exact and order-independent. While
+//! a closed buffer waits for its model, updates are refused as `overloaded` (retry shortly), not
+//! `stale_round`: they are still wanted. One update per device per buffer (`duplicate`).
+//!
 //! # Weights
 //!
 //! An accepted update's weight is its sample count clamped to
@@ -140,6 +154,27 @@ impl Default for RoundPolicy {
     }
 }
 
+/// Asynchronous mode: see the module docs ("Asynchronous mode"). The buffer size is the
+/// policy's `target_count`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BufferPolicy {
+    /// Updates whose base is more versions behind the current model than this are refused
+    /// (`too_stale`). 0 accepts only updates trained on the current model.
+    pub max_staleness: u32,
+}
+
+/// The weight of an update `staleness` versions behind, FedBuff's polynomial discount
+/// `weight / √(1 + staleness)`: the factor is rounded to parts per million, the product rounded
+/// down and never below 1. Integer in, integer out, the same on every machine (`f64::sqrt` is
+/// correctly rounded), so the exact fold stays exact.
+pub fn staleness_weight(weight: u64, staleness: u32) -> u64 {
+    if staleness == 0 {
+        return weight;
+    }
+    let factor_ppm = (PPM as f64 / (1.0 + f64::from(staleness)).sqrt()).round() as u128;
+    ((u128::from(weight) * factor_ppm / u128::from(PPM)) as u64).max(1)
+}
+
 /// Everything needed to run a campaign.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CampaignSpec {
@@ -158,6 +193,8 @@ pub struct CampaignSpec {
     pub seed: [u8; 32],
     /// Failed rounds in a row after which the campaign gives up (≥ 1).
     pub max_consecutive_failures: u32,
+    /// `Some`: asynchronous buffers (FedBuff) instead of synchronous rounds.
+    pub buffer: Option<BufferPolicy>,
 }
 
 /// What the shell broadcasts when a round opens.
@@ -400,6 +437,21 @@ struct Campaign {
     completed: u32,
     consecutive_failures: u32,
     phase: Phase,
+    /// The campaign's first round: earlier ids belong to other campaigns.
+    first_round: RoundId,
+    /// Asynchronous mode: the buffers opened on the last `max_staleness + 1` versions, oldest
+    /// first (empty in rounds mode).
+    recent: VecDeque<BufferBase>,
+}
+
+/// What a buffer announced, kept while updates trained for it may still arrive.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct BufferBase {
+    round: RoundId,
+    digest: Digest,
+    /// Versions the campaign had published when the buffer opened.
+    published: u32,
+    selection: WireSelection,
 }
 
 /// The round engine. See the module docs.
@@ -512,6 +564,13 @@ impl RoundEngine {
             return Err(EngineError::CampaignRunning(c.spec.id));
         }
         validate(&spec)?;
+        if let Some(b) = &spec.buffer
+            && u64::from(b.max_staleness) >= self.config.nonce_retention_rounds
+        {
+            // A stale update must still find its nonce if it is replayed.
+            let retained = self.config.nonce_retention_rounds;
+            return Err(EngineError::InvalidSpec(format!("max_staleness {} must be below the {retained} rounds whose nonces are kept", b.max_staleness)));
+        }
         self.campaign = Some(Campaign {
             base_version: spec.base_version,
             base_digest: spec.base_digest,
@@ -519,6 +578,8 @@ impl RoundEngine {
             completed: 0,
             consecutive_failures: 0,
             phase: Phase::AwaitingModel { round: RoundId(0) }, // replaced at once
+            first_round: self.next_round,
+            recent: VecDeque::new(),
         });
         self.open_round(now);
         Ok(())
@@ -742,6 +803,9 @@ impl RoundEngine {
             let reason = if meta.round < self.next_round { RejectReason::StaleRound } else { RejectReason::UnknownRound };
             return Err(self.reject(reason));
         };
+        if let Some(buffer) = &c.spec.buffer {
+            return self.admit_buffered(c, buffer, meta);
+        }
         let r = match &c.phase {
             Phase::Open(r) if r.id == meta.round => r,
             _ if meta.round >= self.next_round => {
@@ -765,6 +829,45 @@ impl RoundEngine {
         let accepted = r.contributions.len() as u32 + 1;
         let target = self.round_target(c);
         Ok(Accepted { round: r.id, weight: meta.num_examples.min(MAX_WEIGHT), accepted, target, closed_round: accepted >= target })
+    }
+
+    /// Admission in asynchronous mode (see the module docs): into the open buffer, from any
+    /// retained buffer's base.
+    fn admit_buffered(&self, c: &Campaign, buffer: &BufferPolicy, meta: &UpdateMeta) -> Result<Accepted, Reject> {
+        if meta.round >= self.next_round {
+            return Err(self.reject(RejectReason::UnknownRound));
+        }
+        if meta.round < c.first_round {
+            return Err(self.reject(RejectReason::StaleRound));
+        }
+        let Phase::Open(r) = &c.phase else {
+            // The buffer is being published; the next one wants this update.
+            return Err(self.reject(RejectReason::Overloaded));
+        };
+        let Some(base) = c.recent.iter().find(|b| b.round == meta.round) else {
+            return Err(self.reject(RejectReason::TooStale));
+        };
+        let staleness = c.completed - base.published;
+        if staleness > buffer.max_staleness {
+            return Err(self.reject(RejectReason::TooStale));
+        }
+        if meta.base_digest != base.digest {
+            return Err(self.reject(RejectReason::WrongBaseModel));
+        }
+        if !selected(&c.spec, &base.selection, &meta.device) {
+            return Err(self.reject(RejectReason::NotSelected));
+        }
+        if r.contributions.contains_key(&meta.device) {
+            return Err(self.reject(RejectReason::Duplicate));
+        }
+        let policy = &c.spec.policy;
+        if meta.num_examples == 0 || meta.num_examples > policy.max_sample_count {
+            return Err(self.reject(RejectReason::BadSampleCount));
+        }
+        let accepted = r.contributions.len() as u32 + 1;
+        let target = self.round_target(c);
+        let weight = staleness_weight(meta.num_examples.min(MAX_WEIGHT), staleness);
+        Ok(Accepted { round: r.id, weight, accepted, target, closed_round: accepted >= target })
     }
 
     /// Updates that close a round early: the policy's target, or fewer when an explicit
@@ -815,12 +918,21 @@ impl RoundEngine {
             target_count: policy.target_count,
             max_sample_count: policy.max_sample_count,
         };
+        let selection = match selection {
+            WireSelection::Devices(_) => WireSelection::All, // checked on the spec's set
+            other => other,
+        };
+        if let Some(buffer) = &c.spec.buffer {
+            let oldest = c.completed.saturating_sub(buffer.max_staleness);
+            while c.recent.front().is_some_and(|b| b.published < oldest) {
+                c.recent.pop_front();
+            }
+            let selection = selection.clone();
+            c.recent.push_back(BufferBase { round: id, digest: c.base_digest, published: c.completed, selection });
+        }
         c.phase = Phase::Open(OpenRound {
             id,
-            selection: match selection {
-                WireSelection::Devices(_) => WireSelection::All, // checked on the spec's set
-                other => other,
-            },
+            selection,
             opened_at: now,
             deadline,
             extended: false,

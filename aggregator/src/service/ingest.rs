@@ -111,12 +111,17 @@ impl Aggregator {
         sh.metrics.ingest_step("authenticate", &mut since);
         // 4. A resend of an accepted update gets its receipt again (once the record is durable:
         // the first attempt may still be waiting for its flush).
+        // (The record's round is the one it was folded into: an asynchronous campaign folds an
+        // update of an earlier buffer into the open one. The receipt names the update's own.)
         if let Ok(Some(rec)) = sh.store.accepted(&h.device, &h.nonce)
             && rec.payload_digest == h.payload_digest
-            && rec.round == h.round
         {
-            sh.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
-            return Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")));
+            let receipt =
+                Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")))?;
+            if receipt.body().round == h.round {
+                sh.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
+                return Ok(receipt);
+            }
         }
         // 5. Round, replay, duplicate, selection, sample count; size.
         let meta = UpdateMeta::from(&h);
@@ -194,8 +199,11 @@ impl Aggregator {
         drop(payload);
         sh.metrics.ingest_step("store_payload", &mut since);
         let mut core = self.lock();
-        if core.base.as_ref().map(|b| b.digest) != Some(base.digest) {
-            return Err(reject(RejectReason::StaleRound, "the round changed while the payload streamed"));
+        // A new version may have been published while the payload streamed: admission runs again
+        // below (a synchronous round is over then; an asynchronous buffer takes the update,
+        // discounted). The delta was decoded for this layout, which a campaign never changes.
+        if core.base.as_ref().map(|b| &b.sent.layout) != Some(&base.sent.layout) {
+            return Err(reject(RejectReason::StaleRound, "the model's layout changed while the payload streamed"));
         }
         let now = self.now_ms();
         let t = Instant::now();

@@ -398,7 +398,8 @@ impl Aggregator {
         let rs = e.round_status();
         CampaignStatus {
             campaign: e.campaign_id().map(|c| c.0),
-            strategy: e.campaign_id().map(|_| core.coord.strategy().name().to_owned()),
+            // The label the campaign started with (strategy and mode), kept across restarts.
+            strategy: e.campaign_id().map(|_| core.campaign.strategy.clone().unwrap_or_else(|| core.coord.strategy().name().to_owned())),
             rounds_completed: e.rounds_completed(),
             open_round: rs.as_ref().map(|s| s.round),
             accepted: rs.as_ref().map(|s| s.accepted).unwrap_or(0),

@@ -337,6 +337,7 @@ impl Aggregator {
             },
             seed: seed32,
             max_consecutive_failures: d.max_consecutive_failures,
+            buffer: d.buffer(),
         };
         let name = strategy.name().to_owned();
         let mode = fold_mode(self.shared.tensor_device.is_some(), &strategy);
@@ -346,7 +347,11 @@ impl Aggregator {
         let old_mode = core.coord.mode();
         core.coord.set_mode(mode);
         let old = std::mem::replace(core.coord.strategy_mut(), strategy);
-        core.campaign.strategy = Some(name.clone());
+        // What `campaign status` names the campaign by: its strategy, and how it runs.
+        core.campaign.strategy = Some(match &spec.buffer {
+            Some(b) => format!("{name}, async: a version every {target} updates, max staleness {}", b.max_staleness),
+            None => name.clone(),
+        });
         core.campaign.dtype = dtype.code();
         core.campaign.last_campaign = id.0;
         core.campaign.last_outcome = None;

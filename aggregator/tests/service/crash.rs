@@ -220,3 +220,120 @@ async fn a_changed_spec_on_an_existing_data_dir_is_refused_naming_the_change() {
     // The old spec still resumes.
     start(cfg).await.stop().await;
 }
+
+/// One upload of an asynchronous campaign's schedule: sent while buffer `open` is announced, by
+/// `device`, trained on the model buffer `trained_for` announced.
+struct Upload {
+    open: u64,
+    device: usize,
+    trained_for: u64,
+}
+
+/// An asynchronous (FedBuff) campaign: buffers of 3, staleness bound 1, 3 versions, with stale
+/// updates in every buffer after the first; the child is SIGKILLed and restarted before each
+/// schedule index in `crashes` (`ASYNC_SCHEDULE.len()` = after the last one). Returns every
+/// published version's bytes, oldest first.
+async fn async_campaign(fleet: &Fleet, data: &str, crashes: &[usize]) -> Vec<Vec<u8>> {
+    use fedfleet_aggregator::config::CampaignMode;
+    #[rustfmt::skip]
+    let schedule = [
+        Upload { open: 1, device: 0, trained_for: 1 }, Upload { open: 1, device: 1, trained_for: 1 }, Upload { open: 1, device: 2, trained_for: 1 },
+        Upload { open: 2, device: 3, trained_for: 1 }, Upload { open: 2, device: 4, trained_for: 1 }, Upload { open: 2, device: 0, trained_for: 2 },
+        Upload { open: 3, device: 5, trained_for: 2 }, Upload { open: 3, device: 1, trained_for: 2 }, Upload { open: 3, device: 2, trained_for: 3 },
+    ];
+    let mut cfg = fleet.config(data, 3, 3);
+    cfg.campaign.mode = CampaignMode::Async;
+    cfg.campaign.max_staleness = Some(1);
+    let toml = fleet.write_toml(&cfg);
+    let log = cfg.data_dir.with_extension("log");
+    let mut child = spawn(&toml, &log);
+    let op = fleet.operator(child.addr).await;
+    let started = op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(42), ..Default::default() })).await.unwrap();
+    assert!(started.strategy.as_deref().is_some_and(|s| s.contains("async")), "{started:?}");
+    let mut bases = std::collections::BTreeMap::new();
+    let mut last: Option<(usize, fedfleet_protocol::SignedUpdate, Vec<u8>)> = None;
+    for (j, u) in schedule.iter().enumerate() {
+        if crashes.contains(&j) {
+            child.child.kill().unwrap(); // SIGKILL
+            child.child.wait().unwrap();
+            child = spawn(&toml, &log);
+            // A resend of the last acknowledged update (perhaps folded into a later buffer than
+            // the one it names) is answered with its receipt and not counted again.
+            if let Some((i, h, p)) = last.take() {
+                let c = fleet.device_client(i, child.addr).await;
+                assert!(matches!(c.upload(&h, &p).await.unwrap(), UploadOutcome::Accepted(_)));
+            }
+        }
+        let open = RoundId(u.open);
+        let dev0 = fleet.device_client(0, child.addr).await;
+        let base = wait_round(&dev0, open).await;
+        bases.entry(u.open).or_insert(base);
+        if u.open == 3 && !bases.contains_key(&0) {
+            // Buffer 1's base is two versions behind now, past the bound: refused by name.
+            let payload = delta(999).encode();
+            let h = header(&fleet.fleet, &dev(5), RoundId(1), bases[&1], nonce(5, 1), 15, &payload, DType::F32, &fleet.device_key(5));
+            let c = fleet.device_client(5, child.addr).await;
+            match c.upload(&h, &payload).await.unwrap() {
+                UploadOutcome::Rejected(rej) => assert_eq!(rej.reason, fedfleet_protocol::RejectReason::TooStale, "{rej:?}"),
+                other => panic!("a too stale update was taken: {other:?}"),
+            }
+            bases.insert(0, base); // said once
+        }
+        let payload = delta(100 * u.trained_for + u.device as u64).encode();
+        let base = bases[&u.trained_for];
+        let h = header(
+            &fleet.fleet,
+            &dev(u.device),
+            RoundId(u.trained_for),
+            base,
+            nonce(u.device, u.trained_for),
+            10 + u.device as u64,
+            &payload,
+            DType::F32,
+            &fleet.device_key(u.device),
+        );
+        let c = fleet.device_client(u.device, child.addr).await;
+        match c.upload(&h, &payload).await.unwrap() {
+            UploadOutcome::Accepted(_) => {}
+            UploadOutcome::Rejected(rej) => panic!("upload {j} (device {} for buffer {}): {rej:?}", u.device, u.trained_for),
+        }
+        last = Some((u.device, h, payload));
+    }
+    if crashes.contains(&schedule.len()) {
+        // Killed right after the last buffer's last update: while it finalizes and publishes.
+        child.child.kill().unwrap();
+        child.child.wait().unwrap();
+        child = spawn(&toml, &log);
+    }
+    let op = fleet.operator(child.addr).await;
+    let t0 = Instant::now();
+    loop {
+        let st = op.campaign(Request::CampaignStatus).await.unwrap();
+        if st.last_outcome.as_deref() == Some("completed") {
+            assert_eq!(st.global.unwrap().0, fedfleet_protocol::ModelVersion(4));
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "campaign did not complete: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+    (2..=4)
+        .map(|v| {
+            let path = fedfleet_aggregator::publish::DirPublisher::model_path(&cfg.publish_dir(), "tiny", fedfleet_protocol::ModelVersion(v));
+            std::fs::read(path).unwrap()
+        })
+        .collect()
+}
+
+/// Issue 27: a SIGKILL mid-buffer (after a stale update was folded), right after a buffer's
+/// last update and mid-way through the last buffer gives the bit-identical sequence of versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_buffer_gives_the_bit_identical_sequence_of_versions_in_async_mode() {
+    let fleet = Fleet::new(N);
+    let clean = async_campaign(&fleet, "async-clean", &[]).await;
+    let crashed = async_campaign(&fleet, "async-crashed", &[4, 6, 8]).await;
+    assert_eq!(clean.len(), 3);
+    assert!(clean.windows(2).all(|w| w[0] != w[1]), "every buffer publishes a new model");
+    assert!(clean == crashed, "the crashed run published a different sequence of versions");
+}

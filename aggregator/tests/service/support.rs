@@ -65,7 +65,7 @@ impl Fleet {
         let text = format!(
             "listen = \"{}\"\npki_dir = {:?}\ndata_dir = {:?}\n\n[model]\nname = \"tiny\"\n\
              spec = {{ arch = \"mlp\", input = [8], hidden = [4], classes = 3 }}\ninitial = {:?}\n\n\
-             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\n{}\n\
+             [campaign]\nrounds = {}\ntarget = {}\nquorum = 1\ndeadline_secs = 600\nmode = {:?}\n{}{}\n\
              [compute]\nfold = {:?}\ndevice = {:?}\n",
             cfg.listen,
             cfg.pki_dir,
@@ -73,6 +73,8 @@ impl Fleet {
             cfg.model.initial,
             cfg.campaign.rounds,
             cfg.campaign.target,
+            cfg.campaign.mode.as_str(),
+            cfg.campaign.max_staleness.map(|s| format!("max_staleness = {s}\n")).unwrap_or_default(),
             toml::to_string(&cfg.campaign.strategy).unwrap(),
             format!("{:?}", cfg.compute.fold).to_lowercase(),
             cfg.compute.device,

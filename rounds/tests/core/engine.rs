@@ -47,6 +47,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
         policy,
         seed: [42; 32],
         max_consecutive_failures: 3,
+        buffer: None,
     }
 }
 
