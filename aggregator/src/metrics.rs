@@ -10,6 +10,7 @@
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
 //! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, decode, store_payload, fold, record, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
+//! | `fedfleet_aggregator_update_staleness` | histogram | versions between an accepted update's base model and the model it was folded into (0 in rounds; asynchronous campaigns: how far behind devices train) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
 //! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round (0 between campaigns) |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
@@ -30,6 +31,7 @@ use fedfleet_control::{BrokerMetrics, Presence};
 use fedfleet_http::prometheus_client::metrics::counter::Counter;
 use fedfleet_http::prometheus_client::metrics::family::Family;
 use fedfleet_http::prometheus_client::metrics::gauge::Gauge;
+use fedfleet_http::prometheus_client::metrics::histogram::Histogram;
 use fedfleet_http::prometheus_client::registry::Registry;
 use fedfleet_protocol::{DeviceId, DeviceStatus, RejectReason};
 
@@ -41,6 +43,9 @@ pub use fedfleet_http::process_memory as memory;
 /// fsynced; the exact fold and the receipt signature; the accepted record written; the group
 /// commit the receipt waits for.
 pub const INGEST_STEPS: [&str; 8] = ["authenticate", "admit", "receive", "decode", "store_payload", "fold", "record", "sync"];
+
+/// Upper bounds of the `update_staleness` buckets, in versions.
+const STALENESS_BUCKETS: [f64; 9] = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
 
 /// Round events counted in `rounds_total`.
 pub const ROUND_EVENTS: [&str; 5] = ["opened", "closed", "failed", "published", "tensor_folded"];
@@ -55,6 +60,7 @@ pub struct Metrics {
     pub accepted: Counter,
     pub update_bytes: Counter,
     pub fold_bytes: Counter,
+    pub update_staleness: Histogram,
     fold_seconds: Counter<f64, AtomicU64>,
     ingest_seconds: Family<StepLabel, Counter<f64, AtomicU64>>,
     pub open_round: Gauge,
@@ -93,6 +99,7 @@ impl Metrics {
             accepted: Counter::default(),
             update_bytes: Counter::default(),
             fold_bytes: Counter::default(),
+            update_staleness: Histogram::new(STALENESS_BUCKETS),
             fold_seconds: Counter::default(),
             ingest_seconds: Family::default(),
             open_round: Gauge::default(),
@@ -135,6 +142,11 @@ impl Metrics {
         registry.register("updates_rejected", "Updates and requests refused, by reason", m.rejected.clone());
         registry.register("update_bytes", "Payload bytes of accepted updates", m.update_bytes.clone());
         registry.register("fold_bytes", "f32 bytes folded into partial sums", m.fold_bytes.clone());
+        registry.register(
+            "update_staleness",
+            "Versions between an accepted update's base model and the model it was folded into",
+            m.update_staleness.clone(),
+        );
         registry.register("fold_seconds", "Seconds spent folding", m.fold_seconds.clone());
         registry.register("ingest_seconds", "Seconds spent in each stage of ingesting updates", m.ingest_seconds.clone());
         registry.register("open_round", "Open round id, 0 if none", m.open_round.clone());

@@ -261,6 +261,8 @@ pub struct Accepted {
     pub round: RoundId,
     /// The weight to fold the update with.
     pub weight: u64,
+    /// Versions published since the update's base model (asynchronous mode; 0 in rounds).
+    pub staleness: u32,
     /// Updates accepted in the round, this one included.
     pub accepted: u32,
     pub target: u32,
@@ -564,13 +566,6 @@ impl RoundEngine {
             return Err(EngineError::CampaignRunning(c.spec.id));
         }
         validate(&spec)?;
-        if let Some(b) = &spec.buffer
-            && u64::from(b.max_staleness) >= self.config.nonce_retention_rounds
-        {
-            // A stale update must still find its nonce if it is replayed.
-            let retained = self.config.nonce_retention_rounds;
-            return Err(EngineError::InvalidSpec(format!("max_staleness {} must be below the {retained} rounds whose nonces are kept", b.max_staleness)));
-        }
         self.campaign = Some(Campaign {
             base_version: spec.base_version,
             base_digest: spec.base_digest,
@@ -828,7 +823,8 @@ impl RoundEngine {
         }
         let accepted = r.contributions.len() as u32 + 1;
         let target = self.round_target(c);
-        Ok(Accepted { round: r.id, weight: meta.num_examples.min(MAX_WEIGHT), accepted, target, closed_round: accepted >= target })
+        let weight = meta.num_examples.min(MAX_WEIGHT);
+        Ok(Accepted { round: r.id, weight, staleness: 0, accepted, target, closed_round: accepted >= target })
     }
 
     /// Admission in asynchronous mode (see the module docs): into the open buffer, from any
@@ -867,7 +863,7 @@ impl RoundEngine {
         let accepted = r.contributions.len() as u32 + 1;
         let target = self.round_target(c);
         let weight = staleness_weight(meta.num_examples.min(MAX_WEIGHT), staleness);
-        Ok(Accepted { round: r.id, weight, accepted, target, closed_round: accepted >= target })
+        Ok(Accepted { round: r.id, weight, staleness, accepted, target, closed_round: accepted >= target })
     }
 
     /// Updates that close a round early: the policy's target, or fewer when an explicit
@@ -887,8 +883,20 @@ impl RoundEngine {
     fn open_round(&mut self, now: Millis) {
         let id = self.next_round;
         self.next_round = RoundId(id.0 + 1);
-        // Forget nonces of rounds that left the retention window.
-        let keep_from = id.0.saturating_sub(self.config.nonce_retention_rounds);
+        let c = self.campaign.as_mut().expect("open_round needs a campaign");
+        if let Some(buffer) = &c.spec.buffer {
+            let oldest = c.completed.saturating_sub(buffer.max_staleness);
+            while c.recent.front().is_some_and(|b| b.published < oldest) {
+                c.recent.pop_front();
+            }
+        }
+        // Forget nonces of rounds that left the retention window. An asynchronous campaign keeps
+        // those of every buffer since the oldest base it still admits updates for: an update is
+        // folded into a buffer at or after the one it names, so its replay finds its nonce.
+        let mut keep_from = id.0.saturating_sub(self.config.nonce_retention_rounds);
+        if let Some(oldest) = c.recent.front() {
+            keep_from = keep_from.min(oldest.round.0);
+        }
         while let Some((r, _, _)) = self.nonce_log.front() {
             if r.0 >= keep_from {
                 break;
@@ -922,22 +930,11 @@ impl RoundEngine {
             WireSelection::Devices(_) => WireSelection::All, // checked on the spec's set
             other => other,
         };
-        if let Some(buffer) = &c.spec.buffer {
-            let oldest = c.completed.saturating_sub(buffer.max_staleness);
-            while c.recent.front().is_some_and(|b| b.published < oldest) {
-                c.recent.pop_front();
-            }
+        if c.spec.buffer.is_some() {
             let selection = selection.clone();
             c.recent.push_back(BufferBase { round: id, digest: c.base_digest, published: c.completed, selection });
         }
-        c.phase = Phase::Open(OpenRound {
-            id,
-            selection,
-            opened_at: now,
-            deadline,
-            extended: false,
-            contributions: BTreeMap::new(),
-        });
+        c.phase = Phase::Open(OpenRound { id, selection, opened_at: now, deadline, extended: false, contributions: BTreeMap::new() });
         self.events.push_back(EngineEvent::RoundOpened(announcement));
     }
 

@@ -240,11 +240,12 @@ impl Aggregator {
         let seq = sh.store.apply_update(&h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
         sh.metrics.ingest_step("record", &mut since);
         sh.metrics.accepted.inc();
+        sh.metrics.update_staleness.observe(f64::from(accepted.staleness));
         // Accepted payloads only: refused bytes are counted by their refusal, not here.
         sh.metrics.update_bytes.inc_by(h.payload_len);
         sh.metrics.round_accepted.set(accepted.accepted as i64);
         tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
-            target = accepted.target, "update accepted");
+            target = accepted.target, staleness = accepted.staleness, "update accepted");
         self.drain(&mut core, now);
         drop(core);
         // Durable before the receipt leaves; concurrent uploads share this flush.

@@ -320,7 +320,8 @@ async fn async_campaign(fleet: &Fleet, data: &str, crashes: &[usize]) -> Vec<Vec
     child.child.wait().unwrap();
     (2..=4)
         .map(|v| {
-            let path = fedfleet_aggregator::publish::DirPublisher::model_path(&cfg.publish_dir(), "tiny", fedfleet_protocol::ModelVersion(v));
+            let path =
+                fedfleet_aggregator::publish::DirPublisher::model_path(&cfg.publish_dir(), "tiny", fedfleet_protocol::ModelVersion(v));
             std::fs::read(path).unwrap()
         })
         .collect()

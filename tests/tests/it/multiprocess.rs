@@ -56,13 +56,15 @@ pub(crate) struct Plan {
     quorum: u32,
     deadline_secs: u64,
     extension_secs: u64,
+    /// `rounds` or `async` (FedBuff buffers of `target`).
+    mode: &'static str,
 }
 
 impl Plan {
     /// `rounds` rounds that each wait for every agent, with time to spare.
     pub(crate) fn every_agent(rounds: u32) -> Plan {
         let n = AGENTS as u32;
-        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60 }
+        Plan { rounds, target: n, quorum: n, deadline_secs: 300, extension_secs: 60, mode: "rounds" }
     }
 }
 
@@ -118,7 +120,7 @@ impl Fleet {
         .unwrap();
         cli("fedfleet-registry", &["--config", "registry.toml", "init-keys"], &root);
 
-        let Plan { rounds, target, quorum, deadline_secs, extension_secs } = plan;
+        let Plan { rounds, target, quorum, deadline_secs, extension_secs, mode } = plan;
         std::fs::write(
             root.join("aggregator.toml"),
             format!(
@@ -128,7 +130,7 @@ impl Fleet {
                  [model]\nname = \"{MODEL}\"\nspec = {{ arch = \"mlp\", input = [64], hidden = [64], classes = 10 }}\n\
                  initial = \"{r}/initial.safetensors\"\nvalidation = \"digits\"\n\
                  [campaign]\nrounds = {rounds}\ntarget = {target}\nquorum = {quorum}\ndeadline_secs = {deadline_secs}\n\
-                 extension_secs = {extension_secs}\nlocal_epochs = 5\nbatch_size = 32\nlr = 0.3\n"
+                 extension_secs = {extension_secs}\nmode = \"{mode}\"\nlocal_epochs = 5\nbatch_size = 32\nlr = 0.3\n"
             ),
         )
         .unwrap();
@@ -622,7 +624,7 @@ fn revoked_device_is_locked_out_mid_campaign() {
     let rounds = 2;
     let n = AGENTS as u32;
     // The revoked device never completes a round again: rounds close at the deadline on quorum.
-    let mut f = Fleet::new("mp-revoke", Plan { rounds, target: n, quorum: n - 1, deadline_secs: 10, extension_secs: 30 });
+    let mut f = Fleet::new("mp-revoke", Plan { rounds, target: n, quorum: n - 1, deadline_secs: 10, extension_secs: 30, mode: "rounds" });
     let revoked = AGENTS - 1;
     f.set_idle(revoked, false);
     f.start_campaign_with(0..AGENTS);
@@ -760,4 +762,36 @@ fn kill9_at_seeded_points_leaves_every_version_bit_identical() {
         let versions = chaos_run(Some(victim), &mut rng);
         assert_eq!(versions, reference, "{victim:?} killed: the versions differ from the uninterrupted run's");
     }
+}
+
+/// Issue 27: an asynchronous (FedBuff) campaign over real agent processes. Four agents, buffers
+/// of two: the two updates that close a buffer leave two agents whose updates were trained on the
+/// version before; they are folded into the next buffer, discounted, instead of refused. Every
+/// buffer publishes a version, every agent contributes, and no update is counted twice.
+#[test]
+fn an_async_campaign_over_real_agents_folds_stale_updates_and_publishes_every_buffer() {
+    let _serial = one_at_a_time();
+    let buffers = 4;
+    let mut f =
+        Fleet::new("mp-async", Plan { rounds: buffers, target: 2, quorum: 1, deadline_secs: 300, extension_secs: 0, mode: "async" });
+    f.start_campaign_with(0..AGENTS);
+    let global = f.wait_campaign_completed();
+    assert_eq!(global, 1 + u64::from(buffers));
+    let m = f.aggregator_metrics();
+    let accepted = sample(&m, "fedfleet_aggregator_updates_accepted_total").unwrap_or(0.0);
+    assert_eq!(accepted, f64::from(2 * buffers), "each buffer takes exactly its two updates:\n{m}");
+    let count = sample(&m, "fedfleet_aggregator_update_staleness_count").unwrap_or(0.0);
+    let fresh = sample(&m, "fedfleet_aggregator_update_staleness_bucket{le=\"0.0\"}").unwrap_or(0.0);
+    assert_eq!(count, accepted, "{m}");
+    assert!(count - fresh >= 1.0, "no update trained on an earlier version was folded:\n{m}");
+    f.stop_all();
+    let store = fedfleet_aggregator::persist::Store::open(&f.root.join("aggregator")).expect("aggregator store");
+    let mut contributors = std::collections::BTreeSet::new();
+    for r in 1..=u64::from(buffers) {
+        let records = store.accepted_in(RoundId(r)).expect("accepted records");
+        assert_eq!(records.len(), 2, "buffer {r}: {records:?}");
+        assert_ne!(records[0].device, records[1].device, "buffer {r} took one device twice");
+        contributors.extend(records.into_iter().map(|rec| rec.device.as_str().to_owned()));
+    }
+    assert!(contributors.len() >= 3, "the slower agents' updates were lost: only {contributors:?} contributed");
 }
