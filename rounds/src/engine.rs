@@ -808,23 +808,7 @@ impl RoundEngine {
             }
             _ => return Err(self.reject(RejectReason::StaleRound)),
         };
-        if meta.base_digest != c.base_digest {
-            return Err(self.reject(RejectReason::WrongBaseModel));
-        }
-        if !selected(&c.spec, &r.selection, &meta.device) {
-            return Err(self.reject(RejectReason::NotSelected));
-        }
-        if r.contributions.contains_key(&meta.device) {
-            return Err(self.reject(RejectReason::Duplicate));
-        }
-        let policy = &c.spec.policy;
-        if meta.num_examples == 0 || meta.num_examples > policy.max_sample_count {
-            return Err(self.reject(RejectReason::BadSampleCount));
-        }
-        let accepted = r.contributions.len() as u32 + 1;
-        let target = self.round_target(c);
-        let weight = meta.num_examples.min(MAX_WEIGHT);
-        Ok(Accepted { round: r.id, weight, staleness: 0, accepted, target, closed_round: accepted >= target })
+        self.admit_into(c, r, (c.base_digest, &r.selection), 0, meta)
     }
 
     /// Admission in asynchronous mode (see the module docs): into the open buffer, from any
@@ -847,23 +831,37 @@ impl RoundEngine {
         if staleness > buffer.max_staleness {
             return Err(self.reject(RejectReason::TooStale));
         }
-        if meta.base_digest != base.digest {
+        self.admit_into(c, r, (base.digest, &base.selection), staleness, meta)
+    }
+
+    /// The checks both modes share once the update's round is known: it names that round's
+    /// base model and the round invited the device; one update per device in the open round;
+    /// a sample count within the cap. The weight is discounted by `staleness`.
+    fn admit_into(
+        &self,
+        c: &Campaign,
+        open: &OpenRound,
+        (base_digest, selection): (Digest, &WireSelection),
+        staleness: u32,
+        meta: &UpdateMeta,
+    ) -> Result<Accepted, Reject> {
+        if meta.base_digest != base_digest {
             return Err(self.reject(RejectReason::WrongBaseModel));
         }
-        if !selected(&c.spec, &base.selection, &meta.device) {
+        if !selected(&c.spec, selection, &meta.device) {
             return Err(self.reject(RejectReason::NotSelected));
         }
-        if r.contributions.contains_key(&meta.device) {
+        if open.contributions.contains_key(&meta.device) {
             return Err(self.reject(RejectReason::Duplicate));
         }
         let policy = &c.spec.policy;
         if meta.num_examples == 0 || meta.num_examples > policy.max_sample_count {
             return Err(self.reject(RejectReason::BadSampleCount));
         }
-        let accepted = r.contributions.len() as u32 + 1;
+        let accepted = open.contributions.len() as u32 + 1;
         let target = self.round_target(c);
         let weight = staleness_weight(meta.num_examples.min(MAX_WEIGHT), staleness);
-        Ok(Accepted { round: r.id, weight, staleness, accepted, target, closed_round: accepted >= target })
+        Ok(Accepted { round: open.id, weight, staleness, accepted, target, closed_round: accepted >= target })
     }
 
     /// Updates that close a round early: the policy's target, or fewer when an explicit

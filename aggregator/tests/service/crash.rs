@@ -43,6 +43,20 @@ fn spawn(toml: &std::path::Path, log: &std::path::Path) -> Child_ {
     Child_ { child, addr }
 }
 
+impl Child_ {
+    /// SIGKILL: the process gets no chance to flush, close connections or finish a round.
+    fn sigkill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// SIGKILL, then a new child on the same config.
+    fn sigkill_and_restart(&mut self, toml: &std::path::Path, log: &std::path::Path) {
+        self.sigkill();
+        *self = spawn(toml, log);
+    }
+}
+
 /// Runs a 2-round campaign of N updates per round; `crashes` lists (round index, update index)
 /// before which the child is SIGKILLed and restarted. Returns the final published model bytes.
 async fn campaign(fleet: &Fleet, data: &str, crashes: &[(u32, usize)]) -> Vec<u8> {
@@ -62,9 +76,7 @@ async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, 
         let base = wait_round(&dev0, round).await;
         for i in 0..N {
             if crashes.contains(&(r, i)) {
-                child.child.kill().unwrap(); // SIGKILL
-                child.child.wait().unwrap();
-                child = spawn(&toml, &log);
+                child.sigkill_and_restart(&toml, &log);
                 dev0 = fleet.device_client(0, child.addr).await;
                 // The round survived the crash, with the same base model.
                 assert_eq!(wait_round(&dev0, round).await, base);
@@ -88,9 +100,7 @@ async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, 
         last = None;
         if crashes.contains(&(r, N)) {
             // Killed right after the round's last update: while finalizing/publishing.
-            child.child.kill().unwrap();
-            child.child.wait().unwrap();
-            child = spawn(&toml, &log);
+            child.sigkill_and_restart(&toml, &log);
         }
     }
     // Wait for the campaign to complete.
@@ -183,9 +193,7 @@ async fn clients_of_a_killed_aggregator_are_reset_by_its_successor() {
     let endpoint = fedfleet_net::client_endpoint(tls).unwrap();
     let conn = fedfleet_net::connect(&endpoint, child.addr, "localhost").await.unwrap();
 
-    child.child.kill().unwrap(); // SIGKILL: no CONNECTION_CLOSE reaches the client
-    child.child.wait().unwrap();
-    let mut child = spawn(&toml, &log);
+    child.sigkill_and_restart(&toml, &log); // no CONNECTION_CLOSE reaches the client
     // Application data on the old connection reaches the new process, which resets it.
     // (A keep-alive may have drawn the reset already, before any stream opens.)
     if let Ok((mut send, _recv)) = conn.open_bi().await {
@@ -193,8 +201,7 @@ async fn clients_of_a_killed_aggregator_are_reset_by_its_successor() {
     }
     let why = tokio::time::timeout(Duration::from_secs(60), conn.closed()).await.expect("connection closed");
     assert!(matches!(why, quinn::ConnectionError::Reset), "{why:?}");
-    child.child.kill().unwrap();
-    child.child.wait().unwrap();
+    child.sigkill();
 }
 
 /// Issue 31 defect 3: restarting on a data_dir whose global model the spec no longer describes
@@ -254,9 +261,7 @@ async fn async_campaign(fleet: &Fleet, data: &str, crashes: &[usize]) -> Vec<Vec
     let mut last: Option<(usize, fedfleet_protocol::SignedUpdate, Vec<u8>)> = None;
     for (j, u) in schedule.iter().enumerate() {
         if crashes.contains(&j) {
-            child.child.kill().unwrap(); // SIGKILL
-            child.child.wait().unwrap();
-            child = spawn(&toml, &log);
+            child.sigkill_and_restart(&toml, &log);
             // A resend of the last acknowledged update (perhaps folded into a later buffer than
             // the one it names) is answered with its receipt and not counted again.
             if let Some((i, h, p)) = last.take() {
@@ -301,9 +306,7 @@ async fn async_campaign(fleet: &Fleet, data: &str, crashes: &[usize]) -> Vec<Vec
     }
     if crashes.contains(&schedule.len()) {
         // Killed right after the last buffer's last update: while it finalizes and publishes.
-        child.child.kill().unwrap();
-        child.child.wait().unwrap();
-        child = spawn(&toml, &log);
+        child.sigkill_and_restart(&toml, &log);
     }
     let op = fleet.operator(child.addr).await;
     let t0 = Instant::now();
@@ -316,8 +319,7 @@ async fn async_campaign(fleet: &Fleet, data: &str, crashes: &[usize]) -> Vec<Vec
         assert!(t0.elapsed() < Duration::from_secs(30), "campaign did not complete: {st:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    child.child.kill().unwrap();
-    child.child.wait().unwrap();
+    child.sigkill();
     (2..=4)
         .map(|v| {
             let path =
