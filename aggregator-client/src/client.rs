@@ -108,6 +108,17 @@ impl AggregatorClient {
         Ok(AggregatorClient { rpc: RpcConnection::new(addr, server_name, tls)?, max_retries: 2 })
     }
 
+    /// As [`new`](Self::new), on a client endpoint shared with other clients
+    /// ([`RpcConnection::on_endpoint`]).
+    pub fn on_endpoint(
+        endpoint: quinn::Endpoint,
+        addr: SocketAddr,
+        server_name: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, ClientError> {
+        Ok(AggregatorClient { rpc: RpcConnection::on_endpoint(endpoint, addr, server_name, tls)?, max_retries: 2 })
+    }
+
     /// Presents `tls` (a renewed certificate) from the next connection on.
     pub async fn set_tls(&self, tls: rustls::ClientConfig) -> Result<(), ClientError> {
         Ok(self.rpc.set_tls(tls).await?)

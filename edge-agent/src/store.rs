@@ -7,9 +7,10 @@
 //! runs low (before a commit, or when sled cannot open for want of space), and takes again once
 //! there is room. Downloads leave [`DOWNLOAD_HEADROOM_BYTES`] free besides.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use fedfleet_durable::SpaceReserve;
 
@@ -61,10 +62,29 @@ const LOCAL_STATE_KEY: &[u8] = b"local_state";
 /// Durable store of one agent. One process per store (sled locks the directory).
 pub struct AgentStore {
     dir: PathBuf,
-    db: sled::Db,
-    state: sled::Tree,
-    outbox: sled::Tree,
+    records: Records,
     reserve: Arc<SpaceReserve>,
+}
+
+/// Where the lifecycle's records (state, outbox) live.
+enum Records {
+    /// A device's: one sled database, flushed at every commit point.
+    Sled { db: sled::Db, state: sled::Tree, outbox: sled::Tree },
+    /// A simulated device's ([`AgentStore::in_memory`]): nothing outlives the process and no
+    /// file stays open, so that one process can simulate ten thousand devices.
+    Memory(Mutex<MemoryRecords>),
+}
+
+#[derive(Default)]
+struct MemoryRecords {
+    state: BTreeMap<&'static [u8], Vec<u8>>,
+    outbox: BTreeMap<u64, Vec<u8>>,
+}
+
+impl MemoryRecords {
+    fn lock(m: &Mutex<MemoryRecords>) -> std::sync::MutexGuard<'_, MemoryRecords> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl AgentStore {
@@ -85,9 +105,42 @@ impl AgentStore {
         .map_err(|e| StoreError::Open { path: db_path.clone(), detail: e.to_string() })?;
         let state = db.open_tree("state")?;
         let outbox = db.open_tree("outbox")?;
-        let store = AgentStore { dir, db, state, outbox, reserve };
+        let store = AgentStore { dir, records: Records::Sled { db, state, outbox }, reserve };
         store.restore_reserve();
         Ok(store)
+    }
+
+    /// A store for a simulated device: state and outbox in memory (lost with the process, and no
+    /// file held open), model blobs as files in `dir` as usual, no space reserve. Not for a real
+    /// device: an update in its outbox would not survive a restart.
+    pub fn in_memory(dir: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let dir = dir.as_ref().to_owned();
+        fs::create_dir_all(dir.join("blobs")).map_err(|e| StoreError::io(&dir, e))?;
+        fs::create_dir_all(dir.join("partial")).map_err(|e| StoreError::io(&dir, e))?;
+        let reserve = Arc::new(SpaceReserve::new(dir.join("reserve"), 0));
+        Ok(AgentStore { dir, records: Records::Memory(Mutex::default()), reserve })
+    }
+
+    fn get_state(&self, key: &'static [u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        match &self.records {
+            Records::Sled { state, .. } => Ok(state.get(key)?.map(|v| v.to_vec())),
+            Records::Memory(m) => Ok(MemoryRecords::lock(m).state.get(key).cloned()),
+        }
+    }
+
+    /// Writes a state record and flushes.
+    fn put_state(&self, key: &'static [u8], bytes: &[u8]) -> Result<(), StoreError> {
+        match &self.records {
+            Records::Sled { db, state, .. } => {
+                self.make_room();
+                state.insert(key, bytes)?;
+                db.flush()?;
+            }
+            Records::Memory(m) => {
+                MemoryRecords::lock(m).state.insert(key, bytes.to_vec());
+            }
+        }
+        Ok(())
     }
 
     /// Takes the space reserve again if it was released and the disk has room for it.
@@ -113,7 +166,7 @@ impl AgentStore {
     /// The tensors this device keeps out of its updates (FedBN's local batch norms). Bytes that
     /// no longer decode are ignored with a warning: the model's own tensors serve instead.
     pub fn local_state(&self) -> Result<Option<fedfleet_protocol::TensorBundle>, StoreError> {
-        let Some(bytes) = self.state.get(LOCAL_STATE_KEY)? else { return Ok(None) };
+        let Some(bytes) = self.get_state(LOCAL_STATE_KEY)? else { return Ok(None) };
         match fedfleet_protocol::TensorBundle::decode(&bytes, &fedfleet_protocol::BundleLimits::default()) {
             Ok(b) => Ok(Some(b)),
             Err(e) => {
@@ -125,15 +178,18 @@ impl AgentStore {
 
     /// Replaces the local tensors and flushes.
     pub fn put_local_state(&self, bytes: &[u8]) -> Result<(), StoreError> {
-        self.make_room();
-        self.state.insert(LOCAL_STATE_KEY, bytes)?;
-        self.db.flush()?;
-        Ok(())
+        self.put_state(LOCAL_STATE_KEY, bytes)
     }
 
-    /// Another tree of the same database (e.g. the inbox's), flushed by its owner.
+    /// Another tree of the same database (e.g. the inbox's), flushed by its owner. An in-memory
+    /// store has none.
     pub fn tree(&self, name: &str) -> Result<sled::Tree, StoreError> {
-        Ok(self.db.open_tree(name)?)
+        match &self.records {
+            Records::Sled { db, .. } => Ok(db.open_tree(name)?),
+            Records::Memory(_) => {
+                Err(StoreError::Open { path: self.dir.clone(), detail: format!("an in-memory store has no {name} tree") })
+            }
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -142,15 +198,12 @@ impl AgentStore {
 
     /// The raw persisted state (JSON), if any.
     pub fn load_state_raw(&self) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.state.get(STATE_KEY)?.map(|v| v.to_vec()))
+        self.get_state(STATE_KEY)
     }
 
     /// Writes the state and flushes (a commit point).
     pub fn save_state_raw(&self, bytes: &[u8]) -> Result<(), StoreError> {
-        self.make_room();
-        self.state.insert(STATE_KEY, bytes)?;
-        self.db.flush()?;
-        Ok(())
+        self.put_state(STATE_KEY, bytes)
     }
 
     /// What the lifecycle core needs to open: the saved state and the outbox.
@@ -170,31 +223,58 @@ impl AgentStore {
     /// Adds an entry and flushes.
     pub fn put_outbox(&self, e: &OutboxEntry) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(e).expect("outbox entry serializes");
-        self.make_room();
-        self.outbox.insert(e.id.to_be_bytes(), bytes)?;
-        self.db.flush()?;
+        match &self.records {
+            Records::Sled { db, outbox, .. } => {
+                self.make_room();
+                outbox.insert(e.id.to_be_bytes(), bytes)?;
+                db.flush()?;
+            }
+            Records::Memory(m) => {
+                MemoryRecords::lock(m).outbox.insert(e.id, bytes);
+            }
+        }
         Ok(())
     }
 
     /// Removes an entry and flushes.
     pub fn remove_outbox(&self, id: u64) -> Result<(), StoreError> {
-        self.make_room();
-        self.outbox.remove(id.to_be_bytes())?;
-        self.db.flush()?;
+        match &self.records {
+            Records::Sled { db, outbox, .. } => {
+                self.make_room();
+                outbox.remove(id.to_be_bytes())?;
+                db.flush()?;
+            }
+            Records::Memory(m) => {
+                MemoryRecords::lock(m).outbox.remove(&id);
+            }
+        }
         Ok(())
     }
 
     pub fn outbox_entry(&self, id: u64) -> Result<Option<OutboxEntry>, StoreError> {
-        self.outbox.get(id.to_be_bytes())?.map(|v| decode_entry(id, &v)).transpose()
+        let bytes = match &self.records {
+            Records::Sled { outbox, .. } => outbox.get(id.to_be_bytes())?.map(|v| v.to_vec()),
+            Records::Memory(m) => MemoryRecords::lock(m).outbox.get(&id).cloned(),
+        };
+        bytes.map(|v| decode_entry(id, &v)).transpose()
     }
 
     /// Every pending entry, oldest first.
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>, StoreError> {
         let mut out = Vec::new();
-        for kv in self.outbox.iter() {
-            let (k, v) = kv?;
-            let id = <[u8; 8]>::try_from(k.as_ref()).map(u64::from_be_bytes).unwrap_or(0);
-            out.push(decode_entry(id, &v)?);
+        match &self.records {
+            Records::Sled { outbox, .. } => {
+                for kv in outbox.iter() {
+                    let (k, v) = kv?;
+                    let id = <[u8; 8]>::try_from(k.as_ref()).map(u64::from_be_bytes).unwrap_or(0);
+                    out.push(decode_entry(id, &v)?);
+                }
+            }
+            Records::Memory(m) => {
+                for (id, v) in &MemoryRecords::lock(m).outbox {
+                    out.push(decode_entry(*id, v)?);
+                }
+            }
         }
         Ok(out)
     }
@@ -277,5 +357,47 @@ mod error_tests {
         let printed = format!("{:#}", anyhow::Error::from(e));
         assert_eq!(printed.matches("no space left on device").count(), 1, "{printed}");
         assert!(printed.starts_with("agent store: "), "{printed}");
+    }
+}
+
+#[cfg(test)]
+mod memory_tests {
+    use super::*;
+
+    fn entry(id: u64) -> OutboxEntry {
+        OutboxEntry {
+            id,
+            round: fedfleet_protocol::RoundId(id),
+            nonce: [id as u8; 16],
+            payload_digest: Digest::of(&id.to_le_bytes()),
+            header: vec![1, 2, 3],
+            payload: vec![id as u8; 8],
+            created_at_ms: 7,
+        }
+    }
+
+    /// Both backends keep the same records; the in-memory one holds no database file open.
+    #[test]
+    fn an_in_memory_store_keeps_what_a_sled_store_keeps_and_opens_no_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let sled_store = AgentStore::open(dir.path().join("sled")).unwrap();
+        let memory = AgentStore::in_memory(dir.path().join("memory")).unwrap();
+        for store in [&sled_store, &memory] {
+            assert_eq!(store.saved().unwrap().state, None);
+            store.apply(&Persist::State(b"{\"v\":1}".to_vec())).unwrap();
+            store.apply(&Persist::PutOutbox(entry(2))).unwrap();
+            store.apply(&Persist::PutOutbox(entry(1))).unwrap();
+            store.apply(&Persist::RemoveOutbox(2)).unwrap();
+            let saved = store.saved().unwrap();
+            assert_eq!(saved.state.as_deref(), Some(&b"{\"v\":1}"[..]));
+            assert_eq!(saved.outbox, vec![entry(1)]);
+            assert_eq!(store.outbox_entry(1).unwrap(), Some(entry(1)));
+            let blob = store.put_blob(b"model").unwrap();
+            assert_eq!(store.get_blob(&blob).unwrap().as_deref(), Some(&b"model"[..]));
+        }
+        assert!(dir.path().join("sled/db").exists());
+        assert!(!dir.path().join("memory/db").exists());
+        assert!(!dir.path().join("memory/reserve").exists(), "a simulated device reserves no disk");
+        assert!(memory.tree("inbox").unwrap_err().to_string().contains("in-memory store has no inbox tree"));
     }
 }

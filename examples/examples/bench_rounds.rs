@@ -101,6 +101,12 @@ struct Args {
     /// Skip the measurement of one real `fedfleet-agent` daemon process.
     #[arg(long)]
     no_daemon: bool,
+    /// Light simulated agents: state and outbox in memory (no sled store each) and
+    /// LIGHT_AGENTS_PER_SOCKET agents' QUIC connections per UDP socket. Every agent still has
+    /// its own key, certificate, connections, signatures and receipts. Needed for fleets whose
+    /// sled stores would pass the open-file limit (about 6,000 agents at 20,000 files).
+    #[arg(long)]
+    light: bool,
     /// Internal: run one fleet size and print its result as JSON.
     #[arg(long, hide = true)]
     worker: Option<usize>,
@@ -208,11 +214,12 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
     );
     println!(
-        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 2 per agent above 719 agents); agents poll every {} ms",
+        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 2 per agent above 719 agents); agents poll every {} ms{}",
         args.sampling_rate.min(1.0),
         args.local_epochs,
         args.batch_size,
-        args.poll_ms
+        args.poll_ms,
+        if args.light { format!("; light agents (state in memory, {LIGHT_AGENTS_PER_SOCKET} per UDP socket)") } else { String::new() }
     );
     println!(
         "{:>6} | {:>6} | {:>10} | {:>13} | {:>10} | {:>14} | {:>9} | {:>7} | {:>12} | {:>14} | {:>17} | {:>12} | {:>14}",
@@ -559,22 +566,27 @@ fn total(rounds: &[Value], k: &str) -> f64 {
 /// the point where 6,661 agents hit a 20,000-file limit.
 const FILES_PER_AGENT: u64 = 3;
 
+/// `--light`: simulated agents whose connections share one UDP socket.
+const LIGHT_AGENTS_PER_SOCKET: usize = 64;
+
 /// Refuses, before any agent is opened, a fleet this process cannot hold the files of.
-fn check_open_file_limit(n: usize) -> anyhow::Result<()> {
+fn check_open_file_limit(n: usize, light: bool) -> anyhow::Result<()> {
     let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
     let soft = limits.lines().find(|l| l.starts_with("Max open files")).and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok());
-    let need = n as u64 * FILES_PER_AGENT + 1024;
+    let agents = if light { n.div_ceil(LIGHT_AGENTS_PER_SOCKET) as u64 } else { n as u64 * FILES_PER_AGENT };
+    let need = agents + 1024;
     match soft {
         Some(limit) if limit < need => bail!(
             "{n} simulated agents need about {need} open files (a sled store each, plus sockets); this process may open {limit} \
-             (`ulimit -n`, at most the hard limit `ulimit -Hn`)"
+             (`ulimit -n`, at most the hard limit `ulimit -Hn`){}",
+            if light { "" } else { "; --light keeps their state in memory and shares sockets" }
         ),
         _ => Ok(()),
     }
 }
 
 async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
-    check_open_file_limit(n)?;
+    check_open_file_limit(n, args.light)?;
     let events = Recorder::install();
     let target = if args.sampling_rate >= 1.0 { n as u32 } else { ((args.sampling_rate * n as f64).floor() as u32).max(1) };
     let devices: Vec<DeviceId> = (0..n).map(|i| DeviceId::new(format!("bench-{i:04}"))).collect::<Result<_, _>>()?;
@@ -595,6 +607,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     );
     // Many agents share two cores: a slow answer is load, not an outage.
     options.call_timeout = Duration::from_secs(120);
+    options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
     let mut fleet = RemoteFleet::start(options)?;
     let online = Instant::now();
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);

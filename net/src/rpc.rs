@@ -21,6 +21,8 @@ pub fn backoff(attempt: u32) -> Duration {
 /// A client's connection to one server, reconnected on demand.
 pub struct RpcConnection {
     endpoint: quinn::Endpoint,
+    /// Made for this connection alone (closing waits for it to go idle), or shared.
+    owns_endpoint: bool,
     addr: SocketAddr,
     server_name: String,
     /// The TLS identity new connections present (replaced by [`RpcConnection::set_tls`]).
@@ -38,10 +40,23 @@ impl RpcConnection {
     /// No handshake yet: the first call connects (a device can start while the server is down).
     /// Must be called inside a tokio runtime.
     pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, NetError> {
-        let config = crate::quic_client_config(tls.clone())?;
+        let endpoint = crate::client_endpoint(tls.clone())?;
+        Ok(RpcConnection { owns_endpoint: true, ..Self::on_endpoint(endpoint, addr, server_name, tls)? })
+    }
+
+    /// As [`new`](Self::new), on an endpoint (one UDP socket) shared with other connections:
+    /// a device's aggregator and registry clients, or many simulated devices, each presenting
+    /// its own `tls` identity.
+    pub fn on_endpoint(
+        endpoint: quinn::Endpoint,
+        addr: SocketAddr,
+        server_name: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, NetError> {
         Ok(RpcConnection {
-            endpoint: crate::client_endpoint(tls)?,
-            config: std::sync::Mutex::new(config),
+            endpoint,
+            owns_endpoint: false,
+            config: std::sync::Mutex::new(crate::quic_client_config(tls)?),
             addr,
             server_name: server_name.to_owned(),
             conn: Mutex::new(None),
@@ -121,11 +136,13 @@ impl RpcConnection {
         }
     }
 
-    /// Closes the connection and waits for the endpoint to go idle.
+    /// Closes the connection and, if the endpoint is its own, waits for it to go idle.
     pub async fn close(&self) {
         if let Some(c) = self.conn.lock().await.take() {
             c.close(0u32.into(), b"bye");
         }
-        self.endpoint.wait_idle().await;
+        if self.owns_endpoint {
+            self.endpoint.wait_idle().await;
+        }
     }
 }

@@ -231,11 +231,22 @@ impl RegistryClient {
     /// `fedfleet_certs::tls::client_config` (devices) or `service_client_config` (operators).
     /// Connects lazily; must be called inside a tokio runtime.
     pub fn new(addr: SocketAddr, server_name: &str, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
-        Ok(RegistryClient {
-            rpc: RpcConnection::new(addr, server_name, tls)?,
-            max_retries: fedfleet_net::rpc::DEFAULT_MAX_RETRIES,
-            wire_bytes: AtomicU64::new(0),
-        })
+        Ok(Self::with_rpc(RpcConnection::new(addr, server_name, tls)?))
+    }
+
+    /// As [`new`](Self::new), on a client endpoint shared with other clients
+    /// ([`RpcConnection::on_endpoint`]).
+    pub fn on_endpoint(
+        endpoint: quinn::Endpoint,
+        addr: SocketAddr,
+        server_name: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, ClientError> {
+        Ok(Self::with_rpc(RpcConnection::on_endpoint(endpoint, addr, server_name, tls)?))
+    }
+
+    fn with_rpc(rpc: RpcConnection) -> Self {
+        RegistryClient { rpc, max_retries: fedfleet_net::rpc::DEFAULT_MAX_RETRIES, wire_bytes: AtomicU64::new(0) }
     }
 
     /// [`RegistryClient::new`] plus the handshake (fails fast if the registry is unreachable).

@@ -177,6 +177,10 @@ pub struct FleetOptions {
     pub call_timeout: std::time::Duration,
     /// When an installed model counts as healthy on the agent's holdout.
     pub health: HealthPolicy,
+    /// Light devices, for fleets of thousands in one process: state and outbox in memory
+    /// ([`AgentStore::in_memory`]) and this many agents' QUIC connections per UDP socket. `None`:
+    /// each agent has a sled store and one UDP socket for both its clients.
+    pub light: Option<usize>,
 }
 
 impl FleetOptions {
@@ -211,6 +215,7 @@ impl FleetOptions {
             backoff: fedfleet_agent::lifecycle::Backoff { base_ms: 200, max_ms: 2_000 },
             call_timeout: std::time::Duration::from_secs(2),
             health: HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 },
+            light: None,
         }
     }
 }
@@ -273,16 +278,27 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
         let clock: Arc<dyn fedfleet_agent::agent::Clock> = Arc::new(fedfleet_agent::agent::SystemClock);
         let mut agents = Vec::with_capacity(o.devices.len());
         let mut aggs = Vec::with_capacity(o.devices.len());
+        let per_endpoint = o.light.unwrap_or(1).max(1);
+        let mut endpoint = None;
         for (i, (device, part)) in o.devices.iter().zip(parts).enumerate() {
             let id = fedfleet_certs::DeviceIdentity::load(&o.pki_dir, device)
                 .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
             let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-            let agg_client =
-                fedfleet_aggregator_client::client::AggregatorClient::new(o.aggregator_addr, &o.aggregator_server_name, tls.clone())
-                    .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
+            if i % per_endpoint == 0 {
+                endpoint = Some(fedfleet_net::client_endpoint(tls.clone())?);
+            }
+            let endpoint = endpoint.clone().expect("made for the first agent");
+            let agg_client = fedfleet_aggregator_client::client::AggregatorClient::on_endpoint(
+                endpoint.clone(),
+                o.aggregator_addr,
+                &o.aggregator_server_name,
+                tls.clone(),
+            )
+            .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
             let agg = Arc::new(fedfleet_agent::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
-            let reg_client = fedfleet_registry_client::client::RegistryClient::new(o.registry_addr, &o.registry_server_name, tls)
-                .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
+            let reg_client =
+                fedfleet_registry_client::client::RegistryClient::on_endpoint(endpoint, o.registry_addr, &o.registry_server_name, tls)
+                    .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
             let reg = Arc::new(fedfleet_agent::remote::RemoteRegistry::with_clock(
                 reg_client,
                 o.model_name.clone(),
@@ -292,7 +308,8 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
             let key = id.signing_key();
             let links = AgentLinks { index: i, device: device.clone(), identity: id, aggregator: agg.clone(), registry: reg };
             let (agent_agg, agent_reg) = wrap(&links)?;
-            let store = AgentStore::open(o.data_dir.join(device.as_str()))?;
+            let dir = o.data_dir.join(device.as_str());
+            let store = if o.light.is_some() { AgentStore::in_memory(dir)? } else { AgentStore::open(dir)? };
             let (tr, holdout) = part.split(0.2, o.partition_seed);
             let mut cfg = CoreConfig::new(device.clone(), o.fleet.clone());
             cfg.local_samples = tr.len() as u64;
