@@ -2,6 +2,8 @@
 //!
 //! ```toml
 //! listen = "0.0.0.0:7400"            # QUIC (mTLS, ALPN fedfleet/1)
+//! # operator_listen = "0.0.0.0:7401"  # optional: a QUIC address for operators and services only, on
+//!                                    #   its own socket, so a device flood cannot crowd them out
 //! pki_dir = "/etc/fedfleet/pki"      # fedfleet-certs directory (ca.crt, devices.json, revoked.json, servers/)
 //! server_identity = "aggregator"     # servers/<server_identity>.crt|.key: this service's identity
 //! data_dir = "/var/lib/fedfleet-aggregator"
@@ -88,6 +90,10 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub listen: SocketAddr,
+    /// Operators' and services' own QUIC address (devices are refused there): a second socket
+    /// whose receive buffer the fleet's datagrams never fill.
+    #[serde(default)]
+    pub operator_listen: Option<SocketAddr>,
     pub pki_dir: PathBuf,
     /// This service's identity: `servers/<server_identity>.crt|.key` in `pki_dir` (a file name,
     /// not a TLS name; the key was called `server_name` before and that spelling still reads).
@@ -556,6 +562,7 @@ impl Config {
     pub fn new(listen: SocketAddr, pki_dir: PathBuf, data_dir: PathBuf, model: ModelConfig) -> Config {
         Config {
             listen,
+            operator_listen: None,
             pki_dir,
             server_identity: default_server_name(),
             data_dir,
@@ -657,6 +664,9 @@ impl Config {
 pub struct OperatorConfig {
     pub pki_dir: PathBuf,
     pub listen: Option<SocketAddr>,
+    /// The service's operators' address, preferred over `listen` when set.
+    #[serde(default)]
+    pub operator_listen: Option<SocketAddr>,
     /// The service's `[model]`, if this is its config (`campaign status` says which digest it
     /// shows under LoRA).
     #[serde(default)]

@@ -18,6 +18,7 @@ pub struct AggregatorService {
     agg: Aggregator,
     mqtt: Option<MqttConfig>,
     listen: SocketAddr,
+    operator_listen: Option<SocketAddr>,
     metrics: Option<(SocketAddr, bool)>,
 }
 
@@ -36,9 +37,10 @@ impl AggregatorService {
         publisher: Box<dyn Publisher>,
         clock: SharedClock,
     ) -> Result<AggregatorService, ServiceError> {
-        let (listen, metrics) = (cfg.listen, cfg.metrics_addr.map(|a| (a, cfg.metrics_public)));
+        let (listen, operator_listen) = (cfg.listen, cfg.operator_listen);
+        let metrics = cfg.metrics_addr.map(|a| (a, cfg.metrics_public));
         let agg = Aggregator::open(cfg, publisher, clock)?;
-        Ok(AggregatorService { agg, mqtt, listen, metrics })
+        Ok(AggregatorService { agg, mqtt, listen, operator_listen, metrics })
     }
 
     pub fn aggregator(&self) -> &Aggregator {
@@ -55,6 +57,7 @@ impl AggregatorService {
     /// failed bind starts nothing, so a caller may retry while a predecessor lets the port go.
     pub async fn bind(&self) -> Result<BoundAggregator, ServiceError> {
         let endpoint = self.agg.bind(self.listen)?;
+        let operators = self.operator_listen.map(|addr| self.agg.bind(addr)).transpose()?;
         let metrics = match self.metrics {
             None => None,
             Some((addr, public)) => Some(fedfleet_http::bind(addr, public).await.map_err(|cause| ServiceError::Metrics { addr, cause })?),
@@ -63,7 +66,7 @@ impl AggregatorService {
             Some(m) => crate::mqtt::start(&self.agg, m).await?,
             None => None,
         };
-        Ok(BoundAggregator { agg: self.agg.clone(), endpoint, metrics, mqtt })
+        Ok(BoundAggregator { agg: self.agg.clone(), endpoint, operators, metrics, mqtt })
     }
 }
 
@@ -90,6 +93,8 @@ fn configured_publisher(cfg: &Config) -> Result<Box<dyn Publisher>, ServiceError
 pub struct BoundAggregator {
     agg: Aggregator,
     endpoint: quinn::Endpoint,
+    /// `operator_listen`'s endpoint, if configured.
+    operators: Option<quinn::Endpoint>,
     metrics: Option<tokio::net::TcpListener>,
     mqtt: Option<Mqtt>,
 }
@@ -98,6 +103,11 @@ impl BoundAggregator {
     /// The QUIC address (with the port picked when `listen` had port 0).
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.endpoint.local_addr()
+    }
+
+    /// The operators' QUIC address, if `operator_listen` is set.
+    pub fn operator_addr(&self) -> Option<SocketAddr> {
+        self.operators.as_ref().and_then(|e| e.local_addr().ok())
     }
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
@@ -116,7 +126,7 @@ impl BoundAggregator {
     /// Serves `/metrics`, watches this service's certificate expiry and serves QUIC until
     /// `shutdown` is triggered; then stops the MQTT control plane.
     pub async fn run(self, shutdown: Shutdown) -> Result<(), ServiceError> {
-        let BoundAggregator { agg, endpoint, metrics, mqtt } = self;
+        let BoundAggregator { agg, endpoint, operators, metrics, mqtt } = self;
         let name = agg.config().server_identity.clone();
         let validity = agg.identity().validity()?;
         let clock = agg.clock();
@@ -130,7 +140,7 @@ impl BoundAggregator {
             tracing::info!(addr = ?l.local_addr().ok(), "metrics at /metrics");
             tokio::spawn(fedfleet_http::serve_metrics(l, agg.metrics()))
         });
-        agg.run(endpoint, shutdown).await;
+        agg.run(endpoint, operators, shutdown).await;
         if let Some(m) = mqtt {
             m.shutdown().await;
         }

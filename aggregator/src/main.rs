@@ -63,7 +63,8 @@ struct Conn {
     /// Operator certificate name in the PKI's servers/ directory.
     #[arg(long, default_value = "operator")]
     operator: String,
-    /// Aggregator address (default: the config's `listen`, with 0.0.0.0 read as 127.0.0.1).
+    /// Aggregator address (default: the config's `operator_listen`, else its `listen`, with
+    /// 0.0.0.0 read as 127.0.0.1).
     #[arg(long)]
     addr: Option<std::net::SocketAddr>,
     /// TLS server name to expect.
@@ -196,6 +197,10 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<
     tracing::info!(%addr, "listening");
     // Tests and scripts read this line to find an ephemeral port.
     println!("listening on {addr}");
+    if let Some(a) = bound.operator_addr() {
+        tracing::info!(addr = %a, "operators' address");
+        println!("operators on {a}");
+    }
     if let Some(b) = bound.broker_addr() {
         println!("mqtt broker on {b}");
     }
@@ -208,7 +213,11 @@ async fn operator_client(conn: &Conn, cfg: &OperatorConfig) -> Result<Aggregator
     let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator)
         .with_context(|| format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator))?;
     let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])?;
-    let mut addr = conn.addr.or(cfg.listen).ok_or_else(|| anyhow!("{}: no `listen` address: pass --addr", conn.config.display()))?;
+    let mut addr = conn
+        .addr
+        .or(cfg.operator_listen)
+        .or(cfg.listen)
+        .ok_or_else(|| anyhow!("{}: no `operator_listen` or `listen` address: pass --addr", conn.config.display()))?;
     if addr.ip().is_unspecified() {
         addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }

@@ -270,7 +270,9 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             order.iter().map(|s| format!("{s} {:.3}", steps.get(*s).and_then(|v| v.as_f64()).unwrap_or(f64::NAN))).collect();
         println!("{:>6} agents: {} ms", u(r, "agents"), line.join(" | "));
     }
-    println!("The operator's `campaign status` during the campaign (a new mTLS connection each, every {STATUS_PROBE_PERIOD:?}):");
+    println!(
+        "The operator's `campaign status` during the campaign (`fedfleet-aggregator campaign status` to `operator_listen`, a process and mTLS connection each, every {STATUS_PROBE_PERIOD:?}):"
+    );
     for r in results {
         println!(
             "{:>6} agents: median {:.1} ms, max {:.1} ms over {} probes, {} failed",
@@ -362,6 +364,8 @@ struct Services {
     config: PathBuf,
     aggregator_bin: PathBuf,
     metrics_addr: std::net::SocketAddr,
+    /// The aggregator's `operator_listen`.
+    operator_addr: std::net::SocketAddr,
     receipt_key: ed25519_dalek::VerifyingKey,
     update_bytes_each: usize,
     setup_s: f64,
@@ -388,8 +392,12 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let bundle = init_bundle(&spec, 7)?.encode();
     std::fs::write(&initial, &bundle)?;
     let metrics_addr = free_loopback_port()?;
+    // The operator's calls go to an address of their own (`operator_listen`): its own socket,
+    // whose receive buffer the fleet's datagrams do not fill.
+    let operator_addr = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?;
     let config = agg_dir.join("aggregator.toml");
-    std::fs::write(&config, aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target))?;
+    let toml = aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target);
+    std::fs::write(&config, format!("operator_listen = \"{operator_addr}\"\n{toml}"))?;
     let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
@@ -404,6 +412,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         config,
         aggregator_bin,
         metrics_addr,
+        operator_addr,
         receipt_key,
         update_bytes_each: bundle.len(),
         setup_s: setup.elapsed().as_secs_f64(),
@@ -435,23 +444,30 @@ const STATUS_PROBE_PERIOD: Duration = Duration::from_millis(500);
 
 /// Times the operator's `campaign status` every [`STATUS_PROBE_PERIOD`] until stopped.
 fn probe_operator_status(
-    pki: Pki,
+    bin: PathBuf,
+    config: PathBuf,
     addr: std::net::SocketAddr,
 ) -> (tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<(Vec<f64>, u64)>) {
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(async move {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    // The operator's CLI in a process of its own, timed from a thread of its own: what an
+    // operator waits for, not how busy this process's runtime (the simulated fleet) is.
+    let task = tokio::task::spawn_blocking(move || {
         let (mut ms, mut failures) = (Vec::new(), 0);
-        loop {
+        while !*stopped.borrow() {
             let t = Instant::now();
-            match tokio::time::timeout(Duration::from_secs(30), operator_status(&pki, addr)).await {
-                Ok(Ok(_)) => ms.push(t.elapsed().as_secs_f64() * 1e3),
+            let out = Command::new(&bin)
+                .args(["campaign", "status", "--config"])
+                .arg(&config)
+                .args(["--addr", &addr.to_string()])
+                .env("RUST_LOG", "error")
+                .output();
+            match out {
+                Ok(o) if o.status.success() => ms.push(t.elapsed().as_secs_f64() * 1e3),
                 _ => failures += 1,
             }
-            tokio::select! {
-                _ = stopped.changed() => return (ms, failures),
-                _ = tokio::time::sleep(STATUS_PROBE_PERIOD) => {}
-            }
+            std::thread::sleep(STATUS_PROBE_PERIOD);
         }
+        (ms, failures)
     });
     (stop, task)
 }
@@ -473,8 +489,8 @@ async fn run_campaign(
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     let ingest0 = ingest_seconds(sv.metrics_addr).await;
-    let (stop_probe, probe) = probe_operator_status(sv.pki.clone(), sv.agg.addr);
-    campaign_start(&sv.aggregator_bin, &sv.config, sv.agg.addr, args.rounds, target)?;
+    let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.operator_addr);
+    campaign_start(&sv.aggregator_bin, &sv.config, sv.operator_addr, args.rounds, target)?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
         if Instant::now() > deadline {
@@ -499,7 +515,7 @@ async fn run_campaign(
     let agg_peak_rss_kib = proc_status_kib(&sv.agg.pid().to_string(), "VmHWM").unwrap_or(0);
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let samples = poller.stop().await;
-    let status = operator_status(&sv.pki, sv.agg.addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
+    let status = operator_status(&sv.pki, sv.operator_addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
     sv.agg.stop();
     Ok(CampaignRecord {
         samples,

@@ -55,16 +55,24 @@ impl From<FrameError> for NetError {
 }
 
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
+// A lost connection is the connection's error, whose message carries the peer's close reason
+// (an `overloaded` retry-after, a `not_permitted`); quinn's read error says only "connection lost".
 impl From<quinn::ReadError> for NetError {
     fn from(e: quinn::ReadError) -> Self {
-        NetError::Read(e)
+        match e {
+            quinn::ReadError::ConnectionLost(c) => NetError::Connection(c),
+            e => NetError::Read(e),
+        }
     }
 }
 
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
 impl From<quinn::WriteError> for NetError {
     fn from(e: quinn::WriteError) -> Self {
-        NetError::Write(e)
+        match e {
+            quinn::WriteError::ConnectionLost(c) => NetError::Connection(c),
+            e => NetError::Write(e),
+        }
     }
 }
 
@@ -95,9 +103,7 @@ impl NetError {
     /// The TLS alert behind this error, if the connection was closed with one.
     pub fn tls_alert(&self) -> Option<u8> {
         match self {
-            NetError::Connection(e)
-            | NetError::Read(quinn::ReadError::ConnectionLost(e))
-            | NetError::Write(quinn::WriteError::ConnectionLost(e)) => tls_alert(e),
+            NetError::Connection(e) => tls_alert(e),
             _ => None,
         }
     }

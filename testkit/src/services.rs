@@ -148,6 +148,8 @@ impl RunningRegistry {
 pub struct RunningAggregator {
     pub agg: Aggregator,
     pub addr: SocketAddr,
+    /// The operators' own address (`operator_listen`), if the config sets one.
+    pub operator_addr: Option<SocketAddr>,
     serving: Serving,
 }
 
@@ -174,13 +176,13 @@ impl RunningAggregator {
                 Err(e) => return Err(e).with_context(|| format!("binding {listen}")),
             }
         };
-        let (agg, addr) = (bound.aggregator().clone(), bound.local_addr()?);
+        let (agg, addr, operator_addr) = (bound.aggregator().clone(), bound.local_addr()?, bound.operator_addr());
         let serving = Serving::spawn(|shutdown| async move {
             if let Err(e) = bound.run(shutdown).await {
                 panic!("the aggregator stopped with an error: {e}");
             }
         });
-        Ok(RunningAggregator { agg, addr, serving })
+        Ok(RunningAggregator { agg, addr, operator_addr, serving })
     }
 
     /// As [`RunningAggregator::start`], publishing every global model into the registry at

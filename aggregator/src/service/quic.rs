@@ -3,6 +3,15 @@
 use super::*;
 use fedfleet_net::admission::{Admission, AdmissionConfig, Refused};
 
+/// Which of the service's QUIC endpoints a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Listener {
+    /// `listen`: devices, operators and services.
+    Fleet,
+    /// `operator_listen`: operators and services only.
+    Operators,
+}
+
 impl Aggregator {
     /// Binds the QUIC endpoint of the config.
     pub fn bind(&self, addr: SocketAddr) -> Result<quinn::Endpoint, ServiceError> {
@@ -20,8 +29,9 @@ impl Aggregator {
         Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &secret)?)
     }
 
-    /// Serves `endpoint` until `shutdown` is triggered, then lets in-flight requests finish.
-    pub async fn run(self, endpoint: quinn::Endpoint, shutdown: fedfleet_net::Shutdown) {
+    /// Serves `endpoint` (and `operators`, the operators' own endpoint, if any) until `shutdown`
+    /// is triggered, then lets in-flight requests finish.
+    pub async fn run(self, endpoint: quinn::Endpoint, operators: Option<quinn::Endpoint>, shutdown: fedfleet_net::Shutdown) {
         let driver = {
             let me = self.clone();
             let stop = shutdown.wait();
@@ -33,10 +43,30 @@ impl Aggregator {
             })
         };
         let limits = self.shared.cfg.admission;
-        let admission = Admission::new(AdmissionConfig {
+        let fleet = AdmissionConfig {
             retry_after: Duration::from_millis(limits.retry_after_ms),
             ..AdmissionConfig::for_devices(limits.max_connections)
+        };
+        // The operators' endpoint admits a few devices only to tell them they are at the wrong
+        // address (a device pool of 0 would say `overloaded`, and they would retry forever).
+        let operators = operators.map(|endpoint| {
+            let me = self.clone();
+            let stop = shutdown.clone();
+            let admission = AdmissionConfig { handshakes: 64, per_source: 16, devices: 4, ..fleet };
+            tokio::spawn(async move { me.serve(endpoint, admission, Listener::Operators, stop).await })
         });
+        self.serve(endpoint, fleet, Listener::Fleet, shutdown.clone()).await;
+        if let Some(task) = operators {
+            let _ = task.await;
+        }
+        let _ = driver.await;
+        tracing::info!("stopped");
+    }
+
+    /// One endpoint's accept loop, then the drain of its connections once `shutdown` fires (or
+    /// the endpoint closes by itself: every task of the service stops either way).
+    async fn serve(&self, endpoint: quinn::Endpoint, admission: AdmissionConfig, listener: Listener, shutdown: fedfleet_net::Shutdown) {
+        let admission = Admission::new(admission);
         let handlers = fedfleet_net::serve::accept_until(
             &endpoint,
             admission.config().total(),
@@ -46,20 +76,23 @@ impl Aggregator {
                 let me = self.clone();
                 let stop = shutdown.clone();
                 let admission = admission.clone();
-                async move { me.connection(incoming, &admission, stop).await }
+                async move { me.connection(incoming, &admission, listener, stop).await }
             },
         )
         .await;
-        tracing::info!("shutting down: no new connections");
-        // The endpoint may have closed by itself: every task of the service stops either way.
+        tracing::info!(?listener, "shutting down: no new connections");
         shutdown.trigger();
         // In-flight uploads finish (their handlers stop taking new streams), but not forever.
         fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(20)).await;
-        let _ = driver.await;
-        tracing::info!("stopped");
     }
 
-    pub(super) async fn connection(&self, incoming: quinn::Incoming, admission: &Admission, shutdown: fedfleet_net::Shutdown) {
+    pub(super) async fn connection(
+        &self,
+        incoming: quinn::Incoming,
+        admission: &Admission,
+        listener: Listener,
+        shutdown: fedfleet_net::Shutdown,
+    ) {
         let admitted = match admission.admit(incoming, fedfleet_net::peer::class).await {
             Ok(a) => a,
             Err(Refused::HandshakeFailed(e)) => {
@@ -81,6 +114,11 @@ impl Aggregator {
             conn.close(1u32.into(), b"no fleet identity");
             return;
         };
+        if listener == Listener::Operators && matches!(peer, PeerIdentity::Device(_)) {
+            conn.close(1u32.into(), b"not_permitted: devices connect on the aggregator's `listen` address, not `operator_listen`");
+            self.shared.metrics.rejected(RejectReason::NotPermitted);
+            return;
+        }
         // The connection's handler ends when its in-flight streams do (graceful shutdown).
         let mut streams = tokio::task::JoinSet::new();
         let stop = shutdown.wait();

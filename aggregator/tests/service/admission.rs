@@ -61,6 +61,30 @@ async fn unfinished_handshakes_do_not_lock_out_operators_or_devices() {
     svc.stop().await;
 }
 
+/// Issue 27: with `operator_listen`, operators have a socket of their own. While a flood of
+/// unfinished handshakes fills the fleet's address, `campaign status` is answered there at once;
+/// a device that connects there is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_have_an_address_of_their_own_which_devices_are_refused_at() {
+    let fleet = Fleet::new(2);
+    let mut cfg = fleet.config("agg", 100, 1);
+    cfg.operator_listen = Some("127.0.0.1:0".parse().unwrap());
+    let svc = start(cfg).await;
+    let operators = svc.operator_addr.expect("operator_listen is bound");
+    assert_ne!(operators, svc.addr);
+    let (_flood_endpoint, _pending) = start_unfinished_handshakes(svc.addr, 1100).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let op = tokio::time::timeout(Duration::from_secs(5), fleet.operator(operators)).await.expect("operator connected in time");
+    let st = op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    assert_eq!(st.open_round, Some(RoundId(1)));
+    let d = fleet.device_client(0, operators).await;
+    let refused = d.current_round().await.expect_err("a device is not served on the operators' address");
+    assert!(refused.to_string().contains("not_permitted"), "{refused}");
+    assert_eq!(op.campaign(Request::CampaignStatus).await.unwrap().open_round, Some(RoundId(1)));
+    svc.stop().await;
+}
+
 /// Issue 27: more devices upload at once than the bytes-in-flight budget takes. Those past it
 /// are told `overloaded` with a retry-after before their payload is read; each resends after a
 /// jittered pause, and every update gets in exactly once (the round closes at its target) while

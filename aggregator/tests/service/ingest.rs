@@ -276,7 +276,7 @@ async fn a_failed_publish_is_retried_with_the_finalized_model() {
     let endpoint = agg.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = endpoint.local_addr().unwrap();
     let stop = fedfleet_net::Shutdown::new();
-    let task = tokio::spawn(agg.clone().run(endpoint, stop.clone()));
+    let task = tokio::spawn(agg.clone().run(endpoint, None, stop.clone()));
     let op = fleet.operator(addr).await;
     op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
     for round in [RoundId(1), RoundId(2)] {
