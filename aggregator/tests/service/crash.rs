@@ -57,6 +57,21 @@ impl Child_ {
     }
 }
 
+/// Waits (30 s at most) for the campaign to complete with global model `version`.
+async fn wait_completed(fleet: &Fleet, addr: SocketAddr, version: u64) {
+    let op = fleet.operator(addr).await;
+    let t0 = Instant::now();
+    loop {
+        let st = op.campaign(Request::CampaignStatus).await.unwrap();
+        if st.last_outcome.as_deref() == Some("completed") {
+            assert_eq!(st.global.unwrap().0, fedfleet_protocol::ModelVersion(version));
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "campaign did not complete: {st:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Runs a 2-round campaign of N updates per round; `crashes` lists (round index, update index)
 /// before which the child is SIGKILLed and restarted. Returns the final published model bytes.
 async fn campaign(fleet: &Fleet, data: &str, crashes: &[(u32, usize)]) -> Vec<u8> {
@@ -103,18 +118,7 @@ async fn campaign_with(fleet: &Fleet, cfg: fedfleet_aggregator::config::Config, 
             child.sigkill_and_restart(&toml, &log);
         }
     }
-    // Wait for the campaign to complete.
-    let op = fleet.operator(child.addr).await;
-    let t0 = Instant::now();
-    loop {
-        let st = op.campaign(Request::CampaignStatus).await.unwrap();
-        if st.last_outcome.as_deref() == Some("completed") {
-            assert_eq!(st.global.unwrap().0, fedfleet_protocol::ModelVersion(1 + ROUNDS as u64));
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "campaign did not complete: {st:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_completed(fleet, child.addr, 1 + ROUNDS as u64).await;
     // Graceful shutdown on SIGTERM.
     let status = Command::new("kill").args(["-TERM", &child.child.id().to_string()]).status().unwrap();
     assert!(status.success());
@@ -308,17 +312,7 @@ async fn async_campaign(fleet: &Fleet, data: &str, crashes: &[usize]) -> Vec<Vec
         // Killed right after the last buffer's last update: while it finalizes and publishes.
         child.sigkill_and_restart(&toml, &log);
     }
-    let op = fleet.operator(child.addr).await;
-    let t0 = Instant::now();
-    loop {
-        let st = op.campaign(Request::CampaignStatus).await.unwrap();
-        if st.last_outcome.as_deref() == Some("completed") {
-            assert_eq!(st.global.unwrap().0, fedfleet_protocol::ModelVersion(4));
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "campaign did not complete: {st:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_completed(fleet, child.addr, 4).await;
     child.sigkill();
     (2..=4)
         .map(|v| {
