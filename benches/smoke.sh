@@ -39,5 +39,5 @@ step "$examples/bench_agent"
 step "$examples/bench_learning" --quick
 step "$examples/fl_digits" --clients 4 --rounds 1 --epochs 1
 step "$examples/bench_async" --devices 8 --buffer 2 --max-versions 3
-step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon
+step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --rollout
 echo "benches/smoke.sh: every benchmark ran"

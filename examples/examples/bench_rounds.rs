@@ -101,6 +101,11 @@ struct Args {
     /// Skip the measurement of one real `fedfleet-agent` daemon process.
     #[arg(long)]
     no_daemon: bool,
+    /// After the campaign, roll its last version out to every agent in one phase through the
+    /// registry's operator API, and measure it (time to all installed, the worker's memory, the
+    /// operator's `rollout status`).
+    #[arg(long)]
+    rollout: bool,
     /// Light simulated agents: state and outbox in memory (no sled store each) and
     /// LIGHT_AGENTS_PER_SOCKET agents' QUIC connections per UDP socket. Every agent still has
     /// its own key, certificate, connections, signatures and receipts. Needed for fleets whose
@@ -214,7 +219,7 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
     );
     println!(
-        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 2 per agent above 719 agents); agents poll every {} ms{}",
+        "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 5 per agent above 287 agents, so that each has a holdout example); agents poll every {} ms{}",
         args.sampling_rate.min(1.0),
         args.local_epochs,
         args.batch_size,
@@ -337,6 +342,26 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             r["loadavg"].as_str().unwrap_or("?"),
             r["final_status"].as_str().unwrap_or("?"),
         );
+        let ro = &r["rollout"];
+        if !ro.is_null() {
+            println!(
+                "{} agents: rollout of v{} in one phase: {} ({} of {} agents active on it) after {:.1} s; worker RSS {} -> {} MiB \
+                 (registry and agents in this process); the operator's `rollout status` (in-process client): median {:.1} ms, \
+                 max {:.1} ms over {} calls, {} failed",
+                u(r, "agents"),
+                u(ro, "version"),
+                ro["status"].as_str().unwrap_or("?"),
+                u(ro, "active"),
+                u(r, "agents"),
+                f(ro, "seconds"),
+                u(ro, "rss_before_kib") / 1024,
+                u(ro, "rss_after_kib") / 1024,
+                f(ro, "status_ms_median"),
+                f(ro, "status_ms_max"),
+                u(ro, "status_calls"),
+                u(ro, "status_failures"),
+            );
+        }
     }
     println!("total benchmark time {:.1} s", wall.as_secs_f64());
 }
@@ -473,7 +498,7 @@ fn probe_operator_status(
 }
 
 /// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
-/// (if any) every `--poll-ms`; stops the aggregator and the registry.
+/// (if any) every `--poll-ms`. The services keep running.
 async fn run_campaign(
     args: &Args,
     sv: &mut Services,
@@ -516,7 +541,6 @@ async fn run_campaign(
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let samples = poller.stop().await;
     let status = operator_status(&sv.pki, sv.operator_addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
-    sv.agg.stop();
     Ok(CampaignRecord {
         samples,
         closed0,
@@ -634,6 +658,9 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
 
     let rec = run_campaign(args, &mut sv, target, Some(&mut fleet), || {}).await?;
     let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
+    // The agents keep polling the aggregator while the rollout runs, as devices would.
+    let rollout = if args.rollout { run_rollout(args, &sv, &mut fleet).await? } else { Value::Null };
+    sv.agg.stop();
     let rounds = rounds_of(args, &rec, &events.take())?;
     let accepted = total(&rounds, "accepted");
     let result = json!({
@@ -668,6 +695,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "final_status": rec.status,
         "loadavg": rec.loadavg,
         "rounds": rounds,
+        "rollout": rollout,
     });
     drop(fleet);
     sv.registry_service.stop().await;
@@ -675,6 +703,72 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         eprintln!("  kept {}", sv.dir.display());
     }
     Ok(result)
+}
+
+/// `--rollout`: the registry's latest version of the model to every agent in one phase (100 %,
+/// 1 s soak, every agent must report it healthy), stepping the fleet until the rollout ends.
+async fn run_rollout(args: &Args, sv: &Services, fleet: &mut RemoteFleet) -> anyhow::Result<Value> {
+    use fedfleet_registry::admin::AdminAnswer;
+    use fedfleet_registry::wire::{AdminRequest, RolloutStart};
+    let n = fleet.agents.len();
+    let version = sv.registry_service.reg.store().latest(MODEL_NAME)?.context("no published version to roll out")?;
+    let op = fedfleet::demo::registry_operator(&sv.pki, sv.registry_service.addr).await?;
+    let id = format!("bench-v{}", version.0);
+    let mut phase = fedfleet_registry::rollout::Phase::percent(100.0, 1_000);
+    phase.min_healthy = n as u32;
+    phase.deadline_ms = args.timeout_secs * 1000;
+    let rss_before_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
+    let t0 = Instant::now();
+    op.admin(AdminRequest::RolloutStart(RolloutStart {
+        id: Some(id.clone()),
+        model: MODEL_NAME.into(),
+        alias: "stable".into(),
+        target: version,
+        phases: vec![phase],
+        failure_threshold: 0.2,
+        min_sample: 10,
+    }))
+    .await
+    .map_err(|e| anyhow::anyhow!("rollout start: {e}"))?;
+    let (mut status_ms, mut failures) = (Vec::new(), 0u64);
+    let status = loop {
+        let t = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(30), op.admin(AdminRequest::RolloutStatus { id: Some(id.clone()) })).await;
+        let status = match answer {
+            Ok(Ok(AdminAnswer::Rollout(report))) => {
+                status_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                report.summary.status.name().to_owned()
+            }
+            _ => {
+                failures += 1;
+                "unknown".to_owned()
+            }
+        };
+        if status != "running" && status != "paused" && status != "unknown" {
+            break status;
+        }
+        if t0.elapsed() > Duration::from_secs(args.timeout_secs) {
+            break "timeout".to_owned();
+        }
+        step_all(fleet).await?;
+        tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+    };
+    let seconds = t0.elapsed().as_secs_f64();
+    let active = fleet.status().iter().filter(|s| s.active.as_ref().is_some_and(|m| m.version == version)).count();
+    op.close().await;
+    eprintln!("  rollout of v{}: {status}, {active}/{n} agents active on it after {seconds:.1} s", version.0);
+    Ok(json!({
+        "version": version.0,
+        "status": status,
+        "active": active,
+        "seconds": seconds,
+        "rss_before_kib": rss_before_kib,
+        "rss_after_kib": proc_status_kib("self", "VmRSS").unwrap_or(0),
+        "status_ms_median": percentile(&status_ms, 0.5),
+        "status_ms_max": percentile(&status_ms, 1.0),
+        "status_calls": status_ms.len(),
+        "status_failures": failures,
+    }))
 }
 
 /// One real `fedfleet-agent run` daemon (its own process) as the only device of a campaign:
@@ -750,6 +844,7 @@ model = "{MODEL_NAME}"
     if exited {
         bail!("the fedfleet-agent daemon exited early (see {})", log.display());
     }
+    sv.agg.stop();
     let rec = rec.with_context(|| format!("daemon campaign (daemon log: {})", log.display()))?;
     drop(daemon);
     sv.registry_service.stop().await;

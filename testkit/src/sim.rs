@@ -147,6 +147,9 @@ fn exact_fedavg(global: &TensorBundle, deltas: &[(TensorBundle, u64)]) -> Tensor
 
 // ----- a fleet over the real services -----
 
+/// The fewest digits examples a simulated device holds (tiled when the fleet outgrows the data).
+pub const MIN_EXAMPLES_PER_DEVICE: usize = 5;
+
 /// What [`RemoteFleet::start`] needs. Every device must already be enrolled in `pki_dir`
 /// (`Pki::enroll_device`) and in the aggregator's allow list.
 #[derive(Clone)]
@@ -268,10 +271,10 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
     pub fn start_with(o: FleetOptions, mut wrap: impl FnMut(&AgentLinks) -> anyhow::Result<(Arc<A>, Arc<R>)>) -> anyhow::Result<Self> {
         use anyhow::Context;
         let (mut train, _) = Dataset::digits_split().context("embedded digits data")?;
-        // More devices than examples: the examples are reused (tiled) so that every device
-        // holds at least two and can train.
-        if o.devices.len() * 2 > train.len() {
-            let tiled: Vec<usize> = (0..o.devices.len() * 2).map(|i| i % train.len()).collect();
+        // More devices than examples: the examples are reused (tiled) so that every device holds
+        // at least MIN_EXAMPLES_PER_DEVICE: it can train and keep a holdout example.
+        if o.devices.len() * MIN_EXAMPLES_PER_DEVICE > train.len() {
+            let tiled: Vec<usize> = (0..o.devices.len() * MIN_EXAMPLES_PER_DEVICE).map(|i| i % train.len()).collect();
             train = train.subset(&tiled);
         }
         let parts = o.partition.split_dataset(&train, o.devices.len(), o.partition_seed);
@@ -310,7 +313,14 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
             let (agent_agg, agent_reg) = wrap(&links)?;
             let dir = o.data_dir.join(device.as_str());
             let store = if o.light.is_some() { AgentStore::in_memory(dir)? } else { AgentStore::open(dir)? };
-            let (tr, holdout) = part.split(0.2, o.partition_seed);
+            let (mut tr, mut holdout) = part.split(0.2, o.partition_seed);
+            if holdout.is_empty() && tr.len() >= 2 {
+                // The split is stratified by class: a device with few examples of each class
+                // keeps one for its health checks (an agent with no holdout refuses every install).
+                let last = tr.len() - 1;
+                holdout = tr.subset(&[last]);
+                tr = tr.subset(&(0..last).collect::<Vec<_>>());
+            }
             let mut cfg = CoreConfig::new(device.clone(), o.fleet.clone());
             cfg.local_samples = tr.len() as u64;
             cfg.rng_seed = o.partition_seed ^ i as u64;
