@@ -149,6 +149,8 @@ struct Sim<'a> {
     coord: Coordinator<ServerStrategy>,
     layout: fedfleet_protocol::bundle::Layout,
     global: Vec<f32>,
+    /// `global` as a bundle, made once per version: the base every task started on it trains.
+    model: Arc<TensorBundle>,
     open: Option<OpenedRound>,
     /// Finished tasks, earliest first: (simulated ms, device).
     queue: BinaryHeap<Reverse<(u64, usize)>>,
@@ -167,9 +169,8 @@ impl Sim<'_> {
         }
         let jitter = uniform(&mut self.rng, 0.75, 1.25);
         let finish = now + (dev.median_ms * jitter).max(1.0) as u64;
-        let base = Arc::new(unflatten(&self.layout, &self.global));
         let dev = &mut self.devices[d];
-        dev.task = Some((a.round, a.base_digest, base));
+        dev.task = Some((a.round, a.base_digest, self.model.clone()));
         dev.last_round = Some(a.round);
         self.run.trainings += 1;
         self.queue.push(Reverse((finish, d)));
@@ -189,8 +190,8 @@ impl Sim<'_> {
                     self.open = None;
                     self.global = self.coord.finalize(now, round, &self.global).context("finalize")?;
                     let version = self.run.points.len() as u64 + 2;
-                    let bundle = unflatten(&self.layout, &self.global);
-                    let accuracy = evaluate(&self.spec, &bundle, self.test)?.accuracy;
+                    self.model = Arc::new(unflatten(&self.layout, &self.global));
+                    let accuracy = evaluate(&self.spec, &self.model, self.test)?.accuracy;
                     let secs = now as f64 / 1000.0;
                     println!("RESULT mode={:?} version={version} sim_seconds={secs:.1} accuracy={accuracy:.4}", self.run.mode.label());
                     self.run.points.push((secs, accuracy));
@@ -198,7 +199,7 @@ impl Sim<'_> {
                         self.done = true;
                         return Ok(());
                     }
-                    let digest = Digest::of(&bundle.encode());
+                    let digest = Digest::of(&self.model.encode());
                     self.coord.model_ready(now, round, ModelVersion(version), digest)?;
                 }
                 EngineEvent::RoundFailed { .. } => self.open = None,
@@ -305,6 +306,7 @@ fn run(mode: Mode, args: &Args, shares: &[Dataset], test: &Dataset, speeds: &[f6
         coord,
         layout,
         global,
+        model: Arc::new(init),
         open: None,
         queue: BinaryHeap::new(),
         rng: rng(args.seed, JITTER_STREAM),

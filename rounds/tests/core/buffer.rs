@@ -2,18 +2,10 @@
 //! with their discount, the staleness bound, the window while a buffer publishes, and a restart
 //! from the buffer boundary plus records that is the engine that ran on.
 
-use fedfleet_protocol::{DeviceId, Digest, FleetId, ModelVersion, RoundId};
+use fedfleet_protocol::{Digest, ModelVersion, RoundId};
 use fedfleet_rounds::*;
 
-const T0: Millis = 1_700_000_000_000;
-const MIN: u64 = 60_000;
-
-fn fleet() -> FleetId {
-    FleetId::new("fleet-a").unwrap()
-}
-fn dev(i: usize) -> DeviceId {
-    DeviceId::new(format!("dev-{i:05}")).unwrap()
-}
+use crate::engine::{MIN, T0, dev, fleet};
 fn version(v: u64) -> Digest {
     Digest::of(format!("model v{v}").as_bytes())
 }

@@ -6,13 +6,14 @@ use std::collections::BTreeSet;
 use fedfleet_protocol::{DeviceId, Digest, FleetId, ModelVersion, RoundId, Selection};
 use fedfleet_rounds::*;
 
-const T0: Millis = 1_700_000_000_000;
-const MIN: u64 = 60_000;
+/// The tests' clock starts here (unix ms).
+pub(crate) const T0: Millis = 1_700_000_000_000;
+pub(crate) const MIN: u64 = 60_000;
 
-fn fleet() -> FleetId {
+pub(crate) fn fleet() -> FleetId {
     FleetId::new("fleet-a").unwrap()
 }
-fn dev(i: usize) -> DeviceId {
+pub(crate) fn dev(i: usize) -> DeviceId {
     DeviceId::new(format!("dev-{i:05}")).unwrap()
 }
 fn base() -> Digest {
