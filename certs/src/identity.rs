@@ -137,11 +137,13 @@ impl ServerIdentity {
 }
 
 /// A device's certificate, private key and the fleet CA it trusts.
+#[derive(Clone)]
 pub struct DeviceIdentity {
     id: DeviceId,
     cert: CertificateDer<'static>,
     key: SigningKey,
-    ca: CaCert,
+    /// Shared: a simulator holds a hundred thousand identities of one fleet.
+    ca: std::sync::Arc<CaCert>,
 }
 
 impl fmt::Debug for DeviceIdentity {
@@ -196,7 +198,12 @@ impl DeviceIdentity {
             reason,
         })?;
         let id = crate::device_id_from_peer(std::slice::from_ref(&der)).map_err(|e| CertError::malformed(cert, e.to_string()))?;
-        Ok(DeviceIdentity { id, cert: der, key: signing, ca })
+        Ok(DeviceIdentity { id, cert: der, key: signing, ca: std::sync::Arc::new(ca) })
+    }
+
+    /// An identity the CA has just issued (no file, nothing to check).
+    pub(crate) fn issued(id: DeviceId, cert: CertificateDer<'static>, key: SigningKey, ca: std::sync::Arc<CaCert>) -> Self {
+        DeviceIdentity { id, cert, key, ca }
     }
 
     /// A renewed certificate (PEM, from the renewing service) for this identity: it must name
@@ -209,7 +216,7 @@ impl DeviceIdentity {
             return Err(CertError::RenewalMismatch("it carries another key".into()));
         }
         drop(parsed);
-        let renewed = Self::checked(&origin, self.ca.clone(), der, Vec::new(), self.key.clone(), now)?;
+        let renewed = Self::checked(&origin, CaCert::clone(&self.ca), der, Vec::new(), self.key.clone(), now)?;
         if renewed.id != self.id {
             return Err(CertError::RenewalMismatch(format!("it names {} instead of {}", renewed.id, self.id)));
         }

@@ -13,7 +13,7 @@ use time::{Duration, OffsetDateTime};
 
 use crate::allowlist::{AllowEntry, AllowListFile};
 use crate::error::CertError;
-use crate::identity::CaCert;
+use crate::identity::{CaCert, DeviceIdentity};
 use crate::revocation::{RevocationEntry, RevocationList};
 use crate::{fsutil, keys, layout, x509};
 
@@ -55,6 +55,14 @@ pub struct EnrolledDevice {
     /// The allow-list entry written to `devices.json`.
     pub entry: AllowEntry,
     pub not_after: OffsetDateTime,
+}
+
+/// What [`Pki::issue_device`] made.
+struct IssuedDevice {
+    cert: rustls_pki_types::CertificateDer<'static>,
+    key: SigningKey,
+    entry: AllowEntry,
+    not_after: OffsetDateTime,
 }
 
 /// A revocation just recorded.
@@ -231,9 +239,7 @@ impl Pki {
         for name in services {
             pki.issue_server(name, &sans, days, false)?;
         }
-        for d in devices {
-            pki.enroll_device(d, days, false)?;
-        }
+        pki.enroll_devices(devices, days, true)?;
         Ok(pki)
     }
 
@@ -289,21 +295,72 @@ impl Pki {
         if !force && allow.devices.contains_key(id) {
             return Err(CertError::AlreadyEnrolled(id.to_string()));
         }
+        let issued = self.issue_device(&self.ca_signing_key()?, id, days, OffsetDateTime::now_utc(), true)?;
+        allow.devices.insert(id.clone(), issued.entry.clone());
+        fsutil::write_atomic(&allow_path, &allow.to_json(), false)?;
+        Ok(EnrolledDevice { device_id: id.clone(), cert_path: crt, key_path, entry: issued.entry, not_after: issued.not_after })
+    }
 
+    /// Enrolls a batch of devices with one `devices.json` write (one at a time rewrites the whole
+    /// allow list each time: quadratic in the fleet, hours at 100,000). `files`: also write each
+    /// `devices/<id>.crt|.key`; without, the identities exist only in what is returned (fleet
+    /// simulators). Revoked, enrolled, repeated ids and existing files are refused before
+    /// anything is issued.
+    pub fn enroll_devices(&self, ids: &[DeviceId], days: u32, files: bool) -> Result<Vec<DeviceIdentity>, CertError> {
+        let revoked = RevocationList::load(&self.revocation_list_path(), self.ca.public_key())?;
+        let allow_path = self.allow_list_path();
+        let mut allow = AllowListFile::read(&allow_path)?;
+        let mut batch = std::collections::BTreeSet::new();
+        for id in ids {
+            if revoked.contains(id) {
+                return Err(CertError::Revoked(id.to_string()));
+            }
+            if allow.devices.contains_key(id) || !batch.insert(id) {
+                return Err(CertError::AlreadyEnrolled(id.to_string()));
+            }
+            if files {
+                let (crt, key_path) = layout::device_paths(&self.dir, id);
+                fsutil::refuse_existing(&[&key_path, &crt], false)?;
+            }
+        }
+        let ca_key = self.ca_signing_key()?;
+        let ca = std::sync::Arc::new(self.ca.clone());
+        let now = OffsetDateTime::now_utc();
+        let mut identities = Vec::with_capacity(ids.len());
+        for id in ids {
+            let issued = self.issue_device(&ca_key, id, days, now, files)?;
+            allow.devices.insert(id.clone(), issued.entry);
+            identities.push(DeviceIdentity::issued(id.clone(), issued.cert, issued.key, ca.clone()));
+        }
+        fsutil::write_atomic(&allow_path, &allow.to_json(), false)?;
+        Ok(identities)
+    }
+
+    /// A fresh key and certificate for device `id` (written to `devices/` when `files`), and its
+    /// allow-list entry (not written).
+    fn issue_device(
+        &self,
+        ca_key: &SigningKey,
+        id: &DeviceId,
+        days: u32,
+        now: OffsetDateTime,
+        files: bool,
+    ) -> Result<IssuedDevice, CertError> {
         let key = keys::generate();
         let mut params = CertificateParams::default();
         params.distinguished_name = self.leaf_dn(x509::OU_DEVICE, id.as_str());
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let (cert, serial, not_after) = self.sign_leaf(params, &key, days)?;
-
-        fsutil::create_dir(&self.dir.join(layout::DEVICES_DIR))?;
-        fsutil::write_atomic(&key_path, keys::to_pem(&key)?.as_bytes(), true)?;
-        fsutil::write_atomic(&crt, cert.pem().as_bytes(), false)?;
+        let subject = crate::renewal::Ed25519Public(key.verifying_key());
+        let (cert, serial, not_after) = sign_leaf_at(&self.ca, ca_key, params, &subject, days, now)?;
+        if files {
+            let (crt, key_path) = layout::device_paths(&self.dir, id);
+            fsutil::create_dir(&self.dir.join(layout::DEVICES_DIR))?;
+            fsutil::write_atomic(&key_path, keys::to_pem(&key)?.as_bytes(), true)?;
+            fsutil::write_atomic(&crt, cert.pem().as_bytes(), false)?;
+        }
         let entry =
             AllowEntry { public_key: hex::encode(key.verifying_key().to_bytes()), serial, enrolled_at: unix_now(), revoked_at: None };
-        allow.devices.insert(id.clone(), entry.clone());
-        fsutil::write_atomic(&allow_path, &allow.to_json(), false)?;
-        Ok(EnrolledDevice { device_id: id.clone(), cert_path: crt, key_path, entry, not_after })
+        Ok(IssuedDevice { cert: cert.der().clone(), key, entry, not_after })
     }
 
     /// Revokes an enrolled device: adds it to the signed `revoked.json` (version + 1) and marks its

@@ -174,3 +174,41 @@ async fn server_identity_is_checked_by_devices() {
     assert_refused(result, "foreign server");
     server.endpoint.close(0u32.into(), b"bye");
 }
+
+#[tokio::test]
+async fn a_batch_enrolled_in_memory_connects_and_a_refused_batch_enrolls_nobody() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = init_pki(dir.path(), "fleet-a");
+    pki.issue_server("aggregator", &[], 30, false).unwrap();
+    pki.enroll_device(&id("cam-1"), 30, false).unwrap();
+    let batch: Vec<DeviceId> = (0..50).map(|i| id(&format!("sim-{i}"))).collect();
+    let identities = pki.enroll_devices(&batch, 30, false).unwrap();
+    let allowed = fedfleet_certs::AllowListFile::read(&pki.allow_list_path()).unwrap();
+    assert_eq!(allowed.devices.len(), 51, "the batch and cam-1, in one devices.json");
+    assert!(!dir.path().join("devices").join("sim-0.crt").exists(), "in memory: no files");
+    assert_eq!(identities[7].device_id(), &id("sim-7"));
+    assert_eq!(allowed.devices[&id("sim-7")].public_key, hex::encode(identities[7].verifying_key().to_bytes()));
+
+    let mut server = start_server(dir.path());
+    let echo = exchange(tls::client_config(pki.ca(), &identities[7], &[ALPN_V1]).unwrap(), server.addr).await;
+    assert_eq!(echo.unwrap(), "sim-7");
+    assert_eq!(server.seen.recv().await.unwrap(), id("sim-7"));
+
+    // One enrolled id (or one repeated) refuses the whole batch before anything is issued.
+    let before = std::fs::read(pki.allow_list_path()).unwrap();
+    let err = pki.enroll_devices(&[id("new-1"), id("sim-3")], 30, true).unwrap_err();
+    assert!(matches!(err, fedfleet_certs::CertError::AlreadyEnrolled(ref d) if d == "sim-3"), "{err}");
+    let err = pki.enroll_devices(&[id("new-1"), id("new-1")], 30, true).unwrap_err();
+    assert!(matches!(err, fedfleet_certs::CertError::AlreadyEnrolled(_)), "{err}");
+    assert_eq!(std::fs::read(pki.allow_list_path()).unwrap(), before);
+    assert!(!dir.path().join("devices").join("new-1.crt").exists());
+
+    // With files, the batch is loadable as devices are provisioned.
+    pki.enroll_devices(&[id("new-1"), id("new-2")], 30, true).unwrap();
+    let loaded = DeviceIdentity::load(dir.path(), &id("new-2")).unwrap();
+    let echo = exchange(tls::client_config(pki.ca(), &loaded, &[ALPN_V1]).unwrap(), server.addr).await;
+    assert_eq!(echo.unwrap(), "new-2");
+
+    server.endpoint.close(0u32.into(), b"bye");
+    timeout(LIMIT, server.endpoint.wait_idle()).await.unwrap();
+}
