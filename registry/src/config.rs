@@ -13,7 +13,7 @@
 //! timestamp_ttl_secs = 3600        # timestamp and assignment lifetime
 //! targets_ttl_days = 7
 //! root_days = 365                  # validity of a root made by init-keys / first serve
-//! max_connections = 4096
+//! max_connections = 16384         # device connections (a device that polls holds one; idle ones close after 30 s)
 //!
 //! [renewal]                        # optional: renew device certificates over their mTLS identity
 //! ca_key = "pki/ca.key"            # the fleet CA key (this registry then holds it: guard the host)
@@ -87,7 +87,7 @@ impl Default for Config {
             timestamp_ttl_secs: 3600,
             targets_ttl_days: 7,
             root_days: 365,
-            max_connections: 4096,
+            max_connections: 16384,
             mqtt: None,
             renewal: None,
         }

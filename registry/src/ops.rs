@@ -252,7 +252,8 @@ impl Registry {
         let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = rollouts.values_mut().filter(|r| r.plan().model == model.name).max_by_key(|r| r.started_at()) {
             r.handle_report(now, status.device.clone(), model.version, state);
-            self.pump(r, true)?;
+            self.store.put_rollout_report(r, &status.device)?;
+            self.pump(r, false)?;
         }
         Ok(())
     }

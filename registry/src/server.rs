@@ -67,7 +67,7 @@ impl ServerOptions {
     pub fn new(spool_dir: impl Into<std::path::PathBuf>) -> Self {
         ServerOptions {
             operators: vec!["operator".into()],
-            max_connections: 4096,
+            max_connections: 16384,
             spool_dir: spool_dir.into(),
             renewal: None,
             faults: Arc::new(Faults::default()),

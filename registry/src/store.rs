@@ -44,7 +44,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use fedfleet_protocol::{Digest, Hasher, ModelVersion};
+use fedfleet_protocol::{DeviceId, Digest, Hasher, ModelVersion};
 use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
@@ -171,6 +171,8 @@ pub struct Store {
     heads: sled::Tree,
     aliases: sled::Tree,
     rollouts: sled::Tree,
+    /// `rollout id \0 device id` → that device's latest record in the rollout.
+    rollout_devices: sled::Tree,
     devices: sled::Tree,
     meta: sled::Tree,
     /// Last sequence written to the `COMMIT` file.
@@ -367,6 +369,7 @@ impl Store {
             heads: tree("heads")?,
             aliases: tree("aliases")?,
             rollouts: tree("rollouts")?,
+            rollout_devices: tree("rollout_devices")?,
             devices: tree("devices")?,
             meta: meta.clone(),
             marker: Mutex::new(0),
@@ -674,9 +677,26 @@ impl Store {
         self.commit(seq)
     }
 
+    /// Persists a rollout's state and the record `device` just changed in it, together: one
+    /// record per report, however many devices the rollout has heard from. Flushed.
+    pub fn put_rollout_report(&self, rollout: &crate::rollout::Rollout, device: &DeviceId) -> Result<()> {
+        let bytes = encode(rollout);
+        let record = rollout.devices().get(device).map(encode);
+        let key = [prefix(rollout.id()), device.as_str().as_bytes().to_vec()].concat();
+        let res = (&self.rollouts, &self.rollout_devices, &self.meta).transaction(|(r, d, m)| {
+            r.insert(rollout.id().as_bytes(), bytes.as_slice())?;
+            if let Some(record) = &record {
+                d.insert(key.as_slice(), record.as_slice())?;
+            }
+            bump_seq(m)
+        });
+        let seq = tx_result(res)?;
+        self.commit(seq)
+    }
+
     /// A persisted rollout.
     pub fn rollout(&self, id: &str) -> Result<Option<crate::rollout::Rollout>> {
-        self.rollouts.get(id.as_bytes())?.map(|b| decode(id.as_bytes(), &b)).transpose()
+        self.rollouts.get(id.as_bytes())?.map(|b| self.with_records(id.as_bytes(), &b)).transpose()
     }
 
     /// All persisted rollouts, by id.
@@ -685,9 +705,22 @@ impl Store {
             .iter()
             .map(|kv| {
                 let (k, v) = kv?;
-                decode(&k, &v)
+                self.with_records(&k, &v)
             })
             .collect()
+    }
+
+    fn with_records(&self, id: &[u8], bytes: &[u8]) -> Result<crate::rollout::Rollout> {
+        let rollout: crate::rollout::Rollout = decode(id, bytes)?;
+        let p = [id, &[0]].concat();
+        let mut records = Vec::new();
+        for kv in self.rollout_devices.scan_prefix(&p) {
+            let (k, v) = kv?;
+            let device = DeviceId::new(String::from_utf8_lossy(&k[p.len()..]).into_owned())
+                .map_err(|e| StoreError::BadRecord { key: String::from_utf8_lossy(&k).into_owned(), detail: e.to_string() })?;
+            records.push((device, decode(&k, &v)?));
+        }
+        Ok(rollout.with_records(records))
     }
 
     /// Records a device's latest status report (JSON bytes chosen by the caller). Not a commit

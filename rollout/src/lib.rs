@@ -323,8 +323,44 @@ pub struct Rollout {
     started_at: u64,
     ended_at: Option<u64>,
     alias_moved: bool,
+    /// Not in the serialized rollout: a store keeps each device's record under a key of its own
+    /// (rewriting every record at each report is quadratic in the fleet) and hands them back to
+    /// [`Rollout::with_records`]. Still read from records written before that.
+    #[serde(default, skip_serializing)]
     devices: BTreeMap<DeviceId, DeviceRecord>,
+    /// Derived from `devices`, so that a phase gate costs the number of phases, not of devices.
+    #[serde(skip)]
+    tally: Tally,
     events: VecDeque<Event>,
+}
+
+/// Device records by the first phase whose audience holds them.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Tally {
+    /// Records about the target: [healthy, failed, in progress].
+    target: Vec<[u32; 3]>,
+    /// Records about any version.
+    any: Vec<u32>,
+}
+
+impl Tally {
+    fn new(phases: usize) -> Tally {
+        Tally { target: vec![[0; 3]; phases], any: vec![0; phases] }
+    }
+
+    fn count(&mut self, rec: &DeviceRecord, target: ModelVersion, add: bool) {
+        let Some(f) = rec.first_phase.filter(|&f| f < self.any.len()) else { return };
+        let bump = |n: &mut u32| *n = if add { *n + 1 } else { n.saturating_sub(1) };
+        bump(&mut self.any[f]);
+        if rec.version == target {
+            let k = match rec.state.outcome() {
+                Some(true) => 0,
+                Some(false) => 1,
+                None => 2,
+            };
+            bump(&mut self.target[f][k]);
+        }
+    }
 }
 
 /// The bucket of `device` in rollout `rollout_id`, in [0, 1_000_000) (units of 10⁻⁴ %).
@@ -350,6 +386,7 @@ impl Rollout {
     /// Starts a rollout at `now` in phase 0.
     pub fn start(plan: RolloutPlan, now: u64) -> Result<Self, RolloutError> {
         plan.validate()?;
+        let phases = plan.phases.len();
         let mut r = Rollout {
             plan,
             status: Status::Running,
@@ -360,6 +397,7 @@ impl Rollout {
             ended_at: None,
             alias_moved: false,
             devices: BTreeMap::new(),
+            tally: Tally::new(phases),
             events: VecDeque::new(),
         };
         r.events.push_back(Event::Started { phase: 0 });
@@ -414,20 +452,25 @@ impl Rollout {
         matches!(self.status, Status::Running | Status::Paused)
     }
 
+    /// A rollout read back from a store with its device records (kept apart, see `devices`).
+    pub fn with_records(mut self, records: impl IntoIterator<Item = (DeviceId, DeviceRecord)>) -> Rollout {
+        self.devices.extend(records);
+        self.tally = Tally::new(self.plan.phases.len());
+        for rec in self.devices.values() {
+            self.tally.count(rec, self.plan.target, true);
+        }
+        self
+    }
+
     /// (healthy, failed, in progress) among audience devices' reports for the target.
     fn counts(&self) -> (u32, u32, u32) {
-        let (mut ok, mut failed, mut progress) = (0, 0, 0);
-        for rec in self.devices.values() {
-            if rec.version != self.plan.target || rec.first_phase.is_none_or(|f| f > self.phase) {
-                continue;
-            }
-            match rec.state.outcome() {
-                Some(true) => ok += 1,
-                Some(false) => failed += 1,
-                None => progress += 1,
-            }
-        }
-        (ok, failed, progress)
+        let upto = (self.phase + 1).min(self.tally.target.len());
+        self.tally.target[..upto].iter().fold((0, 0, 0), |(h, f, p), [a, b, c]| (h + a, f + b, p + c))
+    }
+
+    /// Whether any device of the audience so far has reported (any version).
+    fn audience_seen(&self) -> bool {
+        self.tally.any.iter().take(self.phase + 1).any(|&n| n > 0)
     }
 
     pub fn summary(&self) -> Summary {
@@ -503,7 +546,11 @@ impl Rollout {
             return;
         }
         let first_phase = self.first_phase(&device);
-        self.devices.insert(device, DeviceRecord { version, state, at: now, first_phase });
+        let rec = DeviceRecord { version, state, at: now, first_phase };
+        self.tally.count(&rec, self.plan.target, true);
+        if let Some(old) = self.devices.insert(device, rec) {
+            self.tally.count(&old, self.plan.target, false);
+        }
         self.check_failures(now);
     }
 
@@ -533,7 +580,7 @@ impl Rollout {
             // phase of a small fleet) widens on its soak: nobody runs the target, so there is
             // nothing to wait for; the last phase never completes without a healthy device.
             let last = self.phase + 1 == self.plan.phases.len();
-            let audience_seen = self.devices.values().any(|r| r.first_phase.is_some_and(|f| f <= self.phase));
+            let audience_seen = self.audience_seen();
             let wait_for_evidence = phase.min_healthy > 0 || last || audience_seen;
             if wait_for_evidence && healthy < phase.required_healthy() {
                 if phase.deadline_ms > 0 && soaked >= phase.deadline_ms {

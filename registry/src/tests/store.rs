@@ -2,7 +2,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-use fedfleet_protocol::{Digest, ModelVersion};
+use fedfleet_protocol::{DeviceId, Digest, ModelVersion};
 
 use crate::store::{NewVersion, Store, StoreConfig, StoreError};
 
@@ -279,11 +279,26 @@ fn rollouts_persist() {
         failure_threshold: 0.1,
         min_sample: 3,
     };
-    let r = Rollout::start(plan, 5).unwrap();
+    let mut r = Rollout::start(plan, 5).unwrap();
     store.put_rollout(&r).unwrap();
+    // Reports: one record each, kept under keys of their own; the second replaces the first.
+    let devices: Vec<DeviceId> = (0..200).map(|i| DeviceId::new(format!("d{i}")).unwrap()).collect();
+    let report = |r: &mut Rollout, d: &DeviceId, state| {
+        r.handle_report(10, d.clone(), ModelVersion(2), state);
+        store.put_rollout_report(r, d).unwrap();
+    };
+    for d in &devices {
+        report(&mut r, d, crate::rollout::VersionReport::Verified);
+    }
+    report(&mut r, &devices[3], crate::rollout::VersionReport::Healthy);
+    let rollout_bytes = serde_json::to_vec(&r).unwrap().len();
+    assert!(rollout_bytes < 2_000, "the rollout's own record holds no device records ({rollout_bytes} B)");
     drop(store);
     let store = Store::open(dir.path(), cfg()).unwrap();
-    assert_eq!(store.rollout("r1").unwrap(), Some(r.clone()));
+    let back = store.rollout("r1").unwrap().unwrap();
+    assert_eq!(back, r);
+    assert_eq!(back.devices().len(), 200);
+    assert_eq!(back.summary(), r.summary());
     assert_eq!(store.rollouts().unwrap(), vec![r]);
 }
 
