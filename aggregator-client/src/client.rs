@@ -124,6 +124,12 @@ impl AggregatorClient {
         Ok(self.rpc.set_tls(tls).await?)
     }
 
+    /// See [`RpcConnection::keep_alive`] (simulators only).
+    pub fn keep_alive(mut self, interval: std::time::Duration) -> Self {
+        self.rpc = self.rpc.keep_alive(interval);
+        self
+    }
+
     /// One request and its answer on a new stream, without retries.
     async fn call_once(&self, req: &Request) -> Result<(Response, FramedStream), ClientError> {
         let mut s = self.rpc.open_stream().await?;

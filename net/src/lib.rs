@@ -22,7 +22,7 @@ use std::time::Duration;
 pub use fedfleet_protocol::framing::Frame;
 use fedfleet_protocol::framing::{FrameDecoder, FrameError, FrameKind, encode_frame};
 
-/// Bytes asked of the stream per read.
+/// Most bytes taken from the stream per read (quinn hands over what it has buffered, no copy).
 const READ_CHUNK: usize = 64 * 1024;
 /// A connection with no traffic for this long is closed (long local training holds no connection).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -109,10 +109,18 @@ impl NetError {
     }
 }
 
+/// No keep-alives on either side: a device connects when it has work and lets go, and a
+/// connection nobody uses closes after [`IDLE_TIMEOUT`], so ten thousand idle devices hold no
+/// server state. The next call reconnects ([`RpcConnection::connection`]).
 fn transport() -> Arc<quinn::TransportConfig> {
+    transport_with(None)
+}
+
+/// [`transport`] with keep-alives every `keep_alive` (see [`RpcConnection::keep_alive`]).
+fn transport_with(keep_alive: Option<Duration>) -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
     transport.max_idle_timeout(Some(IDLE_TIMEOUT.try_into().expect("30 s is a valid idle timeout")));
-    transport.keep_alive_interval(Some(IDLE_TIMEOUT / 3));
+    transport.keep_alive_interval(keep_alive);
     Arc::new(transport)
 }
 
@@ -195,13 +203,12 @@ pub struct FramedStream {
     send: quinn::SendStream,
     recv: quinn::RecvStream,
     decoder: FrameDecoder,
-    buf: Vec<u8>,
     bytes_read: u64,
 }
 
 impl FramedStream {
     pub fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
-        FramedStream { send, recv, decoder: FrameDecoder::new(), buf: vec![0; READ_CHUNK], bytes_read: 0 }
+        FramedStream { send, recv, decoder: FrameDecoder::new(), bytes_read: 0 }
     }
 
     /// Opens a stream on `conn`.
@@ -229,10 +236,11 @@ impl FramedStream {
             if let Some(frame) = self.decoder.poll()? {
                 return Ok(Some(frame));
             }
-            match self.recv.read(&mut self.buf).await? {
-                Some(n) => {
-                    self.bytes_read += n as u64;
-                    self.decoder.push(&self.buf[..n]);
+            // No read buffer per stream: ten thousand open streams held 64 KiB each.
+            match self.recv.read_chunk(READ_CHUNK, true).await? {
+                Some(chunk) => {
+                    self.bytes_read += chunk.bytes.len() as u64;
+                    self.decoder.push(&chunk.bytes);
                 }
                 None => {
                     self.decoder.finish()?;

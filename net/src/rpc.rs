@@ -27,6 +27,8 @@ pub struct RpcConnection {
     server_name: String,
     /// The TLS identity new connections present (replaced by [`RpcConnection::set_tls`]).
     config: std::sync::Mutex<quinn::ClientConfig>,
+    /// See [`RpcConnection::keep_alive`].
+    keep_alive: Option<std::time::Duration>,
     conn: Mutex<Option<quinn::Connection>>,
 }
 
@@ -59,8 +61,18 @@ impl RpcConnection {
             config: std::sync::Mutex::new(crate::quic_client_config(tls)?),
             addr,
             server_name: server_name.to_owned(),
+            keep_alive: None,
             conn: Mutex::new(None),
         })
+    }
+
+    /// Keeps the connection open with a keep-alive every `interval`. Not for devices (an idle
+    /// device lets go of its connection, which closes after the idle timeout): for a simulator
+    /// whose in-process devices poll less often than real ones would, on a loaded machine.
+    pub fn keep_alive(mut self, interval: Duration) -> Self {
+        self.keep_alive = Some(interval);
+        self.config.get_mut().unwrap_or_else(|p| p.into_inner()).transport_config(crate::transport_with(self.keep_alive));
+        self
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -101,7 +113,10 @@ impl RpcConnection {
     /// Presents `tls` (e.g. a renewed certificate) from the next connection on. The current
     /// connection is not closed: requests in flight on it finish with the old certificate.
     pub async fn set_tls(&self, tls: rustls::ClientConfig) -> Result<(), NetError> {
-        let config = crate::quic_client_config(tls)?;
+        let mut config = crate::quic_client_config(tls)?;
+        if self.keep_alive.is_some() {
+            config.transport_config(crate::transport_with(self.keep_alive));
+        }
         *self.config.lock().unwrap_or_else(|p| p.into_inner()) = config;
         self.conn.lock().await.take();
         Ok(())

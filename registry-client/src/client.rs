@@ -245,6 +245,12 @@ impl RegistryClient {
         Ok(Self::with_rpc(RpcConnection::on_endpoint(endpoint, addr, server_name, tls)?))
     }
 
+    /// See [`RpcConnection::keep_alive`] (simulators only).
+    pub fn keep_alive(mut self, interval: std::time::Duration) -> Self {
+        self.rpc = self.rpc.keep_alive(interval);
+        self
+    }
+
     fn with_rpc(rpc: RpcConnection) -> Self {
         RegistryClient { rpc, max_retries: fedfleet_net::rpc::DEFAULT_MAX_RETRIES, wire_bytes: AtomicU64::new(0) }
     }
