@@ -9,7 +9,7 @@
 # Runs: bench_aggregate (exact fold, ingest path, tensor fold on the CPU and, where a wgpu
 # adapter exists, the GPU: the code path of benches/gpu.sh), bench_download, bench_agent,
 # bench_learning --quick, fl_digits (the fedfleet side of benches/flower/run.sh), bench_async
-# (FedBuff against rounds, simulated time), bench_rounds (real aggregator and agent processes). The Flower sides of benches/flower/*.sh need
+# (FedBuff against rounds, simulated time), bench_rounds (real aggregator and agent processes; and its sampled fleet). The Flower sides of benches/flower/*.sh need
 # flwr[simulation] and ray from PyPI and are not run here; their fedfleet sides are
 # (fl_digits, bench_rounds' deployment path).
 set -euo pipefail
@@ -40,4 +40,6 @@ step "$examples/bench_learning" --quick
 step "$examples/fl_digits" --clients 4 --rounds 1 --epochs 1
 step "$examples/bench_async" --devices 8 --buffer 2 --max-versions 3
 step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --rollout
+step "$examples/bench_rounds" --agents 200 --rounds 2 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --sampled \
+    --sampling-rate 0.2 --train-median-ms 50 --availability 1 --diurnal 0 --dropout 0 --timeout-secs 300
 echo "benches/smoke.sh: every benchmark ran"

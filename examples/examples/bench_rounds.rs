@@ -50,6 +50,7 @@ use fedfleet_aggregator::wire::Request as AggRequest;
 use fedfleet_certs::{Pki, ServerIdentity};
 use fedfleet_learning::{ModelSpec, model::init_bundle};
 use fedfleet_protocol::{DeviceId, FleetId};
+use fedfleet_testkit::sampled::{DeviceBehaviour, SampledFleet, SampledStats};
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use serde_json::{Value, json};
 use tracing_subscriber::Layer;
@@ -112,6 +113,36 @@ struct Args {
     /// sled stores would pass the open-file limit (about 6,000 agents at 20,000 files).
     #[arg(long)]
     light: bool,
+    /// A big enrolled fleet of which each round samples a few (with --sampling-rate, e.g.
+    /// `--agents 100000 --sampling-rate 0.01`): devices are enrolled in memory (one devices.json
+    /// write) and hold only their identity; one shared listener hears each round's announcement
+    /// for all of them, as an MQTT broker fans it out; each device checks its own selection, and
+    /// only the selected ones that are online open a light agent, take part and close again.
+    /// Quorum 80 % of the target, each round's deadline --round-deadline-secs.
+    #[arg(long)]
+    sampled: bool,
+    /// --sampled: median simulated training time in ms (log-normal, on top of the real training).
+    #[arg(long, default_value_t = 1000.0)]
+    train_median_ms: f64,
+    /// --sampled: σ of the log-normal training time (1: the slowest 1 % take about 10x the median).
+    #[arg(long, default_value_t = 1.0)]
+    train_sigma: f64,
+    /// --sampled: probability that a selected device is online, over the day's mean.
+    #[arg(long, default_value_t = 0.9)]
+    availability: f64,
+    /// --sampled: swing of the availability over the simulated day (±).
+    #[arg(long, default_value_t = 0.1)]
+    diurnal: f64,
+    /// --sampled: length of the simulated day, s.
+    #[arg(long, default_value_t = 300)]
+    day_secs: u64,
+    /// --sampled: probability that a device that trained goes away before its receipt.
+    #[arg(long, default_value_t = 0.05)]
+    dropout: f64,
+    /// --sampled: each round's deadline, s (the round closes at its target, or at the deadline
+    /// with its quorum).
+    #[arg(long, default_value_t = 15)]
+    round_deadline_secs: u64,
     /// Internal: run one fleet size and print its result as JSON.
     #[arg(long, hide = true)]
     worker: Option<usize>,
@@ -363,6 +394,30 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             );
         }
     }
+    for r in results.iter().filter(|r| !r["sampled"].is_null()) {
+        let sm = &r["sampled"];
+        println!(
+            "{} enrolled, sampled {} per round (target {}, quorum {}): {:.2} rounds/min; {} selections over {} rounds: {} offline, \
+             {} dropped out, {} acknowledged, {} unfinished; at most {} devices open at once; enrollment {:.1} s; \
+             peak RSS: simulator {:.1} MiB, aggregator {:.1} MiB; aggregator CPU {:.3} s per round",
+            u(r, "agents"),
+            args.sampling_rate,
+            u(r, "target"),
+            u(sm, "quorum"),
+            f(sm, "rounds_per_min"),
+            u(sm, "selected"),
+            u(sm, "rounds_heard"),
+            u(sm, "offline"),
+            u(sm, "dropped_out"),
+            u(sm, "acknowledged"),
+            u(sm, "unfinished"),
+            u(sm, "peak_open"),
+            f(r, "setup_s"),
+            f(r, "worker_peak_rss_kib") / 1024.0,
+            f(r, "agg_peak_rss_kib") / 1024.0,
+            f(r, "agg_cpu_s") / args.rounds as f64,
+        );
+    }
     println!("total benchmark time {:.1} s", wall.as_secs_f64());
 }
 
@@ -394,7 +449,12 @@ struct Services {
     receipt_key: ed25519_dalek::VerifyingKey,
     update_bytes_each: usize,
     setup_s: f64,
+    /// `--sampled`: the fleet's identities, enrolled in memory.
+    identities: Vec<fedfleet_certs::DeviceIdentity>,
 }
+
+/// `--sampled`: the identity that listens for announcements on the whole fleet's behalf.
+const LISTENER: &str = "bench-listener";
 
 async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyhow::Result<Services> {
     let aggregator_bin = aggregator_binary(args)?;
@@ -407,7 +467,13 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let spec = spec_of(args);
     let setup = Instant::now();
     let fleet_id = FleetId::new(FLEET)?;
-    let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices, 30)?;
+    let (pki, identities) = if args.sampled {
+        let pki = fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, &[DeviceId::new(LISTENER)?], 30)?;
+        let identities = pki.enroll_devices(devices, 30, false)?;
+        (pki, identities)
+    } else {
+        (fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices, 30)?, Vec::new())
+    };
     let registry_service = fedfleet::demo::start_registry(&dir.join("registry"), &pki)?;
     let pinned_root = registry_service.pinned_root.clone();
 
@@ -441,6 +507,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         receipt_key,
         update_bytes_each: bundle.len(),
         setup_s: setup.elapsed().as_secs_f64(),
+        identities,
     })
 }
 
@@ -497,13 +564,22 @@ fn probe_operator_status(
     (stop, task)
 }
 
+/// The simulated devices a campaign steps.
+enum Devices<'a> {
+    None,
+    /// Every agent polls and drives each step.
+    All(&'a mut RemoteFleet),
+    /// The listener polls; selected devices run in tasks of their own.
+    Sampled(&'a mut SampledFleet),
+}
+
 /// Starts the campaign (operator CLI) and runs it to its last published round, stepping `fleet`
 /// (if any) every `--poll-ms`. The services keep running.
 async fn run_campaign(
     args: &Args,
     sv: &mut Services,
     target: u32,
-    mut fleet: Option<&mut RemoteFleet>,
+    mut fleet: Devices<'_>,
     mut watch: impl FnMut(),
 ) -> anyhow::Result<CampaignRecord> {
     let poller = MetricsPoller::start(sv.metrics_addr);
@@ -515,7 +591,7 @@ async fn run_campaign(
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     let ingest0 = ingest_seconds(sv.metrics_addr).await;
     let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.operator_addr);
-    campaign_start(&sv.aggregator_bin, &sv.config, sv.operator_addr, args.rounds, target)?;
+    campaign_start(&sv.aggregator_bin, &sv.config, sv.operator_addr, args.rounds, target, quorum_of(args, target))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
         if Instant::now() > deadline {
@@ -524,8 +600,12 @@ async fn run_campaign(
         if !sv.agg.running() {
             bail!("the aggregator exited (see {})", log.display());
         }
-        if let Some(f) = fleet.as_deref_mut() {
-            step_all(f).await?;
+        match &mut fleet {
+            Devices::None => {}
+            Devices::All(f) => step_all(f).await?,
+            Devices::Sampled(f) => {
+                f.step().await?;
+            }
         }
         watch();
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
@@ -626,14 +706,50 @@ fn check_open_file_limit(n: usize, light: bool) -> anyhow::Result<()> {
 }
 
 async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
-    check_open_file_limit(n, args.light)?;
     let events = Recorder::install();
     let target = if args.sampling_rate >= 1.0 { n as u32 } else { ((args.sampling_rate * n as f64).floor() as u32).max(1) };
     let devices: Vec<DeviceId> = (0..n).map(|i| DeviceId::new(format!("bench-{i:04}"))).collect::<Result<_, _>>()?;
+    if args.sampled {
+        return sampled_worker(args, n, target, &devices, events).await;
+    }
+    check_open_file_limit(n, args.light)?;
     let mut sv = start_services(args, &devices, target).await?;
 
     // The agents; they connect (one step) before the campaign starts.
     let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
+    let mut options = fleet_options(&sv, devices)?;
+    options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
+    // One step of 10,000 agents on 2 cores takes longer than the 30 s after which an idle
+    // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
+    options.keep_alive = Some(Duration::from_secs(10));
+    let mut fleet = RemoteFleet::start(options)?;
+    let online = Instant::now();
+    let drops0 = udp_rcvbuf_errors().unwrap_or(0);
+    step_all(&mut fleet).await?;
+    let online_s = online.elapsed().as_secs_f64();
+    let online_udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
+    eprintln!("  {n} agents enrolled and connected (setup {:.1} s, first poll of every agent {online_s:.2} s)", sv.setup_s);
+
+    let rec = run_campaign(args, &mut sv, target, Devices::All(&mut fleet), || {}).await?;
+    let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
+    // The agents keep polling the aggregator while the rollout runs, as devices would.
+    let rollout = if args.rollout { run_rollout(args, &sv, &mut fleet).await? } else { Value::Null };
+    sv.agg.stop();
+    let rounds = rounds_of(args, &rec, &events.take())?;
+    let mut result =
+        campaign_result(n, target, &sv, &rec, rounds, &events, (worker_peak_rss_kib, base_rss_kib), (online_s, online_udp_drops));
+    result.insert("rollout".into(), rollout);
+    let result = Value::Object(result);
+    drop(fleet);
+    sv.registry_service.stop().await;
+    if args.keep {
+        eprintln!("  kept {}", sv.dir.display());
+    }
+    Ok(result)
+}
+
+/// The simulated devices' view of the services started for this run.
+fn fleet_options(sv: &Services, devices: Vec<DeviceId>) -> anyhow::Result<FleetOptions> {
     let mut options = FleetOptions::new(
         sv.pki.dir(),
         FleetId::new(FLEET)?,
@@ -647,23 +763,24 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     );
     // Many agents share two cores: a slow answer is load, not an outage.
     options.call_timeout = Duration::from_secs(120);
-    options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
-    let mut fleet = RemoteFleet::start(options)?;
-    let online = Instant::now();
-    let drops0 = udp_rcvbuf_errors().unwrap_or(0);
-    step_all(&mut fleet).await?;
-    let online_s = online.elapsed().as_secs_f64();
-    let online_udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
-    eprintln!("  {n} agents enrolled and connected (setup {:.1} s, first poll of every agent {online_s:.2} s)", sv.setup_s);
+    Ok(options)
+}
 
-    let rec = run_campaign(args, &mut sv, target, Some(&mut fleet), || {}).await?;
-    let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
-    // The agents keep polling the aggregator while the rollout runs, as devices would.
-    let rollout = if args.rollout { run_rollout(args, &sv, &mut fleet).await? } else { Value::Null };
-    sv.agg.stop();
-    let rounds = rounds_of(args, &rec, &events.take())?;
+/// What every worker reports about its campaign: the aggregator's side, the worker's memory
+/// (peak, base) and how its fleet came online (seconds, UDP drops).
+#[allow(clippy::too_many_arguments)]
+fn campaign_result(
+    n: usize,
+    target: u32,
+    sv: &Services,
+    rec: &CampaignRecord,
+    rounds: Vec<Value>,
+    events: &Recorder,
+    (worker_peak_rss_kib, base_rss_kib): (u64, u64),
+    (online_s, online_udp_drops): (f64, u64),
+) -> serde_json::Map<String, Value> {
     let accepted = total(&rounds, "accepted");
-    let result = json!({
+    let Value::Object(m) = json!({
         "agents": n,
         "target": target,
         "update_bytes_each": sv.update_bytes_each,
@@ -695,13 +812,51 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         "final_status": rec.status,
         "loadavg": rec.loadavg,
         "rounds": rounds,
-        "rollout": rollout,
+    }) else {
+        unreachable!("a JSON object")
+    };
+    m
+}
+
+/// `--sampled`: N enrolled devices, each round's selected few take part.
+async fn sampled_worker(args: &Args, n: usize, target: u32, devices: &[DeviceId], events: Recorder) -> anyhow::Result<Value> {
+    let mut sv = start_services(args, devices, target).await?;
+    eprintln!("  {n} devices enrolled in memory (setup {:.1} s)", sv.setup_s);
+    let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
+    let options = fleet_options(&sv, Vec::new())?;
+    let behaviour = DeviceBehaviour {
+        train_median_ms: args.train_median_ms,
+        train_sigma: args.train_sigma,
+        availability: args.availability,
+        diurnal: args.diurnal,
+        day: Duration::from_secs(args.day_secs),
+        dropout: args.dropout,
+        seed: 1,
+    };
+    let listener = fedfleet_certs::DeviceIdentity::load(sv.pki.dir(), &DeviceId::new(LISTENER)?)?;
+    let mut fleet = SampledFleet::start(options, std::mem::take(&mut sv.identities), &listener, behaviour)?;
+    let rec = run_campaign(args, &mut sv, target, Devices::Sampled(&mut fleet), || {}).await?;
+    fleet.settle().await;
+    let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
+    sv.agg.stop();
+    let rounds = rounds_of(args, &rec, &events.take())?;
+    let st = &fleet.stats;
+    let sampled = json!({
+            "quorum": quorum_of(args, target),
+            "rounds_per_min": 60.0 * args.rounds as f64 / total(&rounds, "wall_s"),
+            "rounds_heard": SampledStats::get(&st.rounds),
+            "selected": SampledStats::get(&st.selected),
+            "offline": SampledStats::get(&st.offline),
+            "dropped_out": SampledStats::get(&st.dropped_out),
+            "acknowledged": SampledStats::get(&st.acknowledged),
+            "unfinished": SampledStats::get(&st.unfinished),
+            "peak_open": SampledStats::get(&st.peak_open),
     });
+    let mut result = campaign_result(n, target, &sv, &rec, rounds, &events, (worker_peak_rss_kib, base_rss_kib), (0.0, 0));
+    result.insert("sampled".into(), sampled);
+    let result = Value::Object(result);
     drop(fleet);
     sv.registry_service.stop().await;
-    if args.keep {
-        eprintln!("  kept {}", sv.dir.display());
-    }
     Ok(result)
 }
 
@@ -737,6 +892,16 @@ async fn run_rollout(args: &Args, sv: &Services, fleet: &mut RemoteFleet) -> any
         let status = match answer {
             Ok(Ok(AdminAnswer::Rollout(report))) => {
                 status_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                if status_ms.len() % 20 == 1 {
+                    let s = &report.summary;
+                    eprintln!(
+                        "  rollout after {:.0} s: {} healthy, {} failed, {} in progress",
+                        t0.elapsed().as_secs_f64(),
+                        s.healthy,
+                        s.failed,
+                        s.in_progress
+                    );
+                }
                 report.summary.status.name().to_owned()
             }
             _ => {
@@ -835,7 +1000,7 @@ model = "{MODEL_NAME}"
     let pid = daemon.0.id().to_string();
     let mut peak = 0u64;
     let mut exited = false;
-    let rec = run_campaign(args, &mut sv, 1, None, || {
+    let rec = run_campaign(args, &mut sv, 1, Devices::None, || {
         exited |= !matches!(daemon.0.try_wait(), Ok(None));
         peak = peak.max(proc_status_kib(&pid, "VmHWM").unwrap_or(0));
     })
@@ -928,7 +1093,7 @@ initial = {initial:?}
 rounds = {rounds}
 strategy = "fedavg"
 target = {target}
-quorum = {target}
+quorum = {quorum}
 deadline_secs = {deadline}
 extension_secs = 0
 sampling_rate = {rate}
@@ -943,7 +1108,8 @@ quantization = "f32"
         hidden = hidden.join(", "),
         initial = initial.display().to_string(),
         rounds = args.rounds,
-        deadline = args.timeout_secs,
+        deadline = if args.sampled { args.round_deadline_secs } else { args.timeout_secs },
+        quorum = quorum_of(args, target),
         rate = args.sampling_rate.min(1.0),
         epochs = args.local_epochs,
         batch = args.batch_size,
@@ -957,14 +1123,19 @@ fn free_loopback_port() -> anyhow::Result<std::net::SocketAddr> {
 }
 
 /// `fedfleet-aggregator campaign start` with the operator certificate.
-fn campaign_start(bin: &Path, config: &Path, addr: std::net::SocketAddr, rounds: u32, target: u32) -> anyhow::Result<()> {
+/// A round's quorum: its target, or 80 % of it for a sampled fleet (devices go offline).
+fn quorum_of(args: &Args, target: u32) -> u32 {
+    if args.sampled { (target as u64 * 4).div_ceil(5) as u32 } else { target }
+}
+
+fn campaign_start(bin: &Path, config: &Path, addr: std::net::SocketAddr, rounds: u32, target: u32, quorum: u32) -> anyhow::Result<()> {
     let out = Command::new(bin)
         .arg("campaign")
         .arg("start")
         .arg("--config")
         .arg(config)
         .args(["--addr", &addr.to_string(), "--rounds", &rounds.to_string(), "--target", &target.to_string()])
-        .args(["--quorum", &target.to_string(), "--seed", "1"])
+        .args(["--quorum", &quorum.to_string(), "--seed", "1"])
         .env("RUST_LOG", "warn")
         .output()
         .context("running `fedfleet-aggregator campaign start`")?;

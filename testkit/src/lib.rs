@@ -1,13 +1,14 @@
 //! fedfleet's test kit, for tests, examples and benchmarks (never linked by a device or a
 //! service): the real registry and aggregator started in this process ([`services`]), in-memory
 //! fakes of both ([`fakes`]), a fake clock ([`clock`]), fleets of real agents in one process
-//! ([`sim`]), and the mosquitto launcher that runs Debian's mosquitto as the fleet's external
+//! ([`sim`]), a big fleet of which each round samples a few ([`sampled`]), and the mosquitto launcher that runs Debian's mosquitto as the fleet's external
 //! broker ([`mosquitto`]).
 
 pub mod clock;
 pub mod fakes;
 #[cfg(unix)]
 pub mod mosquitto;
+pub mod sampled;
 pub mod services;
 pub mod sim;
 

@@ -184,6 +184,11 @@ pub struct FleetOptions {
     /// ([`AgentStore::in_memory`]) and this many agents' QUIC connections per UDP socket. `None`:
     /// each agent has a sled store and one UDP socket for both its clients.
     pub light: Option<usize>,
+    /// QUIC keep-alives on every agent's connections (none: an idle connection closes after
+    /// 30 s, as a device's does). For thousands of agents stepped in turn on a loaded machine,
+    /// where the pause between two polls of one agent outlasts the idle timeout (a daemon
+    /// polls every 10 s).
+    pub keep_alive: Option<std::time::Duration>,
 }
 
 impl FleetOptions {
@@ -219,6 +224,7 @@ impl FleetOptions {
             call_timeout: std::time::Duration::from_secs(2),
             health: HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 },
             light: None,
+            keep_alive: None,
         }
     }
 }
@@ -286,50 +292,14 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
         for (i, (device, part)) in o.devices.iter().zip(parts).enumerate() {
             let id = fedfleet_certs::DeviceIdentity::load(&o.pki_dir, device)
                 .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
-            let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
             if i % per_endpoint == 0 {
-                endpoint = Some(fedfleet_net::client_endpoint(tls.clone())?);
+                let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
+                endpoint = Some(fedfleet_net::client_endpoint(tls)?);
             }
             let endpoint = endpoint.clone().expect("made for the first agent");
-            let agg_client = fedfleet_aggregator_client::client::AggregatorClient::on_endpoint(
-                endpoint.clone(),
-                o.aggregator_addr,
-                &o.aggregator_server_name,
-                tls.clone(),
-            )
-            .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
-            let agg = Arc::new(fedfleet_agent::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
-            let reg_client =
-                fedfleet_registry_client::client::RegistryClient::on_endpoint(endpoint, o.registry_addr, &o.registry_server_name, tls)
-                    .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
-            let reg = Arc::new(fedfleet_agent::remote::RemoteRegistry::with_clock(
-                reg_client,
-                o.model_name.clone(),
-                o.pinned_root.clone(),
-                clock.clone(),
-            ));
-            let key = id.signing_key();
-            let links = AgentLinks { index: i, device: device.clone(), identity: id, aggregator: agg.clone(), registry: reg };
-            let (agent_agg, agent_reg) = wrap(&links)?;
-            let dir = o.data_dir.join(device.as_str());
-            let store = if o.light.is_some() { AgentStore::in_memory(dir)? } else { AgentStore::open(dir)? };
-            let (mut tr, mut holdout) = part.split(0.2, o.partition_seed);
-            if holdout.is_empty() && tr.len() >= 2 {
-                // The split is stratified by class: a device with few examples of each class
-                // keeps one for its health checks (an agent with no holdout refuses every install).
-                let last = tr.len() - 1;
-                holdout = tr.subset(&[last]);
-                tr = tr.subset(&(0..last).collect::<Vec<_>>());
-            }
-            let mut cfg = CoreConfig::new(device.clone(), o.fleet.clone());
-            cfg.local_samples = tr.len() as u64;
-            cfg.rng_seed = o.partition_seed ^ i as u64;
-            cfg.backoff = o.backoff;
-            cfg.health = o.health;
-            let core = DurableLifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
-            let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+            let (agent, agg) = open_agent(&o, i, id, part, endpoint, &clock, &mut wrap)?;
             aggs.push(agg);
-            agents.push(Agent::new(core, agent_agg, agent_reg, key, LocalData { train: tr, holdout }, clock.clone(), shell));
+            agents.push(agent);
         }
         Ok(RemoteFleet { agents, aggs })
     }
@@ -383,4 +353,62 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
     pub fn pending(&self) -> usize {
         self.status().iter().map(|s| s.outbox).sum()
     }
+}
+
+/// Opens agent `index` of a fleet for `identity`: its QUIC clients on `endpoint` (shared with
+/// other agents or not), its store under `o.data_dir`, its core, and its share of the data (20 %
+/// of it, at least one example, kept for health checks). `wrap` picks the clients it uses.
+pub(crate) fn open_agent<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registry>(
+    o: &FleetOptions,
+    index: usize,
+    identity: fedfleet_certs::DeviceIdentity,
+    share: Dataset,
+    endpoint: quinn::Endpoint,
+    clock: &Arc<dyn fedfleet_agent::agent::Clock>,
+    wrap: &mut impl FnMut(&AgentLinks) -> anyhow::Result<(Arc<A>, Arc<R>)>,
+) -> anyhow::Result<(Agent<A, R>, Arc<fedfleet_agent::remote::RemoteAggregator>)> {
+    let device = identity.device_id().clone();
+    let tls = fedfleet_certs::tls::client_config(identity.ca(), &identity, &[fedfleet_certs::ALPN_V1])?;
+    let mut agg_client = fedfleet_aggregator_client::client::AggregatorClient::on_endpoint(
+        endpoint.clone(),
+        o.aggregator_addr,
+        &o.aggregator_server_name,
+        tls.clone(),
+    )
+    .map_err(|e| anyhow::anyhow!("aggregator client: {e}"))?;
+    let mut reg_client =
+        fedfleet_registry_client::client::RegistryClient::on_endpoint(endpoint, o.registry_addr, &o.registry_server_name, tls)
+            .map_err(|e| anyhow::anyhow!("registry client: {e}"))?;
+    if let Some(interval) = o.keep_alive {
+        agg_client = agg_client.keep_alive(interval);
+        reg_client = reg_client.keep_alive(interval);
+    }
+    let agg = Arc::new(fedfleet_agent::remote::RemoteAggregator::new(agg_client, o.receipt_key).with_timeout(o.call_timeout));
+    let reg = Arc::new(fedfleet_agent::remote::RemoteRegistry::with_clock(
+        reg_client,
+        o.model_name.clone(),
+        o.pinned_root.clone(),
+        clock.clone(),
+    ));
+    let key = identity.signing_key();
+    let links = AgentLinks { index, device: device.clone(), identity, aggregator: agg.clone(), registry: reg };
+    let (agent_agg, agent_reg) = wrap(&links)?;
+    let dir = o.data_dir.join(device.as_str());
+    let store = if o.light.is_some() { AgentStore::in_memory(dir)? } else { AgentStore::open(dir)? };
+    let (mut tr, mut holdout) = share.split(0.2, o.partition_seed);
+    if holdout.is_empty() && tr.len() >= 2 {
+        // The split is stratified by class: a device with few examples of each class keeps one
+        // for its health checks (an agent with no holdout refuses every install).
+        let last = tr.len() - 1;
+        holdout = tr.subset(&[last]);
+        tr = tr.subset(&(0..last).collect::<Vec<_>>());
+    }
+    let mut cfg = CoreConfig::new(device, o.fleet.clone());
+    cfg.local_samples = tr.len() as u64;
+    cfg.rng_seed = o.partition_seed ^ index as u64;
+    cfg.backoff = o.backoff;
+    cfg.health = o.health;
+    let core = DurableLifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
+    let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+    Ok((Agent::new(core, agent_agg, agent_reg, key, LocalData { train: tr, holdout }, clock.clone(), shell), agg))
 }
