@@ -94,4 +94,17 @@ pub struct CampaignStatus {
     pub global: Option<(ModelVersion, Digest)>,
     /// The last campaign's outcome, once it finished.
     pub last_outcome: Option<String>,
+    /// A differentially private campaign's spend: of the running campaign, or the last one's.
+    pub privacy: Option<PrivacyReport>,
+}
+
+/// The (ε, δ) a DP-FedAvg campaign has spent (see `fedfleet_rounds::privacy`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PrivacyReport {
+    pub noise_multiplier: f64,
+    /// The probability that a device is invited to a round.
+    pub sampling_rate: f64,
+    pub delta: f64,
+    pub epsilon_spent: f64,
+    pub epsilon_budget: Option<f64>,
 }

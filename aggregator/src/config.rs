@@ -398,6 +398,22 @@ pub enum CampaignStrategy {
         #[serde(default = "defaults::clip_norm")]
         clip_norm: f64,
     },
+    /// DP-FedAvg (client-level differential privacy, noise added by the aggregator): each
+    /// update clipped to `clip_norm` (default 1) and counted once, Gaussian noise of σ =
+    /// `noise_multiplier` (default 1) × `clip_norm` on the sum, divided by the round's target.
+    /// The ε of (ε, `delta`)-DP (default δ = 1e-5) is accounted after every round; with
+    /// `epsilon_budget`, no round opens that would spend more.
+    #[serde(rename = "dp_fedavg")]
+    DpFedAvg {
+        #[serde(default = "defaults::dp_clip_norm")]
+        clip_norm: f64,
+        #[serde(default = "defaults::noise_multiplier")]
+        noise_multiplier: f64,
+        #[serde(default = "defaults::dp_delta")]
+        delta: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        epsilon_budget: Option<f64>,
+    },
     #[serde(rename = "fedadam")]
     FedAdam(FedOptKeys),
     #[serde(rename = "fedyogi")]
@@ -448,6 +464,15 @@ mod defaults {
     pub fn clip_norm() -> f64 {
         10.0
     }
+    pub fn dp_clip_norm() -> f64 {
+        1.0
+    }
+    pub fn noise_multiplier() -> f64 {
+        1.0
+    }
+    pub fn dp_delta() -> f64 {
+        1e-5
+    }
     pub fn trim_fraction() -> f64 {
         0.1
     }
@@ -482,6 +507,7 @@ impl CampaignStrategy {
             CampaignStrategy::FedAvg {} => "fedavg",
             CampaignStrategy::FedProx {} => "fedprox",
             CampaignStrategy::ClippedFedAvg { .. } => "clipped_fedavg",
+            CampaignStrategy::DpFedAvg { .. } => "dp_fedavg",
             CampaignStrategy::FedAdam(_) => "fedadam",
             CampaignStrategy::FedYogi(_) => "fedyogi",
             CampaignStrategy::FedAdagrad(_) => "fedadagrad",
@@ -508,6 +534,16 @@ impl CampaignDefaults {
         })
     }
 
+    /// The engine's privacy accounting, for a `dp_fedavg` campaign.
+    pub fn privacy(&self) -> Option<fedfleet_rounds::PrivacyPolicy> {
+        match self.strategy {
+            CampaignStrategy::DpFedAvg { noise_multiplier, delta, epsilon_budget, .. } => {
+                Some(fedfleet_rounds::PrivacyPolicy { noise_multiplier, delta, epsilon_budget })
+            }
+            _ => None,
+        }
+    }
+
     /// The engine's asynchronous mode, if `mode = "async"`.
     pub fn buffer(&self) -> Option<fedfleet_rounds::BufferPolicy> {
         (self.mode == CampaignMode::Async)
@@ -520,6 +556,9 @@ impl CampaignDefaults {
             CampaignMode::Rounds if self.max_staleness.is_some() => {
                 Err(ConfigError::Invalid("campaign.max_staleness applies to mode = \"async\" only".into()))
             }
+            CampaignMode::Async if matches!(self.strategy, S::DpFedAvg { .. }) => Err(ConfigError::Invalid(
+                "campaign.strategy \"dp_fedavg\" accounts privacy per sampled round: it runs with mode = \"rounds\"".into(),
+            )),
             CampaignMode::Async if matches!(self.strategy, S::Median { .. } | S::TrimmedMean { .. } | S::Krum { .. }) => {
                 Err(ConfigError::Invalid(format!(
                     "campaign.strategy {:?} does not weigh updates, so it cannot discount stale ones: mode = \"async\" takes fedavg, fedprox, clipped_fedavg, fedadam, fedyogi or fedadagrad",
@@ -545,6 +584,14 @@ impl CampaignDefaults {
             S::FedAvg {} => StrategyConfig::FedAvg { client },
             S::FedProx {} => StrategyConfig::FedProx { client, proximal_mu: self.proximal_mu },
             &S::ClippedFedAvg { clip_norm } => StrategyConfig::ClippedFedAvg { client, clip_norm },
+            // The denominator and the noise key are the campaign's: `campaign start` sets both.
+            &S::DpFedAvg { clip_norm, noise_multiplier, .. } => StrategyConfig::DpFedAvg {
+                client,
+                clip_norm,
+                noise_multiplier,
+                expected_count: u64::from(self.target),
+                noise_seed: [0; 32],
+            },
             S::FedAdam(k) => StrategyConfig::FedAdam { client, params: opt(FedOptParams::adam(), k) },
             S::FedYogi(k) => StrategyConfig::FedYogi { client, params: opt(FedOptParams::yogi(), k) },
             S::FedAdagrad(k) => StrategyConfig::FedAdagrad { client, params: opt(FedOptParams::adagrad(), k) },
@@ -792,6 +839,28 @@ mod tests {
         let d = CampaignDefaults { strategy: CampaignStrategy::Krum { byzantine: 2, select: 3, max_updates: 8 }, ..Default::default() };
         let back: CampaignDefaults = toml::from_str(&toml::to_string(&d).unwrap()).unwrap();
         assert_eq!(back.strategy, d.strategy);
+    }
+
+    #[test]
+    fn dp_fedavg_reads_its_privacy_keys_and_runs_in_rounds_only() {
+        let c = campaign_of("strategy = \"dp_fedavg\"\nnoise_multiplier = 1.3\nepsilon_budget = 4.0\nsampling_rate = 0.1\ntarget = 7\n")
+            .unwrap();
+        assert_eq!(
+            c.strategy,
+            CampaignStrategy::DpFedAvg { clip_norm: 1.0, noise_multiplier: 1.3, delta: 1e-5, epsilon_budget: Some(4.0) }
+        );
+        assert_eq!(c.privacy(), Some(fedfleet_rounds::PrivacyPolicy { noise_multiplier: 1.3, delta: 1e-5, epsilon_budget: Some(4.0) }));
+        match c.strategy_config() {
+            StrategyConfig::DpFedAvg { clip_norm, noise_multiplier, expected_count, .. } => {
+                assert_eq!((clip_norm, noise_multiplier, expected_count), (1.0, 1.3, 7))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(campaign_of("").unwrap().privacy(), None);
+        let e = campaign_of("strategy = \"dp_fedavg\"\nmode = \"async\"\n").unwrap_err();
+        assert!(e.contains("dp_fedavg") && e.contains("rounds"), "{e}");
+        let e = campaign_of("strategy = \"dp_fedavg\"\nepsilon = 4.0\n").unwrap_err();
+        assert!(e.contains("epsilon"), "{e}");
     }
 
     #[test]

@@ -286,6 +286,13 @@ fn print_status(s: &CampaignStatus, conn: &Conn, cfg: &OperatorConfig) {
         }
         None => println!("no campaign running{}", s.last_outcome.as_deref().map(|o| format!(" (last: {o})")).unwrap_or_default()),
     }
+    if let Some(p) = &s.privacy {
+        let left = p.epsilon_budget.map(|b| format!(", {:.3} left of a budget of {b}", (b - p.epsilon_spent).max(0.0))).unwrap_or_default();
+        println!(
+            "privacy: DP-FedAvg, noise multiplier {}, sampling rate {:.4}: ε = {:.3} spent (δ = {:e}){left}",
+            p.noise_multiplier, p.sampling_rate, p.epsilon_spent, p.delta
+        );
+    }
     if let Some((v, d)) = &s.global {
         // Under LoRA the aggregator's model holds the adapters; the registry also stores (and
         // names by digest) the model with them merged in: say which digest this is.

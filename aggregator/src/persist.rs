@@ -106,6 +106,8 @@ pub struct CampaignMeta {
     pub last_campaign: u64,
     /// The open round's encoded `Signed<RoundAnnouncement>`.
     pub announcement: Option<Vec<u8>>,
+    /// What the last DP campaign spent, once it finished.
+    pub last_privacy: Option<fedfleet_rounds::PrivacyStatus>,
 }
 
 impl CampaignMeta {

@@ -285,6 +285,7 @@ fn run(mode: Mode, args: &Args, shares: &[Dataset], test: &Dataset, speeds: &[f6
         seed: [args.seed as u8; 32],
         max_consecutive_failures: 1000,
         buffer: (mode == Mode::Async).then_some(BufferPolicy { max_staleness: args.max_staleness }),
+        privacy: None,
     };
     let strategy = ServerStrategy::new(&StrategyConfig::FedAvg { client }, global.len())?;
     let mut coord = Coordinator::new(RoundEngine::new(fleet.clone(), EngineConfig::default(), RoundId(1)), strategy);

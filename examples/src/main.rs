@@ -36,6 +36,10 @@ enum Strategy {
     TrimmedMean,
     /// Multi-Krum tolerating `--byzantine` hostile updates.
     Krum,
+    /// DP-FedAvg: updates clipped to `--clip-norm` (default 1), Gaussian noise (multiplier 1) on
+    /// the sum; `campaign status` and the demo's end show the ε spent (δ = 1e-5).
+    #[value(name = "dp_fedavg", alias = "dp-fedavg")]
+    DpFedavg,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -148,6 +152,7 @@ fn demo_main(a: DemoArgs) -> ExitCode {
             Strategy::Median => "median",
             Strategy::TrimmedMean => "trimmed_mean",
             Strategy::Krum => "krum",
+            Strategy::DpFedavg => "dp_fedavg",
         }
         .into(),
         quantization: match a.quantization {

@@ -195,6 +195,34 @@ pub struct CampaignSpec {
     pub max_consecutive_failures: u32,
     /// `Some`: asynchronous buffers (FedBuff) instead of synchronous rounds.
     pub buffer: Option<BufferPolicy>,
+    /// `Some`: client-level differential privacy (DP-FedAvg): the ε every published round
+    /// spends is accounted, and no round opens past the budget.
+    pub privacy: Option<PrivacyPolicy>,
+}
+
+/// A DP-FedAvg campaign's accounting. The strategy clips and noises
+/// ([`crate::StrategyConfig::DpFedAvg`] with the same noise multiplier); the engine counts what
+/// that spends: each published round is one sampled Gaussian mechanism, sampled at the
+/// campaign's per-device selection probability ([`crate::privacy`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrivacyPolicy {
+    pub noise_multiplier: f64,
+    /// The δ of the reported (ε, δ).
+    pub delta: f64,
+    /// No round opens whose publication would take ε above this. `None`: accounted, unbounded.
+    pub epsilon_budget: Option<f64>,
+}
+
+/// A campaign's privacy spend so far.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PrivacyStatus {
+    pub noise_multiplier: f64,
+    /// The probability that a device is invited to a round.
+    pub sampling_rate: f64,
+    pub delta: f64,
+    /// After the rounds published so far.
+    pub epsilon_spent: f64,
+    pub epsilon_budget: Option<f64>,
 }
 
 /// What the shell broadcasts when a round opens.
@@ -316,6 +344,8 @@ pub enum CampaignOutcome {
     Completed,
     TooManyFailures,
     Stopped,
+    /// The next round would have spent more ε than the campaign's budget.
+    PrivacyBudgetSpent,
 }
 
 impl CampaignOutcome {
@@ -324,6 +354,7 @@ impl CampaignOutcome {
             CampaignOutcome::Completed => "completed",
             CampaignOutcome::TooManyFailures => "too_many_failures",
             CampaignOutcome::Stopped => "stopped",
+            CampaignOutcome::PrivacyBudgetSpent => "privacy_budget_spent",
         }
     }
 }
@@ -335,35 +366,21 @@ pub enum EngineEvent {
     /// Broadcast the announcement.
     RoundOpened(OpenedRound),
     /// The quorum was missing at the deadline; the deadline moved once.
-    RoundExtended {
-        round: RoundId,
-        deadline: Millis,
-        accepted: u32,
-    },
+    RoundExtended { round: RoundId, deadline: Millis, accepted: u32 },
     /// Finalize the strategy on `base_*`, publish, then call [`RoundEngine::model_ready`].
     /// `contributions` are sorted by device id.
-    RoundClosed {
-        round: RoundId,
-        cause: CloseCause,
-        base_version: ModelVersion,
-        base_digest: Digest,
-        contributions: Vec<Contribution>,
-    },
+    RoundClosed { round: RoundId, cause: CloseCause, base_version: ModelVersion, base_digest: Digest, contributions: Vec<Contribution> },
     /// Discard the round's folded updates (`Strategy::abort_round`).
-    RoundFailed {
-        round: RoundId,
-        reason: FailReason,
-    },
+    RoundFailed { round: RoundId, reason: FailReason },
     /// A device was revoked; `contributed_to` names the open round if it had an accepted update
     /// in it (kept, see the module docs).
-    DeviceRevoked {
-        device: DeviceId,
-        contributed_to: Option<RoundId>,
-    },
+    DeviceRevoked { device: DeviceId, contributed_to: Option<RoundId> },
     CampaignFinished {
         campaign: CampaignId,
         outcome: CampaignOutcome,
         rounds_completed: u32,
+        /// A DP campaign's final spend.
+        privacy: Option<PrivacyStatus>,
     },
 }
 
@@ -683,8 +700,12 @@ impl RoundEngine {
         c.base_digest = digest;
         c.completed += 1;
         c.consecutive_failures = 0;
+        let over_budget = privacy_spend(&c.spec)
+            .is_some_and(|(spend, budget)| budget.is_some_and(|b| spend.epsilon_after(u64::from(c.completed) + 1) > b));
         if c.completed >= c.spec.rounds {
             self.finish(CampaignOutcome::Completed);
+        } else if over_budget {
+            self.finish(CampaignOutcome::PrivacyBudgetSpent);
         } else {
             self.open_round(now);
         }
@@ -967,14 +988,39 @@ impl RoundEngine {
         }
     }
 
+    /// The current campaign's privacy spend, if it is a DP campaign.
+    pub fn privacy(&self) -> Option<PrivacyStatus> {
+        let c = self.campaign.as_ref()?;
+        let (spend, budget) = privacy_spend(&c.spec)?;
+        Some(PrivacyStatus {
+            noise_multiplier: spend.noise_multiplier,
+            sampling_rate: spend.sampling_rate,
+            delta: spend.delta,
+            epsilon_spent: spend.epsilon_after(u64::from(c.completed)),
+            epsilon_budget: budget,
+        })
+    }
+
     fn finish(&mut self, outcome: CampaignOutcome) {
+        let privacy = self.privacy();
         let c = self.campaign.take().expect("finish needs a campaign");
-        self.events.push_back(EngineEvent::CampaignFinished { campaign: c.spec.id, outcome, rounds_completed: c.completed });
+        self.events.push_back(EngineEvent::CampaignFinished { campaign: c.spec.id, outcome, rounds_completed: c.completed, privacy });
     }
 }
 
 fn effective_ppm(rate: f64, policy: &RoundPolicy) -> u32 {
     rate_to_ppm(rate * policy.over_selection)
+}
+
+/// What each round of a DP campaign spends (sampled at the probability that a device is
+/// invited: the effective rate, or 1 for an explicit list), and its budget.
+fn privacy_spend(spec: &CampaignSpec) -> Option<(crate::privacy::DpSpend, Option<f64>)> {
+    let p = spec.privacy.as_ref()?;
+    let sampling_rate = match &spec.selection {
+        Invitation::Rate { rate } => f64::from(effective_ppm(*rate, &spec.policy)) / f64::from(PPM),
+        Invitation::Explicit { .. } => 1.0,
+    };
+    Some((crate::privacy::DpSpend { sampling_rate, noise_multiplier: p.noise_multiplier, delta: p.delta }, p.epsilon_budget))
 }
 
 fn selected(spec: &CampaignSpec, announced: &WireSelection, device: &DeviceId) -> bool {
@@ -1004,6 +1050,23 @@ fn validate(spec: &CampaignSpec) -> Result<(), EngineError> {
     }
     if spec.max_consecutive_failures == 0 {
         return bad("max_consecutive_failures must be >= 1".into());
+    }
+    if let Some(p) = &spec.privacy {
+        if !(p.noise_multiplier.is_finite() && p.noise_multiplier > 0.0) {
+            return bad(format!("a DP campaign needs a noise multiplier > 0, got {}", p.noise_multiplier));
+        }
+        if !(p.delta > 0.0 && p.delta < 1.0) {
+            return bad(format!("delta must be in (0, 1), got {}", p.delta));
+        }
+        if spec.buffer.is_some() {
+            return bad("differential privacy is accounted per sampled round; asynchronous buffers are not sampled rounds".into());
+        }
+        if let Some((spend, Some(budget))) = privacy_spend(spec) {
+            let one = spend.epsilon_after(1);
+            if !(budget.is_finite() && budget > 0.0) || one > budget {
+                return bad(format!("the privacy budget ε = {budget} allows no round: one round spends ε = {one:.4}"));
+            }
+        }
     }
     match &spec.selection {
         Invitation::Rate { rate } if !(*rate > 0.0 && *rate <= 1.0) || rate_to_ppm(*rate) == 0 => {

@@ -11,12 +11,14 @@
 //!   arithmetic [`Backend`]: FedAvg, FedProx, clipped FedAvg, FedAdam, FedYogi, FedAdagrad,
 //!   median, trimmed mean, Krum.
 //! * [`coordinator`] — [`Coordinator`], engine + strategy: admission, fold and commit as one step.
+//! * [`privacy`] — the Rényi-DP accountant of the sampled Gaussian mechanism (DP-FedAvg's ε).
 //! * [`reject`] — [`RejectReason`], the named reason of every refusal.
 //!
 //! **Architecture invariant:** the engine and the strategies do no I/O, read no clock and draw no
-//! randomness: time comes in as `now` (unix ms), seeds come in with the campaign spec, and all
+//! randomness: time comes in as `now` (unix ms), seeds come in with the campaign spec (and
+//! DP-FedAvg's noise is a ChaCha20 stream keyed by a secret the shell hands in), and all
 //! state is `serde` serializable so the shell can persist it and resume after `kill -9`.
-//! This crate's dependencies (protocol, serde, postcard, thiserror) make that a compiler-checked
+//! This crate's dependencies (protocol, serde, postcard, rand_chacha, thiserror) make that a compiler-checked
 //! fact: it cannot import tokio, quinn, sled, burn or a clock.
 //!
 //! **Determinism:** the same accepted updates in any arrival order give a bit-identical model
@@ -46,18 +48,19 @@
 
 pub mod coordinator;
 pub mod engine;
+pub mod privacy;
 pub mod reject;
 pub mod strategy;
 
 pub use coordinator::{Coordinator, FinalizeError};
 pub use engine::{
     Accepted, BufferPolicy, CampaignId, CampaignOutcome, CampaignSpec, CloseCause, Contribution, EngineConfig, EngineError, EngineEvent,
-    FailReason, Invitation, Millis, Nonce, OpenedRound, Reject, RoundEngine, RoundPolicy, RoundStatus, UpdateMeta, rate_to_ppm, round_seed,
-    staleness_weight,
+    FailReason, Invitation, Millis, Nonce, OpenedRound, PrivacyPolicy, PrivacyStatus, Reject, RoundEngine, RoundPolicy, RoundStatus,
+    UpdateMeta, rate_to_ppm, round_seed, staleness_weight,
 };
 pub use reject::RejectReason;
 pub use strategy::{
-    AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, Evaluation, Exact, FedOptKind, FedOptParams,
-    FoldError, Krum, Median, MemorySpill, PartialSum, ServerOptimizer, ServerStrategy, SpillError, SpillStore, Strategy, StrategyConfig,
-    StrategyError, TrimmedMean, WeightedMean,
+    AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, DpMean, Evaluation, Exact, FedOptKind,
+    FedOptParams, FoldError, Krum, Median, MemorySpill, PartialSum, ServerOptimizer, ServerStrategy, SpillError, SpillStore, Strategy,
+    StrategyConfig, StrategyError, TrimmedMean, WeightedMean,
 };

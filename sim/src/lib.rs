@@ -611,6 +611,7 @@ impl Fleet {
             seed: derive(self.cfg.seed, "campaign", &[&self.next_campaign.to_le_bytes()]),
             max_consecutive_failures: 3,
             buffer: None,
+            privacy: None,
         };
         self.next_campaign += 1;
         self.aggregator.coordinator.engine_mut().start_campaign(self.now, spec).expect("campaign starts");

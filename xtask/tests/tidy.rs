@@ -38,7 +38,7 @@ const CORES: &[(&str, &[&str])] = &[
     // Not a state machine, but held to the cores' rule: the registry links it to check every
     // publish, and must not pull in the engine through it.
     ("fedfleet-modelspec", &["fedfleet-protocol", "serde", "serde_json", "thiserror"]),
-    ("fedfleet-rounds", &["blake3", "fedfleet-protocol", "postcard", "serde", "serde_json", "thiserror"]),
+    ("fedfleet-rounds", &["blake3", "fedfleet-protocol", "postcard", "rand_chacha", "serde", "serde_json", "thiserror"]),
     ("fedfleet-rollout", &["blake3", "fedfleet-protocol", "serde", "thiserror", "tracing"]),
     ("fedfleet-agent-core", &["fedfleet-protocol", "rand", "rand_chacha", "serde", "serde_json", "thiserror", "tracing"]),
 ];

@@ -45,7 +45,7 @@ use crate::engine::{CampaignId, CampaignSpec, EngineConfig, EngineEvent, Invitat
 use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, Store};
 use crate::publish::{PublishRequest, Publisher};
 use crate::strategy::{ServerStrategy, Strategy};
-use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
+use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, PrivacyReport, Request, Response};
 use crate::{Coordinator, metrics::Metrics};
 
 mod base;
@@ -407,6 +407,13 @@ impl Aggregator {
             deadline_unix_ms: rs.as_ref().map(|s| s.deadline),
             global: core.global.map(|g| (g.version, g.digest)),
             last_outcome: core.campaign.last_outcome.clone(),
+            privacy: e.privacy().or(core.campaign.last_privacy).map(|p| PrivacyReport {
+                noise_multiplier: p.noise_multiplier,
+                sampling_rate: p.sampling_rate,
+                delta: p.delta,
+                epsilon_spent: p.epsilon_spent,
+                epsilon_budget: p.epsilon_budget,
+            }),
         }
     }
 

@@ -59,9 +59,11 @@ impl Aggregator {
                     }
                     boundary = true;
                 }
-                EngineEvent::CampaignFinished { campaign, outcome, rounds_completed } => {
-                    tracing::info!(campaign = %campaign, outcome = outcome.as_str(), rounds_completed, "campaign finished");
+                EngineEvent::CampaignFinished { campaign, outcome, rounds_completed, privacy } => {
+                    let epsilon = privacy.map(|p| p.epsilon_spent);
+                    tracing::info!(campaign = %campaign, outcome = outcome.as_str(), rounds_completed, ?epsilon, "campaign finished");
                     core.campaign.last_outcome = Some(outcome.as_str().to_owned());
+                    core.campaign.last_privacy = privacy;
                     sh.metrics.round_accepted.set(0);
                     core.campaign.announcement = None;
                     sh.announce.send_replace(None);
@@ -159,6 +161,17 @@ impl Aggregator {
         }
     }
 
+    /// A DP campaign's (ε, δ) with the round being published counted: the model's metadata.
+    fn privacy_metrics(&self) -> Vec<(String, f64)> {
+        let core = self.lock();
+        let e = core.coord.engine();
+        let Some(p) = e.privacy() else { return Vec::new() };
+        let spend =
+            fedfleet_rounds::privacy::DpSpend { sampling_rate: p.sampling_rate, noise_multiplier: p.noise_multiplier, delta: p.delta };
+        let rounds = u64::from(e.rounds_completed().unwrap_or(0)) + 1;
+        vec![("dp_epsilon".to_owned(), spend.epsilon_after(rounds)), ("dp_delta".to_owned(), p.delta)]
+    }
+
     /// Finalizes the closed `round`, evaluates, publishes, records, and opens the next round.
     pub(super) async fn finalize(&self, round: RoundId) -> Result<(), String> {
         let sh = self.shared.clone();
@@ -235,6 +248,8 @@ impl Aggregator {
         .await
         .map_err(|e| e.to_string())?;
         let digest = Digest::of(&bytes);
+        let mut metrics = metrics;
+        metrics.extend(self.privacy_metrics());
         let req = publish_request(&sh, &bytes, Some(base.version), metrics, true)?;
         let (version, published) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
         if published != Digest::of(&req.bundle) {
@@ -307,19 +322,25 @@ impl Aggregator {
         self.ensure_global().await?;
         let sh = &self.shared;
         let d = &sh.cfg.campaign;
-        let strategy_cfg = d.strategy_config();
+        let mut strategy_cfg = d.strategy_config();
         let dtype = d.dtype().map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if let Some(c) = core.coord.engine().campaign_id() {
             return Err(format!("campaign {c} is still running"));
         }
         let base = core.base.clone().ok_or("no global model")?;
+        let target = o.target_count.unwrap_or(d.target);
+        if let fedfleet_rounds::StrategyConfig::DpFedAvg { expected_count, noise_seed, .. } = &mut strategy_cfg {
+            // The fixed denominator, and a noise key nobody else holds (kept with the strategy's
+            // state, so a restart redraws the same noise).
+            *expected_count = u64::from(target);
+            rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, noise_seed);
+        }
         let strategy = ServerStrategy::new(&strategy_cfg, base.dim()).map_err(|e| e.to_string())?;
         let seed = o.seed.unwrap_or_else(|| rand_core::RngCore::next_u64(&mut rand_core::OsRng));
         let mut seed32 = [0u8; 32];
         seed32[..8].copy_from_slice(&seed.to_le_bytes());
         let id = CampaignId(core.campaign.last_campaign + 1);
-        let target = o.target_count.unwrap_or(d.target);
         let spec = CampaignSpec {
             id,
             rounds: o.rounds.unwrap_or(d.rounds),
@@ -338,6 +359,7 @@ impl Aggregator {
             seed: seed32,
             max_consecutive_failures: d.max_consecutive_failures,
             buffer: d.buffer(),
+            privacy: d.privacy(),
         };
         let name = strategy.name().to_owned();
         let mode = fold_mode(self.shared.tensor_device.is_some(), &strategy);
@@ -355,6 +377,7 @@ impl Aggregator {
         core.campaign.dtype = dtype.code();
         core.campaign.last_campaign = id.0;
         core.campaign.last_outcome = None;
+        core.campaign.last_privacy = None;
         let now = self.now_ms();
         if let Err(e) = core.coord.engine_mut().start_campaign(now, spec) {
             *core.coord.strategy_mut() = old;

@@ -8,5 +8,6 @@ mod compute;
 mod crash;
 mod ingest;
 mod mqtt;
+mod privacy;
 mod support;
 mod tensor;

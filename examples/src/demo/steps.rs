@@ -28,10 +28,12 @@ pub fn campaign_defaults(o: &DemoOptions, target: u32) -> anyhow::Result<Campaig
         s => s,
     };
     let Ok(mut strategy) = CampaignStrategy::named(name) else {
-        bail!("unknown strategy {name:?}: fedavg, fedprox, fedadam, fedyogi, fedadagrad, clipped, median, trimmed_mean, krum")
+        bail!("unknown strategy {name:?}: fedavg, fedprox, fedadam, fedyogi, fedadagrad, clipped, median, trimmed_mean, krum, dp_fedavg")
     };
     match &mut strategy {
-        CampaignStrategy::ClippedFedAvg { clip_norm } => *clip_norm = o.clip_norm.unwrap_or(*clip_norm),
+        CampaignStrategy::ClippedFedAvg { clip_norm } | CampaignStrategy::DpFedAvg { clip_norm, .. } => {
+            *clip_norm = o.clip_norm.unwrap_or(*clip_norm)
+        }
         CampaignStrategy::FedAdam(k) | CampaignStrategy::FedYogi(k) | CampaignStrategy::FedAdagrad(k) => k.server_lr = o.server_lr,
         CampaignStrategy::Median { max_updates } => *max_updates = 4096,
         CampaignStrategy::TrimmedMean { trim_fraction, max_updates } => {

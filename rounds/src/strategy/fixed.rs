@@ -184,6 +184,11 @@ impl PartialSum {
         Ok(())
     }
 
+    /// The sum `Σ wᵢΔᵢ` itself, as `f64` per coordinate.
+    pub fn sum(&self) -> Vec<f64> {
+        self.sums.iter().map(|&s| s as f64 / SCALE).collect()
+    }
+
     /// The weighted mean as a new vector.
     pub fn mean(&self) -> Result<Vec<f64>, FoldError> {
         let mut out = vec![0.0; self.sums.len()];

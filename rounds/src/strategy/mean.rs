@@ -1,5 +1,6 @@
 //! Weighted means: the aggregation step of FedAvg (McMahan et al. 2017), FedProx's server side
-//! (Li et al. 2020), the FedOpt family, and the norm-clipped mean of DP-FedAvg.
+//! (Li et al. 2020), the FedOpt family, the norm-clipped mean, and DP-FedAvg's noised mean
+//! (McMahan et al. 2018).
 //!
 //! Aggregate = `Σ wᵢΔᵢ / Σ wᵢ` with `wᵢ` the (clamped) sample count of update `i` and
 //! `Δᵢ = localᵢ − base`: the same model Flower's FedAvg computes from the clients' weights.
@@ -149,5 +150,141 @@ impl Aggregation for ClippedMean {
     }
     fn partial_sum_mut(&mut self) -> Option<&mut PartialSum> {
         Some(&mut self.sum)
+    }
+}
+
+/// DP-FedAvg's aggregation (McMahan et al. 2018, the fixed-denominator estimator): each device's
+/// delta clipped to L2 norm `clip_norm` and counted once (its sample count is not used: a
+/// device's whole influence is bounded by `clip_norm`), Gaussian noise of standard deviation
+/// `noise_multiplier · clip_norm` added to the exact sum, divided by the expected number of
+/// updates per round (not the actual one, which would reveal membership).
+///
+/// The noise is drawn from a ChaCha20 stream keyed by `noise_seed` (a secret the shell draws
+/// once per campaign and keeps with the strategy) and the round's index, so a restart after
+/// `kill -9` publishes the bit-identical model; devices never see the seed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DpMean {
+    clipped: ClippedMean,
+    noise_multiplier: f64,
+    expected_count: u64,
+    noise_seed: [u8; 32],
+    /// Rounds noised so far: the index of the next round's noise stream.
+    rounds_noised: u64,
+}
+
+impl DpMean {
+    pub fn new(
+        dim: usize,
+        clip_norm: f64,
+        noise_multiplier: f64,
+        expected_count: u64,
+        noise_seed: [u8; 32],
+    ) -> Result<Self, StrategyError> {
+        if !(noise_multiplier.is_finite() && noise_multiplier >= 0.0) {
+            return Err(StrategyError::BadParameter(format!("noise_multiplier must be >= 0, got {noise_multiplier}")));
+        }
+        if expected_count == 0 {
+            return Err(StrategyError::BadParameter("the expected number of updates per round must be >= 1".into()));
+        }
+        Ok(DpMean { clipped: ClippedMean::new(dim, clip_norm)?, noise_multiplier, expected_count, noise_seed, rounds_noised: 0 })
+    }
+    pub fn noise_multiplier(&self) -> f64 {
+        self.noise_multiplier
+    }
+    pub fn clip_norm(&self) -> f64 {
+        self.clipped.clip_norm()
+    }
+
+    /// Standard normal draws for round `round`, `n` of them (Box-Muller over ChaCha20).
+    fn gaussian(&self, round: u64, n: usize) -> Vec<f64> {
+        use rand_chacha::rand_core::{RngCore, SeedableRng};
+        let mut key = blake3::Hasher::new_derive_key("fedfleet dp-fedavg noise v1");
+        key.update(&self.noise_seed);
+        key.update(&round.to_le_bytes());
+        let mut rng = rand_chacha::ChaCha20Rng::from_seed(*key.finalize().as_bytes());
+        // 53 random bits to (0, 1].
+        let mut uniform = || ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let mut out = Vec::with_capacity(n + 1);
+        while out.len() < n {
+            let (r, theta) = ((-2.0 * uniform().ln()).sqrt(), std::f64::consts::TAU * uniform());
+            out.push(r * theta.cos());
+            out.push(r * theta.sin());
+        }
+        out.truncate(n);
+        out
+    }
+}
+
+impl Aggregation for DpMean {
+    fn name(&self) -> &'static str {
+        "dp_mean"
+    }
+    fn dim(&self) -> usize {
+        self.clipped.dim()
+    }
+    fn fold(&mut self, delta: &[f32], _weight: u64) -> Result<(), StrategyError> {
+        self.clipped.fold(delta, 1)
+    }
+    fn folded(&self) -> u64 {
+        self.clipped.folded()
+    }
+    fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
+        let sum = self.clipped.sum.sum();
+        if self.clipped.folded() == 0 {
+            return Err(FoldError::Empty.into());
+        }
+        let sigma = self.noise_multiplier * self.clipped.clip_norm();
+        let noise = self.gaussian(self.rounds_noised, sum.len());
+        let denominator = self.expected_count as f64;
+        let mean = sum.iter().zip(&noise).map(|(s, n)| (s + sigma * n) / denominator).collect();
+        self.rounds_noised += 1;
+        self.clipped.abort_round();
+        Ok(mean)
+    }
+    fn abort_round(&mut self) {
+        self.clipped.abort_round();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dp_mean_clips_counts_each_device_once_and_adds_reproducible_noise() {
+        let dim = 20_000;
+        let big: Vec<f32> = vec![1.0; dim]; // norm √20000 ≈ 141, clipped to 1
+        let small: Vec<f32> = (0..dim).map(|i| if i == 0 { 0.5 } else { 0.0 }).collect();
+        // Without noise: (clip(big) + small) / expected, whatever the sample weights.
+        let mut exact = DpMean::new(dim, 1.0, 0.0, 4, [7; 32]).unwrap();
+        exact.fold(&big, 1000).unwrap();
+        exact.fold(&small, 1).unwrap();
+        let mean = exact.aggregate().unwrap();
+        let clipped_value = 1.0 / (dim as f64).sqrt();
+        assert!((mean[0] - (clipped_value + 0.5) / 4.0).abs() < 1e-9, "{}", mean[0]);
+        assert!((mean[1] - clipped_value / 4.0).abs() < 1e-9);
+
+        // With noise: the same seed and round give the same model; its noise has σ = z·C/expected.
+        let noised = |seed| {
+            let mut s = DpMean::new(dim, 1.0, 2.0, 4, seed).unwrap();
+            s.fold(&small, 1).unwrap();
+            s.aggregate().unwrap()
+        };
+        let (a, b, c) = (noised([7; 32]), noised([7; 32]), noised([8; 32]));
+        assert_eq!(a, b, "a restart redraws the same noise");
+        assert_ne!(a, c);
+        let noise: Vec<f64> = a.iter().skip(1).copied().collect();
+        let mean_noise = noise.iter().sum::<f64>() / noise.len() as f64;
+        let sd = (noise.iter().map(|x| (x - mean_noise).powi(2)).sum::<f64>() / noise.len() as f64).sqrt();
+        assert!(mean_noise.abs() < 0.02, "{mean_noise}");
+        assert!((sd - 0.5).abs() < 0.02, "σ = z·C/expected = 0.5, measured {sd}");
+
+        // The next round draws fresh noise.
+        let mut s = DpMean::new(dim, 1.0, 2.0, 4, [7; 32]).unwrap();
+        s.fold(&small, 1).unwrap();
+        let first = s.aggregate().unwrap();
+        s.fold(&small, 1).unwrap();
+        assert_ne!(s.aggregate().unwrap(), first);
+        assert!(s.aggregate().is_err(), "nothing folded");
     }
 }

@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 
 pub use backend::{Backend, Exact};
 pub use fixed::{FoldError, PartialSum};
-pub use mean::{ClippedMean, WeightedMean, l2_norm};
+pub use mean::{ClippedMean, DpMean, WeightedMean, l2_norm};
 pub use optimizer::{AdaptiveOptimizer, FedOptKind, FedOptParams, ServerOptimizer};
 pub use robust::{Krum, Median, MemorySpill, SpillError, SpillStore, TrimmedMean};
 
@@ -225,6 +225,7 @@ macro_rules! aggregation_steps {
 aggregation_steps! {
     WeightedMean(WeightedMean),
     ClippedMean(ClippedMean),
+    DpMean(DpMean),
     Median(Median<MemorySpill>),
     TrimmedMean(TrimmedMean<MemorySpill>),
     Krum(Krum<MemorySpill>),
@@ -246,6 +247,16 @@ pub enum StrategyConfig {
     ClippedFedAvg {
         client: ClientConfig,
         clip_norm: f64,
+    },
+    /// DP-FedAvg (client-level, central): deltas clipped to `clip_norm`, each device counted
+    /// once, Gaussian noise of σ = `noise_multiplier · clip_norm` on the sum, divided by
+    /// `expected_count` ([`DpMean`]). `noise_seed` is the campaign's secret noise key.
+    DpFedAvg {
+        client: ClientConfig,
+        clip_norm: f64,
+        noise_multiplier: f64,
+        expected_count: u64,
+        noise_seed: [u8; 32],
     },
     FedAdam {
         client: ClientConfig,
@@ -313,6 +324,9 @@ impl ServerStrategy {
                 plain(client, mean())
             }
             StrategyConfig::ClippedFedAvg { client, clip_norm } => plain(client, A::ClippedMean(ClippedMean::new(dim, clip_norm)?)),
+            StrategyConfig::DpFedAvg { client, clip_norm, noise_multiplier, expected_count, noise_seed } => {
+                plain(client, A::DpMean(DpMean::new(dim, clip_norm, noise_multiplier, expected_count, noise_seed)?))
+            }
             StrategyConfig::FedAdam { client, params } => adaptive(client, FedOptKind::Adam, params)?,
             StrategyConfig::FedYogi { client, params } => adaptive(client, FedOptKind::Yogi, params)?,
             StrategyConfig::FedAdagrad { client, params } => adaptive(client, FedOptKind::Adagrad, params)?,
@@ -407,6 +421,7 @@ impl Strategy for ServerStrategy {
             (ServerOptimizer::Plain, AggregationStep::WeightedMean(_)) if self.client.proximal_mu > 0.0 => "fedprox",
             (ServerOptimizer::Plain, AggregationStep::WeightedMean(_)) => "fedavg",
             (ServerOptimizer::Plain, AggregationStep::ClippedMean(_)) => "clipped_fedavg",
+            (ServerOptimizer::Plain, AggregationStep::DpMean(_)) => "dp_fedavg",
             (ServerOptimizer::Plain, step) => step.get().name(),
         }
     }

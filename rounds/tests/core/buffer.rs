@@ -30,6 +30,7 @@ fn buffered(devices: usize, k: u32, s: u32) -> (RoundEngine, OpenedRound) {
         seed: [3; 32],
         max_consecutive_failures: 3,
         buffer: Some(BufferPolicy { max_staleness: s }),
+        privacy: None,
     };
     let mut e = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
     e.start_campaign(T0, spec).unwrap();
@@ -134,6 +135,7 @@ fn a_replayed_stale_update_is_refused_past_the_engines_nonce_window() {
         seed: [0; 32],
         max_consecutive_failures: 1,
         buffer: Some(BufferPolicy { max_staleness: 3 }),
+        privacy: None,
     };
     let mut e = RoundEngine::new(fleet(), EngineConfig { nonce_retention_rounds: 1 }, RoundId(1));
     e.start_campaign(T0, spec).unwrap();

@@ -49,6 +49,7 @@ fn spec(devices: usize, policy: RoundPolicy) -> CampaignSpec {
         seed: [42; 32],
         max_consecutive_failures: 3,
         buffer: None,
+        privacy: None,
     }
 }
 
@@ -167,7 +168,12 @@ fn too_many_failures_end_the_campaign() {
     assert_eq!(fails, 3);
     assert_eq!(
         ev.last(),
-        Some(&EngineEvent::CampaignFinished { campaign: CampaignId(7), outcome: CampaignOutcome::TooManyFailures, rounds_completed: 0 })
+        Some(&EngineEvent::CampaignFinished {
+            campaign: CampaignId(7),
+            outcome: CampaignOutcome::TooManyFailures,
+            rounds_completed: 0,
+            privacy: None
+        })
     );
     assert_eq!(e.poll_timeout(), None);
     assert_eq!(e.campaign_id(), None);

@@ -3,4 +3,5 @@
 
 mod buffer;
 mod engine;
+mod privacy;
 mod strategies;
