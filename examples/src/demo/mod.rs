@@ -182,6 +182,8 @@ pub struct PhaseOutcome {
 pub struct DemoReport {
     pub rounds: Vec<RoundRow>,
     pub campaign_outcome: Option<String>,
+    /// A DP-FedAvg campaign's spend.
+    pub privacy: Option<fedfleet_aggregator::wire::PrivacyReport>,
     pub initial: Option<ModelRef>,
     pub final_model: Option<ModelRef>,
     pub initial_accuracy: f64,
@@ -423,6 +425,12 @@ fn print_summary(ui: &Ui, o: &DemoOptions, r: &DemoReport) {
         v(&r.final_model)
     ));
     ui.line(format!("  campaign             {}", r.campaign_outcome.as_deref().unwrap_or("-")));
+    if let Some(p) = &r.privacy {
+        ui.line(format!(
+            "  privacy              DP-FedAvg, noise multiplier {}, sampling rate {}: (ε = {:.2}, δ = {:e}) spent",
+            p.noise_multiplier, p.sampling_rate, p.epsilon_spent, p.delta
+        ));
+    }
     match r.mqtt_broker {
         Some(addr) => {
             let heard: usize = r.rounds.iter().map(|x| x.heard_over_mqtt).sum();

@@ -246,7 +246,9 @@ pub async fn run_campaign(
     while agg.status().campaign.is_some() && t.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    report.campaign_outcome = agg.status().last_outcome;
+    let status = agg.status();
+    report.campaign_outcome = status.last_outcome;
+    report.privacy = status.privacy;
     Ok(())
 }
 
