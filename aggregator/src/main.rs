@@ -91,7 +91,7 @@ enum CampaignCmd {
         quorum: Option<u32>,
         #[arg(long)]
         deadline_secs: Option<u64>,
-        /// Sampling seed (random if unset).
+        /// Sampling seed (random if unset). Fixed, it also fixes a dp_fedavg campaign's noise: for reproducible runs and tests, not for privacy.
         #[arg(long)]
         seed: Option<u64>,
         /// Wait until the campaign ends, printing each completed round; the exit status is 0

@@ -332,9 +332,14 @@ impl Aggregator {
         let target = o.target_count.unwrap_or(d.target);
         if let fedfleet_rounds::StrategyConfig::DpFedAvg { expected_count, noise_seed, .. } = &mut strategy_cfg {
             // The fixed denominator, and a noise key nobody else holds (kept with the strategy's
-            // state, so a restart redraws the same noise).
+            // state, so a restart redraws the same noise). A campaign started with a fixed
+            // `--seed` (reproducible runs, tests) derives it from the seed: its noise is then
+            // known to whoever knows the seed.
             *expected_count = u64::from(target);
-            rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, noise_seed);
+            match o.seed {
+                Some(seed) => *noise_seed = Digest::of(&[b"fedfleet dp-fedavg noise key v1\0".as_slice(), &seed.to_le_bytes()].concat()).0,
+                None => rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, noise_seed),
+            }
         }
         let strategy = ServerStrategy::new(&strategy_cfg, base.dim()).map_err(|e| e.to_string())?;
         let seed = o.seed.unwrap_or_else(|| rand_core::RngCore::next_u64(&mut rand_core::OsRng));

@@ -161,12 +161,13 @@ async fn sigkill_and_restart_give_the_bit_identical_model_on_the_tensor_path() {
     }
 }
 
-/// Robust strategies hold every update of the round: a restart rebuilds them from the stored
-/// payloads, and the result is again the same bits.
+/// Robust strategies hold every update of the round, and DP-FedAvg draws its noise from a key
+/// kept with its state: a restart rebuilds them from the stored payloads and the persisted
+/// strategy, and the result is again the same bits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_and_restart_give_the_bit_identical_model_for_robust_strategies() {
     let fleet = Fleet::new(N);
-    for strategy in ["median", "trimmed_mean", "krum"] {
+    for strategy in ["median", "trimmed_mean", "krum", "dp_fedavg"] {
         let cfg = |data: &str| {
             let mut c = fleet.config(&format!("{strategy}-{data}"), N as u32, ROUNDS);
             c.campaign.strategy = CampaignStrategy::named(strategy).unwrap();
