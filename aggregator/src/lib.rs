@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod mqtt;
 pub mod persist;
 pub mod publish;
+pub mod segments;
 pub mod service;
 
 pub use fedfleet_aggregator_client::{client, wire};

@@ -4,7 +4,8 @@
 //! data_dir/
 //!   db/                 sled (one process per database)
 //!   COMMIT              last acknowledged commit sequence (temp file + fsync + rename)
-//!   updates/<digest>    accepted update payloads of recent rounds (safetensors, as received)
+//!   updates/<round>.seg accepted update payloads of recent rounds, appended (safetensors, as
+//!                       received; see `segments`)
 //!   models/<digest>     global models (safetensors), indexed by the `models` tree
 //!   receipt.key|.pub    the receipt-signing key (see `keys`)
 //! ```
@@ -22,12 +23,15 @@
 //!
 //! # Commit points
 //!
-//! * **Accepted update**: the payload file is written and fsynced first (content-addressed, so a
-//!   retry rewrites the same bytes); then one sled transaction stores the engine snapshot and
-//!   the accepted record and bumps `seq` ([`Store::apply_update`], under the service lock); then,
-//!   outside the lock, [`Store::sync`] flushes and writes the `COMMIT` file; only then does the
-//!   device get its receipt. `sync` is a group commit: one flush makes every transaction applied
-//!   before it durable, so concurrent uploads share fsyncs. A round's model is computed only
+//! * **Accepted update**: the payload is appended to its round's segment first (a resend is not
+//!   written twice); then one sled transaction stores the accepted record and bumps `seq`
+//!   ([`Store::apply_update`], under the service lock); then, outside the lock, [`Store::sync`]
+//!   fdatasyncs the segments written to, flushes sled and writes the `COMMIT` file; only then does
+//!   the device get its receipt. `sync` is a group commit: one fdatasync and one flush make every
+//!   payload and transaction before them durable, so concurrent uploads share them. sled may
+//!   flush a record on its own before its payload is synced: a record of the open round whose
+//!   payload is missing after a crash was never acknowledged, and the restart drops it
+//!   ([`Store::forget_accepted`]; the device's resend is then taken). A round's model is computed only
 //!   after a `sync` of everything applied, so nothing folded into a published model can be lost.
 //! * **Round boundary** (campaign start, model published, round failed, campaign stopped): one
 //!   transaction stores the engine, the strategy (its partial sum is empty then; optimizer state
@@ -58,7 +62,9 @@ use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 
 /// Value of `meta/format`.
-pub const FORMAT: &str = "fedfleet-aggregator-state/1";
+pub const FORMAT: &str = "fedfleet-aggregator-state/2";
+/// Formats this version refuses by name (its campaign state changed shape since).
+const OLDER_FORMATS: &[&str] = &["fedfleet-aggregator-state/1"];
 /// The commit marker file.
 pub const COMMIT_FILE: &str = "COMMIT";
 const MARKER_PREFIX: &str = "fedfleet-aggregator-commit";
@@ -138,6 +144,7 @@ pub struct Boundary<'a> {
 
 pub struct Store {
     dir: PathBuf,
+    updates: crate::segments::Segments,
     db: sled::Db,
     meta: sled::Tree,
     accepted: sled::Tree,
@@ -192,7 +199,9 @@ impl Store {
             sled::Error::Corruption { .. } => corrupt(dir, format!("sled reports corruption: {e}")),
             other => StoreError::Sled(other),
         })?;
+        let updates = crate::segments::Segments::open(&dir.join("updates")).map_err(io(dir))?;
         let store = Store {
+            updates,
             meta: db.open_tree("meta")?,
             accepted: db.open_tree("accepted")?,
             models: db.open_tree("models")?,
@@ -202,6 +211,16 @@ impl Store {
         };
         match store.meta.get("format")? {
             Some(f) if f.as_ref() == FORMAT.as_bytes() => {}
+            Some(f) if OLDER_FORMATS.iter().any(|o| o.as_bytes() == f.as_ref()) => {
+                return Err(corrupt(
+                    dir,
+                    format!(
+                        "it was written by an earlier fedfleet-aggregator ({}), whose campaign state this version \
+                         cannot read; finish or stop its campaign with that version first",
+                        String::from_utf8_lossy(&f)
+                    ),
+                ));
+            }
             Some(f) => {
                 return Err(corrupt(dir, format!("unknown format {:?}", String::from_utf8_lossy(&f))));
             }
@@ -280,24 +299,31 @@ impl Store {
         Ok(out)
     }
 
-    /// Path of an update payload file.
-    pub fn update_path(&self, digest: &Digest) -> PathBuf {
-        self.dir.join("updates").join(digest.to_hex())
+    /// Stores an update payload trained for `round` (before its commit; durable with the
+    /// [`Store::sync`] that makes its record durable).
+    pub fn put_update(&self, round: RoundId, digest: &Digest, bytes: &[u8]) -> Result<()> {
+        let dir = self.dir.join("updates");
+        self.updates.put(round, digest, bytes).map_err(io(&dir))
     }
 
-    /// Durably stores an update payload (before its commit).
-    pub fn put_update(&self, digest: &Digest, bytes: &[u8]) -> Result<()> {
-        let p = self.update_path(digest);
-        write_atomic(&p, bytes).map_err(io(&p))
+    /// Whether the payload `digest` is stored.
+    pub fn has_update(&self, digest: &Digest) -> bool {
+        self.updates.contains(digest)
     }
 
     pub fn read_update(&self, digest: &Digest) -> Result<Vec<u8>> {
-        let p = self.update_path(digest);
-        let bytes = std::fs::read(&p).map_err(|e| corrupt(&self.dir, format!("accepted update payload {}: {e}", p.display())))?;
-        if Digest::of(&bytes) != *digest {
-            return Err(corrupt(&self.dir, format!("{} does not hash to its name", p.display())));
+        match self.updates.get(digest) {
+            Ok(Some(bytes)) => Ok(bytes),
+            Ok(None) => Err(corrupt(&self.dir, format!("the payload of accepted update {digest} is missing"))),
+            Err(e) => Err(corrupt(&self.dir, format!("accepted update payload {digest}: {e}"))),
         }
-        Ok(bytes)
+    }
+
+    /// Removes the record of an update that was never acknowledged (its payload was lost in a
+    /// crash before the group commit that would have made both durable).
+    pub fn forget_accepted(&self, nonce: &[u8; 16], rec: &AcceptedRecord) -> Result<()> {
+        self.accepted.remove(accepted_key(&rec.device, nonce))?;
+        Ok(())
     }
 
     /// Applies the commit of an accepted update (see the module docs; the payload must be
@@ -345,28 +371,16 @@ impl Store {
     /// `startup` (no upload in flight), also files no record names (written, then refused).
     pub fn gc_updates(&self, keep_from: RoundId, startup: bool) -> Result<usize> {
         let mut keep = std::collections::HashSet::new();
-        let mut old = std::collections::HashSet::new();
         for kv in self.accepted.iter() {
             let (_, v) = kv?;
-            if let Ok(rec) = postcard::from_bytes::<AcceptedRecord>(&v) {
-                if rec.round >= keep_from {
-                    keep.insert(rec.payload_digest.to_hex());
-                } else {
-                    old.insert(rec.payload_digest.to_hex());
-                }
+            if let Ok(rec) = postcard::from_bytes::<AcceptedRecord>(&v)
+                && rec.round >= keep_from
+            {
+                keep.insert(rec.payload_digest);
             }
         }
         let dir = self.dir.join("updates");
-        let mut removed = 0;
-        for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
-            let entry = entry.map_err(io(&dir))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !keep.contains(&name) && (startup || old.contains(&name)) {
-                let _ = std::fs::remove_file(entry.path());
-                removed += 1;
-            }
-        }
-        Ok(removed)
+        self.updates.retain(&keep, keep_from, startup).map_err(io(&dir))
     }
 
     // ----- models -----
@@ -410,6 +424,8 @@ impl Store {
             return Ok(());
         }
         let target = self.seq()?.max(seq);
+        // Payloads before the records that name them.
+        self.updates.sync().map_err(io(&self.dir.join("updates")))?;
         self.db.flush()?;
         let m = marker(&self.dir);
         m.write(target).map_err(io(m.path()))?;
@@ -462,6 +478,18 @@ mod tests {
         // An empty database next to a non-zero marker is refused too.
         std::fs::remove_dir_all(dir.path().join("db")).unwrap();
         assert!(matches!(Store::open(dir.path()), Err(StoreError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn a_state_of_an_earlier_format_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = Store::open(dir.path()).unwrap();
+            s.meta.insert("format", "fedfleet-aggregator-state/1").unwrap();
+            s.db.flush().unwrap();
+        }
+        let err = Store::open(dir.path()).err().expect("refused").to_string();
+        assert!(err.contains("written by an earlier fedfleet-aggregator (fedfleet-aggregator-state/1)"), "{err}");
     }
 
     #[test]

@@ -195,7 +195,7 @@ impl Aggregator {
         let sh = &self.shared;
         let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
         sh.metrics.ingest_step("decode", &mut since);
-        sh.store.put_update(&h.payload_digest, &payload).map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
+        sh.store.put_update(h.round, &h.payload_digest, &payload).map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
         drop(payload);
         sh.metrics.ingest_step("store_payload", &mut since);
         let mut core = self.lock();

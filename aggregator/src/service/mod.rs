@@ -266,10 +266,20 @@ impl Aggregator {
         if let Some(round) = current {
             let base = core.base.clone().ok_or_else(|| resume("a round is open but no global model is recorded".into()))?;
             let dtype = core.campaign.payload_dtype();
-            let records = store.accepted_in(round)?;
+            let mut records = store.accepted_in(round)?;
             // The engine was snapshotted at the round's last boundary: updates accepted since
             // are re-admitted from their records (an open round only; a closed one holds them).
             if core.coord.engine().round_status().is_some_and(|s| s.round == round) {
+                // A record whose payload did not survive was never acknowledged (the group commit
+                // syncs payloads before records; sled may flush a record on its own): drop it,
+                // and the device's resend is taken.
+                let (kept, lost): (Vec<_>, Vec<_>) = records.into_iter().partition(|r| store.has_update(&r.payload_digest));
+                for rec in &lost {
+                    let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    store.forget_accepted(&receipt.body().nonce, rec)?;
+                    tracing::warn!(device = %rec.device, payload = %rec.payload_digest, "dropped an update accepted but never acknowledged: its payload was not synced before the crash");
+                }
+                records = kept;
                 for rec in &records {
                     let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
                     let contribution = fedfleet_rounds::engine::Contribution {
