@@ -335,3 +335,36 @@ async fn sigkill_mid_buffer_gives_the_bit_identical_sequence_of_versions_in_asyn
     assert!(clean.windows(2).all(|w| w[0] != w[1]), "every buffer publishes a new model");
     assert!(clean == crashed, "the crashed run published a different sequence of versions");
 }
+
+/// sled may flush an accepted record on its own before the group commit syncs its payload; a
+/// crash then leaves a record without a payload, which was never acknowledged. The restart drops
+/// it (the round counts it no more) and the device's resend is taken: nothing lost, nothing
+/// counted twice. (Simulated by deleting the round's payload segment of a stopped service.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_payload_was_lost_is_dropped_on_restart_and_the_resend_is_taken() {
+    let fleet = Fleet::new(3);
+    let cfg = fleet.config("lost-payload", 3, 1);
+    let agg = start(cfg.clone()).await;
+    let op = fleet.operator(agg.addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(5), ..Default::default() })).await.unwrap();
+    let d = fleet.device_client(0, agg.addr).await;
+    let base = wait_round(&d, RoundId(1)).await;
+    let payload = delta(7).encode();
+    let h = header(&fleet.fleet, &dev(0), RoundId(1), base, nonce(0, 1), 10, &payload, DType::F32, &fleet.device_key(0));
+    assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)));
+    assert_eq!(op.campaign(Request::CampaignStatus).await.unwrap().accepted, 1);
+    op.close().await;
+    agg.stop().await;
+
+    let segment = cfg.data_dir.join("updates").join("1.seg");
+    assert!(segment.is_file(), "the round's payloads are in one segment");
+    std::fs::remove_file(&segment).unwrap();
+    let agg = start(cfg).await;
+    let op = fleet.operator(agg.addr).await;
+    assert_eq!(op.campaign(Request::CampaignStatus).await.unwrap().accepted, 0, "the record without its payload was dropped");
+    let d = fleet.device_client(0, agg.addr).await;
+    assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)), "the resend is taken, not a replay");
+    assert_eq!(op.campaign(Request::CampaignStatus).await.unwrap().accepted, 1);
+    op.close().await;
+    agg.stop().await;
+}
