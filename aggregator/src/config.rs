@@ -413,6 +413,17 @@ pub enum CampaignStrategy {
         delta: f64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         epsilon_budget: Option<f64>,
+        /// Adaptive clipping (Andrew et al. 2021): the clipping norm follows this quantile of
+        /// the update norms (e.g. 0.5), starting at `clip_norm`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        clip_quantile: Option<f64>,
+        /// Its geometric learning rate (default 0.2).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        clip_learning_rate: Option<f64>,
+        /// The noise on its count of unclipped updates (default: the larger of target / 20 and
+        /// the noise multiplier; it must be more than half the noise multiplier).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        clip_count_stddev: Option<f64>,
     },
     #[serde(rename = "fedadam")]
     FedAdam(FedOptKeys),
@@ -585,13 +596,20 @@ impl CampaignDefaults {
             S::FedProx {} => StrategyConfig::FedProx { client, proximal_mu: self.proximal_mu },
             &S::ClippedFedAvg { clip_norm } => StrategyConfig::ClippedFedAvg { client, clip_norm },
             // The denominator and the noise key are the campaign's: `campaign start` sets both.
-            &S::DpFedAvg { clip_norm, noise_multiplier, .. } => StrategyConfig::DpFedAvg {
-                client,
-                clip_norm,
-                noise_multiplier,
-                expected_count: u64::from(self.target),
-                noise_seed: [0; 32],
-            },
+            &S::DpFedAvg { clip_norm, noise_multiplier, clip_quantile, clip_learning_rate, clip_count_stddev, .. } => {
+                StrategyConfig::DpFedAvg {
+                    client,
+                    clip_norm,
+                    noise_multiplier,
+                    expected_count: u64::from(self.target),
+                    noise_seed: [0; 32],
+                    adaptive: clip_quantile.map(|target_quantile| fedfleet_rounds::AdaptiveClipping {
+                        target_quantile,
+                        learning_rate: clip_learning_rate.unwrap_or(0.2),
+                        count_stddev: clip_count_stddev.unwrap_or((f64::from(self.target) / 20.0).max(noise_multiplier)),
+                    }),
+                }
+            }
             S::FedAdam(k) => StrategyConfig::FedAdam { client, params: opt(FedOptParams::adam(), k) },
             S::FedYogi(k) => StrategyConfig::FedYogi { client, params: opt(FedOptParams::yogi(), k) },
             S::FedAdagrad(k) => StrategyConfig::FedAdagrad { client, params: opt(FedOptParams::adagrad(), k) },
@@ -847,7 +865,15 @@ mod tests {
             .unwrap();
         assert_eq!(
             c.strategy,
-            CampaignStrategy::DpFedAvg { clip_norm: 1.0, noise_multiplier: 1.3, delta: 1e-5, epsilon_budget: Some(4.0) }
+            CampaignStrategy::DpFedAvg {
+                clip_norm: 1.0,
+                noise_multiplier: 1.3,
+                delta: 1e-5,
+                epsilon_budget: Some(4.0),
+                clip_quantile: None,
+                clip_learning_rate: None,
+                clip_count_stddev: None
+            }
         );
         assert_eq!(c.privacy(), Some(fedfleet_rounds::PrivacyPolicy { noise_multiplier: 1.3, delta: 1e-5, epsilon_budget: Some(4.0) }));
         match c.strategy_config() {
@@ -857,6 +883,13 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(campaign_of("").unwrap().privacy(), None);
+        let c = campaign_of("strategy = \"dp_fedavg\"\nclip_quantile = 0.5\ntarget = 100\n").unwrap();
+        match c.strategy_config() {
+            StrategyConfig::DpFedAvg { adaptive: Some(a), .. } => {
+                assert_eq!((a.target_quantile, a.learning_rate, a.count_stddev), (0.5, 0.2, 5.0))
+            }
+            other => panic!("{other:?}"),
+        }
         let e = campaign_of("strategy = \"dp_fedavg\"\nmode = \"async\"\n").unwrap_err();
         assert!(e.contains("dp_fedavg") && e.contains("rounds"), "{e}");
         let e = campaign_of("strategy = \"dp_fedavg\"\nepsilon = 4.0\n").unwrap_err();

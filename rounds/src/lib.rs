@@ -60,7 +60,7 @@ pub use engine::{
 };
 pub use reject::RejectReason;
 pub use strategy::{
-    AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, DpMean, Evaluation, Exact, FedOptKind,
-    FedOptParams, FoldError, Krum, Median, MemorySpill, PartialSum, ServerOptimizer, ServerStrategy, SpillError, SpillStore, Strategy,
-    StrategyConfig, StrategyError, TrimmedMean, WeightedMean,
+    AdaptiveClipping, AdaptiveOptimizer, Aggregation, AggregationStep, Backend, ClientConfig, ClippedMean, DpMean, Evaluation, Exact,
+    FedOptKind, FedOptParams, FoldError, Krum, Median, MemorySpill, PartialSum, ServerOptimizer, ServerStrategy, SpillError, SpillStore,
+    Strategy, StrategyConfig, StrategyError, TrimmedMean, WeightedMean,
 };

@@ -21,7 +21,15 @@ async fn a_dp_campaign_publishes_noised_models_and_stops_at_its_privacy_budget()
     // Every device in every round (q = 1); the budget holds two rounds, not three.
     let spend = DpSpend { sampling_rate: 1.0, noise_multiplier: 1.0, delta: 1e-5 };
     let budget = spend.epsilon_after(2) + 1e-9;
-    cfg.campaign.strategy = CampaignStrategy::DpFedAvg { clip_norm: 1.0, noise_multiplier: 1.0, delta: 1e-5, epsilon_budget: Some(budget) };
+    cfg.campaign.strategy = CampaignStrategy::DpFedAvg {
+        clip_norm: 1.0,
+        noise_multiplier: 1.0,
+        delta: 1e-5,
+        epsilon_budget: Some(budget),
+        clip_quantile: None,
+        clip_learning_rate: None,
+        clip_count_stddev: None,
+    };
     let (dir, initial) = (cfg.publish_dir(), std::fs::read(&cfg.model.initial).unwrap());
     let agg = start(cfg).await;
     let op = fleet.operator(agg.addr).await;

@@ -170,6 +170,23 @@ pub struct DpMean {
     noise_seed: [u8; 32],
     /// Rounds noised so far: the index of the next round's noise stream.
     rounds_noised: u64,
+    adaptive: Option<AdaptiveClipping>,
+}
+
+/// Adaptive clipping (Andrew et al. 2021): after each round the clipping norm moves
+/// geometrically toward the `target_quantile` of the update norms, `C ← C·exp(−η(b̃ − γ))`, where
+/// `b̃` is the noised fraction of updates that were not clipped (Gaussian noise of σ =
+/// `count_stddev` on the count). The count is a second query on the same devices: the update
+/// sum's noise multiplier becomes `z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2)`, so that the two together spend
+/// what a noise multiplier `z` alone would (what the accountant counts).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdaptiveClipping {
+    /// γ: the quantile of update norms the clipping norm tracks (0.5: the median).
+    pub target_quantile: f64,
+    /// η: the geometric learning rate of the clipping norm.
+    pub learning_rate: f64,
+    /// σ_b: the noise on the count of unclipped updates (Andrew et al. suggest expected / 20).
+    pub count_stddev: f64,
 }
 
 impl DpMean {
@@ -186,7 +203,41 @@ impl DpMean {
         if expected_count == 0 {
             return Err(StrategyError::BadParameter("the expected number of updates per round must be >= 1".into()));
         }
-        Ok(DpMean { clipped: ClippedMean::new(dim, clip_norm)?, noise_multiplier, expected_count, noise_seed, rounds_noised: 0 })
+        Ok(DpMean {
+            clipped: ClippedMean::new(dim, clip_norm)?,
+            noise_multiplier,
+            expected_count,
+            noise_seed,
+            rounds_noised: 0,
+            adaptive: None,
+        })
+    }
+
+    /// With adaptive clipping; refused when the count's noise leaves no noise for the updates
+    /// (`2σ_b` must exceed the noise multiplier).
+    pub fn with_adaptive_clipping(mut self, a: AdaptiveClipping) -> Result<Self, StrategyError> {
+        if !(a.target_quantile > 0.0 && a.target_quantile < 1.0) {
+            return Err(StrategyError::BadParameter(format!("clip_quantile must be in (0, 1), got {}", a.target_quantile)));
+        }
+        if !(a.learning_rate.is_finite() && a.learning_rate > 0.0) {
+            return Err(StrategyError::BadParameter(format!("clip_learning_rate must be > 0, got {}", a.learning_rate)));
+        }
+        if !(a.count_stddev.is_finite() && 2.0 * a.count_stddev > self.noise_multiplier) {
+            return Err(StrategyError::BadParameter(format!(
+                "clip_count_stddev must be more than half the noise multiplier ({}), got {}: the count's noise would leave none for the updates",
+                self.noise_multiplier, a.count_stddev
+            )));
+        }
+        self.adaptive = Some(a);
+        Ok(self)
+    }
+
+    /// The noise multiplier of the update sum: all of it, or what the count leaves.
+    fn update_noise_multiplier(&self) -> f64 {
+        match self.adaptive {
+            None => self.noise_multiplier,
+            Some(a) => (self.noise_multiplier.powi(-2) - (2.0 * a.count_stddev).powi(-2)).powf(-0.5),
+        }
     }
     pub fn noise_multiplier(&self) -> f64 {
         self.noise_multiplier
@@ -233,10 +284,16 @@ impl Aggregation for DpMean {
         if self.clipped.folded() == 0 {
             return Err(FoldError::Empty.into());
         }
-        let sigma = self.noise_multiplier * self.clipped.clip_norm();
-        let noise = self.gaussian(self.rounds_noised, sum.len());
+        let sigma = self.update_noise_multiplier() * self.clipped.clip_norm();
+        // One stream per round: the updates' noise, then the count's.
+        let noise = self.gaussian(self.rounds_noised, sum.len() + 1);
         let denominator = self.expected_count as f64;
         let mean = sum.iter().zip(&noise).map(|(s, n)| (s + sigma * n) / denominator).collect();
+        if let Some(a) = self.adaptive {
+            let unclipped = (self.clipped.folded() - self.clipped.clipped_this_round()) as f64;
+            let fraction = (unclipped + a.count_stddev * noise[sum.len()]) / denominator;
+            self.clipped.clip_norm *= (-a.learning_rate * (fraction - a.target_quantile)).exp();
+        }
         self.rounds_noised += 1;
         self.clipped.abort_round();
         Ok(mean)
@@ -286,5 +343,50 @@ mod tests {
         s.fold(&small, 1).unwrap();
         assert_ne!(s.aggregate().unwrap(), first);
         assert!(s.aggregate().is_err(), "nothing folded");
+    }
+}
+
+#[cfg(test)]
+mod adaptive_tests {
+    use super::*;
+
+    fn rounds(updates_norm: f32, n: usize) -> Vec<f64> {
+        let dim = 100;
+        let adaptive = AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: 0.6 };
+        let mut s = DpMean::new(dim, 1.0, 1.0, 10, [3; 32]).unwrap().with_adaptive_clipping(adaptive).unwrap();
+        let mut norms = vec![s.clip_norm()];
+        for _ in 0..n {
+            for _ in 0..10 {
+                // Norm `updates_norm` each.
+                s.fold(&vec![updates_norm / (dim as f32).sqrt(); dim], 1).unwrap();
+            }
+            s.aggregate().unwrap();
+            norms.push(s.clip_norm());
+        }
+        norms
+    }
+
+    #[test]
+    fn the_clipping_norm_follows_the_median_of_the_update_norms() {
+        // Every update clipped: the norm grows by about e^(0.2·0.5) a round toward them.
+        let up = rounds(50.0, 5);
+        assert!(up.windows(2).all(|w| w[1] > w[0] * 1.05), "{up:?}");
+        // Every update well under it: the norm shrinks.
+        let down = rounds(0.01, 5);
+        assert!(down.windows(2).all(|w| w[1] < w[0] * 0.95), "{down:?}");
+        // Over many rounds at norm 3 it settles around 3.
+        let settled = *rounds(3.0, 60).last().unwrap();
+        assert!((2.0..4.5).contains(&settled), "{settled}");
+    }
+
+    #[test]
+    fn the_count_must_leave_noise_for_the_updates() {
+        let s = DpMean::new(10, 1.0, 1.0, 10, [3; 32]).unwrap();
+        let a = AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: 0.4 };
+        let e = s.clone().with_adaptive_clipping(a).unwrap_err().to_string();
+        assert!(e.contains("clip_count_stddev"), "{e}");
+        // σ_b = 0.6, z = 1: z_Δ = (1 − 1/1.44)^(−1/2) ≈ 1.81.
+        let s = s.with_adaptive_clipping(AdaptiveClipping { count_stddev: 0.6, ..a }).unwrap();
+        assert!((s.update_noise_multiplier() - 1.8091).abs() < 1e-3, "{}", s.update_noise_multiplier());
     }
 }

@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 
 pub use backend::{Backend, Exact};
 pub use fixed::{FoldError, PartialSum};
-pub use mean::{ClippedMean, DpMean, WeightedMean, l2_norm};
+pub use mean::{AdaptiveClipping, ClippedMean, DpMean, WeightedMean, l2_norm};
 pub use optimizer::{AdaptiveOptimizer, FedOptKind, FedOptParams, ServerOptimizer};
 pub use robust::{Krum, Median, MemorySpill, SpillError, SpillStore, TrimmedMean};
 
@@ -257,6 +257,8 @@ pub enum StrategyConfig {
         noise_multiplier: f64,
         expected_count: u64,
         noise_seed: [u8; 32],
+        /// `Some`: `clip_norm` is where the clipping norm starts ([`AdaptiveClipping`]).
+        adaptive: Option<AdaptiveClipping>,
     },
     FedAdam {
         client: ClientConfig,
@@ -324,8 +326,12 @@ impl ServerStrategy {
                 plain(client, mean())
             }
             StrategyConfig::ClippedFedAvg { client, clip_norm } => plain(client, A::ClippedMean(ClippedMean::new(dim, clip_norm)?)),
-            StrategyConfig::DpFedAvg { client, clip_norm, noise_multiplier, expected_count, noise_seed } => {
-                plain(client, A::DpMean(DpMean::new(dim, clip_norm, noise_multiplier, expected_count, noise_seed)?))
+            StrategyConfig::DpFedAvg { client, clip_norm, noise_multiplier, expected_count, noise_seed, adaptive } => {
+                let mut step = DpMean::new(dim, clip_norm, noise_multiplier, expected_count, noise_seed)?;
+                if let Some(a) = adaptive {
+                    step = step.with_adaptive_clipping(a)?;
+                }
+                plain(client, A::DpMean(step))
             }
             StrategyConfig::FedAdam { client, params } => adaptive(client, FedOptKind::Adam, params)?,
             StrategyConfig::FedYogi { client, params } => adaptive(client, FedOptKind::Yogi, params)?,
