@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `fedfleet_aggregator_rounds_total` | counter | `event` = opened, closed, failed, published, tensor_folded |
 //! | `fedfleet_aggregator_updates_accepted_total` | counter | |
+//! | `fedfleet_aggregator_device_connections_total` | counter | device QUIC connections authenticated (a device connects when it has work: with sampled rounds, about the devices each round selects) |
 //! | `fedfleet_aggregator_updates_rejected_total` | counter | `reason` (every `RejectReason`) |
 //! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes of accepted updates |
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
@@ -58,6 +59,7 @@ type FloatGauge = Gauge<f64, AtomicU64>;
 #[derive(Debug)]
 pub struct Metrics {
     pub accepted: Counter,
+    pub device_connections: Counter,
     pub update_bytes: Counter,
     pub fold_bytes: Counter,
     pub update_staleness: Histogram,
@@ -97,6 +99,7 @@ impl Metrics {
         let mut registry = Registry::with_prefix("fedfleet_aggregator");
         let m = Metrics {
             accepted: Counter::default(),
+            device_connections: Counter::default(),
             update_bytes: Counter::default(),
             fold_bytes: Counter::default(),
             update_staleness: Histogram::new(STALENESS_BUCKETS),
@@ -139,6 +142,7 @@ impl Metrics {
             m.certificate_expiry_seconds.clone(),
         );
         registry.register("updates_accepted", "Updates accepted", m.accepted.clone());
+        registry.register("device_connections", "Device QUIC connections authenticated", m.device_connections.clone());
         registry.register("updates_rejected", "Updates and requests refused, by reason", m.rejected.clone());
         registry.register("update_bytes", "Payload bytes of accepted updates", m.update_bytes.clone());
         registry.register("fold_bytes", "f32 bytes folded into partial sums", m.fold_bytes.clone());

@@ -114,6 +114,9 @@ impl Aggregator {
             conn.close(1u32.into(), b"no fleet identity");
             return;
         };
+        if matches!(peer, PeerIdentity::Device(_)) {
+            self.shared.metrics.device_connections.inc();
+        }
         if listener == Listener::Operators && matches!(peer, PeerIdentity::Device(_)) {
             conn.close(1u32.into(), b"not_permitted: devices connect on the aggregator's `listen` address, not `operator_listen`");
             self.shared.metrics.rejected(RejectReason::NotPermitted);

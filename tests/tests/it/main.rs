@@ -11,5 +11,6 @@ mod netfaults;
 mod own_model;
 mod procs;
 mod renewal;
+mod sampled;
 mod tasks;
 mod tour;
