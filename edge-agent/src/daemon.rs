@@ -193,20 +193,15 @@ impl BoundAgent {
     pub async fn run(self, shutdown: Shutdown) -> Result<()> {
         let BoundAgent { service: AgentService { cfg, trainer, clock }, inference } = self;
         let ids = cfg.identity_paths();
-        let agg = match &cfg.aggregator {
-            Some(a) => Some(Arc::new(remote_aggregator(&ids, a)?)),
-            None => {
-                tracing::warn!("no [aggregator] in the config: this agent will not train");
-                None
-            }
-        };
-        let reg = match &cfg.registry {
-            Some(r) => Some(Arc::new(remote_registry(&ids, r)?)),
-            None => {
-                tracing::warn!("no [registry] in the config: this agent will not install new models");
-                None
-            }
-        };
+        let (agg, reg) = remote_clients(&ids, cfg.aggregator.as_ref(), cfg.registry.as_ref())?;
+        let agg = agg.map(Arc::new);
+        if agg.is_none() {
+            tracing::warn!("no [aggregator] in the config: this agent will not train");
+        }
+        let reg = reg.map(Arc::new);
+        if reg.is_none() {
+            tracing::warn!("no [registry] in the config: this agent will not install new models");
+        }
         let _renewal = match &reg {
             Some(r) => {
                 let renewer = crate::renewal::Renewer::new(ids.clone(), cfg.renewal, r.clone(), agg.clone(), clock.clone());
@@ -343,20 +338,33 @@ pub fn read_receipt_key(path: &Path) -> Result<ed25519_dalek::VerifyingKey> {
     })
 }
 
-/// The aggregator client of `[aggregator]` (connects lazily).
-pub fn remote_aggregator(ids: &IdentityPaths, a: &crate::config::AggregatorEndpoint) -> Result<RemoteAggregator> {
-    let key = read_receipt_key(&a.receipt_key)?;
-    let client =
-        AggregatorClient::new(a.addr, &a.server_name, device_tls(ids)?).with_context(|| format!("[aggregator] client for {}", a.addr))?;
-    Ok(RemoteAggregator::new(client, key))
-}
-
-/// The registry client of `[registry]` (connects lazily).
-pub fn remote_registry(ids: &IdentityPaths, r: &crate::config::RegistryEndpoint) -> Result<RemoteRegistry> {
-    let root = read_root(&ids.registry_root)?;
-    let client =
-        RegistryClient::new(r.addr, &r.server_name, device_tls(ids)?).with_context(|| format!("[registry] client for {}", r.addr))?;
-    Ok(RemoteRegistry::new(client, r.model.clone(), root))
+/// The clients of `[aggregator]` and `[registry]` (each connects lazily), on one UDP socket.
+pub fn remote_clients(
+    ids: &IdentityPaths,
+    aggregator: Option<&crate::config::AggregatorEndpoint>,
+    registry: Option<&crate::config::RegistryEndpoint>,
+) -> Result<(Option<RemoteAggregator>, Option<RemoteRegistry>)> {
+    let tls = device_tls(ids)?;
+    let endpoint = fedfleet_net::client_endpoint(tls.clone()).context("a QUIC client socket")?;
+    let agg = match aggregator {
+        Some(a) => {
+            let key = read_receipt_key(&a.receipt_key)?;
+            let client = AggregatorClient::on_endpoint(endpoint.clone(), a.addr, &a.server_name, tls.clone())
+                .with_context(|| format!("[aggregator] client for {}", a.addr))?;
+            Some(RemoteAggregator::new(client, key))
+        }
+        None => None,
+    };
+    let reg = match registry {
+        Some(r) => {
+            let root = read_root(&ids.registry_root)?;
+            let client = RegistryClient::on_endpoint(endpoint, r.addr, &r.server_name, tls)
+                .with_context(|| format!("[registry] client for {}", r.addr))?;
+            Some(RemoteRegistry::new(client, r.model.clone(), root))
+        }
+        None => None,
+    };
+    Ok((agg, reg))
 }
 
 async fn run_with<A: Aggregator, R: Registry>(
