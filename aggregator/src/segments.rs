@@ -10,7 +10,7 @@
 //! segment at its first entry that is incomplete or does not hash to its digest (nothing after it
 //! was ever synced, since entries are appended in order and synced as a prefix).
 //!
-//! Payload files of the earlier layout (`updates/<digest>`, one per update) are still read.
+//! (The earlier layout, a file per payload, belongs to state format 1, which the store refuses.)
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -24,16 +24,12 @@ use fedfleet_protocol::{Digest, RoundId};
 /// Bytes of an entry before its payload.
 const HEADER: u64 = 32 + 8;
 
-/// Where a payload is.
-#[derive(Debug, Clone)]
-enum Loc {
-    Segment {
-        round: u64,
-        offset: u64,
-        len: u64,
-    },
-    /// One file, the earlier layout.
-    File(PathBuf),
+/// Where a payload is: `len` bytes at `offset` of `round`'s segment.
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    round: u64,
+    offset: u64,
+    len: u64,
 }
 
 #[derive(Default)]
@@ -65,8 +61,6 @@ impl Segments {
             let name = entry.file_name().to_string_lossy().into_owned();
             if let Some(round) = name.strip_suffix(".seg").and_then(|r| r.parse::<u64>().ok()) {
                 scan(&entry.path(), round, &mut inner.index)?;
-            } else if let Some(d) = name.parse::<Digest>().ok().filter(|_| name.len() == 64) {
-                inner.index.insert(d, Loc::File(entry.path()));
             }
         }
         Ok(Segments { dir: dir.to_owned(), inner: Mutex::new(inner) })
@@ -107,7 +101,7 @@ impl Segments {
             return Err(e);
         }
         *len += entry.len() as u64;
-        inner.index.insert(*digest, Loc::Segment { round, offset: offset + HEADER, len: bytes.len() as u64 });
+        inner.index.insert(*digest, Loc { round, offset: offset + HEADER, len: bytes.len() as u64 });
         inner.dirty.insert(round);
         Ok(())
     }
@@ -119,17 +113,9 @@ impl Segments {
 
     /// The payload `digest`, checked against it. `Ok(None)`: not stored.
     pub fn get(&self, digest: &Digest) -> io::Result<Option<Vec<u8>>> {
-        let loc = self.lock().index.get(digest).cloned();
-        let bytes = match loc {
-            None => return Ok(None),
-            Some(Loc::File(path)) => std::fs::read(path)?,
-            Some(Loc::Segment { round, offset, len }) => {
-                let file = File::open(self.dir.join(segment_name(round)))?;
-                let mut bytes = vec![0; len as usize];
-                file.read_exact_at(&mut bytes, offset)?;
-                bytes
-            }
-        };
+        let Some(Loc { round, offset, len }) = self.lock().index.get(digest).copied() else { return Ok(None) };
+        let mut bytes = vec![0; len as usize];
+        File::open(self.dir.join(segment_name(round)))?.read_exact_at(&mut bytes, offset)?;
         if Digest::of(&bytes) != *digest {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("stored payload {digest} does not hash to its digest")));
         }
@@ -148,42 +134,20 @@ impl Segments {
         Ok(())
     }
 
-    /// Deletes the stored payloads not in `keep` whose segment (or file) holds none that is:
-    /// segments of rounds before `keep_from`, and with `startup` any other (written, then
-    /// refused). Returns how many segments and files went.
+    /// Deletes the segments that hold no payload in `keep`: those of rounds before `keep_from`,
+    /// and with `startup` any other (written, then refused). Returns how many went.
     pub fn retain(&self, keep: &HashSet<Digest>, keep_from: RoundId, startup: bool) -> io::Result<usize> {
         let mut inner = self.lock();
-        let mut needed: HashSet<u64> = HashSet::new();
-        let mut files = Vec::new();
-        for (digest, loc) in &inner.index {
-            match loc {
-                Loc::Segment { round, .. } if keep.contains(digest) => {
-                    needed.insert(*round);
-                }
-                Loc::Segment { .. } => {}
-                Loc::File(path) if !keep.contains(digest) => files.push((*digest, path.clone())),
-                Loc::File(_) => {}
-            }
+        let needed: HashSet<u64> = inner.index.iter().filter(|(d, _)| keep.contains(*d)).map(|(_, l)| l.round).collect();
+        let doomed: HashSet<u64> =
+            inner.index.values().map(|l| l.round).filter(|r| !needed.contains(r) && (startup || *r < keep_from.0)).collect();
+        inner.index.retain(|_, l| !doomed.contains(&l.round));
+        for round in &doomed {
+            inner.open.remove(round);
+            inner.dirty.remove(round);
+            let _ = std::fs::remove_file(self.dir.join(segment_name(*round)));
         }
-        let rounds: HashSet<u64> =
-            inner.index.values().filter_map(|l| if let Loc::Segment { round, .. } = l { Some(*round) } else { None }).collect();
-        let mut removed = 0;
-        for round in rounds {
-            if needed.contains(&round) || (!startup && round >= keep_from.0) {
-                continue;
-            }
-            inner.open.remove(&round);
-            inner.dirty.remove(&round);
-            inner.index.retain(|_, l| !matches!(l, Loc::Segment { round: r, .. } if *r == round));
-            let _ = std::fs::remove_file(self.dir.join(segment_name(round)));
-            removed += 1;
-        }
-        for (digest, path) in files {
-            inner.index.remove(&digest);
-            let _ = std::fs::remove_file(path);
-            removed += 1;
-        }
-        Ok(removed)
+        Ok(doomed.len())
     }
 }
 
@@ -202,7 +166,7 @@ fn scan(path: &Path, round: u64, index: &mut HashMap<Digest, Loc>) -> io::Result
         if len > size - start || Digest::of(&bytes[start as usize..(start + len) as usize]) != digest {
             break;
         }
-        index.insert(digest, Loc::Segment { round, offset: start, len });
+        index.insert(digest, Loc { round, offset: start, len });
         at = start + len;
     }
     if at < size {
