@@ -668,25 +668,25 @@ impl Store {
 
     /// Persists a rollout's state (the shell calls this after each state change). Flushed.
     pub fn put_rollout(&self, rollout: &crate::rollout::Rollout) -> Result<()> {
-        let bytes = encode(rollout);
-        let res = (&self.rollouts, &self.meta).transaction(|(r, m)| {
-            r.insert(rollout.id().as_bytes(), bytes.as_slice())?;
-            bump_seq(m)
-        });
-        let seq = tx_result(res)?;
-        self.commit(seq)
+        self.put_rollout_with(rollout, None)
     }
 
     /// Persists a rollout's state and the record `device` just changed in it, together: one
     /// record per report, however many devices the rollout has heard from. Flushed.
     pub fn put_rollout_report(&self, rollout: &crate::rollout::Rollout, device: &DeviceId) -> Result<()> {
+        self.put_rollout_with(rollout, Some(device))
+    }
+
+    fn put_rollout_with(&self, rollout: &crate::rollout::Rollout, device: Option<&DeviceId>) -> Result<()> {
         let bytes = encode(rollout);
-        let record = rollout.devices().get(device).map(encode);
-        let key = [prefix(rollout.id()), device.as_str().as_bytes().to_vec()].concat();
+        let record = device.and_then(|d| {
+            let key = [prefix(rollout.id()), d.as_str().as_bytes().to_vec()].concat();
+            rollout.devices().get(d).map(|rec| (key, encode(rec)))
+        });
         let res = (&self.rollouts, &self.rollout_devices, &self.meta).transaction(|(r, d, m)| {
             r.insert(rollout.id().as_bytes(), bytes.as_slice())?;
-            if let Some(record) = &record {
-                d.insert(key.as_slice(), record.as_slice())?;
+            if let Some((key, value)) = &record {
+                d.insert(key.as_slice(), value.as_slice())?;
             }
             bump_seq(m)
         });
