@@ -216,10 +216,9 @@ pub struct PrivacyPolicy {
 /// A campaign's privacy spend so far.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PrivacyStatus {
-    pub noise_multiplier: f64,
-    /// The probability that a device is invited to a round.
-    pub sampling_rate: f64,
-    pub delta: f64,
+    /// What each published round spends (its sampling rate is the probability that a device
+    /// is invited to a round).
+    pub spend: crate::privacy::DpSpend,
     /// After the rounds published so far.
     pub epsilon_spent: f64,
     pub epsilon_budget: Option<f64>,
@@ -992,13 +991,7 @@ impl RoundEngine {
     pub fn privacy(&self) -> Option<PrivacyStatus> {
         let c = self.campaign.as_ref()?;
         let (spend, budget) = privacy_spend(&c.spec)?;
-        Some(PrivacyStatus {
-            noise_multiplier: spend.noise_multiplier,
-            sampling_rate: spend.sampling_rate,
-            delta: spend.delta,
-            epsilon_spent: spend.epsilon_after(u64::from(c.completed)),
-            epsilon_budget: budget,
-        })
+        Some(PrivacyStatus { spend, epsilon_spent: spend.epsilon_after(u64::from(c.completed)), epsilon_budget: budget })
     }
 
     fn finish(&mut self, outcome: CampaignOutcome) {

@@ -418,9 +418,9 @@ impl Aggregator {
             global: core.global.map(|g| (g.version, g.digest)),
             last_outcome: core.campaign.last_outcome.clone(),
             privacy: e.privacy().or(core.campaign.last_privacy).map(|p| PrivacyReport {
-                noise_multiplier: p.noise_multiplier,
-                sampling_rate: p.sampling_rate,
-                delta: p.delta,
+                noise_multiplier: p.spend.noise_multiplier,
+                sampling_rate: p.spend.sampling_rate,
+                delta: p.spend.delta,
                 epsilon_spent: p.epsilon_spent,
                 epsilon_budget: p.epsilon_budget,
             }),

@@ -166,10 +166,8 @@ impl Aggregator {
         let core = self.lock();
         let e = core.coord.engine();
         let Some(p) = e.privacy() else { return Vec::new() };
-        let spend =
-            fedfleet_rounds::privacy::DpSpend { sampling_rate: p.sampling_rate, noise_multiplier: p.noise_multiplier, delta: p.delta };
         let rounds = u64::from(e.rounds_completed().unwrap_or(0)) + 1;
-        vec![("dp_epsilon".to_owned(), spend.epsilon_after(rounds)), ("dp_delta".to_owned(), p.delta)]
+        vec![("dp_epsilon".to_owned(), p.spend.epsilon_after(rounds)), ("dp_delta".to_owned(), p.spend.delta)]
     }
 
     /// Finalizes the closed `round`, evaluates, publishes, records, and opens the next round.
