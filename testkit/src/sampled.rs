@@ -181,15 +181,6 @@ impl SampledFleet {
         })
     }
 
-    /// Enrolled devices.
-    pub fn len(&self) -> usize {
-        self.identities.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.identities.is_empty()
-    }
-
     /// Listens for the current round once; on a new one, every device checks its selection and
     /// the selected ones that are online start their part (in tasks of their own). Returns the
     /// round newly heard, if any.
@@ -235,11 +226,6 @@ impl SampledFleet {
             self.tasks.spawn(device.take_part(options, clock, stats));
         }
         Ok(Some(announced.round))
-    }
-
-    /// Devices open now.
-    pub fn open(&self) -> usize {
-        self.tasks.len()
     }
 
     /// Waits for every open device to finish its part.

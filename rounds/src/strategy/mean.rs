@@ -239,9 +239,6 @@ impl DpMean {
             Some(a) => (self.noise_multiplier.powi(-2) - (2.0 * a.count_stddev).powi(-2)).powf(-0.5),
         }
     }
-    pub fn noise_multiplier(&self) -> f64 {
-        self.noise_multiplier
-    }
     pub fn clip_norm(&self) -> f64 {
         self.clipped.clip_norm()
     }
@@ -280,10 +277,10 @@ impl Aggregation for DpMean {
         self.clipped.folded()
     }
     fn aggregate(&mut self) -> Result<Vec<f64>, StrategyError> {
-        let sum = self.clipped.sum.sum();
         if self.clipped.folded() == 0 {
             return Err(FoldError::Empty.into());
         }
+        let sum = self.clipped.sum.sum();
         let sigma = self.update_noise_multiplier() * self.clipped.clip_norm();
         // One stream per round: the updates' noise, then the count's.
         let noise = self.gaussian(self.rounds_noised, sum.len() + 1);
