@@ -127,6 +127,8 @@ pub enum HealthFailure {
     ScoreNotFinite { metric: String },
     #[error("holdout {metric} {candidate:.4} is worse than the active model's {active:.4} by more than {allowed:.4}")]
     Worse { metric: String, candidate: f64, active: f64, allowed: f64 },
+    #[error("holdout {metric} {candidate:.4} is below guessing's {chance:.4} by more than {allowed:.4}: the model is broken")]
+    BelowChance { metric: String, candidate: f64, chance: f64, allowed: f64 },
 }
 
 /// Errors of the lifecycle (only persistence can fail; bad inputs are reported, not errors).
@@ -356,6 +358,10 @@ pub struct HealthReport {
     pub candidate_score: f64,
     /// `None` when there is no active model (first install).
     pub active_score: Option<f64>,
+    /// What guessing scores on this task (1/classes for accuracy): the floor every candidate is
+    /// judged against, a first install included. `None` where the metric has no such level.
+    #[serde(default)]
+    pub chance_score: Option<f64>,
     /// What the scores are (`accuracy`, `-rmse`).
     pub metric: String,
 }
@@ -1153,6 +1159,14 @@ impl Lifecycle {
         }
         if !r.candidate_score.is_finite() {
             return Err(HealthFailure::ScoreNotFinite { metric: r.metric.clone() });
+        }
+        // The floor holds with no active model to compare with: a device's first install of a
+        // model that answers worse than guessing (classes swapped, say) is refused, not served.
+        if let Some(c) = r.chance_score {
+            let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, c, r.candidate_score, r.holdout));
+            if r.candidate_score < c - allowed {
+                return Err(HealthFailure::BelowChance { metric: r.metric.clone(), candidate: r.candidate_score, chance: c, allowed });
+            }
         }
         if let Some(a) = r.active_score {
             let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, a, r.candidate_score, r.holdout));

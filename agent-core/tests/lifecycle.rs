@@ -271,6 +271,7 @@ fn report(cand: f64, active: f64) -> HealthReport {
         latency_p99_ms: 2.0,
         candidate_score: cand,
         active_score: Some(active),
+        chance_score: Some(0.1),
         metric: "accuracy".into(),
     }
 }
@@ -314,6 +315,35 @@ fn on_a_small_holdout_one_example_worse_is_noise_not_a_regression() {
     lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(small(11.0 / 14.0, 12.0 / 14.0)) }).unwrap();
     drain(&mut lc);
     assert_eq!(lc.active().unwrap().model, v2);
+}
+
+#[test]
+fn a_first_install_that_answers_worse_than_guessing_is_refused() {
+    // A device with no model yet has nothing to compare a candidate with: the floor is what
+    // guessing scores (10 classes: 0.1), judged with the same standard error. Classes swapped
+    // (nothing right on 50 examples) is refused; an untrained model's 3 of 50 is chance, not
+    // a fault; the floor holds beside an active model too.
+    let first = |cand: f64| HealthReport { active_score: None, ..report(cand, 0.0) };
+    let disk = Disk::new();
+    let (reg, _) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = Device::open(core_cfg(), &disk, Some(reg.pinned_root()), None, T0).unwrap();
+    let refused = lc.judge(&first(0.0)).unwrap_err();
+    assert!(matches!(refused, HealthFailure::BelowChance { .. }), "{refused:?}");
+    assert!(refused.to_string().contains("accuracy 0.0000 is below guessing's 0.1000 by more than 0.0482"), "{refused}");
+    assert_eq!(lc.judge(&first(3.0 / 50.0)), Ok(()));
+    assert_eq!(lc.judge(&first(0.9)), Ok(()));
+    assert!(matches!(lc.judge(&report(0.0, 0.0)), Err(HealthFailure::BelowChance { .. })));
+    // Through the lifecycle: the broken first install is rolled back, nothing is served.
+    install_to_health_check(&mut lc, &reg, &v2);
+    lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(first(0.0)) }).unwrap();
+    let acts = drain(&mut lc);
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::Rollback { model, reason } if model == &v2 && reason.contains("below guessing"))),
+        "{acts:?}"
+    );
+    assert!(!acts.iter().any(|a| matches!(a, Action::Serve { .. })), "{acts:?}");
+    assert!(lc.active().is_none());
 }
 
 #[test]

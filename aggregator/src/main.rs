@@ -53,6 +53,18 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Write `data_dir`'s current global model as a PyTorch `state_dict` in safetensors (what
+    /// `init-model --pretrained` reads): the trained weights a new lineage starts from, such as
+    /// a switch from full fine-tuning to LoRA. Run it with the config the data_dir was written
+    /// under, with the service stopped (it holds the store's lock while it runs). A LoRA model
+    /// is written with its adapters merged into the base weights.
+    ExportModel {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Where to write the state_dict.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -162,6 +174,13 @@ async fn run(cli: Cli) -> Result<()> {
             println!("wrote {} ({} parameters, {from})", out.display(), bundle.num_params());
             Ok(())
         }
+        Cmd::ExportModel { config, out } => {
+            let cfg = Config::load(&config)?;
+            let (version, bytes) = export_global_model(&cfg)?;
+            fedfleet_aggregator::persist::write_atomic(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
+            println!("wrote {} (global model v{version} of {})", out.display(), cfg.data_dir.display());
+            Ok(())
+        }
         Cmd::Campaign { action } => {
             let mut wait = false;
             let (conn, req) = match action {
@@ -184,6 +203,31 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// The current global model of `cfg.data_dir` as a PyTorch state_dict of its base model (LoRA
+/// adapters merged in), with its version.
+fn export_global_model(cfg: &Config) -> Result<(u64, Vec<u8>)> {
+    use fedfleet_learning::finetune::{base_spec, lora_adapters, merge_lora};
+    let dir = &cfg.data_dir;
+    // A missing store is an error, not an empty one: opening would create it.
+    if !dir.join("db").exists() {
+        bail!("{} holds no aggregator state (data_dir of {}?)", dir.display(), cfg.model.name);
+    }
+    let store = fedfleet_aggregator::persist::Store::open(dir)?;
+    let global = store.global()?.ok_or_else(|| anyhow!("{} has no global model yet: nothing to export", dir.display()))?;
+    let bytes = store.read_model(&global.digest)?;
+    let bundle = fedfleet_protocol::TensorBundle::decode(&bytes, &fedfleet_protocol::BundleLimits::default())
+        .map_err(|e| anyhow!("global model v{} ({}): {e}", global.version.0, global.digest))?;
+    let spec = &cfg.model.spec;
+    let (spec, bundle) = match lora_adapters(spec) {
+        Some(_) => (base_spec(spec), merge_lora(spec, &bundle).map_err(|e| anyhow!("merging the LoRA adapters: {e}"))?),
+        None => (spec.clone(), bundle),
+    };
+    let state_dict = fedfleet_learning::interop::export_state_dict(&spec, &bundle).map_err(|e| {
+        anyhow!("global model v{} does not fit model.spec ({e}): export with the config the data_dir was written under", global.version.0)
+    })?;
+    Ok((global.version.0, state_dict))
 }
 
 async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<()> {

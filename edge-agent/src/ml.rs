@@ -153,8 +153,15 @@ pub fn health_check(
         latency_p99_ms,
         candidate_score: if eval.examples > 0 { eval.score } else { 0.0 },
         active_score,
+        chance_score: chance_score(&spec, &eval.metric),
         metric: eval.metric,
     })
+}
+
+/// What guessing scores: 1/classes for a classifier's accuracy; no level for other metrics.
+fn chance_score(spec: &ModelSpec, metric: &str) -> Option<f64> {
+    let classes = spec.classes();
+    (metric == "accuracy" && spec.task() == fedfleet_learning::Task::Classification && classes >= 2).then(|| 1.0 / classes as f64)
 }
 
 /// Latency quantiles for figures: `(p50, p99)` in ms.

@@ -916,6 +916,7 @@ impl Fleet {
                     latency_p99_ms: 2.0,
                     candidate_score: if broken { 0.35 } else { 0.91 },
                     active_score: active.map(|_| 0.90),
+                    chance_score: Some(0.1),
                     metric: "accuracy".into(),
                 };
                 let input = Input::HealthResult { model: candidate.model, result: Ok(report) };

@@ -52,6 +52,18 @@ fn init_model_imports_a_pretrained_state_dict_and_names_a_mismatch() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("does not fit model.spec") && err.contains("fc1.weight"), "{err}");
+
+    // `export-model` reads a data_dir's global model (the hosts test exports a trained one); a
+    // data_dir that was never written is named, and not created.
+    let out = Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
+        .args(["export-model", "--config", config.to_str().unwrap(), "--out", "base.safetensors"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("holds no aggregator state"), "{err}");
+    assert!(!dir.path().join("data").exists() && !dir.path().join("base.safetensors").exists());
 }
 
 /// Starts `serve` on a minimal config whose `[compute]` asks for `device`, with the Vulkan loader

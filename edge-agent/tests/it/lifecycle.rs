@@ -82,6 +82,7 @@ fn report(cand: f64, active: f64) -> HealthReport {
         latency_p99_ms: 2.0,
         candidate_score: cand,
         active_score: Some(active),
+        chance_score: Some(0.1),
         metric: "accuracy".into(),
     }
 }

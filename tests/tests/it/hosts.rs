@@ -24,6 +24,11 @@ use crate::procs::{Proc, bin, cli, count_lines, free_tcp_port, free_udp_port, sa
 const FLEET: &str = "plant7";
 const MODEL: &str = "digits";
 const SPEC: &str = r#"{"arch":"mlp","input":[64],"hidden":[64],"classes":10}"#;
+/// `SPEC` as the aggregator's config writes it, and with a narrower hidden layer (a changed spec).
+const MLP: &str = r#"{ arch = "mlp", input = [64], hidden = [64], classes = 10 }"#;
+const NARROWER: &str = r#"{ arch = "mlp", input = [64], hidden = [32], classes = 10 }"#;
+/// `SPEC`'s layers as a graph (the same tensor names) fine-tuned with LoRA: DEPLOYMENT.md's switch.
+const LORA: &str = r#"{ arch = "graph", input = [64], task = "classification", layers = [{ type = "flatten" }, { type = "linear", name = "fc1", out_features = 64 }, { type = "relu" }, { type = "linear", name = "fc2", out_features = 10 }], finetune = { mode = "lora", rank = 4, alpha = 8 } }"#;
 
 struct Hosts {
     root: PathBuf,
@@ -265,7 +270,7 @@ fn stand_up() -> Hosts {
     h.registry = Some(h.start_service("registry", &["--config", "registry.toml", "serve"], h.reg_metrics));
 
     // The aggregator host.
-    std::fs::write(h.host("aggregator").join("aggregator.toml"), aggregator_config(&h, "data", "[64]")).unwrap();
+    std::fs::write(h.host("aggregator").join("aggregator.toml"), aggregator_config(&h, "data", MLP)).unwrap();
     cli("fedfleet-aggregator", &["init-model", "--config", "aggregator.toml", "--seed", "7"], &h.host("aggregator"));
     h.start_aggregator();
 
@@ -279,12 +284,12 @@ fn stand_up() -> Hosts {
     h
 }
 
-fn aggregator_config(h: &Hosts, data_dir: &str, hidden: &str) -> String {
+fn aggregator_config(h: &Hosts, data_dir: &str, spec: &str) -> String {
     format!(
         "listen = \"{}\"\npki_dir = \"aggregator-pki\"\nserver_name = \"aggregator\"\ndata_dir = \"{data_dir}\"\n\
          metrics_addr = \"{}\"\noperators = [\"operator\"]\n\
          [publish]\nregistry = \"{}\"\nserver_name = \"localhost\"\n\
-         [model]\nname = \"{MODEL}\"\nspec = {{ arch = \"mlp\", input = [64], hidden = {hidden}, classes = 10 }}\n\
+         [model]\nname = \"{MODEL}\"\nspec = {spec}\n\
          initial = \"initial.safetensors\"\nvalidation = \"digits\"\n\
          [campaign]\nrounds = 1\ntarget = 3\nquorum = 3\ndeadline_secs = 300\nextension_secs = 60\n\
          local_epochs = 5\nbatch_size = 32\nlr = 0.3\n",
@@ -400,7 +405,7 @@ fn a_deployment_on_separate_hosts_fails_safe() {
     // says what changed.
     h.aggregator.take().unwrap().stop();
     let config = h.host("aggregator").join("aggregator.toml");
-    std::fs::write(&config, aggregator_config(&h, "data", "[32]")).unwrap();
+    std::fs::write(&config, aggregator_config(&h, "data", NARROWER)).unwrap();
     let o = Command::new(bin("fedfleet-aggregator"))
         .args(["serve", "--config", "aggregator.toml"])
         .current_dir(h.host("aggregator"))
@@ -410,18 +415,30 @@ fn a_deployment_on_separate_hosts_fails_safe() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("model.spec changed since global model"), "{err}");
 
-    // Defect 4: a fresh aggregator instance (a new data_dir, the same receipt key): round ids
-    // start over, and the agents join its first round.
-    std::fs::write(&config, aggregator_config(&h, "data2", "[64]")).unwrap();
+    // Defect 4, as DEPLOYMENT.md's switch from full fine-tuning to LoRA: the trained weights
+    // are exported from the stopped aggregator's data_dir (under the config it was written
+    // with), and a LoRA spec over them starts a fresh instance (a new data_dir, the same receipt
+    // key). Round ids start over; the agents join its first round and train the adapters.
+    let on_aggregator_host = |args: &[&str]| cli("fedfleet-aggregator", args, &h.host("aggregator"));
+    std::fs::write(&config, aggregator_config(&h, "data", MLP)).unwrap();
+    on_aggregator_host(&["export-model", "--config", "aggregator.toml", "--out", "base.safetensors"]);
+    std::fs::write(&config, aggregator_config(&h, "data2", LORA)).unwrap();
+    on_aggregator_host(&["init-model", "--config", "aggregator.toml", "--pretrained", "base.safetensors"]);
     for f in ["receipt.key", "receipt.pub"] {
         copy_into(&h.host("aggregator").join("data").join(f), &h.host("aggregator").join("data2"));
     }
     h.start_aggregator();
+    let before = h.latest_version();
     let out =
         h.operator_ok("aggregator", &["campaign", "start", "--rounds", "1", "--target", "3", "--quorum", "3", "--seed", "3", "--wait"]);
     assert!(out.contains("campaign round 1 completed"), "{out}");
     let fresh = [1, 2, 4].iter().filter(|&&i| count_lines(&h.log(&device(i)), "a fresh aggregator instance") > 0).count();
     assert!(fresh >= 3, "every agent that took part says it followed the fresh instance ({fresh} of 3)");
+    // The registry holds the LoRA round's model with its adapters merged, and says so.
+    let lora = h.latest_version();
+    assert!(lora > before, "the LoRA campaign published (v{before} before, v{lora} now)");
+    let list = h.operator_ok("registry", &["list"]);
+    assert!(list.lines().any(|l| l.contains(&format!("v{lora} ")) && l.contains("(LoRA, merged)")), "{list}");
 
     // The revoked device is told once and slowed down, not let in: it warns once, and knocks
     // ever less often (its poll interval doubles up to an hour), not every 200 ms.
