@@ -47,10 +47,13 @@ pub enum Kind {
     Relay,
     /// A model manifest.
     Manifest,
+    /// A device's secure-aggregation message (keys, encrypted shares, masked input, unmasking).
+    SecAgg,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 7] = [Kind::Update, Kind::Receipt, Kind::Round, Kind::Rollout, Kind::Status, Kind::Relay, Kind::Manifest];
+    pub const ALL: [Kind; 8] =
+        [Kind::Update, Kind::Receipt, Kind::Round, Kind::Rollout, Kind::Status, Kind::Relay, Kind::Manifest, Kind::SecAgg];
 
     /// The signing domain, e.g. `"fedfleet/update/v1"`.
     pub const fn domain(self) -> &'static str {
@@ -62,6 +65,7 @@ impl Kind {
             Kind::Status => "fedfleet/status/v1",
             Kind::Relay => "fedfleet/relay/v1",
             Kind::Manifest => "fedfleet/manifest/v1",
+            Kind::SecAgg => "fedfleet/secagg/v1",
         }
     }
 
@@ -75,6 +79,7 @@ impl Kind {
             Kind::Status => 5,
             Kind::Relay => 6,
             Kind::Manifest => 7,
+            Kind::SecAgg => 8,
         }
     }
 
@@ -86,7 +91,7 @@ impl Kind {
     pub const fn max_body_len(self) -> usize {
         match self {
             Kind::Update | Kind::Receipt | Kind::Relay => MAX_CANONICAL_HEADER_BYTES,
-            Kind::Round | Kind::Rollout | Kind::Status | Kind::Manifest => MAX_SIGNED_BODY_BYTES,
+            Kind::Round | Kind::Rollout | Kind::Status | Kind::Manifest | Kind::SecAgg => MAX_SIGNED_BODY_BYTES,
         }
     }
 }

@@ -40,6 +40,22 @@ const CORES: &[(&str, &[&str])] = &[
     ("fedfleet-modelspec", &["fedfleet-protocol", "serde", "serde_json", "thiserror"]),
     ("fedfleet-rounds", &["blake3", "fedfleet-protocol", "postcard", "rand_chacha", "serde", "serde_json", "thiserror"]),
     ("fedfleet-rollout", &["blake3", "fedfleet-protocol", "serde", "thiserror", "tracing"]),
+    (
+        "fedfleet-secagg",
+        &[
+            "blahaj",
+            "blake3",
+            "chacha20",
+            "chacha20poly1305",
+            "ed25519-dalek",
+            "fedfleet-protocol",
+            "postcard",
+            "serde",
+            "thiserror",
+            "x25519-dalek",
+            "zeroize",
+        ],
+    ),
     ("fedfleet-agent-core", &["fedfleet-protocol", "rand", "rand_chacha", "serde", "serde_json", "thiserror", "tracing"]),
 ];
 
