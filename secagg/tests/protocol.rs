@@ -348,3 +348,34 @@ fn parameters_that_could_overflow_or_cannot_recover_are_refused() {
     twice.push(twice[0].clone());
     assert!(Roster::new(RoundId(1), params(3, 4), 10, [0; 32], twice).unwrap_err().to_string().contains("twice"));
 }
+
+/// The seam to the round engine: on updates that lie on the SecAgg grid, the unmasked aggregate
+/// is the very `PartialSum` the plain exact fold makes (same integers, same Σw, same count), so a
+/// SecAgg round finalizes to the bit-identical model.
+#[test]
+fn the_unmasked_aggregate_is_the_plain_folds_partial_sum() {
+    use fedfleet_rounds::PartialSum;
+    use fedfleet_rounds::strategy::fixed::FRAC_BITS;
+    let mut r = Round::new(15, params(4, 8), 21);
+    let grid = (1u64 << r.roster.params.frac_bits) as f64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for (u, w) in r.updates.iter_mut() {
+        for x in u.iter_mut() {
+            *x = (rng.gen_range(-1_000_000i64..1_000_000) as f64 / grid) as f32;
+        }
+        *w = rng.gen_range(1..2_000);
+    }
+    r.keys();
+    r.shares(&[]);
+    r.masked(&[2, 7]);
+    r.unmask(&[]);
+    let agg = done(&r);
+    let survivors: Vec<usize> = (0..15).filter(|i| ![2, 7].contains(i)).collect();
+    let secure = PartialSum::from_raw(agg.to_fixed(FRAC_BITS).unwrap(), agg.total_weight, survivors.len() as u64).unwrap();
+    let mut plain = PartialSum::new(DIM);
+    for &i in &survivors {
+        plain.fold(&r.updates[i].0, r.updates[i].1).unwrap();
+    }
+    assert_eq!(secure, plain);
+    assert_eq!(secure.mean().unwrap(), plain.mean().unwrap());
+}

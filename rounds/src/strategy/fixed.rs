@@ -152,6 +152,19 @@ impl PartialSum {
         Ok(())
     }
 
+    /// A sum made elsewhere on this grid: `sums` in units of [`RESOLUTION`], `Σ w` and the
+    /// number of updates in it. Secure aggregation unmasks such a sum exactly (on a coarser grid,
+    /// shifted onto this one); from here it is finalized like any fold.
+    pub fn from_raw(sums: Vec<i128>, total_weight: u64, count: u64) -> Result<Self, FoldError> {
+        if count == 0 {
+            return Err(FoldError::Empty);
+        }
+        if count > MAX_FOLDS {
+            return Err(FoldError::TooManyFolds);
+        }
+        Ok(PartialSum { sums, total_weight, count })
+    }
+
     /// Adds another partial sum (a relay's, or a shard's). Exact.
     pub fn merge(&mut self, other: &PartialSum) -> Result<(), FoldError> {
         if other.sums.len() != self.sums.len() {
