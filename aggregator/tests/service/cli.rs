@@ -66,6 +66,33 @@ fn init_model_imports_a_pretrained_state_dict_and_names_a_mismatch() {
     assert!(!dir.path().join("data").exists() && !dir.path().join("base.safetensors").exists());
 }
 
+/// Issue 31, defect 11: `init-model` on a spec of 16 layers of 16384×16384 (4.3e9 parameters,
+/// 17 GB of f32) is refused by name before anything is allocated, here under a 2 GB address-space
+/// cap (`ulimit -v`): without the bound it dies on the allocation instead.
+#[test]
+fn a_spec_too_costly_to_hold_is_refused_by_name_under_a_memory_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let layers = vec![r#"{ type = "linear", out_features = 16384 }"#; 16].join(", ");
+    std::fs::write(
+        dir.path().join("aggregator.toml"),
+        format!(
+            "listen = \"127.0.0.1:0\"\npki_dir = \"pki\"\ndata_dir = \"data\"\n[model]\nname = \"m\"\n\
+             spec = {{ arch = \"graph\", input = [16384], task = \"regression\", layers = [{layers}] }}\ninitial = \"initial.safetensors\"\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(format!("ulimit -v 2000000 && exec {} init-model --config aggregator.toml", env!("CARGO_BIN_EXE_fedfleet-aggregator")))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("parameter values; the limit is 268435456"), "{err}");
+    assert!(!dir.path().join("initial.safetensors").exists());
+}
+
 /// Starts `serve` on a minimal config whose `[compute]` asks for `device`, with the Vulkan loader
 /// and the EGL (OpenGL) loader pointed at no driver (so a wgpu build finds no adapter either);
 /// returns (exit code, stderr).

@@ -144,6 +144,12 @@ fn operator_cli_talks_to_the_running_registry_only() {
     std::fs::write(&junk_spec, r#"{"arch":"cnn"}"#).unwrap();
     let o = run(&cfg, &["publish", m, "--model", "digits", "--spec", junk_spec.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("its spec is not a model spec"), "{o:?}");
+    // A spec too costly to hold (4.3e9 parameters) is refused by name, before any weight is read.
+    let costly_spec = dir.path().join("costly-spec.json");
+    let layers = vec![r#"{"type":"linear","out_features":16384}"#; 16].join(",");
+    std::fs::write(&costly_spec, format!(r#"{{"arch":"graph","input":[16384],"task":"regression","layers":[{layers}]}}"#)).unwrap();
+    let o = run(&cfg, &["publish", m, "--model", "digits", "--spec", costly_spec.to_str().unwrap()]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("parameter values; the limit is 268435456"), "{o:?}");
     std::fs::write(&bad_path, vec![7u8; 1000]).unwrap();
     let o = run(&cfg, &["publish", bad_path.to_str().unwrap(), "--model", "digits", "--spec", spec]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("the artifact is not a tensor bundle"), "{o:?}");
@@ -178,8 +184,8 @@ fn operator_cli_talks_to_the_running_registry_only() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let (status, text) = rt.block_on(fedfleet_http::scrape(([127, 0, 0, 1], mport).into(), "/metrics")).unwrap();
     assert_eq!(status, 200);
-    assert!(text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 5"), "{text}");
-    assert!(text.contains("fedfleet_registry_rejections_total{reason=\"not_a_model\"} 3"), "{text}");
+    assert!(text.contains("fedfleet_registry_requests_total{kind=\"admin_publish\"} 6"), "{text}");
+    assert!(text.contains("fedfleet_registry_rejections_total{reason=\"not_a_model\"} 4"), "{text}");
     stop(child);
 
     // The store outlives the process: a restart serves the same versions.
