@@ -9,14 +9,14 @@
 # Runs: bench_aggregate (exact fold, ingest path, tensor fold on the CPU and, where a wgpu
 # adapter exists, the GPU: the code path of benches/gpu.sh), bench_download, bench_agent,
 # bench_learning --quick, fl_digits (the fedfleet side of benches/flower/run.sh), bench_async
-# (FedBuff against rounds, simulated time), bench_secagg (SecAgg+ cores, one round), bench_rounds (real aggregator and agent processes; and its sampled fleet). The Flower sides of benches/flower/*.sh need
+# (FedBuff against rounds, simulated time), bench_secagg (SecAgg+ cores, one round), bench_dp (DP-FedAvg accuracy against ε), bench_rounds (real aggregator and agent processes; and its sampled fleet). The Flower sides of benches/flower/*.sh need
 # flwr[simulation] and ray from PyPI and are not run here; their fedfleet sides are
 # (fl_digits, bench_rounds' deployment path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=target/debug
 examples=$bin/examples
-for b in bench_aggregate bench_download bench_agent bench_learning fl_digits bench_async bench_rounds bench_secagg; do
+for b in bench_aggregate bench_download bench_agent bench_learning fl_digits bench_async bench_rounds bench_secagg bench_dp; do
     [ -x "$examples/$b" ] || { echo "benches/smoke.sh: $examples/$b is missing; run cargo test --workspace first" >&2; exit 2; }
 done
 
@@ -40,6 +40,7 @@ step "$examples/bench_learning" --quick
 step "$examples/fl_digits" --clients 4 --rounds 1 --epochs 1
 step "$examples/bench_async" --devices 8 --buffer 2 --max-versions 3
 step "$examples/bench_secagg" --devices 8,12 --dim 100
+step "$examples/bench_dp" --devices 20 --rounds 3 --epsilons 8
 step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --rollout
 step "$examples/bench_rounds" --agents 200 --rounds 2 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --sampled \
     --sampling-rate 0.2 --train-median-ms 50 --availability 1 --diurnal 0 --dropout 0 --timeout-secs 300
