@@ -10,8 +10,12 @@
 //! (as Google's dp-accounting computes it): `ε = min over α of RDP(α) + log((α−1)/α) −
 //! (log δ + log α)/(α − 1)`.
 //!
-//! Only integer orders are used (2..=256 and a few above): a valid bound, at most slightly
-//! looser than one that also searches fractional orders.
+//! Only integer orders are used (every one from 2 to 64, then a ladder to 1024): a valid bound.
+//! Against dp-accounting on the same orders it agrees within 1 % over a grid of q, z and round
+//! counts (`rounds/tests/core/dp_reference.csv`, `privacy.rs` there). dp-accounting's default
+//! orders add fractional ones (1.1..10.9): where the best order is fractional (ε of about 5 and
+//! up) its bound is smaller than this one (the grid shows up to a third); where the best order
+//! lies between 64 and 1024, off its ladder, this one is the smaller.
 
 use serde::{Deserialize, Serialize};
 

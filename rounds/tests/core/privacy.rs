@@ -99,3 +99,24 @@ fn a_budget_that_allows_no_round_and_dp_in_async_mode_are_refused() {
     spec.privacy.as_mut().unwrap().noise_multiplier = 0.0;
     assert!(e.start_campaign(T0, spec).is_err(), "no noise is no DP");
 }
+
+/// The accountant against Google's dp-accounting (`RdpAccountant` on the same orders) over a grid
+/// of sampling rates, noise multipliers and round counts, ε at δ = 1e-5: every cell within 1 %
+/// relative. The table is `dp_reference.csv`, written by `dp_reference.py` beside it; its last
+/// column (dp-accounting's default orders, fractional ones included) is there for reading.
+#[test]
+fn epsilon_matches_google_dp_accounting_over_a_grid() {
+    let mut cells = 0;
+    let mut off = Vec::new();
+    for line in include_str!("dp_reference.csv").lines().filter(|l| !l.starts_with('#') && !l.starts_with("q,")) {
+        let f: Vec<f64> = line.split(',').map(|x| x.parse().unwrap()).collect();
+        let (q, z, steps, reference) = (f[0], f[1], f[2] as u64, f[3]);
+        let ours = DpSpend { sampling_rate: q, noise_multiplier: z, delta: 1e-5 }.epsilon_after(steps);
+        if (ours - reference).abs() > 0.01 * reference {
+            off.push(format!("q {q} z {z} steps {steps}: {ours:.6} against {reference:.6}"));
+        }
+        cells += 1;
+    }
+    assert_eq!(cells, 180);
+    assert!(off.is_empty(), "{} of {cells} cells off by more than 1 %:\n{}", off.len(), off.join("\n"));
+}
