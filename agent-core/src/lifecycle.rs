@@ -1160,19 +1160,23 @@ impl Lifecycle {
         if !r.candidate_score.is_finite() {
             return Err(HealthFailure::ScoreNotFinite { metric: r.metric.clone() });
         }
+        // How far below `reference` the candidate may score: the margin, or one standard error
+        // of the difference where that is larger; `Some(allowed)` when it is further below.
+        let too_far_below = |reference: f64| {
+            let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, reference, r.candidate_score, r.holdout));
+            (r.candidate_score < reference - allowed).then_some(allowed)
+        };
         // The floor holds with no active model to compare with: a device's first install of a
         // model that answers worse than guessing (classes swapped, say) is refused, not served.
-        if let Some(c) = r.chance_score {
-            let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, c, r.candidate_score, r.holdout));
-            if r.candidate_score < c - allowed {
-                return Err(HealthFailure::BelowChance { metric: r.metric.clone(), candidate: r.candidate_score, chance: c, allowed });
-            }
+        if let Some(chance) = r.chance_score
+            && let Some(allowed) = too_far_below(chance)
+        {
+            return Err(HealthFailure::BelowChance { metric: r.metric.clone(), candidate: r.candidate_score, chance, allowed });
         }
-        if let Some(a) = r.active_score {
-            let allowed = p.accuracy_margin.max(accuracy_difference_error(&r.metric, a, r.candidate_score, r.holdout));
-            if r.candidate_score < a - allowed {
-                return Err(HealthFailure::Worse { metric: r.metric.clone(), candidate: r.candidate_score, active: a, allowed });
-            }
+        if let Some(active) = r.active_score
+            && let Some(allowed) = too_far_below(active)
+        {
+            return Err(HealthFailure::Worse { metric: r.metric.clone(), candidate: r.candidate_score, active, allowed });
         }
         Ok(())
     }

@@ -169,23 +169,44 @@ impl Roster {
     /// The neighbours of device `i` (roster indices, ascending): the `degree / 2` devices on
     /// each side of it on the ring ordered by `blake3(graph_seed, device)`.
     pub fn neighbours(&self, i: usize) -> Vec<usize> {
-        let n = self.devices.len();
-        let mut ring: Vec<(blake3::Hash, usize)> = (0..n)
+        let ring = self.ring();
+        let at = ring.iter().position(|&j| j == i).expect("i is in the roster");
+        self.around(&ring, at)
+    }
+
+    /// [`Roster::neighbours`] of every device, from one ordering of the ring.
+    pub fn neighbour_lists(&self) -> Vec<Vec<usize>> {
+        let ring = self.ring();
+        let mut lists = vec![Vec::new(); ring.len()];
+        for (at, &i) in ring.iter().enumerate() {
+            lists[i] = self.around(&ring, at);
+        }
+        lists
+    }
+
+    /// The roster indices in ring order.
+    fn ring(&self) -> Vec<usize> {
+        let mut keyed: Vec<(blake3::Hash, usize)> = (0..self.devices.len())
             .map(|j| {
                 let mut h = blake3::Hasher::new_keyed(&self.graph_seed);
                 h.update(self.devices[j].0.as_str().as_bytes());
                 (h.finalize(), j)
             })
             .collect();
-        ring.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-        let at = ring.iter().position(|&(_, j)| j == i).expect("i is in the roster");
+        keyed.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        keyed.into_iter().map(|(_, j)| j).collect()
+    }
+
+    /// The devices within `degree / 2` places of ring position `at`, ascending.
+    fn around(&self, ring: &[usize], at: usize) -> Vec<usize> {
+        let n = ring.len();
         let half = (self.params.degree as usize / 2).min((n - 1) / 2 + 1);
         let mut out = BTreeSet::new();
         for d in 1..=half {
-            out.insert(ring[(at + d) % n].1);
-            out.insert(ring[(at + n - d) % n].1);
+            out.insert(ring[(at + d) % n]);
+            out.insert(ring[(at + n - d) % n]);
         }
-        out.remove(&i);
+        out.remove(&ring[at]);
         out.into_iter().collect()
     }
 }
@@ -716,7 +737,7 @@ pub struct Server {
 
 impl Server {
     pub fn new(roster: Roster, deadlines: Deadlines) -> Server {
-        let neighbours = (0..roster.len()).map(|i| roster.neighbours(i)).collect();
+        let neighbours = roster.neighbour_lists();
         let session = roster.session();
         Server {
             roster,
@@ -768,14 +789,25 @@ impl Server {
         }
     }
 
-    /// Devices expected at the current stage: those of the previous one.
-    fn expected(&self) -> BTreeSet<usize> {
+    /// Whether device `i` is expected at the current stage: it took part in the previous one.
+    fn expects(&self, i: usize) -> bool {
         match self.stage {
-            Stage::Keys => (0..self.roster.len()).collect(),
-            Stage::Shares => self.adverts.keys().copied().collect(),
-            Stage::Masked => self.shares.keys().copied().collect(),
-            Stage::Unmask => self.masked.keys().copied().collect(),
-            Stage::Done | Stage::Failed => BTreeSet::new(),
+            Stage::Keys => true,
+            Stage::Shares => self.adverts.contains_key(&i),
+            Stage::Masked => self.shares.contains_key(&i),
+            Stage::Unmask => self.masked.contains_key(&i),
+            Stage::Done | Stage::Failed => false,
+        }
+    }
+
+    /// How many devices the current stage expects.
+    fn expected_count(&self) -> usize {
+        match self.stage {
+            Stage::Keys => self.roster.len(),
+            Stage::Shares => self.adverts.len(),
+            Stage::Masked => self.shares.len(),
+            Stage::Unmask => self.masked.len(),
+            Stage::Done | Stage::Failed => 0,
         }
     }
 
@@ -817,7 +849,7 @@ impl Server {
         if body.stage() != self.stage {
             return Err(Refusal::WrongStage { now: self.stage, got: body.stage() });
         }
-        if !self.expected().contains(&i) {
+        if !self.expects(i) {
             return Err(Refusal::NotExpected(self.roster.device(i).clone()));
         }
         let device = self.roster.device(i).clone();
@@ -855,8 +887,12 @@ impl Server {
                 }
                 // The unmasking removes the masks of exactly the pairs whose shares this device
                 // was forwarded; a vector masked with other pairs would unmask to a wrong sum.
-                let forwarded: Vec<&DeviceId> =
-                    self.shares.iter().filter(|(_, to)| to.contains_key(&i)).map(|(&j, _)| self.roster.device(j)).collect();
+                // (Shares only go to neighbours, so only i's neighbours can have sent it any.)
+                let forwarded: Vec<&DeviceId> = self.neighbours[i]
+                    .iter()
+                    .filter(|j| self.shares.get(j).is_some_and(|to| to.contains_key(&i)))
+                    .map(|&j| self.roster.device(j))
+                    .collect();
                 if pairs.iter().collect::<Vec<_>>() != forwarded {
                     return Err(Refusal::MaskSetMismatch(device));
                 }
@@ -878,7 +914,7 @@ impl Server {
                 self.answers.insert(i, answer);
             }
         }
-        if self.answered() == self.expected().len() {
+        if self.answered() == self.expected_count() {
             self.close_stage();
         }
         Ok(())
