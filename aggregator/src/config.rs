@@ -198,7 +198,7 @@ pub enum MqttMode {
     /// Run rumqttd in-process (`listen`) with the fleet CA and this service's certificate.
     #[default]
     Embedded,
-    /// Connect to a broker at `host`:`port` (e.g. mosquitto, see the control crate's README).
+    /// Connect to a broker at `host`:`port`, or to a cluster (`brokers`), e.g. mosquitto or NATS.
     External,
     /// No MQTT.
     Off,
@@ -243,8 +243,14 @@ impl MqttConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         self.unknown.check("mqtt").map_err(ConfigError::Invalid)?;
-        if self.mode == MqttMode::External && self.client.host.is_none() {
-            return Err(ConfigError::Invalid("mqtt.mode = \"external\" needs mqtt.host".into()));
+        match self.mode {
+            MqttMode::External => {
+                self.client.addresses().map_err(|e| ConfigError::Invalid(format!("mqtt.mode = \"external\": {e}")))?;
+            }
+            MqttMode::Embedded if self.client.brokers.is_some() => {
+                return Err(ConfigError::Invalid("mqtt.brokers names an external broker cluster: set mqtt.mode = \"external\"".into()));
+            }
+            _ => {}
         }
         Ok(())
     }

@@ -29,6 +29,8 @@ pub mod renewal;
 mod revocation;
 pub mod tls;
 mod x509;
+/// The organizational units of a leaf certificate's subject (`OU=device` or `OU=service`).
+pub use x509::{OU_DEVICE, OU_SERVICE};
 
 #[cfg(test)]
 mod tests;

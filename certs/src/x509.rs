@@ -12,9 +12,9 @@ use crate::error::CertError;
 use crate::fsutil;
 
 /// OU of device certificates.
-pub(crate) const OU_DEVICE: &str = "device";
+pub const OU_DEVICE: &str = "device";
 /// OU of server (service) certificates.
-pub(crate) const OU_SERVICE: &str = "service";
+pub const OU_SERVICE: &str = "service";
 
 const OID_ED25519: &str = "1.3.101.112";
 

@@ -30,6 +30,9 @@ pub struct ClientOptions {
     /// Broker host name or IP address; must match the broker certificate's SAN.
     pub host: String,
     pub port: u16,
+    /// More nodes of the broker's cluster: after a lost or refused connection the client tries
+    /// the next address (round `host:port` and these), so a dead node costs one reconnect.
+    pub failover: Vec<(String, u16)>,
     /// MQTT client id; unique per connection (the broker drops an older connection with the
     /// same id). Use the device id for devices, the service name for services.
     pub client_id: String,
@@ -48,6 +51,7 @@ impl ClientOptions {
         ClientOptions {
             host: host.into(),
             port,
+            failover: Vec::new(),
             client_id: client_id.into(),
             fleet,
             keep_alive: Duration::from_secs(15),
@@ -189,11 +193,7 @@ impl ControlClient {
     /// Starts the connection task on the current tokio runtime. Connecting happens in the
     /// background: the first event is [`ControlEvent::Connected`] once the broker has answered.
     pub fn start(options: ClientOptions, tls: Arc<rustls::ClientConfig>, role: Role) -> (ControlClient, ControlEvents) {
-        let mut mqtt = MqttOptions::new(options.client_id.clone(), options.host.clone(), options.port);
-        mqtt.set_keep_alive(options.keep_alive)
-            .set_clean_session(true)
-            .set_max_packet_size(options.max_packet_bytes, options.max_packet_bytes)
-            .set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(tls)));
+        let mqtt = mqtt_options(&options, (options.host.clone(), options.port), &tls);
         let (client, eventloop) = AsyncClient::new(mqtt, 256);
         let (events_tx, rx) = mpsc::channel(1024);
         let (stop, stopped) = watch::channel(false);
@@ -204,6 +204,8 @@ impl ControlClient {
         };
         let driver = Driver {
             inbound: Inbound::new(options.fleet.clone(), role),
+            tls,
+            broker: 0,
             options: options.clone(),
             events: events_tx,
             shared: shared.clone(),
@@ -303,8 +305,21 @@ impl ControlClient {
     }
 }
 
+/// rumqttc's options for one broker address.
+fn mqtt_options(options: &ClientOptions, (host, port): (String, u16), tls: &Arc<rustls::ClientConfig>) -> MqttOptions {
+    let mut mqtt = MqttOptions::new(options.client_id.clone(), host, port);
+    mqtt.set_keep_alive(options.keep_alive)
+        .set_clean_session(true)
+        .set_max_packet_size(options.max_packet_bytes, options.max_packet_bytes)
+        .set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(tls.clone())));
+    mqtt
+}
+
 struct Driver {
     options: ClientOptions,
+    tls: Arc<rustls::ClientConfig>,
+    /// Which of the broker addresses (`host:port`, then `failover`) the event loop uses.
+    broker: usize,
     events: mpsc::Sender<ControlEvent>,
     shared: Arc<Shared>,
     inbound: Inbound,
@@ -415,8 +430,22 @@ impl Driver {
                         self.emit_connected().await;
                     }
                 }
-                Ok(Event::Incoming(Packet::SubAck(_))) if awaiting_suback => {
+                Ok(Event::Incoming(Packet::SubAck(ack))) if awaiting_suback => {
                     awaiting_suback = false;
+                    if ack.return_codes.contains(&rumqttc::SubscribeReasonCode::Failure) {
+                        // Connected without hearing everything is worse than not connected (a
+                        // device would miss rounds): drop the connection and try again. A NATS
+                        // node still electing JetStream leaders refuses subscriptions for a while.
+                        tracing::warn!(?backoff, "the broker refused a subscription; connecting again");
+                        eventloop.clean();
+                        connected = false;
+                        tokio::select! {
+                            _ = stopped.changed() => break,
+                            _ = tokio::time::sleep(jitter(backoff)) => {}
+                        }
+                        backoff = (backoff * 2).min(self.options.backoff_max);
+                        continue;
+                    }
                     self.emit_connected().await;
                 }
                 Ok(Event::Incoming(Packet::Publish(p))) => self.on_publish(&p.topic, &p.payload).await,
@@ -428,6 +457,7 @@ impl Driver {
                         self.emit(ControlEvent::Disconnected { error: e.to_string() }).await;
                     }
                     tracing::debug!(error = %e, ?backoff, "MQTT connection failed; retrying");
+                    self.next_broker(&mut eventloop);
                     tokio::select! {
                         _ = stopped.changed() => break,
                         _ = tokio::time::sleep(jitter(backoff)) => {}
@@ -439,6 +469,23 @@ impl Driver {
                 break;
             }
         }
+    }
+
+    /// After a lost or refused connection, points the event loop at the next node of the
+    /// broker's cluster (if there is more than one). The subscriptions and retained messages are
+    /// sent again on connect, as after any reconnect.
+    fn next_broker(&mut self, eventloop: &mut EventLoop) {
+        let o = &self.options;
+        if o.failover.is_empty() {
+            return;
+        }
+        self.broker = (self.broker + 1) % (o.failover.len() + 1);
+        let addr = match self.broker {
+            0 => (o.host.clone(), o.port),
+            i => o.failover[i - 1].clone(),
+        };
+        tracing::info!(host = %addr.0, port = addr.1, "MQTT: trying the next broker of the cluster");
+        eventloop.mqtt_options = mqtt_options(o, addr, &self.tls);
     }
 
     /// Subscriptions and retained republishes for a fresh connection. They go to the front of

@@ -9,6 +9,9 @@
 //! [mqtt]
 //! host = "broker.fleet.example"   # must match the broker certificate
 //! port = 8883                     # default 8883 (MQTT over TLS)
+//! # brokers = ["nats-1.fleet.example:8883", "nats-2.fleet.example:8883"]
+//! #                               # instead of host/port: a broker cluster, tried in this order;
+//! #                               # a lost or refused connection moves on to the next one
 //! # fleet = "acme"                # the fleet on the topics: must be the PKI's (default: the PKI's)
 //! # client_id = "registry"        # services only (default: the service's name); a device
 //! #                               # always connects under its own id
@@ -57,6 +60,11 @@ pub struct MqttClientConfig {
     /// Broker port (default [`DEFAULT_PORT`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// The nodes of a broker cluster as `host:port` (port default [`DEFAULT_PORT`]), in place of
+    /// `host`/`port`: the client connects to the first and fails over to the next whenever a
+    /// connection is lost or refused, round the list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub brokers: Option<Vec<String>>,
     /// The fleet id on the broker's topics; must be the PKI's (default: the PKI's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet: Option<String>,
@@ -74,10 +82,22 @@ impl MqttClientConfig {
         MqttClientConfig { host: Some(host.into()), port: Some(port), ..Self::default() }
     }
 
-    /// The configured broker address (`[mqtt] host` is required here).
+    /// The broker to connect to first: `host`/`port`, or the first of `brokers` (one of the
+    /// two is required, not both).
     pub fn address(&self) -> Result<(String, u16), String> {
-        let host = self.host.clone().ok_or("[mqtt] host is missing: name the broker")?;
-        Ok((host, self.port.unwrap_or(DEFAULT_PORT)))
+        Ok(self.addresses()?.swap_remove(0))
+    }
+
+    /// Every configured broker address, in the order a client tries them.
+    pub fn addresses(&self) -> Result<Vec<(String, u16)>, String> {
+        match (&self.host, &self.brokers) {
+            (Some(_), Some(_)) => Err("[mqtt] names both host and brokers: give one (brokers for a cluster)".into()),
+            (None, None) => Err("[mqtt] host is missing: name the broker (or brokers = [\"host:port\", ...] for a cluster)".into()),
+            (Some(host), None) => Ok(vec![(host.clone(), self.port.unwrap_or(DEFAULT_PORT))]),
+            (None, Some(_)) if self.port.is_some() => Err("[mqtt] port goes with host; each of brokers names its own port".into()),
+            (None, Some(list)) if list.is_empty() => Err("[mqtt] brokers is empty: name at least one broker".into()),
+            (None, Some(list)) => list.iter().map(|b| parse_broker(b)).collect(),
+        }
     }
 
     /// The fleet on the topics: `fleet` if given (it must be `expected`), else `expected`.
@@ -100,9 +120,26 @@ impl MqttClientConfig {
             ClientKind::Service(name) => (self.client_id.clone().unwrap_or_else(|| name.to_owned()), SERVICE_RECONNECT_MAX_SECS),
         };
         let mut o = ClientOptions::new(host, port, client_id, fleet);
+        if self.brokers.is_some() {
+            o.failover = self.addresses()?.split_off(1);
+        }
         o.backoff_max = Duration::from_secs(self.reconnect_max_secs.unwrap_or(reconnect_max).max(1));
         Ok(o)
     }
+}
+
+/// `host:port` or `host` (default port); an IPv6 address in brackets, `[::1]:8883`.
+fn parse_broker(text: &str) -> Result<(String, u16), String> {
+    let bad = || format!("[mqtt] brokers: {text:?} is not host:port");
+    let (host, port) = match text.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') || (h.starts_with('[') && h.ends_with(']')) => (h, Some(p.parse::<u16>().map_err(|_| bad())?)),
+        _ => (text, None),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host.contains(['/', ' ']) {
+        return Err(bad());
+    }
+    Ok((host.to_owned(), port.unwrap_or(DEFAULT_PORT)))
 }
 
 /// Keys of a flattened `[mqtt]` section that no field took; [`UnknownKeys::check`] refuses them.
@@ -161,6 +198,21 @@ mod tests {
         assert_eq!(parse("host = \"b\"").client.fleet(&eu), Ok(eu.clone()));
         assert_eq!(parse("host = \"b\"\nfleet = \"eu\"").client.fleet(&eu), Ok(eu.clone()));
         assert_eq!(parse("host = \"b\"\nfleet = \"us\"").client.fleet(&eu).unwrap_err(), "[mqtt] fleet \"us\" is not the PKI's fleet eu");
+    }
+
+    #[test]
+    fn a_broker_cluster_is_a_list_tried_in_order() {
+        let fleet = FleetId::new("eu").unwrap();
+        let c = parse("brokers = [\"n1:1883\", \"n2\", \"[::1]:8884\"]").client;
+        assert_eq!(c.address().unwrap(), ("n1".to_owned(), 1883));
+        let o = c.options(ClientKind::Device("cam-1"), "n1".into(), 1883, fleet).unwrap();
+        assert_eq!(o.failover, vec![("n2".to_owned(), DEFAULT_PORT), ("::1".to_owned(), 8884)]);
+        let err = |text: &str| parse(text).client.address().unwrap_err();
+        assert!(err("host = \"a\"\nbrokers = [\"b:1\"]").contains("both host and brokers"));
+        assert!(err("brokers = []").contains("brokers is empty"));
+        assert!(err("brokers = [\"b:1\"]\nport = 2").contains("port goes with host"));
+        assert!(err("brokers = [\"b:x\"]").contains("\"b:x\" is not host:port"));
+        assert!(err("brokers = [\":1\"]").contains("is not host:port"));
     }
 
     #[test]

@@ -150,6 +150,42 @@ pub fn mosquitto_acl(fleet: &FleetId, services: &[&str]) -> String {
     acl
 }
 
+/// The same rules as [`may_publish`] and [`may_subscribe`] as the `authorization` block of a
+/// NATS server's config (NATS's MQTT listener with `verify_and_map`: a client is the user whose
+/// name is its certificate's subject, `CN=<id>,OU=device,O=<fleet>`). NATS has no per-user
+/// pattern like mosquitto's `%u` in a config file, so every device gets its own entry: write it
+/// again after enrolling or revoking devices (leave revoked devices out) and reload the servers
+/// (`nats-server --signal reload`). MQTT topics are NATS subjects with `/` as `.`; the
+/// `$MQTT.sub.>` delivery subjects are the server's own QoS 1 plumbing.
+pub fn nats_authorization(fleet: &FleetId, services: &[&str], devices: &[DeviceId]) -> String {
+    let subject = |topic: String| topic.replace('/', ".");
+    let user = |cn: &str, ou: &str| format!("CN={cn},OU={ou},O={fleet}");
+    let mut out =
+        format!("# fedfleet access rules for fleet {fleet} (NATS MQTT listener with verify_and_map)\nauthorization {{\n  users = [\n");
+    let all = subject(format!("{PREFIX}/{fleet}/>"));
+    for s in services {
+        out.push_str(&format!(
+            "    {{ user: \"{}\", permissions: {{ publish: [\"{all}\", \"$MQTT.sub.>\"], subscribe: [\"{all}\", \"$MQTT.sub.>\"] }} }}\n",
+            user(s, fedfleet_certs::OU_SERVICE)
+        ));
+    }
+    for d in devices {
+        let (publish, subscribe) = (
+            [status(fleet, d), updates(fleet, d)].map(subject),
+            [rounds(fleet), rollouts(fleet), receipts(fleet, d), rejections(fleet, d)].map(subject),
+        );
+        let list = |l: &[String]| l.iter().map(|t| format!("\"{t}\"")).chain(["\"$MQTT.sub.>\"".into()]).collect::<Vec<_>>().join(", ");
+        out.push_str(&format!(
+            "    {{ user: \"{}\", permissions: {{ publish: [{}], subscribe: [{}] }} }}\n",
+            user(d.as_str(), fedfleet_certs::OU_DEVICE),
+            list(&publish),
+            list(&subscribe)
+        ));
+    }
+    out.push_str("  ]\n}\n");
+    out
+}
+
 fn in_fleet(fleet: &FleetId, topic: &str) -> bool {
     topic
         .strip_prefix(PREFIX)

@@ -1,13 +1,17 @@
 //! fedfleet's test kit, for tests, examples and benchmarks (never linked by a device or a
 //! service): the real registry and aggregator started in this process ([`services`]), in-memory
 //! fakes of both ([`fakes`]), a fake clock ([`clock`]), fleets of real agents in one process
-//! ([`sim`]), a big fleet of which each round samples a few ([`sampled`]), and the mosquitto launcher that runs Debian's mosquitto as the fleet's external
-//! broker ([`mosquitto`]).
+//! ([`sim`]), a big fleet of which each round samples a few ([`sampled`]), and the launchers of external brokers: Debian's mosquitto ([`mosquitto`]) and a
+//! `nats-server` cluster ([`nats`]).
 
 pub mod clock;
+#[cfg(unix)]
+pub mod daemon;
 pub mod fakes;
 #[cfg(unix)]
 pub mod mosquitto;
+#[cfg(unix)]
+pub mod nats;
 pub mod sampled;
 pub mod services;
 pub mod sim;

@@ -11,10 +11,11 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use fedfleet_control::export_key_pkcs8_v1;
+
+use crate::daemon::{Daemon, free_port, running_as_root};
 
 /// How long a start or restart may take before it is an error.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(20);
@@ -76,11 +77,8 @@ impl MosquittoConfig {
 
 /// A running (or killed, until [`Mosquitto::restart`]) mosquitto process; killed on drop.
 pub struct Mosquitto {
-    binary: PathBuf,
-    conf: PathBuf,
-    log: PathBuf,
+    daemon: Daemon,
     addr: SocketAddr,
-    child: Option<Child>,
 }
 
 impl Mosquitto {
@@ -94,8 +92,7 @@ impl Mosquitto {
         std::fs::create_dir_all(&cfg.work_dir).map_err(io(&cfg.work_dir))?;
         let mut addr = cfg.listen;
         if addr.port() == 0 {
-            let probe = std::net::TcpListener::bind(addr).map_err(io(&cfg.work_dir))?;
-            addr = probe.local_addr().map_err(io(&cfg.work_dir))?;
+            addr.set_port(free_port(addr.ip()).map_err(io(&cfg.work_dir))?);
         }
         // Debian 12's OpenSSL 3.0 cannot read the PKCS#8 v2 keys fedfleet-certs writes.
         let key = cfg.work_dir.join("broker-v1.key");
@@ -106,7 +103,8 @@ impl Mosquitto {
         }
         let conf = cfg.work_dir.join("mosquitto.conf");
         std::fs::write(&conf, config_text(&cfg, addr, &key)).map_err(io(&conf))?;
-        let mut m = Mosquitto { binary: cfg.binary, conf, log: cfg.work_dir.join("mosquitto.log"), addr, child: None };
+        let args = vec!["-c".to_owned(), conf.display().to_string()];
+        let mut m = Mosquitto { daemon: Daemon::new(cfg.binary, args, cfg.work_dir.join("mosquitto.log")), addr };
         m.spawn_and_wait().await?;
         Ok(m)
     }
@@ -121,24 +119,21 @@ impl Mosquitto {
     }
 
     pub fn log_path(&self) -> &Path {
-        &self.log
+        self.daemon.log_path()
     }
 
     /// What the broker wrote to stderr so far (all its runs).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.daemon.log()
     }
 
     pub fn is_running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        self.daemon.is_running()
     }
 
     /// Kills the broker (SIGKILL, as a crash) and reaps it; every connection drops.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.daemon.kill()
     }
 
     /// Kills the broker if it runs and starts a fresh one on the same address.
@@ -150,15 +145,14 @@ impl Mosquitto {
     async fn spawn_and_wait(&mut self) -> Result<(), MosquittoError> {
         let deadline = tokio::time::Instant::now() + LISTEN_TIMEOUT;
         loop {
-            self.spawn()?;
+            let log = self.daemon.log_path().to_path_buf();
+            self.daemon.spawn().map_err(|error| MosquittoError::Io { path: log, error })?;
             // Listening, or exited (e.g. the port still held by a process just killed): retry.
             loop {
                 if tokio::net::TcpStream::connect(self.addr).await.is_ok() {
                     return Ok(());
                 }
-                let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-                if let Some(status) = exited {
-                    self.child = None;
+                if let Some(status) = self.daemon.exited() {
                     if tokio::time::Instant::now() >= deadline {
                         return Err(MosquittoError::Exited { status: status.to_string(), log: self.log() });
                     }
@@ -172,30 +166,6 @@ impl Mosquitto {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
-    }
-
-    fn spawn(&mut self) -> Result<(), MosquittoError> {
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |error| MosquittoError::Io { path, error }
-        };
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io(&self.log))?;
-        let child = Command::new(&self.binary)
-            .arg("-c")
-            .arg(&self.conf)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(io(&self.log))?)
-            .stderr(log)
-            .spawn()
-            .map_err(io(&self.binary))?;
-        self.child = Some(child);
-        Ok(())
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
@@ -219,11 +189,6 @@ fn config_text(cfg: &MosquittoConfig, addr: SocketAddr, key: &Path) -> String {
         conf.push_str("user root\n");
     }
     conf
-}
-
-fn running_as_root() -> bool {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
 #[cfg(test)]

@@ -20,7 +20,9 @@ use fedfleet_testkit::services::fleet_pki;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, timeout};
 
-pub const WAIT: Duration = Duration::from_secs(20);
+/// How long any one step may take. A NATS cluster that lost a node takes 10-30 s on 2 busy cores
+/// to elect new JetStream leaders before it takes MQTT connections again.
+pub const WAIT: Duration = Duration::from_secs(60);
 
 pub struct Fleet {
     pub dir: tempfile::TempDir,
@@ -29,6 +31,8 @@ pub struct Fleet {
     pub aggregator_key: SigningKey,
     pub registry_key: SigningKey,
     pub devices: Vec<DeviceId>,
+    /// More broker ports (the other nodes of a cluster) every client fails over to.
+    pub failover: Vec<u16>,
 }
 
 impl Fleet {
@@ -48,6 +52,7 @@ impl Fleet {
             aggregator_key: SigningKey::from_bytes(&[11; 32]),
             registry_key: SigningKey::from_bytes(&[12; 32]),
             devices,
+            failover: Vec::new(),
         }
     }
 
@@ -67,6 +72,7 @@ impl Fleet {
         o.backoff_initial = Duration::from_millis(50);
         o.backoff_max = Duration::from_millis(500);
         o.chunk_bytes = 16 * 1024;
+        o.failover = self.failover.iter().map(|p| ("127.0.0.1".to_owned(), *p)).collect();
         o
     }
 
@@ -113,6 +119,19 @@ impl Fleet {
             },
             &self.aggregator_key,
         )
+    }
+}
+
+/// `device`'s status while it trains in `round`.
+pub fn training_status(fleet: &FleetId, device: &DeviceId, round: u64) -> DeviceStatus {
+    DeviceStatus {
+        fleet: fleet.clone(),
+        device: device.clone(),
+        reported_at_unix_ms: now_ms(),
+        state: DeviceState::Training { round: RoundId(round) },
+        active: None,
+        staged: None,
+        rollout_id: None,
     }
 }
 
@@ -193,16 +212,7 @@ pub async fn run_device(
                     ControlEvent::Announcement(a) => {
                         let round = a.body().round.0;
                         let _ = reports.send(Report::Joined(id.clone(), round));
-                        let status = DeviceStatus {
-                            fleet: fleet.clone(),
-                            device: id.clone(),
-                            reported_at_unix_ms: now_ms(),
-                            state: DeviceState::Training { round: RoundId(round) },
-                            active: None,
-                            staged: None,
-                            rollout_id: None,
-                        };
-                        client.publish_status(&Signed::sign(status, &key)).await.unwrap();
+                        client.publish_status(&Signed::sign(training_status(&fleet, &id, round), &key)).await.unwrap();
                         let p = payload(&id, round);
                         let s = signed_update(&fleet, &id, &key, round, &p);
                         client.upload_update(&s, &p).await.unwrap();

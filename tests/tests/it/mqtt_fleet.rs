@@ -5,8 +5,11 @@
 //! the base model still comes over QUIC (bulk data). 3 rounds; in round 2, after two updates, the
 //! broker is restarted (every connection drops, retained messages are lost) while the other
 //! agents are uploading. Every agent reconnects, the round completes, and every accepted update
-//! is acknowledged exactly once. Run twice: against the aggregator's embedded broker, and against
+//! is acknowledged exactly once. Run against the aggregator's embedded broker, and against
 //! Debian's mosquitto (`[mqtt] mode = "external"`), whose process is killed and started again.
+//! And a third time on a 3-node NATS cluster (issue 28): the services and the agents are given
+//! the three nodes (`[mqtt] brokers`), and the node they all use is killed for good mid-round 2;
+//! everyone fails over to the next node and the campaign completes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,6 +29,7 @@ use fedfleet_learning::ModelSpec;
 use fedfleet_protocol::{DeviceId, FleetId, ModelRef, ModelVersion, RoundAnnouncement, RoundId};
 use fedfleet_registry::ops::Registry;
 use fedfleet_testkit::mosquitto::{Mosquitto, MosquittoConfig};
+use fedfleet_testkit::nats::{NatsCluster, NatsConfig};
 use fedfleet_testkit::services::RunningAggregator;
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 
@@ -116,7 +120,8 @@ struct Setup<'a> {
     fleet: &'a FleetId,
     agg_addr: SocketAddr,
     reg_addr: SocketAddr,
-    broker_port: u16,
+    /// The broker's port, then the other nodes of its cluster.
+    broker_ports: Vec<u16>,
     receipt_key: ed25519_dalek::VerifyingKey,
     pinned_root: fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::tuf::Root>,
     data_dir: &'a std::path::Path,
@@ -141,7 +146,7 @@ fn start_agents(s: &Setup<'_>, devices: &[DeviceId]) -> Fleet {
     o.call_timeout = Duration::from_secs(30);
     let (mut aggs, mut controls, mut publishers) = (Vec::new(), Vec::new(), Vec::new());
     let inner = RemoteFleet::start_with(o, |l| {
-        let mut o = device_mqtt_options(s.broker_port, &l.device, s.fleet);
+        let mut o = device_mqtt_options(&s.broker_ports, &l.device, s.fleet);
         o.chunk_bytes = 8 * 1024; // several chunks per update
         let role = Role::Device { id: l.device.clone(), aggregator_key: s.receipt_key, registry_key: None };
         let (control, events) = ControlClient::start(o, device_tls(&l.identity)?, role);
@@ -174,10 +179,11 @@ fn quic_aggregator_client(id: &DeviceIdentity, addr: SocketAddr) -> fedfleet_agg
     fedfleet_aggregator::client::AggregatorClient::new(addr, "localhost", client_tls).unwrap()
 }
 
-/// The device's MQTT client options, redialling within 100 ms to 1 s so a broker restart is
-/// over quickly.
-fn device_mqtt_options(broker_port: u16, device: &DeviceId, fleet: &FleetId) -> ClientOptions {
-    let mut o = ClientOptions::new("127.0.0.1", broker_port, device.as_str(), fleet.clone());
+/// The device's MQTT client options (the first port, failing over to the others), redialling
+/// within 100 ms to 1 s so a broker restart is over quickly.
+fn device_mqtt_options(broker_ports: &[u16], device: &DeviceId, fleet: &FleetId) -> ClientOptions {
+    let mut o = ClientOptions::new("127.0.0.1", broker_ports[0], device.as_str(), fleet.clone());
+    o.failover = broker_ports[1..].iter().map(|p| ("127.0.0.1".to_owned(), *p)).collect();
     o.backoff_initial = Duration::from_millis(100);
     o.backoff_max = Duration::from_secs(1);
     o
@@ -206,42 +212,69 @@ async fn mqtt_fleet_three_rounds_on_mosquitto_with_restart() {
         .expect("MQTT fleet test on mosquitto timed out");
 }
 
+/// The scenario on a 3-node NATS cluster (`nats-server` 2.9, MQTT listeners, JetStream
+/// clustered, the fleet's access rules): the node every client uses is killed for good mid-round
+/// 2. Fails under `CI` when nats-server is missing (`.ci/run` installs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtt_fleet_three_rounds_on_a_nats_cluster_losing_a_node() {
+    let Some(binary) = fedfleet_testkit::nats::find_binary() else {
+        if std::env::var_os("CI").is_some() {
+            panic!("nats-server is not installed; CI must install it (.ci/run does: apt-get install nats-server)");
+        }
+        eprintln!("NOTE: nats-server not found on PATH or in /usr/sbin; skipping the NATS cluster fleet test outside CI");
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(240), body(BrokerKind::Nats(binary))).await.expect("MQTT fleet test on NATS timed out");
+}
+
 /// The broker the fleet scenario runs against.
 enum BrokerKind {
     /// The aggregator's embedded rumqttd (`[mqtt] mode = "embedded"`).
     Embedded,
     /// mosquitto from this binary, with the PKI's `broker` certificate.
     Mosquitto(std::path::PathBuf),
+    /// A 3-node cluster of this `nats-server`, with the PKI's `broker` certificate.
+    Nats(std::path::PathBuf),
 }
 
 /// The running broker: restarted through the aggregator (embedded) or as a process.
 enum BrokerUnderTest {
     Embedded(SocketAddr),
     Mosquitto(Mosquitto),
+    Nats(NatsCluster),
 }
 
 impl BrokerUnderTest {
-    fn addr(&self) -> SocketAddr {
+    /// Where clients connect first, then the other nodes of a cluster.
+    fn addrs(&self) -> Vec<SocketAddr> {
         match self {
-            BrokerUnderTest::Embedded(addr) => *addr,
-            BrokerUnderTest::Mosquitto(m) => m.addr(),
+            BrokerUnderTest::Embedded(addr) => vec![*addr],
+            BrokerUnderTest::Mosquitto(m) => vec![m.addr()],
+            BrokerUnderTest::Nats(n) => n.mqtt_addrs(),
         }
     }
 
-    /// Stops the broker: every connection drops, retained messages are lost.
-    async fn stop(&mut self, mqtt: &mut fedfleet_aggregator::mqtt::Mqtt) {
+    /// Stops the broker (every connection drops, retained messages are lost), or the cluster
+    /// node every client uses. Returns whether the broker as a whole is down.
+    async fn stop(&mut self, mqtt: &mut fedfleet_aggregator::mqtt::Mqtt) -> bool {
         match self {
             BrokerUnderTest::Embedded(_) => mqtt.stop_broker().await,
             BrokerUnderTest::Mosquitto(m) => {
                 m.kill();
                 assert!(!m.is_running());
             }
+            BrokerUnderTest::Nats(n) => {
+                n.kill(0);
+                return false;
+            }
         }
+        true
     }
 
-    /// Starts a fresh broker on the same address.
+    /// Starts a fresh broker on the same address (a cluster goes on without its dead node).
     async fn start_again(&mut self, mqtt: &mut fedfleet_aggregator::mqtt::Mqtt) {
         match self {
+            BrokerUnderTest::Nats(_) => {}
             BrokerUnderTest::Embedded(addr) => {
                 let again = mqtt.start_broker().await.unwrap();
                 assert_eq!(again, Some(*addr), "the broker comes back on the same address");
@@ -262,9 +295,16 @@ async fn body(kind: BrokerKind) {
     let fleet_dir = FleetDir::new("fleetmqtt", &["registry", "aggregator", "broker"], &devices);
     let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
 
-    // mosquitto first, when it is the broker: the aggregator's config names its port.
-    let mosquitto = match kind {
+    // An external broker first: the aggregator's config names its address.
+    let external = match kind {
         BrokerKind::Embedded => None,
+        BrokerKind::Nats(binary) => {
+            let servers = pki_dir.join("servers");
+            let auth = fedfleet_control::topics::nats_authorization(&fleet_id, &["registry", "aggregator"], &devices);
+            let (crt, key) = (servers.join("broker.crt"), servers.join("broker.key"));
+            let ncfg = NatsConfig::new(binary, fleet_dir.pki.ca_cert_path(), crt, key, root_dir.join("nats"), auth);
+            Some(BrokerUnderTest::Nats(NatsCluster::start(ncfg).await.unwrap()))
+        }
         BrokerKind::Mosquitto(binary) => {
             let servers = pki_dir.join("servers");
             let mcfg = MosquittoConfig::new(
@@ -276,12 +316,12 @@ async fn body(kind: BrokerKind) {
                 root_dir.join("mosquitto"),
             );
             let acl = fedfleet_control::topics::mosquitto_acl(&fleet_id, &["registry", "aggregator"]);
-            Some(Mosquitto::start(MosquittoConfig { acl: Some(acl), ..mcfg }).await.unwrap())
+            Some(BrokerUnderTest::Mosquitto(Mosquitto::start(MosquittoConfig { acl: Some(acl), ..mcfg }).await.unwrap()))
         }
     };
-    let mqtt_section = match &mosquitto {
+    let mqtt_section = match &external {
         None => EMBEDDED_MQTT.to_string(),
-        Some(m) => external_mqtt(m.addr()),
+        Some(b) => external_mqtt(&b.addrs()),
     };
 
     // Registry, in process; the aggregator's service certificate is an operator.
@@ -298,14 +338,13 @@ async fn body(kind: BrokerKind) {
     let agg_addr = running.addr;
     let agg = running.agg.clone();
     let mut mqtt = fedfleet_aggregator::mqtt::start(&agg, &mqtt_cfg).await.unwrap().expect("[mqtt] is on");
-    let mut broker = match mosquitto {
+    let mut broker = match external {
         None => BrokerUnderTest::Embedded(mqtt.broker_addr().expect("embedded broker")),
-        Some(m) => {
+        Some(b) => {
             assert_eq!(mqtt.broker_addr(), None, "external mode starts no broker");
-            BrokerUnderTest::Mosquitto(m)
+            b
         }
     };
-    let broker_addr = broker.addr();
     let receipt_key = agg.receipt_key();
     agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
 
@@ -314,7 +353,7 @@ async fn body(kind: BrokerKind) {
         fleet: &fleet_id,
         agg_addr,
         reg_addr: registry.addr,
-        broker_port: broker_addr.port(),
+        broker_ports: broker.addrs().iter().map(SocketAddr::port).collect(),
         receipt_key,
         pinned_root: registry.pinned_root.clone(),
         data_dir: &root_dir.join("agents"),
@@ -343,16 +382,17 @@ async fn body(kind: BrokerKind) {
     // the outbox. Then a fresh broker (no retained messages) comes back on the same address.
     let connects_before: Vec<u64> = fleet.controls.iter().map(|c| c.stats().connects).collect();
     let service_connects_before = mqtt.client().stats().connects;
-    broker.stop(&mut mqtt).await;
-    fleet.step(2..N).await;
-    assert_eq!(fleet.round_acks(2), 2, "no MQTT upload can be acknowledged while the broker is down");
-    let outboxes = fleet.outboxes();
-    assert!(outboxes[2..].iter().all(|&n| n >= 1), "round 2 updates wait in the outboxes: {outboxes:?}, {:?}", fleet.states());
+    if broker.stop(&mut mqtt).await {
+        fleet.step(2..N).await;
+        assert_eq!(fleet.round_acks(2), 2, "no MQTT upload can be acknowledged while the broker is down");
+        let outboxes = fleet.outboxes();
+        assert!(outboxes[2..].iter().all(|&n| n >= 1), "round 2 updates wait in the outboxes: {outboxes:?}, {:?}", fleet.states());
+    }
     broker.start_again(&mut mqtt).await;
 
     // Every agent reconnects; round 2 completes, then round 3 and the campaign.
     fleet
-        .run_until("rounds 2 and 3", 90, 0..N, |f| {
+        .run_until("rounds 2 and 3", 150, 0..N, |f| {
             f.pending() == 0 && f.round_acks(1) == N && f.round_acks(3) == N && agg.status().last_outcome.is_some()
         })
         .await;
@@ -398,8 +438,10 @@ async fn body(kind: BrokerKind) {
     assert_eq!(registry.reg.store().versions(MODEL).unwrap(), (1..=4).map(ModelVersion).collect::<Vec<_>>());
 
     registry.stop().await;
-    if let BrokerUnderTest::Mosquitto(m) = &mut broker {
-        assert!(m.is_running(), "mosquitto exited during the campaign; its log:\n{}", m.log());
+    match &mut broker {
+        BrokerUnderTest::Mosquitto(m) => assert!(m.is_running(), "mosquitto exited during the campaign; its log:\n{}", m.log()),
+        BrokerUnderTest::Nats(n) => assert!(n.is_running(1) && n.is_running(2), "a NATS node exited; logs:\n{}", n.logs()),
+        BrokerUnderTest::Embedded(_) => {}
     }
     drop(broker);
 }
@@ -407,9 +449,16 @@ async fn body(kind: BrokerKind) {
 /// `[mqtt]` with the aggregator's embedded broker on any port.
 const EMBEDDED_MQTT: &str = "[mqtt]\nmode = \"embedded\"\nlisten = \"127.0.0.1:0\"\n";
 
-/// `[mqtt]` with an external broker at `addr` (its certificate names 127.0.0.1).
-fn external_mqtt(addr: SocketAddr) -> String {
-    format!("[mqtt]\nmode = \"external\"\nhost = \"{}\"\nport = {}\n", addr.ip(), addr.port())
+/// `[mqtt]` with an external broker at `addrs` (a cluster's nodes: `brokers`; its certificate
+/// names 127.0.0.1).
+fn external_mqtt(addrs: &[SocketAddr]) -> String {
+    match addrs {
+        [one] => format!("[mqtt]\nmode = \"external\"\nhost = \"{}\"\nport = {}\n", one.ip(), one.port()),
+        many => {
+            let list: Vec<String> = many.iter().map(|a| format!("\"{a}\"")).collect();
+            format!("[mqtt]\nmode = \"external\"\nbrokers = [{}]\n", list.join(", "))
+        }
+    }
 }
 
 /// `aggregator.toml` with `mqtt_section` and a campaign of `rounds` rounds needing all `N`
@@ -492,7 +541,7 @@ async fn refusal_body() {
 
     // The device side, as the agent wires it with `upload = "mqtt"` (QUIC never used here).
     let id = DeviceIdentity::load(&pki_dir, &device).unwrap();
-    let o = device_mqtt_options(mqtt.broker_addr().unwrap().port(), &device, &fleet_id);
+    let o = device_mqtt_options(&[mqtt.broker_addr().unwrap().port()], &device, &fleet_id);
     let role = Role::Device { id: device.clone(), aggregator_key: receipt_key, registry_key: None };
     let (control, events) = ControlClient::start(o, device_tls(&id).unwrap(), role);
     // Long enough that only an answer, not the time limit, can end the wait.
@@ -656,7 +705,7 @@ async fn rollout_body() {
     assert!(notice_key(&pinned_root).is_some(), "the root names the timestamp key");
     let mut aggs = Vec::new();
     let mut fleet = RemoteFleet::start_with(o, |l| {
-        let o = device_mqtt_options(broker.local_addr().port(), &l.device, &fleet_id);
+        let o = device_mqtt_options(&[broker.local_addr().port()], &l.device, &fleet_id);
         let role = Role::Device { id: l.device.clone(), aggregator_key: unused_receipt_key, registry_key: notice_key(&pinned_root) };
         let (control, events) = ControlClient::start(o, device_tls(&l.identity)?, role);
         let opts = MqttUploadOptions { path: UploadPath::Quic, ..Default::default() };

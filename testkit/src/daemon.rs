@@ -1,0 +1,75 @@
+//! One external server process (a broker) that a test starts, kills hard and starts again with
+//! the same command line, its stdout and stderr appended to a log file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// A server process run from `binary` with `args`; killed on drop.
+pub struct Daemon {
+    binary: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    /// Nothing runs until [`Daemon::spawn`].
+    pub fn new(binary: PathBuf, args: Vec<String>, log: PathBuf) -> Daemon {
+        Daemon { binary, args, log, child: None }
+    }
+
+    /// Starts the process (its output appended to the log).
+    pub fn spawn(&mut self) -> std::io::Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = Command::new(&self.binary).args(&self.args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log).spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// How it exited, once it has (the process is then forgotten); `None` while it runs.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        if status.is_some() {
+            self.child = None;
+        }
+        status
+    }
+
+    /// Kills it (SIGKILL, as a crash) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// What it wrote so far (all its runs).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Whether this process runs as root (brokers that drop privileges need telling).
+pub fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// A free TCP port on `ip` (bound and released: another process may take it in between).
+pub fn free_port(ip: std::net::IpAddr) -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
+}
