@@ -65,6 +65,31 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write the fleet's MQTT access rules for an external broker, from the PKI: devices publish
+    /// only their own status and updates and hear the announcements and their own receipts;
+    /// only the named services publish announcements. mosquitto: an `acl_file` (run it with
+    /// `use_identity_as_username true`); NATS: the `authorization` block of each node's config
+    /// (MQTT listener with `verify_and_map: true`), one user per enrolled device, revoked devices
+    /// left out. Write it again after enrolling or revoking and reload the broker.
+    BrokerAccess {
+        /// The fleet's PKI directory (ca.crt, devices.json, revoked.json).
+        #[arg(long, env = "FEDFLEET_PKI", default_value = "pki")]
+        pki: PathBuf,
+        #[arg(long, value_enum)]
+        broker: BrokerKind,
+        /// A service allowed every topic of the fleet (its certificate's name). Repeat.
+        #[arg(long = "service", default_values = ["aggregator", "registry"])]
+        services: Vec<String>,
+        /// Where to write it (default: standard output).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BrokerKind {
+    Mosquitto,
+    Nats,
 }
 
 #[derive(clap::Args)]
@@ -85,6 +110,25 @@ struct Conn {
     /// Print the status as JSON (one object per line) instead of text.
     #[arg(long)]
     json: bool,
+}
+
+/// The access rules of `broker` for the fleet in `pki`, devices revoked in the CA-signed list
+/// (or marked in the allow-list) left out.
+fn broker_access(pki: &std::path::Path, broker: BrokerKind, services: &[String]) -> anyhow::Result<String> {
+    use fedfleet_certs::{AllowListFile, CaCert, RevocationList, layout};
+    let allow = AllowListFile::read(&layout::allow_list(pki))?;
+    let ca = CaCert::load(layout::ca_cert(pki))?;
+    let revoked = RevocationList::load(&layout::revocation_list(pki), ca.public_key())?;
+    for s in services {
+        layout::validate_name(s).with_context(|| format!("--service {s:?}"))?;
+    }
+    let services: Vec<&str> = services.iter().map(String::as_str).collect();
+    let devices: Vec<_> =
+        allow.devices.iter().filter(|(id, e)| e.revoked_at.is_none() && !revoked.contains(id)).map(|(id, _)| id.clone()).collect();
+    Ok(match broker {
+        BrokerKind::Mosquitto => fedfleet_control::topics::mosquitto_acl(&allow.fleet, &services),
+        BrokerKind::Nats => fedfleet_control::topics::nats_authorization(&allow.fleet, &services, &devices),
+    })
 }
 
 #[derive(Subcommand)]
@@ -179,6 +223,18 @@ async fn run(cli: Cli) -> Result<()> {
             let (version, bytes) = export_global_model(&cfg)?;
             fedfleet_aggregator::persist::write_atomic(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
             println!("wrote {} (global model v{version} of {})", out.display(), cfg.data_dir.display());
+            Ok(())
+        }
+        Cmd::BrokerAccess { pki, broker, services, out } => {
+            let text = broker_access(&pki, broker, &services)?;
+            match out {
+                Some(path) => {
+                    fedfleet_aggregator::persist::write_atomic(&path, text.as_bytes())
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    eprintln!("wrote {}", path.display());
+                }
+                None => print!("{text}"),
+            }
             Ok(())
         }
         Cmd::Campaign { action } => {

@@ -436,14 +436,16 @@ impl Driver {
                         // Connected without hearing everything is worse than not connected (a
                         // device would miss rounds): drop the connection and try again. A NATS
                         // node still electing JetStream leaders refuses subscriptions for a while.
-                        tracing::warn!(?backoff, "the broker refused a subscription; connecting again");
+                        // It answers but is not ready: a quick retry only adds to its backlog (each
+                        // connection costs it a session), so wait the backoff's ceiling.
+                        let wait = self.options.backoff_max;
+                        tracing::warn!(?wait, "the broker refused a subscription; connecting again");
                         eventloop.clean();
                         connected = false;
                         tokio::select! {
                             _ = stopped.changed() => break,
-                            _ = tokio::time::sleep(jitter(backoff)) => {}
+                            _ = tokio::time::sleep(jitter(wait)) => {}
                         }
-                        backoff = (backoff * 2).min(self.options.backoff_max);
                         continue;
                     }
                     self.emit_connected().await;

@@ -209,3 +209,41 @@ async fn campaign_wait_reports_every_round_including_the_last() {
     assert!(text.contains("no campaign running (last: completed)"), "{text}");
     svc.stop().await;
 }
+
+/// `broker-access` writes the fleet's broker rules from the PKI: under NATS one user per enrolled
+/// device, a revoked device left out; a service name that is not a name is refused.
+#[test]
+fn broker_access_writes_the_rules_and_leaves_revoked_devices_out() {
+    use fedfleet_certs::{LEAF_DAYS, Pki};
+    use fedfleet_protocol::{DeviceId, FleetId};
+    let dir = tempfile::tempdir().unwrap();
+    let pki_dir = dir.path().join("pki");
+    let pki = Pki::init(&pki_dir, &FleetId::new("acme").unwrap(), LEAF_DAYS, false).unwrap();
+    for id in ["cam-1", "cam-2"] {
+        pki.enroll_device(&DeviceId::new(id).unwrap(), LEAF_DAYS, false).unwrap();
+    }
+    pki.revoke(&DeviceId::new("cam-2").unwrap(), "lost").unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
+            .args(["broker-access", "--pki", pki_dir.to_str().unwrap()])
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, nats, err) = run(&["--broker", "nats"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(nats.contains("user: \"CN=cam-1,OU=device,O=acme\""), "{nats}");
+    assert!(nats.contains("\"fedfleet.v1.acme.devices.cam-1.updates\""), "{nats}");
+    assert!(!nats.contains("cam-2"), "a revoked device keeps no broker user:\n{nats}");
+    for service in ["aggregator", "registry"] {
+        assert!(nats.contains(&format!("user: \"CN={service},OU=service,O=acme\"")), "{nats}");
+    }
+    let (code, acl, _) = run(&["--broker", "mosquitto", "--service", "aggregator"]);
+    assert_eq!(code, Some(0));
+    assert!(acl.contains("pattern write fedfleet/v1/acme/devices/%u/status") && acl.contains("user aggregator\n"), "{acl}");
+    assert!(!acl.contains("user registry"), "{acl}");
+    let (code, _, err) = run(&["--broker", "nats", "--service", "bad name"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("--service \"bad name\""), "{err}");
+}

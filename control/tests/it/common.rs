@@ -33,6 +33,8 @@ pub struct Fleet {
     pub devices: Vec<DeviceId>,
     /// More broker ports (the other nodes of a cluster) every client fails over to.
     pub failover: Vec<u16>,
+    /// Every client's reconnect backoff ceiling.
+    pub backoff_max: Duration,
 }
 
 impl Fleet {
@@ -53,6 +55,7 @@ impl Fleet {
             registry_key: SigningKey::from_bytes(&[12; 32]),
             devices,
             failover: Vec::new(),
+            backoff_max: Duration::from_millis(500),
         }
     }
 
@@ -70,7 +73,7 @@ impl Fleet {
         let mut o = ClientOptions::new("127.0.0.1", port, client_id, self.fleet.clone());
         o.keep_alive = Duration::from_secs(5);
         o.backoff_initial = Duration::from_millis(50);
-        o.backoff_max = Duration::from_millis(500);
+        o.backoff_max = self.backoff_max;
         o.chunk_bytes = 16 * 1024;
         o.failover = self.failover.iter().map(|p| ("127.0.0.1".to_owned(), *p)).collect();
         o

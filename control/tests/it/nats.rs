@@ -79,6 +79,9 @@ async fn round_flow_survives_a_nats_node_killed_mid_round() {
     let mut nats = cluster(&f, bin).await;
     let ports: Vec<u16> = nats.mqtt_addrs().iter().map(|a| a.port()).collect();
     f.failover = ports[1..].to_vec();
+    // A node that lost a peer refuses subscriptions while it elects JetStream leaders; clients
+    // wait the ceiling between tries (2 s, where a fleet would wait 30 s).
+    f.backoff_max = Duration::from_secs(2);
     let nats_ref = &mut nats;
     common::round_flow(&f, ports[0], async || {
         nats_ref.kill(0);

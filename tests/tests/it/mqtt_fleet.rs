@@ -180,12 +180,14 @@ fn quic_aggregator_client(id: &DeviceIdentity, addr: SocketAddr) -> fedfleet_agg
 }
 
 /// The device's MQTT client options (the first port, failing over to the others), redialling
-/// within 100 ms to 1 s so a broker restart is over quickly.
+/// within 100 ms to 1 s (2 s on a cluster) so a broker restart is over quickly.
 fn device_mqtt_options(broker_ports: &[u16], device: &DeviceId, fleet: &FleetId) -> ClientOptions {
     let mut o = ClientOptions::new("127.0.0.1", broker_ports[0], device.as_str(), fleet.clone());
     o.failover = broker_ports[1..].iter().map(|p| ("127.0.0.1".to_owned(), *p)).collect();
     o.backoff_initial = Duration::from_millis(100);
-    o.backoff_max = Duration::from_secs(1);
+    // A cluster node that lost a peer refuses subscriptions while it elects JetStream leaders,
+    // and a client waits the ceiling between tries: 2 s there.
+    o.backoff_max = Duration::from_secs(if o.failover.is_empty() { 1 } else { 2 });
     o
 }
 
