@@ -789,7 +789,12 @@ mod tests {
         std::fs::write(&p, format!("{base}[mqtt]\nmode = \"off\"\n")).unwrap();
         assert_eq!(Config::load_all(&p).unwrap().1, None);
         std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\n")).unwrap();
-        assert!(Config::load_all(&p).unwrap_err().to_string().contains("mqtt.host"));
+        assert!(Config::load_all(&p).unwrap_err().to_string().contains("host is missing"));
+        std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nbrokers = [\"n1:1883\", \"n2:1883\"]\n")).unwrap();
+        let m = Config::load_all(&p).unwrap().1.unwrap();
+        assert_eq!(m.client.addresses().unwrap(), vec![("n1".to_owned(), 1883), ("n2".to_owned(), 1883)]);
+        std::fs::write(&p, format!("{base}[mqtt]\nbrokers = [\"n1:1883\"]\n")).unwrap();
+        assert!(Config::load_all(&p).unwrap_err().to_string().contains("set mqtt.mode = \"external\""));
         std::fs::write(&p, format!("{base}[mqtt]\nmode = \"external\"\nhost = \"b\"\nport = 1883\n")).unwrap();
         let m = Config::load_all(&p).unwrap().1.unwrap();
         assert_eq!((m.mode, m.client.host.as_deref(), m.client.port), (MqttMode::External, Some("b"), Some(1883)));

@@ -63,6 +63,16 @@ impl Drop for Daemon {
     }
 }
 
+/// `name` on `PATH` or in the sbin directories (Debian installs brokers in `/usr/sbin`, which is
+/// not on a normal user's `PATH`).
+pub fn find_sbin(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
 /// Whether this process runs as root (brokers that drop privileges need telling).
 pub fn running_as_root() -> bool {
     use std::os::unix::fs::MetadataExt;

@@ -42,11 +42,7 @@ impl From<fedfleet_certs::CertError> for MosquittoError {
 /// The `mosquitto` binary on `PATH` or in the sbin directories (Debian installs it in
 /// `/usr/sbin`, which is not on a normal user's `PATH`).
 pub fn find_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
-        .map(|d| d.join("mosquitto"))
-        .find(|p| p.is_file())
+    crate::daemon::find_sbin("mosquitto")
 }
 
 /// What the broker serves with.

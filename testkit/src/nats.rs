@@ -28,11 +28,7 @@ pub enum NatsError {
 /// The `nats-server` binary on `PATH` or in the sbin directories (Debian installs it in
 /// `/usr/sbin`).
 pub fn find_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
-        .map(|d| d.join("nats-server"))
-        .find(|p| p.is_file())
+    crate::daemon::find_sbin("nats-server")
 }
 
 /// What the cluster serves with.
@@ -126,6 +122,23 @@ impl NatsCluster {
         self.kill(node);
         self.spawn(node)?;
         self.wait_ready().await
+    }
+
+    /// The node that last said it became the JetStream metadata leader, if any did.
+    pub fn meta_leader(&self) -> Option<usize> {
+        const CLAIM: &str = "Self is new JetStream cluster metadata leader";
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| {
+                let log = n.daemon.log();
+                let line = log.lines().filter(|l| l.contains(CLAIM)).last()?;
+                // "[pid] 2026/12/05 10:08:44.791061 [INF] ...": date and time order the claims.
+                let stamp = line.split_whitespace().skip(1).take(2).collect::<Vec<_>>().join(" ");
+                Some((stamp, i))
+            })
+            .max()
+            .map(|(_, i)| i)
     }
 
     /// What each node wrote so far, headed by its name.

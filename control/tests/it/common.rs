@@ -9,7 +9,7 @@ use std::time::Duration;
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::{AllowList, DeviceIdentity, LEAF_DAYS, Pki, ServerIdentity};
 use fedfleet_control::{
-    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, ControlEvents, Presence, Rejected, Role, device_tls,
+    AssemblerLimits, BrokerConfig, ClientOptions, ControlClient, ControlEvent, ControlEvents, Presence, QoS, Rejected, Role, device_tls,
     service_tls,
 };
 use fedfleet_protocol::{
@@ -138,6 +138,42 @@ pub fn training_status(fleet: &FleetId, device: &DeviceId, round: u64) -> Device
     }
 }
 
+/// A broker holding devices to their topics: the aggregator (on `agg_port`) announces round 6;
+/// device b (on `forger_port`) publishes a retained announcement of its own and a status on
+/// device a's topic; device a, connecting later on `joiner_port`, hears the real announcement,
+/// and the aggregator never receives the forged status.
+pub async fn forgeries_are_dropped_by_the_broker(f: &Fleet, agg_port: u16, forger_port: u16, joiner_port: u16) {
+    let (agg, mut agg_events) = f.aggregator(agg_port);
+    let (dev_b, mut b_events, key_b) = f.device(forger_port, &f.devices[1]);
+    for (what, events) in [("aggregator", &mut agg_events), ("b", &mut b_events)] {
+        wait_for(events, what, |e| matches!(e, ControlEvent::Connected { .. }).then_some(())).await;
+    }
+    agg.publish_announcement(&f.announcement(6)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let forged = Signed::sign(f.announcement(7).into_body(), &key_b);
+    dev_b.publish_raw(&fedfleet_control::topics::rounds(&f.fleet), forged.encode(), QoS::AtLeastOnce, true).await.unwrap();
+    let forged_status = Signed::sign(training_status(&f.fleet, &f.devices[0], 6), &key_b);
+    let a_status = fedfleet_control::topics::status(&f.fleet, &f.devices[0]);
+    dev_b.publish_raw(&a_status, forged_status.encode(), QoS::AtLeastOnce, true).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (dev_a, mut a_events, _) = f.device(joiner_port, &f.devices[0]);
+    let round = wait_for(&mut a_events, "retained announcement", |e| match e {
+        ControlEvent::Announcement(s) => Some(s.body().round.0),
+        ControlEvent::Rejected(r) => panic!("the forgery reached a device: {r}"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(round, 6);
+    // Whatever reached the aggregator meanwhile, none of it was the forged status.
+    while let Ok(Some(e)) = timeout(Duration::from_millis(300), agg_events.recv()).await {
+        assert!(!matches!(e, ControlEvent::Rejected(_)), "a forgery reached the aggregator: {e:?}");
+    }
+    assert!(agg.stats().rejected.is_empty(), "{:?}", agg.stats());
+    for c in [&agg, &dev_a, &dev_b] {
+        c.shutdown().await;
+    }
+}
+
 pub fn base_model(round: u64) -> ModelRef {
     ModelRef { name: "digits".into(), version: ModelVersion(round), digest: Digest::of(&round.to_be_bytes()) }
 }
@@ -246,8 +282,12 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
-async fn wait_reports(rx: &mut mpsc::UnboundedReceiver<Report>, what: &str, mut done: impl FnMut(&Report) -> bool) {
-    let deadline = Instant::now() + WAIT;
+async fn wait_reports(rx: &mut mpsc::UnboundedReceiver<Report>, what: &str, done: impl FnMut(&Report) -> bool) {
+    wait_reports_for(rx, what, WAIT, done).await
+}
+
+async fn wait_reports_for(rx: &mut mpsc::UnboundedReceiver<Report>, what: &str, wait: Duration, mut done: impl FnMut(&Report) -> bool) {
+    let deadline = Instant::now() + wait;
     loop {
         let r = timeout(deadline.saturating_duration_since(Instant::now()), rx.recv())
             .await
@@ -374,7 +414,9 @@ pub async fn round_flow(f: &Fleet, port: u16, mid_round: impl AsyncFnOnce() -> b
     let restarted = mid_round().await;
     if restarted {
         let mut reconnected = BTreeSet::new();
-        wait_reports(&mut rx, "devices reconnecting", |r| {
+        // A NATS cluster that lost a node took up to a minute on 2 cores busy with other tests to
+        // take MQTT subscriptions again (JetStream stream leader elections, 4 s API time-outs).
+        wait_reports_for(&mut rx, "devices reconnecting", 3 * WAIT, |r| {
             if let Report::Connected(d, n) = r
                 && *n >= 2
             {
