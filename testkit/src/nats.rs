@@ -132,7 +132,7 @@ impl NatsCluster {
             .enumerate()
             .filter_map(|(i, n)| {
                 let log = n.daemon.log();
-                let line = log.lines().filter(|l| l.contains(CLAIM)).next_back()?;
+                let line = log.lines().rfind(|l| l.contains(CLAIM))?;
                 // "[pid] 2026/12/05 10:08:44.791061 [INF] ...": date and time order the claims.
                 let stamp = line.split_whitespace().skip(1).take(2).collect::<Vec<_>>().join(" ");
                 Some((stamp, i))
