@@ -354,6 +354,14 @@ pub struct Inbound {
     last_rollout: Option<(u64, Vec<u8>)>,
 }
 
+/// Sleeps `d`, or less when the client is stopped meanwhile; returns whether it was.
+async fn pause(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool {
+    tokio::select! {
+        _ = stopped.changed() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}
+
 fn jitter(d: Duration) -> Duration {
     // A fresh randomly keyed hasher is a random number without a clock or an RNG crate.
     use std::hash::BuildHasher;
@@ -442,9 +450,8 @@ impl Driver {
                         tracing::warn!(?wait, "the broker refused a subscription; connecting again");
                         eventloop.clean();
                         connected = false;
-                        tokio::select! {
-                            _ = stopped.changed() => break,
-                            _ = tokio::time::sleep(jitter(wait)) => {}
+                        if pause(&mut stopped, jitter(wait)).await {
+                            break;
                         }
                         continue;
                     }
@@ -460,9 +467,8 @@ impl Driver {
                     }
                     tracing::debug!(error = %e, ?backoff, "MQTT connection failed; retrying");
                     self.next_broker(&mut eventloop);
-                    tokio::select! {
-                        _ = stopped.changed() => break,
-                        _ = tokio::time::sleep(jitter(backoff)) => {}
+                    if pause(&mut stopped, jitter(backoff)).await {
+                        break;
                     }
                     backoff = (backoff * 2).min(self.options.backoff_max);
                 }

@@ -162,25 +162,23 @@ pub fn nats_authorization(fleet: &FleetId, services: &[&str], devices: &[DeviceI
     let user = |cn: &str, ou: &str| format!("CN={cn},OU={ou},O={fleet}");
     let mut out =
         format!("# fedfleet access rules for fleet {fleet} (NATS MQTT listener with verify_and_map)\nauthorization {{\n  users = [\n");
-    let all = subject(format!("{PREFIX}/{fleet}/>"));
-    for s in services {
-        out.push_str(&format!(
-            "    {{ user: \"{}\", permissions: {{ publish: [\"{all}\", \"$MQTT.sub.>\"], subscribe: [\"{all}\", \"$MQTT.sub.>\"] }} }}\n",
-            user(s, fedfleet_certs::OU_SERVICE)
-        ));
-    }
-    for d in devices {
-        let (publish, subscribe) = (
-            [status(fleet, d), updates(fleet, d)].map(subject),
-            [rounds(fleet), rollouts(fleet), receipts(fleet, d), rejections(fleet, d)].map(subject),
-        );
+    // One user: its subjects, and the server's QoS 1 delivery subjects, both ways as given.
+    let mut entry = |name: String, publish: &[String], subscribe: &[String]| {
         let list = |l: &[String]| l.iter().map(|t| format!("\"{t}\"")).chain(["\"$MQTT.sub.>\"".into()]).collect::<Vec<_>>().join(", ");
         out.push_str(&format!(
-            "    {{ user: \"{}\", permissions: {{ publish: [{}], subscribe: [{}] }} }}\n",
-            user(d.as_str(), fedfleet_certs::OU_DEVICE),
-            list(&publish),
-            list(&subscribe)
+            "    {{ user: \"{name}\", permissions: {{ publish: [{}], subscribe: [{}] }} }}\n",
+            list(publish),
+            list(subscribe)
         ));
+    };
+    let all = [subject(format!("{PREFIX}/{fleet}/>"))];
+    for s in services {
+        entry(user(s, fedfleet_certs::OU_SERVICE), &all, &all);
+    }
+    for d in devices {
+        let publish = [status(fleet, d), updates(fleet, d)].map(subject);
+        let subscribe = [rounds(fleet), rollouts(fleet), receipts(fleet, d), rejections(fleet, d)].map(subject);
+        entry(user(d.as_str(), fedfleet_certs::OU_DEVICE), &publish, &subscribe);
     }
     out.push_str("  ]\n}\n");
     out

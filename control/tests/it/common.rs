@@ -156,14 +156,7 @@ pub async fn forgeries_are_dropped_by_the_broker(f: &Fleet, agg_port: u16, forge
     let a_status = fedfleet_control::topics::status(&f.fleet, &f.devices[0]);
     dev_b.publish_raw(&a_status, forged_status.encode(), QoS::AtLeastOnce, true).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (dev_a, mut a_events, _) = f.device(joiner_port, &f.devices[0]);
-    let round = wait_for(&mut a_events, "retained announcement", |e| match e {
-        ControlEvent::Announcement(s) => Some(s.body().round.0),
-        ControlEvent::Rejected(r) => panic!("the forgery reached a device: {r}"),
-        _ => None,
-    })
-    .await;
-    assert_eq!(round, 6);
+    let dev_a = late_joiner_hears(f, joiner_port, &f.devices[0], 6).await;
     // Whatever reached the aggregator meanwhile, none of it was the forged status.
     while let Ok(Some(e)) = timeout(Duration::from_millis(300), agg_events.recv()).await {
         assert!(!matches!(e, ControlEvent::Rejected(_)), "a forgery reached the aggregator: {e:?}");
@@ -172,6 +165,20 @@ pub async fn forgeries_are_dropped_by_the_broker(f: &Fleet, agg_port: u16, forge
     for c in [&agg, &dev_a, &dev_b] {
         c.shutdown().await;
     }
+}
+
+/// Connects `device` on `port` and waits for the retained announcement, which must be `round`'s
+/// and no forgery (a refused message panics). Returns the device's client.
+pub async fn late_joiner_hears(f: &Fleet, port: u16, device: &DeviceId, round: u64) -> ControlClient {
+    let (client, mut events, _) = f.device(port, device);
+    let heard = wait_for(&mut events, "retained announcement", |e| match e {
+        ControlEvent::Announcement(s) => Some(s.body().round.0),
+        ControlEvent::Rejected(r) => panic!("the forgery reached a device: {r}"),
+        _ => None,
+    })
+    .await;
+    assert_eq!(heard, round);
+    client
 }
 
 pub fn base_model(round: u64) -> ModelRef {

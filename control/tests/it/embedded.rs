@@ -208,14 +208,7 @@ async fn the_broker_closes_a_device_publishing_outside_its_own_topics() {
     assert_eq!(metrics.refused(fedfleet_control::Refusal::ClientId), 1);
 
     // A device connecting now hears the real announcement, never the forgery.
-    let (dev_late, mut late_events, _) = f.device(port, late);
-    let round = wait_for(&mut late_events, "retained announcement", |e| match e {
-        ControlEvent::Announcement(s) => Some(s.body().round.0),
-        ControlEvent::Rejected(r) => panic!("the forgery reached a device: {r}"),
-        _ => None,
-    })
-    .await;
-    assert_eq!(round, 6);
+    let dev_late = common::late_joiner_hears(&f, port, late, 6).await;
     assert!(dev_late.stats().rejected(RejectReason::BadSignature) == 0);
     for c in [&agg, &dev_late] {
         c.shutdown().await;
