@@ -122,11 +122,13 @@ pub struct ShellConfig {
     /// JSON file the device writes with its conditions (`{"idle":..,"charging":..,
     /// "fresh_samples":..}`), read at every control poll.
     pub conditions_file: Option<std::path::PathBuf>,
+    /// Where artifacts are downloaded from before (or instead of) the registry.
+    pub mirrors: Option<Arc<crate::mirror::Mirrors>>,
 }
 
 impl Default for ShellConfig {
     fn default() -> Self {
-        ShellConfig { download_chunk: 256 * 1024, latency_samples: 64, status_file: None, conditions_file: None }
+        ShellConfig { download_chunk: 256 * 1024, latency_samples: 64, status_file: None, conditions_file: None, mirrors: None }
     }
 }
 
@@ -490,11 +492,39 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 ),
             });
         }
+        // Mirrors first (a partial file may hold bytes from either source: equal if honest, and
+        // the whole is checked below), the registry for what they cannot serve.
+        let mut mirrors = self.cfg.mirrors.as_ref().filter(|m| m.serves(&model.digest));
+        let mut mirrored = false;
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| DownloadError::storage(&path, e))?;
         while have < length {
             let want = (length - have).min(self.cfg.download_chunk as u64) as u32;
-            let chunk =
-                self.reg.download(&model.name, model.version, have, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?;
+            let mut chunk = None;
+            if let Some(m) = mirrors {
+                match m.read_range(&model.digest, have, want).await {
+                    Ok(b) if !b.is_empty() => {
+                        mirrored = true;
+                        chunk = Some(b);
+                    }
+                    Ok(_) => tracing::info!(digest = %model.digest, offset = have, "mirror sent nothing"),
+                    Err(e) => tracing::info!(digest = %model.digest, error = %e, "mirror did not serve the artifact"),
+                }
+                if chunk.is_none() {
+                    if !m.registry_fallback {
+                        return Err(DownloadError::Transport(format!(
+                            "no mirror served bytes {have}.. of {} and registry_fallback is off",
+                            model.digest
+                        )));
+                    }
+                    mirrors = None;
+                }
+            }
+            let chunk = match chunk {
+                Some(c) => c,
+                None => {
+                    self.reg.download(&model.name, model.version, have, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?
+                }
+            };
             if chunk.is_empty() {
                 return Err(DownloadError::Transport(format!("registry sent nothing at offset {have} of {length}")));
             }
@@ -507,6 +537,16 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         let digest = Digest::of(&bytes);
         if digest == model.digest {
             store.promote_partial(&digest).map_err(|e| DownloadError::Storage { fault: StorageFault::Io, detail: e.to_string() })?;
+        } else if mirrored && let Some(m) = &self.cfg.mirrors {
+            // A mirror (or the store behind it) served other bytes: refused, never staged. The
+            // verified metadata still names the artifact, so the install is retried, not failed.
+            tracing::warn!(reason = "digest_mismatch", expected = %model.digest, got = %digest, mirrors = ?m, "artifact from a mirror refused: its bytes do not match the signed digest");
+            let _ = std::fs::remove_file(&path);
+            m.refuse(&model.digest);
+            return Err(DownloadError::Transport(format!(
+                "mirrored artifact refused (digest_mismatch): {digest}, signed {}",
+                model.digest
+            )));
         }
         Ok((bytes.len() as u64, digest))
     }

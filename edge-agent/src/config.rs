@@ -45,6 +45,9 @@
 //! addr = "10.0.0.5:7443"
 //! server_name = "localhost"
 //! model = "digits"                             # the model whose assignments this device follows
+//! # mirrors = ["https://cdn.example/fedfleet-models"]  # artifacts at <mirror>/artifacts/<digest>,
+//! #                                            # tried first (untrusted: checked against signed metadata)
+//! # registry_fallback = true                   # false: artifact bytes come from mirrors only
 //!
 //! [renewal]         # the device certificate is renewed through [registry] before it expires
 //! # renew_before_days = 30; check_interval_secs = 3600   (also renewed in its last third)
@@ -169,6 +172,16 @@ pub struct RegistryEndpoint {
     pub server_name: String,
     /// The model name whose assignments this device follows.
     pub model: String,
+    /// HTTP(S) mirrors of the registry's object store, tried before the registry.
+    #[serde(default)]
+    pub mirrors: Vec<String>,
+    /// Whether the registry serves artifact bytes that no mirror could (default true).
+    #[serde(default = "default_true")]
+    pub registry_fallback: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_server_name() -> String {
@@ -422,6 +435,12 @@ impl AgentConfig {
             return Err("[data] holdout_fraction must be in [0, 1)".into());
         }
         fedfleet_protocol::FleetId::new(&c.fleet).map_err(|e| format!("fleet {:?}: {e}", c.fleet))?;
+        if let Some(r) = &c.registry {
+            if !r.registry_fallback && r.mirrors.is_empty() {
+                return Err("[registry] registry_fallback = false needs at least one mirror".into());
+            }
+            crate::mirror::Mirrors::new(&r.mirrors, r.registry_fallback).map_err(|e| format!("[registry] {e}"))?;
+        }
         if let Some(m) = &c.mqtt {
             m.unknown.check("mqtt")?;
             m.client.address()?;

@@ -142,8 +142,18 @@ pub fn build_agent<A: Aggregator, R: Registry>(
         Inbox::open(&store, cfg.inbox, ExampleShape::of(&data.train))?
     };
     let core = DurableLifecycle::open(core_cfg, store, root, initial, clock.now_ms())?;
-    let shell =
-        ShellConfig { status_file: Some(cfg.status_path()), conditions_file: cfg.participation.status_file.clone(), ..Default::default() };
+    let mirrors = match &cfg.registry {
+        Some(r) if !r.mirrors.is_empty() => {
+            Some(Arc::new(crate::mirror::Mirrors::new(&r.mirrors, r.registry_fallback).map_err(anyhow::Error::msg)?))
+        }
+        _ => None,
+    };
+    let shell = ShellConfig {
+        status_file: Some(cfg.status_path()),
+        conditions_file: cfg.participation.status_file.clone(),
+        mirrors,
+        ..Default::default()
+    };
     let mut agent = Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell).with_trainer(trainer);
     agent.set_inbox(inbox, cfg.data.normalization());
     Ok(agent)

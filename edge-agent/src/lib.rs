@@ -11,6 +11,8 @@
 //! - [`inference`]: the local endpoint (unix socket, line-delimited JSON) and CSV input parsing.
 //! - [`inbox`]: labelled examples the device's application pushes through that endpoint, kept
 //!   bounded in the store and trained on from the next round.
+//! - [`mirror`]: artifact downloads from HTTP(S) mirrors of the registry's object store
+//!   (untrusted: the shell checks every artifact against its signed digest).
 //! - [`config`], [`daemon`]: `agent.toml`, identity files, the `run`/`status`/`enroll` commands.
 
 pub mod agent;
@@ -20,6 +22,7 @@ pub mod daemon;
 pub mod inbox;
 pub mod inference;
 pub mod lifecycle;
+pub mod mirror;
 pub mod ml;
 pub mod mqtt;
 pub mod remote;

@@ -63,8 +63,24 @@ pub struct RemoteAggregator {
 }
 
 /// Each call's time limit by default (QUIC does not report an unreachable server before its idle
-/// timeout; the agent retries a timed-out upload with the same bytes).
+/// timeout; the agent retries a timed-out upload with the same bytes). A service that died holds
+/// the agent's loop no longer than this per call: installs from mirrors, inference and the
+/// outbox go on.
 pub const DEFAULT_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// `f`, failed as a transport error after `timeout`.
+async fn within<T, E>(
+    timeout: std::time::Duration,
+    service: &str,
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+    map: impl FnOnce(E) -> TransportError,
+) -> Result<T, TransportError> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => r.map_err(map),
+        Err(_) => Err(TransportError(format!("{service}: {what} timed out after {timeout:?}"))),
+    }
+}
 
 impl RemoteAggregator {
     /// Wraps a connected client. `receipt_key` is the aggregator's `receipt.pub`: announcements
@@ -80,10 +96,7 @@ impl RemoteAggregator {
     }
 
     async fn limited<T>(&self, what: &str, f: impl std::future::Future<Output = Result<T, AggError>>) -> Result<T, TransportError> {
-        match tokio::time::timeout(self.timeout, f).await {
-            Ok(r) => r.map_err(agg_err),
-            Err(_) => Err(TransportError(format!("aggregator: {what} timed out after {:?}", self.timeout))),
-        }
+        within(self.timeout, "aggregator", what, f, agg_err).await
     }
 
     /// Every upload acknowledged so far (receipts and `Replay`/`Duplicate` answers), in order.
@@ -167,6 +180,7 @@ pub struct RemoteRegistry {
     model: String,
     root: Mutex<SignedMetadata<Root>>,
     clock: Arc<dyn Clock>,
+    timeout: std::time::Duration,
 }
 
 impl RemoteRegistry {
@@ -179,7 +193,13 @@ impl RemoteRegistry {
 
     /// [`RemoteRegistry::new`] with the clock that assignment expiry is checked against.
     pub fn with_clock(client: RegistryClient, model: impl Into<String>, pinned_root: SignedMetadata<Root>, clock: Arc<dyn Clock>) -> Self {
-        RemoteRegistry { client, model: model.into(), root: Mutex::new(pinned_root), clock }
+        RemoteRegistry { client, model: model.into(), root: Mutex::new(pinned_root), clock, timeout: DEFAULT_CALL_TIMEOUT }
+    }
+
+    /// Sets each call's time limit (default [`DEFAULT_CALL_TIMEOUT`]).
+    pub fn with_timeout(mut self, t: std::time::Duration) -> Self {
+        self.timeout = t;
+        self
     }
 
     pub fn client(&self) -> &RegistryClient {
@@ -194,7 +214,7 @@ impl RemoteRegistry {
 
 impl Registry for RemoteRegistry {
     async fn metadata(&self, have_root_version: u64) -> Result<MetadataSet, TransportError> {
-        let m = self.client.metadata(have_root_version).await.map_err(reg_err)?;
+        let m = within(self.timeout, "registry", "metadata", self.client.metadata(have_root_version), reg_err).await?;
         // Follow root rotations for assignment checks (only roots that chain from ours).
         if !m.roots.is_empty() {
             let mut g = self.root.lock().unwrap_or_else(|p| p.into_inner());
@@ -211,7 +231,10 @@ impl Registry for RemoteRegistry {
     }
 
     async fn assignment(&self, device: &DeviceId) -> Result<Option<fedfleet_protocol::RolloutNotice>, TransportError> {
-        let signed = match self.client.assignment(&self.model).await {
+        // NotFound is an answer (nothing assigned), not a failure: the timeout alone is mapped here.
+        let ask = async { Ok(self.client.assignment(&self.model).await) };
+        let asked = within(self.timeout, "registry", "assignment", ask, |never: std::convert::Infallible| match never {}).await?;
+        let signed = match asked {
             Ok(s) => s,
             Err(RegError::NotFound(_)) => return Ok(None),
             Err(e) => return Err(reg_err(e)),
@@ -222,10 +245,10 @@ impl Registry for RemoteRegistry {
     }
 
     async fn download(&self, name: &str, version: ModelVersion, offset: u64, max_len: u32) -> Result<Vec<u8>, TransportError> {
-        self.client.read_range(name, version, offset, max_len).await.map_err(reg_err)
+        within(self.timeout, "registry", "download", self.client.read_range(name, version, offset, max_len), reg_err).await
     }
 
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
-        self.client.report(status).await.map_err(reg_err)
+        within(self.timeout, "registry", "report", self.client.report(status), reg_err).await
     }
 }

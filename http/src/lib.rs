@@ -125,6 +125,12 @@ pub fn process_memory() -> (u64, u64) {
 /// GETs `http://addr{path}` over HTTP/1.1 with hyper (tests, benchmarks, `status` commands):
 /// (status code, body).
 pub async fn scrape(addr: SocketAddr, path: &str) -> Result<(u16, String), ScrapeError> {
+    let (status, body) = scrape_bytes(addr, path).await?;
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// [`scrape`], the body as bytes.
+pub async fn scrape_bytes(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ScrapeError> {
     use http_body_util::BodyExt;
     let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
@@ -136,7 +142,7 @@ pub async fn scrape(addr: SocketAddr, path: &str) -> Result<(u16, String), Scrap
     let resp = sender.send_request(req).await?;
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await?.to_bytes();
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    Ok((status, body.to_vec()))
 }
 
 /// Why [`scrape`] failed.

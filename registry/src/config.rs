@@ -19,6 +19,12 @@
 //! ca_key = "pki/ca.key"            # the fleet CA key (this registry then holds it: guard the host)
 //! days = 365                       # validity of a renewed certificate (never past the CA's)
 //!
+//! [object_store]                   # optional: artifacts also in an S3-compatible bucket (see `objects`)
+//! bucket = "fedfleet-models"
+//! endpoint = "http://127.0.0.1:8333"   # absent: AWS S3; credentials from AWS_* or the two keys below
+//! allow_http = true                # a plain-HTTP endpoint (loopback or a private network)
+//! # access_key_id = "..."  secret_access_key_file = "s3.secret"
+//!
 //! [mqtt]                           # optional: the MQTT control plane (see `mqtt`)
 //! host = "127.0.0.1"               # the aggregator's embedded broker or an external one
 //! port = 8883
@@ -52,6 +58,8 @@ pub struct Config {
     pub mqtt: Option<crate::mqtt::MqttConfig>,
     /// Device certificate renewal (absent: devices' renewal requests are refused).
     pub renewal: Option<RenewalConfig>,
+    /// Artifacts mirrored to an S3-compatible bucket (absent: served by the registry only).
+    pub object_store: Option<crate::objects::ObjectStoreConfig>,
 }
 
 /// `[renewal]`: the registry signs renewed device certificates with the fleet CA key. The
@@ -90,6 +98,7 @@ impl Default for Config {
             max_connections: 16384,
             mqtt: None,
             renewal: None,
+            object_store: None,
         }
     }
 }
@@ -108,8 +117,12 @@ impl Config {
         if let Some(m) = &c.mqtt {
             m.validate().map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
         }
+        if let Some(o) = &c.object_store {
+            o.validate().map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
+        }
         let base = path.parent().unwrap_or(Path::new("."));
-        for d in [&mut c.data_dir, &mut c.pki_dir].into_iter().chain(c.renewal.as_mut().map(|r| &mut r.ca_key)) {
+        let secret = c.object_store.as_mut().and_then(|o| o.secret_access_key_file.as_mut());
+        for d in [&mut c.data_dir, &mut c.pki_dir].into_iter().chain(c.renewal.as_mut().map(|r| &mut r.ca_key)).chain(secret) {
             if d.is_relative() {
                 *d = base.join(&*d);
             }

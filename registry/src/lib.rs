@@ -23,6 +23,8 @@
 //! - [`server`]: the tokio/quinn request handlers (mTLS, per-stream handlers, rollout timer,
 //!   timestamp re-signing) on `fedfleet_net`'s accept loop, [`metrics`] for Prometheus,
 //!   [`mqtt`] for the control plane.
+//! - [`objects`]: artifacts mirrored, whole and content-addressed, to an S3-compatible bucket
+//!   that agents (or a CDN in front of it) download from.
 //! - [`wire`], [`client`] (from `fedfleet-registry-client`): the request/response protocol, the
 //!   signed "what should I run?" [`wire::SignedAssignment`], and the client agents and
 //!   operators link instead of this crate.
@@ -34,6 +36,7 @@ pub mod config;
 pub mod metadata;
 pub mod metrics;
 pub mod mqtt;
+pub mod objects;
 pub mod ops;
 pub mod server;
 pub mod service;

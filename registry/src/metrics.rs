@@ -12,6 +12,9 @@
 //! | `fedfleet_registry_device_reports_total` | `state` |
 //! | `fedfleet_registry_certificates_renewed_total` | |
 //! | `fedfleet_registry_certificate_expiry_seconds` | | (the registry's own certificate; negative once expired)
+//! | `fedfleet_registry_object_store_uploads_total` | | artifacts written to the object store
+//! | `fedfleet_registry_object_store_failures_total` | | uploads that failed (retried)
+//! | `fedfleet_registry_object_store_pending` | | artifacts the object store still lacks
 //!
 //! Gauges set by the MQTT side ([`crate::mqtt`]): `fedfleet_registry_mqtt_connected`,
 //! `fedfleet_registry_devices_online`, `fedfleet_registry_devices_known`,
@@ -43,6 +46,9 @@ pub struct Metrics {
     pub certificates_renewed: Counter,
     /// Seconds until the registry's own certificate expires.
     pub certificate_expiry_seconds: Gauge,
+    pub object_store_uploads: Counter,
+    pub object_store_failures: Counter,
+    pub object_store_pending: Gauge,
     requests: Family<Kind, Counter>,
     rejections: Family<Reason, Counter>,
     rollout_events: Family<Event, Counter>,
@@ -69,6 +75,9 @@ impl Metrics {
             connections: Counter::default(),
             certificates_renewed: Counter::default(),
             certificate_expiry_seconds: Gauge::default(),
+            object_store_uploads: Counter::default(),
+            object_store_failures: Counter::default(),
+            object_store_pending: Gauge::default(),
             requests: Family::default(),
             rejections: Family::default(),
             rollout_events: Family::default(),
@@ -90,6 +99,9 @@ impl Metrics {
             "Seconds until this service's own certificate expires",
             m.certificate_expiry_seconds.clone(),
         );
+        registry.register("object_store_uploads", "Artifacts written to the object store", m.object_store_uploads.clone());
+        registry.register("object_store_failures", "Object store uploads that failed (retried)", m.object_store_failures.clone());
+        registry.register("object_store_pending", "Artifacts the object store still lacks", m.object_store_pending.clone());
         registry.register("rollout_events", "Rollout engine events", m.rollout_events.clone());
         registry.register("device_reports", "Device reports, by state", m.device_reports.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());

@@ -59,6 +59,8 @@ pub struct ServerOptions {
     pub spool_dir: std::path::PathBuf,
     /// Device certificate renewal; `None`: `RenewCertificate` is refused (`not_permitted`).
     pub renewal: Option<Renewal>,
+    /// The object store every published artifact is also written to.
+    pub mirror: Option<Arc<crate::objects::ArtifactMirror>>,
     #[doc(hidden)]
     pub faults: Arc<Faults>,
 }
@@ -70,6 +72,7 @@ impl ServerOptions {
             max_connections: 16384,
             spool_dir: spool_dir.into(),
             renewal: None,
+            mirror: None,
             faults: Arc::new(Faults::default()),
         }
     }
@@ -84,6 +87,7 @@ struct Ctx {
 pub async fn run(endpoint: quinn::Endpoint, reg: Arc<Registry>, opts: ServerOptions, shutdown: fedfleet_net::Shutdown) {
     let ctx = Arc::new(Ctx { reg: reg.clone(), opts });
     let timer = tokio::spawn(timer_loop(reg.clone(), shutdown.clone()));
+    let uploader = ctx.opts.mirror.clone().map(|m| tokio::spawn(m.run(reg.clone(), shutdown.clone())));
     tracing::info!(addr = ?endpoint.local_addr().ok(), "registry serving");
     let admission = Admission::new(AdmissionConfig::for_devices(ctx.opts.max_connections));
     let handlers = fedfleet_net::serve::accept_until(
@@ -100,6 +104,9 @@ pub async fn run(endpoint: quinn::Endpoint, reg: Arc<Registry>, opts: ServerOpti
     endpoint.close(0u32.into(), b"shutting down");
     fedfleet_net::serve::drain(&endpoint, handlers, Duration::from_secs(5)).await;
     let _ = timer.await;
+    if let Some(u) = uploader {
+        let _ = u.await;
+    }
     if let Err(e) = reg.store().flush() {
         tracing::error!(error = %e, "flush on shutdown failed");
     }
@@ -435,6 +442,9 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
     .await;
     let _ = tokio::fs::remove_file(&path).await;
     let m = res?;
+    if let Some(mirror) = &ctx.opts.mirror {
+        mirror.after_publish(&ctx.reg, m.model.digest).await;
+    }
     Ok(Response::Admin(admin_json(&crate::ops::published_answer(&m))))
 }
 

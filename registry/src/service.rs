@@ -76,6 +76,11 @@ impl RegistryService {
         opts.operators = cfg.operators.clone();
         opts.max_connections = cfg.max_connections;
         opts.renewal = renewal;
+        if let Some(o) = &cfg.object_store {
+            let mirror = crate::objects::ArtifactMirror::open(o).map_err(step("[object_store]"))?;
+            tracing::info!(store = ?mirror, "artifacts mirrored to the object store");
+            opts.mirror = Some(Arc::new(mirror));
+        }
         Ok(RegistryService { cfg, clock, reg, identity, tls, opts })
     }
 

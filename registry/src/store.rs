@@ -537,6 +537,22 @@ impl Store {
         }
     }
 
+    /// Every stored artifact's digest (in digest order).
+    pub fn artifact_digests(&self) -> Result<Vec<Digest>> {
+        self.artifacts
+            .iter()
+            .keys()
+            .map(|k| {
+                let k = k?;
+                let d: [u8; 32] = k
+                    .as_ref()
+                    .try_into()
+                    .map_err(|_| StoreError::BadRecord { key: hex::encode(&k), detail: "an artifact key is not 32 bytes".into() })?;
+                Ok(Digest(d))
+            })
+            .collect()
+    }
+
     /// The version record (no chunk list).
     pub fn version(&self, name: &str, version: ModelVersion) -> Result<ModelInfo> {
         let key = version_key(name, version);

@@ -77,18 +77,36 @@ impl Deployment {
         cli(bin, args, &self.dir)
     }
 
+    fn spawn_registry(&self) -> Proc {
+        Proc::spawn(&[], "registry", "fedfleet-registry", &["--config", "registry.toml", "serve"], &self.dir, &self.log("registry"), "info")
+    }
+
+    /// Kills the registry (SIGKILL; the first service [`Deployment::start`] started).
+    pub fn kill_registry(&mut self) {
+        self.services[0].sigkill();
+    }
+
+    /// Starts the registry again after [`Deployment::kill_registry`].
+    pub fn restart_registry(&mut self) {
+        self.services[0] = self.spawn_registry();
+    }
+
+    fn spawn_agent(&self, i: usize, agent_bin: &str) -> Proc {
+        let name = format!("agent-{i}");
+        let config = format!("agents/{name}.toml");
+        Proc::spawn(&[], &name, agent_bin, &["run", "--config", &config], &self.dir, &self.log(&name), "info")
+    }
+
+    /// Stops agent `i` (1-based; SIGTERM, a clean exit) and starts it again, reading its config anew.
+    pub fn restart_agent(&mut self, i: usize, agent_bin: &str) {
+        self.agent_procs[i - 1].stop();
+        self.agent_procs[i - 1] = self.spawn_agent(i, agent_bin);
+    }
+
     /// Starts the registry, the aggregator and the agents (`agent_bin run --config ...`).
     pub fn start(&mut self, agent_bin: &str) {
         let dir = self.dir.clone();
-        self.services.push(Proc::spawn(
-            &[],
-            "registry",
-            "fedfleet-registry",
-            &["--config", "registry.toml", "serve"],
-            &dir,
-            &self.log("registry"),
-            "info",
-        ));
+        self.services.push(self.spawn_registry());
         self.services.push(Proc::spawn(
             &[],
             "aggregator",
@@ -99,9 +117,7 @@ impl Deployment {
             "info",
         ));
         for i in 1..=self.agents {
-            let name = format!("agent-{i}");
-            let config = format!("agents/{name}.toml");
-            self.agent_procs.push(Proc::spawn(&[], &name, agent_bin, &["run", "--config", &config], &dir, &self.log(&name), "info"));
+            self.agent_procs.push(self.spawn_agent(i, agent_bin));
         }
     }
 

@@ -8,6 +8,7 @@ mod loopback;
 mod mqtt_fleet;
 mod multiprocess;
 mod netfaults;
+mod object_store;
 mod own_model;
 mod procs;
 mod renewal;
