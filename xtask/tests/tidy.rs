@@ -7,7 +7,7 @@
 //! * [`cores_reach_no_runtime_or_io`]: no core reaches tokio, quinn, sled, burn, rustls, rumqttc,
 //!   axum or hyper, however indirectly ([`CORE_DENY`]); read from `cargo tree`.
 //! * [`agent_stays_lean`]: the device binary reaches none of the server-side crates, the broker,
-//!   the HTTP stack, the GPU backend or the metrics exporter ([`AGENT_DENY`]); read from
+//!   the HTTP server stack, the S3 SDK, the GPU backend or the metrics exporter ([`AGENT_DENY`]); read from
 //!   `cargo tree`, with the chain of packages that reaches each one.
 //!
 //! Why `cargo tree` for reachability and not the `resolve` section of `cargo metadata`: the
@@ -64,7 +64,9 @@ const CORES: &[(&str, &[&str])] = &[
 const CORE_DENY: &[&str] = &["tokio", "quinn", "sled", "burn", "rustls", "rumqttc", "axum", "hyper"];
 
 /// What the device binary must not reach: the services, the test harness, the embedded broker,
-/// the HTTP stack, the GPU backend and the metrics exporter.
+/// the HTTP server stack, the S3 SDK and its HTTP client, the GPU backend and the metrics
+/// exporter. (hyper itself is allowed: the agent's artifact mirrors are an HTTP/1.1 client on it,
+/// `edge-agent/src/mirror.rs`, with the `client` and `http1` features only.)
 const AGENT_DENY: &[&str] = &[
     "fedfleet-aggregator",
     "fedfleet-registry",
@@ -72,7 +74,8 @@ const AGENT_DENY: &[&str] = &[
     "fedfleet-http",
     "rumqttd",
     "axum",
-    "hyper",
+    "object_store",
+    "reqwest",
     "burn-wgpu",
     "wgpu",
     "prometheus-client",
