@@ -100,7 +100,11 @@ impl Mirrors {
 
     /// Whether mirrors may serve `digest` (not refused before, when the registry can serve it).
     pub fn serves(&self, digest: &Digest) -> bool {
-        !self.bases.is_empty() && !(self.registry_fallback && self.refused.lock().unwrap_or_else(|p| p.into_inner()).contains(digest))
+        if self.bases.is_empty() {
+            return false;
+        }
+        let refused = self.registry_fallback && self.refused.lock().unwrap_or_else(|p| p.into_inner()).contains(digest);
+        !refused
     }
 
     /// Marks `digest` as served wrong by a mirror.

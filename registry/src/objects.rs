@@ -91,6 +91,8 @@ pub enum Upload {
 const PART_BYTES: usize = 8 << 20;
 /// Parts in flight at once.
 const PARTS_IN_FLIGHT: usize = 2;
+/// How long a publish waits for its upload before answering (then the background retries it).
+const PUBLISH_WAIT: Duration = Duration::from_secs(60);
 /// Wait before an upload that failed is tried again.
 const RETRY_AFTER: Duration = Duration::from_secs(15);
 
@@ -190,7 +192,11 @@ impl ArtifactMirror {
     /// Uploads a just-published artifact; a failure is logged and queued for [`ArtifactMirror::run`]
     /// (the version stays published: agents fall back to the registry meanwhile).
     pub async fn after_publish(&self, reg: &Arc<Registry>, digest: Digest) {
-        if let Err(e) = self.upload(reg, digest).await {
+        let result = match tokio::time::timeout(PUBLISH_WAIT, self.upload(reg, digest)).await {
+            Ok(r) => r,
+            Err(_) => Err(RegistryError::Config(format!("no answer from {} in {PUBLISH_WAIT:?}", self.describe))),
+        };
+        if let Err(e) = result {
             reg.metrics().object_store_failures.inc();
             tracing::warn!(%digest, error = %e, "artifact not uploaded to the object store yet; retrying in the background");
             let _ = self.retry_tx.send(digest);
@@ -261,27 +267,11 @@ mod tests {
     fn bad_sections_are_refused_by_name() {
         assert!(cfg(r#"bucket = "b""#).validate().is_ok());
         for (text, why) in [
-            (r#"bucket = """#, "bucket is empty"),
-            (
-                r#"bucket = "b"
-                prefix = "/x/""#,
-                "must not start",
-            ),
-            (
-                r#"bucket = "b"
-                prefix = "x""#,
-                "must end",
-            ),
-            (
-                r#"bucket = "b"
-                access_key_id = "k""#,
-                "go together",
-            ),
-            (
-                r#"bucket = "b"
-                endpoint = "http://127.0.0.1:8333""#,
-                "allow_http",
-            ),
+            ("bucket = \"\"", "bucket is empty"),
+            ("bucket = \"b\"\nprefix = \"/x/\"", "must not start"),
+            ("bucket = \"b\"\nprefix = \"x\"", "must end"),
+            ("bucket = \"b\"\naccess_key_id = \"k\"", "go together"),
+            ("bucket = \"b\"\nendpoint = \"http://127.0.0.1:8333\"", "allow_http"),
         ] {
             let e = cfg(text).validate().unwrap_err();
             assert!(e.contains(why), "{text}: {e}");

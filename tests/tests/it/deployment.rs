@@ -121,6 +121,16 @@ impl Deployment {
         }
     }
 
+    /// `fedfleet-registry rollout start` of `digits` v`version` to the whole fleet in one phase
+    /// (1 s soak, at least `min_healthy` healthy devices), plus `extra` (`--wait`, `--id ID`).
+    pub fn start_rollout(&self, version: u64, min_healthy: usize, extra: &[&str]) -> String {
+        let (v, healthy) = (version.to_string(), min_healthy.to_string());
+        let mut args = vec!["--config", "registry.toml", "rollout", "start", "--model", "digits", "--version", &v];
+        args.extend(["--phases", "100", "--soak", "1s", "--min-healthy", &healthy]);
+        args.extend(extra);
+        self.cli("fedfleet-registry", &args)
+    }
+
     /// The `metric` of every version of the model in the registry, oldest first.
     pub fn version_metrics(&self, model: &str, metric: &str) -> Vec<f64> {
         let list: serde_json::Value =

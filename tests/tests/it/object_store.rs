@@ -44,30 +44,12 @@ fn publish(d: &Deployment, file: &str, parent: Option<u64>) -> String {
 }
 
 fn rollout(d: &Deployment, version: u64, wait: bool) -> String {
-    let v = version.to_string();
     let id = format!("v{version}");
-    let mut args = vec![
-        "--config",
-        "registry.toml",
-        "rollout",
-        "start",
-        "--model",
-        "digits",
-        "--version",
-        &v,
-        "--phases",
-        "100",
-        "--soak",
-        "1s",
-        "--min-healthy",
-        "2",
-        "--id",
-        &id,
-    ];
+    let mut extra = vec!["--id", &id];
     if wait {
-        args.push("--wait");
+        extra.push("--wait");
     }
-    d.cli("fedfleet-registry", &args)
+    d.start_rollout(version, 2, &extra)
 }
 
 /// The version agent `i` serves, from its own status file (no service asked).

@@ -17,26 +17,7 @@ fn a_teams_own_burn_model_trains_in_a_campaign_installs_and_serves() {
     d.start("own-model-agent");
 
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
-    d.cli(
-        "fedfleet-registry",
-        &[
-            "--config",
-            "registry.toml",
-            "rollout",
-            "start",
-            "--model",
-            "digits",
-            "--version",
-            "4",
-            "--phases",
-            "100",
-            "--soak",
-            "1s",
-            "--min-healthy",
-            "3",
-            "--wait",
-        ],
-    );
+    d.start_rollout(4, 3, &["--wait"]);
     for a in &mut d.agent_procs {
         a.assert_running();
     }

@@ -43,25 +43,7 @@ fn deployment(model: &ModelSpec, train: &Dataset, validation: &Dataset, campaign
 }
 
 fn rollout(d: &Deployment, version: usize) -> String {
-    let v = version.to_string();
-    let args = [
-        "--config",
-        "registry.toml",
-        "rollout",
-        "start",
-        "--model",
-        "digits",
-        "--version",
-        &v,
-        "--phases",
-        "100",
-        "--soak",
-        "1s",
-        "--min-healthy",
-        "3",
-        "--wait",
-    ];
-    d.cli("fedfleet-registry", &args)
+    d.start_rollout(version as u64, 3, &["--wait"])
 }
 
 #[test]
