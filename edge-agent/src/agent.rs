@@ -495,7 +495,8 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         // Mirrors first (a partial file may hold bytes from either source: equal if honest, and
         // the whole is checked below), the registry for what they cannot serve.
         let mut mirrors = self.cfg.mirrors.as_ref().filter(|m| m.serves(&model.digest));
-        let mut mirrored = false;
+        // A partial file resumed from an earlier attempt may hold mirrored bytes too.
+        let mut mirrored = have > 0 && self.cfg.mirrors.is_some();
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| DownloadError::storage(&path, e))?;
         while have < length {
             let want = (length - have).min(self.cfg.download_chunk as u64) as u32;

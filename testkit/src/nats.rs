@@ -71,6 +71,24 @@ impl NatsCluster {
     /// Writes each node's config, starts every node and waits until each listens for MQTT and
     /// the cluster has a JetStream metadata leader.
     pub async fn start(cfg: NatsConfig) -> Result<NatsCluster, NatsError> {
+        // The ports are picked free and released, so a test running beside this one may take
+        // one first: then the node exits on "address already in use" and the cluster starts
+        // again on other ports, from empty stores.
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(&cfg).await {
+                Err(NatsError::Exited { log, .. }) if attempt < 3 && log.contains("address already in use") => {
+                    attempt += 1;
+                    for i in 1..=cfg.nodes {
+                        let _ = std::fs::remove_dir_all(cfg.work_dir.join(format!("n{i}")));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(cfg: &NatsConfig) -> Result<NatsCluster, NatsError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |error| NatsError::Io { path, error }
@@ -91,7 +109,7 @@ impl NatsCluster {
             let routes: Vec<String> =
                 ports.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, p)| format!("nats-route://127.0.0.1:{}", p[1])).collect();
             let conf = dir.join("nats.conf");
-            std::fs::write(&conf, config_text(&cfg, i + 1, &dir, [client, route, mqtt], &routes)).map_err(io(&conf))?;
+            std::fs::write(&conf, config_text(cfg, i + 1, &dir, [client, route, mqtt], &routes)).map_err(io(&conf))?;
             let args = vec!["-c".to_owned(), conf.display().to_string()];
             nodes.push(Node { daemon: Daemon::new(cfg.binary.clone(), args, dir.join("nats.log")), mqtt: SocketAddr::new(ip, mqtt) });
         }
