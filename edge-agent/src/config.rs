@@ -439,7 +439,7 @@ impl AgentConfig {
             if !r.registry_fallback && r.mirrors.is_empty() {
                 return Err("[registry] registry_fallback = false needs at least one mirror".into());
             }
-            crate::mirror::Mirrors::new(&r.mirrors, r.registry_fallback).map_err(|e| format!("[registry] {e}"))?;
+            crate::mirror::check_urls(&r.mirrors).map_err(|e| format!("[registry] {e}"))?;
         }
         if let Some(m) = &c.mqtt {
             m.unknown.check("mqtt")?;

@@ -75,6 +75,11 @@ impl std::fmt::Debug for Mirrors {
     }
 }
 
+/// Checks mirror URLs (what config validation needs: no TLS set-up, no certificate store read).
+pub fn check_urls(urls: &[String]) -> Result<(), String> {
+    urls.iter().try_for_each(|u| Base::parse(u).map(|_| ()))
+}
+
 impl Mirrors {
     pub fn new(urls: &[String], registry_fallback: bool) -> Result<Mirrors, String> {
         let bases = urls.iter().map(|u| Base::parse(u)).collect::<Result<Vec<_>, _>>()?;
@@ -92,10 +97,6 @@ impl Mirrors {
             .with_root_certificates(roots)
             .with_no_client_auth();
         Ok(Mirrors { bases, tls: tokio_rustls::TlsConnector::from(Arc::new(tls)), registry_fallback, refused: Mutex::new(HashSet::new()) })
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bases.is_empty()
     }
 
     /// Whether mirrors may serve `digest` (not refused before, when the registry can serve it).
@@ -128,7 +129,7 @@ impl Mirrors {
 
     async fn get(&self, base: &Base, digest: &Digest, offset: u64, len: u32) -> Result<Vec<u8>, MirrorError> {
         let path = format!("{}/artifacts/{}", base.path, digest.to_hex());
-        let url = format!("{}{}", base.url.trim_end_matches('/'), &path[base.path.len()..]);
+        let url = format!("{}/artifacts/{}", base.url.trim_end_matches('/'), digest.to_hex());
         let failed = |detail: String| MirrorError::Failed { url: url.clone(), detail };
         let tcp = tokio::net::TcpStream::connect((base.host.as_str(), base.port)).await.map_err(|e| failed(format!("connect: {e}")))?;
         let req = hyper::Request::get(&path)

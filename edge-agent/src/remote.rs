@@ -231,14 +231,14 @@ impl Registry for RemoteRegistry {
     }
 
     async fn assignment(&self, device: &DeviceId) -> Result<Option<fedfleet_protocol::RolloutNotice>, TransportError> {
-        // NotFound is an answer (nothing assigned), not a failure: the timeout alone is mapped here.
-        let ask = async { Ok(self.client.assignment(&self.model).await) };
-        let asked = within(self.timeout, "registry", "assignment", ask, |never: std::convert::Infallible| match never {}).await?;
-        let signed = match asked {
-            Ok(s) => s,
-            Err(RegError::NotFound(_)) => return Ok(None),
-            Err(e) => return Err(reg_err(e)),
+        // NotFound is an answer (nothing assigned), not a failure.
+        let ask = async {
+            match self.client.assignment(&self.model).await {
+                Err(RegError::NotFound(_)) => Ok(None),
+                r => r.map(Some),
+            }
         };
+        let Some(signed) = within(self.timeout, "registry", "assignment", ask, reg_err).await? else { return Ok(None) };
         let root = self.root_body()?;
         let body = signed.verify(&root, device, self.clock.now_ms()).map_err(|e| TransportError(format!("assignment refused: {e}")))?;
         Ok(body.to_notice())

@@ -82,6 +82,11 @@ impl SeaweedFs {
         Err(format!("weed's S3 gateway did not listen on {} within a minute:\n{}", self.s3, self.daemon.log()))
     }
 
+    /// The S3 gateway's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.s3
+    }
+
     /// The S3 endpoint, `http://127.0.0.1:<port>`.
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.s3)

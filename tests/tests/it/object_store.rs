@@ -92,7 +92,9 @@ fn agents_install_from_seaweedfs_refuse_a_tampered_object_and_ride_out_a_registr
     // 1. Published into the bucket, byte for byte, under its digest; installed from there: the
     //    registry served no artifact range.
     let v1 = publish(&d, "v1.safetensors", None);
-    let object = fedfleet_http_get(&format!("{}/artifacts/{v1}", s3.bucket_url()));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (status, object) = rt.block_on(fedfleet_http::scrape_bytes(s3.addr(), &format!("/{BUCKET}/artifacts/{v1}"))).unwrap();
+    assert_eq!(status, 200, "anonymous GET of v1's object");
     assert_eq!(object, std::fs::read(d.path("v1.safetensors")).unwrap(), "the bucket's object is not the published artifact");
     rollout(&d, 1, true);
     assert_eq!(range_requests(&d), 0.0, "agents fetched v1 from the registry, not the bucket");
@@ -148,15 +150,4 @@ fn agents_install_from_seaweedfs_refuse_a_tampered_object_and_ride_out_a_registr
         out.contains("\"completed\"").then_some(())
     });
     d.stop_agents();
-}
-
-/// `GET url` (plain HTTP on loopback, anonymous): the body of a 200.
-fn fedfleet_http_get(url: &str) -> Vec<u8> {
-    let rest = url.strip_prefix("http://").unwrap();
-    let (host, path) = rest.split_at(rest.find('/').unwrap());
-    let addr: SocketAddr = host.parse().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (status, body) = rt.block_on(fedfleet_http::scrape_bytes(addr, path)).unwrap();
-    assert_eq!(status, 200, "GET {url}");
-    body
 }
