@@ -15,6 +15,18 @@
 //! registry = "127.0.0.1:7443"        # the registry's QUIC address; its `operators` must name
 //! server_name = "localhost"          #   this service's certificate (server_identity above); the TLS name of the registry
 //!
+//! relays = ["relay-eu"]             # relays (service certificate names) whose partial sums this
+//!                                    #   aggregator merges (plain weighted means: fedavg, fedprox, fedopt)
+//!
+//! [relay]                            # only for `fedfleet-aggregator relay`: a regional relay of `parent`
+//! parent = "10.0.0.1:7401"           # the parent aggregator (root or relay); its `relays` names this
+//!                                    #   service's certificate (server_identity), which is also its client certificate
+//! parent_server_name = "localhost"   # the parent's TLS name
+//! parent_receipt_key = "root-receipt.pub"  # the parent's data_dir/receipt.pub (pinned)
+//! # region = ["dev-1", "dev-2"]      # the devices this relay takes (default: every enrolled device)
+//! forward_margin_secs = 10           # forward the region's sum this long before the parent's deadline
+//! poll_interval_ms = 1000            # how often the parent is asked for its round
+//!
 //! [model]
 //! name = "digits"
 //! spec = { arch = "mlp", input = [64], hidden = [64], classes = 10 }
@@ -119,6 +131,42 @@ pub struct Config {
     pub compute: ComputeConfig,
     #[serde(default)]
     pub admission: AdmissionLimits,
+    /// Relays (service certificate names) whose partial sums are merged into the open round.
+    #[serde(default)]
+    pub relays: Vec<String>,
+    /// `[relay]`: this service is a regional relay (`fedfleet-aggregator relay`).
+    #[serde(default)]
+    pub relay: Option<RelayConfig>,
+}
+
+/// `[relay]`: what a regional relay follows and where it forwards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    /// The parent aggregator's QUIC address (its `operator_listen`, if it has one).
+    pub parent: SocketAddr,
+    #[serde(default = "default_parent_server_name")]
+    pub parent_server_name: String,
+    /// The parent's `receipt.pub`: its announcements and receipts are checked against it.
+    pub parent_receipt_key: PathBuf,
+    /// The devices this relay takes; empty: every enrolled device.
+    #[serde(default)]
+    pub region: Vec<fedfleet_protocol::DeviceId>,
+    /// The region's sum is forwarded this long before the parent's deadline.
+    #[serde(default = "default_forward_margin_secs")]
+    pub forward_margin_secs: u64,
+    #[serde(default = "default_relay_poll_ms")]
+    pub poll_interval_ms: u64,
+}
+
+fn default_parent_server_name() -> String {
+    "localhost".into()
+}
+fn default_forward_margin_secs() -> u64 {
+    10
+}
+fn default_relay_poll_ms() -> u64 {
+    1000
 }
 
 /// `[admission]`: what the service takes at once. Connections are cheap (an idle QUIC
@@ -646,6 +694,8 @@ impl Config {
             campaign: CampaignDefaults::default(),
             compute: ComputeConfig::default(),
             admission: AdmissionLimits::default(),
+            relays: Vec::new(),
+            relay: None,
         }
     }
 
@@ -699,6 +749,9 @@ impl Config {
         if let Some(p) = &mut self.publish_dir {
             fix(p);
         }
+        if let Some(r) = &mut self.relay {
+            fix(&mut r.parent_receipt_key);
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -714,6 +767,35 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "model.validation {name:?}: only \"digits\" (the digits test split) is built in, or {{ features = \"x.npy\", labels = \"y.npy\" }}"
             )));
+        }
+        for name in &self.relays {
+            fedfleet_certs::layout::validate_name(name).map_err(|e| ConfigError::Invalid(format!("relays: {name:?}: {e}")))?;
+        }
+        if !self.relays.is_empty() || self.relay.is_some() {
+            use crate::strategy::Strategy as _;
+            let strategy = crate::strategy::ServerStrategy::new(&self.campaign.strategy_config(), 1)
+                .map_err(|e| ConfigError::Invalid(format!("[campaign] strategy: {e}")))?;
+            if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() || self.campaign.privacy().is_some() {
+                return Err(ConfigError::Invalid(format!(
+                    "relays: a relay forwards one sum of its region's updates; campaign.strategy {:?}{} needs every update \
+                     (relays work with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode, without differential privacy)",
+                    strategy.name(),
+                    if self.campaign.buffer().is_some() { " in async mode" } else { "" },
+                )));
+            }
+            if self.compute.fold == FoldBackend::Tensor {
+                return Err(ConfigError::Invalid(
+                    "relays: relays' sums are merged by the exact fold; set [compute] fold = \"exact\"".into(),
+                ));
+            }
+        }
+        if let Some(r) = &self.relay {
+            if r.poll_interval_ms == 0 {
+                return Err(ConfigError::Invalid("relay.poll_interval_ms must be > 0".into()));
+            }
+            if self.publish.is_some() {
+                return Err(ConfigError::Invalid("[relay] forwards to its parent and publishes nothing: remove [publish]".into()));
+            }
         }
         Ok(())
     }

@@ -30,6 +30,17 @@ enum Cmd {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Run a regional relay (the config's `[relay]`): takes the updates of its region's devices
+    /// with every check the root applies, folds them exactly and forwards one signed partial
+    /// sum per round to its parent (whose `relays` must name this service's certificate).
+    /// Devices point their `[aggregator]` at it and pin its `receipt.pub`.
+    Relay {
+        #[arg(long, short, env = "FEDFLEET_AGGREGATOR_CONFIG")]
+        config: PathBuf,
+        /// Override `listen`.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
     /// Start, inspect or stop a training campaign on a running service (over QUIC, with an
     /// operator service certificate: `fedfleet-certs issue-server --name operator`).
     Campaign {
@@ -190,7 +201,8 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Serve { config, listen } => serve(config, listen).await,
+        Cmd::Serve { config, listen } => serve(config, listen, false).await,
+        Cmd::Relay { config, listen } => serve(config, listen, true).await,
         Cmd::InitModel { config, seed, pretrained, out } => {
             let cfg = Config::load(&config)?;
             let out = out.unwrap_or(cfg.model.initial.clone());
@@ -286,8 +298,14 @@ fn export_global_model(cfg: &Config) -> Result<(u64, Vec<u8>)> {
     Ok((global.version.0, state_dict))
 }
 
-async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>) -> Result<()> {
+async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>, relay: bool) -> Result<()> {
     let (cfg, mqtt) = Config::load_all(&config)?;
+    match (&cfg.relay, relay) {
+        (Some(_), false) => bail!("{} has a [relay] section: run it with `fedfleet-aggregator relay`", config.display()),
+        (None, true) => bail!("{} has no [relay] section (parent, parent_receipt_key): a relay needs its parent", config.display()),
+        (Some(r), true) => tracing::info!(parent = %r.parent, "relay: following the parent's rounds"),
+        (None, false) => {}
+    }
     let mut service = AggregatorService::open(cfg, mqtt, fedfleet_protocol::SystemClock::shared())?;
     if let Some(addr) = listen {
         service = service.listen_on(addr);

@@ -132,6 +132,35 @@ pub struct AcceptedRecord {
     pub weight: u64,
     /// The encoded `Signed<Receipt>` sent to the device (sent again on a resend).
     pub receipt: Vec<u8>,
+    /// A relay's partial sum of this many device updates; 0 for a device's own update.
+    pub relayed: u64,
+}
+
+/// An [`AcceptedRecord`] as written before relays existed (no `relayed`).
+#[derive(Deserialize)]
+struct AcceptedRecordV1 {
+    round: RoundId,
+    device: DeviceId,
+    payload_digest: Digest,
+    weight: u64,
+    receipt: Vec<u8>,
+}
+
+impl AcceptedRecord {
+    /// Decodes a record of this version or of the one before it.
+    fn decode(bytes: &[u8]) -> std::result::Result<Self, postcard::Error> {
+        postcard::from_bytes(bytes).or_else(|e| {
+            let v1: AcceptedRecordV1 = postcard::from_bytes(bytes).map_err(|_| e)?;
+            Ok(AcceptedRecord {
+                round: v1.round,
+                device: v1.device,
+                payload_digest: v1.payload_digest,
+                weight: v1.weight,
+                receipt: v1.receipt,
+                relayed: 0,
+            })
+        })
+    }
 }
 
 /// What a round boundary writes.
@@ -281,7 +310,9 @@ impl Store {
     pub fn accepted(&self, device: &DeviceId, nonce: &[u8; 16]) -> Result<Option<AcceptedRecord>> {
         match self.accepted.get(accepted_key(device, nonce))? {
             None => Ok(None),
-            Some(b) => postcard::from_bytes(&b).map(Some).map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}"))),
+            Some(b) => {
+                AcceptedRecord::decode(&b).map(Some).map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}")))
+            }
         }
     }
 
@@ -290,8 +321,7 @@ impl Store {
         let mut out = Vec::new();
         for kv in self.accepted.iter() {
             let (_, v) = kv?;
-            let rec: AcceptedRecord =
-                postcard::from_bytes(&v).map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}")))?;
+            let rec = AcceptedRecord::decode(&v).map_err(|e| corrupt(&self.dir, format!("accepted record does not decode: {e}")))?;
             if rec.round == round {
                 out.push(rec);
             }
@@ -502,6 +532,7 @@ mod tests {
             payload_digest: Digest::of(&[i]),
             weight: 1,
             receipt: vec![i],
+            relayed: 0,
         };
         let seqs: Vec<u64> = (0..3).map(|i| s.apply_update(&[i; 16], &rec(i)).unwrap()).collect();
         assert_eq!(seqs, [1, 2, 3]);
@@ -513,5 +544,17 @@ mod tests {
         drop(s);
         let s = Store::open(dir.path()).unwrap();
         assert_eq!(s.accepted_in(RoundId(1)).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn records_written_before_relays_still_decode() {
+        #[derive(Serialize)]
+        struct V1<'a>(RoundId, &'a DeviceId, Digest, u64, Vec<u8>);
+        let device = DeviceId::new("dev-1").unwrap();
+        let old = postcard::to_stdvec(&V1(RoundId(4), &device, Digest::of(b"x"), 7, vec![1, 2])).unwrap();
+        let rec = AcceptedRecord::decode(&old).unwrap();
+        assert_eq!((rec.round, rec.weight, rec.relayed, rec.receipt), (RoundId(4), 7, 0, vec![1, 2]));
+        let new = AcceptedRecord { relayed: 3, ..AcceptedRecord::decode(&old).unwrap() };
+        assert_eq!(AcceptedRecord::decode(&enc(&new)).unwrap(), new);
     }
 }

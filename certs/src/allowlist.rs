@@ -153,6 +153,14 @@ impl AllowList {
         self.inner.read().unwrap_or_else(|p| p.into_inner()).file.fleet.clone()
     }
 
+    /// The enrolled, non-revoked devices, in id order.
+    pub fn devices(&self) -> Vec<DeviceId> {
+        self.refresh();
+        let mut ids: Vec<DeviceId> = self.inner.read().unwrap_or_else(|p| p.into_inner()).keys.keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
     /// Enrolled, non-revoked devices.
     pub fn len(&self) -> usize {
         self.refresh();

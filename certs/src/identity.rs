@@ -122,6 +122,11 @@ impl ServerIdentity {
     pub fn name(&self) -> &str {
         &self.name
     }
+    /// The service's ed25519 key: its TLS key and, on a relay, the key that signs the partial
+    /// sums it forwards (its parent checks them against the connection's certificate).
+    pub fn signing_key(&self) -> SigningKey {
+        self.key.clone()
+    }
     /// Leaf first.
     pub fn cert_chain(&self) -> &[CertificateDer<'static>] {
         &self.chain

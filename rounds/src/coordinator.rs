@@ -9,7 +9,9 @@
 use fedfleet_protocol::{Digest, ModelVersion, RoundId};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Accepted, EngineError, EngineEvent, Millis, Reject, RoundEngine, UpdateMeta};
+use crate::engine::{Accepted, EngineError, EngineEvent, Millis, Reject, RelayMeta, RoundEngine, UpdateMeta};
+use crate::strategy::ServerStrategy;
+use crate::strategy::fixed::PartialSum;
 use crate::strategy::{Strategy, StrategyError};
 
 /// Why [`Coordinator::finalize`] failed.
@@ -191,5 +193,37 @@ impl<S: Strategy> Coordinator<S> {
     /// The finalized model of `round` was published: open the next round.
     pub fn model_ready(&mut self, now: Millis, round: RoundId, version: ModelVersion, digest: Digest) -> Result<(), EngineError> {
         self.engine.model_ready(now, round, version, digest)
+    }
+}
+
+/// A relay's partial sum: merged exactly into the round's streaming sum (weighted means only).
+impl Coordinator<ServerStrategy> {
+    /// Admission, merge and record of a relay's partial sum as one step, as
+    /// [`handle_update`](Self::handle_update) for one update. Under a deferred fold there is no
+    /// streaming sum to merge into: refused as `not_permitted`.
+    pub fn handle_relay(&mut self, now: Millis, meta: RelayMeta, partial: &PartialSum) -> Result<Accepted, Reject> {
+        let admitted = self.engine.check_relay(now, &meta)?;
+        let refused = |reason| Reject { reason, current_round: Some(admitted.round) };
+        if self.mode != FoldMode::Streaming {
+            return Err(refused(crate::RejectReason::NotPermitted));
+        }
+        if partial.count() != meta.update_count || partial.total_weight() != meta.total_weight {
+            return Err(refused(crate::RejectReason::Malformed));
+        }
+        self.merge(admitted.round, partial).map_err(|e| refused(e.reason()))?;
+        Ok(self.engine.handle_relay(now, meta).expect("admission is deterministic"))
+    }
+
+    /// Merges a partial sum accepted into `round` before a restart (the refold).
+    pub fn resume_merge(&mut self, round: RoundId, partial: &PartialSum) -> Result<(), StrategyError> {
+        self.merge(round, partial)
+    }
+
+    fn merge(&mut self, round: RoundId, partial: &PartialSum) -> Result<(), StrategyError> {
+        if self.folding != Some(round) {
+            self.discard_held();
+            self.folding = Some(round);
+        }
+        self.strategy.merge_partial(partial)
     }
 }

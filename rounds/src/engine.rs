@@ -3,8 +3,9 @@
 //! Shaped like `quinn_proto::Connection`: the caller passes the current time (`now`, unix
 //! milliseconds) into every input, and polls outputs.
 //!
-//! * **Inputs:** [`RoundEngine::start_campaign`], [`RoundEngine::check_update`] /
-//!   [`RoundEngine::handle_update`], [`RoundEngine::handle_timeout`],
+//! * **Inputs:** [`RoundEngine::start_campaign`] (or, on a relay, [`RoundEngine::follow_round`]),
+//!   [`RoundEngine::check_update`] / [`RoundEngine::handle_update`] (a relay's partial sum:
+//!   [`RoundEngine::check_relay`] / [`RoundEngine::handle_relay`]), [`RoundEngine::handle_timeout`],
 //!   [`RoundEngine::model_ready`], [`RoundEngine::abort_round`], [`RoundEngine::stop_campaign`],
 //!   [`RoundEngine::revoke`] / [`RoundEngine::reinstate`].
 //! * **Outputs:** [`RoundEngine::poll_event`] (a queue of [`EngineEvent`]s) and
@@ -270,6 +271,52 @@ impl From<&fedfleet_protocol::UpdateHeader> for UpdateMeta {
     }
 }
 
+/// The signed header of a relay's partial sum, as far as the engine cares (the shell verified
+/// the relay's identity, signature and payload).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelayMeta {
+    pub fleet: FleetId,
+    pub relay: DeviceId,
+    pub round: RoundId,
+    pub base_digest: Digest,
+    pub nonce: Nonce,
+    /// Device updates folded into the partial sum.
+    pub update_count: u64,
+    /// Their weights' sum (each already clamped to `MAX_WEIGHT` by the relay's engine).
+    pub total_weight: u64,
+    pub payload_digest: Digest,
+}
+
+impl From<&fedfleet_protocol::RelayHeader> for RelayMeta {
+    fn from(h: &fedfleet_protocol::RelayHeader) -> Self {
+        RelayMeta {
+            fleet: h.fleet.clone(),
+            relay: h.relay.clone(),
+            round: h.round,
+            base_digest: h.base_model,
+            nonce: Nonce(h.nonce),
+            update_count: h.update_count,
+            total_weight: h.total_samples,
+            payload_digest: h.payload_digest,
+        }
+    }
+}
+
+/// A round announced by a relay's parent (see [`RoundEngine::follow_round`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FollowedRound {
+    pub round: RoundId,
+    pub base_version: ModelVersion,
+    pub base_digest: Digest,
+    pub client: ClientConfig,
+    pub selection: WireSelection,
+    /// The relay's own deadline (before the parent's, to leave time to forward).
+    pub deadline: Millis,
+    /// Devices of the relay's region the round invites: the round closes when all have sent.
+    pub expected: u32,
+    pub max_sample_count: u64,
+}
+
 /// One accepted update, as recorded in the round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Contribution {
@@ -280,6 +327,8 @@ pub struct Contribution {
     pub weight: u64,
     pub payload_digest: Digest,
     pub accepted_at: Millis,
+    /// Device updates in it: 1, or a relay's partial sum's count.
+    pub updates: u64,
 }
 
 /// Answer to an admitted update.
@@ -445,6 +494,22 @@ struct OpenRound {
     deadline: Millis,
     extended: bool,
     contributions: BTreeMap<DeviceId, Contribution>,
+    /// Σ (updates − 1) over the contributions (relays' partial sums count their updates).
+    /// Derived, not stored: recounted when a snapshot is restored.
+    #[serde(skip)]
+    relayed_extra: u64,
+}
+
+impl OpenRound {
+    /// Device updates accepted so far (a relay's partial sum counts with all of its updates).
+    fn accepted(&self) -> u32 {
+        (self.contributions.len() as u64 + self.relayed_extra).min(u64::from(u32::MAX)) as u32
+    }
+
+    fn insert(&mut self, c: Contribution) {
+        self.relayed_extra += c.updates.saturating_sub(1);
+        self.contributions.insert(c.device.clone(), c);
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -538,7 +603,7 @@ impl RoundEngine {
                 opened_at: r.opened_at,
                 deadline: r.deadline,
                 extended: r.extended,
-                accepted: r.contributions.len() as u32,
+                accepted: r.accepted(),
                 target: self.round_target(c),
                 quorum: c.spec.policy.min_quorum,
             }),
@@ -608,12 +673,8 @@ impl RoundEngine {
     pub fn handle_update(&mut self, now: Millis, meta: UpdateMeta) -> Result<Accepted, Reject> {
         self.handle_timeout(now);
         let accepted = self.admit(&meta)?;
-        let c = self.campaign.as_mut().expect("admitted ⇒ campaign");
-        let Phase::Open(r) = &mut c.phase else { unreachable!("admitted ⇒ open round") };
-        self.seen_nonces.insert((meta.device.clone(), meta.nonce));
-        self.nonce_log.push_back((r.id, meta.device.clone(), meta.nonce));
-        r.contributions.insert(
-            meta.device.clone(),
+        self.record(
+            &accepted,
             Contribution {
                 device: meta.device,
                 nonce: meta.nonce,
@@ -621,12 +682,102 @@ impl RoundEngine {
                 weight: accepted.weight,
                 payload_digest: meta.payload_digest,
                 accepted_at: now,
+                updates: 1,
             },
         );
+        Ok(accepted)
+    }
+
+    /// Admission of a relay's partial sum without recording it (see
+    /// [`check_update`](Self::check_update)): the open round's id and base model, no earlier
+    /// partial of the relay in the round, a count and weight that fit. The relay checked each of
+    /// its devices' updates as this engine checks one (its own engine, following this round).
+    pub fn check_relay(&mut self, now: Millis, meta: &RelayMeta) -> Result<Accepted, Reject> {
+        self.handle_timeout(now);
+        self.admit_relay(meta)
+    }
+
+    /// Admits and records a relay's partial sum whose payload has been verified and merged.
+    pub fn handle_relay(&mut self, now: Millis, meta: RelayMeta) -> Result<Accepted, Reject> {
+        self.handle_timeout(now);
+        let accepted = self.admit_relay(&meta)?;
+        self.record(
+            &accepted,
+            Contribution {
+                device: meta.relay,
+                nonce: meta.nonce,
+                num_examples: meta.total_weight,
+                weight: meta.total_weight,
+                payload_digest: meta.payload_digest,
+                accepted_at: now,
+                updates: meta.update_count,
+            },
+        );
+        Ok(accepted)
+    }
+
+    fn record(&mut self, accepted: &Accepted, contribution: Contribution) {
+        let c = self.campaign.as_mut().expect("admitted ⇒ campaign");
+        let Phase::Open(r) = &mut c.phase else { unreachable!("admitted ⇒ open round") };
+        self.seen_nonces.insert((contribution.device.clone(), contribution.nonce));
+        self.nonce_log.push_back((r.id, contribution.device.clone(), contribution.nonce));
+        r.insert(contribution);
         if accepted.closed_round {
             self.close_round(CloseCause::TargetReached);
         }
-        Ok(accepted)
+    }
+
+    /// A relay runs its parent's round `f` for the devices of its region: a campaign of that one
+    /// round, with the parent's id, base model, selection and a deadline before the parent's,
+    /// that closes when every invited device of the region has sent (`expected`) and whose
+    /// closed round is forwarded as one partial sum instead of published. Every update is
+    /// admitted exactly as the parent would admit it. After [`model_ready`](Self::model_ready)
+    /// (forwarded) or a failure the campaign is over and the next followed round can start.
+    pub fn follow_round(&mut self, now: Millis, f: FollowedRound) -> Result<(), EngineError> {
+        if let Some(c) = &self.campaign {
+            return Err(EngineError::CampaignRunning(c.spec.id));
+        }
+        if f.round < self.next_round {
+            return Err(EngineError::NotCurrentRound(f.round));
+        }
+        let selection = match &f.selection {
+            WireSelection::Devices(devices) => Invitation::Explicit { devices: devices.iter().cloned().collect() },
+            _ => Invitation::Rate { rate: 1.0 },
+        };
+        let spec = CampaignSpec {
+            id: CampaignId(f.round.0),
+            rounds: 1,
+            base_version: f.base_version,
+            base_digest: f.base_digest,
+            client: f.client,
+            selection,
+            policy: RoundPolicy {
+                target_count: f.expected.max(1),
+                min_quorum: 1,
+                over_selection: 1.0,
+                duration_ms: f.deadline.saturating_sub(now).max(1),
+                extension_ms: 0,
+                max_sample_count: f.max_sample_count,
+            },
+            seed: [0; 32],
+            max_consecutive_failures: 1,
+            buffer: None,
+            privacy: None,
+        };
+        validate(&spec)?;
+        self.next_round = f.round;
+        self.campaign = Some(Campaign {
+            base_version: spec.base_version,
+            base_digest: spec.base_digest,
+            spec,
+            completed: 0,
+            consecutive_failures: 0,
+            phase: Phase::AwaitingModel { round: RoundId(0) }, // replaced at once
+            first_round: f.round,
+            recent: VecDeque::new(),
+        });
+        self.open_round_as(now, Some((f.selection, f.deadline.max(now.saturating_add(1)))));
+        Ok(())
     }
 
     /// Re-admits an update accepted into the open round `round` before a restart, from the
@@ -650,8 +801,8 @@ impl RoundEngine {
         }
         self.seen_nonces.insert((contribution.device.clone(), contribution.nonce));
         self.nonce_log.push_back((round, contribution.device.clone(), contribution.nonce));
-        r.contributions.insert(contribution.device.clone(), contribution);
-        let accepted = r.contributions.len() as u32;
+        r.insert(contribution);
+        let accepted = r.accepted();
         let c = self.campaign.as_ref().expect("checked above");
         if accepted >= self.round_target(c) {
             self.close_round(CloseCause::TargetReached);
@@ -670,7 +821,7 @@ impl RoundEngine {
             if now < r.deadline {
                 return;
             }
-            let accepted = r.contributions.len() as u32;
+            let accepted = r.accepted();
             let policy = &c.spec.policy;
             if accepted >= policy.min_quorum {
                 self.close_round(CloseCause::Deadline);
@@ -752,7 +903,7 @@ impl RoundEngine {
         // The open round may have every update it can still get.
         let reached = match &self.campaign {
             Some(c) => match &c.phase {
-                Phase::Open(r) => r.contributions.len() as u32 >= self.round_target(c),
+                Phase::Open(r) => r.accepted() >= self.round_target(c),
                 _ => false,
             },
             None => false,
@@ -791,7 +942,11 @@ impl RoundEngine {
 
     /// Restores an engine from [`to_bytes`](Self::to_bytes).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, EngineError> {
-        postcard::from_bytes(bytes).map_err(|e| EngineError::Snapshot(e.to_string()))
+        let mut engine: RoundEngine = postcard::from_bytes(bytes).map_err(|e| EngineError::Snapshot(e.to_string()))?;
+        if let Some(Phase::Open(r)) = engine.campaign.as_mut().map(|c| &mut c.phase) {
+            r.relayed_extra = r.contributions.values().map(|c| c.updates.saturating_sub(1)).sum();
+        }
+        Ok(engine)
     }
 
     // ----- internals -----
@@ -829,6 +984,42 @@ impl RoundEngine {
             _ => return Err(self.reject(RejectReason::StaleRound)),
         };
         self.admit_into(c, r, (c.base_digest, &r.selection), 0, meta)
+    }
+
+    fn admit_relay(&self, meta: &RelayMeta) -> Result<Accepted, Reject> {
+        if meta.fleet != self.fleet {
+            return Err(self.reject(RejectReason::WrongFleet));
+        }
+        if self.seen_nonces.contains(&(meta.relay.clone(), meta.nonce)) {
+            return Err(self.reject(RejectReason::Replay));
+        }
+        let Some(c) = self.campaign.as_ref() else {
+            let reason = if meta.round < self.next_round { RejectReason::StaleRound } else { RejectReason::UnknownRound };
+            return Err(self.reject(reason));
+        };
+        if c.spec.buffer.is_some() || c.spec.privacy.is_some() {
+            // Buffers weight each update by its own staleness and DP clips each update: both
+            // need the individual updates, which a partial sum has folded away.
+            return Err(self.reject(RejectReason::NotPermitted));
+        }
+        let r = match &c.phase {
+            Phase::Open(r) if r.id == meta.round => r,
+            _ if meta.round >= self.next_round => return Err(self.reject(RejectReason::UnknownRound)),
+            _ => return Err(self.reject(RejectReason::StaleRound)),
+        };
+        if meta.base_digest != c.base_digest {
+            return Err(self.reject(RejectReason::WrongBaseModel));
+        }
+        if r.contributions.contains_key(&meta.relay) {
+            return Err(self.reject(RejectReason::Duplicate));
+        }
+        let max_weight = meta.update_count.saturating_mul(c.spec.policy.max_sample_count.min(MAX_WEIGHT));
+        if meta.update_count == 0 || meta.total_weight < meta.update_count || meta.total_weight > max_weight {
+            return Err(self.reject(RejectReason::BadSampleCount));
+        }
+        let accepted = (u64::from(r.accepted()) + meta.update_count).min(u64::from(u32::MAX)) as u32;
+        let target = self.round_target(c);
+        Ok(Accepted { round: r.id, weight: meta.total_weight, staleness: 0, accepted, target, closed_round: accepted >= target })
     }
 
     /// Admission in asynchronous mode (see the module docs): into the open buffer, from any
@@ -878,7 +1069,7 @@ impl RoundEngine {
         if meta.num_examples == 0 || meta.num_examples > policy.max_sample_count {
             return Err(self.reject(RejectReason::BadSampleCount));
         }
-        let accepted = open.contributions.len() as u32 + 1;
+        let accepted = open.accepted() + 1;
         let target = self.round_target(c);
         let weight = staleness_weight(meta.num_examples.min(MAX_WEIGHT), staleness);
         Ok(Accepted { round: open.id, weight, staleness, accepted, target, closed_round: accepted >= target })
@@ -899,6 +1090,12 @@ impl RoundEngine {
     }
 
     fn open_round(&mut self, now: Millis) {
+        self.open_round_as(now, None)
+    }
+
+    /// Opens the next round; `followed` gives its selection and deadline (a relay's round,
+    /// announced by its parent) instead of the campaign's.
+    fn open_round_as(&mut self, now: Millis, followed: Option<(WireSelection, Millis)>) {
         let id = self.next_round;
         self.next_round = RoundId(id.0 + 1);
         let c = self.campaign.as_mut().expect("open_round needs a campaign");
@@ -924,12 +1121,17 @@ impl RoundEngine {
         }
         let c = self.campaign.as_mut().expect("open_round needs a campaign");
         let policy = &c.spec.policy;
-        let deadline = now.saturating_add(policy.duration_ms);
-        let selection = match &c.spec.selection {
-            Invitation::Rate { rate } => {
-                WireSelection::Sample { rate_ppm: effective_ppm(*rate, policy), seed: round_seed(&c.spec.seed, id) }
+        let (selection, deadline) = match followed {
+            Some(given) => given,
+            None => {
+                let selection = match &c.spec.selection {
+                    Invitation::Rate { rate } => {
+                        WireSelection::Sample { rate_ppm: effective_ppm(*rate, policy), seed: round_seed(&c.spec.seed, id) }
+                    }
+                    Invitation::Explicit { devices } => WireSelection::Devices(devices.iter().cloned().collect()),
+                };
+                (selection, now.saturating_add(policy.duration_ms))
             }
-            Invitation::Explicit { devices } => WireSelection::Devices(devices.iter().cloned().collect()),
         };
         let announcement = OpenedRound {
             fleet: self.fleet.clone(),
@@ -952,7 +1154,15 @@ impl RoundEngine {
             let selection = selection.clone();
             c.recent.push_back(BufferBase { round: id, digest: c.base_digest, published: c.completed, selection });
         }
-        c.phase = Phase::Open(OpenRound { id, selection, opened_at: now, deadline, extended: false, contributions: BTreeMap::new() });
+        c.phase = Phase::Open(OpenRound {
+            id,
+            selection,
+            opened_at: now,
+            deadline,
+            extended: false,
+            contributions: BTreeMap::new(),
+            relayed_extra: 0,
+        });
         self.events.push_back(EngineEvent::RoundOpened(announcement));
     }
 

@@ -55,8 +55,8 @@ pub mod strategy;
 pub use coordinator::{Coordinator, FinalizeError};
 pub use engine::{
     Accepted, BufferPolicy, CampaignId, CampaignOutcome, CampaignSpec, CloseCause, Contribution, EngineConfig, EngineError, EngineEvent,
-    FailReason, Invitation, Millis, Nonce, OpenedRound, PrivacyPolicy, PrivacyStatus, Reject, RoundEngine, RoundPolicy, RoundStatus,
-    UpdateMeta, rate_to_ppm, round_seed, staleness_weight,
+    FailReason, FollowedRound, Invitation, Millis, Nonce, OpenedRound, PrivacyPolicy, PrivacyStatus, Reject, RelayMeta, RoundEngine,
+    RoundPolicy, RoundStatus, UpdateMeta, rate_to_ppm, round_seed, staleness_weight,
 };
 pub use reject::RejectReason;
 pub use strategy::{

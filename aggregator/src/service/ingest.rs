@@ -56,6 +56,39 @@ pub(super) fn stored_delta(store: &Store, rec: &AcceptedRecord, base: &Base, dty
         .map_err(|r| format!("stored update {} no longer decodes: {}", rec.payload_digest, r.detail))
 }
 
+/// The whole payload an upload's header binds: `Chunk` frames up to `End` over QUIC (the first
+/// byte past the signed length refused), or the MQTT bytes; its digest checked.
+pub(super) async fn receive_payload(
+    header: &impl fedfleet_protocol::envelope::PayloadBinding,
+    payload: Payload<'_>,
+) -> Result<Vec<u8>, Rejection> {
+    let mut check = PayloadCheck::new(header);
+    let refused = |e: fedfleet_protocol::EnvelopeError| reject(e.reason(), e.to_string());
+    let stream = match payload {
+        Payload::Bytes(bytes) => {
+            check.update(&bytes).map_err(refused)?;
+            check.finish().map_err(refused)?;
+            return Ok(bytes);
+        }
+        Payload::Quic(stream) => stream,
+    };
+    let mut payload = Vec::with_capacity(header.payload_len() as usize);
+    loop {
+        match stream.recv().await {
+            Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
+                check.update(&body).map_err(refused)?;
+                payload.extend_from_slice(&body);
+            }
+            Ok(Some(Frame { kind: FrameKind::End, .. })) => break,
+            Ok(Some(f)) => return Err(reject(RejectReason::Malformed, format!("unexpected {:?} frame in a payload", f.kind))),
+            Ok(None) => return Err(reject(RejectReason::Malformed, "stream ended before the End frame")),
+            Err(e) => return Err(reject(RejectReason::Malformed, e.to_string())),
+        }
+    }
+    check.finish().map_err(refused)?;
+    Ok(payload)
+}
+
 /// An update whose header, signature and payload digest passed every check: what step 7
 /// decodes, folds and commits.
 pub(super) struct Checked {
@@ -106,6 +139,11 @@ impl Aggregator {
             }
             DeviceStatus::Enrolled(k) => k,
         };
+        if let Some(region) = sh.cfg.relay.as_ref().map(|r| &r.region).filter(|r| !r.is_empty())
+            && !region.contains(&h.device)
+        {
+            return Err(reject(RejectReason::NotPermitted, format!("{} is not in this relay's region", h.device)));
+        }
         // 3. Signature.
         update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
         sh.metrics.ingest_step("authenticate", &mut since);
@@ -146,42 +184,25 @@ impl Aggregator {
                 format!("payload of {} bytes; the limit for this model is {}", h.payload_len, base.max_payload()),
             ));
         }
-        // 6. Admission by bytes in flight, before the payload is read. (An update larger than
-        // the whole budget takes all of it, and waits for it alone.)
-        let limits = sh.cfg.admission;
-        let kib = h.payload_len.div_ceil(1024).clamp(1, u64::from(limits.in_flight_kib())) as u32;
-        let Ok(_in_flight) = sh.in_flight.clone().try_acquire_many_owned(kib) else {
-            let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
-            return Err(reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms)));
-        };
+        // 6. Admission by bytes in flight, before the payload is read.
+        let _in_flight = self.reserve_bytes(h.payload_len)?;
         sh.metrics.ingest_step("admit", &mut since);
         // 7. The payload through the digest/length check (streamed over QUIC).
-        let mut check = PayloadCheck::new(&h);
-        let stream = match payload {
-            Payload::Bytes(bytes) => {
-                check.update(&bytes).map_err(|e| reject(e.reason(), e.to_string()))?;
-                check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-                sh.metrics.ingest_step("receive", &mut since);
-                return self.commit_blocking(Checked { h, meta, payload: bytes, base, dtype, since }).await;
-            }
-            Payload::Quic(stream) => stream,
-        };
-        let mut payload = Vec::with_capacity(h.payload_len as usize);
-        loop {
-            match stream.recv().await {
-                Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
-                    check.update(&body).map_err(|e| reject(e.reason(), e.to_string()))?;
-                    payload.extend_from_slice(&body);
-                }
-                Ok(Some(Frame { kind: FrameKind::End, .. })) => break,
-                Ok(Some(f)) => return Err(reject(RejectReason::Malformed, format!("unexpected {:?} frame in a payload", f.kind))),
-                Ok(None) => return Err(reject(RejectReason::Malformed, "stream ended before the End frame")),
-                Err(e) => return Err(reject(RejectReason::Malformed, e.to_string())),
-            }
-        }
-        check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
+        let payload = receive_payload(&h, payload).await?;
         sh.metrics.ingest_step("receive", &mut since);
         self.commit_blocking(Checked { h, meta, payload, base, dtype, since }).await
+    }
+
+    /// Takes `len` bytes of the `[admission] max_bytes_in_flight` budget until the permit drops;
+    /// `overloaded` (with the retry-after) when it is spent. (An upload larger than the whole
+    /// budget takes all of it, and waits for it alone.)
+    pub(super) fn reserve_bytes(&self, len: u64) -> Result<tokio::sync::OwnedSemaphorePermit, Rejection> {
+        let limits = self.shared.cfg.admission;
+        let kib = len.div_ceil(1024).clamp(1, u64::from(limits.in_flight_kib())) as u32;
+        self.shared.in_flight.clone().try_acquire_many_owned(kib).map_err(|_| {
+            let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
+            reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms))
+        })
     }
 
     /// 7. Decode, check, fold and commit, off the async threads.
@@ -236,6 +257,7 @@ impl Aggregator {
             payload_digest: h.payload_digest,
             weight: accepted.weight,
             receipt: receipt.encode(),
+            relayed: 0,
         };
         let seq = sh.store.apply_update(&h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
         sh.metrics.ingest_step("record", &mut since);

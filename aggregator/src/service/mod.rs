@@ -51,6 +51,7 @@ use crate::{Coordinator, metrics::Metrics};
 mod base;
 mod ingest;
 mod quic;
+mod relay;
 mod rounds;
 
 use base::Base;
@@ -144,6 +145,8 @@ struct Shared {
     in_flight: Arc<tokio::sync::Semaphore>,
     /// The open round's signed announcement (encoded), for the MQTT control plane.
     announce: watch::Sender<Option<Vec<u8>>>,
+    /// A relay's link to its parent, made on first use (inside the runtime).
+    parent: std::sync::OnceLock<relay::Parent>,
 }
 
 /// Where an upload's payload comes from. Both transports go through [`Aggregator::ingest`].
@@ -289,6 +292,7 @@ impl Aggregator {
                         weight: rec.weight,
                         payload_digest: rec.payload_digest,
                         accepted_at: receipt.body().accepted_at_unix_ms,
+                        updates: rec.relayed.max(1),
                     };
                     core.coord
                         .engine_mut()
@@ -299,8 +303,14 @@ impl Aggregator {
             // A deferred fold only counts here; its payloads are read when the round closes.
             let deferred = core.coord.mode() == FoldMode::Deferred;
             for rec in &records {
-                let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(resume)? };
-                core.coord.resume_fold(round, &delta, rec.weight).map_err(|e| resume(format!("refold of {}: {e}", rec.payload_digest)))?;
+                let refolded = if rec.relayed > 0 {
+                    let partial = relay::stored_partial(&store, rec, &base).map_err(resume)?;
+                    core.coord.resume_merge(round, &partial)
+                } else {
+                    let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(resume)? };
+                    core.coord.resume_fold(round, &delta, rec.weight)
+                };
+                refolded.map_err(|e| resume(format!("refold of {}: {e}", rec.payload_digest)))?;
             }
             if !records.is_empty() {
                 tracing::info!(round = %round, updates = records.len(), "refolded the current round after restart");
@@ -334,6 +344,7 @@ impl Aggregator {
                 core: Mutex::new(core),
                 wake: Notify::new(),
                 in_flight: Arc::new(tokio::sync::Semaphore::new(in_flight_kib as usize)),
+                parent: std::sync::OnceLock::new(),
             }),
         };
         {

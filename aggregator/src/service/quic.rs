@@ -38,6 +38,7 @@ impl Aggregator {
             tokio::spawn(async move {
                 tokio::select! {
                     _ = me.drive() => {}
+                    _ = me.follow_parent(), if me.shared.cfg.relay.is_some() => {}
                     _ = stop => {}
                 }
             })
@@ -117,6 +118,9 @@ impl Aggregator {
         if matches!(peer, PeerIdentity::Device(_)) {
             self.shared.metrics.device_connections.inc();
         }
+        // A relay signs its partial sums with its certificate's key.
+        let peer_key = fedfleet_net::peer::certificates(conn)
+            .and_then(|chain| chain.first().and_then(|leaf| fedfleet_certs::certificate_key(leaf).ok()));
         if listener == Listener::Operators && matches!(peer, PeerIdentity::Device(_)) {
             conn.close(1u32.into(), b"not_permitted: devices connect on the aggregator's `listen` address, not `operator_listen`");
             self.shared.metrics.rejected(RejectReason::NotPermitted);
@@ -139,13 +143,13 @@ impl Aggregator {
             let peer = peer.clone();
             streams.spawn(async move {
                 let mut stream = FramedStream::new(send, recv);
-                me.stream(&peer, &mut stream).await;
+                me.stream(&peer, peer_key, &mut stream).await;
             });
         }
         while streams.join_next().await.is_some() {}
     }
 
-    pub(super) async fn stream(&self, peer: &PeerIdentity, stream: &mut FramedStream) {
+    pub(super) async fn stream(&self, peer: &PeerIdentity, peer_key: Option<ed25519_dalek::VerifyingKey>, stream: &mut FramedStream) {
         let first = match stream.recv().await {
             Ok(Some(f)) => f,
             Ok(None) => return,
@@ -159,7 +163,10 @@ impl Aggregator {
             FrameKind::Signed => {
                 let answer = match SignedUpdate::decode(&first.body) {
                     Ok(update) => self.ingest(peer, update, Payload::Quic(stream)).await,
-                    Err(e) => Err(reject(e.reason(), e.to_string())),
+                    Err(e) => match fedfleet_protocol::SignedRelay::decode(&first.body) {
+                        Ok(partial) => self.ingest_relay(peer, peer_key, partial, Payload::Quic(stream)).await,
+                        Err(_) => Err(reject(e.reason(), e.to_string())),
+                    },
                 };
                 let sent = match answer {
                     Ok(receipt) => stream.send(FrameKind::Signed, &receipt.encode()).await,

@@ -130,7 +130,9 @@ impl Aggregator {
         loop {
             let closing = self.lock().closing;
             if let Some(round) = closing {
-                if let Err(e) = self.finalize(round).await {
+                // A relay forwards its closed round to its parent instead of publishing it.
+                let done = if self.shared.cfg.relay.is_some() { self.forward(round).await } else { self.finalize(round).await };
+                if let Err(e) = done {
                     tracing::error!(round = %round, error = %e, "publishing failed; retrying in 5 s");
                     tokio::time::sleep(Duration::from_secs(5)).await;
                 }
@@ -314,6 +316,9 @@ impl Aggregator {
 
     /// Starts a campaign from the config defaults and `o`.
     pub async fn start_campaign(&self, o: CampaignOverrides) -> Result<CampaignStatus, String> {
+        if let Some(r) = &self.shared.cfg.relay {
+            return Err(format!("this aggregator is a relay of {}: start campaigns on the root", r.parent));
+        }
         if let Some(c) = self.lock().coord.engine().campaign_id() {
             return Err(format!("campaign {c} is still running"));
         }

@@ -165,6 +165,43 @@ impl PartialSum {
         Ok(PartialSum { sums, total_weight, count })
     }
 
+    /// The sums as a relay forwards them: `dim` little-endian `i128`s, in grid units.
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.sums.len() * 16);
+        for s in &self.sums {
+            out.extend_from_slice(&s.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads [`to_le_bytes`](Self::to_le_bytes) of a sum over `count` updates of total weight
+    /// `total_weight`, refusing a length other than `dim` sums, a count or weight that cannot
+    /// be, and any sum beyond what `count` in-range products can reach.
+    pub fn from_le_bytes(bytes: &[u8], dim: usize, total_weight: u64, count: u64) -> Result<Self, FoldError> {
+        if bytes.len() != dim.saturating_mul(16) {
+            return Err(FoldError::ShapeMismatch { expected: dim, got: bytes.len() / 16 });
+        }
+        if count == 0 {
+            return Err(FoldError::Empty);
+        }
+        if count > MAX_FOLDS {
+            return Err(FoldError::TooManyFolds);
+        }
+        if total_weight < count || total_weight > count * MAX_WEIGHT {
+            return Err(FoldError::BadWeight(total_weight));
+        }
+        let bound = i128::from(count) << 100; // count × 2¹⁰⁰ grid units (LIMIT_UNITS)
+        let mut sums = Vec::with_capacity(dim);
+        for (index, b) in bytes.chunks_exact(16).enumerate() {
+            let v = i128::from_le_bytes(b.try_into().expect("16 bytes"));
+            if v.unsigned_abs() >= bound.unsigned_abs() {
+                return Err(FoldError::OutOfRange { index, value: v as f64 * RESOLUTION });
+            }
+            sums.push(v);
+        }
+        Ok(PartialSum { sums, total_weight, count })
+    }
+
     /// Adds another partial sum (a relay's, or a shard's). Exact.
     pub fn merge(&mut self, other: &PartialSum) -> Result<(), FoldError> {
         if other.sums.len() != self.sums.len() {

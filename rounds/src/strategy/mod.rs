@@ -368,6 +368,11 @@ impl ServerStrategy {
         self.aggregation.get().partial_sum()
     }
 
+    /// Whether a relay's partial sum can be merged: a plain weighted mean of the deltas.
+    pub fn takes_partial_sums(&self) -> bool {
+        matches!(self.aggregation, AggregationStep::WeightedMean(_))
+    }
+
     /// Takes the round's partial sum out (a relay forwards it), leaving an empty one.
     pub fn take_partial_sum(&mut self) -> Option<PartialSum> {
         let sum = self.aggregation.get_mut().partial_sum_mut()?;
@@ -375,9 +380,14 @@ impl ServerStrategy {
         Some(std::mem::replace(sum, PartialSum::new(dim)))
     }
 
-    /// Merges a relay's partial sum into the current round (weighted means only).
+    /// Merges a relay's partial sum into the current round: plain weighted means only (FedAvg,
+    /// FedProx, the FedOpt family), since clipping and DP act on each update, which a partial sum
+    /// has folded away.
     pub fn merge_partial(&mut self, partial: &PartialSum) -> Result<(), StrategyError> {
         let name = self.name();
+        if !self.takes_partial_sums() {
+            return Err(StrategyError::BadParameter(format!("{name} needs every update: it cannot merge partial sums")));
+        }
         let sum = self
             .aggregation
             .get_mut()

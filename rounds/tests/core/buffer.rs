@@ -176,6 +176,7 @@ fn a_buffer_boundary_snapshot_plus_readmitted_records_is_the_engine_that_ran_on(
             weight: acc.weight,
             payload_digest: m.payload_digest,
             accepted_at: T0 + 20 + d as u64,
+            updates: 1,
         });
     }
     assert_eq!(records[0].weight, 70);

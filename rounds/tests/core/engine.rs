@@ -374,6 +374,7 @@ fn a_snapshot_from_the_round_boundary_plus_readmitted_records_is_the_engine_that
             weight: acc.weight,
             payload_digest: m.payload_digest,
             accepted_at: T0 + 1 + d as u64,
+            updates: 1,
         });
     }
     let mut restored = RoundEngine::from_bytes(&at_open).unwrap();

@@ -4,4 +4,5 @@
 mod buffer;
 mod engine;
 mod privacy;
+mod relay;
 mod strategies;
