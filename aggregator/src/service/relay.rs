@@ -290,7 +290,16 @@ impl Aggregator {
             PeerIdentity::Service(n) if sh.cfg.relays.contains(n) => {
                 return Err(reject(RejectReason::IdentityMismatch, format!("certificate is for relay {n}, the header names {}", h.relay)));
             }
-            _ => return Err(reject(RejectReason::NotPermitted, "only the services named in `relays` forward partial sums")),
+            other => {
+                let who = match other {
+                    PeerIdentity::Service(n) => format!("service {n}"),
+                    PeerIdentity::Device(d) => format!("device {d}"),
+                };
+                return Err(reject(
+                    RejectReason::NotPermitted,
+                    format!("{who} is not named in `relays`: only relays forward partial sums"),
+                ));
+            }
         }
         let key = peer_key.ok_or_else(|| reject(RejectReason::IdentityMismatch, "the client certificate has no ed25519 key"))?;
         signed.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;

@@ -105,6 +105,20 @@ impl Deployment {
 
     /// Starts the registry, the aggregator and the agents (`agent_bin run --config ...`).
     pub fn start(&mut self, agent_bin: &str) {
+        self.start_services();
+        self.start_agents(1..=self.agents, agent_bin);
+    }
+
+    /// Starts the agents `which` (1-based).
+    pub fn start_agents(&mut self, which: std::ops::RangeInclusive<usize>, agent_bin: &str) {
+        for i in which {
+            let agent = self.spawn_agent(i, agent_bin);
+            self.agent_procs.push(agent);
+        }
+    }
+
+    /// Starts the registry and the aggregator.
+    pub fn start_services(&mut self) {
         let dir = self.dir.clone();
         self.services.push(self.spawn_registry());
         self.services.push(Proc::spawn(
@@ -116,9 +130,6 @@ impl Deployment {
             &self.log("aggregator"),
             "info",
         ));
-        for i in 1..=self.agents {
-            self.agent_procs.push(self.spawn_agent(i, agent_bin));
-        }
     }
 
     /// `fedfleet-registry rollout start` of `digits` v`version` to the whole fleet in one phase
@@ -133,6 +144,14 @@ impl Deployment {
 
     /// The `metric` of every version of the model in the registry, oldest first.
     pub fn version_metrics(&self, model: &str, metric: &str) -> Vec<f64> {
+        self.versions(model)
+            .iter()
+            .map(|record| record["metrics"][metric].as_f64().unwrap_or_else(|| panic!("a version has no {metric} metric: {record}")))
+            .collect()
+    }
+
+    /// The record (`fedfleet-registry show --json`) of every version of the model, oldest first.
+    pub fn versions(&self, model: &str) -> Vec<serde_json::Value> {
         let list: serde_json::Value =
             serde_json::from_str(&self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model])).unwrap();
         let latest = list["version"].as_u64().expect("show names the version");
@@ -140,8 +159,7 @@ impl Deployment {
             .map(|v| {
                 let out =
                     self.cli("fedfleet-registry", &["--config", "registry.toml", "--json", "show", model, "--version", &v.to_string()]);
-                let record: serde_json::Value = serde_json::from_str(&out).unwrap();
-                record["metrics"][metric].as_f64().unwrap_or_else(|| panic!("v{v} has no {metric} metric: {out}"))
+                serde_json::from_str(&out).unwrap()
             })
             .collect()
     }

@@ -11,6 +11,7 @@ mod netfaults;
 mod object_store;
 mod own_model;
 mod procs;
+mod relays;
 mod renewal;
 mod sampled;
 mod tasks;

@@ -1,0 +1,133 @@
+//! Regional relays as real processes: the root aggregator, three `fedfleet-aggregator relay`
+//! processes and nine agents, three per relay (the registry beside them). FedAvg over the tree
+//! publishes the flat run's versions bit for bit, and a relay killed with SIGKILL mid-round and
+//! started again loses and doubles nothing.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::deployment::Deployment;
+use crate::procs::{Proc, count_lines, free_udp_port, tail, wait_for};
+
+const AGENTS: usize = 9;
+const RELAYS: usize = 3;
+
+/// Two rounds of FedAvg over every agent, from `initial` (the same initial model in both runs).
+fn deployment(initial: Option<&Path>) -> Deployment {
+    let d = Deployment::init(AGENTS);
+    d.set("aggregator.toml", "rounds", "2");
+    d.set("aggregator.toml", "target", &AGENTS.to_string());
+    if let Some(initial) = initial {
+        std::fs::copy(initial, d.path("aggregator/initial.safetensors")).unwrap();
+    }
+    d
+}
+
+/// Runs the campaign; the digest of every version the registry holds, oldest first.
+fn campaign(d: &Deployment) -> Vec<String> {
+    d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
+    d.versions("digits").iter().map(|v| v["digest"].as_str().expect("a version has a digest").to_owned()).collect()
+}
+
+/// The agents of relay `r` (1-based): 3r-2 ..= 3r.
+fn region(r: usize) -> std::ops::RangeInclusive<usize> {
+    3 * r - 2..=3 * r
+}
+
+/// Relay `r`'s certificate, config (its region, the root as parent) and its agents' configs
+/// pointing at it; the root names the relays.
+fn make_tree(d: &Deployment) -> Vec<u16> {
+    let root = std::fs::read_to_string(d.path("aggregator.toml")).unwrap();
+    let parent = root.lines().find_map(|l| l.strip_prefix("listen = ")).unwrap().trim_matches('"').to_owned();
+    let names: Vec<String> = (1..=RELAYS).map(|r| format!("\"relay-{r}\"")).collect();
+    std::fs::write(d.path("aggregator.toml"), root.replacen("\n[publish]", &format!("\nrelays = [{}]\n\n[publish]", names.join(", ")), 1))
+        .unwrap();
+    let mut ports = Vec::new();
+    for r in 1..=RELAYS {
+        let name = format!("relay-{r}");
+        d.cli("fedfleet-certs", &["--dir", "pki", "issue-server", "--name", &name]);
+        let port = free_udp_port();
+        let devices: Vec<String> = region(r).map(|i| format!("\"agent-{i}\"")).collect();
+        // The root's config, less what only the root has (its address, identity, state,
+        // metrics, registry), plus the parent.
+        let mut config: String = root
+            .lines()
+            .filter(|l| !["metrics_addr = ", "registry = ", "server_name = ", "[publish]"].iter().any(|k| l.starts_with(k)))
+            .map(|l| match l {
+                l if l.starts_with("listen = ") => format!("listen = \"127.0.0.1:{port}\""),
+                l if l.starts_with("server_identity = ") => format!("server_identity = \"{name}\""),
+                l if l.starts_with("data_dir = ") => format!("data_dir = \"{name}\""),
+                l => l.to_owned(),
+            })
+            .map(|l| l + "\n")
+            .collect();
+        config += &format!(
+            "\n[relay]\nparent = \"{parent}\"\nparent_receipt_key = \"aggregator/receipt.pub\"\nregion = [{}]\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
+            devices.join(", ")
+        );
+        std::fs::write(d.path(&format!("{name}.toml")), config).unwrap();
+        for i in region(r) {
+            let file = format!("agents/agent-{i}.toml");
+            let text = std::fs::read_to_string(d.path(&file)).unwrap();
+            let text = text
+                .replace(&format!("addr = \"{parent}\""), &format!("addr = \"127.0.0.1:{port}\""))
+                .replace("receipt_key = \"../aggregator/receipt.pub\"", &format!("receipt_key = \"../{name}/receipt.pub\""));
+            assert!(text.contains(&format!("127.0.0.1:{port}")), "agent {i}'s config names the aggregator differently: {text}");
+            std::fs::write(d.path(&file), text).unwrap();
+        }
+        ports.push(port);
+    }
+    ports
+}
+
+fn spawn_relay(d: &Deployment, r: usize) -> Proc {
+    let name = format!("relay-{r}");
+    let config = format!("{name}.toml");
+    let p = Proc::spawn(&[], &name, "fedfleet-aggregator", &["relay", "--config", &config], &d.dir, &d.log(&name), "info");
+    wait_for(&format!("{name} to listen"), Duration::from_secs(30), || d.path(&format!("{name}/receipt.pub")).exists().then_some(()));
+    p
+}
+
+#[test]
+fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_mid_round() {
+    // The flat run: nine agents on the root.
+    let mut flat = deployment(None);
+    flat.start("fedfleet-agent");
+    let flat_versions = campaign(&flat);
+    flat.stop_agents();
+    assert_eq!(flat_versions.len(), 3, "the initial model and two rounds: {flat_versions:?}");
+
+    // The tree: the root, three relays, three agents each. Relay 2 gets two of its agents, is
+    // killed with SIGKILL once it holds both updates (its round needs the third), is started
+    // again, and only then does its third agent come up.
+    let mut tree = deployment(Some(&flat.path("aggregator/initial.safetensors")));
+    make_tree(&tree);
+    tree.start_services();
+    let mut relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
+    for r in 1..=RELAYS {
+        let last = if r == 2 { *region(r).end() - 1 } else { *region(r).end() };
+        tree.start_agents(*region(r).start()..=last, "fedfleet-agent");
+    }
+    let dir = tree.dir.clone();
+    let run = std::thread::spawn(move || {
+        let out =
+            crate::procs::cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"], &dir);
+        out
+    });
+    let relay2 = tree.log("relay-2");
+    wait_for("relay-2 to accept two updates", Duration::from_secs(120), || (count_lines(&relay2, "update accepted") >= 2).then_some(()));
+    assert_eq!(count_lines(&relay2, "partial sum forwarded"), 0, "relay-2 waits for its third agent");
+    relays[1].sigkill();
+    relays[1] = spawn_relay(&tree, 2);
+    tree.start_agents(*region(2).end()..=*region(2).end(), "fedfleet-agent");
+    let status = run.join().unwrap_or_else(|_| "`campaign start --wait` failed (see above)".into());
+    let tree_versions = tree.versions("digits").iter().map(|v| v["digest"].as_str().unwrap().to_owned()).collect::<Vec<_>>();
+    let root_log = tree.log("aggregator");
+    let context = format!("campaign: {status}\nroot:\n{}\nrelay-2:\n{}", tail(&root_log, 30), tail(&relay2, 30));
+    assert_eq!(tree_versions, flat_versions, "FedAvg over relays is FedAvg over all devices, bit for bit\n{context}");
+    assert_eq!(count_lines(&root_log, "relay's partial sum accepted"), 2 * RELAYS, "one sum per relay per round\n{context}");
+    assert_eq!(count_lines(&root_log, "update accepted"), 0, "no device reached the root\n{context}");
+    assert!(count_lines(&relay2, "refolded the current round after restart") >= 1, "relay-2 refolded its two updates\n{context}");
+    tree.stop_agents();
+    drop(relays);
+}
