@@ -884,6 +884,35 @@ mod tests {
         assert!(Config::load_all(&p).unwrap_err().to_string().contains("unknown key(s) clientid"));
     }
 
+    #[test]
+    fn relays_take_plain_weighted_means_and_a_relay_publishes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.toml");
+        let load = |top: &str, rest: &str| {
+            let text = format!(
+                "listen = \"127.0.0.1:1\"\npki_dir = \"p\"\ndata_dir = \"d\"\n{top}\n[model]\nname = \"m\"\n\
+                 spec = {{ arch = \"mlp\", input = [4], hidden = [4], classes = 2 }}\ninitial = \"i\"\n{rest}"
+            );
+            std::fs::write(&p, text).unwrap();
+            Config::load(&p).map_err(|e| e.to_string())
+        };
+        let cfg = load("relays = [\"relay-eu\"]", "").unwrap();
+        assert_eq!(cfg.relays, ["relay-eu"]);
+        let err = load("relays = [\"relay-eu\"]", "[campaign]\nstrategy = \"median\"\n").unwrap_err();
+        assert!(err.contains("\"median\" needs every update"), "{err}");
+        let err = load("relays = [\"relay-eu\"]", "[campaign]\nmode = \"async\"\n").unwrap_err();
+        assert!(err.contains("in async mode"), "{err}");
+        assert!(load("relays = [\"../x\"]", "").is_err());
+        let relay = "[relay]\nparent = \"10.0.0.1:7401\"\nparent_receipt_key = \"root.pub\"\nregion = [\"dev-1\"]\n";
+        let cfg = load("", relay).unwrap();
+        let r = cfg.relay.unwrap();
+        assert_eq!((r.parent_receipt_key, r.forward_margin_secs, r.region.len()), (dir.path().join("root.pub"), 10, 1));
+        let err = load("", &format!("{relay}[publish]\nregistry = \"127.0.0.1:2\"\n")).unwrap_err();
+        assert!(err.contains("remove [publish]"), "{err}");
+        let err = load("", &format!("{relay}[campaign]\nstrategy = \"krum\"\n")).unwrap_err();
+        assert!(err.contains("needs every update"), "{err}");
+    }
+
     /// `[campaign]` with `keys` under a minimal config, loaded.
     fn campaign_of(keys: &str) -> Result<CampaignDefaults, String> {
         let dir = tempfile::tempdir().unwrap();

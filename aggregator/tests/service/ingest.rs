@@ -302,3 +302,58 @@ async fn a_failed_publish_is_retried_with_the_finalized_model() {
     stop.trigger();
     task.await.unwrap();
 }
+
+/// A relay's partial sum: only a service named in `relays`, signed with its certificate's key;
+/// merged and counted with its updates; a resend gets the first receipt, a second sum is a
+/// duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_sum_is_taken_only_from_a_named_relay_under_its_own_key() {
+    use fedfleet_aggregator::strategy::fixed::PartialSum;
+    use fedfleet_protocol::{DeviceId, Digest, RelayHeader};
+    let fleet = Fleet::new(2);
+    // The operator's certificate stands in for a relay's.
+    let cfg = fedfleet_aggregator::config::Config { relays: vec!["operator".into()], ..fleet.config("agg", 100, 1) };
+    let svc = start(cfg).await;
+    let op = fleet.operator(svc.addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    let d0 = fleet.device_client(0, svc.addr).await;
+    let info = d0.current_round().await.unwrap();
+    let ann: RoundAnnouncement = info.announcement.expect("open round").verify(&info.receipt_key).unwrap().clone();
+    let update = delta(3);
+    let mut sum = PartialSum::new(update.num_params());
+    sum.fold(&fedfleet_aggregator::service::flatten(&update, update.num_params()), 10).unwrap();
+    sum.fold(&fedfleet_aggregator::service::flatten(&delta(4), update.num_params()), 20).unwrap();
+    let payload = sum.to_le_bytes();
+    let header = |relay: &str, nonce: u8| RelayHeader {
+        relay: DeviceId::new(relay).unwrap(),
+        fleet: fleet.fleet.clone(),
+        round: ann.round,
+        base_model: ann.base_model.digest,
+        nonce: [nonce; 16],
+        update_count: 2,
+        total_samples: 30,
+        payload_len: payload.len() as u64,
+        payload_digest: Digest::of(&payload),
+        payload_dtype: DType::F32,
+    };
+    let relay_key = fedfleet_certs::ServerIdentity::load(fleet.pki.dir(), "operator").unwrap().signing_key();
+    // A device is no relay, whatever it signs.
+    let from_device = Signed::sign(header(dev(0).as_str(), 1), &fleet.device_key(0));
+    assert_eq!(rejected(d0.upload_encoded(&from_device.encode(), &payload).await.unwrap()), RejectReason::NotPermitted);
+    // The named relay, but signed with another key.
+    let forged = Signed::sign(header("operator", 1), &fleet.device_key(1));
+    assert_eq!(rejected(op.upload_encoded(&forged.encode(), &payload).await.unwrap()), RejectReason::BadSignature);
+    // Signed by the relay: merged, counted as two updates.
+    let signed = Signed::sign(header("operator", 1), &relay_key);
+    let receipt = match op.upload_encoded(&signed.encode(), &payload).await.unwrap() {
+        UploadOutcome::Accepted(r) => r,
+        UploadOutcome::Rejected(r) => panic!("{r:?}"),
+    };
+    assert_eq!(receipt.verify(&info.receipt_key).unwrap().device.as_str(), "operator");
+    let status = op.campaign(Request::CampaignStatus).await.unwrap();
+    assert_eq!(status.accepted, 2);
+    assert_eq!(op.upload_encoded(&signed.encode(), &payload).await.unwrap(), UploadOutcome::Accepted(receipt));
+    let again = Signed::sign(header("operator", 2), &relay_key);
+    assert_eq!(rejected(op.upload_encoded(&again.encode(), &payload).await.unwrap()), RejectReason::Duplicate);
+    assert_eq!(op.campaign(Request::CampaignStatus).await.unwrap().accepted, 2);
+}
