@@ -110,9 +110,7 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
     }
     let dir = tree.dir.clone();
     let run = std::thread::spawn(move || {
-        let out =
-            crate::procs::cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"], &dir);
-        out
+        crate::procs::cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"], &dir)
     });
     let relay2 = tree.log("relay-2");
     wait_for("relay-2 to accept two updates", Duration::from_secs(120), || (count_lines(&relay2, "update accepted") >= 2).then_some(()));
