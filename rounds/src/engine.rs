@@ -527,6 +527,22 @@ struct Campaign {
     recent: VecDeque<BufferBase>,
 }
 
+impl Campaign {
+    /// A campaign whose first round (opened by the caller at once) is `first_round`.
+    fn new(spec: CampaignSpec, first_round: RoundId) -> Self {
+        Campaign {
+            base_version: spec.base_version,
+            base_digest: spec.base_digest,
+            spec,
+            completed: 0,
+            consecutive_failures: 0,
+            phase: Phase::AwaitingModel { round: RoundId(0) }, // replaced by the round opened next
+            first_round,
+            recent: VecDeque::new(),
+        }
+    }
+}
+
 /// What a buffer announced, kept while updates trained for it may still arrive.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct BufferBase {
@@ -647,16 +663,7 @@ impl RoundEngine {
             return Err(EngineError::CampaignRunning(c.spec.id));
         }
         validate(&spec)?;
-        self.campaign = Some(Campaign {
-            base_version: spec.base_version,
-            base_digest: spec.base_digest,
-            spec,
-            completed: 0,
-            consecutive_failures: 0,
-            phase: Phase::AwaitingModel { round: RoundId(0) }, // replaced at once
-            first_round: self.next_round,
-            recent: VecDeque::new(),
-        });
+        self.campaign = Some(Campaign::new(spec, self.next_round));
         self.open_round(now);
         Ok(())
     }
@@ -766,16 +773,7 @@ impl RoundEngine {
         };
         validate(&spec)?;
         self.next_round = f.round;
-        self.campaign = Some(Campaign {
-            base_version: spec.base_version,
-            base_digest: spec.base_digest,
-            spec,
-            completed: 0,
-            consecutive_failures: 0,
-            phase: Phase::AwaitingModel { round: RoundId(0) }, // replaced at once
-            first_round: f.round,
-            recent: VecDeque::new(),
-        });
+        self.campaign = Some(Campaign::new(spec, f.round));
         self.open_round_as(now, Some((f.selection, f.deadline.max(now.saturating_add(1)))));
         Ok(())
     }
@@ -966,47 +964,44 @@ impl RoundEngine {
         if self.revoked.contains(&meta.device) {
             return Err(self.reject(RejectReason::Revoked));
         }
-        if self.seen_nonces.contains(&(meta.device.clone(), meta.nonce)) {
-            return Err(self.reject(RejectReason::Replay));
-        }
-        let Some(c) = self.campaign.as_ref() else {
-            let reason = if meta.round < self.next_round { RejectReason::StaleRound } else { RejectReason::UnknownRound };
-            return Err(self.reject(reason));
-        };
+        let c = self.fresh_into_campaign(&meta.device, meta.nonce, meta.round)?;
         if let Some(buffer) = &c.spec.buffer {
             return self.admit_buffered(c, buffer, meta);
         }
-        let r = match &c.phase {
-            Phase::Open(r) if r.id == meta.round => r,
-            _ if meta.round >= self.next_round => {
-                return Err(self.reject(RejectReason::UnknownRound));
-            }
-            _ => return Err(self.reject(RejectReason::StaleRound)),
-        };
+        let r = self.open_round_named(c, meta.round)?;
         self.admit_into(c, r, (c.base_digest, &r.selection), 0, meta)
+    }
+
+    /// A nonce the sender has not used, and a running campaign for `round`.
+    fn fresh_into_campaign(&self, sender: &DeviceId, nonce: Nonce, round: RoundId) -> Result<&Campaign, Reject> {
+        if self.seen_nonces.contains(&(sender.clone(), nonce)) {
+            return Err(self.reject(RejectReason::Replay));
+        }
+        self.campaign
+            .as_ref()
+            .ok_or_else(|| self.reject(if round < self.next_round { RejectReason::StaleRound } else { RejectReason::UnknownRound }))
+    }
+
+    /// The open round, if it is `round`; else why not.
+    fn open_round_named<'c>(&self, c: &'c Campaign, round: RoundId) -> Result<&'c OpenRound, Reject> {
+        match &c.phase {
+            Phase::Open(r) if r.id == round => Ok(r),
+            _ if round >= self.next_round => Err(self.reject(RejectReason::UnknownRound)),
+            _ => Err(self.reject(RejectReason::StaleRound)),
+        }
     }
 
     fn admit_relay(&self, meta: &RelayMeta) -> Result<Accepted, Reject> {
         if meta.fleet != self.fleet {
             return Err(self.reject(RejectReason::WrongFleet));
         }
-        if self.seen_nonces.contains(&(meta.relay.clone(), meta.nonce)) {
-            return Err(self.reject(RejectReason::Replay));
-        }
-        let Some(c) = self.campaign.as_ref() else {
-            let reason = if meta.round < self.next_round { RejectReason::StaleRound } else { RejectReason::UnknownRound };
-            return Err(self.reject(reason));
-        };
+        let c = self.fresh_into_campaign(&meta.relay, meta.nonce, meta.round)?;
         if c.spec.buffer.is_some() || c.spec.privacy.is_some() {
             // Buffers weight each update by its own staleness and DP clips each update: both
             // need the individual updates, which a partial sum has folded away.
             return Err(self.reject(RejectReason::NotPermitted));
         }
-        let r = match &c.phase {
-            Phase::Open(r) if r.id == meta.round => r,
-            _ if meta.round >= self.next_round => return Err(self.reject(RejectReason::UnknownRound)),
-            _ => return Err(self.reject(RejectReason::StaleRound)),
-        };
+        let r = self.open_round_named(c, meta.round)?;
         if meta.base_digest != c.base_digest {
             return Err(self.reject(RejectReason::WrongBaseModel));
         }

@@ -32,8 +32,9 @@ impl Deployment {
     /// `fedfleet init-local` with `agents` agents, on four ports of its own.
     pub fn init(agents: usize) -> Deployment {
         static NEXT: AtomicU32 = AtomicU32::new(0);
-        // Consecutive ports below the ephemeral range, apart from the README tour's 7400.
-        let base = 20_000 + (std::process::id() % 500) * 16 + NEXT.fetch_add(1, Ordering::SeqCst) % 4 * 4;
+        // Consecutive ports below the ephemeral range (32768), apart from the README tour's 7400:
+        // 16 deployments of one test process at once, each with four ports.
+        let base = 20_000 + (std::process::id() % 180) * 64 + NEXT.fetch_add(1, Ordering::SeqCst) % 16 * 4;
         let work = tempfile::Builder::new().prefix("deployment-").tempdir().unwrap();
         let dir = work.path().join("fleet");
         let n = agents.to_string();
