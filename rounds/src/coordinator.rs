@@ -89,11 +89,16 @@ impl<S: Strategy> Coordinator<S> {
     }
     /// Folds (or, deferred, counts) one update of `round`, first dropping what a failed
     /// earlier round left behind.
-    fn take(&mut self, round: RoundId, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
+    /// Makes `round` the one being folded: what a failed round left behind is dropped first.
+    fn enter(&mut self, round: RoundId) {
         if self.folding != Some(round) {
             self.discard_held();
             self.folding = Some(round);
         }
+    }
+
+    fn take(&mut self, round: RoundId, delta: &[f32], weight: u64) -> Result<(), StrategyError> {
+        self.enter(round);
         match self.mode {
             FoldMode::Streaming => self.strategy.fold(delta, weight),
             FoldMode::Deferred => {
@@ -220,10 +225,7 @@ impl Coordinator<ServerStrategy> {
     }
 
     fn merge(&mut self, round: RoundId, partial: &PartialSum) -> Result<(), StrategyError> {
-        if self.folding != Some(round) {
-            self.discard_held();
-            self.folding = Some(round);
-        }
+        self.enter(round);
         self.strategy.merge_partial(partial)
     }
 }

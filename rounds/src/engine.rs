@@ -602,6 +602,10 @@ impl RoundEngine {
     pub fn fleet(&self) -> &FleetId {
         &self.fleet
     }
+    /// The id the next round will get: every id below it has been used.
+    pub fn next_round(&self) -> RoundId {
+        self.next_round
+    }
     /// The running campaign, if any.
     pub fn campaign_id(&self) -> Option<CampaignId> {
         self.campaign.as_ref().map(|c| c.spec.id)

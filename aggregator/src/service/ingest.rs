@@ -151,15 +151,8 @@ impl Aggregator {
         // the first attempt may still be waiting for its flush).
         // (The record's round is the one it was folded into: an asynchronous campaign folds an
         // update of an earlier buffer into the open one. The receipt names the update's own.)
-        if let Ok(Some(rec)) = sh.store.accepted(&h.device, &h.nonce)
-            && rec.payload_digest == h.payload_digest
-        {
-            let receipt =
-                Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")))?;
-            if receipt.body().round == h.round {
-                sh.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
-                return Ok(receipt);
-            }
+        if let Some(receipt) = self.receipt_of_resend(&h.device, &h.nonce, &h.payload_digest, h.round)? {
+            return Ok(receipt);
         }
         // 5. Round, replay, duplicate, selection, sample count; size.
         let meta = UpdateMeta::from(&h);
@@ -191,6 +184,40 @@ impl Aggregator {
         let payload = receive_payload(&h, payload).await?;
         sh.metrics.ingest_step("receive", &mut since);
         self.commit_blocking(Checked { h, meta, payload, base, dtype, since }).await
+    }
+
+    /// The receipt of an accepted upload sent again (same sender, nonce, payload and round), once
+    /// its record is durable (the first attempt may still be waiting for its flush).
+    pub(super) fn receipt_of_resend(
+        &self,
+        sender: &fedfleet_protocol::DeviceId,
+        nonce: &[u8; 16],
+        payload_digest: &Digest,
+        round: RoundId,
+    ) -> Result<Option<Signed<Receipt>>, Rejection> {
+        let store = &self.shared.store;
+        let Ok(Some(rec)) = store.accepted(sender, nonce) else { return Ok(None) };
+        if rec.payload_digest != *payload_digest {
+            return Ok(None);
+        }
+        let receipt =
+            Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")))?;
+        if receipt.body().round != round {
+            return Ok(None);
+        }
+        store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
+        Ok(Some(receipt))
+    }
+
+    /// The commit point of an accepted upload (a device's update, or a relay's sum of `relayed`
+    /// updates) folded into `folded_into`: the receipt signed and its record applied. Durable
+    /// once [`Store::sync`] of the returned sequence number returns; only then may it be sent.
+    pub(super) fn record_accepted(&self, receipt: Receipt, folded_into: RoundId, weight: u64, relayed: u64) -> (Signed<Receipt>, u64) {
+        let (device, payload_digest, nonce) = (receipt.device.clone(), receipt.payload_digest, receipt.nonce);
+        let receipt = Signed::sign(receipt, &self.shared.key);
+        let rec = AcceptedRecord { round: folded_into, device, payload_digest, weight, receipt: receipt.encode(), relayed };
+        let seq = self.shared.store.apply_update(&nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
+        (receipt, seq)
     }
 
     /// Takes `len` bytes of the `[admission] max_bytes_in_flight` budget until the permit drops;
@@ -239,27 +266,16 @@ impl Aggregator {
         if core.coord.mode() == FoldMode::Streaming {
             sh.metrics.folded(delta.len() as u64 * 4, t.elapsed());
         }
-        let receipt = Signed::sign(
-            Receipt {
-                fleet: h.fleet.clone(),
-                device: h.device.clone(),
-                round: h.round,
-                nonce: h.nonce,
-                payload_digest: h.payload_digest,
-                accepted_at_unix_ms: now,
-            },
-            &sh.key,
-        );
         sh.metrics.ingest_step("fold", &mut since);
-        let rec = AcceptedRecord {
-            round: accepted.round,
+        let receipt = Receipt {
+            fleet: h.fleet.clone(),
             device: h.device.clone(),
+            round: h.round,
+            nonce: h.nonce,
             payload_digest: h.payload_digest,
-            weight: accepted.weight,
-            receipt: receipt.encode(),
-            relayed: 0,
+            accepted_at_unix_ms: now,
         };
-        let seq = sh.store.apply_update(&h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
+        let (receipt, seq) = self.record_accepted(receipt, accepted.round, accepted.weight, 0);
         sh.metrics.ingest_step("record", &mut since);
         sh.metrics.accepted.inc();
         sh.metrics.update_staleness.observe(f64::from(accepted.staleness));

@@ -118,8 +118,11 @@ impl Aggregator {
         if matches!(peer, PeerIdentity::Device(_)) {
             self.shared.metrics.device_connections.inc();
         }
-        // A relay signs its partial sums with its certificate's key.
-        let peer_key = fedfleet_net::peer::certificates(conn)
+        // A relay (a service) signs its partial sums with its certificate's key; a device's
+        // connection has no use for it.
+        let peer_key = matches!(peer, PeerIdentity::Service(_))
+            .then(|| fedfleet_net::peer::certificates(conn))
+            .flatten()
             .and_then(|chain| chain.first().and_then(|leaf| fedfleet_certs::certificate_key(leaf).ok()));
         if listener == Listener::Operators && matches!(peer, PeerIdentity::Device(_)) {
             conn.close(1u32.into(), b"not_permitted: devices connect on the aggregator's `listen` address, not `operator_listen`");

@@ -88,9 +88,13 @@ impl Aggregator {
     }
 
     async fn follow_once(&self) -> Result<(), String> {
-        if self.lock().coord.engine().campaign_id().is_some() {
-            return Ok(()); // a followed round is still open or being forwarded
-        }
+        let next = {
+            let core = self.lock();
+            if core.coord.engine().campaign_id().is_some() {
+                return Ok(()); // a followed round is still open or being forwarded
+            }
+            core.coord.engine().next_round()
+        };
         let parent = self.parent()?;
         let info = parent.client.current_round().await.map_err(|e| format!("parent: {e}"))?;
         if info.receipt_key != parent.key {
@@ -98,6 +102,9 @@ impl Aggregator {
         }
         let Some(signed) = info.announcement else { return Ok(()) };
         let ann = signed.verify(&parent.key).map_err(|e| format!("parent's announcement: {e}"))?.clone();
+        if ann.round < next {
+            return Ok(()); // followed and forwarded already; the parent's round is open for others
+        }
         if ann.fleet != self.shared.allow.fleet() {
             return Err(format!("the parent runs fleet {}, this relay's PKI is fleet {}", ann.fleet, self.shared.allow.fleet()));
         }
@@ -124,12 +131,7 @@ impl Aggregator {
             expected,
             max_sample_count: ann.config.max_samples.unwrap_or(u64::MAX),
         };
-        match core.coord.engine_mut().follow_round(now, followed) {
-            Ok(()) => {}
-            // Followed and forwarded already (the parent's round is still open for others).
-            Err(crate::engine::EngineError::NotCurrentRound(_)) => return Ok(()),
-            Err(e) => return Err(e.to_string()),
-        }
+        core.coord.engine_mut().follow_round(now, followed).map_err(|e| e.to_string())?;
         core.campaign.dtype = ann.config.quantization.code();
         core.campaign.strategy = Some(format!("relay of {}", rc.parent));
         self.drain(&mut core, now);
@@ -256,7 +258,13 @@ impl Aggregator {
             let now = me.now_ms();
             match refusal {
                 None => {
-                    core.coord.finalize_with(now, round, |s| Ok(s.take_partial_sum().map(|_| Vec::new()).unwrap_or_default())).map_err(|e| e.to_string())?;
+                    // The sum left with the receipt: the round's fold is dropped, not finalized.
+                    core.coord
+                        .finalize_with(now, round, |s| {
+                            s.take_partial_sum();
+                            Ok(Vec::new())
+                        })
+                        .map_err(|e| e.to_string())?;
                     core.coord.model_ready(now, round, base.version, base.digest).map_err(|e| e.to_string())?;
                     me.shared.metrics.round("forwarded");
                     tracing::info!(round = %round, updates, "partial sum forwarded to the parent");
@@ -303,12 +311,7 @@ impl Aggregator {
         }
         let key = peer_key.ok_or_else(|| reject(RejectReason::IdentityMismatch, "the client certificate has no ed25519 key"))?;
         signed.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
-        if let Ok(Some(rec)) = sh.store.accepted(&h.relay, &h.nonce)
-            && rec.payload_digest == h.payload_digest
-        {
-            let receipt =
-                Signed::<Receipt>::decode(&rec.receipt).map_err(|e| reject(RejectReason::Internal, format!("stored receipt: {e}")))?;
-            sh.store.sync_all().unwrap_or_else(|e| abort_on_commit_failure(e));
+        if let Some(receipt) = self.receipt_of_resend(&h.relay, &h.nonce, &h.payload_digest, h.round)? {
             return Ok(receipt);
         }
         let meta = RelayMeta::from(&h);
@@ -355,26 +358,15 @@ impl Aggregator {
                 return Err(reject(r.reason, format!("round {}: {}", h.round, r.reason)));
             }
         };
-        let receipt = Signed::sign(
-            Receipt {
-                fleet: h.fleet.clone(),
-                device: h.relay.clone(),
-                round: h.round,
-                nonce: h.nonce,
-                payload_digest: h.payload_digest,
-                accepted_at_unix_ms: now,
-            },
-            &sh.key,
-        );
-        let rec = AcceptedRecord {
-            round: accepted.round,
+        let receipt = Receipt {
+            fleet: h.fleet.clone(),
             device: h.relay.clone(),
+            round: h.round,
+            nonce: h.nonce,
             payload_digest: h.payload_digest,
-            weight: h.total_samples,
-            receipt: receipt.encode(),
-            relayed: h.update_count,
+            accepted_at_unix_ms: now,
         };
-        let seq = sh.store.apply_update(&h.nonce, &rec).unwrap_or_else(|e| abort_on_commit_failure(e));
+        let (receipt, seq) = self.record_accepted(receipt, accepted.round, h.total_samples, h.update_count);
         sh.metrics.accepted.inc_by(h.update_count);
         sh.metrics.round_accepted.set(accepted.accepted as i64);
         tracing::info!(relay = %h.relay, round = %accepted.round, updates = h.update_count, accepted = accepted.accepted,

@@ -173,7 +173,12 @@ fn a_followed_round_is_one_round_campaign() {
     // At its deadline the relay's round closes with what it has; forwarded, the campaign ends.
     relay.handle_timeout(opened.deadline - 10_000);
     assert!(matches!(relay.poll_event(), Some(EngineEvent::RoundClosed { cause: CloseCause::Deadline, .. })));
-    relay.finalize_with(T0 + 30, opened.round, |s| Ok(s.take_partial_sum().map(|_| Vec::new()).unwrap_or_default())).unwrap();
+    relay
+        .finalize_with(T0 + 30, opened.round, |s| {
+            s.take_partial_sum();
+            Ok(Vec::new())
+        })
+        .unwrap();
     relay.model_ready(T0 + 30, opened.round, opened.base_version, opened.base_digest).unwrap();
     assert!(matches!(relay.poll_event(), Some(EngineEvent::CampaignFinished { outcome: CampaignOutcome::Completed, .. })));
     assert_eq!(relay.strategy().partial_sum().unwrap().count(), 0, "the forwarded sum is gone");
