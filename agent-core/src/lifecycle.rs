@@ -387,6 +387,9 @@ fn accuracy_difference_error(metric: &str, active: f64, candidate: f64, n: usize
 #[derive(Debug, Clone, PartialEq)]
 pub enum UploadOutcome {
     Receipt(Receipt),
+    /// The round aggregated securely and its sum holds this update: the aggregator's receipt
+    /// names the masked vector the device sent (the update itself never left the device).
+    SecurelyAggregated(Receipt),
     Rejected(Rejection),
     TransportError(String),
 }
@@ -896,6 +899,15 @@ impl Lifecycle {
                 self.remove_outbox(id);
                 self.uploads.remove(&id);
                 tracing::info!(outbox_id = id, round = %entry.round, "update acknowledged");
+            }
+            UploadOutcome::SecurelyAggregated(r) => {
+                if r.device != self.state.device || r.fleet != self.state.fleet || r.round != entry.round {
+                    retry(self, "secure-aggregation receipt does not match the update".into());
+                    return Ok(());
+                }
+                self.remove_outbox(id);
+                self.uploads.remove(&id);
+                tracing::info!(outbox_id = id, round = %entry.round, "update securely aggregated");
             }
             UploadOutcome::Rejected(rej) => match rej.reason {
                 // The aggregator already holds this update (a lost receipt): acknowledged.

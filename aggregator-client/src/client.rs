@@ -30,7 +30,7 @@ use ed25519_dalek::VerifyingKey;
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
 use fedfleet_protocol::framing::FrameKind;
 use fedfleet_protocol::messages;
-use fedfleet_protocol::{Digest, Message, Receipt, Rejection, RoundAnnouncement, Signed, SignedUpdate};
+use fedfleet_protocol::{Digest, Message, Receipt, Rejection, RoundAnnouncement, RoundId, Signed, SignedUpdate};
 
 use crate::wire::{CampaignStatus, MAX_WIRE_MESSAGE, Request, Response};
 
@@ -229,6 +229,53 @@ impl AggregatorClient {
     pub async fn campaign(&self, req: Request) -> Result<CampaignStatus, ClientError> {
         match self.call_once(&req).await?.0 {
             Response::Status(s) => Ok(s),
+            other => Err(proto(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Secure aggregation: the open round's roster, checked and verified with `receipt_key`.
+    pub async fn secagg_roster(&self, round: RoundId, receipt_key: &VerifyingKey) -> Result<fedfleet_secagg::Roster, ClientError> {
+        let Response::SecAggRoster { roster, signature } = self.call(&Request::SecAggRoster { round }).await?.0 else {
+            return Err(proto("unexpected answer to a roster request"));
+        };
+        let roster = fedfleet_secagg::Roster::from_bytes(&roster).map_err(proto)?;
+        let signature = ed25519_dalek::Signature::from_slice(&signature).map_err(proto)?;
+        receipt_key
+            .verify_strict(&roster.signing_bytes(), &signature)
+            .map_err(|_| proto("the roster is not signed by the pinned receipt key"))?;
+        if roster.round != round {
+            return Err(proto(format!("asked for round {round}'s roster, got round {}'s", roster.round)));
+        }
+        Ok(roster)
+    }
+
+    /// Secure aggregation: sends one stage message (and at the masked stage its vector).
+    pub async fn secagg_send(&self, message: &[u8], vector: &[u8]) -> Result<(), ClientError> {
+        let req = Request::SecAggSend { message: message.to_vec(), vector_len: vector.len() as u64 };
+        let send = || async {
+            let mut s = self.rpc.open_stream().await?;
+            s.send(FrameKind::Message, &messages::encode(&req, MAX_WIRE_MESSAGE).map_err(proto)?).await?;
+            if !vector.is_empty() {
+                for chunk in vector.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
+                    s.send(FrameKind::Chunk, chunk).await?;
+                }
+                s.send(FrameKind::End, &[]).await?;
+            }
+            s.finish();
+            let f = s.expect().await?;
+            match messages::decode::<Response>(&f.body, MAX_WIRE_MESSAGE).map_err(proto)? {
+                Response::SecAggTaken => Ok(()),
+                Response::Error(r) => Err(ClientError::Refused(r)),
+                other => Err(proto(format!("unexpected answer {other:?}"))),
+            }
+        };
+        self.rpc.retry(self.max_retries, ClientError::is_transport, send).await
+    }
+
+    /// Secure aggregation: what the current stage of `round` hands this device.
+    pub async fn secagg_poll(&self, round: RoundId) -> Result<crate::wire::SecAggView, ClientError> {
+        match self.call(&Request::SecAggPoll { round }).await?.0 {
+            Response::SecAgg(v) => Ok(v),
             other => Err(proto(format!("unexpected answer {other:?}"))),
         }
     }

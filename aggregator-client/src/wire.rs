@@ -30,7 +30,8 @@
 //!
 //! postcard is positional: append variants and fields at the end only.
 
-use fedfleet_protocol::{Digest, ModelVersion, Rejection, RoundId};
+use fedfleet_protocol::{DeviceId, Digest, ModelVersion, Rejection, RoundId};
+pub use fedfleet_secagg::{Stage, UnmaskRequest};
 use serde::{Deserialize, Serialize};
 
 #[allow(unused_imports)] // doc links
@@ -52,6 +53,15 @@ pub enum Request {
     CampaignStatus,
     /// Operator: stop the running campaign (its open round fails).
     CampaignStop,
+    /// Secure aggregation (a round whose config says `secure_aggregation`): the round's roster,
+    /// signed with the receipt key.
+    SecAggRoster { round: RoundId },
+    /// Secure aggregation: one stage message of this device (an encoded
+    /// `Signed<fedfleet_secagg::Message>`). At the masked stage `vector_len` bytes of the masked
+    /// vector (little-endian u64s) follow as `Chunk` frames and an `End` frame; otherwise 0.
+    SecAggSend { message: Vec<u8>, vector_len: u64 },
+    /// Secure aggregation: what the round's current stage hands this device.
+    SecAggPoll { round: RoundId },
 }
 
 /// Per-campaign overrides of the config defaults.
@@ -78,6 +88,30 @@ pub enum Response {
     Status(CampaignStatus),
     /// The request was refused.
     Error(Rejection),
+    /// The answer to [`Request::SecAggRoster`]: the postcard roster and the receipt key's
+    /// signature over `Roster::signing_bytes`.
+    SecAggRoster { roster: Vec<u8>, signature: Vec<u8> },
+    /// The answer to [`Request::SecAggSend`]: the message was taken.
+    SecAggTaken,
+    /// The answer to [`Request::SecAggPoll`].
+    SecAgg(SecAggView),
+}
+
+/// One device's view of a securely aggregated round at its current stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SecAggView {
+    pub stage: Stage,
+    /// At the shares stage: the neighbours' signed key adverts (encoded `Signed<Message>`).
+    pub keys: Vec<Vec<u8>>,
+    /// At the masked stage: the share ciphertexts the neighbours addressed to this device.
+    pub shares: Vec<(DeviceId, Vec<u8>)>,
+    /// At the unmask stage: which neighbours survived and which dropped out.
+    pub unmask: Option<UnmaskRequest>,
+    /// Done, this device among the survivors: its receipt (an encoded `Signed<Receipt>` whose
+    /// payload digest is its masked vector's, nonce all zero).
+    pub receipt: Option<Vec<u8>>,
+    /// Failed: the protocol's reason (`below_threshold: …`).
+    pub failure: Option<String>,
 }
 
 /// What `campaign status` prints.

@@ -137,6 +137,64 @@ pub struct Config {
     /// `[relay]`: this service is a regional relay (`fedfleet-aggregator relay`).
     #[serde(default)]
     pub relay: Option<RelayConfig>,
+    /// `[secure_aggregation]`: every round is aggregated with SecAgg+; plain uploads are refused.
+    #[serde(default)]
+    pub secure_aggregation: Option<SecureAggregationConfig>,
+}
+
+/// `[secure_aggregation]`: SecAgg+ (`fedfleet-secagg`) for every round of every campaign. The
+/// aggregator learns the round's sum and nothing about any one device's update, as long as
+/// fewer than the threshold of a device's neighbours collude with it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecureAggregationConfig {
+    /// Neighbours per device (even, 2..=254): each device shares its secrets with this many.
+    pub degree: u16,
+    /// Shares needed to rebuild a device's secrets, as a fraction of its neighbours (at least 2
+    /// shares). Also the fewest devices a stage may end with.
+    pub threshold_fraction: f64,
+    /// Fractional bits of the fixed-point grid updates are quantized to.
+    pub frac_bits: u8,
+    /// Every weighted value (sample count × update coordinate) is clamped to ±clip.
+    pub clip: f64,
+    /// When the keys, shares, masked-input and unmask stages end, as fractions of the round's
+    /// time from its opening to its deadline. A device joins after its local training, so its
+    /// training must end before the keys stage does.
+    pub stage_ends: [f64; 4],
+}
+
+impl Default for SecureAggregationConfig {
+    fn default() -> Self {
+        SecureAggregationConfig { degree: 16, threshold_fraction: 0.5, frac_bits: 24, clip: 1000.0, stage_ends: [0.5, 0.6, 0.85, 0.95] }
+    }
+}
+
+impl SecureAggregationConfig {
+    /// The protocol's parameters for a roster of `n` devices.
+    pub fn params(&self, n: usize) -> fedfleet_secagg::Params {
+        let neighbours = (self.degree as usize).min(n.saturating_sub(1));
+        let threshold = ((neighbours as f64 * self.threshold_fraction).ceil() as usize).max(2);
+        fedfleet_secagg::Params {
+            threshold: threshold.min(u16::MAX as usize) as u16,
+            degree: self.degree,
+            frac_bits: self.frac_bits,
+            clip: self.clip,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |s: String| Err(ConfigError::Invalid(format!("secure_aggregation.{s}")));
+        if !(self.threshold_fraction > 0.0 && self.threshold_fraction <= 1.0) {
+            return bad(format!("threshold_fraction {} must be in (0, 1]", self.threshold_fraction));
+        }
+        let ends = self.stage_ends;
+        if ends.iter().any(|f| !(*f > 0.0 && *f < 1.0)) || ends.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!("stage_ends {ends:?} must rise strictly, each in (0, 1)"));
+        }
+        // The grid, degree and clip checked as for a roster as large as the protocol allows
+        // one: a roster is never refused for its size mid-campaign.
+        self.params(3).validate(3).and_then(|_| self.params(1 << 16).validate(1 << 16)).or_else(|e| bad(format!("{e}")))
+    }
 }
 
 /// `[relay]`: what a regional relay follows and where it forwards.
@@ -696,6 +754,7 @@ impl Config {
             admission: AdmissionLimits::default(),
             relays: Vec::new(),
             relay: None,
+            secure_aggregation: None,
         }
     }
 
@@ -772,20 +831,14 @@ impl Config {
             fedfleet_certs::layout::validate_name(name).map_err(|e| ConfigError::Invalid(format!("relays: {name:?}: {e}")))?;
         }
         if !self.relays.is_empty() || self.relay.is_some() {
-            use crate::strategy::Strategy as _;
-            let strategy = crate::strategy::ServerStrategy::new(&self.campaign.strategy_config(), 1)
-                .map_err(|e| ConfigError::Invalid(format!("[campaign] strategy: {e}")))?;
-            if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() || self.campaign.privacy().is_some() {
-                return Err(ConfigError::Invalid(format!(
-                    "relays: a relay forwards one sum of its region's updates; campaign.strategy {:?}{} needs every update \
-                     (relays work with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode, without differential privacy)",
-                    strategy.name(),
-                    if self.campaign.buffer().is_some() { " in async mode" } else { "" },
-                )));
-            }
-            if self.compute.fold == FoldBackend::Tensor {
+            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates")?;
+        }
+        if let Some(s) = &self.secure_aggregation {
+            s.validate()?;
+            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update")?;
+            if !self.relays.is_empty() || self.relay.is_some() {
                 return Err(ConfigError::Invalid(
-                    "relays: relays' sums are merged by the exact fold; set [compute] fold = \"exact\"".into(),
+                    "secure_aggregation: relays are not yet supported with secure aggregation; remove `relays` / [relay]".into(),
                 ));
             }
         }
@@ -796,6 +849,26 @@ impl Config {
             if self.publish.is_some() {
                 return Err(ConfigError::Invalid("[relay] forwards to its parent and publishes nothing: remove [publish]".into()));
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a strategy, mode or fold that needs each update when `what` gives the
+    /// aggregator only sums (`why`).
+    fn takes_only_sums(&self, what: &str, why: &str) -> Result<(), ConfigError> {
+        use crate::strategy::Strategy as _;
+        let strategy = crate::strategy::ServerStrategy::new(&self.campaign.strategy_config(), 1)
+            .map_err(|e| ConfigError::Invalid(format!("[campaign] strategy: {e}")))?;
+        if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() || self.campaign.privacy().is_some() {
+            return Err(ConfigError::Invalid(format!(
+                "{what}: {why}; campaign.strategy {:?}{} needs every update \
+                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode, without differential privacy)",
+                strategy.name(),
+                if self.campaign.buffer().is_some() { " in async mode" } else { "" },
+            )));
+        }
+        if self.compute.fold == FoldBackend::Tensor {
+            return Err(ConfigError::Invalid(format!("{what}: sums are merged by the exact fold; set [compute] fold = \"exact\"")));
         }
         Ok(())
     }
@@ -911,6 +984,30 @@ mod tests {
         assert!(err.contains("remove [publish]"), "{err}");
         let err = load("", &format!("{relay}[campaign]\nstrategy = \"krum\"\n")).unwrap_err();
         assert!(err.contains("needs every update"), "{err}");
+        // Secure aggregation: sums only, like relays, and not (yet) through relays.
+        let secagg = "[secure_aggregation]\ndegree = 8\n";
+        let cfg = load("", secagg).unwrap();
+        let s = cfg.secure_aggregation.unwrap();
+        assert_eq!((s.degree, s.frac_bits, s.params(20).threshold, s.params(3).threshold), (8, 24, 4, 2));
+        for (rest, says) in [
+            ("[campaign]\nstrategy = \"median\"\n", "\"median\" needs every update"),
+            ("[campaign]\nstrategy = \"dp_fedavg\"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n", "needs every update"),
+            ("[compute]\nfold = \"tensor\"\n", "exact fold"),
+        ] {
+            let err = load("", &format!("{secagg}{rest}")).unwrap_err();
+            assert!(err.contains("secure_aggregation") && err.contains(says), "{rest}: {err}");
+        }
+        let err = load("relays = [\"relay-eu\"]", secagg).unwrap_err();
+        assert!(err.contains("not yet supported"), "{err}");
+        for (bad, says) in [
+            ("degree = 3", "degree 3 must be even"),
+            ("threshold_fraction = 0.0", "threshold_fraction"),
+            ("stage_ends = [0.5, 0.4, 0.8, 0.9]", "rise strictly"),
+            ("clip = 1e30", "overflow"),
+        ] {
+            let err = load("", &format!("[secure_aggregation]\n{bad}\n")).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     /// `[campaign]` with `keys` under a minimal config, loaded.

@@ -7,6 +7,7 @@
 //! | `fedfleet_aggregator_updates_accepted_total` | counter | |
 //! | `fedfleet_aggregator_device_connections_total` | counter | device QUIC connections authenticated (a device connects when it has work: with sampled rounds, about the devices each round selects) |
 //! | `fedfleet_aggregator_updates_rejected_total` | counter | `reason` (every `RejectReason`) |
+//! | `fedfleet_aggregator_secagg_refused_total` | counter | `reason`: secure-aggregation messages the protocol refused (`bad_signature`, `wrong_session`, `inconsistent_shares`, `malformed_share`, …) |
 //! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes of accepted updates |
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
@@ -68,6 +69,7 @@ pub struct Metrics {
     pub open_round: Gauge,
     pub round_accepted: Gauge,
     rejected: Family<ReasonLabel, Counter>,
+    secagg_refused: Family<ReasonLabel, Counter>,
     rounds: Family<EventLabel, Counter>,
     pub mqtt_connected: Gauge,
     mqtt_rejected: Family<ReasonLabel, Counter>,
@@ -108,6 +110,7 @@ impl Metrics {
             open_round: Gauge::default(),
             round_accepted: Gauge::default(),
             rejected: Family::default(),
+            secagg_refused: Family::default(),
             rounds: Family::default(),
             mqtt_connected: Gauge::default(),
             mqtt_rejected: Family::default(),
@@ -144,6 +147,7 @@ impl Metrics {
         registry.register("updates_accepted", "Updates accepted", m.accepted.clone());
         registry.register("device_connections", "Device QUIC connections authenticated", m.device_connections.clone());
         registry.register("updates_rejected", "Updates and requests refused, by reason", m.rejected.clone());
+        registry.register("secagg_refused", "Secure-aggregation messages refused by the protocol, by its reason", m.secagg_refused.clone());
         registry.register("update_bytes", "Payload bytes of accepted updates", m.update_bytes.clone());
         registry.register("fold_bytes", "f32 bytes folded into partial sums", m.fold_bytes.clone());
         registry.register(
@@ -172,6 +176,10 @@ impl Metrics {
     }
     pub fn rejected_count(&self, reason: RejectReason) -> u64 {
         self.rejected.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).get()
+    }
+    /// A secure-aggregation message refused, by the protocol's reason (`fedfleet_secagg::Refusal::name`).
+    pub fn secagg_refused(&self, reason: &'static str) {
+        self.secagg_refused.get_or_create(&ReasonLabel { reason: reason.into() }).inc();
     }
     pub fn mqtt_rejected(&self, reason: RejectReason) {
         self.mqtt_rejected.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).inc();

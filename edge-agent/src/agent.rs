@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, Normalization};
-use fedfleet_protocol::{Digest, ModelRef, StorageFault, TensorBundle};
+use fedfleet_protocol::{Digest, ModelRef, RoundAnnouncement, StorageFault, TensorBundle};
 use rand::RngCore;
 
 use crate::clients::{Aggregator, Registry, UploadReply};
@@ -149,6 +149,8 @@ pub struct Agent<A, R> {
     /// Polls in a row on which a service refused this device's certificate as revoked: the
     /// poll interval doubles with each (see [`Agent::poll_interval`]).
     refused_as_revoked: u32,
+    /// The last announced round that aggregates securely: its update goes through the stages.
+    secure_round: Option<RoundAnnouncement>,
 }
 
 /// The longest a device whose certificate the services refuse as revoked waits between polls.
@@ -177,6 +179,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             inbox: None,
             trainer,
             refused_as_revoked: 0,
+            secure_round: None,
         }
     }
 
@@ -254,7 +257,12 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         let fleet = self.core.state().fleet.clone();
         let mut revoked = None;
         match self.agg.current_round(&fleet).await {
-            Ok(Some(r)) => self.input(Input::RoundAnnounced(r))?,
+            Ok(Some(r)) => {
+                if r.config.secure_aggregation {
+                    self.secure_round = Some(r.clone());
+                }
+                self.input(Input::RoundAnnounced(r))?
+            }
             Ok(None) => {}
             Err(e) if e.is_certificate_revoked() => revoked = Some(e),
             Err(e) => tracing::debug!(error = %e, "round poll failed"),
@@ -361,6 +369,17 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             }
             Action::Upload { outbox_id } => {
                 let Some(e) = self.core.outbox_entry(outbox_id).cloned() else { return Ok(()) };
+                // A securely aggregated round takes the update only masked, never as an upload.
+                if let Some(round) = self.secure_round.clone().filter(|a| a.round == e.round) {
+                    let device = self.core.state().device.clone();
+                    let clock = self.clock.clone();
+                    let outcome =
+                        crate::secagg::securely_aggregate(self.agg.as_ref(), &self.key, &device, &round, &e.header, &e.payload, || {
+                            clock.now_ms()
+                        })
+                        .await;
+                    return self.input(Input::UploadResult { outbox_id, outcome });
+                }
                 let outcome = match self.agg.upload(&e.header, &e.payload).await {
                     Ok(UploadReply::Receipt(r)) => UploadOutcome::Receipt(r),
                     Ok(UploadReply::Rejected(r)) => UploadOutcome::Rejected(r),

@@ -4,7 +4,11 @@
 
 use std::future::Future;
 
-use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, Rejection, RolloutNotice, RoundAnnouncement};
+use fedfleet_aggregator_client::wire::SecAggView;
+use fedfleet_protocol::{
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, Rejection, RolloutNotice, RoundAnnouncement, RoundId,
+};
+use fedfleet_secagg::Roster;
 
 pub use crate::lifecycle::MetadataSet;
 
@@ -53,6 +57,27 @@ pub trait Aggregator: Send + Sync + 'static {
     /// `TransportError`; the agent then resends the same bytes, and the aggregator answers a
     /// resend of an accepted update with its receipt again or with `Replay`/`Duplicate`.
     fn upload(&self, signed_header: &[u8], payload: &[u8]) -> impl Future<Output = Result<UploadReply, TransportError>> + Send;
+    /// Secure aggregation: the roster of `round`, verified as the aggregator's own.
+    fn secagg_roster(&self, round: RoundId) -> impl Future<Output = Result<Roster, TransportError>> + Send {
+        let _ = round;
+        async { Err(no_secure_aggregation()) }
+    }
+    /// Secure aggregation: one signed stage message (`vector`: the masked vector's bytes at the
+    /// masked stage, else empty). `Ok(Err(_))`: the aggregator refused it, by name.
+    fn secagg_send(&self, message: &[u8], vector: &[u8]) -> impl Future<Output = Result<Result<(), Rejection>, TransportError>> + Send {
+        let _ = (message, vector);
+        async { Err(no_secure_aggregation()) }
+    }
+    /// Secure aggregation: what the current stage of `round` hands this device; a receipt in it
+    /// is verified as signed by the aggregator.
+    fn secagg_poll(&self, round: RoundId) -> impl Future<Output = Result<SecAggView, TransportError>> + Send {
+        let _ = round;
+        async { Err(no_secure_aggregation()) }
+    }
+}
+
+fn no_secure_aggregation() -> TransportError {
+    TransportError("this aggregator client has no secure-aggregation path".into())
 }
 
 /// The registry, as seen by an agent.

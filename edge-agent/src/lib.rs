@@ -11,6 +11,7 @@
 //! - [`inference`]: the local endpoint (unix socket, line-delimited JSON) and CSV input parsing.
 //! - [`inbox`]: labelled examples the device's application pushes through that endpoint, kept
 //!   bounded in the store and trained on from the next round.
+//! - [`secagg`]: a securely aggregated round's stages, driving `fedfleet-secagg`'s device side.
 //! - [`mirror`]: artifact downloads from HTTP(S) mirrors of the registry's object store
 //!   (untrusted: the shell checks every artifact against its signed digest).
 //! - [`config`], [`daemon`]: `agent.toml`, identity files, the `run`/`status`/`enroll` commands.
@@ -27,6 +28,7 @@ pub mod ml;
 pub mod mqtt;
 pub mod remote;
 pub mod renewal;
+pub mod secagg;
 pub mod store;
 pub mod trainer;
 

@@ -27,11 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
+use fedfleet_aggregator_client::wire::SecAggView;
 use fedfleet_control::{ControlClient, ControlEvent, ControlEvents, UploadRejection};
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutNotice, RoundAnnouncement, Signed,
-    SignedUpdate,
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutNotice, RoundAnnouncement, RoundId,
+    Signed, SignedUpdate,
 };
+use fedfleet_secagg::Roster;
 use serde::Deserialize;
 use tokio::sync::Notify;
 
@@ -275,6 +277,19 @@ impl<A: Aggregator> Aggregator for MqttAggregator<A> {
 
     async fn fetch_base_model(&self, model: &ModelRef) -> Result<BaseModel, TransportError> {
         self.inner.fetch_base_model(model).await
+    }
+
+    // Secure aggregation's stages go over the QUIC client (announcements may come over MQTT).
+    async fn secagg_roster(&self, round: RoundId) -> Result<Roster, TransportError> {
+        self.inner.secagg_roster(round).await
+    }
+
+    async fn secagg_send(&self, message: &[u8], vector: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
+        self.inner.secagg_send(message, vector).await
+    }
+
+    async fn secagg_poll(&self, round: RoundId) -> Result<SecAggView, TransportError> {
+        self.inner.secagg_poll(round).await
     }
 
     async fn upload(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {

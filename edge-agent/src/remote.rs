@@ -21,10 +21,14 @@ use std::sync::{Arc, Mutex};
 
 use ed25519_dalek::VerifyingKey;
 use fedfleet_aggregator_client::client::{AggregatorClient, ClientError as AggError, UploadOutcome};
+use fedfleet_aggregator_client::wire::SecAggView;
 use fedfleet_protocol::tuf::Verifier;
 use fedfleet_protocol::tuf::{Root, SignedMetadata};
-use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, RoundAnnouncement};
+use fedfleet_protocol::{
+    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RoundAnnouncement, RoundId, Signed,
+};
 use fedfleet_registry_client::client::{ClientError as RegError, RegistryClient};
+use fedfleet_secagg::Roster;
 
 use crate::agent::Clock;
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
@@ -167,6 +171,30 @@ impl Aggregator for RemoteAggregator {
             Err(AggError::Refused(r)) => Ok(UploadReply::Rejected(r)),
             Err(e) => Err(agg_err(e)),
         }
+    }
+
+    async fn secagg_roster(&self, round: RoundId) -> Result<Roster, TransportError> {
+        self.limited("secure-aggregation roster", self.client.secagg_roster(round, &self.receipt_key)).await
+    }
+
+    async fn secagg_send(&self, message: &[u8], vector: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
+        match tokio::time::timeout(self.timeout, self.client.secagg_send(message, vector)).await {
+            Ok(Ok(())) => Ok(Ok(())),
+            Ok(Err(AggError::Refused(r))) => Ok(Err(r)),
+            Ok(Err(e)) => Err(agg_err(e)),
+            Err(_) => Err(TransportError(format!("aggregator: secure-aggregation message timed out after {:?}", self.timeout))),
+        }
+    }
+
+    async fn secagg_poll(&self, round: RoundId) -> Result<SecAggView, TransportError> {
+        let view = self.limited("secure-aggregation poll", self.client.secagg_poll(round)).await?;
+        if let Some(bytes) = &view.receipt {
+            Signed::<Receipt>::decode(bytes)
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.verify(&self.receipt_key).map(|_| ()).map_err(|e| e.to_string()))
+                .map_err(|e| TransportError(format!("secure-aggregation receipt not signed by the pinned key: {e}")))?;
+        }
+        Ok(view)
     }
 }
 

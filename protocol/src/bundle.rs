@@ -383,6 +383,19 @@ impl TensorBundle {
         self.tensors.values().map(Tensor::len).sum()
     }
 
+    /// Every tensor's values in canonical (sorted-name) order, dequantized to f32: the flat
+    /// vector aggregation works on, the same on the device and the aggregator.
+    pub fn flat_f32(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.num_params());
+        for t in self.tensors.values() {
+            match &t.data {
+                TensorData::F32(v) => out.extend_from_slice(v),
+                _ => out.extend(t.to_f32_vec()),
+            }
+        }
+        out
+    }
+
     /// One tensor as f32, dequantized.
     pub fn to_f32(&self, name: &str) -> Option<Vec<f32>> {
         self.get(name).map(Tensor::to_f32_vec)

@@ -98,6 +98,10 @@ pub struct RoundConfig {
     pub max_samples: Option<u64>,
     /// Base seed for local shuffling, mixed with the device id.
     pub seed: u64,
+    /// The round aggregates securely (SecAgg+): a device sends its update only masked, through
+    /// the aggregator's secure-aggregation stages, never as a plain upload.
+    #[serde(default)]
+    pub secure_aggregation: bool,
 }
 
 impl Default for RoundConfig {
@@ -112,6 +116,7 @@ impl Default for RoundConfig {
             min_samples: 1,
             max_samples: None,
             seed: 0,
+            secure_aggregation: false,
         }
     }
 }

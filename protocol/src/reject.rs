@@ -86,6 +86,12 @@ reasons! {
     /// Asynchronous mode: the update's base model is more versions behind the current one than
     /// the campaign's staleness bound.
     TooStale => "too_stale",
+    /// A secure-aggregation message was refused by the protocol; the detail starts with the
+    /// protocol's own reason (`wrong_session`, `inconsistent_shares`, `malformed_share`, …).
+    SecAggRefused => "secagg_refused",
+    /// The round's secure aggregation failed (`below_threshold`, `unrecoverable`,
+    /// `share_mismatch`): the round publishes nothing and the device's update is not in a model.
+    SecAggFailed => "secagg_failed",
 }
 
 impl fmt::Display for RejectReason {

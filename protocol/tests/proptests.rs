@@ -83,6 +83,7 @@ fn message() -> impl Strategy<Value = Message> {
                     min_samples: c.6,
                     max_samples: c.7,
                     seed: c.6 ^ 0x5555,
+                    secure_aggregation: c.6 % 2 == 1,
                 },
                 deadline_unix_ms: deadline,
                 selection,

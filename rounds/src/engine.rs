@@ -864,6 +864,22 @@ impl RoundEngine {
         Ok(())
     }
 
+    /// Closes the open round `round` now with what it holds, as its deadline would but with no
+    /// extension: published if it has its quorum, failed otherwise. For a round that can get
+    /// nothing more (a securely aggregated round's one sum has arrived).
+    pub fn close_round_now(&mut self, now: Millis, round: RoundId) -> Result<(), EngineError> {
+        let c = self.campaign.as_mut().ok_or(EngineError::NoCampaign)?;
+        match &mut c.phase {
+            Phase::Open(r) if r.id == round => {
+                r.deadline = r.deadline.min(now);
+                r.extended = true;
+            }
+            _ => return Err(EngineError::NotCurrentRound(round)),
+        }
+        self.handle_timeout(now);
+        Ok(())
+    }
+
     /// Fails the current round — open, or closed and awaiting its model (e.g. finalize failed) —
     /// discarding its updates; the campaign goes on as after any failed round.
     pub fn abort_round(&mut self, now: Millis, round: RoundId, detail: impl Into<String>) -> Result<(), EngineError> {

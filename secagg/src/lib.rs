@@ -144,6 +144,28 @@ impl Roster {
         Ok(Roster { round, params, dim, graph_seed, devices })
     }
 
+    /// The roster as the aggregator sends it to devices.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        postcard::to_stdvec(self).expect("a roster encodes")
+    }
+
+    /// A roster as a device receives it, checked as [`Roster::new`] checks one (sorted, distinct
+    /// devices, dimension, parameters for its size).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Roster, SecAggError> {
+        let r: Roster = postcard::from_bytes(bytes).map_err(|e| SecAggError::InvalidParams(format!("roster does not decode: {e}")))?;
+        let checked = Roster::new(r.round, r.params, r.dim, r.graph_seed, r.devices.clone())?;
+        if checked.devices != r.devices {
+            return Err(SecAggError::InvalidParams("roster devices are not sorted".into()));
+        }
+        Ok(checked)
+    }
+
+    /// What the aggregator signs (with its receipt key) so that a device takes only the
+    /// aggregator's own roster: the session under a context of its own.
+    pub fn signing_bytes(&self) -> Vec<u8> {
+        [&b"fedfleet secagg roster v1\0"[..], &self.session()].concat()
+    }
+
     /// The session every message is bound to: a digest of the whole roster.
     pub fn session(&self) -> [u8; 32] {
         let bytes = postcard::to_stdvec(self).expect("a roster encodes");

@@ -150,7 +150,7 @@ pub fn bundle(layout: &Layout, values: &[f32]) -> TensorBundle {
 
 /// A bundle's values, flat, in name order (what the aggregator folds).
 pub fn flatten(b: &TensorBundle) -> Vec<f32> {
-    b.iter().flat_map(|(_, t)| t.to_f32_vec()).collect()
+    b.flat_f32()
 }
 
 /// The 64-bit id devices know a rollout by: the first 8 bytes of `blake3(id)` (as the registry

@@ -5,14 +5,8 @@ use super::*;
 
 /// Flattens a delta bundle in canonical (sorted-name) order, dequantizing to f32.
 pub fn flatten(bundle: &TensorBundle, dim: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(dim);
-    for (_, t) in bundle.iter() {
-        match &t.data {
-            fedfleet_protocol::TensorData::F32(v) => out.extend_from_slice(v),
-            _ => out.extend(t.to_f32_vec()),
-        }
-    }
-    out
+    debug_assert_eq!(bundle.num_params(), dim);
+    bundle.flat_f32()
 }
 
 /// Splits a flat model into a bundle with `layout` (sorted-name order).
@@ -124,6 +118,14 @@ impl Aggregator {
             PeerIdentity::Service(n) => {
                 return Err(reject(RejectReason::NotPermitted, format!("service {n} cannot upload updates")));
             }
+        }
+        // Under secure aggregation no update travels in the clear: refused before any payload
+        // byte is read.
+        if sh.cfg.secure_aggregation.is_some() {
+            return Err(reject(
+                RejectReason::NotPermitted,
+                "this aggregator takes updates only masked, through its secure-aggregation stages ([secure_aggregation])",
+            ));
         }
         // 2. Enrollment and revocation: the signed revocation list (what `fedfleet-certs revoke`
         // writes and the handshake checks) and the allow-list, each re-read when it changes.

@@ -53,6 +53,7 @@ mod ingest;
 mod quic;
 mod relay;
 mod rounds;
+mod secagg;
 
 use base::Base;
 use ingest::{decode_base, stored_delta};
@@ -115,6 +116,8 @@ struct Core {
     /// consumes the round's fold, so a publish that failed (registry down) is retried with this
     /// model instead of folding again. (After a crash the round is refolded from the store.)
     finalized: Option<(RoundId, Vec<f32>)>,
+    /// `[secure_aggregation]`: the open round's stages (lost in a restart).
+    secagg: Option<secagg::SecAggRound>,
 }
 
 struct Shared {
@@ -255,7 +258,7 @@ impl Aggregator {
         let mode = fold_mode(tensor_device.is_some(), &strategy);
         let mut coord = Coordinator::new(engine, strategy);
         coord.set_mode(mode);
-        let mut core = Core { coord, base: None, global, campaign, closing: None, finalized: None };
+        let mut core = Core { coord, base: None, global, campaign, closing: None, finalized: None, secagg: None };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;

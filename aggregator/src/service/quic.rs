@@ -258,6 +258,9 @@ impl Aggregator {
                 Err(e) => Response::Error(reject(RejectReason::Internal, e)),
             }),
             Request::CampaignStatus => Some(Response::Status(self.status())),
+            req @ (Request::SecAggRoster { .. } | Request::SecAggSend { .. } | Request::SecAggPoll { .. }) => {
+                Some(self.secagg_request(peer, req, stream).await)
+            }
             Request::CampaignStop => {
                 let mut core = self.lock();
                 let r = core.coord.engine_mut().stop_campaign(self.now_ms());

@@ -18,11 +18,14 @@ impl Aggregator {
                     sh.metrics.open_round.set(a.round.0 as i64);
                     sh.metrics.round_accepted.set(0);
                     let dtype = core.campaign.payload_dtype();
+                    let mut config = a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0);
+                    config.secure_aggregation = sh.cfg.secure_aggregation.is_some();
+                    core.secagg = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
                     let ann = fedfleet_protocol::RoundAnnouncement {
                         fleet: a.fleet,
                         round: a.round,
                         base_model: ModelRef { name: sh.cfg.model.name.clone(), version: a.base_version, digest: a.base_digest },
-                        config: a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0),
+                        config,
                         deadline_unix_ms: a.deadline,
                         selection: a.selection,
                     };
@@ -143,13 +146,17 @@ impl Aggregator {
             let now = self.now_ms();
             let next = {
                 let mut core = self.lock();
+                if Self::secagg_timeout(&core).is_some_and(|t| t <= now) {
+                    self.secagg_tick(&mut core, now);
+                    continue;
+                }
                 match core.coord.poll_timeout() {
                     Some(t) if t <= now => {
                         core.coord.handle_timeout(now);
                         self.drain(&mut core, now);
                         continue;
                     }
-                    next => next,
+                    next => next.into_iter().chain(Self::secagg_timeout(&core)).min(),
                 }
             };
             let sleep = match next {

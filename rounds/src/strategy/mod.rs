@@ -38,7 +38,7 @@ use fedfleet_protocol::RoundId;
 use serde::{Deserialize, Serialize};
 
 pub use backend::{Backend, Exact};
-pub use fixed::{FoldError, PartialSum};
+pub use fixed::{FRAC_BITS, FoldError, PartialSum};
 pub use mean::{AdaptiveClipping, ClippedMean, DpMean, WeightedMean, l2_norm};
 pub use optimizer::{AdaptiveOptimizer, FedOptKind, FedOptParams, ServerOptimizer};
 pub use robust::{Krum, Median, MemorySpill, SpillError, SpillStore, TrimmedMean};
@@ -84,6 +84,7 @@ impl ClientConfig {
             min_samples: 1,
             max_samples,
             seed,
+            secure_aggregation: false,
         }
     }
 }

@@ -14,5 +14,6 @@ mod procs;
 mod relays;
 mod renewal;
 mod sampled;
+mod secagg;
 mod tasks;
 mod tour;

@@ -1,0 +1,305 @@
+//! Secure aggregation (`[secure_aggregation]`): the open round's SecAgg+ stages, run by the
+//! sans-IO `fedfleet_secagg::Server` and relayed between the round's devices through this
+//! service (devices poll for what each stage hands them). When the stages end the unmasked sum
+//! enters the round like a relay's partial sum: persisted (the sum only), recorded, merged
+//! exactly, and the round closes at once. No device's update, masked or clear, is written
+//! anywhere; a restart loses the stages in progress, and that round fails by its deadline.
+
+use fedfleet_protocol::DeviceId;
+use fedfleet_secagg::{Deadlines, Message, Roster, Server, Stage};
+
+use super::*;
+use crate::engine::RelayMeta;
+use crate::strategy::{FRAC_BITS, PartialSum};
+use crate::wire::SecAggView;
+
+/// The contributor the unmasked sum is recorded under in the round engine (it is no device).
+const SUM_CONTRIBUTOR: &str = "secagg.sum";
+
+/// The open round's secure aggregation.
+pub(super) struct SecAggRound {
+    server: Server,
+    roster: Vec<u8>,
+    signature: Vec<u8>,
+    /// Each survivor's masked vector digest: what its receipt names.
+    masked: BTreeMap<DeviceId, Digest>,
+    /// Once the sum is in the round: each survivor's signed receipt.
+    receipts: BTreeMap<DeviceId, Vec<u8>>,
+    /// The stages ended (merged, or failed and the round aborted).
+    settled: bool,
+}
+
+impl Aggregator {
+    /// At a round's opening: its roster (the enrolled, unrevoked devices its selection invites)
+    /// and stage deadlines spread over the time to its deadline. `None` (logged) when no
+    /// roster can be made: devices then get no stages and the round fails at its deadline.
+    pub(super) fn open_secagg(
+        &self,
+        core: &Core,
+        round: RoundId,
+        selection: &fedfleet_protocol::Selection,
+        deadline: Millis,
+        now: Millis,
+    ) -> Option<SecAggRound> {
+        let sh = &self.shared;
+        let cfg = sh.cfg.secure_aggregation?;
+        let dim = core.base.as_ref()?.dim() as u32;
+        let devices: Vec<(DeviceId, [u8; 32])> = sh
+            .allow
+            .devices()
+            .into_iter()
+            .filter(|d| selection.selects(d) && !sh.revocation.is_revoked(d))
+            .filter_map(|d| match sh.allow.status(&d) {
+                DeviceStatus::Enrolled(k) => Some((d, k.to_bytes())),
+                _ => None,
+            })
+            .collect();
+        let mut graph_seed = [0u8; 32];
+        rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut graph_seed);
+        let roster = Roster::new(round, cfg.params(devices.len()), dim, graph_seed, devices)
+            .inspect_err(|e| tracing::error!(round = %round, error = %e, "secure aggregation cannot start: the round will fail"))
+            .ok()?;
+        let span = deadline.saturating_sub(now) as f64;
+        let at = |f: f64| now + (span * f) as u64;
+        let [keys, shares, masked, unmask] = cfg.stage_ends.map(at);
+        let signature = ed25519_dalek::Signer::sign(sh.key.as_ref(), &roster.signing_bytes()).to_bytes().to_vec();
+        tracing::info!(round = %round, devices = roster.len(), threshold = roster.params.threshold, "secure aggregation: keys stage open");
+        Some(SecAggRound {
+            roster: roster.to_bytes(),
+            server: Server::new(roster, Deadlines { keys, shares, masked, unmask }),
+            signature,
+            masked: BTreeMap::new(),
+            receipts: BTreeMap::new(),
+            settled: false,
+        })
+    }
+
+    /// The next stage deadline of the open round's secure aggregation.
+    pub(super) fn secagg_timeout(core: &Core) -> Option<Millis> {
+        core.secagg.as_ref().filter(|s| !s.settled).and_then(|s| s.server.poll_timeout())
+    }
+
+    /// Stage deadlines due at `now`, then what the stages' end means for the round.
+    pub(super) fn secagg_tick(&self, core: &mut Core, now: Millis) {
+        if let Some(s) = core.secagg.as_mut() {
+            s.server.handle_timeout(now);
+        }
+        self.secagg_settle(core, now);
+    }
+
+    /// Answers one secure-aggregation request of `peer`.
+    pub(super) async fn secagg_request(&self, peer: &PeerIdentity, req: Request, stream: &mut FramedStream) -> Response {
+        let PeerIdentity::Device(device) = peer else {
+            return Response::Error(reject(RejectReason::NotPermitted, "secure aggregation is between the aggregator and devices"));
+        };
+        match req {
+            Request::SecAggRoster { round } => {
+                let core = self.lock();
+                match self.session(&core, round, device) {
+                    Ok(s) => Response::SecAggRoster { roster: s.roster.clone(), signature: s.signature.clone() },
+                    Err(r) => Response::Error(r),
+                }
+            }
+            Request::SecAggPoll { round } => {
+                let core = self.lock();
+                match self.session(&core, round, device) {
+                    Ok(s) => Response::SecAgg(view(s, device)),
+                    Err(r) => Response::Error(r),
+                }
+            }
+            Request::SecAggSend { message, vector_len } => match self.secagg_send(device, &message, vector_len, stream).await {
+                Ok(()) => Response::SecAggTaken,
+                Err(r) => {
+                    tracing::info!(device = %device, reason = %r.reason, detail = %r.detail, "secure-aggregation message refused");
+                    Response::Error(r)
+                }
+            },
+            _ => Response::Error(reject(RejectReason::Internal, "not a secure-aggregation request")),
+        }
+    }
+
+    /// The open round's session, if `device` is in it.
+    fn session<'a>(&self, core: &'a Core, round: RoundId, device: &DeviceId) -> Result<&'a SecAggRound, Rejection> {
+        let s = core
+            .secagg
+            .as_ref()
+            .filter(|s| s.server.roster().round == round)
+            .ok_or_else(|| reject(RejectReason::UnknownRound, format!("no secure aggregation open for round {round}")))?;
+        if s.server.roster().index(device).is_none() {
+            return Err(reject(RejectReason::NotSelected, format!("{device} is not in round {round}'s roster")));
+        }
+        Ok(s)
+    }
+
+    async fn secagg_send(&self, device: &DeviceId, message: &[u8], vector_len: u64, stream: &mut FramedStream) -> Result<(), Rejection> {
+        let signed = Signed::<Message>::decode(message).map_err(|e| reject(e.reason(), e.to_string()))?;
+        if signed.body().device != *device {
+            return Err(reject(
+                RejectReason::IdentityMismatch,
+                format!("certificate is for device {device}, the message names {}", signed.body().device),
+            ));
+        }
+        // The masked vector's size is the roster's, checked before a byte of it is read.
+        let expected = {
+            let core = self.lock();
+            let s = self.session(&core, signed.body().round, device)?;
+            (s.server.roster().dim as u64 + 1) * 8
+        };
+        let vector = if vector_len == 0 {
+            None
+        } else if vector_len != expected {
+            return Err(reject(
+                RejectReason::LengthMismatch,
+                format!("a masked vector of this round is {expected} bytes, not {vector_len}"),
+            ));
+        } else {
+            let _in_flight = self.reserve_bytes(vector_len)?;
+            Some(receive_vector(stream, vector_len as usize).await?)
+        };
+        let me = self.clone();
+        let device = device.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut core = me.lock();
+            let now = me.now_ms();
+            let s = core.secagg.as_mut().ok_or_else(|| reject(RejectReason::UnknownRound, "the round's secure aggregation ended"))?;
+            s.server.handle_timeout(now);
+            s.server.handle(&signed, vector.as_deref()).map_err(|r| {
+                me.shared.metrics.secagg_refused(r.name());
+                reject(RejectReason::SecAggRefused, format!("{}: {r}", r.name()))
+            })?;
+            if let (fedfleet_secagg::Body::Masked { digest, .. }, Some(_)) = (&signed.body().body, &vector) {
+                s.masked.insert(device, *digest);
+            }
+            me.secagg_settle(&mut core, now);
+            Ok(())
+        })
+        .await
+        .map_err(|e| reject(RejectReason::Internal, e.to_string()))?
+    }
+
+    /// Once the stages have ended: the sum merged into the round (which closes), or the round
+    /// aborted with the protocol's reason. Runs once per round.
+    fn secagg_settle(&self, core: &mut Core, now: Millis) {
+        let Some(s) = core.secagg.as_mut().filter(|s| !s.settled) else { return };
+        let round = s.server.roster().round;
+        match s.server.stage() {
+            Stage::Done => {
+                s.settled = true;
+                let agg = s.server.result().expect("done ⇒ a result").clone();
+                match self.merge_sum(core, &agg, now) {
+                    Ok(()) => {
+                        let s = core.secagg.as_mut().expect("still open");
+                        s.receipts = self.survivor_receipts(round, &s.masked, &agg.survivors, now);
+                        tracing::info!(round = %round, survivors = agg.survivors.len(), dropped = agg.dropped.len(),
+                            "secure aggregation: the round's sum is unmasked and merged");
+                        // Nothing more can come: close the round now rather than at its deadline.
+                        let _ = core.coord.engine_mut().close_round_now(now, round);
+                    }
+                    Err(e) => {
+                        tracing::error!(round = %round, error = %e, "secure aggregation: the unmasked sum was refused; the round fails");
+                        let _ = core.coord.engine_mut().abort_round(now, round, format!("secure aggregation: {e}"));
+                    }
+                }
+            }
+            Stage::Failed => {
+                s.settled = true;
+                let failure = s.server.failure().map(|f| format!("{}: {f}", f.name())).unwrap_or_default();
+                tracing::warn!(round = %round, %failure, "secure aggregation failed: the round publishes nothing");
+                self.shared.metrics.round("secagg_failed");
+                let _ = core.coord.engine_mut().abort_round(now, round, format!("secure aggregation failed: {failure}"));
+            }
+            _ => return,
+        }
+        self.drain(core, now);
+    }
+
+    /// The unmasked sum into the round: stored (the sum alone), recorded under a receipt of its
+    /// own, merged exactly. Durable before this returns.
+    fn merge_sum(&self, core: &mut Core, agg: &fedfleet_secagg::Aggregate, now: Millis) -> Result<(), String> {
+        let sh = &self.shared;
+        let sums = agg.to_fixed(FRAC_BITS).ok_or("the secure-aggregation grid is finer than the fold's")?;
+        let count = agg.survivors.len() as u64;
+        let partial = PartialSum::from_raw(sums, agg.total_weight, count).map_err(|e| e.to_string())?;
+        let bytes = partial.to_le_bytes();
+        let payload_digest = Digest::of(&bytes);
+        let contributor = DeviceId::new(SUM_CONTRIBUTOR).expect("a valid id");
+        let nonce = *blake3::derive_key("fedfleet secagg sum nonce v1", &agg.round.0.to_le_bytes()).first_chunk::<16>().expect("16 bytes");
+        let base_digest = core.base.as_ref().map(|b| b.digest).ok_or("no base model")?;
+        let meta = RelayMeta {
+            fleet: sh.allow.fleet(),
+            relay: contributor.clone(),
+            round: agg.round,
+            base_digest,
+            nonce: crate::engine::Nonce(nonce),
+            update_count: count,
+            total_weight: agg.total_weight,
+            payload_digest,
+        };
+        sh.store.put_update(agg.round, &payload_digest, &bytes).map_err(|e| e.to_string())?;
+        let accepted = core.coord.handle_relay(now, meta, &partial).map_err(|r| format!("{}", r.reason))?;
+        let receipt =
+            Receipt { fleet: sh.allow.fleet(), device: contributor, round: agg.round, nonce, payload_digest, accepted_at_unix_ms: now };
+        let (_, seq) = self.record_accepted(receipt, accepted.round, agg.total_weight, count);
+        sh.store.sync(seq).unwrap_or_else(|e| abort_on_commit_failure(e));
+        sh.metrics.accepted.inc_by(count);
+        sh.metrics.round_accepted.set(accepted.accepted as i64);
+        Ok(())
+    }
+
+    /// A receipt for each survivor, naming its masked vector (all it sent of its update).
+    fn survivor_receipts(
+        &self,
+        round: RoundId,
+        masked: &BTreeMap<DeviceId, Digest>,
+        survivors: &[DeviceId],
+        now: Millis,
+    ) -> BTreeMap<DeviceId, Vec<u8>> {
+        let fleet = self.shared.allow.fleet();
+        survivors
+            .iter()
+            .filter_map(|d| masked.get(d).map(|digest| (d, digest)))
+            .map(|(d, digest)| {
+                let r = Receipt {
+                    fleet: fleet.clone(),
+                    device: d.clone(),
+                    round,
+                    nonce: [0; 16],
+                    payload_digest: *digest,
+                    accepted_at_unix_ms: now,
+                };
+                (d.clone(), Signed::sign(r, &self.shared.key).encode())
+            })
+            .collect()
+    }
+}
+
+/// What the current stage hands `device`.
+fn view(s: &SecAggRound, device: &DeviceId) -> SecAggView {
+    let server = &s.server;
+    let stage = server.stage();
+    SecAggView {
+        stage,
+        keys: if stage == Stage::Shares { server.keys_for(device).iter().map(|m| m.encode()).collect() } else { Vec::new() },
+        shares: if stage == Stage::Masked { server.shares_for(device) } else { Vec::new() },
+        unmask: (stage == Stage::Unmask).then(|| server.unmask_request_for(device)),
+        receipt: s.receipts.get(device).cloned(),
+        failure: server.failure().map(|f| format!("{}: {f}", f.name())),
+    }
+}
+
+/// A masked vector of exactly `len` bytes from `Chunk` frames and an `End`.
+async fn receive_vector(stream: &mut FramedStream, len: usize) -> Result<Vec<u64>, Rejection> {
+    let mut bytes = Vec::with_capacity(len);
+    loop {
+        match stream.recv().await {
+            Ok(Some(Frame { kind: FrameKind::Chunk, body })) if bytes.len() + body.len() <= len => bytes.extend_from_slice(&body),
+            Ok(Some(Frame { kind: FrameKind::End, .. })) if bytes.len() == len => break,
+            Ok(Some(f)) => {
+                return Err(reject(RejectReason::LengthMismatch, format!("{:?} frame past or short of the {len} bytes announced", f.kind)));
+            }
+            Ok(None) => return Err(reject(RejectReason::Malformed, "stream ended before the End frame")),
+            Err(e) => return Err(reject(RejectReason::Malformed, e.to_string())),
+        }
+    }
+    Ok(bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect())
+}
