@@ -118,6 +118,8 @@ struct Core {
     finalized: Option<(RoundId, Vec<f32>)>,
     /// `[secure_aggregation]`: the open round's stages (lost in a restart).
     secagg: Option<secagg::SecAggRound>,
+    /// The round before's, for devices that ask for its receipt or failure after it ended.
+    secagg_before: Option<secagg::SecAggRound>,
 }
 
 struct Shared {
@@ -258,7 +260,7 @@ impl Aggregator {
         let mode = fold_mode(tensor_device.is_some(), &strategy);
         let mut coord = Coordinator::new(engine, strategy);
         coord.set_mode(mode);
-        let mut core = Core { coord, base: None, global, campaign, closing: None, finalized: None, secagg: None };
+        let mut core = Core { coord, base: None, global, campaign, closing: None, finalized: None, secagg: None, secagg_before: None };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;

@@ -20,7 +20,8 @@ impl Aggregator {
                     let dtype = core.campaign.payload_dtype();
                     let mut config = a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0);
                     config.secure_aggregation = sh.cfg.secure_aggregation.is_some();
-                    core.secagg = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
+                    let opened = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
+                    core.secagg_before = std::mem::replace(&mut core.secagg, opened);
                     let ann = fedfleet_protocol::RoundAnnouncement {
                         fleet: a.fleet,
                         round: a.round,

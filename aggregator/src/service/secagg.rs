@@ -120,10 +120,10 @@ impl Aggregator {
 
     /// The open round's session, if `device` is in it.
     fn session<'a>(&self, core: &'a Core, round: RoundId, device: &DeviceId) -> Result<&'a SecAggRound, Rejection> {
-        let s = core
-            .secagg
-            .as_ref()
-            .filter(|s| s.server.roster().round == round)
+        let s = [&core.secagg, &core.secagg_before]
+            .into_iter()
+            .flatten()
+            .find(|s| s.server.roster().round == round)
             .ok_or_else(|| reject(RejectReason::UnknownRound, format!("no secure aggregation open for round {round}")))?;
         if s.server.roster().index(device).is_none() {
             return Err(reject(RejectReason::NotSelected, format!("{device} is not in round {round}'s roster")));
@@ -161,7 +161,11 @@ impl Aggregator {
         tokio::task::spawn_blocking(move || {
             let mut core = me.lock();
             let now = me.now_ms();
-            let s = core.secagg.as_mut().ok_or_else(|| reject(RejectReason::UnknownRound, "the round's secure aggregation ended"))?;
+            let s = core
+                .secagg
+                .as_mut()
+                .filter(|s| s.server.roster().round == signed.body().round)
+                .ok_or_else(|| reject(RejectReason::StaleRound, "the round's secure aggregation ended"))?;
             s.server.handle_timeout(now);
             s.server.handle(&signed, vector.as_deref()).map_err(|r| {
                 me.shared.metrics.secagg_refused(r.name());

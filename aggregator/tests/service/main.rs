@@ -9,5 +9,6 @@ mod crash;
 mod ingest;
 mod mqtt;
 mod privacy;
+mod secagg;
 mod support;
 mod tensor;

@@ -1,0 +1,197 @@
+//! Secure aggregation through the service (in process, on a fake clock): six devices run the
+//! SecAgg+ stages over QUIC with `fedfleet_secagg::Client`, two drop out after sharing, and the
+//! round publishes the model a plain round of the four survivors' updates publishes, bit for
+//! bit (updates on the grid, so quantizing loses nothing). Tampered messages and plain uploads
+//! are refused by name; a round below the threshold fails with the protocol's reason.
+
+use fedfleet_aggregator::client::AggregatorClient;
+use fedfleet_aggregator::config::SecureAggregationConfig;
+use fedfleet_aggregator::wire::{CampaignOverrides, Request, Stage};
+use fedfleet_protocol::{DType, RejectReason, RoundAnnouncement, Signed, TensorBundle};
+use fedfleet_secagg::{Body, Client, Message};
+
+use crate::support::*;
+
+const DEVICES: usize = 6;
+const SURVIVORS: usize = 4;
+
+/// Device `i`'s update, on a 2⁻¹⁰ grid, and its weight (a power of two): `w·Δ` lies on the
+/// secure aggregation's 2⁻²⁴ grid exactly.
+fn update(i: usize) -> (TensorBundle, u64) {
+    let mut b = TensorBundle::new();
+    for (name, t) in delta(100 + i as u64).iter() {
+        let v: Vec<f32> = t.to_f32_vec().iter().map(|x| (x * 1024.0).round() / 1024.0).collect();
+        b.insert_f32(name, t.shape.clone(), v).unwrap();
+    }
+    (b, 1 << i)
+}
+
+fn refusal(r: Result<(), fedfleet_aggregator::client::ClientError>) -> (RejectReason, String) {
+    match r {
+        Err(fedfleet_aggregator::client::ClientError::Refused(r)) => (r.reason, r.detail),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+async fn announcement(c: &AggregatorClient) -> (RoundAnnouncement, ed25519_dalek::VerifyingKey) {
+    let info = c.current_round().await.unwrap();
+    (info.announcement.expect("a round is open").verify(&info.receipt_key).unwrap().clone(), info.receipt_key)
+}
+
+/// Polls device `c` until the round's stage is `stage`.
+async fn until(c: &AggregatorClient, ann: &RoundAnnouncement, stage: Stage) -> fedfleet_aggregator::wire::SecAggView {
+    let t0 = std::time::Instant::now();
+    loop {
+        let v = c.secagg_poll(ann.round).await.unwrap();
+        if v.stage == stage {
+            return v;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "stage {stage:?} never came (at {:?}: {:?})", v.stage, v.failure);
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_round_with_dropouts_publishes_the_plain_fold_of_the_survivors_bit_for_bit() {
+    let f = Fleet::new(DEVICES);
+    // The plain round: the four survivors' updates, uploaded in the clear.
+    let plain = start(f.config("plain", SURVIVORS as u32, 1)).await;
+    f.operator(plain.addr).await.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    for i in 0..SURVIVORS {
+        let c = f.device_client(i, plain.addr).await;
+        let (ann, _) = announcement(&c).await;
+        let (b, w) = update(i);
+        let payload = b.encode();
+        let h = header(&f.fleet, &dev(i), ann.round, ann.base_model.digest, nonce(i, 1), w, &payload, DType::F32, &f.device_key(i));
+        assert!(matches!(c.upload(&h, &payload).await.unwrap(), fedfleet_aggregator::client::UploadOutcome::Accepted(_)));
+    }
+    let plain_dir = f.config("plain", 0, 0).publish_dir();
+    let t0 = std::time::Instant::now();
+    while fedfleet_aggregator::publish::DirPublisher::latest(&plain_dir, "tiny").unwrap().is_none_or(|m| m.version.0 < 2) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the plain round did not publish");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let plain_model = read_published(&plain_dir, "tiny");
+
+    // The secure round on a fake clock, two rounds: the second ends below the threshold.
+    let mut cfg = f.config("secure", DEVICES as u32, 2);
+    cfg.campaign.quorum = 1;
+    cfg.secure_aggregation = Some(SecureAggregationConfig { degree: 4, threshold_fraction: 0.5, ..Default::default() });
+    let start_ms = fedfleet_protocol::Clock::now_ms(&fedfleet_protocol::SystemClock);
+    let clock = std::sync::Arc::new(fedfleet_testkit::clock::FakeClock::new(start_ms));
+    let svc = start_at(cfg, clock.clone()).await;
+    f.operator(svc.addr).await.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    let mut clients = Vec::new();
+    for i in 0..DEVICES {
+        clients.push(f.device_client(i, svc.addr).await);
+    }
+    let (ann, receipt_key) = announcement(&clients[0]).await;
+    assert!(ann.config.secure_aggregation, "the announcement tells devices to aggregate securely");
+
+    // A plain upload is refused before its payload is read.
+    let (b, w) = update(0);
+    let payload = b.encode();
+    let h = header(&f.fleet, &dev(0), ann.round, ann.base_model.digest, nonce(0, 1), w, &payload, DType::F32, &f.device_key(0));
+    match clients[0].upload(&h, &payload).await.unwrap() {
+        fedfleet_aggregator::client::UploadOutcome::Rejected(r) => assert_eq!(r.reason, RejectReason::NotPermitted, "{}", r.detail),
+        other => panic!("a plain upload under secure aggregation: {other:?}"),
+    }
+
+    // Keys.
+    let mut devices = Vec::new();
+    for (i, c) in clients.iter().enumerate() {
+        let roster = c.secagg_roster(ann.round, &receipt_key).await.unwrap();
+        assert_eq!((roster.len(), roster.params.threshold), (DEVICES, 2));
+        let (client, keys) = Client::new(roster, &dev(i), f.device_key(i), [i as u8; 32]).unwrap();
+        if i == 0 {
+            // Another device's connection sending it, and another key signing it, are refused.
+            assert_eq!(refusal(clients[1].secagg_send(&keys.encode(), &[]).await).0, RejectReason::IdentityMismatch);
+            let forged = Signed::sign(keys.body().clone(), &f.device_key(1));
+            let (reason, detail) = refusal(c.secagg_send(&forged.encode(), &[]).await);
+            assert_eq!((reason, detail.split(':').next().unwrap()), (RejectReason::SecAggRefused, "bad_signature"));
+        }
+        c.secagg_send(&keys.encode(), &[]).await.unwrap();
+        if i == 0 {
+            let (reason, detail) = refusal(c.secagg_send(&keys.encode(), &[]).await);
+            assert_eq!((reason, detail.split(':').next().unwrap()), (RejectReason::SecAggRefused, "duplicate"));
+        }
+        devices.push(client);
+    }
+    // Shares.
+    for (i, c) in clients.iter().enumerate() {
+        let view = until(c, &ann, Stage::Shares).await;
+        let adverts: Vec<Signed<Message>> = view.keys.iter().map(|k| Signed::decode(k).unwrap()).collect();
+        let shares = devices[i].on_keys(&adverts).unwrap();
+        c.secagg_send(&shares.encode(), &[]).await.unwrap();
+    }
+    // Masked inputs from the survivors; the two others drop out.
+    for (i, c) in clients.iter().enumerate().take(SURVIVORS) {
+        let view = until(c, &ann, Stage::Masked).await;
+        let (b, w) = update(i);
+        let (msg, y) = devices[i].on_shares(&view.shares, &b.flat_f32(), w).unwrap();
+        let bytes = fedfleet_secagg::vector_bytes(&y);
+        if i == 0 {
+            // A vector that is not the one its message signs.
+            let mut other = bytes.clone();
+            other[0] ^= 1;
+            let (reason, detail) = refusal(c.secagg_send(&msg.encode(), &other).await);
+            assert_eq!((reason, detail.split(':').next().unwrap()), (RejectReason::SecAggRefused, "bad_vector"));
+            let (reason, _) = refusal(c.secagg_send(&msg.encode(), &bytes[8..]).await);
+            assert_eq!(reason, RejectReason::LengthMismatch);
+        }
+        assert!(matches!(msg.body().body, Body::Masked { .. }));
+        c.secagg_send(&msg.encode(), &bytes).await.unwrap();
+    }
+    // The masked stage ends at its deadline (85 % of the round's time), without the two; the
+    // unmask stage (to 95 %) goes on.
+    clock.set(ann.deadline_unix_ms - 60_000);
+    svc.agg.clock_moved();
+    for (i, c) in clients.iter().enumerate().take(SURVIVORS) {
+        let view = until(c, &ann, Stage::Unmask).await;
+        let unmask = devices[i].on_unmask(&view.unmask.expect("an unmask request")).unwrap();
+        c.secagg_send(&unmask.encode(), &[]).await.unwrap();
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let view = until(c, &ann, Stage::Done).await;
+        match view.receipt {
+            Some(r) => {
+                let r = Signed::<fedfleet_protocol::Receipt>::decode(&r).unwrap();
+                assert_eq!(r.verify(&receipt_key).unwrap().device, dev(i));
+                assert!(i < SURVIVORS, "a receipt for a device that dropped out");
+            }
+            None => assert!(i >= SURVIVORS, "no receipt for survivor {i}"),
+        }
+    }
+    let secure_dir = f.config("secure", 0, 0).publish_dir();
+    let t0 = std::time::Instant::now();
+    while fedfleet_aggregator::publish::DirPublisher::latest(&secure_dir, "tiny").unwrap().is_none_or(|m| m.version.0 < 2) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the secure round did not publish");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(read_published(&secure_dir, "tiny"), plain_model, "the secure round's model is the plain fold's, bit for bit");
+
+    // Round 2: one device sends keys, under the threshold of two; at the keys deadline the
+    // round fails with the protocol's reason and publishes nothing.
+    let t0 = std::time::Instant::now();
+    let ann2 = loop {
+        let (a, _) = announcement(&clients[0]).await;
+        if a.round != ann.round {
+            break a;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "round 2 did not open");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    for (i, c) in clients.iter().enumerate().take(1) {
+        let roster = c.secagg_roster(ann2.round, &receipt_key).await.unwrap();
+        let (_, keys) = Client::new(roster, &dev(i), f.device_key(i), [9; 32]).unwrap();
+        c.secagg_send(&keys.encode(), &[]).await.unwrap();
+    }
+    clock.set(ann2.deadline_unix_ms - 1);
+    svc.agg.clock_moved();
+    let view = until(&clients[0], &ann2, Stage::Failed).await;
+    assert!(view.failure.as_deref().unwrap_or_default().starts_with("below_threshold"), "{:?}", view.failure);
+    assert_eq!(svc.agg.metrics().round_count("secagg_failed"), 1);
+    assert_eq!(fedfleet_aggregator::publish::DirPublisher::latest(&secure_dir, "tiny").unwrap().unwrap().version.0, 2, "nothing published");
+    svc.stop().await;
+    plain.stop().await;
+}
