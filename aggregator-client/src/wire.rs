@@ -24,6 +24,14 @@
 //! **Base models** are fetched here ([`Request::GetModel`]), by digest: the one documented path
 //! for base models in this slice (the registry serves published versions for rollout).
 //!
+//! **Secure aggregation** (a round whose `RoundConfig::secure_aggregation` is set; plain uploads
+//! are then refused as `not_permitted`): a device fetches the round's roster
+//! ([`Request::SecAggRoster`], signed with the receipt key), sends its signed stage messages
+//! ([`Request::SecAggSend`]; the masked vector as `Chunk` frames) and polls for what each stage
+//! hands it ([`Request::SecAggPoll`]) until the round's sum is unmasked (a receipt naming its
+//! masked vector) or the stages fail (`secagg_failed`). A refused message is `secagg_refused`,
+//! its detail starting with the protocol's reason.
+//!
 //! **Admin** requests ([`Request::CampaignStart`] / [`Request::CampaignStatus`] /
 //! [`Request::CampaignStop`]) are only served to a *service* certificate whose name is in the
 //! config's `operators` list (`fedfleet-certs issue-server --name operator`).

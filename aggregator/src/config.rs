@@ -27,6 +27,14 @@
 //! forward_margin_secs = 10           # forward the region's sum this long before the parent's deadline
 //! poll_interval_ms = 1000            # how often the parent is asked for its round
 //!
+//! [secure_aggregation]               # optional: every round aggregated with SecAgg+ (the aggregator sees
+//!                                    #   only the round's sum; plain uploads are refused); fedavg/fedprox/fedopt
+//! degree = 16                        # neighbours per device (even)
+//! threshold_fraction = 0.5           # shares needed to rebuild a device's secrets, of its neighbours (>= 2)
+//! frac_bits = 24                     # fixed-point grid 2^-frac_bits of each sample_count x update value
+//! clip = 1000.0                      # each weighted value clamped to +-clip before quantizing
+//! stage_ends = [0.5, 0.6, 0.85, 0.95]  # keys, shares, masked input, unmask: fractions of the round's time
+//!
 //! [model]
 //! name = "digits"
 //! spec = { arch = "mlp", input = [64], hidden = [64], classes = 10 }

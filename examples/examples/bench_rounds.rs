@@ -113,6 +113,11 @@ struct Args {
     /// sled stores would pass the open-file limit (about 6,000 agents at 20,000 files).
     #[arg(long)]
     light: bool,
+    /// Every round aggregated with SecAgg+ (`[secure_aggregation]`, the default degree and
+    /// threshold): the same fleet and task, each device's update sent only masked, through the
+    /// stages. Not with --sampled.
+    #[arg(long)]
+    secure_aggregation: bool,
     /// A big enrolled fleet of which each round samples a few (with --sampling-rate, e.g.
     /// `--agents 100000 --sampling-rate 0.01`): devices are enrolled in memory (one devices.json
     /// write) and hold only their identity; one shared listener hears each round's announcement
@@ -171,6 +176,9 @@ fn coordinate(args: &Args) -> anyhow::Result<()> {
     }
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
+    }
+    if args.secure_aggregation && args.sampled {
+        bail!("--secure-aggregation runs with the all-agents fleet, not --sampled");
     }
     let aggregator = aggregator_binary(args)?;
     let started = Instant::now();
@@ -1102,7 +1110,7 @@ local_epochs = {epochs}
 batch_size = {batch}
 learning_rate = 0.1
 quantization = "f32"
-"#,
+{secure_aggregation}"#,
         pki_dir = pki.dir().display().to_string(),
         data_dir = dir.join("data").display().to_string(),
         hidden = hidden.join(", "),
@@ -1113,6 +1121,7 @@ quantization = "f32"
         rate = args.sampling_rate.min(1.0),
         epochs = args.local_epochs,
         batch = args.batch_size,
+        secure_aggregation = if args.secure_aggregation { "\n[secure_aggregation]\n" } else { "" },
     )
 }
 
