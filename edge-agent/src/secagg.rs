@@ -75,8 +75,9 @@ pub async fn securely_aggregate<A: Aggregator>(
                 adverts.map_err(|e| e.to_string()).and_then(|a| client.on_keys(&a).map_err(|e| e.to_string())).map(|m| (m, Vec::new()))
             }
             (Stage::Masked, Stage::Shares) => client.on_shares(&view.shares, &update, weight).map_err(|e| e.to_string()).map(|(m, y)| {
-                masked_digest = Some(fedfleet_protocol::Digest::of(&fedfleet_secagg::vector_bytes(&y)));
-                (m, fedfleet_secagg::vector_bytes(&y))
+                let bytes = fedfleet_secagg::vector_bytes(&y);
+                masked_digest = Some(fedfleet_protocol::Digest::of(&bytes));
+                (m, bytes)
             }),
             (Stage::Unmask, Stage::Masked) => match &view.unmask {
                 Some(request) => client.on_unmask(request).map_err(|e| e.to_string()).map(|m| (m, Vec::new())),

@@ -359,6 +359,15 @@ impl Aggregator {
         Ok(agg)
     }
 
+    /// `device`'s key while it is enrolled (the allow-list) and not revoked (the signed list):
+    /// a device that may still send updates.
+    fn sending_key(&self, device: &fedfleet_protocol::DeviceId) -> Option<ed25519_dalek::VerifyingKey> {
+        match self.shared.allow.status(device) {
+            DeviceStatus::Enrolled(k) if !self.shared.revocation.is_revoked(device) => Some(k),
+            _ => None,
+        }
+    }
+
     /// The service's clock, read (unix ms).
     pub fn now_ms(&self) -> Millis {
         self.shared.clock.now_ms()

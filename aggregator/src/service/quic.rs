@@ -258,9 +258,9 @@ impl Aggregator {
                 Err(e) => Response::Error(reject(RejectReason::Internal, e)),
             }),
             Request::CampaignStatus => Some(Response::Status(self.status())),
-            req @ (Request::SecAggRoster { .. } | Request::SecAggSend { .. } | Request::SecAggPoll { .. }) => {
-                Some(self.secagg_request(peer, req, stream).await)
-            }
+            Request::SecAggRoster { round } => Some(self.secagg_roster(peer, round)),
+            Request::SecAggPoll { round } => Some(self.secagg_poll(peer, round)),
+            Request::SecAggSend { message, vector_len } => Some(self.secagg_message(peer, &message, vector_len, stream).await),
             Request::CampaignStop => {
                 let mut core = self.lock();
                 let r = core.coord.engine_mut().stop_campaign(self.now_ms());

@@ -149,8 +149,7 @@ impl Aggregator {
     fn region_invited(&self, rc: &RelayConfig, selection: &fedfleet_protocol::Selection) -> u32 {
         let sh = &self.shared;
         let region = if rc.region.is_empty() { sh.allow.devices() } else { rc.region.clone() };
-        let may_send = |d: &DeviceId| matches!(sh.allow.status(d), DeviceStatus::Enrolled(_)) && !sh.revocation.is_revoked(d);
-        region.iter().filter(|d| selection.selects(d) && may_send(d)).count() as u32
+        region.iter().filter(|d| selection.selects(d) && self.sending_key(d).is_some()).count() as u32
     }
 
     /// Makes the round's base model the one this relay holds, fetched from the parent (and

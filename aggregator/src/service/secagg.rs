@@ -48,11 +48,8 @@ impl Aggregator {
             .allow
             .devices()
             .into_iter()
-            .filter(|d| selection.selects(d) && !sh.revocation.is_revoked(d))
-            .filter_map(|d| match sh.allow.status(&d) {
-                DeviceStatus::Enrolled(k) => Some((d, k.to_bytes())),
-                _ => None,
-            })
+            .filter(|d| selection.selects(d))
+            .filter_map(|d| self.sending_key(&d).map(|k| (d, k.to_bytes())))
             .collect();
         let mut graph_seed = [0u8; 32];
         rand_core::RngCore::fill_bytes(&mut rand_core::OsRng, &mut graph_seed);
@@ -74,9 +71,9 @@ impl Aggregator {
         })
     }
 
-    /// The next stage deadline of the open round's secure aggregation.
+    /// The next stage deadline of the open round's secure aggregation (none once it ended).
     pub(super) fn secagg_timeout(core: &Core) -> Option<Millis> {
-        core.secagg.as_ref().filter(|s| !s.settled).and_then(|s| s.server.poll_timeout())
+        core.secagg.as_ref().and_then(|s| s.server.poll_timeout())
     }
 
     /// Stage deadlines due at `now`, then what the stages' end means for the round.
@@ -87,34 +84,37 @@ impl Aggregator {
         self.secagg_settle(core, now);
     }
 
-    /// Answers one secure-aggregation request of `peer`.
-    pub(super) async fn secagg_request(&self, peer: &PeerIdentity, req: Request, stream: &mut FramedStream) -> Response {
-        let PeerIdentity::Device(device) = peer else {
-            return Response::Error(reject(RejectReason::NotPermitted, "secure aggregation is between the aggregator and devices"));
+    /// `peer`'s roster of `round`.
+    pub(super) fn secagg_roster(&self, peer: &PeerIdentity, round: RoundId) -> Response {
+        self.in_session(peer, round, |s, _| Response::SecAggRoster { roster: s.roster.clone(), signature: s.signature.clone() })
+    }
+
+    /// What `round`'s current stage hands `peer`.
+    pub(super) fn secagg_poll(&self, peer: &PeerIdentity, round: RoundId) -> Response {
+        self.in_session(peer, round, |s, device| Response::SecAgg(view(s, device)))
+    }
+
+    /// `answer` from `round`'s session, if `peer` is a device in it.
+    fn in_session(&self, peer: &PeerIdentity, round: RoundId, answer: impl FnOnce(&SecAggRound, &DeviceId) -> Response) -> Response {
+        let core = self.lock();
+        match secagg_device(peer).and_then(|device| Ok((self.session(&core, round, device)?, device))) {
+            Ok((s, device)) => answer(s, device),
+            Err(r) => Response::Error(r),
+        }
+    }
+
+    /// Takes one stage message of `peer` (and its masked vector, streamed after it).
+    pub(super) async fn secagg_message(&self, peer: &PeerIdentity, message: &[u8], vector_len: u64, stream: &mut FramedStream) -> Response {
+        let sent = match secagg_device(peer) {
+            Ok(device) => self.secagg_send(device, message, vector_len, stream).await,
+            Err(r) => Err(r),
         };
-        match req {
-            Request::SecAggRoster { round } => {
-                let core = self.lock();
-                match self.session(&core, round, device) {
-                    Ok(s) => Response::SecAggRoster { roster: s.roster.clone(), signature: s.signature.clone() },
-                    Err(r) => Response::Error(r),
-                }
+        match sent {
+            Ok(()) => Response::SecAggTaken,
+            Err(r) => {
+                tracing::info!(peer = ?peer, reason = %r.reason, detail = %r.detail, "secure-aggregation message refused");
+                Response::Error(r)
             }
-            Request::SecAggPoll { round } => {
-                let core = self.lock();
-                match self.session(&core, round, device) {
-                    Ok(s) => Response::SecAgg(view(s, device)),
-                    Err(r) => Response::Error(r),
-                }
-            }
-            Request::SecAggSend { message, vector_len } => match self.secagg_send(device, &message, vector_len, stream).await {
-                Ok(()) => Response::SecAggTaken,
-                Err(r) => {
-                    tracing::info!(device = %device, reason = %r.reason, detail = %r.detail, "secure-aggregation message refused");
-                    Response::Error(r)
-                }
-            },
-            _ => Response::Error(reject(RejectReason::Internal, "not a secure-aggregation request")),
         }
     }
 
@@ -274,6 +274,14 @@ impl Aggregator {
                 (d.clone(), Signed::sign(r, &self.shared.key).encode())
             })
             .collect()
+    }
+}
+
+/// The device a secure-aggregation request comes from (services take no part).
+fn secagg_device(peer: &PeerIdentity) -> Result<&DeviceId, Rejection> {
+    match peer {
+        PeerIdentity::Device(d) => Ok(d),
+        PeerIdentity::Service(_) => Err(reject(RejectReason::NotPermitted, "secure aggregation is between the aggregator and devices")),
     }
 }
 
