@@ -199,8 +199,8 @@ impl SecureAggregationConfig {
         if ends.iter().any(|f| !(*f > 0.0 && *f < 1.0)) || ends.windows(2).any(|w| w[0] >= w[1]) {
             return bad(format!("stage_ends {ends:?} must rise strictly, each in (0, 1)"));
         }
-        // The grid, degree and clip checked as for a roster as large as the protocol allows
-        // one: a roster is never refused for its size mid-campaign.
+        // The grid, degree and clip checked for 3 devices and for 65,536 (more than one roster
+        // message carries): no roster is refused for its grid mid-campaign.
         self.params(3).validate(3).and_then(|_| self.params(1 << 16).validate(1 << 16)).or_else(|e| bad(format!("{e}")))
     }
 }

@@ -56,13 +56,21 @@ impl Aggregator {
         let roster = Roster::new(round, cfg.params(devices.len()), dim, graph_seed, devices)
             .inspect_err(|e| tracing::error!(round = %round, error = %e, "secure aggregation cannot start: the round will fail"))
             .ok()?;
+        let roster_bytes = roster.to_bytes();
+        // The roster travels in one wire message (with its signature): a roster too large for one
+        // (some 14,000 devices) gets no stages rather than an answer that cannot be encoded.
+        if roster_bytes.len() + 1024 > MAX_WIRE_MESSAGE {
+            tracing::error!(round = %round, devices = roster.len(), bytes = roster_bytes.len(),
+                "secure aggregation cannot start: the roster is larger than one wire message (sample fewer devices per round); the round will fail");
+            return None;
+        }
         let span = deadline.saturating_sub(now) as f64;
         let at = |f: f64| now + (span * f) as u64;
         let [keys, shares, masked, unmask] = cfg.stage_ends.map(at);
         let signature = ed25519_dalek::Signer::sign(sh.key.as_ref(), &roster.signing_bytes()).to_bytes().to_vec();
         tracing::info!(round = %round, devices = roster.len(), threshold = roster.params.threshold, "secure aggregation: keys stage open");
         Some(SecAggRound {
-            roster: roster.to_bytes(),
+            roster: roster_bytes,
             server: Server::new(roster, Deadlines { keys, shares, masked, unmask }),
             signature,
             masked: BTreeMap::new(),
