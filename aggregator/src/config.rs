@@ -148,6 +148,9 @@ pub struct Config {
     /// `[secure_aggregation]`: every round is aggregated with SecAgg+; plain uploads are refused.
     #[serde(default)]
     pub secure_aggregation: Option<SecureAggregationConfig>,
+    /// `[console]`: the operator API and dashboard (`fedfleet_http::console`; off unless set).
+    #[serde(default)]
+    pub console: Option<fedfleet_http::console::ConsoleConfig>,
 }
 
 /// `[secure_aggregation]`: SecAgg+ (`fedfleet-secagg`) for every round of every campaign. The
@@ -763,6 +766,7 @@ impl Config {
             relays: Vec::new(),
             relay: None,
             secure_aggregation: None,
+            console: None,
         }
     }
 
@@ -796,6 +800,9 @@ impl Config {
         let mut cfg: Config = toml::Value::Table(table).try_into().map_err(parse)?;
         let base = path.parent().unwrap_or(Path::new("."));
         cfg.resolve(base);
+        if let Some(c) = cfg.console.as_mut() {
+            c.resolve(base).map_err(ConfigError::Invalid)?;
+        }
         cfg.validate()?;
         Ok((cfg, mqtt))
     }

@@ -13,6 +13,7 @@
 
 pub mod accel;
 pub mod config;
+pub mod console;
 pub mod keys;
 pub mod lifecycle;
 pub mod metrics;

@@ -22,6 +22,13 @@ pub struct AggregatorService {
     metrics: Option<(SocketAddr, bool)>,
 }
 
+/// The console, bound: its listener and what it serves.
+struct BoundConsole {
+    listener: tokio::net::TcpListener,
+    console: fedfleet_http::console::Console,
+    tls: Option<rustls::ServerConfig>,
+}
+
 impl AggregatorService {
     /// Opens `cfg.data_dir` and publishes where `cfg` says: into the registry of `[publish]`, or
     /// into the data directory's `published/` (signed with the receipt key).
@@ -62,11 +69,25 @@ impl AggregatorService {
             None => None,
             Some((addr, public)) => Some(fedfleet_http::bind(addr, public).await.map_err(|cause| ServiceError::Metrics { addr, cause })?),
         };
+        let console = match &self.agg.config().console {
+            None => None,
+            Some(c) => {
+                let listener =
+                    tokio::net::TcpListener::bind(c.listen).await.map_err(|cause| ServiceError::Console(format!("{}: {cause}", c.listen)))?;
+                let access = fedfleet_http::console::Access::load(c, &self.agg.config().operators).map_err(ServiceError::Console)?;
+                let audit = self.agg.journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
+                let clock = self.agg.clock();
+                let console =
+                    fedfleet_http::console::Console::new(crate::console::api(self.agg.clone()), c, access, audit, move || clock.now_ms());
+                let tls = if c.tls { Some(self.agg.console_tls()?) } else { None };
+                Some(BoundConsole { listener, console, tls })
+            }
+        };
         let mqtt = match &self.mqtt {
             Some(m) => crate::mqtt::start(&self.agg, m).await?,
             None => None,
         };
-        Ok(BoundAggregator { agg: self.agg.clone(), endpoint, operators, metrics, mqtt })
+        Ok(BoundAggregator { agg: self.agg.clone(), endpoint, operators, metrics, console, mqtt })
     }
 }
 
@@ -96,6 +117,7 @@ pub struct BoundAggregator {
     /// `operator_listen`'s endpoint, if configured.
     operators: Option<quinn::Endpoint>,
     metrics: Option<tokio::net::TcpListener>,
+    console: Option<BoundConsole>,
     mqtt: Option<Mqtt>,
 }
 
@@ -114,6 +136,11 @@ impl BoundAggregator {
         self.metrics.as_ref().and_then(|l| l.local_addr().ok())
     }
 
+    /// The operator console's address (`[console]`).
+    pub fn console_addr(&self) -> Option<SocketAddr> {
+        self.console.as_ref().and_then(|c| c.listener.local_addr().ok())
+    }
+
     /// The embedded MQTT broker's address (none in external mode or without `[mqtt]`).
     pub fn broker_addr(&self) -> Option<SocketAddr> {
         self.mqtt.as_ref().and_then(|m| m.broker_addr())
@@ -126,7 +153,7 @@ impl BoundAggregator {
     /// Serves `/metrics`, watches this service's certificate expiry and serves QUIC until
     /// `shutdown` is triggered; then stops the MQTT control plane.
     pub async fn run(self, shutdown: Shutdown) -> Result<(), ServiceError> {
-        let BoundAggregator { agg, endpoint, operators, metrics, mqtt } = self;
+        let BoundAggregator { agg, endpoint, operators, metrics, console, mqtt } = self;
         let name = agg.config().server_identity.clone();
         let validity = agg.identity().validity()?;
         let clock = agg.clock();
@@ -140,11 +167,15 @@ impl BoundAggregator {
             tracing::info!(addr = ?l.local_addr().ok(), "metrics at /metrics");
             tokio::spawn(fedfleet_http::serve_metrics(l, agg.metrics()))
         });
+        let console = console.map(|c| {
+            tracing::info!(addr = ?c.listener.local_addr().ok(), tls = c.tls.is_some(), "operator console (API and dashboard)");
+            tokio::spawn(c.console.serve(c.listener, c.tls, shutdown.wait()))
+        });
         agg.run(endpoint, operators, shutdown).await;
         if let Some(m) = mqtt {
             m.shutdown().await;
         }
-        for task in std::iter::once(watcher).chain(metrics_server) {
+        for task in std::iter::once(watcher).chain(metrics_server).chain(console) {
             task.abort();
         }
         Ok(())

@@ -178,6 +178,11 @@ impl Metrics {
         self.rejected.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).get()
     }
     /// A secure-aggregation message refused, by the protocol's reason (`fedfleet_secagg::Refusal::name`).
+    /// Every refusal count by reason (the console's rejection table).
+    pub fn rejections(&self) -> std::collections::BTreeMap<String, u64> {
+        RejectReason::ALL.iter().map(|r| (r.as_str().to_owned(), self.rejected_count(*r))).collect()
+    }
+
     pub fn secagg_refused(&self, reason: &'static str) {
         self.secagg_refused.get_or_create(&ReasonLabel { reason: reason.into() }).inc();
     }

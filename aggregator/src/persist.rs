@@ -278,6 +278,11 @@ impl Store {
         &self.dir
     }
 
+    /// An append-only journal in this store's database (round history, the console's audit).
+    pub fn journal(&self, name: &str, keep: usize) -> Result<fedfleet_durable::Journal> {
+        Ok(fedfleet_durable::Journal::open(&self.db, name, keep)?)
+    }
+
     pub fn seq(&self) -> Result<u64> {
         Ok(match self.meta.get("seq")? {
             Some(b) if b.len() == 8 => u64::from_be_bytes(b.as_ref().try_into().expect("8 bytes")),

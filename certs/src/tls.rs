@@ -62,6 +62,8 @@ fn alpn_vec(alpn: &[&[u8]]) -> Vec<Vec<u8>> {
 pub struct RevocationCheckingVerifier {
     inner: Arc<dyn ClientCertVerifier>,
     revocation: Arc<RevocationWatcher>,
+    /// Fleet endpoints require a certificate; the operator console also takes bearer tokens.
+    mandatory: bool,
 }
 
 /// Checks `leaf` (with `intermediates`) the way the fleet's servers will on every handshake:
@@ -90,7 +92,7 @@ pub fn verify_issued_by_at(
 impl RevocationCheckingVerifier {
     pub fn new(ca: &CaCert, revocation: Arc<RevocationWatcher>) -> Result<Self, CertError> {
         let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(ca.root_store()?), provider()).build().map_err(tls_err)?;
-        Ok(RevocationCheckingVerifier { inner, revocation })
+        Ok(RevocationCheckingVerifier { inner, revocation, mandatory: true })
     }
 }
 
@@ -99,7 +101,7 @@ impl ClientCertVerifier for RevocationCheckingVerifier {
         true
     }
     fn client_auth_mandatory(&self) -> bool {
-        true
+        self.mandatory
     }
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
         self.inner.root_hint_subjects()
@@ -188,6 +190,27 @@ pub fn server_config_at(
         .with_single_cert(identity.cert_chain().to_vec(), identity.private_key_der()?)
         .map_err(tls_err)?;
     config.alpn_protocols = alpn_vec(alpn);
+    Ok(config)
+}
+
+/// Server side of the operator console's HTTPS: a client certificate is optional (operators may
+/// bring a bearer token instead) but, when presented, checked like [`server_config`]'s; the
+/// console decides what the identity may do. ALPN `http/1.1`.
+pub fn console_server_config(
+    ca: &CaCert,
+    identity: &ServerIdentity,
+    revocation: Arc<RevocationWatcher>,
+    time: TimeSource,
+) -> Result<ServerConfig, CertError> {
+    let mut verifier = RevocationCheckingVerifier::new(ca, revocation)?;
+    verifier.mandatory = false;
+    let mut config = ServerConfig::builder_with_details(provider(), time)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .with_client_cert_verifier(Arc::new(verifier))
+        .with_single_cert(identity.cert_chain().to_vec(), identity.private_key_der()?)
+        .map_err(tls_err)?;
+    config.alpn_protocols = alpn_vec(&[b"http/1.1"]);
     Ok(config)
 }
 

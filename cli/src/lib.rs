@@ -28,7 +28,7 @@ pub struct InitLocalArgs {
     #[arg(long, default_value_t = LocalOptions::default().rounds)]
     pub rounds: u32,
     /// The aggregator's QUIC port; the registry takes the next one, the two metrics endpoints
-    /// the two after.
+    /// the two after, the registry's and the aggregator's operator consoles the two after those.
     #[arg(long, default_value_t = LocalOptions::default().base_port)]
     pub base_port: u16,
 }
@@ -41,11 +41,17 @@ pub fn init_local_main(program: &str, a: InitLocalArgs) -> ExitCode {
             let d = a.dir.display();
             println!("wrote a local fleet {:?} with {} agents into {d}:", o.fleet, o.agents);
             println!("  pki/                 CA, registry/aggregator/operator identities, device identities");
-            println!("  registry.toml        registry on 127.0.0.1:{} (metrics :{})", o.base_port + 1, o.base_port + 3);
             println!(
-                "  aggregator.toml      aggregator on 127.0.0.1:{} (metrics :{}), publishing into the registry",
+                "  registry.toml        registry on 127.0.0.1:{} (metrics :{}, console http://127.0.0.1:{}/)",
+                o.base_port + 1,
+                o.base_port + 3,
+                o.base_port + 4
+            );
+            println!(
+                "  aggregator.toml      aggregator on 127.0.0.1:{} (metrics :{}, console http://127.0.0.1:{}/), publishing into the registry",
                 o.base_port,
-                o.base_port + 2
+                o.base_port + 2,
+                o.base_port + 5
             );
             println!(
                 "  agents/*.toml        {} (enrolled, pinned to the registry's root)",

@@ -18,7 +18,8 @@ pub struct LocalOptions {
     pub fleet: String,
     pub rounds: u32,
     /// The aggregator listens on `base_port`, the registry on `base_port + 1`, their metrics on
-    /// `base_port + 2` and `+ 3` (QUIC is UDP, metrics TCP).
+    /// `base_port + 2` and `+ 3`, their operator consoles on `+ 5` and `+ 4` (QUIC is UDP,
+    /// metrics and consoles TCP).
     pub base_port: u16,
     /// Certificate lifetime.
     pub days: u32,
@@ -54,8 +55,8 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
     if o.agents == 0 {
         bail!("--agents must be at least 1");
     }
-    if o.base_port.checked_add(3).is_none() || o.base_port == 0 {
-        bail!("--base-port {} leaves no room for the four ports it takes", o.base_port);
+    if o.base_port.checked_add(5).is_none() || o.base_port == 0 {
+        bail!("--base-port {} leaves no room for the six ports it takes", o.base_port);
     }
     if dir.exists() && std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_some() {
         bail!("{} is not empty; init-local writes a fresh deployment (pick a new directory)", dir.display());
@@ -84,6 +85,7 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
 
     let p = o.base_port;
     let (agg_port, reg_port, agg_metrics, reg_metrics) = (p, p + 1, p + 2, p + 3);
+    let (reg_console, agg_console) = (p + 4, p + 5);
     write(
         dir,
         "registry.toml",
@@ -101,7 +103,11 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
              \n\
              # Devices renew their certificates here before they expire (the CA key is on this host).\n\
              [renewal]\n\
-             ca_key = \"pki/ca.key\"\n"
+             ca_key = \"pki/ca.key\"\n\n\
+             # The operator console: API and dashboard on loopback (open http://127.0.0.1:{reg_console}/).\n\
+             [console]\n\
+             listen = \"127.0.0.1:{reg_console}\"\n\
+             peer = \"http://127.0.0.1:{agg_console}/\"\n"
         ),
     )?;
     let n = o.agents;
@@ -135,7 +141,11 @@ pub fn init_local(dir: &Path, o: &LocalOptions) -> anyhow::Result<LocalLayout> {
              extension_secs = 60\n\
              local_epochs = 5\n\
              batch_size = 32\n\
-             learning_rate = 0.3\n",
+             learning_rate = 0.3\n\n\
+             # The operator console: API and dashboard on loopback (open http://127.0.0.1:{agg_console}/).\n\
+             [console]\n\
+             listen = \"127.0.0.1:{agg_console}\"\n\
+             peer = \"http://127.0.0.1:{reg_console}/\"\n",
             rounds = o.rounds,
         ),
     )?;

@@ -8,6 +8,8 @@
 //! - [`open_sled`]: opening a sled database, waiting for a lock a just-closed handle still holds.
 //! - [`SpaceReserve`]: bytes held in a file beside a store and given back when the disk is full,
 //!   so the store can still open and commit (sled needs a free 512 KiB segment to open).
+//! - [`Journal`]: an append-only, bounded record log in a sled tree (the operator audit trail,
+//!   the aggregator's round history), read newest first.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -188,10 +190,71 @@ impl CommitMarker {
     }
 }
 
+/// An append-only log of records in one sled tree, keyed by a monotonic id so that it reads
+/// back in append order. It keeps the newest `keep` records: older ones are trimmed on append,
+/// so an endless stream of entries (say, refused requests) cannot fill the disk.
+#[derive(Debug, Clone)]
+pub struct Journal {
+    tree: sled::Tree,
+    keep: usize,
+    /// Appends read the last key and write the next: one at a time.
+    append: std::sync::Arc<std::sync::Mutex<()>>,
+}
+
+impl Journal {
+    pub fn open(db: &sled::Db, name: &str, keep: usize) -> sled::Result<Journal> {
+        Ok(Journal { tree: db.open_tree(name)?, keep: keep.max(1), append: Default::default() })
+    }
+
+    /// Appends `record` (not flushed: the caller's next commit or flush makes it durable).
+    pub fn append(&self, record: &[u8]) -> sled::Result<()> {
+        let _one = self.append.lock().unwrap_or_else(|p| p.into_inner());
+        let next = match self.tree.last()? {
+            Some((k, _)) => u64::from_be_bytes(k.as_ref().try_into().unwrap_or([0; 8])) + 1,
+            None => 0,
+        };
+        self.tree.insert(next.to_be_bytes(), record)?;
+        // One trim per append keeps the log at `keep` (the first key is the oldest).
+        if self.tree.len() > self.keep
+            && let Some((k, _)) = self.tree.first()?
+        {
+            self.tree.remove(k)?;
+        }
+        Ok(())
+    }
+
+    /// The newest `limit` records, newest first.
+    pub fn newest(&self, limit: usize) -> sled::Result<Vec<Vec<u8>>> {
+        self.tree.iter().rev().take(limit).map(|r| r.map(|(_, v)| v.to_vec())).collect()
+    }
+
+    pub fn flush(&self) -> sled::Result<()> {
+        self.tree.flush().map(|_| ())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn journal_keeps_the_newest_records_in_order_across_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = sled::open(dir.path()).unwrap();
+            let j = Journal::open(&db, "log", 3).unwrap();
+            for i in 0..5u8 {
+                j.append(&[i]).unwrap();
+            }
+            assert_eq!(j.newest(10).unwrap(), vec![vec![4], vec![3], vec![2]]);
+            j.flush().unwrap();
+        }
+        let db = sled::open(dir.path()).unwrap();
+        let j = Journal::open(&db, "log", 3).unwrap();
+        j.append(&[5]).unwrap();
+        assert_eq!(j.newest(2).unwrap(), vec![vec![5], vec![4]]);
+    }
 
     #[test]
     fn atomic_write_replaces_and_sets_mode() {

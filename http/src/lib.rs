@@ -1,6 +1,6 @@
 //! The services' HTTP surface: `GET /metrics` in the Prometheus/OpenMetrics text format, through
 //! kept libraries (axum for HTTP, prometheus-client for the format). One implementation for every
-//! service; the later operator API and dashboard mount on the same router.
+//! service. [`console`]: the operator API and dashboard, on a listener of their own.
 //!
 //! ```no_run
 //! # async fn demo(metrics: std::sync::Arc<dyn fedfleet_http::MetricsSource>) -> std::io::Result<()> {
@@ -8,6 +8,8 @@
 //! tokio::spawn(fedfleet_http::serve_metrics(listener, metrics));
 //! # Ok(()) }
 //! ```
+
+pub mod console;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -131,14 +133,53 @@ pub async fn scrape(addr: SocketAddr, path: &str) -> Result<(u16, String), Scrap
 
 /// [`scrape`], the body as bytes.
 pub async fn scrape_bytes(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ScrapeError> {
-    use http_body_util::BodyExt;
+    send(addr, &ClientRequest { method: "GET", path, ..ClientRequest::default() }).await
+}
+
+/// One HTTP/1.1 request of [`send`].
+#[derive(Default)]
+pub struct ClientRequest<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    /// `Authorization: Bearer ...`.
+    pub bearer: Option<&'a str>,
+    /// A JSON body (`Content-Type: application/json`).
+    pub json: Option<Vec<u8>>,
+    /// HTTPS: the client config (its certificate, if any, is presented) and the server's name.
+    pub tls: Option<(Arc<rustls::ClientConfig>, String)>,
+}
+
+/// Sends `r` to `addr` with hyper (over tokio-rustls for HTTPS): (status code, body).
+pub async fn send(addr: SocketAddr, r: &ClientRequest<'_>) -> Result<(u16, Vec<u8>), ScrapeError> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    match &r.tls {
+        None => exchange(stream, addr, r).await,
+        Some((config, name)) => {
+            let mut config = (**config).clone();
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            let name = rustls::pki_types::ServerName::try_from(name.clone()).map_err(|e| ScrapeError::Request(e.to_string()))?;
+            let tls = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, stream).await?;
+            exchange(tls, addr, r).await
+        }
+    }
+}
+
+async fn exchange<Io>(io: Io, addr: SocketAddr, r: &ClientRequest<'_>) -> Result<(u16, Vec<u8>), ScrapeError>
+where
+    Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use http_body_util::BodyExt;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
     tokio::spawn(conn);
-    let req = axum::http::Request::get(path)
-        .header(header::HOST, addr.to_string())
-        .body(http_body_util::Empty::<axum::body::Bytes>::new())
-        .map_err(|e| ScrapeError::Request(e.to_string()))?;
+    let mut req = axum::http::Request::builder().method(r.method).uri(r.path).header(header::HOST, addr.to_string());
+    if let Some(token) = r.bearer {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    if r.json.is_some() {
+        req = req.header(header::CONTENT_TYPE, "application/json");
+    }
+    let body = http_body_util::Full::new(axum::body::Bytes::from(r.json.clone().unwrap_or_default()));
+    let req = req.body(body).map_err(|e| ScrapeError::Request(e.to_string()))?;
     let resp = sender.send_request(req).await?;
     let status = resp.status().as_u16();
     let body = resp.into_body().collect().await?.to_bytes();

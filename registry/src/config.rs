@@ -60,6 +60,8 @@ pub struct Config {
     pub renewal: Option<RenewalConfig>,
     /// Artifacts mirrored to an S3-compatible bucket (absent: served by the registry only).
     pub object_store: Option<crate::objects::ObjectStoreConfig>,
+    /// `[console]`: the operator API and dashboard (off unless set).
+    pub console: Option<fedfleet_http::console::ConsoleConfig>,
 }
 
 /// `[renewal]`: the registry signs renewed device certificates with the fleet CA key. The
@@ -99,6 +101,7 @@ impl Default for Config {
             mqtt: None,
             renewal: None,
             object_store: None,
+            console: None,
         }
     }
 }
@@ -121,6 +124,9 @@ impl Config {
             o.validate().map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
         }
         let base = path.parent().unwrap_or(Path::new("."));
+        if let Some(console) = c.console.as_mut() {
+            console.resolve(base).map_err(|e| RegistryError::Config(format!("{}: {e}", path.display())))?;
+        }
         let secret = c.object_store.as_mut().and_then(|o| o.secret_access_key_file.as_mut());
         for d in [&mut c.data_dir, &mut c.pki_dir].into_iter().chain(c.renewal.as_mut().map(|r| &mut r.ca_key)).chain(secret) {
             if d.is_relative() {

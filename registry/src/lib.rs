@@ -33,6 +33,7 @@
 //! ([`ops::Registry::now_ms`]); the cores take `now` as a parameter (unix milliseconds).
 
 pub mod config;
+pub mod console;
 pub mod metadata;
 pub mod metrics;
 pub mod mqtt;
@@ -56,6 +57,38 @@ pub use rollout::{
 };
 pub use store::{Artifact, ChunkRef, Manifest, ModelInfo, NewVersion, Store, StoreConfig, StoreError};
 pub use tuf::{Root, SignedMetadata, Targets, Timestamp, TufError, Verifier};
+
+/// How a failed operation reads to its caller, the same over QUIC and in the console.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No such model, version, artifact, rollout or device.
+    NotFound,
+    /// The command does not apply, named (`invalid_command`, `not_a_model`).
+    Invalid(&'static str),
+    /// The registry's own failure.
+    Internal,
+}
+
+impl RegistryError {
+    pub fn refusal(&self) -> Refusal {
+        match self {
+            RegistryError::NotFound(_) | RegistryError::Store(StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_)) => {
+                Refusal::NotFound
+            }
+            RegistryError::Store(
+                StoreError::InvalidName { .. }
+                | StoreError::InvalidMetric(_)
+                | StoreError::InvalidRecord(_)
+                | StoreError::EmptyArtifact
+                | StoreError::UnknownParent { .. },
+            )
+            | RegistryError::Rollout(_)
+            | RegistryError::Invalid(_) => Refusal::Invalid("invalid_command"),
+            RegistryError::NotAModel(_) => Refusal::Invalid("not_a_model"),
+            _ => Refusal::Internal,
+        }
+    }
+}
 
 /// Errors of the service shell, the operator commands and the metadata signer.
 #[derive(Debug, thiserror::Error)]

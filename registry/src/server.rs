@@ -13,9 +13,9 @@ use fedfleet_net::admission::{Admission, AdmissionConfig, Refused};
 use fedfleet_net::{FramedStream, NetError};
 use fedfleet_protocol::{FrameKind, RejectReason};
 
-use crate::RegistryError;
+use crate::{Refusal, RegistryError};
 use crate::ops::{Registry, resolve_version};
-use crate::store::{NewVersion, StoreError};
+use crate::store::NewVersion;
 use crate::wire::{self, AdminRequest, FRAME_DATA, Request, Response};
 
 /// How long a stream may take to send its request.
@@ -207,34 +207,19 @@ async fn send(s: &mut FramedStream, r: &Response) -> Result<(), NetError> {
 /// Turns an error into the response the client sees, counting it.
 fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
     let m = ctx.reg.metrics();
-    match e {
-        RegistryError::NotFound(d) => {
-            m.rejection_named("not_found");
-            Response::NotFound(d)
-        }
-        RegistryError::Store(e @ (StoreError::UnknownVersion { .. } | StoreError::UnknownArtifact(_))) => {
+    match e.refusal() {
+        Refusal::NotFound => {
             m.rejection_named("not_found");
             Response::NotFound(e.to_string())
         }
-        RegistryError::Store(
-            e @ (StoreError::InvalidName { .. }
-            | StoreError::InvalidMetric(_)
-            | StoreError::InvalidRecord(_)
-            | StoreError::EmptyArtifact
-            | StoreError::UnknownParent { .. }),
-        ) => {
-            m.rejection_named("invalid_command");
-            Response::Invalid(e.to_string())
+        Refusal::Invalid(name) => {
+            m.rejection_named(name);
+            Response::Invalid(match e {
+                RegistryError::NotAModel(d) => d,
+                e => e.to_string(),
+            })
         }
-        RegistryError::NotAModel(d) => {
-            m.rejection_named("not_a_model");
-            Response::Invalid(d)
-        }
-        e @ (RegistryError::Rollout(_) | RegistryError::Invalid(_)) => {
-            m.rejection_named("invalid_command");
-            Response::Invalid(e.to_string())
-        }
-        e => {
+        Refusal::Internal => {
             tracing::error!(error = %e, "request failed");
             m.rejection(RejectReason::Internal);
             wire::rejected(RejectReason::Internal, e.to_string())

@@ -31,6 +31,8 @@ pub struct RegistryService {
     identity: fedfleet_certs::ServerIdentity,
     tls: rustls::ServerConfig,
     opts: ServerOptions,
+    /// The console's HTTPS config (`[console] tls = true`).
+    console_tls: Option<rustls::ServerConfig>,
 }
 
 impl RegistryService {
@@ -71,6 +73,14 @@ impl RegistryService {
                 Some(Renewal { issuer: Arc::new(issuer), allow_list: Some(Arc::new(allow)), days: r.days })
             }
         };
+        let console_tls = match cfg.console.as_ref().filter(|c| c.tls) {
+            None => None,
+            Some(_) => {
+                let console_clock = clock.clone();
+                let time = fedfleet_certs::tls::clock_time(move || console_clock.now_ms());
+                Some(fedfleet_certs::tls::console_server_config(pki.ca(), &identity, revocation.clone(), time).map_err(|e| step("[console] TLS")(e.into()))?)
+            }
+        };
         let reg = Arc::new(Registry::new(store, pki.fleet().clone(), Some(signer), metrics, clock.clone())?.with_revocation(revocation));
         let mut opts = ServerOptions::new(cfg.spool_dir());
         opts.operators = cfg.operators.clone();
@@ -81,7 +91,7 @@ impl RegistryService {
             tracing::info!(store = ?mirror, "artifacts mirrored to the object store");
             opts.mirror = Some(Arc::new(mirror));
         }
-        Ok(RegistryService { cfg, clock, reg, identity, tls, opts })
+        Ok(RegistryService { cfg, clock, reg, identity, tls, opts, console_tls })
     }
 
     pub fn registry(&self) -> &Arc<Registry> {
@@ -134,6 +144,21 @@ impl BoundRegistry {
                     .map_err(|cause| RegistryError::Config(format!("metrics on {addr}: {cause}")))?,
             ),
         };
+        let console = match &cfg.console {
+            None => None,
+            Some(c) => {
+                let listener = tokio::net::TcpListener::bind(c.listen)
+                    .await
+                    .map_err(|cause| RegistryError::Config(format!("console on {}: {cause}", c.listen)))?;
+                let access = fedfleet_http::console::Access::load(c, &cfg.operators).map_err(RegistryError::Config)?;
+                let audit = service.reg.store().journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
+                let clock = service.clock.clone();
+                let console =
+                    fedfleet_http::console::Console::new(crate::console::api(service.reg.clone()), c, access, audit, move || clock.now_ms());
+                tracing::info!(addr = ?listener.local_addr().ok(), tls = c.tls, "operator console (API and dashboard)");
+                Some(tokio::spawn(console.serve(listener, service.console_tls.clone(), shutdown.wait())))
+            }
+        };
         let mqtt: Option<RegistryMqtt> =
             crate::mqtt::start(service.reg.clone(), cfg).await.map_err(step("starting the MQTT control plane"))?;
         // Warn well before this service's own certificate lapses (on start, then hourly).
@@ -152,7 +177,7 @@ impl BoundRegistry {
         if let Some(m) = mqtt {
             m.shutdown().await;
         }
-        for task in std::iter::once(watcher).chain(metrics_server) {
+        for task in std::iter::once(watcher).chain(metrics_server).chain(console) {
             task.abort();
         }
         Ok(())

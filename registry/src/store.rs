@@ -414,6 +414,11 @@ impl Store {
         Ok(store)
     }
 
+    /// An append-only journal in this store's database (the console's audit trail).
+    pub fn journal(&self, name: &str, keep: usize) -> Result<fedfleet_durable::Journal> {
+        Ok(fedfleet_durable::Journal::open(&self.db, name, keep)?)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -49,6 +49,7 @@ use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, PrivacyRe
 use crate::{Coordinator, metrics::Metrics};
 
 mod base;
+mod history;
 mod ingest;
 mod quic;
 mod relay;
@@ -56,6 +57,7 @@ mod rounds;
 mod secagg;
 
 use base::Base;
+pub use history::RoundRecord;
 use ingest::{decode_base, stored_delta};
 pub use ingest::{decode_update, flatten, unflatten};
 
@@ -103,6 +105,9 @@ pub enum ServiceError {
     /// `metrics_addr` could not be bound.
     #[error("metrics_addr {addr}: {cause}")]
     Metrics { addr: SocketAddr, cause: std::io::Error },
+    /// `[console]`: its address could not be bound, or its tokens file is bad.
+    #[error("[console] {0}")]
+    Console(String),
 }
 
 struct Core {
@@ -120,6 +125,9 @@ struct Core {
     secagg: Option<secagg::SecAggRound>,
     /// The round before's, for devices that ask for its receipt or failure after it ended.
     secagg_before: Option<secagg::SecAggRound>,
+    /// What the history will record of the open or closing round (lost in a restart: the
+    /// round's record then has no opening facts).
+    round_log: Option<history::RoundRecord>,
 }
 
 struct Shared {
@@ -150,6 +158,8 @@ struct Shared {
     in_flight: Arc<tokio::sync::Semaphore>,
     /// The open round's signed announcement (encoded), for the MQTT control plane.
     announce: watch::Sender<Option<Vec<u8>>>,
+    /// Every round's outcome, newest last (the console's campaign view).
+    history: fedfleet_durable::Journal,
     /// A relay's link to its parent, made on first use (inside the runtime).
     parent: std::sync::OnceLock<relay::Parent>,
 }
@@ -260,7 +270,8 @@ impl Aggregator {
         let mode = fold_mode(tensor_device.is_some(), &strategy);
         let mut coord = Coordinator::new(engine, strategy);
         coord.set_mode(mode);
-        let mut core = Core { coord, base: None, global, campaign, closing: None, finalized: None, secagg: None, secagg_before: None };
+        let mut core =
+            Core { coord, base: None, global, campaign, closing: None, finalized: None, secagg: None, secagg_before: None, round_log: None };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;
@@ -328,10 +339,12 @@ impl Aggregator {
             metrics.round_accepted.set(s.accepted as i64);
         }
         let announce = watch::Sender::new(core.campaign.announcement.clone());
+        let history = store.journal("round_history", history::KEEP)?;
         let in_flight_kib = cfg.admission.in_flight_kib();
         let agg = Aggregator {
             shared: Arc::new(Shared {
                 announce,
+                history,
                 cfg,
                 clock,
                 revocation,
@@ -450,6 +463,21 @@ impl Aggregator {
                 epsilon_budget: p.epsilon_budget,
             }),
         }
+    }
+
+    /// An append-only journal in the service's store (the console's audit trail).
+    pub fn journal(&self, name: &str, keep: usize) -> Result<fedfleet_durable::Journal, ServiceError> {
+        Ok(self.shared.store.journal(name, keep)?)
+    }
+
+    /// Stops the running campaign (its open round fails).
+    pub fn stop_campaign(&self) -> Result<CampaignStatus, String> {
+        let mut core = self.lock();
+        let r = core.coord.engine_mut().stop_campaign(self.now_ms());
+        self.drain(&mut core, self.now_ms());
+        drop(core);
+        r.map_err(|e| e.to_string())?;
+        Ok(self.status())
     }
 
     /// The current global model's digest and bytes, if any.

@@ -29,6 +29,18 @@ impl Aggregator {
         Ok(fedfleet_net::server_endpoint_restartable(addr, tls, &secret)?)
     }
 
+    /// The operator console's HTTPS config: this service's certificate; client certificates of
+    /// the fleet CA optional (revoked devices refused in the handshake).
+    pub fn console_tls(&self) -> Result<rustls::ServerConfig, ServiceError> {
+        let clock = self.shared.clock.clone();
+        Ok(fedfleet_certs::tls::console_server_config(
+            &self.shared.ca,
+            &self.shared.identity,
+            self.shared.revocation.clone(),
+            fedfleet_certs::tls::clock_time(move || clock.now_ms()),
+        )?)
+    }
+
     /// Serves `endpoint` (and `operators`, the operators' own endpoint, if any) until `shutdown`
     /// is triggered, then lets in-flight requests finish.
     pub async fn run(self, endpoint: quinn::Endpoint, operators: Option<quinn::Endpoint>, shutdown: fedfleet_net::Shutdown) {
@@ -261,16 +273,10 @@ impl Aggregator {
             Request::SecAggRoster { round } => Some(self.secagg_roster(peer, round)),
             Request::SecAggPoll { round } => Some(self.secagg_poll(peer, round)),
             Request::SecAggSend { message, vector_len } => Some(self.secagg_message(peer, &message, vector_len, stream).await),
-            Request::CampaignStop => {
-                let mut core = self.lock();
-                let r = core.coord.engine_mut().stop_campaign(self.now_ms());
-                self.drain(&mut core, self.now_ms());
-                drop(core);
-                Some(match r {
-                    Ok(()) => Response::Status(self.status()),
-                    Err(e) => Response::Error(reject(RejectReason::Internal, e.to_string())),
-                })
-            }
+            Request::CampaignStop => Some(match self.stop_campaign() {
+                Ok(s) => Response::Status(s),
+                Err(e) => Response::Error(reject(RejectReason::Internal, e)),
+            }),
         }
     }
 }

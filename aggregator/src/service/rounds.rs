@@ -17,6 +17,7 @@ impl Aggregator {
                     sh.metrics.round("opened");
                     sh.metrics.open_round.set(a.round.0 as i64);
                     sh.metrics.round_accepted.set(0);
+                    self.history_round_opened(core, a.round, now);
                     let dtype = core.campaign.payload_dtype();
                     let mut config = a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0);
                     config.secure_aggregation = sh.cfg.secure_aggregation.is_some();
@@ -42,6 +43,8 @@ impl Aggregator {
                     tracing::info!(round = %round, ?cause, updates = contributions.len(), "round closed");
                     sh.metrics.round("closed");
                     sh.metrics.open_round.set(0);
+                    let updates = contributions.iter().map(|c| c.updates.max(1)).sum::<u64>().min(u32::MAX as u64) as u32;
+                    self.history_round_closed(core, round, updates, now);
                     core.campaign.announcement = None;
                     sh.announce.send_replace(None);
                     core.closing = Some(round);
@@ -51,6 +54,7 @@ impl Aggregator {
                     tracing::warn!(round = %round, reason = reason.as_str(), "round failed");
                     sh.metrics.round("failed");
                     sh.metrics.open_round.set(0);
+                    self.history_round_ended(core, round, &format!("failed: {}", reason.as_str()), None, now);
                     // Only the failed round's own updates are discarded (after a restart the
                     // strategy may already hold the refolded updates of a later round).
                     if core.coord.folding() == Some(round) || core.coord.folding().is_none() {
@@ -278,6 +282,7 @@ impl Aggregator {
             me.shared.metrics.round("published");
             tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
             let now = me.now_ms();
+            me.history_round_ended(&mut core, round, "published", Some((version, &rec.metrics)), now);
             core.coord.model_ready(now, round, version, digest).map_err(|e| e.to_string())?;
             me.drain(&mut core, now);
             Ok::<(), String>(())

@@ -11,6 +11,9 @@ pub struct Deployment {
     _work: tempfile::TempDir,
     pub dir: PathBuf,
     pub agents: usize,
+    /// `init-local --base-port`: the aggregator's QUIC port; the registry's console is `+ 4`,
+    /// the aggregator's `+ 5`.
+    pub base_port: u16,
     services: Vec<Proc>,
     pub agent_procs: Vec<Proc>,
 }
@@ -29,17 +32,17 @@ pub fn toml_inline(v: &serde_json::Value) -> String {
 }
 
 impl Deployment {
-    /// `fedfleet init-local` with `agents` agents, on four ports of its own.
+    /// `fedfleet init-local` with `agents` agents, on six ports of its own.
     pub fn init(agents: usize) -> Deployment {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         // Consecutive ports below the ephemeral range (32768), apart from the README tour's 7400:
-        // 16 deployments of one test process at once, each with four ports.
-        let base = 20_000 + (std::process::id() % 180) * 64 + NEXT.fetch_add(1, Ordering::SeqCst) % 16 * 4;
+        // 16 deployments of one test process at once, each with six ports (eight apart).
+        let base = 20_000 + (std::process::id() % 90) * 128 + NEXT.fetch_add(1, Ordering::SeqCst) % 16 * 8;
         let work = tempfile::Builder::new().prefix("deployment-").tempdir().unwrap();
         let dir = work.path().join("fleet");
         let n = agents.to_string();
         cli("fedfleet", &["init-local", dir.to_str().unwrap(), "--agents", &n, "--base-port", &base.to_string()], work.path());
-        Deployment { _work: work, dir, agents, services: Vec::new(), agent_procs: Vec::new() }
+        Deployment { _work: work, dir, agents, base_port: base as u16, services: Vec::new(), agent_procs: Vec::new() }
     }
 
     /// Replaces the line starting with `key = ` in the config `file` by `key = value`.

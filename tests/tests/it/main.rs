@@ -1,5 +1,6 @@
 //! End-to-end tests over loopback: the real registry, aggregator and agents.
 
+mod console;
 mod deployment;
 mod hosts;
 mod inbox;

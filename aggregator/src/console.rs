@@ -1,0 +1,69 @@
+//! The aggregator's operator console (`fedfleet_http::console`): the campaign, its rounds
+//! (updates, server-side accuracy and loss, refusals by reason, timings) and the campaign
+//! actions, each calling the same [`Aggregator`] method as the QUIC operator request.
+
+use fedfleet_http::console::{Api, ApiError, Call};
+use serde_json::json;
+
+use crate::service::Aggregator;
+use crate::wire::CampaignOverrides;
+
+/// Rounds the history answers by default (`?limit=N`, at most 10,000).
+const DEFAULT_ROUNDS: usize = 200;
+
+fn to_json(v: impl serde::Serialize) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// The aggregator's API table.
+pub fn api(agg: Aggregator) -> Api {
+    let (a1, a2, a3, a4) = (agg.clone(), agg.clone(), agg.clone(), agg);
+    Api::new("aggregator", &["campaign"])
+        .read(
+            "/api/v1/campaign",
+            "Where the campaign stands: rounds completed, the open round, the global model, the outcome, the privacy spend and mode",
+            move |_| {
+                let agg = a1.clone();
+                async move {
+                    let mut status = to_json(agg.status())?;
+                    status["secure_aggregation"] = json!(agg.config().secure_aggregation.is_some());
+                    Ok(status)
+                }
+            },
+        )
+        .read(
+            "/api/v1/rounds",
+            "The rounds that ended, newest first (`?limit=N`): outcome, version, updates, accuracy, loss, refusals by reason, timings; and the service's refusals by reason",
+            move |c: Call| {
+                let agg = a2.clone();
+                async move {
+                    let limit = match c.query.get("limit") {
+                        None => DEFAULT_ROUNDS,
+                        Some(l) => l.parse::<usize>().map_err(|e| ApiError::bad_request(format!("limit {l:?}: {e}")))?.min(10_000),
+                    };
+                    let rounds = tokio::task::spawn_blocking(move || (agg.round_history(limit), agg.metrics().rejections()))
+                        .await
+                        .map_err(|e| ApiError::internal(e.to_string()))?;
+                    Ok(json!({"rounds": rounds.0, "rejected": rounds.1}))
+                }
+            },
+        )
+        .action(
+            "/api/v1/campaign/start",
+            "Starts a campaign (`{\"rounds\", \"target_count\", \"min_quorum\", \"deadline_secs\", \"seed\"}`, each optional: the config's `[campaign]` otherwise)",
+            move |c: Call| {
+                let agg = a3.clone();
+                async move {
+                    let overrides: CampaignOverrides = match c.body {
+                        serde_json::Value::Null => CampaignOverrides::default(),
+                        body => serde_json::from_value(body).map_err(|e| ApiError::bad_request(format!("campaign: {e}")))?,
+                    };
+                    to_json(agg.start_campaign(overrides).await.map_err(ApiError::conflict)?)
+                }
+            },
+        )
+        .action("/api/v1/campaign/stop", "Stops the running campaign (its open round fails)", move |_| {
+            let agg = a4.clone();
+            async move { to_json(tokio::task::spawn_blocking(move || agg.stop_campaign()).await.map_err(|e| ApiError::internal(e.to_string()))?.map_err(ApiError::conflict)?) }
+        })
+}

@@ -1,0 +1,105 @@
+//! The round history: one record per round that ended (published or failed), with its
+//! updates, server-side metrics, refusals by reason and timings, kept in the store's
+//! `round_history` journal for the console's campaign view. Records are written when a round
+//! ends; the open round's facts wait in `Core::round_log`.
+
+use super::*;
+use serde::{Deserialize, Serialize};
+
+/// Round records kept (older ones are trimmed).
+pub(super) const KEEP: usize = 10_000;
+
+/// What the history says of one round.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundRecord {
+    pub campaign: Option<u64>,
+    pub round: u64,
+    /// `published`, or `failed: REASON`.
+    pub outcome: String,
+    /// The version the round's global model became.
+    pub version: Option<u64>,
+    /// Updates folded into the round (a relay's or a secure round's sum counts its devices).
+    pub accepted: u32,
+    /// Server-side evaluation of the published model (`accuracy`, `loss`, ...), and DP spend.
+    pub metrics: BTreeMap<String, f64>,
+    pub accuracy: Option<f64>,
+    pub loss: Option<f64>,
+    /// Updates and requests refused while the round was open, by reason.
+    pub rejected: BTreeMap<String, u64>,
+    /// Refusal counts when the round opened (the base of `rejected`); not in the record.
+    #[serde(skip)]
+    rejected_at_open: BTreeMap<String, u64>,
+    pub opened_at_unix_ms: Option<u64>,
+    pub closed_at_unix_ms: Option<u64>,
+    pub published_at_unix_ms: Option<u64>,
+}
+
+impl Aggregator {
+    pub(super) fn history_round_opened(&self, core: &mut Core, round: RoundId, now: Millis) {
+        core.round_log = Some(RoundRecord {
+            campaign: core.coord.engine().campaign_id().map(|c| c.0),
+            round: round.0,
+            opened_at_unix_ms: Some(now),
+            rejected_at_open: self.shared.metrics.rejections(),
+            ..RoundRecord::default()
+        });
+    }
+
+    /// The record of `round` so far (a fresh one when the service restarted meanwhile).
+    fn round_log<'c>(&self, core: &'c mut Core, round: RoundId) -> &'c mut RoundRecord {
+        if core.round_log.as_ref().is_none_or(|r| r.round != round.0) {
+            core.round_log = Some(RoundRecord {
+                campaign: core.coord.engine().campaign_id().map(|c| c.0),
+                round: round.0,
+                ..RoundRecord::default()
+            });
+        }
+        core.round_log.as_mut().expect("set above")
+    }
+
+    pub(super) fn history_round_closed(&self, core: &mut Core, round: RoundId, accepted: u32, now: Millis) {
+        let r = self.round_log(core, round);
+        r.accepted = accepted;
+        r.closed_at_unix_ms = Some(now);
+    }
+
+    /// Writes the round's record: `outcome`, and for a published round its version and metrics.
+    pub(super) fn history_round_ended(
+        &self,
+        core: &mut Core,
+        round: RoundId,
+        outcome: &str,
+        published: Option<(ModelVersion, &BTreeMap<String, f64>)>,
+        now: Millis,
+    ) {
+        let rejections = self.shared.metrics.rejections();
+        let mut r = std::mem::take(self.round_log(core, round));
+        core.round_log = None;
+        r.outcome = outcome.to_owned();
+        r.rejected = rejections
+            .into_iter()
+            .map(|(k, n)| {
+                let before = r.rejected_at_open.get(&k).copied().unwrap_or(n);
+                (k, n.saturating_sub(before))
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        if let Some((version, metrics)) = published {
+            r.version = Some(version.0);
+            r.metrics = metrics.clone();
+            r.accuracy = metrics.get("accuracy").copied();
+            r.loss = metrics.get("loss").copied();
+            r.published_at_unix_ms = Some(now);
+        }
+        let bytes = serde_json::to_vec(&r).expect("a round record serializes");
+        if let Err(e) = self.shared.history.append(&bytes) {
+            tracing::warn!(error = %e, round = r.round, "cannot record the round in the history");
+        }
+    }
+
+    /// The newest `limit` rounds, newest first.
+    pub fn round_history(&self, limit: usize) -> Vec<RoundRecord> {
+        let records = self.shared.history.newest(limit).unwrap_or_default();
+        records.iter().filter_map(|b| serde_json::from_slice(b).ok()).collect()
+    }
+}

@@ -1,0 +1,264 @@
+//! The registry's operator console (`fedfleet_http::console`): models, versions with their
+//! lineage and the devices that run them, the fleet, rollouts, and the operator actions. Each
+//! operation calls [`Registry::admin`] (or the store), as the QUIC operator request does.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use fedfleet_http::console::{Api, ApiError, Call, Reply};
+use fedfleet_protocol::{DeviceState, DeviceStatus, ModelVersion};
+use serde_json::{Value, json};
+
+use crate::admin::{AdminAnswer, DeviceReport};
+use crate::ops::Registry;
+use crate::wire::{AdminRequest, RolloutCommand, RolloutStart};
+use crate::{Refusal, RegistryError};
+
+/// A device whose last report is older than this is shown offline.
+pub const ONLINE_WINDOW_MS: u64 = 5 * 60 * 1000;
+/// Most parents a lineage answer walks.
+const MAX_LINEAGE: usize = 256;
+
+fn api_error(e: RegistryError) -> ApiError {
+    match e.refusal() {
+        Refusal::NotFound => ApiError::not_found(e.to_string()),
+        Refusal::Invalid(_) => ApiError::conflict(match e {
+            RegistryError::NotAModel(d) => d,
+            e => e.to_string(),
+        }),
+        Refusal::Internal => ApiError::internal(e.to_string()),
+    }
+}
+
+/// Runs `f` on a blocking thread (the store is sled) with the registry's clock read.
+async fn blocking<T: Send + 'static>(
+    reg: &Arc<Registry>,
+    f: impl FnOnce(&Registry, u64) -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let reg = reg.clone();
+    tokio::task::spawn_blocking(move || f(&reg, reg.now_ms())).await.map_err(|e| ApiError::internal(e.to_string()))?.map_err(api_error)
+}
+
+fn to_json(v: impl serde::Serialize) -> Reply {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+fn version_param(c: &Call) -> Result<ModelVersion, ApiError> {
+    let v = c.param("version");
+    v.trim_start_matches('v').parse().map(ModelVersion).map_err(|_| ApiError::bad_request(format!("version {v:?} is not a number")))
+}
+
+/// One device as the fleet view shows it.
+fn device_row(d: &DeviceReport, now: u64) -> Value {
+    let status: Option<DeviceStatus> = serde_json::from_value(d.report.clone()).ok();
+    let Some(s) = status else {
+        return json!({"device": d.device, "revoked": d.revoked, "state": "unreadable", "health": "unknown", "online": false});
+    };
+    let (state, health) = match &s.state {
+        DeviceState::Idle => ("idle", "ok"),
+        DeviceState::Training { .. } => ("training", "ok"),
+        DeviceState::Downloading => ("downloading", "ok"),
+        DeviceState::Downloaded => ("downloaded", "ok"),
+        DeviceState::Verified => ("verified", "ok"),
+        DeviceState::Healthy => ("healthy", "healthy"),
+        DeviceState::Active => ("active", "healthy"),
+        DeviceState::RolledBack { .. } => ("rolled_back", "rolled_back"),
+        DeviceState::Failed { .. } => ("failed", "failed"),
+        DeviceState::InstallDeferred { .. } => ("install_deferred", "deferred"),
+        // A state this registry predates (the enum is non-exhaustive).
+        _ => ("unknown", "unknown"),
+    };
+    let reason = match &s.state {
+        DeviceState::RolledBack { reason } | DeviceState::Failed { reason } => Some(reason.clone()),
+        DeviceState::InstallDeferred { detail, .. } => Some(detail.clone()),
+        _ => None,
+    };
+    json!({
+        "device": d.device,
+        "revoked": d.revoked,
+        "model": s.active.as_ref().map(|m| m.name.clone()),
+        "version": s.active.as_ref().map(|m| format!("v{}", m.version)),
+        "staged": s.staged.as_ref().map(|m| format!("v{}", m.version)),
+        "state": state,
+        "health": health,
+        "reason": reason,
+        "last_seen_unix_ms": s.reported_at_unix_ms,
+        "online": now.saturating_sub(s.reported_at_unix_ms) < ONLINE_WINDOW_MS,
+    })
+}
+
+fn devices(reg: &Registry, now: u64) -> Result<Vec<Value>, RegistryError> {
+    match reg.admin(AdminRequest::DeviceStatus { device: None }, now)? {
+        AdminAnswer::Devices { devices } => Ok(devices.iter().map(|d| device_row(d, now)).collect()),
+        other => Err(RegistryError::Internal(format!("device status answered {other:?}"))),
+    }
+}
+
+/// A version without its spec (listings), with the metrics the pages plot.
+fn version_json(m: &crate::ModelInfo) -> Value {
+    json!({
+        "version": m.version,
+        "parent": m.parent,
+        "digest": m.digest.to_hex(),
+        "length": m.length,
+        "metrics": m.metrics,
+        "created_at_unix_ms": m.created_at_unix_ms,
+        "publisher": m.publisher,
+        "adapter": m.adapter.is_some(),
+    })
+}
+
+/// The registry's API table.
+pub fn api(reg: Arc<Registry>) -> Api {
+    let r = || reg.clone();
+    let api = Api::new("registry", &["fleet", "versions", "rollouts"]);
+    let reg1 = r();
+    let api = api.read("/api/v1/models", "Every model: its versions (metrics, lineage, publisher) and aliases", move |_| {
+        let reg = reg1.clone();
+        async move {
+            let models = blocking(&reg, |reg, _| {
+                let store = reg.store();
+                let mut models = Vec::new();
+                for name in store.models()? {
+                    let versions: Vec<Value> =
+                        store.versions(&name)?.into_iter().map(|v| store.version(&name, v).map(|m| version_json(&m))).collect::<Result<_, _>>()?;
+                    models.push(json!({"name": name, "versions": versions, "aliases": store.aliases(&name)?}));
+                }
+                Ok(models)
+            })
+            .await?;
+            Ok(json!({ "models": models }))
+        }
+    });
+    let reg2 = r();
+    let api = api.read(
+        "/api/v1/models/{name}/versions/{version}",
+        "One version: its record and spec, the aliases on it, its lineage (parents, newest first) and the devices that run it",
+        move |c: Call| {
+            let reg = reg2.clone();
+            async move {
+                let (name, version) = (c.param("name").to_owned(), version_param(&c)?);
+                blocking(&reg, move |reg, now| {
+                    let store = reg.store();
+                    let info = store.version(&name, version)?;
+                    let aliases: Vec<String> = store.aliases(&name)?.into_iter().filter(|(_, v)| *v == version).map(|(a, _)| a).collect();
+                    let mut lineage = Vec::new();
+                    let mut parent = info.parent;
+                    while let Some(p) = parent.filter(|_| lineage.len() < MAX_LINEAGE) {
+                        let m = store.version(&name, p)?;
+                        parent = m.parent;
+                        lineage.push(version_json(&m));
+                    }
+                    let tag = format!("v{version}");
+                    let running: Vec<Value> = devices(reg, now)?
+                        .into_iter()
+                        .filter(|d| d["model"] == json!(name) && d["version"] == json!(tag))
+                        .map(|d| d["device"].clone())
+                        .collect();
+                    let mut out = version_json(&info);
+                    out["name"] = json!(name);
+                    out["spec"] = serde_json::from_str(&info.spec.to_string()).unwrap_or(Value::Null);
+                    out["aliases"] = json!(aliases);
+                    out["lineage"] = json!(lineage);
+                    out["devices"] = json!(running);
+                    Ok(out)
+                })
+                .await
+            }
+        },
+    );
+    let reg3 = r();
+    let api = api.action(
+        "/api/v1/models/{name}/aliases/{alias}",
+        "Points an alias at a version (`{\"version\": N}`): promotes a version by hand, e.g. to `stable`",
+        move |c: Call| {
+            let reg = reg3.clone();
+            async move {
+                let version: ModelVersion = c.field("version")?.ok_or_else(|| ApiError::bad_request("the body needs \"version\""))?;
+                let (name, alias) = (c.param("name").to_owned(), c.param("alias").to_owned());
+                to_json(blocking(&reg, move |reg, now| reg.admin(AdminRequest::AliasSet { name, alias, version }, now)).await?)
+            }
+        },
+    );
+    let reg4 = r();
+    let api = api.read(
+        "/api/v1/devices",
+        "Every device that reported: version, state, health, last seen, online; `?version=v3&health=failed&online=true` filter; counts per version",
+        move |c: Call| {
+            let reg = reg4.clone();
+            async move {
+                let all = blocking(&reg, devices).await?;
+                let mut by_version: BTreeMap<String, u64> = BTreeMap::new();
+                for d in &all {
+                    *by_version.entry(d["version"].as_str().unwrap_or("none").to_owned()).or_default() += 1;
+                }
+                let mut healths: Vec<&str> = all.iter().filter_map(|d| d["health"].as_str()).collect();
+                healths.sort_unstable();
+                healths.dedup();
+                let online = all.iter().filter(|d| d["online"] == json!(true)).count();
+                let keep = |d: &Value| {
+                    c.query.get("version").is_none_or(|v| d["version"].as_str().unwrap_or("none") == v)
+                        && c.query.get("health").is_none_or(|h| d["health"] == json!(h))
+                        && c.query.get("online").is_none_or(|o| d["online"].to_string() == *o)
+                };
+                let shown: Vec<&Value> = all.iter().filter(|d| keep(d)).collect();
+                Ok(json!({"total": all.len(), "online": online, "by_version": by_version, "healths": healths, "devices": shown}))
+            }
+        },
+    );
+    let reg5 = r();
+    let api = api.read("/api/v1/rollouts", "Every rollout: plan, status, phase, outcomes, failure rate", move |_| {
+        let reg = reg5.clone();
+        async move { to_json(rollout_answer(blocking(&reg, |reg, now| reg.admin(AdminRequest::RolloutStatus { id: None }, now)).await?)) }
+    });
+    let reg6 = r();
+    let api = api.read("/api/v1/rollouts/{id}", "One rollout", move |c: Call| {
+        let reg = reg6.clone();
+        async move {
+            let id = c.param("id").to_owned();
+            to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::RolloutStatus { id: Some(id) }, now)).await?))
+        }
+    });
+    let reg7 = r();
+    let mut api = api.action(
+        "/api/v1/rollouts",
+        "Starts a rollout (`{\"model\", \"alias\", \"target\", \"phases\", \"failure_threshold\", \"min_sample\"}`, as `rollout start`)",
+        move |c: Call| {
+            let reg = reg7.clone();
+            async move {
+                let start: RolloutStart = serde_json::from_value(c.body).map_err(|e| ApiError::bad_request(format!("rollout: {e}")))?;
+                to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::RolloutStart(start), now)).await?))
+            }
+        },
+    );
+    let commands: [(&'static str, &'static str, fn(&Call) -> RolloutCommand); 4] = [
+        ("/api/v1/rollouts/{id}/pause", "Pauses a running rollout", |_| RolloutCommand::Pause),
+        ("/api/v1/rollouts/{id}/resume", "Resumes a paused rollout", |_| RolloutCommand::Resume),
+        ("/api/v1/rollouts/{id}/abort", "Aborts a rollout (`{\"reason\": \"...\"}`); the alias stays where it was", |c| {
+            RolloutCommand::Abort { reason: c.body.get("reason").and_then(Value::as_str).unwrap_or("aborted from the console").to_owned() }
+        }),
+        ("/api/v1/rollouts/{id}/rollback", "Rolls a rollout back: the alias returns to the previous version", |_| RolloutCommand::Rollback),
+    ];
+    for (path, summary, command) in commands {
+        let reg = r();
+        api = api.action(path, summary, move |c: Call| {
+            let reg = reg.clone();
+            let (id, command) = (c.param("id").to_owned(), command(&c));
+            async move { to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::Rollout { id, command }, now)).await?)) }
+        });
+    }
+    api
+}
+
+/// A rollout answer without the CLI's `answer` tag.
+fn rollout_answer(a: AdminAnswer) -> Value {
+    match a {
+        AdminAnswer::Rollout(r) => rollout_json(&r),
+        AdminAnswer::Rollouts { rollouts } => json!({"rollouts": rollouts.iter().map(rollout_json).collect::<Vec<_>>()}),
+        other => serde_json::to_value(other).unwrap_or(Value::Null),
+    }
+}
+
+fn rollout_json(r: &crate::admin::RolloutReport) -> Value {
+    serde_json::to_value(r).unwrap_or(Value::Null)
+}
