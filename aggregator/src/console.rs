@@ -11,6 +11,9 @@ use crate::wire::CampaignOverrides;
 /// Rounds the history answers by default (`?limit=N`, at most 10,000).
 const DEFAULT_ROUNDS: usize = 200;
 
+/// Rounds read to count the newest campaign's published rounds (a longer campaign shows this).
+const CAMPAIGN_SCAN: usize = 1_000;
+
 fn to_json(v: impl serde::Serialize) -> Result<serde_json::Value, ApiError> {
     serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
 }
@@ -27,6 +30,14 @@ pub fn api(agg: Aggregator) -> Api {
                 async move {
                     let mut status = to_json(agg.status())?;
                     status["secure_aggregation"] = json!(agg.config().secure_aggregation.is_some());
+                    // The newest campaign in the history (the running one, or the last one once
+                    // it finished and the status no longer names it) and its published rounds.
+                    let history = tokio::task::spawn_blocking(move || agg.round_history(CAMPAIGN_SCAN))
+                        .await
+                        .map_err(|e| ApiError::internal(e.to_string()))?;
+                    let campaign = history.first().and_then(|r| r.campaign);
+                    let published = history.iter().take_while(|r| r.campaign == campaign).filter(|r| r.version.is_some()).count();
+                    status["history"] = json!({"campaign": campaign, "rounds_published": published});
                     Ok(status)
                 }
             },

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use fedfleet_http::console::{Api, ApiError, Call, Reply};
-use fedfleet_protocol::{DeviceState, DeviceStatus, ModelVersion};
+use fedfleet_protocol::ModelVersion;
 use serde_json::{Value, json};
 
 use crate::admin::{AdminAnswer, DeviceReport};
@@ -48,42 +48,31 @@ fn version_param(c: &Call) -> Result<ModelVersion, ApiError> {
     v.trim_start_matches('v').parse().map(ModelVersion).map_err(|_| ApiError::bad_request(format!("version {v:?} is not a number")))
 }
 
-/// One device as the fleet view shows it.
+/// One device as the fleet view shows it, from its stored report (see [`Registry::report`]).
 fn device_row(d: &DeviceReport, now: u64) -> Value {
-    let status: Option<DeviceStatus> = serde_json::from_value(d.report.clone()).ok();
-    let Some(s) = status else {
-        return json!({"device": d.device, "revoked": d.revoked, "state": "unreadable", "health": "unknown", "online": false});
+    let r = &d.report;
+    let state = r["state"].as_str().unwrap_or("unknown");
+    let health = match state {
+        "healthy" | "active" => "healthy",
+        "failed" | "rolled_back" => state,
+        "install_deferred" => "deferred",
+        "unknown" => "unknown",
+        _ => "ok",
     };
-    let (state, health) = match &s.state {
-        DeviceState::Idle => ("idle", "ok"),
-        DeviceState::Training { .. } => ("training", "ok"),
-        DeviceState::Downloading => ("downloading", "ok"),
-        DeviceState::Downloaded => ("downloaded", "ok"),
-        DeviceState::Verified => ("verified", "ok"),
-        DeviceState::Healthy => ("healthy", "healthy"),
-        DeviceState::Active => ("active", "healthy"),
-        DeviceState::RolledBack { .. } => ("rolled_back", "rolled_back"),
-        DeviceState::Failed { .. } => ("failed", "failed"),
-        DeviceState::InstallDeferred { .. } => ("install_deferred", "deferred"),
-        // A state this registry predates (the enum is non-exhaustive).
-        _ => ("unknown", "unknown"),
-    };
-    let reason = match &s.state {
-        DeviceState::RolledBack { reason } | DeviceState::Failed { reason } => Some(reason.clone()),
-        DeviceState::InstallDeferred { detail, .. } => Some(detail.clone()),
-        _ => None,
-    };
+    // The registry's own clock: a device's clock may be off.
+    let seen = r["received_at"].as_u64().or_else(|| r["reported_at"].as_u64());
+    let version = |m: &Value| m["version"].as_u64().map(|v| format!("v{v}"));
     json!({
         "device": d.device,
         "revoked": d.revoked,
-        "model": s.active.as_ref().map(|m| m.name.clone()),
-        "version": s.active.as_ref().map(|m| format!("v{}", m.version)),
-        "staged": s.staged.as_ref().map(|m| format!("v{}", m.version)),
+        "model": r["active"]["name"],
+        "version": version(&r["active"]),
+        "staged": version(&r["staged"]),
         "state": state,
         "health": health,
-        "reason": reason,
-        "last_seen_unix_ms": s.reported_at_unix_ms,
-        "online": now.saturating_sub(s.reported_at_unix_ms) < ONLINE_WINDOW_MS,
+        "reason": r["reason"],
+        "last_seen_unix_ms": seen,
+        "online": seen.is_some_and(|t| now.saturating_sub(t) < ONLINE_WINDOW_MS),
     })
 }
 
