@@ -151,6 +151,29 @@ pub struct Config {
     /// `[console]`: the operator API and dashboard (`fedfleet_http::console`; off unless set).
     #[serde(default)]
     pub console: Option<fedfleet_http::console::ConsoleConfig>,
+    /// `[promotion]`: a published global model moves `alias` only if it beats the champion.
+    #[serde(default)]
+    pub promotion: Option<PromotionConfig>,
+}
+
+/// `[promotion]`: the promotion gate. Every global model is published as a candidate; it moves
+/// `alias` (default `stable`) only if its server-side `metric` beats the version `alias` points
+/// at by `margin` (higher is better; lower for `loss` and `rmse`). The decision and the
+/// champion's figures go into the version's metrics (`gate_passed`, `gate_champion_version`,
+/// `gate_champion_value`, `gate_margin`), so the version page shows why. Needs `[publish]` and
+/// `model.validation`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionConfig {
+    pub metric: String,
+    #[serde(default)]
+    pub margin: f64,
+    #[serde(default = "default_promotion_alias")]
+    pub alias: String,
+}
+
+fn default_promotion_alias() -> String {
+    "stable".into()
 }
 
 /// `[secure_aggregation]`: SecAgg+ (`fedfleet-secagg`) for every round of every campaign. The
@@ -767,6 +790,7 @@ impl Config {
             relay: None,
             secure_aggregation: None,
             console: None,
+            promotion: None,
         }
     }
 
@@ -841,6 +865,20 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "model.validation {name:?}: only \"digits\" (the digits test split) is built in, or {{ features = \"x.npy\", labels = \"y.npy\" }}"
             )));
+        }
+        if let Some(p) = &self.promotion {
+            if self.publish.is_none() {
+                return Err(ConfigError::Invalid("[promotion] needs [publish]: the gate moves a registry alias".into()));
+            }
+            if self.model.validation.is_none() {
+                return Err(ConfigError::Invalid("[promotion] needs model.validation: the gate compares server-side metrics".into()));
+            }
+            if p.metric.is_empty() || p.alias.is_empty() {
+                return Err(ConfigError::Invalid("[promotion] metric and alias must not be empty".into()));
+            }
+            if !(p.margin.is_finite() && p.margin >= 0.0) {
+                return Err(ConfigError::Invalid(format!("[promotion] margin {} must be a finite number >= 0", p.margin)));
+            }
         }
         for name in &self.relays {
             fedfleet_certs::layout::validate_name(name).map_err(|e| ConfigError::Invalid(format!("relays: {name:?}: {e}")))?;

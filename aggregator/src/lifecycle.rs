@@ -72,8 +72,9 @@ impl AggregatorService {
         let console = match &self.agg.config().console {
             None => None,
             Some(c) => {
-                let listener =
-                    tokio::net::TcpListener::bind(c.listen).await.map_err(|cause| ServiceError::Console(format!("{}: {cause}", c.listen)))?;
+                let listener = tokio::net::TcpListener::bind(c.listen)
+                    .await
+                    .map_err(|cause| ServiceError::Console(format!("{}: {cause}", c.listen)))?;
                 let access = fedfleet_http::console::Access::load(c, &self.agg.config().operators).map_err(ServiceError::Console)?;
                 let audit = self.agg.journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
                 let clock = self.agg.clock();

@@ -21,6 +21,7 @@
 //! against the head version (same crash-retry reason as above), and the digest it reports is
 //! checked against the bytes sent.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -46,7 +47,22 @@ pub type PublishFuture<'a> = Pin<Box<dyn Future<Output = Result<(ModelVersion, D
 /// Where finalized models go.
 pub trait Publisher: Send + Sync + 'static {
     fn publish<'a>(&'a self, req: &'a PublishRequest) -> PublishFuture<'a>;
+
+    /// The version `alias` of `name` points at, with its metrics (`None`: no such alias).
+    fn alias_version<'a>(&'a self, name: &'a str, alias: &'a str) -> AliasFuture<'a, Option<(ModelVersion, BTreeMap<String, f64>)>> {
+        let _ = (name, alias);
+        Box::pin(async { Err(PublishError("this publisher keeps no aliases".into())) })
+    }
+
+    /// Points `alias` of `name` at `version`.
+    fn set_alias<'a>(&'a self, name: &'a str, alias: &'a str, version: ModelVersion) -> AliasFuture<'a, ()> {
+        let _ = (name, alias, version);
+        Box::pin(async { Err(PublishError("this publisher keeps no aliases".into())) })
+    }
 }
+
+/// What the alias calls of a [`Publisher`] return.
+pub type AliasFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, PublishError>> + Send + 'a>>;
 
 /// Versions in a directory (see the module docs).
 pub struct DirPublisher {
@@ -174,5 +190,89 @@ impl Publisher for RegistryPublisher {
             }
             Ok((version, digest))
         })
+    }
+
+    fn alias_version<'a>(&'a self, name: &'a str, alias: &'a str) -> AliasFuture<'a, Option<(ModelVersion, BTreeMap<String, f64>)>> {
+        Box::pin(async move {
+            use fedfleet_registry_client::admin::AdminAnswer;
+            use fedfleet_registry_client::wire::AdminRequest;
+            let listing = self.client.admin(AdminRequest::List).await.map_err(|e| PublishError(format!("registry: {e}")))?;
+            let AdminAnswer::Models { models } = listing else {
+                return Err(PublishError(format!("registry answered a listing with {listing:?}")));
+            };
+            let Some(version) = models.iter().find(|m| m.name == name).and_then(|m| m.aliases.get(alias).copied()) else {
+                return Ok(None);
+            };
+            let shown = self
+                .client
+                .admin(AdminRequest::Show { name: name.to_owned(), version: Some(version) })
+                .await
+                .map_err(|e| PublishError(format!("registry: {e}")))?;
+            match shown {
+                AdminAnswer::Version(v) => Ok(Some((version, v.model.metrics))),
+                other => Err(PublishError(format!("registry answered show with {other:?}"))),
+            }
+        })
+    }
+
+    fn set_alias<'a>(&'a self, name: &'a str, alias: &'a str, version: ModelVersion) -> AliasFuture<'a, ()> {
+        Box::pin(async move {
+            use fedfleet_registry_client::wire::AdminRequest;
+            let req = AdminRequest::AliasSet { name: name.to_owned(), alias: alias.to_owned(), version };
+            self.client.admin(req).await.map(|_| ()).map_err(|e| PublishError(format!("registry: {e}")))
+        })
+    }
+}
+
+/// The promotion gate's decision for a candidate with `candidate` metrics against the
+/// champion's (`None`: no champion yet, the candidate wins): `Ok` with the reason it wins, or
+/// `Err` with the reason it stays a candidate. Higher `metric` is better, lower for `loss`
+/// and `rmse`.
+pub fn promotion_gate(
+    candidate: &BTreeMap<String, f64>,
+    champion: Option<(ModelVersion, &BTreeMap<String, f64>)>,
+    metric: &str,
+    margin: f64,
+) -> Result<String, String> {
+    let lower_is_better = matches!(metric, "loss" | "rmse");
+    let Some(value) = candidate.get(metric).copied().filter(|v| v.is_finite()) else {
+        return Err(format!("the candidate has no {metric} metric"));
+    };
+    let Some((version, champion)) = champion else {
+        return Ok(format!("{metric} {value:.4}; no champion yet"));
+    };
+    let Some(best) = champion.get(metric).copied().filter(|v| v.is_finite()) else {
+        return Ok(format!("{metric} {value:.4}; the champion v{version} has no {metric}"));
+    };
+    let gain = if lower_is_better { best - value } else { value - best };
+    if gain > margin {
+        Ok(format!("{metric} {value:.4} beats v{version}'s {best:.4} by {gain:.4} (margin {margin})"))
+    } else {
+        Err(format!("{metric} {value:.4} does not beat v{version}'s {best:.4} by more than {margin}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(metric: &str, v: f64) -> BTreeMap<String, f64> {
+        BTreeMap::from([(metric.to_owned(), v)])
+    }
+
+    #[test]
+    fn the_gate_promotes_only_a_candidate_that_beats_the_champion_by_the_margin() {
+        let champion = m("accuracy", 0.90);
+        assert!(promotion_gate(&m("accuracy", 0.92), Some((ModelVersion(3), &champion)), "accuracy", 0.01).is_ok());
+        let refused = promotion_gate(&m("accuracy", 0.905), Some((ModelVersion(3), &champion)), "accuracy", 0.01).unwrap_err();
+        assert!(refused.contains("does not beat v3's 0.9000"), "{refused}");
+        // Lower is better for the loss.
+        let champion = m("loss", 0.5);
+        assert!(promotion_gate(&m("loss", 0.4), Some((ModelVersion(2), &champion)), "loss", 0.05).is_ok());
+        assert!(promotion_gate(&m("loss", 0.6), Some((ModelVersion(2), &champion)), "loss", 0.0).is_err());
+        // No champion: the first candidate wins; a candidate without the metric never does.
+        assert!(promotion_gate(&m("accuracy", 0.1), None, "accuracy", 0.5).is_ok());
+        assert!(promotion_gate(&m("loss", 0.1), None, "accuracy", 0.0).unwrap_err().contains("no accuracy"));
+        assert!(promotion_gate(&m("accuracy", f64::NAN), None, "accuracy", 0.0).is_err());
     }
 }

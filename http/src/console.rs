@@ -148,7 +148,11 @@ impl Access {
             let file: TokensFile = toml::from_str(&text).map_err(|e| format!("console tokens {}: {e}", path.display()))?;
             for t in file.token {
                 if t.token.len() < MIN_TOKEN_LEN {
-                    return Err(format!("console tokens {}: token {:?} is shorter than {MIN_TOKEN_LEN} characters", path.display(), t.name));
+                    return Err(format!(
+                        "console tokens {}: token {:?} is shorter than {MIN_TOKEN_LEN} characters",
+                        path.display(),
+                        t.name
+                    ));
                 }
                 if tokens.iter().any(|(_, n, _): &(blake3::Hash, String, Role)| *n == t.name) {
                     return Err(format!("console tokens {}: the name {:?} is used twice", path.display(), t.name));
@@ -358,8 +362,7 @@ impl Api {
                 },
             });
             if op.method == Method::POST {
-                operation["requestBody"] =
-                    json!({"required": false, "content": {"application/json": {"schema": {"type": "object"}}}});
+                operation["requestBody"] = json!({"required": false, "content": {"application/json": {"schema": {"type": "object"}}}});
             }
             let entry = paths.entry(op.path.to_owned()).or_insert_with(|| json!({}));
             entry[op.method.as_str().to_lowercase()] = operation;
@@ -411,7 +414,8 @@ impl Shared {
             Ok(_) => (200, String::new()),
             Err(e) => (e.status.as_u16(), e.message.clone()),
         };
-        let entry = AuditEntry { at_unix_ms: (self.now_ms)(), identity: identity.to_owned(), peer: conn.peer.to_string(), action, status, detail };
+        let entry =
+            AuditEntry { at_unix_ms: (self.now_ms)(), identity: identity.to_owned(), peer: conn.peer.to_string(), action, status, detail };
         tracing::info!(target: "audit", identity = %entry.identity, peer = %entry.peer, action = %entry.action, status, detail = %entry.detail, "console");
         let bytes = serde_json::to_vec(&entry).expect("an audit entry serializes");
         if let Err(e) = self.audit.append(&bytes).and_then(|()| self.audit.flush()) {
@@ -432,7 +436,8 @@ impl Shared {
             }
         };
         if caller.role < op.role {
-            let refused = Err(ApiError::new(StatusCode::FORBIDDEN, format!("{} has the reader role; {action} needs an operator", caller.identity)));
+            let refused =
+                Err(ApiError::new(StatusCode::FORBIDDEN, format!("{} has the reader role; {action} needs an operator", caller.identity)));
             self.audit(&conn, &caller.identity, action, &refused);
             return refused.into_response_json();
         }
@@ -525,9 +530,9 @@ impl Console {
         let page = |_: Extension<ConnInfo>| async {
             ([(header::CONTENT_TYPE, "text/html; charset=utf-8"), (header::CACHE_CONTROL, "no-cache")], DASHBOARD_HTML)
         };
-        router
-            .route("/", axum::routing::get(page))
-            .fallback(|| async { ApiError::not_found("no such page or API path (the API is under /api/v1; its document at /api/v1/openapi.json)") })
+        router.route("/", axum::routing::get(page)).fallback(|| async {
+            ApiError::not_found("no such page or API path (the API is under /api/v1; its document at /api/v1/openapi.json)")
+        })
     }
 
     /// Serves on `listener` (HTTPS with `tls`) until `shutdown` resolves.
@@ -546,7 +551,8 @@ impl Console {
                         None => serve_connection(tcp, ConnInfo { peer, certs: None }, router).await,
                         Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(stream)) => {
-                                let certs = stream.get_ref().1.peer_certificates().map(|c| c.iter().map(|c| c.clone().into_owned()).collect());
+                                let certs =
+                                    stream.get_ref().1.peer_certificates().map(|c| c.iter().map(|c| c.clone().into_owned()).collect());
                                 serve_connection(stream, ConnInfo { peer, certs }, router).await
                             }
                             Ok(Err(e)) => tracing::info!(%peer, error = %e, "console TLS handshake refused"),
@@ -583,18 +589,27 @@ fn with_builtins(api: Api, audit: fedfleet_durable::Journal, peer: Option<String
     let ops_doc: Arc<std::sync::OnceLock<Value>> = Arc::default();
     let doc = ops_doc.clone();
     let api = api
-        .read("/api/v1/audit", "The audit journal, newest first (`?limit=N`, default 100): who did what, when, with what outcome", move |c| {
-            let audit = audit.clone();
-            async move {
-                if c.caller.role < Role::Operator {
-                    return Err(ApiError::new(StatusCode::FORBIDDEN, "the audit journal is for operators"));
+        .read(
+            "/api/v1/audit",
+            "The audit journal, newest first (`?limit=N`, default 100): who did what, when, with what outcome",
+            move |c| {
+                let audit = audit.clone();
+                async move {
+                    if c.caller.role < Role::Operator {
+                        return Err(ApiError::new(StatusCode::FORBIDDEN, "the audit journal is for operators"));
+                    }
+                    let limit = c
+                        .query
+                        .get("limit")
+                        .map(|l| l.parse::<usize>())
+                        .transpose()
+                        .map_err(|e| ApiError::bad_request(format!("limit: {e}")))?;
+                    let entries = audit.newest(limit.unwrap_or(100).min(10_000)).map_err(|e| ApiError::internal(e.to_string()))?;
+                    let entries: Vec<Value> = entries.iter().filter_map(|b| serde_json::from_slice(b).ok()).collect();
+                    Ok(json!({"entries": entries}))
                 }
-                let limit = c.query.get("limit").map(|l| l.parse::<usize>()).transpose().map_err(|e| ApiError::bad_request(format!("limit: {e}")))?;
-                let entries = audit.newest(limit.unwrap_or(100).min(10_000)).map_err(|e| ApiError::internal(e.to_string()))?;
-                let entries: Vec<Value> = entries.iter().filter_map(|b| serde_json::from_slice(b).ok()).collect();
-                Ok(json!({"entries": entries}))
-            }
-        })
+            },
+        )
         .read("/api/v1/openapi.json", "This document", move |_| {
             let doc = doc.get().cloned().unwrap_or(Value::Null);
             async move { Ok(doc) }

@@ -109,8 +109,11 @@ pub fn api(reg: Arc<Registry>) -> Api {
                 let store = reg.store();
                 let mut models = Vec::new();
                 for name in store.models()? {
-                    let versions: Vec<Value> =
-                        store.versions(&name)?.into_iter().map(|v| store.version(&name, v).map(|m| version_json(&m))).collect::<Result<_, _>>()?;
+                    let versions: Vec<Value> = store
+                        .versions(&name)?
+                        .into_iter()
+                        .map(|v| store.version(&name, v).map(|m| version_json(&m)))
+                        .collect::<Result<_, _>>()?;
                     models.push(json!({"name": name, "versions": versions, "aliases": store.aliases(&name)?}));
                 }
                 Ok(models)
@@ -230,11 +233,14 @@ pub fn api(reg: Arc<Registry>) -> Api {
     ];
     for (path, summary, command) in commands {
         let reg = r();
-        api = api.action(path, summary, move |c: Call| {
-            let reg = reg.clone();
-            let (id, command) = (c.param("id").to_owned(), command(&c));
-            async move { to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::Rollout { id, command }, now)).await?)) }
-        });
+        api =
+            api.action(path, summary, move |c: Call| {
+                let reg = reg.clone();
+                let (id, command) = (c.param("id").to_owned(), command(&c));
+                async move {
+                    to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::Rollout { id, command }, now)).await?))
+                }
+            });
     }
     api
 }

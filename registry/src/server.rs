@@ -13,10 +13,10 @@ use fedfleet_net::admission::{Admission, AdmissionConfig, Refused};
 use fedfleet_net::{FramedStream, NetError};
 use fedfleet_protocol::{FrameKind, RejectReason};
 
-use crate::{Refusal, RegistryError};
 use crate::ops::{Registry, resolve_version};
 use crate::store::NewVersion;
 use crate::wire::{self, AdminRequest, FRAME_DATA, Request, Response};
+use crate::{Refusal, RegistryError};
 
 /// How long a stream may take to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);

@@ -78,7 +78,10 @@ impl RegistryService {
             Some(_) => {
                 let console_clock = clock.clone();
                 let time = fedfleet_certs::tls::clock_time(move || console_clock.now_ms());
-                Some(fedfleet_certs::tls::console_server_config(pki.ca(), &identity, revocation.clone(), time).map_err(|e| step("[console] TLS")(e.into()))?)
+                Some(
+                    fedfleet_certs::tls::console_server_config(pki.ca(), &identity, revocation.clone(), time)
+                        .map_err(|e| step("[console] TLS")(e.into()))?,
+                )
             }
         };
         let reg = Arc::new(Registry::new(store, pki.fleet().clone(), Some(signer), metrics, clock.clone())?.with_revocation(revocation));
@@ -153,8 +156,9 @@ impl BoundRegistry {
                 let access = fedfleet_http::console::Access::load(c, &cfg.operators).map_err(RegistryError::Config)?;
                 let audit = service.reg.store().journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
                 let clock = service.clock.clone();
-                let console =
-                    fedfleet_http::console::Console::new(crate::console::api(service.reg.clone()), c, access, audit, move || clock.now_ms());
+                let console = fedfleet_http::console::Console::new(crate::console::api(service.reg.clone()), c, access, audit, move || {
+                    clock.now_ms()
+                });
                 tracing::info!(addr = ?listener.local_addr().ok(), tls = c.tls, "operator console (API and dashboard)");
                 Some(tokio::spawn(console.serve(listener, service.console_tls.clone(), shutdown.wait())))
             }

@@ -24,6 +24,8 @@ pub struct RoundRecord {
     pub metrics: BTreeMap<String, f64>,
     pub accuracy: Option<f64>,
     pub loss: Option<f64>,
+    /// `[promotion]`: what the gate decided (`promoted to stable: ...`, `candidate: ...`).
+    pub promotion: Option<String>,
     /// Updates and requests refused while the round was open, by reason.
     pub rejected: BTreeMap<String, u64>,
     /// Refusal counts when the round opened (the base of `rejected`); not in the record.
@@ -48,11 +50,8 @@ impl Aggregator {
     /// The record of `round` so far (a fresh one when the service restarted meanwhile).
     fn round_log<'c>(&self, core: &'c mut Core, round: RoundId) -> &'c mut RoundRecord {
         if core.round_log.as_ref().is_none_or(|r| r.round != round.0) {
-            core.round_log = Some(RoundRecord {
-                campaign: core.coord.engine().campaign_id().map(|c| c.0),
-                round: round.0,
-                ..RoundRecord::default()
-            });
+            core.round_log =
+                Some(RoundRecord { campaign: core.coord.engine().campaign_id().map(|c| c.0), round: round.0, ..RoundRecord::default() });
         }
         core.round_log.as_mut().expect("set above")
     }
@@ -69,7 +68,7 @@ impl Aggregator {
         core: &mut Core,
         round: RoundId,
         outcome: &str,
-        published: Option<(ModelVersion, &BTreeMap<String, f64>)>,
+        published: Option<(ModelVersion, &BTreeMap<String, f64>, Option<String>)>,
         now: Millis,
     ) {
         let rejections = self.shared.metrics.rejections();
@@ -84,8 +83,9 @@ impl Aggregator {
             })
             .filter(|(_, n)| *n > 0)
             .collect();
-        if let Some((version, metrics)) = published {
+        if let Some((version, metrics, promotion)) = published {
             r.version = Some(version.0);
+            r.promotion = promotion;
             r.metrics = metrics.clone();
             r.accuracy = metrics.get("accuracy").copied();
             r.loss = metrics.get("loss").copied();

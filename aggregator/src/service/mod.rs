@@ -270,8 +270,17 @@ impl Aggregator {
         let mode = fold_mode(tensor_device.is_some(), &strategy);
         let mut coord = Coordinator::new(engine, strategy);
         coord.set_mode(mode);
-        let mut core =
-            Core { coord, base: None, global, campaign, closing: None, finalized: None, secagg: None, secagg_before: None, round_log: None };
+        let mut core = Core {
+            coord,
+            base: None,
+            global,
+            campaign,
+            closing: None,
+            finalized: None,
+            secagg: None,
+            secagg_before: None,
+            round_log: None,
+        };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
             let (layout, values) = decode_base(&bytes).map_err(|e| resume(format!("global model {}: {e}", g.digest)))?;

@@ -184,6 +184,28 @@ impl Aggregator {
         vec![("dp_epsilon".to_owned(), p.spend.epsilon_after(rounds)), ("dp_delta".to_owned(), p.spend.delta)]
     }
 
+    /// `[promotion]`: the gate's decision for a candidate with `metrics` against the champion
+    /// (the version the gate's alias points at), written into `metrics` so that the published
+    /// version carries it. A champion that cannot be read keeps the candidate a candidate.
+    async fn promotion_gate(&self, metrics: &mut BTreeMap<String, f64>) -> Option<Result<String, String>> {
+        let p = self.shared.cfg.promotion.as_ref()?;
+        let decision = match self.shared.publisher.alias_version(&self.shared.cfg.model.name, &p.alias).await {
+            Err(e) => Err(format!("the champion ({}) could not be read: {}", p.alias, e.0)),
+            Ok(champion) => {
+                if let Some((v, m)) = &champion {
+                    metrics.insert("gate_champion_version".into(), v.0 as f64);
+                    if let Some(x) = m.get(&p.metric) {
+                        metrics.insert("gate_champion_value".into(), *x);
+                    }
+                }
+                crate::publish::promotion_gate(metrics, champion.as_ref().map(|(v, m)| (*v, m)), &p.metric, p.margin)
+            }
+        };
+        metrics.insert("gate_passed".into(), if decision.is_ok() { 1.0 } else { 0.0 });
+        metrics.insert("gate_margin".into(), p.margin);
+        Some(decision)
+    }
+
     /// Finalizes the closed `round`, evaluates, publishes, records, and opens the next round.
     pub(super) async fn finalize(&self, round: RoundId) -> Result<(), String> {
         let sh = self.shared.clone();
@@ -262,11 +284,29 @@ impl Aggregator {
         let digest = Digest::of(&bytes);
         let mut metrics = metrics;
         metrics.extend(self.privacy_metrics());
+        let gate = self.promotion_gate(&mut metrics).await;
         let req = publish_request(&sh, &bytes, Some(base.version), metrics, true)?;
         let (version, published) = sh.publisher.publish(&req).await.map_err(|e| e.to_string())?;
         if published != Digest::of(&req.bundle) {
             return Err(format!("publisher returned digest {published}, expected {}", Digest::of(&req.bundle)));
         }
+        let promotion = match (gate, &sh.cfg.promotion) {
+            (Some(Ok(why)), Some(p)) => match sh.publisher.set_alias(&sh.cfg.model.name, &p.alias, version).await {
+                Ok(()) => {
+                    tracing::info!(%version, alias = %p.alias, reason = %why, "promotion gate: promoted");
+                    Some(format!("promoted to {}: {why}", p.alias))
+                }
+                Err(e) => {
+                    tracing::warn!(%version, alias = %p.alias, error = %e.0, "promotion gate passed, but the alias did not move");
+                    Some(format!("passed ({why}), but {} did not move: {}", p.alias, e.0))
+                }
+            },
+            (Some(Err(why)), _) => {
+                tracing::info!(%version, reason = %why, "promotion gate: stays a candidate");
+                Some(format!("candidate: {why}"))
+            }
+            _ => None,
+        };
         let rec = held_model(&sh, req.model, version, &bytes, digest);
         let me = self.clone();
         tokio::task::spawn_blocking(move || {
@@ -282,7 +322,7 @@ impl Aggregator {
             me.shared.metrics.round("published");
             tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
             let now = me.now_ms();
-            me.history_round_ended(&mut core, round, "published", Some((version, &rec.metrics)), now);
+            me.history_round_ended(&mut core, round, "published", Some((version, &rec.metrics, promotion)), now);
             core.coord.model_ready(now, round, version, digest).map_err(|e| e.to_string())?;
             me.drain(&mut core, now);
             Ok::<(), String>(())

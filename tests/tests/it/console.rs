@@ -43,7 +43,8 @@ fn consoles(d: &Deployment) -> (SocketAddr, SocketAddr) {
 }
 
 async fn get(addr: SocketAddr, path: &str) -> Value {
-    let (status, body) = fedfleet_http::send(addr, &fedfleet_http::ClientRequest { method: "GET", path, ..Default::default() }).await.unwrap();
+    let (status, body) =
+        fedfleet_http::send(addr, &fedfleet_http::ClientRequest { method: "GET", path, ..Default::default() }).await.unwrap();
     assert_eq!(status, 200, "GET {path}: {}", String::from_utf8_lossy(&body));
     serde_json::from_slice(&body).unwrap()
 }
@@ -84,10 +85,15 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
     let Some(driver) = chromedriver() else { return };
     let mut d = Deployment::init(3);
     d.set("aggregator.toml", "rounds", "2");
+    // The promotion gate: round 1's model becomes stable (no champion yet); round 2's must beat
+    // it by 50 points of accuracy, which it cannot: it stays a candidate.
+    let config = std::fs::read_to_string(d.path("aggregator.toml")).unwrap();
+    std::fs::write(d.path("aggregator.toml"), format!("{config}\n[promotion]\nmetric = \"accuracy\"\nmargin = 0.5\n")).unwrap();
     d.start("fedfleet-agent");
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
-    // v3 (the second round's model) to half the fleet first; the second phase waits an hour,
-    // so the rollout is still running when the page pauses it.
+    // The operator overrides the gate by hand: v3 (the second round's model) to half the fleet
+    // first; the second phase waits an hour, so the rollout is still running when the page
+    // pauses it.
     let rollout = ["--config", "registry.toml", "rollout", "start", "--model", "digits", "--version", "3", "--id", "console-test"];
     d.cli("fedfleet-registry", &[&rollout[..], &["--phases", "50,100", "--soak", "1h", "--min-healthy", "1"]].concat());
     let (registry, aggregator) = consoles(&d);
@@ -151,8 +157,16 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
         eprintln!("devices by version, page = API: {shown:?}");
         screenshot(&c, "fleet").await;
 
+        // The gate: v2 promoted to stable, v3 a candidate, on the page as in the API.
+        let models = get(registry, "/api/v1/models").await;
+        let digits = &models["models"][0];
+        assert_eq!(digits["aliases"]["stable"], json!(2), "the gate moved stable to round 1's model: {models}");
+        assert_eq!(digits["versions"][2]["metrics"]["gate_passed"], json!(0.0), "{models}");
+        assert_eq!(digits["versions"][1]["metrics"]["gate_passed"], json!(1.0), "{models}");
+        assert!(rounds["rounds"][0]["promotion"].as_str().unwrap().starts_with("candidate: accuracy"), "{rounds}");
         open(&c, &format!("http://{registry}/#versions"), "versions").await;
-        assert!(c.find(Locator::Id("version-digits-3")).await.is_ok(), "the versions page lists v3");
+        assert!(text(&c, "gate-digits-3").await.unwrap().starts_with("candidate vs v2"));
+        assert!(text(&c, "gate-digits-2").await.unwrap().starts_with("promoted vs none"));
         screenshot(&c, "versions").await;
 
         // Rollouts: the phase as the API says; Pause pauses it in the registry.
@@ -179,7 +193,14 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
 }
 
 /// An HTTPS request with `who`'s credentials: a bearer token, or a client certificate config.
-async fn call(addr: SocketAddr, tls: &Arc<rustls::ClientConfig>, method: &str, path: &str, bearer: Option<&str>, body: Option<Value>) -> (u16, Value) {
+async fn call(
+    addr: SocketAddr,
+    tls: &Arc<rustls::ClientConfig>,
+    method: &str,
+    path: &str,
+    bearer: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
     let r = fedfleet_http::ClientRequest {
         method,
         path,
@@ -239,7 +260,9 @@ fn console_refusals_and_actions_are_audited_with_who_asked() {
         assert_eq!(status, 200, "{body}");
         let entries = body["entries"].as_array().unwrap();
         assert!(
-            entries.iter().any(|e| e["identity"] == json!("cert:operator") && e["action"] == json!("POST /api/v1/campaign/start") && e["status"] == json!(200)),
+            entries.iter().any(|e| e["identity"] == json!("cert:operator")
+                && e["action"] == json!("POST /api/v1/campaign/start")
+                && e["status"] == json!(200)),
             "{body}"
         );
 
