@@ -97,6 +97,9 @@ struct DemoArgs {
     /// Keep the work directory (PKI, stores, agents' state) afterwards.
     #[arg(long)]
     keep: bool,
+    /// After the demo, keep the fleet and its dashboards up (addresses printed) until Ctrl-C.
+    #[arg(long)]
+    stay_up: bool,
     /// Fail unless the final held-out accuracy reaches this.
     #[arg(long, default_value_t = 0.92)]
     min_accuracy: f64,
@@ -173,6 +176,7 @@ fn demo_main(a: DemoArgs) -> ExitCode {
         mqtt: !a.no_mqtt,
         workdir: a.workdir,
         keep: a.keep,
+        stay_up: a.stay_up,
         min_accuracy: a.min_accuracy,
         soak: Duration::from_secs_f64(a.soak_secs.max(0.0)),
         progress: d.progress && !a.no_progress,

@@ -114,7 +114,17 @@ impl RegistryService {
             self.tls.clone(),
             &self.identity.derive_secret("fedfleet-registry 2026 QUIC endpoint"),
         )?;
-        Ok(BoundRegistry { service: self, endpoint })
+        let console = match &self.cfg.console {
+            None => None,
+            Some(c) => {
+                let listener = std::net::TcpListener::bind(c.listen)
+                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                    .and_then(tokio::net::TcpListener::from_std)
+                    .map_err(|cause| RegistryError::Config(format!("console on {}: {cause}", c.listen)))?;
+                Some(listener)
+            }
+        };
+        Ok(BoundRegistry { service: self, endpoint, console })
     }
 }
 
@@ -122,6 +132,8 @@ impl RegistryService {
 pub struct BoundRegistry {
     service: RegistryService,
     endpoint: quinn::Endpoint,
+    /// `[console]`'s listener.
+    console: Option<tokio::net::TcpListener>,
 }
 
 impl BoundRegistry {
@@ -134,10 +146,15 @@ impl BoundRegistry {
         &self.service.reg
     }
 
+    /// The operator console's address (`[console]`, with the port picked when it had port 0).
+    pub fn console_addr(&self) -> Option<SocketAddr> {
+        self.console.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// Starts `/metrics` (`cfg.metrics`) and the MQTT control plane (`cfg.mqtt`), then serves
     /// until `shutdown` is triggered; then stops the MQTT client and flushes the store.
     pub async fn run(self, shutdown: Shutdown) -> Result<(), RegistryError> {
-        let BoundRegistry { service, endpoint } = self;
+        let BoundRegistry { service, endpoint, console } = self;
         let cfg = &service.cfg;
         let metrics = match cfg.metrics {
             None => None,
@@ -147,12 +164,8 @@ impl BoundRegistry {
                     .map_err(|cause| RegistryError::Config(format!("metrics on {addr}: {cause}")))?,
             ),
         };
-        let console = match &cfg.console {
-            None => None,
-            Some(c) => {
-                let listener = tokio::net::TcpListener::bind(c.listen)
-                    .await
-                    .map_err(|cause| RegistryError::Config(format!("console on {}: {cause}", c.listen)))?;
+        let console = match (&cfg.console, console) {
+            (Some(c), Some(listener)) => {
                 let access = fedfleet_http::console::Access::load(c, &cfg.operators).map_err(RegistryError::Config)?;
                 let audit = service.reg.store().journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
                 let clock = service.clock.clone();
@@ -162,6 +175,7 @@ impl BoundRegistry {
                 tracing::info!(addr = ?listener.local_addr().ok(), tls = c.tls, "operator console (API and dashboard)");
                 Some(tokio::spawn(console.serve(listener, service.console_tls.clone(), shutdown.wait())))
             }
+            _ => None,
         };
         let mqtt: Option<RegistryMqtt> =
             crate::mqtt::start(service.reg.clone(), cfg).await.map_err(step("starting the MQTT control plane"))?;

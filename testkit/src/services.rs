@@ -81,6 +81,8 @@ pub struct RegistrySetup {
     pub renewal_days: Option<u32>,
     /// The registry's clock (TLS, metadata, rollouts, renewal).
     pub clock: SharedClock,
+    /// `[console]`: the operator API and dashboard.
+    pub console: Option<fedfleet_http::console::ConsoleConfig>,
 }
 
 impl Default for RegistrySetup {
@@ -91,6 +93,7 @@ impl Default for RegistrySetup {
             key_days: 30,
             renewal_days: None,
             clock: SystemClock::shared(),
+            console: None,
         }
     }
 }
@@ -104,6 +107,8 @@ pub struct RunningRegistry {
     pub data_dir: PathBuf,
     /// Faults the tests inject into the server.
     pub faults: Arc<Faults>,
+    /// The operator console's address, with [`RegistrySetup::console`].
+    pub console_addr: Option<SocketAddr>,
     serving: Serving,
 }
 
@@ -122,6 +127,7 @@ impl RunningRegistry {
             operators: setup.operators,
             root_days: setup.key_days,
             renewal: setup.renewal_days.map(|days| RenewalConfig { ca_key: pki.dir().join("ca.key"), days }),
+            console: setup.console,
             ..RegistryConfig::default()
         };
         let service = RegistryService::open(cfg, setup.clock).context("opening the registry")?;
@@ -129,13 +135,13 @@ impl RunningRegistry {
         let faults = service.faults();
         let pinned_root = reg.signer().context("the registry has no signing keys")?.root().clone();
         let bound = service.bind().context("binding the registry")?;
-        let addr = bound.local_addr()?;
+        let (addr, console_addr) = (bound.local_addr()?, bound.console_addr());
         let serving = Serving::spawn(|shutdown| async move {
             if let Err(e) = bound.run(shutdown).await {
                 panic!("the registry stopped with an error: {e}");
             }
         });
-        Ok(RunningRegistry { reg, pinned_root, addr, data_dir: data_dir.to_owned(), faults, serving })
+        Ok(RunningRegistry { reg, pinned_root, addr, data_dir: data_dir.to_owned(), faults, console_addr, serving })
     }
 
     /// Stops serving; panics unless the server ends within 30 s.
@@ -150,6 +156,8 @@ pub struct RunningAggregator {
     pub addr: SocketAddr,
     /// The operators' own address (`operator_listen`), if the config sets one.
     pub operator_addr: Option<SocketAddr>,
+    /// The operator console's address, if the config has `[console]`.
+    pub console_addr: Option<SocketAddr>,
     serving: Serving,
 }
 
@@ -176,13 +184,14 @@ impl RunningAggregator {
                 Err(e) => return Err(e).with_context(|| format!("binding {listen}")),
             }
         };
-        let (agg, addr, operator_addr) = (bound.aggregator().clone(), bound.local_addr()?, bound.operator_addr());
+        let (agg, addr, operator_addr, console_addr) =
+            (bound.aggregator().clone(), bound.local_addr()?, bound.operator_addr(), bound.console_addr());
         let serving = Serving::spawn(|shutdown| async move {
             if let Err(e) = bound.run(shutdown).await {
                 panic!("the aggregator stopped with an error: {e}");
             }
         });
-        Ok(RunningAggregator { agg, addr, operator_addr, serving })
+        Ok(RunningAggregator { agg, addr, operator_addr, console_addr, serving })
     }
 
     /// As [`RunningAggregator::start`], publishing every global model into the registry at

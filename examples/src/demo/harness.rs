@@ -63,7 +63,7 @@ impl Loopback {
             Some(m) => m.initial.clone(),
             None => init_bundle(&spec, o.seed)?,
         };
-        let started = start_aggregator(&work.join("aggregator"), &pki, &spec, &initial, campaign, publisher).await;
+        let started = start_aggregator(&work.join("aggregator"), &pki, &spec, &initial, campaign, publisher, reg_run.console_addr).await;
         let agg_run = match started {
             Ok(x) => x,
             Err(e) => {
@@ -76,6 +76,10 @@ impl Loopback {
             "[3/8] aggregator: QUIC (mTLS) on {}, sled state; publishes every global model to the registry over QUIC with its service certificate",
             agg_run.addr
         ));
+        if let (Some(agg), Some(reg)) = (agg_run.console_addr, reg_run.console_addr) {
+            ui.line(format!("      dashboard: campaign http://{agg}/ · fleet, versions, rollouts http://{reg}/ (API under /api/v1)"));
+            report.consoles = Some((agg, reg));
+        }
         let mut lb = LoopbackParts { pki, registry, aggregator, reg_run, agg_run, mqtt: None };
         let rest = async {
             if o.mqtt {

@@ -87,6 +87,8 @@ pub struct DemoOptions {
     pub workdir: Option<PathBuf>,
     /// Keep the work directory.
     pub keep: bool,
+    /// After the demo, keep the fleet and its dashboards up until Ctrl-C.
+    pub stay_up: bool,
     pub min_accuracy: f64,
     /// Soak time of each rollout phase.
     pub soak: Duration,
@@ -136,6 +138,7 @@ impl Default for DemoOptions {
             server_lr: None,
             workdir: None,
             keep: false,
+            stay_up: false,
             min_accuracy: 0.92,
             soak: Duration::from_secs(2),
             progress: std::io::stderr().is_terminal(),
@@ -181,6 +184,8 @@ pub struct PhaseOutcome {
 #[derive(Debug, Clone, Default)]
 pub struct DemoReport {
     pub rounds: Vec<RoundRow>,
+    /// The operator consoles: (aggregator, registry).
+    pub consoles: Option<(SocketAddr, SocketAddr)>,
     pub campaign_outcome: Option<String>,
     /// A DP-FedAvg campaign's spend.
     pub privacy: Option<fedfleet_aggregator::wire::PrivacyReport>,
@@ -362,6 +367,14 @@ async fn run_in(o: &DemoOptions, ui: &Ui, work: &Path, report: &mut DemoReport) 
         anyhow::Ok(())
     }
     .await;
+    if o.stay_up && outcome.is_ok() {
+        if let Some((agg, reg)) = report.consoles {
+            ui.line(format!(
+                "the fleet stays up: dashboards at http://{agg}/ (campaign) and http://{reg}/ (fleet, versions, rollouts); Ctrl-C stops it"
+            ));
+        }
+        fedfleet_net::Shutdown::on_signal().wait().await;
+    }
     lb.stop().await;
     outcome
 }

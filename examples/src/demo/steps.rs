@@ -16,7 +16,19 @@ pub fn make_pki(dir: &Path, fleet: &FleetId, devices: &[DeviceId], days: u32) ->
 /// Keys, root, store and the QUIC service. Operators: `operator` and `aggregator` (which
 /// publishes global models).
 pub fn start_registry(dir: &Path, pki: &Pki) -> anyhow::Result<RunningRegistry> {
-    RunningRegistry::start(pki, dir, RegistrySetup::default())
+    RunningRegistry::start(pki, dir, RegistrySetup { console: Some(console_on_loopback(None)), ..RegistrySetup::default() })
+}
+
+/// The operator console on a free loopback port (operators on the machine itself, no
+/// credentials), linking to `peer`'s.
+pub fn console_on_loopback(peer: Option<SocketAddr>) -> fedfleet_http::console::ConsoleConfig {
+    fedfleet_http::console::ConsoleConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        tls: false,
+        tokens: None,
+        loopback: fedfleet_http::console::LoopbackAccess::Operator,
+        peer: peer.map(|a| format!("http://{a}/")),
+    }
 }
 
 // ----- 3. aggregator -----
@@ -77,6 +89,7 @@ pub async fn start_aggregator(
     bundle: &TensorBundle,
     campaign: CampaignDefaults,
     publisher: Box<dyn Publisher>,
+    registry_console: Option<SocketAddr>,
 ) -> anyhow::Result<RunningAggregator> {
     std::fs::create_dir_all(dir)?;
     let initial = dir.join("initial.safetensors");
@@ -87,7 +100,11 @@ pub async fn start_aggregator(
         initial,
         validation: Some(fedfleet_aggregator::config::Validation::Builtin("digits".into())),
     };
-    let cfg = AggConfig { campaign, ..AggConfig::new(([127, 0, 0, 1], 0).into(), pki.dir().to_owned(), dir.join("data"), model) };
+    let cfg = AggConfig {
+        campaign,
+        console: Some(console_on_loopback(registry_console)),
+        ..AggConfig::new(([127, 0, 0, 1], 0).into(), pki.dir().to_owned(), dir.join("data"), model)
+    };
     RunningAggregator::start(cfg, publisher).await
 }
 
