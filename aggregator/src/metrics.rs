@@ -15,6 +15,8 @@
 //! | `fedfleet_aggregator_update_staleness` | histogram | versions between an accepted update's base model and the model it was folded into (0 in rounds; asynchronous campaigns: how far behind devices train) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
 //! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round (0 between campaigns) |
+//! | `fedfleet_aggregator_global_version` | gauge | the last published global model's version |
+//! | `fedfleet_aggregator_global_metric` | gauge | `metric` (`accuracy`, `loss`, `rmse`, ...): the last published model's server-side evaluation (the campaign's learning curve over time) |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
 //! | `fedfleet_aggregator_peak_resident_memory_bytes` | gauge | VmHWM |
 //! | `fedfleet_aggregator_mqtt_connected` | gauge | 1 while the MQTT control client is connected |
@@ -52,7 +54,7 @@ const STALENESS_BUCKETS: [f64; 9] = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 
 /// Round events counted in `rounds_total`.
 pub const ROUND_EVENTS: [&str; 5] = ["opened", "closed", "failed", "published", "tensor_folded"];
 
-use fedfleet_http::labels::{Device as DeviceLabel, Event as EventLabel, Reason as ReasonLabel, Step as StepLabel};
+use fedfleet_http::labels::{Device as DeviceLabel, Event as EventLabel, Metric as MetricLabel, Reason as ReasonLabel, Step as StepLabel};
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
@@ -67,6 +69,8 @@ pub struct Metrics {
     fold_seconds: Counter<f64, AtomicU64>,
     ingest_seconds: Family<StepLabel, Counter<f64, AtomicU64>>,
     pub open_round: Gauge,
+    pub global_version: Gauge,
+    global_metric: Family<MetricLabel, Gauge<f64, AtomicU64>>,
     pub round_accepted: Gauge,
     rejected: Family<ReasonLabel, Counter>,
     secagg_refused: Family<ReasonLabel, Counter>,
@@ -108,6 +112,8 @@ impl Metrics {
             fold_seconds: Counter::default(),
             ingest_seconds: Family::default(),
             open_round: Gauge::default(),
+            global_version: Gauge::default(),
+            global_metric: Family::default(),
             round_accepted: Gauge::default(),
             rejected: Family::default(),
             secagg_refused: Family::default(),
@@ -158,6 +164,8 @@ impl Metrics {
         registry.register("fold_seconds", "Seconds spent folding", m.fold_seconds.clone());
         registry.register("ingest_seconds", "Seconds spent in each stage of ingesting updates", m.ingest_seconds.clone());
         registry.register("open_round", "Open round id, 0 if none", m.open_round.clone());
+        registry.register("global_version", "The last published global model's version", m.global_version.clone());
+        registry.register("global_metric", "The last published global model's server-side evaluation, by metric", m.global_metric.clone());
         registry.register("round_accepted", "Updates accepted in the open round", m.round_accepted.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());
         registry.register("mqtt_rejected", "MQTT messages and uploads refused, by reason", m.mqtt_rejected.clone());
@@ -178,6 +186,14 @@ impl Metrics {
         self.rejected.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).get()
     }
     /// A secure-aggregation message refused, by the protocol's reason (`fedfleet_secagg::Refusal::name`).
+    /// A global model was published: its version and server-side metrics.
+    pub fn published(&self, version: u64, metrics: &std::collections::BTreeMap<String, f64>) {
+        self.global_version.set(version as i64);
+        for (name, value) in metrics.iter().filter(|(n, _)| !n.starts_with("gate_")) {
+            self.global_metric.get_or_create(&MetricLabel { metric: name.clone() }).set(*value);
+        }
+    }
+
     /// Every refusal count by reason (the console's rejection table).
     pub fn rejections(&self) -> std::collections::BTreeMap<String, u64> {
         RejectReason::ALL.iter().map(|r| (r.as_str().to_owned(), self.rejected_count(*r))).collect()

@@ -45,6 +45,12 @@ pub mod labels {
         pub step: String,
     }
 
+    /// `metric`: a model evaluation metric's name (`accuracy`, `loss`, ...).
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    pub struct Metric {
+        pub metric: String,
+    }
+
     /// `device`: a device id.
     #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
     pub struct Device {

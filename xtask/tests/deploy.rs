@@ -57,3 +57,31 @@ fn the_nats_node_config_parses() {
     let out = Command::new(nats).current_dir(dir.path()).args(["-c", "nats.conf", "-t"]).output().unwrap();
     assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
 }
+
+/// The Grafana dashboard (`deploy/grafana/fedfleet.json`, issue 30.4) is a dashboard document
+/// whose every query names metrics the services export (their metric tables in
+/// `aggregator/src/metrics.rs` and `registry/src/metrics.rs`), so a renamed metric cannot leave
+/// a panel silently empty.
+#[test]
+fn the_grafana_dashboard_queries_only_exported_metrics() {
+    let root = deploy_dir().parent().expect("the repository").to_owned();
+    let text = std::fs::read_to_string(deploy_dir().join("grafana/fedfleet.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let exported: String =
+        ["aggregator/src/metrics.rs", "registry/src/metrics.rs"].iter().map(|p| std::fs::read_to_string(root.join(p)).unwrap()).collect();
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let mut queries = 0;
+    for panel in panels {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().expect("every target has a PromQL expr");
+            queries += 1;
+            let mut rest = expr;
+            while let Some(at) = rest.find("fedfleet_") {
+                let name: String = rest[at..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+                assert!(exported.contains(&format!("`{name}`")), "panel {:?} queries {name}, which no service exports", panel["title"]);
+                rest = &rest[at + name.len()..];
+            }
+        }
+    }
+    assert!(queries >= 15, "{queries} queries");
+}

@@ -84,6 +84,7 @@ impl Aggregator {
             .filter(|(_, n)| *n > 0)
             .collect();
         if let Some((version, metrics, promotion)) = published {
+            self.shared.metrics.published(version.0, metrics);
             r.version = Some(version.0);
             r.promotion = promotion;
             r.metrics = metrics.clone();
