@@ -191,7 +191,7 @@ pub fn api(reg: Arc<Registry>) -> Api {
                 let keep = |d: &Value| {
                     c.query.get("version").is_none_or(|v| d["version"].as_str().unwrap_or("none") == v)
                         && c.query.get("health").is_none_or(|h| d["health"] == json!(h))
-                        && c.query.get("online").is_none_or(|o| d["online"].to_string() == *o)
+                        && c.query.get("online").is_none_or(|o| d["online"].as_bool().map(|b| if b { "true" } else { "false" }) == Some(o.as_str()))
                 };
                 let shown: Vec<&Value> = all.iter().filter(|d| keep(d)).collect();
                 Ok(json!({"total": all.len(), "online": online, "by_version": by_version, "healths": healths, "devices": shown}))
