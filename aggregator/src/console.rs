@@ -2,7 +2,7 @@
 //! (updates, server-side accuracy and loss, refusals by reason, timings) and the campaign
 //! actions, each calling the same [`Aggregator`] method as the QUIC operator request.
 
-use fedfleet_http::console::{Api, ApiError, Call};
+use fedfleet_http::console::{Api, ApiError, blocking, to_reply, with};
 use serde_json::json;
 
 use crate::service::Aggregator;
@@ -14,67 +14,47 @@ const DEFAULT_ROUNDS: usize = 200;
 /// Rounds read to count the newest campaign's published rounds (a longer campaign shows this).
 const CAMPAIGN_SCAN: usize = 1_000;
 
-fn to_json(v: impl serde::Serialize) -> Result<serde_json::Value, ApiError> {
-    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
-}
-
 /// The aggregator's API table.
 pub fn api(agg: Aggregator) -> Api {
-    let (a1, a2, a3, a4) = (agg.clone(), agg.clone(), agg.clone(), agg);
     Api::new("aggregator", &["campaign"])
         .read(
             "/api/v1/campaign",
             "Where the campaign stands: rounds completed, the open round, the global model, the outcome, the privacy spend and mode",
-            move |_| {
-                let agg = a1.clone();
-                async move {
-                    let mut status = to_json(agg.status())?;
-                    status["secure_aggregation"] = json!(agg.config().secure_aggregation.is_some());
-                    // The newest campaign in the history (the running one, or the last one once
-                    // it finished and the status no longer names it) and its published rounds.
-                    let history = tokio::task::spawn_blocking(move || agg.round_history(CAMPAIGN_SCAN))
-                        .await
-                        .map_err(|e| ApiError::internal(e.to_string()))?;
-                    let campaign = history.first().and_then(|r| r.campaign);
-                    let published = history.iter().take_while(|r| r.campaign == campaign).filter(|r| r.version.is_some()).count();
-                    status["history"] = json!({"campaign": campaign, "rounds_published": published});
-                    Ok(status)
-                }
-            },
+            with(&agg, |agg, _| async move {
+                let mut status = to_reply(agg.status())?;
+                status["secure_aggregation"] = json!(agg.config().secure_aggregation.is_some());
+                // The newest campaign in the history (the running one, or the last one once it
+                // finished and the status no longer names it) and its published rounds.
+                let history = blocking(move || agg.round_history(CAMPAIGN_SCAN)).await?;
+                let campaign = history.first().and_then(|r| r.campaign);
+                let published = history.iter().take_while(|r| r.campaign == campaign).filter(|r| r.version.is_some()).count();
+                status["history"] = json!({"campaign": campaign, "rounds_published": published});
+                Ok(status)
+            }),
         )
         .read(
             "/api/v1/rounds",
             "The rounds that ended, newest first (`?limit=N`): outcome, version, updates, accuracy, loss, refusals by reason, timings; and the service's refusals by reason",
-            move |c: Call| {
-                let agg = a2.clone();
-                async move {
-                    let limit = match c.query.get("limit") {
-                        None => DEFAULT_ROUNDS,
-                        Some(l) => l.parse::<usize>().map_err(|e| ApiError::bad_request(format!("limit {l:?}: {e}")))?.min(10_000),
-                    };
-                    let rounds = tokio::task::spawn_blocking(move || (agg.round_history(limit), agg.metrics().rejections()))
-                        .await
-                        .map_err(|e| ApiError::internal(e.to_string()))?;
-                    Ok(json!({"rounds": rounds.0, "rejected": rounds.1}))
-                }
-            },
+            with(&agg, |agg, c| async move {
+                let limit = c.limit(DEFAULT_ROUNDS, 10_000)?;
+                let (rounds, rejected) = blocking(move || (agg.round_history(limit), agg.metrics().rejections())).await?;
+                Ok(json!({"rounds": rounds, "rejected": rejected}))
+            }),
         )
         .action(
             "/api/v1/campaign/start",
             "Starts a campaign (`{\"rounds\", \"target_count\", \"min_quorum\", \"deadline_secs\", \"seed\"}`, each optional: the config's `[campaign]` otherwise)",
-            move |c: Call| {
-                let agg = a3.clone();
-                async move {
-                    let overrides: CampaignOverrides = match c.body {
-                        serde_json::Value::Null => CampaignOverrides::default(),
-                        body => serde_json::from_value(body).map_err(|e| ApiError::bad_request(format!("campaign: {e}")))?,
-                    };
-                    to_json(agg.start_campaign(overrides).await.map_err(ApiError::conflict)?)
-                }
-            },
+            with(&agg, |agg, c| async move {
+                let overrides: CampaignOverrides = match c.body {
+                    serde_json::Value::Null => CampaignOverrides::default(),
+                    body => serde_json::from_value(body).map_err(|e| ApiError::bad_request(format!("campaign: {e}")))?,
+                };
+                to_reply(agg.start_campaign(overrides).await.map_err(ApiError::conflict)?)
+            }),
         )
-        .action("/api/v1/campaign/stop", "Stops the running campaign (its open round fails)", move |_| {
-            let agg = a4.clone();
-            async move { to_json(tokio::task::spawn_blocking(move || agg.stop_campaign()).await.map_err(|e| ApiError::internal(e.to_string()))?.map_err(ApiError::conflict)?) }
-        })
+        .action(
+            "/api/v1/campaign/stop",
+            "Stops the running campaign (its open round fails)",
+            with(&agg, |agg, _| async move { to_reply(blocking(move || agg.stop_campaign()).await?.map_err(ApiError::conflict)?) }),
+        )
 }

@@ -75,11 +75,11 @@ impl AggregatorService {
                 let listener = tokio::net::TcpListener::bind(c.listen)
                     .await
                     .map_err(|cause| ServiceError::Console(format!("{}: {cause}", c.listen)))?;
-                let access = fedfleet_http::console::Access::load(c, &self.agg.config().operators).map_err(ServiceError::Console)?;
                 let audit = self.agg.journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
                 let clock = self.agg.clock();
-                let console =
-                    fedfleet_http::console::Console::new(crate::console::api(self.agg.clone()), c, access, audit, move || clock.now_ms());
+                let api = crate::console::api(self.agg.clone());
+                let console = fedfleet_http::console::Console::new(api, c, &self.agg.config().operators, audit, move || clock.now_ms())
+                    .map_err(ServiceError::Console)?;
                 let tls = if c.tls { Some(self.agg.console_tls()?) } else { None };
                 Some(BoundConsole { listener, console, tls })
             }

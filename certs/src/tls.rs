@@ -182,11 +182,20 @@ pub fn server_config_at(
     alpn: &[&[u8]],
     time: TimeSource,
 ) -> Result<ServerConfig, CertError> {
-    let verifier = Arc::new(RevocationCheckingVerifier::new(ca, revocation)?);
+    server_config_with(RevocationCheckingVerifier::new(ca, revocation)?, identity, alpn, time)
+}
+
+/// TLS 1.3 with `identity`'s certificate, client certificates judged by `verifier`.
+fn server_config_with(
+    verifier: RevocationCheckingVerifier,
+    identity: &ServerIdentity,
+    alpn: &[&[u8]],
+    time: TimeSource,
+) -> Result<ServerConfig, CertError> {
     let mut config = ServerConfig::builder_with_details(provider(), time)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?
-        .with_client_cert_verifier(verifier)
+        .with_client_cert_verifier(Arc::new(verifier))
         .with_single_cert(identity.cert_chain().to_vec(), identity.private_key_der()?)
         .map_err(tls_err)?;
     config.alpn_protocols = alpn_vec(alpn);
@@ -204,14 +213,7 @@ pub fn console_server_config(
 ) -> Result<ServerConfig, CertError> {
     let mut verifier = RevocationCheckingVerifier::new(ca, revocation)?;
     verifier.mandatory = false;
-    let mut config = ServerConfig::builder_with_details(provider(), time)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(tls_err)?
-        .with_client_cert_verifier(Arc::new(verifier))
-        .with_single_cert(identity.cert_chain().to_vec(), identity.private_key_der()?)
-        .map_err(tls_err)?;
-    config.alpn_protocols = alpn_vec(&[b"http/1.1"]);
-    Ok(config)
+    server_config_with(verifier, identity, &[b"http/1.1"], time)
 }
 
 fn client_builder(ca: &CaCert) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {

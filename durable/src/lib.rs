@@ -210,17 +210,23 @@ impl Journal {
     pub fn append(&self, record: &[u8]) -> sled::Result<()> {
         let _one = self.append.lock().unwrap_or_else(|p| p.into_inner());
         let next = match self.tree.last()? {
-            Some((k, _)) => u64::from_be_bytes(k.as_ref().try_into().unwrap_or([0; 8])) + 1,
+            Some((k, _)) => Self::id(&k) + 1,
             None => 0,
         };
         self.tree.insert(next.to_be_bytes(), record)?;
-        // One trim per append keeps the log at `keep` (the first key is the oldest).
-        if self.tree.len() > self.keep
-            && let Some((k, _)) = self.tree.first()?
+        // Keys are consecutive, so the oldest kept one is `next + 1 - keep`; one trim per append
+        // keeps the log at `keep` without counting it (sled's `len` walks the whole tree).
+        let oldest_kept = (next + 1).saturating_sub(self.keep as u64);
+        if let Some((k, _)) = self.tree.first()?
+            && Self::id(&k) < oldest_kept
         {
             self.tree.remove(k)?;
         }
         Ok(())
+    }
+
+    fn id(key: &[u8]) -> u64 {
+        u64::from_be_bytes(key.try_into().unwrap_or([0; 8]))
     }
 
     /// The newest `limit` records, newest first.

@@ -132,7 +132,7 @@ const MIN_TOKEN_LEN: usize = 20;
 
 /// Who may call, and how they prove it.
 #[derive(Debug, Clone)]
-pub struct Access {
+struct Access {
     loopback: LoopbackAccess,
     /// blake3(token) → (name, role): the hash compare is constant-time.
     tokens: Vec<(blake3::Hash, String, Role)>,
@@ -141,7 +141,7 @@ pub struct Access {
 
 impl Access {
     /// Reads `cfg.tokens` (if any); `operators` are the service names whose certificates act.
-    pub fn load(cfg: &ConsoleConfig, operators: &[String]) -> Result<Access, String> {
+    fn load(cfg: &ConsoleConfig, operators: &[String]) -> Result<Access, String> {
         let mut tokens = Vec::new();
         if let Some(path) = &cfg.tokens {
             let text = std::fs::read_to_string(path).map_err(|e| format!("console tokens {}: {e}", path.display()))?;
@@ -236,6 +236,14 @@ impl Call {
         self.params.get(name).map(String::as_str).unwrap_or_default()
     }
 
+    /// `?limit=N`: `default` when absent, at most `max`.
+    pub fn limit(&self, default: usize, max: usize) -> Result<usize, ApiError> {
+        match self.query.get("limit") {
+            None => Ok(default),
+            Some(l) => Ok(l.parse::<usize>().map_err(|e| ApiError::bad_request(format!("limit {l:?}: {e}")))?.min(max)),
+        }
+    }
+
     /// A body field, decoded (`None` when absent).
     pub fn field<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<Option<T>, ApiError> {
         match self.body.get(name) {
@@ -283,6 +291,33 @@ fn json_response(status: StatusCode, v: &Value) -> Response {
 
 /// What a handler answers.
 pub type Reply = Result<Value, ApiError>;
+
+/// A handler's answer from any serializable value.
+pub fn to_reply(v: impl Serialize) -> Reply {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// A handler of the table with its own clone of the service's `state`.
+pub fn with<S, F, Fut>(state: &S, f: F) -> impl Fn(Call) -> Fut + Send + Sync + 'static
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Call) -> Fut + Send + Sync + 'static,
+{
+    let state = state.clone();
+    move |c| f(state.clone(), c)
+}
+
+/// Runs blocking work (a store read, a lock taken for long) off the async threads.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("the request's task failed: {e}")))
+}
+
+fn reply_response(r: Reply) -> Response {
+    match r {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => e.into_response(),
+    }
+}
 type Handler = Arc<dyn Fn(Call) -> Pin<Box<dyn Future<Output = Reply> + Send>> + Send + Sync>;
 
 struct Op {
@@ -323,6 +358,15 @@ impl Api {
         Fut: Future<Output = Reply> + Send + 'static,
     {
         self.op(Method::GET, path, summary, Role::Reader, f)
+    }
+
+    /// A read for operators only (the audit journal).
+    pub fn operator_read<F, Fut>(self, path: &'static str, summary: &'static str, f: F) -> Self
+    where
+        F: Fn(Call) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Reply> + Send + 'static,
+    {
+        self.op(Method::GET, path, summary, Role::Operator, f)
     }
 
     /// An operator action (POST with a JSON body), audited whatever its outcome.
@@ -409,7 +453,8 @@ struct Shared {
 }
 
 impl Shared {
-    fn audit(&self, conn: &ConnInfo, identity: &str, action: String, outcome: &Result<Value, ApiError>) {
+    /// Records one entry, durably, off the async threads (sled's flush is blocking I/O).
+    async fn audit(&self, conn: &ConnInfo, identity: &str, action: String, outcome: &Reply) {
         let (status, detail) = match outcome {
             Ok(_) => (200, String::new()),
             Err(e) => (e.status.as_u16(), e.message.clone()),
@@ -418,8 +463,11 @@ impl Shared {
             AuditEntry { at_unix_ms: (self.now_ms)(), identity: identity.to_owned(), peer: conn.peer.to_string(), action, status, detail };
         tracing::info!(target: "audit", identity = %entry.identity, peer = %entry.peer, action = %entry.action, status, detail = %entry.detail, "console");
         let bytes = serde_json::to_vec(&entry).expect("an audit entry serializes");
-        if let Err(e) = self.audit.append(&bytes).and_then(|()| self.audit.flush()) {
-            tracing::error!(error = %e, "cannot write the audit journal");
+        let journal = self.audit.clone();
+        match blocking(move || journal.append(&bytes).and_then(|()| journal.flush())).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "cannot write the audit journal"),
+            Err(e) => tracing::error!(error = %e.message, "cannot write the audit journal"),
         }
     }
 
@@ -431,15 +479,15 @@ impl Shared {
             Ok(c) => c,
             Err((who, e)) => {
                 let refused = Err(e);
-                self.audit(&conn, &who, action, &refused);
-                return refused.into_response_json();
+                self.audit(&conn, &who, action, &refused).await;
+                return reply_response(refused);
             }
         };
         if caller.role < op.role {
             let refused =
-                Err(ApiError::new(StatusCode::FORBIDDEN, format!("{} has the reader role; {action} needs an operator", caller.identity)));
-            self.audit(&conn, &caller.identity, action, &refused);
-            return refused.into_response_json();
+                Err(ApiError::new(StatusCode::FORBIDDEN, format!("{} has the reader role; {action} is for operators", caller.identity)));
+            self.audit(&conn, &caller.identity, action, &refused).await;
+            return reply_response(refused);
         }
         let body = if call.body.is_empty() {
             Ok(Value::Null)
@@ -451,23 +499,11 @@ impl Shared {
             Ok(body) => (op.handler)(Call { params: call.params, query: call.query, body, caller }).await,
             Err(e) => Err(e),
         };
-        if op.role == Role::Operator {
-            self.audit(&conn, &identity, action, &outcome);
+        // Actions are audited whatever their outcome; reads only when refused (above).
+        if op.method == Method::POST {
+            self.audit(&conn, &identity, action, &outcome).await;
         }
-        outcome.into_response_json()
-    }
-}
-
-trait IntoJson {
-    fn into_response_json(self) -> Response;
-}
-
-impl IntoJson for Result<Value, ApiError> {
-    fn into_response_json(self) -> Response {
-        match self {
-            Ok(v) => json_response(StatusCode::OK, &v),
-            Err(e) => e.into_response(),
-        }
+        reply_response(outcome)
     }
 }
 
@@ -485,21 +521,18 @@ pub struct Console {
 }
 
 impl Console {
-    /// `audit`: the service's journal; `now_ms`: its clock.
+    /// `operators`: the service names whose certificates act; `audit`: the service's journal;
+    /// `now_ms`: its clock. Fails on a bad tokens file.
     pub fn new(
         api: Api,
         cfg: &ConsoleConfig,
-        access: Access,
+        operators: &[String],
         audit: fedfleet_durable::Journal,
         now_ms: impl Fn() -> u64 + Send + Sync + 'static,
-    ) -> Console {
+    ) -> Result<Console, String> {
+        let access = Access::load(cfg, operators)?;
         let api = with_builtins(api, audit.clone(), cfg.peer.clone());
-        Console { shared: Arc::new(Shared { api, access, audit, now_ms: Box::new(now_ms) }) }
-    }
-
-    /// The OpenAPI document (also served at `/api/v1/openapi.json`).
-    pub fn openapi(&self) -> Value {
-        self.shared.api.openapi()
+        Ok(Console { shared: Arc::new(Shared { api, access, audit, now_ms: Box::new(now_ms) }) })
     }
 
     fn router(&self) -> Router {
@@ -539,7 +572,7 @@ impl Console {
     pub async fn serve(self, listener: tokio::net::TcpListener, tls: Option<rustls::ServerConfig>, shutdown: impl Future<Output = ()>) {
         let router = self.router();
         let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(Arc::new(t)));
-        let handlers = fedfleet_net::serve::accept_until(
+        let mut handlers = fedfleet_net::serve::accept_until(
             &listener,
             MAX_CONNECTIONS,
             shutdown,
@@ -564,7 +597,6 @@ impl Console {
         )
         .await;
         // Browsers keep connections open: close them with the service.
-        let mut handlers = handlers;
         handlers.shutdown().await;
     }
 }
@@ -586,46 +618,29 @@ where
 /// The operations every console has.
 fn with_builtins(api: Api, audit: fedfleet_durable::Journal, peer: Option<String>) -> Api {
     let (service, views) = (api.service, api.views.clone());
-    let ops_doc: Arc<std::sync::OnceLock<Value>> = Arc::default();
-    let doc = ops_doc.clone();
+    // The document lists itself: it is made once the table is complete.
+    let document: Arc<std::sync::OnceLock<Value>> = Arc::default();
+    let served = document.clone();
     let api = api
-        .read(
+        .operator_read(
             "/api/v1/audit",
             "The audit journal, newest first (`?limit=N`, default 100): who did what, when, with what outcome",
-            move |c| {
-                let audit = audit.clone();
-                async move {
-                    if c.caller.role < Role::Operator {
-                        return Err(ApiError::new(StatusCode::FORBIDDEN, "the audit journal is for operators"));
-                    }
-                    let limit = c
-                        .query
-                        .get("limit")
-                        .map(|l| l.parse::<usize>())
-                        .transpose()
-                        .map_err(|e| ApiError::bad_request(format!("limit: {e}")))?;
-                    let entries = audit.newest(limit.unwrap_or(100).min(10_000)).map_err(|e| ApiError::internal(e.to_string()))?;
-                    let entries: Vec<Value> = entries.iter().filter_map(|b| serde_json::from_slice(b).ok()).collect();
-                    Ok(json!({"entries": entries}))
-                }
-            },
+            with(&audit, |audit, c| async move {
+                let limit = c.limit(100, 10_000)?;
+                let entries = blocking(move || audit.newest(limit)).await?.map_err(|e| ApiError::internal(e.to_string()))?;
+                let entries: Vec<Value> = entries.iter().filter_map(|b| serde_json::from_slice(b).ok()).collect();
+                Ok(json!({"entries": entries}))
+            }),
         )
         .read("/api/v1/openapi.json", "This document", move |_| {
-            let doc = doc.get().cloned().unwrap_or(Value::Null);
+            let doc = served.get().cloned().unwrap_or(Value::Null);
             async move { Ok(doc) }
-        });
-    let mut api = api;
-    api.ops.push(Op {
-        method: Method::GET,
-        // A path of its own: `/api/v1/` with the trailing slash (the page asks for it).
-        path: "/api/v1/",
-        summary: "Which service this is, its dashboard views, and who the caller is",
-        role: Role::Reader,
-        handler: Arc::new(move |c: Call| {
+        })
+        // `/api/v1/` with the trailing slash: the page asks for it.
+        .read("/api/v1/", "Which service this is, its dashboard views, and who the caller is", move |c| {
             let (views, peer) = (views.clone(), peer.clone());
-            Box::pin(async move { Ok(json!({"service": service, "api": "v1", "views": views, "peer": peer, "caller": c.caller})) })
-        }),
-    });
-    let _ = ops_doc.set(api.openapi());
+            async move { Ok(json!({"service": service, "api": "v1", "views": views, "peer": peer, "caller": c.caller})) }
+        });
+    let _ = document.set(api.openapi());
     api
 }

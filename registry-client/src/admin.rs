@@ -45,7 +45,7 @@ pub struct ModelListing {
     pub aliases: BTreeMap<String, ModelVersion>,
 }
 
-/// A version in a listing: what `show` gives, less the spec.
+/// A version in a listing: what `show` gives, less the spec and the chunk list.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VersionListed {
     pub version: ModelVersion,
@@ -56,6 +56,10 @@ pub struct VersionListed {
     pub publisher: String,
     /// The version is a LoRA fine-tune merged into its base weights (see `show` for the lineage).
     pub adapter: bool,
+    /// Its evaluation (`accuracy`, `loss`, ...) and, from the aggregator's promotion gate, the
+    /// decision (`gate_*`). Absent from registries that predate it.
+    #[serde(default)]
+    pub metrics: BTreeMap<String, f64>,
 }
 
 impl VersionListed {
@@ -68,6 +72,7 @@ impl VersionListed {
             created_at_unix_ms: m.created_at_unix_ms,
             publisher: m.publisher.clone(),
             adapter: m.adapter.is_some(),
+            metrics: m.metrics.clone(),
         }
     }
 }

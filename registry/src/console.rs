@@ -5,11 +5,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use fedfleet_http::console::{Api, ApiError, Call, Reply};
+use fedfleet_http::console::{self, Api, ApiError, Call, Reply, to_reply, with};
 use fedfleet_protocol::ModelVersion;
 use serde_json::{Value, json};
 
-use crate::admin::{AdminAnswer, DeviceReport};
+use crate::admin::{AdminAnswer, DeviceReport, VersionListed};
 use crate::ops::Registry;
 use crate::wire::{AdminRequest, RolloutCommand, RolloutStart};
 use crate::{Refusal, RegistryError};
@@ -22,10 +22,7 @@ const MAX_LINEAGE: usize = 256;
 fn api_error(e: RegistryError) -> ApiError {
     match e.refusal() {
         Refusal::NotFound => ApiError::not_found(e.to_string()),
-        Refusal::Invalid(_) => ApiError::conflict(match e {
-            RegistryError::NotAModel(d) => d,
-            e => e.to_string(),
-        }),
+        Refusal::Invalid(_) => ApiError::conflict(e.to_string()),
         Refusal::Internal => ApiError::internal(e.to_string()),
     }
 }
@@ -36,11 +33,7 @@ async fn blocking<T: Send + 'static>(
     f: impl FnOnce(&Registry, u64) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let reg = reg.clone();
-    tokio::task::spawn_blocking(move || f(&reg, reg.now_ms())).await.map_err(|e| ApiError::internal(e.to_string()))?.map_err(api_error)
-}
-
-fn to_json(v: impl serde::Serialize) -> Reply {
-    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+    console::blocking(move || f(&reg, reg.now_ms())).await?.map_err(api_error)
 }
 
 fn version_param(c: &Call) -> Result<ModelVersion, ApiError> {
@@ -83,146 +76,107 @@ fn devices(reg: &Registry, now: u64) -> Result<Vec<Value>, RegistryError> {
     }
 }
 
-/// A version without its spec (listings), with the metrics the pages plot.
-fn version_json(m: &crate::ModelInfo) -> Value {
-    json!({
-        "version": m.version,
-        "parent": m.parent,
-        "digest": m.digest.to_hex(),
-        "length": m.length,
-        "metrics": m.metrics,
-        "created_at_unix_ms": m.created_at_unix_ms,
-        "publisher": m.publisher,
-        "adapter": m.adapter.is_some(),
-    })
+/// One version as `show` answers it, with its lineage (parents, newest first) and the devices
+/// that run it.
+fn version_detail(reg: &Registry, name: String, version: ModelVersion, now: u64) -> Result<Value, RegistryError> {
+    let shown = reg.admin(AdminRequest::Show { name: name.clone(), version: Some(version) }, now)?;
+    let AdminAnswer::Version(shown) = shown else {
+        return Err(RegistryError::Internal(format!("show answered {shown:?}")));
+    };
+    let mut lineage = Vec::new();
+    let mut parent = shown.model.parent;
+    while let Some(p) = parent.filter(|_| lineage.len() < MAX_LINEAGE) {
+        let m = reg.store().version(&name, p)?;
+        parent = m.parent;
+        lineage.push(VersionListed::of(&m));
+    }
+    let tag = format!("v{version}");
+    let running: Vec<Value> = devices(reg, now)?
+        .into_iter()
+        .filter(|d| d["model"] == json!(name) && d["version"] == json!(tag))
+        .map(|d| d["device"].clone())
+        .collect();
+    let mut out = serde_json::to_value(&shown).map_err(|e| RegistryError::Internal(e.to_string()))?;
+    out["lineage"] = json!(lineage);
+    out["devices"] = json!(running);
+    Ok(out)
+}
+
+/// The `?version=&health=&online=` filters of the fleet view, and its counts.
+fn fleet(all: Vec<Value>, query: &BTreeMap<String, String>) -> Value {
+    let mut by_version: BTreeMap<String, u64> = BTreeMap::new();
+    for d in &all {
+        *by_version.entry(d["version"].as_str().unwrap_or("none").to_owned()).or_default() += 1;
+    }
+    let mut healths: Vec<&str> = all.iter().filter_map(|d| d["health"].as_str()).collect();
+    healths.sort_unstable();
+    healths.dedup();
+    let online = all.iter().filter(|d| d["online"] == json!(true)).count();
+    let keep = |d: &Value| {
+        query.get("version").is_none_or(|v| d["version"].as_str().unwrap_or("none") == v)
+            && query.get("health").is_none_or(|h| d["health"] == json!(h))
+            && query.get("online").is_none_or(|o| d["online"].as_bool().map(|b| if b { "true" } else { "false" }) == Some(o.as_str()))
+    };
+    let shown: Vec<&Value> = all.iter().filter(|d| keep(d)).collect();
+    json!({"total": all.len(), "online": online, "by_version": by_version, "healths": healths, "devices": shown})
 }
 
 /// The registry's API table.
 pub fn api(reg: Arc<Registry>) -> Api {
-    let r = || reg.clone();
-    let api = Api::new("registry", &["fleet", "versions", "rollouts"]);
-    let reg1 = r();
-    let api = api.read("/api/v1/models", "Every model: its versions (metrics, lineage, publisher) and aliases", move |_| {
-        let reg = reg1.clone();
-        async move {
-            let models = blocking(&reg, |reg, _| {
-                let store = reg.store();
-                let mut models = Vec::new();
-                for name in store.models()? {
-                    let versions: Vec<Value> = store
-                        .versions(&name)?
-                        .into_iter()
-                        .map(|v| store.version(&name, v).map(|m| version_json(&m)))
-                        .collect::<Result<_, _>>()?;
-                    models.push(json!({"name": name, "versions": versions, "aliases": store.aliases(&name)?}));
+    let mut api = Api::new("registry", &["fleet", "versions", "rollouts"])
+        .read(
+            "/api/v1/models",
+            "Every model: its versions (metrics, lineage, publisher) and aliases",
+            with(&reg, |reg, _| async move {
+                match blocking(&reg, |reg, now| reg.admin(AdminRequest::List, now)).await? {
+                    AdminAnswer::Models { models } => to_reply(json!({ "models": models })),
+                    other => Err(ApiError::internal(format!("list answered {other:?}"))),
                 }
-                Ok(models)
-            })
-            .await?;
-            Ok(json!({ "models": models }))
-        }
-    });
-    let reg2 = r();
-    let api = api.read(
-        "/api/v1/models/{name}/versions/{version}",
-        "One version: its record and spec, the aliases on it, its lineage (parents, newest first) and the devices that run it",
-        move |c: Call| {
-            let reg = reg2.clone();
-            async move {
+            }),
+        )
+        .read(
+            "/api/v1/models/{name}/versions/{version}",
+            "One version: its record and spec, the aliases on it, its lineage (parents, newest first) and the devices that run it",
+            with(&reg, |reg, c| async move {
                 let (name, version) = (c.param("name").to_owned(), version_param(&c)?);
-                blocking(&reg, move |reg, now| {
-                    let store = reg.store();
-                    let info = store.version(&name, version)?;
-                    let aliases: Vec<String> = store.aliases(&name)?.into_iter().filter(|(_, v)| *v == version).map(|(a, _)| a).collect();
-                    let mut lineage = Vec::new();
-                    let mut parent = info.parent;
-                    while let Some(p) = parent.filter(|_| lineage.len() < MAX_LINEAGE) {
-                        let m = store.version(&name, p)?;
-                        parent = m.parent;
-                        lineage.push(version_json(&m));
-                    }
-                    let tag = format!("v{version}");
-                    let running: Vec<Value> = devices(reg, now)?
-                        .into_iter()
-                        .filter(|d| d["model"] == json!(name) && d["version"] == json!(tag))
-                        .map(|d| d["device"].clone())
-                        .collect();
-                    let mut out = version_json(&info);
-                    out["name"] = json!(name);
-                    out["spec"] = serde_json::from_str(&info.spec.to_string()).unwrap_or(Value::Null);
-                    out["aliases"] = json!(aliases);
-                    out["lineage"] = json!(lineage);
-                    out["devices"] = json!(running);
-                    Ok(out)
-                })
-                .await
-            }
-        },
-    );
-    let reg3 = r();
-    let api = api.action(
-        "/api/v1/models/{name}/aliases/{alias}",
-        "Points an alias at a version (`{\"version\": N}`): promotes a version by hand, e.g. to `stable`",
-        move |c: Call| {
-            let reg = reg3.clone();
-            async move {
+                blocking(&reg, move |reg, now| version_detail(reg, name, version, now)).await
+            }),
+        )
+        .action(
+            "/api/v1/models/{name}/aliases/{alias}",
+            "Points an alias at a version (`{\"version\": N}`): promotes a version by hand, e.g. to `stable`",
+            with(&reg, |reg, c| async move {
                 let version: ModelVersion = c.field("version")?.ok_or_else(|| ApiError::bad_request("the body needs \"version\""))?;
                 let (name, alias) = (c.param("name").to_owned(), c.param("alias").to_owned());
-                to_json(blocking(&reg, move |reg, now| reg.admin(AdminRequest::AliasSet { name, alias, version }, now)).await?)
-            }
-        },
-    );
-    let reg4 = r();
-    let api = api.read(
-        "/api/v1/devices",
-        "Every device that reported: version, state, health, last seen, online; `?version=v3&health=failed&online=true` filter; counts per version",
-        move |c: Call| {
-            let reg = reg4.clone();
-            async move {
-                let all = blocking(&reg, devices).await?;
-                let mut by_version: BTreeMap<String, u64> = BTreeMap::new();
-                for d in &all {
-                    *by_version.entry(d["version"].as_str().unwrap_or("none").to_owned()).or_default() += 1;
-                }
-                let mut healths: Vec<&str> = all.iter().filter_map(|d| d["health"].as_str()).collect();
-                healths.sort_unstable();
-                healths.dedup();
-                let online = all.iter().filter(|d| d["online"] == json!(true)).count();
-                let keep = |d: &Value| {
-                    c.query.get("version").is_none_or(|v| d["version"].as_str().unwrap_or("none") == v)
-                        && c.query.get("health").is_none_or(|h| d["health"] == json!(h))
-                        && c.query.get("online").is_none_or(|o| d["online"].as_bool().map(|b| if b { "true" } else { "false" }) == Some(o.as_str()))
-                };
-                let shown: Vec<&Value> = all.iter().filter(|d| keep(d)).collect();
-                Ok(json!({"total": all.len(), "online": online, "by_version": by_version, "healths": healths, "devices": shown}))
-            }
-        },
-    );
-    let reg5 = r();
-    let api = api.read("/api/v1/rollouts", "Every rollout: plan, status, phase, outcomes, failure rate", move |_| {
-        let reg = reg5.clone();
-        async move { to_json(rollout_answer(blocking(&reg, |reg, now| reg.admin(AdminRequest::RolloutStatus { id: None }, now)).await?)) }
-    });
-    let reg6 = r();
-    let api = api.read("/api/v1/rollouts/{id}", "One rollout", move |c: Call| {
-        let reg = reg6.clone();
-        async move {
-            let id = c.param("id").to_owned();
-            to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::RolloutStatus { id: Some(id) }, now)).await?))
-        }
-    });
-    let reg7 = r();
-    let mut api = api.action(
-        "/api/v1/rollouts",
-        "Starts a rollout (`{\"model\", \"alias\", \"target\", \"phases\", \"failure_threshold\", \"min_sample\"}`, as `rollout start`)",
-        move |c: Call| {
-            let reg = reg7.clone();
-            async move {
+                to_reply(blocking(&reg, move |reg, now| reg.admin(AdminRequest::AliasSet { name, alias, version }, now)).await?)
+            }),
+        )
+        .read(
+            "/api/v1/devices",
+            "Every device that reported: version, state, health, last seen, online; `?version=v3&health=failed&online=true` filter; counts per version",
+            with(&reg, |reg, c| async move { Ok(fleet(blocking(&reg, devices).await?, &c.query)) }),
+        )
+        .read(
+            "/api/v1/rollouts",
+            "Every rollout: plan, status, phase, outcomes, failure rate",
+            with(&reg, |reg, _| async move { rollout_reply(blocking(&reg, |reg, now| reg.admin(AdminRequest::RolloutStatus { id: None }, now)).await?) }),
+        )
+        .read(
+            "/api/v1/rollouts/{id}",
+            "One rollout",
+            with(&reg, |reg, c| async move {
+                let id = c.param("id").to_owned();
+                rollout_reply(blocking(&reg, move |reg, now| reg.admin(AdminRequest::RolloutStatus { id: Some(id) }, now)).await?)
+            }),
+        )
+        .action(
+            "/api/v1/rollouts",
+            "Starts a rollout (`{\"model\", \"alias\", \"target\", \"phases\", \"failure_threshold\", \"min_sample\"}`, as `rollout start`)",
+            with(&reg, |reg, c| async move {
                 let start: RolloutStart = serde_json::from_value(c.body).map_err(|e| ApiError::bad_request(format!("rollout: {e}")))?;
-                to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::RolloutStart(start), now)).await?))
-            }
-        },
-    );
+                rollout_reply(blocking(&reg, move |reg, now| reg.admin(AdminRequest::RolloutStart(start), now)).await?)
+            }),
+        );
     let commands: [(&'static str, &'static str, fn(&Call) -> RolloutCommand); 4] = [
         ("/api/v1/rollouts/{id}/pause", "Pauses a running rollout", |_| RolloutCommand::Pause),
         ("/api/v1/rollouts/{id}/resume", "Resumes a paused rollout", |_| RolloutCommand::Resume),
@@ -232,28 +186,23 @@ pub fn api(reg: Arc<Registry>) -> Api {
         ("/api/v1/rollouts/{id}/rollback", "Rolls a rollout back: the alias returns to the previous version", |_| RolloutCommand::Rollback),
     ];
     for (path, summary, command) in commands {
-        let reg = r();
-        api =
-            api.action(path, summary, move |c: Call| {
-                let reg = reg.clone();
+        api = api.action(
+            path,
+            summary,
+            with(&reg, move |reg, c| {
                 let (id, command) = (c.param("id").to_owned(), command(&c));
-                async move {
-                    to_json(rollout_answer(blocking(&reg, move |reg, now| reg.admin(AdminRequest::Rollout { id, command }, now)).await?))
-                }
-            });
+                async move { rollout_reply(blocking(&reg, move |reg, now| reg.admin(AdminRequest::Rollout { id, command }, now)).await?) }
+            }),
+        );
     }
     api
 }
 
 /// A rollout answer without the CLI's `answer` tag.
-fn rollout_answer(a: AdminAnswer) -> Value {
+fn rollout_reply(a: AdminAnswer) -> Reply {
     match a {
-        AdminAnswer::Rollout(r) => rollout_json(&r),
-        AdminAnswer::Rollouts { rollouts } => json!({"rollouts": rollouts.iter().map(rollout_json).collect::<Vec<_>>()}),
-        other => serde_json::to_value(other).unwrap_or(Value::Null),
+        AdminAnswer::Rollout(r) => to_reply(r),
+        AdminAnswer::Rollouts { rollouts } => to_reply(json!({"rollouts": rollouts})),
+        other => Err(ApiError::internal(format!("a rollout command answered {other:?}"))),
     }
-}
-
-fn rollout_json(r: &crate::admin::RolloutReport) -> Value {
-    serde_json::to_value(r).unwrap_or(Value::Null)
 }

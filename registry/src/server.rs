@@ -214,10 +214,7 @@ fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
         }
         Refusal::Invalid(name) => {
             m.rejection_named(name);
-            Response::Invalid(match e {
-                RegistryError::NotAModel(d) => d,
-                e => e.to_string(),
-            })
+            Response::Invalid(e.to_string())
         }
         Refusal::Internal => {
             tracing::error!(error = %e, "request failed");

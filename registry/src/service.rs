@@ -166,12 +166,11 @@ impl BoundRegistry {
         };
         let console = match (&cfg.console, console) {
             (Some(c), Some(listener)) => {
-                let access = fedfleet_http::console::Access::load(c, &cfg.operators).map_err(RegistryError::Config)?;
                 let audit = service.reg.store().journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
                 let clock = service.clock.clone();
-                let console = fedfleet_http::console::Console::new(crate::console::api(service.reg.clone()), c, access, audit, move || {
-                    clock.now_ms()
-                });
+                let api = crate::console::api(service.reg.clone());
+                let console = fedfleet_http::console::Console::new(api, c, &cfg.operators, audit, move || clock.now_ms())
+                    .map_err(RegistryError::Config)?;
                 tracing::info!(addr = ?listener.local_addr().ok(), tls = c.tls, "operator console (API and dashboard)");
                 Some(tokio::spawn(console.serve(listener, service.console_tls.clone(), shutdown.wait())))
             }

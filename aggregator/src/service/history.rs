@@ -20,10 +20,9 @@ pub struct RoundRecord {
     pub version: Option<u64>,
     /// Updates folded into the round (a relay's or a secure round's sum counts its devices).
     pub accepted: u32,
-    /// Server-side evaluation of the published model (`accuracy`, `loss`, ...), and DP spend.
+    /// Server-side evaluation of the published model (`accuracy`, `loss`, ...), DP spend and
+    /// the promotion gate's figures.
     pub metrics: BTreeMap<String, f64>,
-    pub accuracy: Option<f64>,
-    pub loss: Option<f64>,
     /// `[promotion]`: what the gate decided (`promoted to stable: ...`, `candidate: ...`).
     pub promotion: Option<String>,
     /// Updates and requests refused while the round was open, by reason.
@@ -84,12 +83,9 @@ impl Aggregator {
             .filter(|(_, n)| *n > 0)
             .collect();
         if let Some((version, metrics, promotion)) = published {
-            self.shared.metrics.published(version.0, metrics);
             r.version = Some(version.0);
             r.promotion = promotion;
             r.metrics = metrics.clone();
-            r.accuracy = metrics.get("accuracy").copied();
-            r.loss = metrics.get("loss").copied();
             r.published_at_unix_ms = Some(now);
         }
         let bytes = serde_json::to_vec(&r).expect("a round record serializes");

@@ -320,6 +320,7 @@ impl Aggregator {
             core.global = Some(GlobalRef { version, digest });
             core.base = Some(Base::new(digest, version, base.layout.clone(), model, &base.sent.layout));
             me.shared.metrics.round("published");
+            me.shared.metrics.published(version.0, &rec.metrics);
             tracing::info!(round = %round, version = %version, %digest, metrics = ?rec.metrics, "global model published");
             let now = me.now_ms();
             me.history_round_ended(&mut core, round, "published", Some((version, &rec.metrics, promotion)), now);

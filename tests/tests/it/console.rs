@@ -128,7 +128,7 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
         let rounds = get(aggregator, "/api/v1/rounds").await;
         let last = &rounds["rounds"][0];
         assert_eq!(last["outcome"], json!("published"), "{rounds}");
-        let accuracy = last["accuracy"].as_f64().expect("the last round was evaluated");
+        let accuracy = last["metrics"]["accuracy"].as_f64().expect("the last round was evaluated");
         assert!(accuracy > 0.5, "{rounds}");
         open(&c, &format!("http://{aggregator}/#campaign"), "campaign").await;
         assert_eq!(text(&c, "rounds-completed").await.unwrap(), "2");
