@@ -178,7 +178,9 @@ pub struct Store {
     meta: sled::Tree,
     accepted: sled::Tree,
     models: sled::Tree,
+    /// The last sequence made durable, and the `COMMIT` file that records it.
     marker: Mutex<u64>,
+    commit_marker: fedfleet_durable::CommitMarker,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -237,6 +239,7 @@ impl Store {
             db,
             dir: dir.to_owned(),
             marker: Mutex::new(marker),
+            commit_marker: self::marker(dir),
         };
         match store.meta.get("format")? {
             Some(f) if f.as_ref() == FORMAT.as_bytes() => {}
@@ -462,7 +465,7 @@ impl Store {
         // Payloads before the records that name them.
         self.updates.sync().map_err(io(&self.dir.join("updates")))?;
         self.db.flush()?;
-        let m = marker(&self.dir);
+        let m = &self.commit_marker;
         m.write(target).map_err(io(m.path()))?;
         *durable = target;
         Ok(())

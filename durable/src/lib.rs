@@ -154,17 +154,27 @@ pub fn sync_parent(path: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// The commit marker file: one line, `<prefix> <seq>`.
-#[derive(Debug, Clone)]
+/// The commit marker file. It is written on every group commit, so it is overwritten in place
+/// (one write and one `fdatasync`, no new file or rename): two slots of [`MARKER_SLOT`] bytes,
+/// each a line `<prefix> <seq> <check>` padded with spaces, written in turn. A write torn by a
+/// crash leaves a slot whose check fails, and the other slot still holds the sequence before it.
+/// A one-line `<prefix> <seq>` file (the earlier layout, written whole by rename) is still read,
+/// and replaced by the two-slot layout on the first write.
+#[derive(Debug)]
 pub struct CommitMarker {
     path: PathBuf,
     prefix: &'static str,
+    /// The open file and the slot the next write goes to, from the first write on.
+    open: std::sync::Mutex<Option<(File, usize)>>,
 }
+
+/// Bytes per slot of the commit marker.
+pub const MARKER_SLOT: usize = 128;
 
 impl CommitMarker {
     /// The marker at `dir/COMMIT`, tagged with `prefix` (e.g. `fedfleet-registry-commit`).
     pub fn new(dir: &Path, prefix: &'static str) -> Self {
-        CommitMarker { path: dir.join("COMMIT"), prefix }
+        CommitMarker { path: dir.join("COMMIT"), prefix, open: std::sync::Mutex::new(None) }
     }
 
     pub fn path(&self) -> &Path {
@@ -174,20 +184,76 @@ impl CommitMarker {
     /// The recorded sequence; 0 when there is no marker yet. A marker that does not parse is an
     /// `InvalidData` error: the caller must treat the store as damaged, not as new.
     pub fn read(&self) -> io::Result<u64> {
-        let text = match fs::read_to_string(&self.path) {
-            Ok(t) => t,
+        let bytes = match fs::read(&self.path) {
+            Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
             Err(e) => return Err(e),
         };
-        text.strip_prefix(self.prefix)
+        let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("{} does not parse", self.path.display()));
+        if bytes.len() == 2 * MARKER_SLOT {
+            let slots = self.slots(&bytes);
+            return slots.into_iter().flatten().max().ok_or_else(bad);
+        }
+        std::str::from_utf8(&bytes)
+            .ok()
+            .and_then(|text| text.strip_prefix(self.prefix))
             .and_then(|rest| rest.trim().parse().ok())
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("{} does not parse", self.path.display())))
+            .ok_or_else(bad)
     }
 
     /// Records `seq` durably. Call only after the database itself has been flushed.
     pub fn write(&self, seq: u64) -> io::Result<()> {
-        write_atomic(&self.path, format!("{} {seq}\n", self.prefix).as_bytes(), Mode::Public)
+        use std::os::unix::fs::FileExt;
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((file, next)) = open.as_mut() {
+            file.write_all_at(&self.slot(seq), (*next * MARKER_SLOT) as u64)?;
+            file.sync_data()?;
+            *next ^= 1;
+            return Ok(());
+        }
+        // First write of this handle: continue a two-slot file (overwriting its older slot), or
+        // lay one out whole (by rename, so a crash leaves the old marker or the new one).
+        let existing = fs::read(&self.path).ok().filter(|b| b.len() == 2 * MARKER_SLOT);
+        let next = match existing.map(|b| self.slots(&b)) {
+            Some([a, b]) => {
+                let file = OpenOptions::new().write(true).open(&self.path)?;
+                let older = usize::from(a.unwrap_or(0) > b.unwrap_or(0));
+                file.write_all_at(&self.slot(seq), (older * MARKER_SLOT) as u64)?;
+                file.sync_data()?;
+                *open = Some((file, older ^ 1));
+                return Ok(());
+            }
+            None => 0,
+        };
+        let slot = self.slot(seq);
+        write_atomic(&self.path, &[slot.as_slice(), slot.as_slice()].concat(), Mode::Public)?;
+        *open = Some((OpenOptions::new().write(true).open(&self.path)?, next));
+        Ok(())
     }
+
+    fn slot(&self, seq: u64) -> Vec<u8> {
+        let line = format!("{} {seq}", self.prefix);
+        let mut slot = format!("{line} {:016x}", marker_check(&line)).into_bytes();
+        slot.resize(MARKER_SLOT - 1, b' ');
+        slot.push(b'\n');
+        slot
+    }
+
+    /// Each slot's sequence, `None` where the slot is torn or not this marker's.
+    fn slots(&self, bytes: &[u8]) -> [Option<u64>; 2] {
+        let parse = |slot: &[u8]| {
+            let text = std::str::from_utf8(slot).ok()?.trim_end();
+            let (line, check) = text.rsplit_once(' ')?;
+            let seq = line.strip_prefix(self.prefix)?.strip_prefix(' ')?.parse().ok()?;
+            (u64::from_str_radix(check, 16).ok()? == marker_check(line)).then_some(seq)
+        };
+        [parse(&bytes[..MARKER_SLOT]), parse(&bytes[MARKER_SLOT..])]
+    }
+}
+
+/// FNV-1a over a marker line: enough to tell a torn slot from a whole one.
+fn marker_check(line: &str) -> u64 {
+    line.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// An append-only log of records in one sled tree, keyed by a monotonic id so that it reads
@@ -307,5 +373,44 @@ mod tests {
         assert_eq!(m.read().unwrap(), 42);
         fs::write(m.path(), "garbage").unwrap();
         assert_eq!(m.read().unwrap_err().kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn marker_slots_survive_a_torn_write_and_continue_across_handles() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let m = CommitMarker::new(dir.path(), "fedfleet-test-commit");
+        for seq in 1..=5 {
+            m.write(seq).unwrap();
+            assert_eq!(m.read().unwrap(), seq);
+        }
+        assert_eq!(fs::metadata(m.path()).unwrap().len(), 2 * MARKER_SLOT as u64);
+        // A new handle overwrites the older slot, never the newest.
+        let again = CommitMarker::new(dir.path(), "fedfleet-test-commit");
+        again.write(6).unwrap();
+        assert_eq!(again.read().unwrap(), 6);
+        again.write(7).unwrap();
+        // A crash tears the slot being written: the other one still holds the sequence before.
+        let bytes = fs::read(m.path()).unwrap();
+        let newest = if bytes[..MARKER_SLOT].starts_with(b"fedfleet-test-commit 7 ") { 0 } else { 1 };
+        let file = OpenOptions::new().write(true).open(m.path()).unwrap();
+        file.write_all_at(b"fedfleet-test-commit 9", (newest * MARKER_SLOT) as u64).unwrap();
+        assert_eq!(again.read().unwrap(), 6);
+        // Both slots torn: damaged, not new.
+        file.write_all_at(b"x", ((newest ^ 1) * MARKER_SLOT) as u64).unwrap();
+        assert_eq!(again.read().unwrap_err().kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn a_one_line_marker_is_read_and_replaced_by_slots_on_the_first_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = CommitMarker::new(dir.path(), "fedfleet-test-commit");
+        fs::write(m.path(), "fedfleet-test-commit 41\n").unwrap();
+        assert_eq!(m.read().unwrap(), 41);
+        m.write(42).unwrap();
+        assert_eq!(m.read().unwrap(), 42);
+        assert_eq!(fs::metadata(m.path()).unwrap().len(), 2 * MARKER_SLOT as u64);
+        m.write(43).unwrap();
+        assert_eq!(CommitMarker::new(dir.path(), "fedfleet-test-commit").read().unwrap(), 43);
     }
 }

@@ -109,19 +109,37 @@ impl NetError {
     }
 }
 
-/// No keep-alives on either side: a device connects when it has work and lets go, and a
-/// connection nobody uses closes after [`IDLE_TIMEOUT`], so ten thousand idle devices hold no
-/// server state. The next call reconnects ([`RpcConnection::connection`]).
-fn transport() -> Arc<quinn::TransportConfig> {
-    transport_with(None)
+/// Bidirectional streams a client may have open at once on one connection to a service (a
+/// client's next one waits for a free one). quinn keeps state for every stream the peer may
+/// open: at its default (100 of each kind) ten thousand device connections held tens of MB.
+const STREAMS_PER_CONNECTION: u32 = 32;
+
+/// The server side's transport: no keep-alives (a device connects when it has work and lets go,
+/// and a connection nobody uses closes after [`IDLE_TIMEOUT`], so ten thousand idle devices
+/// hold no server state); clients open [`STREAMS_PER_CONNECTION`] request streams at most.
+fn server_transport() -> Arc<quinn::TransportConfig> {
+    let mut transport = common_transport();
+    transport.max_concurrent_bidi_streams(STREAMS_PER_CONNECTION.into());
+    Arc::new(transport)
 }
 
-/// [`transport`] with keep-alives every `keep_alive` (see [`RpcConnection::keep_alive`]).
-fn transport_with(keep_alive: Option<Duration>) -> Arc<quinn::TransportConfig> {
-    let mut transport = quinn::TransportConfig::default();
-    transport.max_idle_timeout(Some(IDLE_TIMEOUT.try_into().expect("30 s is a valid idle timeout")));
+/// The client side's transport: keep-alives every `keep_alive`, if any (see
+/// [`RpcConnection::keep_alive`]; the next call reconnects otherwise,
+/// [`RpcConnection::connection`]); services never open a stream to a client.
+fn client_transport(keep_alive: Option<Duration>) -> Arc<quinn::TransportConfig> {
+    let mut transport = common_transport();
+    transport.max_concurrent_bidi_streams(0u32.into());
     transport.keep_alive_interval(keep_alive);
     Arc::new(transport)
+}
+
+/// Both sides: the idle timeout; no unidirectional streams, no datagrams (fedfleet uses neither).
+fn common_transport() -> quinn::TransportConfig {
+    let mut transport = quinn::TransportConfig::default();
+    transport.max_idle_timeout(Some(IDLE_TIMEOUT.try_into().expect("30 s is a valid idle timeout")));
+    transport.max_concurrent_uni_streams(0u32.into());
+    transport.datagram_receive_buffer_size(None);
+    transport
 }
 
 /// A server endpoint on `addr` using an mTLS config from `fedfleet_certs::tls::server_config`.
@@ -167,7 +185,7 @@ fn widen_buffers(socket: &std::net::UdpSocket) {
 fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::EndpointConfig) -> Result<quinn::Endpoint, NetError> {
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    config.transport_config(transport());
+    config.transport_config(server_transport());
     let socket = std::net::UdpSocket::bind(addr).map_err(|cause| NetError::Bind { addr, cause })?;
     widen_buffers(&socket);
     let runtime = quinn::default_runtime().ok_or_else(|| NetError::Config("no async runtime".into()))?;
@@ -178,7 +196,7 @@ fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::End
 pub fn quic_client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConfig, NetError> {
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(transport());
+    config.transport_config(client_transport(None));
     Ok(config)
 }
 

@@ -71,7 +71,7 @@ impl RpcConnection {
     /// whose in-process devices poll less often than real ones would, on a loaded machine.
     pub fn keep_alive(mut self, interval: Duration) -> Self {
         self.keep_alive = Some(interval);
-        self.config.get_mut().unwrap_or_else(|p| p.into_inner()).transport_config(crate::transport_with(self.keep_alive));
+        self.config.get_mut().unwrap_or_else(|p| p.into_inner()).transport_config(crate::client_transport(self.keep_alive));
         self
     }
 
@@ -115,7 +115,7 @@ impl RpcConnection {
     pub async fn set_tls(&self, tls: rustls::ClientConfig) -> Result<(), NetError> {
         let mut config = crate::quic_client_config(tls)?;
         if self.keep_alive.is_some() {
-            config.transport_config(crate::transport_with(self.keep_alive));
+            config.transport_config(crate::client_transport(self.keep_alive));
         }
         *self.config.lock().unwrap_or_else(|p| p.into_inner()) = config;
         self.conn.lock().await.take();

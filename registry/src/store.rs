@@ -177,6 +177,7 @@ pub struct Store {
     meta: sled::Tree,
     /// Last sequence written to the `COMMIT` file.
     marker: Mutex<u64>,
+    commit_marker: fedfleet_durable::CommitMarker,
     /// Held by publish and gc: gc must not collect the chunks of a publish in flight.
     write_lock: Mutex<()>,
     #[cfg(test)]
@@ -324,7 +325,7 @@ fn tx_result<T>(r: std::result::Result<T, TransactionError<StoreError>>) -> Resu
     }
 }
 
-/// The `COMMIT` file: `fedfleet-registry-commit <seq>`. Absent means 0.
+/// The `COMMIT` file (`fedfleet-registry-commit`, see [`fedfleet_durable::CommitMarker`]). Absent means 0.
 fn marker(dir: &Path) -> fedfleet_durable::CommitMarker {
     fedfleet_durable::CommitMarker::new(dir, "fedfleet-registry-commit")
 }
@@ -373,6 +374,7 @@ impl Store {
             devices: tree("devices")?,
             meta: meta.clone(),
             marker: Mutex::new(0),
+            commit_marker: self::marker(&path),
             db,
             path,
             config,
@@ -876,7 +878,7 @@ impl Store {
         self.db.flush()?;
         let mut last = self.marker.lock().unwrap_or_else(|p| p.into_inner());
         if seq > *last {
-            marker(&self.path).write(seq).map_err(StoreError::Io)?;
+            self.commit_marker.write(seq).map_err(StoreError::Io)?;
             *last = seq;
         }
         Ok(())

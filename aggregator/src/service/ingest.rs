@@ -88,6 +88,8 @@ pub(super) struct Checked {
     h: fedfleet_protocol::UpdateHeader,
     meta: UpdateMeta,
     payload: Vec<u8>,
+    /// The payload already decoded (a large one is decoded before it joins the commit queue).
+    delta: Option<Vec<f32>>,
     base: Base,
     dtype: DType,
     /// When the current ingest stage began (see [`crate::metrics::INGEST_STEPS`]).
@@ -184,7 +186,7 @@ impl Aggregator {
         // 7. The payload through the digest/length check (streamed over QUIC).
         let payload = receive_payload(&h, payload).await?;
         sh.metrics.ingest_step("receive", &mut since);
-        self.commit_blocking(Checked { h, meta, payload, base, dtype, since }).await
+        self.commit(Checked { h, meta, payload, delta: None, base, dtype, since }).await
     }
 
     /// The receipt of an accepted upload sent again (same sender, nonce, payload and round), once
@@ -233,16 +235,33 @@ impl Aggregator {
         })
     }
 
-    /// 7. Decode, check, fold and commit, off the async threads.
-    pub(super) async fn commit_blocking(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
-        let me = self.clone();
-        tokio::task::spawn_blocking(move || me.fold_and_commit(checked)).await.map_err(|e| reject(RejectReason::Internal, e.to_string()))?
+    /// 7. Decode, check, fold and commit in the commit pipeline (see [`CommitQueue`]); the
+    /// answer comes once the update's record is durable.
+    pub(super) async fn commit(&self, mut checked: Checked) -> Result<Signed<Receipt>, Rejection> {
+        let stopped = |_| reject(RejectReason::Internal, "the aggregator's commit pipeline has stopped");
+        if checked.payload.len() > DECODE_ON_COMMIT_THREAD_MAX {
+            // A big model's decode runs beside other uploads' rather than in the queue's line.
+            let decoded = tokio::task::spawn_blocking(move || {
+                let Checked { payload, base, dtype, .. } = &checked;
+                checked.delta = Some(decode_update(payload, &base.sent.layout, &base.limits(), *dtype, base.dim())?);
+                Ok(checked)
+            });
+            checked = decoded.await.map_err(|e| reject(RejectReason::Internal, e.to_string()))??;
+        }
+        let (answer, receipt) = tokio::sync::oneshot::channel();
+        self.shared.commits.0.send(CommitJob { me: self.clone(), checked, answer }).map_err(|_| stopped(()))?;
+        receipt.await.map_err(|_| stopped(()))?
     }
 
-    fn fold_and_commit(&self, checked: Checked) -> Result<Signed<Receipt>, Rejection> {
-        let Checked { h, meta, payload, base, dtype, mut since } = checked;
+    /// Decodes, admits again, folds and records one update (not yet durable: the caller syncs
+    /// the returned sequence number before the receipt may leave).
+    fn fold_and_record(&self, checked: Checked) -> Result<(Signed<Receipt>, u64, Instant), Rejection> {
+        let Checked { h, meta, payload, delta, base, dtype, mut since } = checked;
         let sh = &self.shared;
-        let delta = decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?;
+        let delta = match delta {
+            Some(delta) => delta,
+            None => decode_update(&payload, &base.sent.layout, &base.limits(), dtype, base.dim())?,
+        };
         sh.metrics.ingest_step("decode", &mut since);
         sh.store.put_update(h.round, &h.payload_digest, &payload).map_err(|e| reject(RejectReason::Internal, e.to_string()))?;
         drop(payload);
@@ -286,10 +305,79 @@ impl Aggregator {
         tracing::info!(device = %h.device, round = %accepted.round, accepted = accepted.accepted,
             target = accepted.target, staleness = accepted.staleness, "update accepted");
         self.drain(&mut core, now);
-        drop(core);
-        // Durable before the receipt leaves; concurrent uploads share this flush.
-        sh.store.sync(seq).unwrap_or_else(|e| abort_on_commit_failure(e));
-        sh.metrics.ingest_step("sync", &mut since);
-        Ok(receipt)
+        Ok((receipt, seq, since))
+    }
+}
+
+/// Payloads up to this size are decoded on the fold thread itself (a hand-off to another
+/// thread would cost more than the decode).
+const DECODE_ON_COMMIT_THREAD_MAX: usize = 1 << 20;
+
+/// Most uploads one group commit covers: the first of a group waits for at most this many folds.
+const MAX_COMMIT_GROUP: usize = 256;
+
+/// The queue of checked uploads into the aggregator's commit pipeline: two threads, no thread or
+/// lock wait per upload. The fold thread folds and records each queued upload in turn; the sync
+/// thread takes every recorded upload waiting for it (up to [`MAX_COMMIT_GROUP`]), makes them
+/// durable with one flush and only then answers each, while the fold thread goes on with the
+/// next ones. Both end when the last [`Aggregator`] handle (and with it the queue) drops.
+pub(super) struct CommitQueue(std::sync::mpsc::Sender<CommitJob>);
+
+/// An update folded and recorded, waiting for the flush that makes its record durable.
+struct Recorded {
+    me: Aggregator,
+    answer: tokio::sync::oneshot::Sender<Result<Signed<Receipt>, Rejection>>,
+    receipt: Signed<Receipt>,
+    seq: u64,
+    since: Instant,
+}
+
+pub(super) struct CommitJob {
+    /// The job carries its service handle, so the thread holds none between jobs.
+    me: Aggregator,
+    checked: Checked,
+    answer: tokio::sync::oneshot::Sender<Result<Signed<Receipt>, Rejection>>,
+}
+
+impl CommitQueue {
+    pub(super) fn start() -> std::io::Result<CommitQueue> {
+        let (queue, jobs) = std::sync::mpsc::channel::<CommitJob>();
+        let (to_sync, recorded) = std::sync::mpsc::channel::<Recorded>();
+        std::thread::Builder::new().name("aggregator-sync".into()).spawn(move || {
+            while let Ok(first) = recorded.recv() {
+                let mut group = vec![first];
+                while group.len() < MAX_COMMIT_GROUP
+                    && let Ok(r) = recorded.try_recv()
+                {
+                    group.push(r);
+                }
+                sync_group(group);
+            }
+        })?;
+        std::thread::Builder::new().name("aggregator-fold".into()).spawn(move || {
+            for CommitJob { me, checked, answer } in jobs {
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.fold_and_record(checked)))
+                    .unwrap_or_else(|_| Err(reject(RejectReason::Internal, "folding the update panicked")));
+                match outcome {
+                    Ok((receipt, seq, since)) => {
+                        let _ = to_sync.send(Recorded { me, answer, receipt, seq, since });
+                    }
+                    Err(r) => {
+                        let _ = answer.send(Err(r));
+                    }
+                }
+            }
+        })?;
+        Ok(CommitQueue(queue))
+    }
+}
+
+/// One flush for a group of recorded updates, then their receipts.
+fn sync_group(group: Vec<Recorded>) {
+    let last = group.iter().map(|r| r.seq).max().unwrap_or(0);
+    group[0].me.shared.store.sync(last).unwrap_or_else(|e| abort_on_commit_failure(e));
+    for Recorded { me, answer, receipt, mut since, .. } in group {
+        me.shared.metrics.ingest_step("sync", &mut since);
+        let _ = answer.send(Ok(receipt));
     }
 }

@@ -12,7 +12,9 @@
 //! One lock ([`Core`], a `std` mutex never held across an `.await`) guards the coordinator. An
 //! upload does every check it can without it (identity, signature, size, digest, decoding,
 //! layout, finite values) and takes it for admission + fold + commit, so the engine sees
-//! updates one at a time. CPU-heavy work runs in `spawn_blocking`.
+//! updates one at a time. Accepted uploads are decoded, folded and recorded by one fold
+//! thread and made durable in groups by one sync thread (`ingest::CommitQueue`); other
+//! CPU-heavy work runs in `spawn_blocking`.
 //!
 //! See [`crate::wire`] for the protocol and [`crate::persist`] for the commit points.
 //!
@@ -162,6 +164,10 @@ struct Shared {
     history: fedfleet_durable::Journal,
     /// A relay's link to its parent, made on first use (inside the runtime).
     parent: std::sync::OnceLock<relay::Parent>,
+    /// Checked uploads on their way to the commit thread.
+    commits: ingest::CommitQueue,
+    /// The model most recently served to devices (each asks for the round's base once).
+    served_model: Mutex<Option<(Digest, Arc<Vec<u8>>)>>,
 }
 
 /// Where an upload's payload comes from. Both transports go through [`Aggregator::ingest`].
@@ -350,6 +356,7 @@ impl Aggregator {
         let announce = watch::Sender::new(core.campaign.announcement.clone());
         let history = store.journal("round_history", history::KEEP)?;
         let in_flight_kib = cfg.admission.in_flight_kib();
+        let commits = ingest::CommitQueue::start().map_err(|e| resume(format!("starting the commit pipeline's threads: {e}")))?;
         let agg = Aggregator {
             shared: Arc::new(Shared {
                 announce,
@@ -372,6 +379,8 @@ impl Aggregator {
                 wake: Notify::new(),
                 in_flight: Arc::new(tokio::sync::Semaphore::new(in_flight_kib as usize)),
                 parent: std::sync::OnceLock::new(),
+                commits,
+                served_model: Mutex::new(None),
             }),
         };
         {

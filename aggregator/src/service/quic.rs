@@ -224,6 +224,22 @@ impl Aggregator {
         }
     }
 
+    /// A held model's bytes, checked against its digest when read from the store; the last one
+    /// read is kept in memory, since a round's devices all ask for the same base.
+    async fn model_bytes(&self, digest: Digest) -> Result<Arc<Vec<u8>>, String> {
+        let served = &self.shared.served_model;
+        if let Some((d, bytes)) = &*served.lock().unwrap_or_else(|p| p.into_inner())
+            && *d == digest
+        {
+            return Ok(bytes.clone());
+        }
+        let me = self.clone();
+        let read = tokio::task::spawn_blocking(move || me.shared.store.read_model(&digest)).await;
+        let bytes = Arc::new(read.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?);
+        *served.lock().unwrap_or_else(|p| p.into_inner()) = Some((digest, bytes.clone()));
+        Ok(bytes)
+    }
+
     /// Handles a non-upload request. `None` when the answer was already sent (a model).
     pub(super) async fn request(&self, peer: &PeerIdentity, req: Request, stream: &mut FramedStream) -> Option<Response> {
         let is_operator = matches!(peer, PeerIdentity::Service(n) if self.shared.cfg.operators.contains(n));
@@ -240,14 +256,9 @@ impl Aggregator {
                 let Some(rec) = known else {
                     return Some(Response::Error(reject(RejectReason::UnknownRound, format!("no model {digest}"))));
                 };
-                let store_bytes = {
-                    let me = self.clone();
-                    tokio::task::spawn_blocking(move || me.shared.store.read_model(&digest)).await
-                };
-                let bytes = match store_bytes {
-                    Ok(Ok(b)) => b,
-                    Ok(Err(e)) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
-                    Err(e) => return Some(Response::Error(reject(RejectReason::Internal, e.to_string()))),
+                let bytes = match self.model_bytes(digest).await {
+                    Ok(b) => b,
+                    Err(e) => return Some(Response::Error(reject(RejectReason::Internal, e))),
                 };
                 let head = Response::Model { spec: rec.spec.to_string(), length: bytes.len() as u64 };
                 let body = messages::encode(&head, MAX_WIRE_MESSAGE).expect("encodes");
