@@ -235,8 +235,8 @@ impl Aggregator {
         })
     }
 
-    /// 7. Decode, check, fold and commit in the commit pipeline (see [`CommitQueue`]); the
-    /// answer comes once the update's record is durable.
+    /// Step 7: decode, check, fold and commit in the commit pipeline (see [`CommitQueue`]);
+    /// the answer comes once the update's record is durable.
     pub(super) async fn commit(&self, mut checked: Checked) -> Result<Signed<Receipt>, Rejection> {
         let stopped = |_| reject(RejectReason::Internal, "the aggregator's commit pipeline has stopped");
         if checked.payload.len() > DECODE_ON_COMMIT_THREAD_MAX {

@@ -249,8 +249,8 @@ fn commit_sequence_tracks_every_commit() {
     store.remove_alias("m", "stable").unwrap();
     assert!(store.publish(meta("m", Some(9)), b"abc").is_err());
     assert_eq!(store.seq().unwrap(), 3);
-    let marker = std::fs::read_to_string(dir.path().join("COMMIT")).unwrap();
-    assert_eq!(marker, "fedfleet-registry-commit 3\n");
+    let marker = fedfleet_durable::CommitMarker::new(dir.path(), "fedfleet-registry-commit");
+    assert_eq!(marker.read().unwrap(), 3);
     drop(store);
     // A marker behind sled (crash between flush and marker write) is fine.
     std::fs::write(dir.path().join("COMMIT"), "fedfleet-registry-commit 2\n").unwrap();
