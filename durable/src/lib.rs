@@ -205,29 +205,27 @@ impl CommitMarker {
     pub fn write(&self, seq: u64) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((file, next)) = open.as_mut() {
-            file.write_all_at(&self.slot(seq), (*next * MARKER_SLOT) as u64)?;
-            file.sync_data()?;
-            *next ^= 1;
-            return Ok(());
-        }
-        // First write of this handle: continue a two-slot file (overwriting its older slot), or
-        // lay one out whole (by rename, so a crash leaves the old marker or the new one).
-        let existing = fs::read(&self.path).ok().filter(|b| b.len() == 2 * MARKER_SLOT);
-        let next = match existing.map(|b| self.slots(&b)) {
-            Some([a, b]) => {
-                let file = OpenOptions::new().write(true).open(&self.path)?;
-                let older = usize::from(a.unwrap_or(0) > b.unwrap_or(0));
-                file.write_all_at(&self.slot(seq), (older * MARKER_SLOT) as u64)?;
-                file.sync_data()?;
-                *open = Some((file, older ^ 1));
-                return Ok(());
+        let (file, next) = match open.as_mut() {
+            Some(open) => open,
+            None => {
+                // First write of this handle: continue a two-slot file from its older slot, or
+                // lay one out whole (by rename, so a crash leaves the old marker or the new one).
+                let existing = fs::read(&self.path).ok().filter(|b| b.len() == 2 * MARKER_SLOT);
+                let older = match existing.map(|b| self.slots(&b)) {
+                    Some([a, b]) => usize::from(a.unwrap_or(0) > b.unwrap_or(0)),
+                    None => {
+                        let slot = self.slot(seq);
+                        write_atomic(&self.path, &[slot.as_slice(), slot.as_slice()].concat(), Mode::Public)?;
+                        *open = Some((OpenOptions::new().write(true).open(&self.path)?, 0));
+                        return Ok(());
+                    }
+                };
+                open.insert((OpenOptions::new().write(true).open(&self.path)?, older))
             }
-            None => 0,
         };
-        let slot = self.slot(seq);
-        write_atomic(&self.path, &[slot.as_slice(), slot.as_slice()].concat(), Mode::Public)?;
-        *open = Some((OpenOptions::new().write(true).open(&self.path)?, next));
+        file.write_all_at(&self.slot(seq), (*next * MARKER_SLOT) as u64)?;
+        file.sync_data()?;
+        *next ^= 1;
         Ok(())
     }
 

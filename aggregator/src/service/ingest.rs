@@ -238,7 +238,7 @@ impl Aggregator {
     /// Step 7: decode, check, fold and commit in the commit pipeline (see [`CommitQueue`]);
     /// the answer comes once the update's record is durable.
     pub(super) async fn commit(&self, mut checked: Checked) -> Result<Signed<Receipt>, Rejection> {
-        let stopped = |_| reject(RejectReason::Internal, "the aggregator's commit pipeline has stopped");
+        let stopped = || reject(RejectReason::Internal, "the aggregator's commit pipeline has stopped");
         if checked.payload.len() > DECODE_ON_COMMIT_THREAD_MAX {
             // A big model's decode runs beside other uploads' rather than in the queue's line.
             let decoded = tokio::task::spawn_blocking(move || {
@@ -249,8 +249,8 @@ impl Aggregator {
             checked = decoded.await.map_err(|e| reject(RejectReason::Internal, e.to_string()))??;
         }
         let (answer, receipt) = tokio::sync::oneshot::channel();
-        self.shared.commits.0.send(CommitJob { me: self.clone(), checked, answer }).map_err(|_| stopped(()))?;
-        receipt.await.map_err(|_| stopped(()))?
+        self.shared.commits.0.send(CommitJob { me: self.clone(), checked, answer }).map_err(|_| stopped())?;
+        receipt.await.map_err(|_| stopped())?
     }
 
     /// Decodes, admits again, folds and records one update (not yet durable: the caller syncs
