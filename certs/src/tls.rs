@@ -182,7 +182,16 @@ pub fn server_config_at(
     alpn: &[&[u8]],
     time: TimeSource,
 ) -> Result<ServerConfig, CertError> {
-    server_config_with(RevocationCheckingVerifier::new(ca, revocation)?, identity, alpn, time)
+    let mut config = server_config_with(RevocationCheckingVerifier::new(ca, revocation)?, identity, alpn, time)?;
+    // Stateless resumption: a device's next connection (its next round) skips the certificate
+    // exchange and its signatures. The ticket, sealed with a key only this process holds
+    // (rotated every 6 h), carries the chain verified at the full handshake, so the server keeps
+    // nothing per device. What the full handshake checked and a resumed one does not, the
+    // services check on every connection or request: expiry ([`check_not_expired`]) and
+    // revocation.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.ticketer = rustls::crypto::ring::Ticketer::new().map_err(tls_err)?;
+    Ok(config)
 }
 
 /// TLS 1.3 with `identity`'s certificate, client certificates judged by `verifier`.
@@ -202,6 +211,20 @@ fn server_config_with(
     Ok(config)
 }
 
+/// Refuses a client certificate that has expired by `now_unix_s`. A full handshake refused it
+/// already; a resumed one carries the chain as it was verified when its ticket was issued (up
+/// to a ticket's lifetime earlier), so services call this on every connection.
+pub fn check_not_expired(leaf: &CertificateDer<'_>, now_unix_s: i64) -> Result<(), CertError> {
+    let validity = crate::renewal::Validity::of(leaf)?;
+    if validity.is_expired(now_unix_s) {
+        return Err(CertError::Tls(format!(
+            "certificate_expired: the client certificate expired at {}",
+            crate::renewal::rfc3339(validity.not_after)
+        )));
+    }
+    Ok(())
+}
+
 /// Server side of the operator console's HTTPS: a client certificate is optional (operators may
 /// bring a bearer token instead) but, when presented, checked like [`server_config`]'s; the
 /// console decides what the identity may do. ALPN `http/1.1`.
@@ -213,7 +236,12 @@ pub fn console_server_config(
 ) -> Result<ServerConfig, CertError> {
     let mut verifier = RevocationCheckingVerifier::new(ca, revocation)?;
     verifier.mandatory = false;
-    server_config_with(verifier, identity, &[b"http/1.1"], time)
+    let mut config = server_config_with(verifier, identity, &[b"http/1.1"], time)?;
+    // Every console connection shows its certificate: operators are few, and nothing would
+    // check a resumed session's certificate after the fact.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
+    Ok(config)
 }
 
 fn client_builder(ca: &CaCert) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, CertError> {

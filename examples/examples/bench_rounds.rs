@@ -61,6 +61,9 @@ const FLEET: &str = "bench";
 const RESULT_PREFIX: &str = "BENCH_RESULT ";
 const METRICS_PERIOD: Duration = Duration::from_millis(5);
 
+/// How long the aggregator is watched idle (scraped, no campaign) before each campaign.
+const SCRAPE_COST_WINDOW: Duration = Duration::from_secs(3);
+
 /// Round benchmarks: N simulated agents against a real fedfleet-aggregator over mTLS QUIC.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "bench_rounds")]
@@ -327,9 +330,18 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             u(r, "operator_status_failures")
         );
     }
-    println!("Per round:");
+    for r in results {
+        println!(
+            "{} agents: aggregator CPU/update net of this benchmark's /metrics scrapes (every {} ms; {:.1} ms a second when idle): {:.2} ms",
+            u(r, "agents"),
+            METRICS_PERIOD.as_millis(),
+            f(r, "agg_scrape_cpu_per_s") * 1e3,
+            f(r, "agg_cpu_ms_per_update_net"),
+        );
+    }
+    println!("Per round (agg CPU/upd, net: from announcement to publication, less the scrapes):");
     println!(
-        "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9}",
+        "{:>6} | {:>5} | {:>8} | {:>8} | {:>10} | {:>13} | {:>10} | {:>10} | {:>14} | {:>9} | {:>9} | {:>14}",
         "agents",
         "round",
         "accepted",
@@ -340,12 +352,13 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         "overhead",
         "close->publish",
         "ingest",
-        "MB recv"
+        "MB recv",
+        "agg CPU/upd, net"
     );
     for r in results {
         for row in r["rounds"].as_array().into_iter().flatten() {
             println!(
-                "{:>6} | {:>5} | {:>8} | {:>8} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>8.3} s | {:>12.3} s | {:>7.3} s | {:>9.2}",
+                "{:>6} | {:>5} | {:>8} | {:>8} | {:>8.3} s | {:>11.3} s | {:>8.3} s | {:>8.3} s | {:>12.3} s | {:>7.3} s | {:>9.2} | {:>11.2} ms",
                 u(r, "agents"),
                 u(row, "round"),
                 u(row, "accepted"),
@@ -357,6 +370,7 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
                 f(row, "close_to_publish_s"),
                 f(row, "ingest_s"),
                 f(row, "bytes") / 1e6,
+                f(row, "agg_cpu_net_s") * 1e3 / f(row, "accepted"),
             );
         }
     }
@@ -526,6 +540,10 @@ struct CampaignRecord {
     published0: u64,
     agg_cpu_s: f64,
     agg_peak_rss_kib: u64,
+    /// The aggregator's CPU seconds per second while idle but scraped (see [`SCRAPE_COST_WINDOW`]).
+    scrape_cpu_per_s: f64,
+    /// The campaign's wall time, s.
+    wall_s: f64,
     /// This process's CPU time over the campaign.
     own_cpu_s: f64,
     status: String,
@@ -590,8 +608,13 @@ async fn run_campaign(
     mut fleet: Devices<'_>,
     mut watch: impl FnMut(),
 ) -> anyhow::Result<CampaignRecord> {
-    let poller = MetricsPoller::start(sv.metrics_addr);
+    let poller = MetricsPoller::start(sv.metrics_addr, sv.agg.pid());
     poller.wait_first(Duration::from_secs(30)).await?;
+    // What the aggregator spends answering this benchmark's own scrapes (every METRICS_PERIOD),
+    // measured before the campaign, so that its CPU per update can be given without them.
+    let idle0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
+    tokio::time::sleep(SCRAPE_COST_WINDOW).await;
+    let scrape_cpu_per_s = (proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0) - idle0) / SCRAPE_COST_WINDOW.as_secs_f64();
     let log = sv.agg_dir.join("aggregator.log");
     let agg_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
@@ -599,6 +622,7 @@ async fn run_campaign(
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     let ingest0 = ingest_seconds(sv.metrics_addr).await;
     let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.operator_addr);
+    let started = Instant::now();
     campaign_start(&sv.aggregator_bin, &sv.config, sv.operator_addr, args.rounds, target, quorum_of(args, target))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
@@ -624,6 +648,7 @@ async fn run_campaign(
     let ingest_s =
         ingest_seconds(sv.metrics_addr).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
     let agg_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
+    let wall_s = started.elapsed().as_secs_f64();
     let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
     let agg_peak_rss_kib = proc_status_kib(&sv.agg.pid().to_string(), "VmHWM").unwrap_or(0);
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ");
@@ -635,6 +660,8 @@ async fn run_campaign(
         published0,
         agg_cpu_s,
         agg_peak_rss_kib,
+        scrape_cpu_per_s,
+        wall_s,
         own_cpu_s,
         status,
         loadavg,
@@ -675,6 +702,9 @@ fn rounds_of(args: &Args, rec: &CampaignRecord, ev: &[AgentEvent]) -> anyhow::Re
             "slowest_train_s": slowest_ms / 1e3,
             "sum_train_s": sum_ms / 1e3,
             "ingest_s": ingest_s,
+            // Its own CPU from announcement to publication (a round's first handshakes included).
+            "agg_cpu_s": published.agg_cpu_s - opened.agg_cpu_s,
+            "agg_cpu_net_s": published.agg_cpu_s - opened.agg_cpu_s - rec.scrape_cpu_per_s * (published.at - opened.at).as_secs_f64(),
         });
         eprintln!("  round {r}: {row}");
         rounds.push(row);
@@ -805,6 +835,8 @@ fn campaign_result(
         "agg_peak_rss_kib": rec.agg_peak_rss_kib,
         "agg_cpu_s": rec.agg_cpu_s,
         "agg_cpu_ms_per_update": rec.agg_cpu_s * 1e3 / accepted,
+        "agg_scrape_cpu_per_s": rec.scrape_cpu_per_s,
+        "agg_cpu_ms_per_update_net": (rec.agg_cpu_s - rec.scrape_cpu_per_s * rec.wall_s) * 1e3 / accepted,
         "agents_cpu_ms_per_update": rec.own_cpu_s * 1e3 / accepted,
         "operator_status_ms_median": percentile(&rec.status_ms, 0.5),
         "operator_status_ms_max": percentile(&rec.status_ms, 1.0),
@@ -1269,6 +1301,8 @@ struct Sample {
     published: u64,
     accepted: u64,
     bytes: u64,
+    /// The aggregator process's CPU time by then, s.
+    agg_cpu_s: f64,
 }
 
 impl Sample {
@@ -1285,7 +1319,7 @@ struct MetricsPoller {
 }
 
 impl MetricsPoller {
-    fn start(addr: std::net::SocketAddr) -> MetricsPoller {
+    fn start(addr: std::net::SocketAddr, agg_pid: u32) -> MetricsPoller {
         let latest = Arc::new(Mutex::new(None::<Sample>));
         let changes = Arc::new(Mutex::new(Vec::new()));
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
@@ -1302,7 +1336,8 @@ impl MetricsPoller {
                 else {
                     continue;
                 };
-                let s = parse_metrics(&text, Instant::now());
+                let mut s = parse_metrics(&text, Instant::now());
+                s.agg_cpu_s = proc_cpu_secs(agg_pid.to_string()).unwrap_or(f64::NAN);
                 let mut last = l.lock().unwrap_or_else(|p| p.into_inner());
                 let changed = last.is_none_or(|l| l.counters() != s.counters());
                 *last = Some(s);
@@ -1362,7 +1397,7 @@ async fn ingest_seconds(addr: std::net::SocketAddr) -> BTreeMap<String, f64> {
 }
 
 fn parse_metrics(text: &str, at: Instant) -> Sample {
-    let mut m = Sample { at, rejected: 0, open_round: 0, closed: 0, published: 0, accepted: 0, bytes: 0 };
+    let mut m = Sample { at, rejected: 0, open_round: 0, closed: 0, published: 0, accepted: 0, bytes: 0, agg_cpu_s: 0.0 };
     for line in text.lines() {
         let Some((name, value)) = line.rsplit_once(' ') else { continue };
         let Ok(v) = value.trim().parse::<f64>() else { continue };

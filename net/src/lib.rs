@@ -88,12 +88,15 @@ pub const ALERT_CERTIFICATE_REVOKED: u8 = 44;
 /// TLS alert `certificate_expired`: the server refused a client certificate past its validity.
 pub const ALERT_CERTIFICATE_EXPIRED: u8 = 45;
 
-/// The TLS alert a connection was closed with (QUIC carries it as a crypto error code), if any:
-/// how a client learns why the server refused its certificate.
+/// The TLS alert a connection was closed with (QUIC carries it as a crypto error code; a
+/// service that refuses a resumed session's certificate closes with the same number,
+/// [`peer::CLOSE_CERTIFICATE_EXPIRED`]), if any: how a client learns why the server refused
+/// its certificate.
 pub fn tls_alert(e: &quinn::ConnectionError) -> Option<u8> {
     let code = match e {
         quinn::ConnectionError::ConnectionClosed(c) => u64::from(c.error_code),
         quinn::ConnectionError::TransportError(t) => u64::from(t.code),
+        quinn::ConnectionError::ApplicationClosed(c) => u64::from(c.error_code),
         _ => return None,
     };
     (code & !0xff == 0x100).then_some((code & 0xff) as u8)
@@ -202,8 +205,13 @@ pub fn quic_client_config(tls: rustls::ClientConfig) -> Result<quinn::ClientConf
 
 /// A client endpoint on an ephemeral local port, for configs from `fedfleet_certs::tls::client_config`.
 pub fn client_endpoint(tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
+    client_endpoint_at(([0, 0, 0, 0], 0).into(), tls)
+}
+
+/// [`client_endpoint`] bound to `addr` (e.g. a loopback address of its own, for a simulated
+/// device whose source address the services should tell apart from others').
+pub fn client_endpoint_at(addr: SocketAddr, tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
     let config = quic_client_config(tls)?;
-    let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
     let mut endpoint = quinn::Endpoint::client(addr).map_err(|cause| NetError::Bind { addr, cause })?;
     endpoint.set_default_client_config(config);
     Ok(endpoint)

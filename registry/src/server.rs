@@ -176,12 +176,16 @@ fn handshake_failed(ctx: &Ctx, remote: std::net::SocketAddr, e: quinn::Connectio
 
 /// Serves an admitted connection's streams until it closes.
 async fn serve_connection(conn: quinn::Connection, remote: std::net::SocketAddr, ctx: Arc<Ctx>) {
-    let peer = match fedfleet_net::peer::identity(&conn) {
+    let peer = match fedfleet_net::peer::checked_identity(&conn, ctx.reg.now_ms()) {
         Ok(p) => p,
-        Err(e) => {
+        Err(fedfleet_net::peer::PeerRefusal::Expired(e)) => {
+            tracing::info!(%remote, error = %e, "refusing a resumed session");
+            ctx.reg.metrics().rejection(RejectReason::CertificateExpired);
+            return;
+        }
+        Err(fedfleet_net::peer::PeerRefusal::NoIdentity(e)) => {
             tracing::warn!(%remote, error = %e, "refusing peer");
             ctx.reg.metrics().rejection_named("denied");
-            conn.close(1u32.into(), b"certificate refused");
             return;
         }
     };

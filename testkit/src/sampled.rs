@@ -128,6 +128,10 @@ pub struct SampledFleet {
     heard: Option<RoundId>,
     pub stats: Arc<SampledStats>,
     tasks: tokio::task::JoinSet<()>,
+    /// Each device's TLS config, made at its first selection and kept (as a device keeps it
+    /// between connections) so that its next selection resumes the TLS session: rustls resumes
+    /// a ticket only with the config (verifier, certificate) that received it.
+    tls: Vec<std::sync::OnceLock<rustls::ClientConfig>>,
 }
 
 /// Sockets shared by the open devices' connections.
@@ -154,7 +158,7 @@ impl SampledFleet {
         rand::seq::SliceRandom::shuffle(&mut order[..], &mut ChaCha8Rng::seed_from_u64(o.partition_seed));
         train = train.subset(&order);
         let tls = fedfleet_certs::tls::client_config(listener.ca(), listener, &[fedfleet_certs::ALPN_V1])?;
-        let endpoints = (0..SOCKETS).map(|_| fedfleet_net::client_endpoint(tls.clone())).collect::<Result<Vec<_>, _>>()?;
+        let endpoints = (0..SOCKETS).map(|i| crate::sim::device_endpoint(&o, i, tls.clone())).collect::<Result<Vec<_>, _>>()?;
         let client = fedfleet_aggregator_client::client::AggregatorClient::on_endpoint(
             endpoints[0].clone(),
             o.aggregator_addr,
@@ -168,7 +172,6 @@ impl SampledFleet {
         options.devices = Vec::new();
         Ok(SampledFleet {
             options: Arc::new(options),
-            identities,
             train: Arc::new(train),
             endpoints,
             listener,
@@ -178,6 +181,8 @@ impl SampledFleet {
             heard: None,
             stats: Arc::default(),
             tasks: tokio::task::JoinSet::new(),
+            tls: (0..identities.len()).map(|_| std::sync::OnceLock::new()).collect(),
+            identities,
         })
     }
 
@@ -221,6 +226,13 @@ impl SampledFleet {
                 training_time: self.behaviour.training_time(&mut rng),
                 drops_out: rng.r#gen::<f64>() < self.behaviour.dropout,
                 announced: announced.clone(),
+                tls: match self.tls[index].get() {
+                    Some(tls) => tls.clone(),
+                    None => {
+                        let tls = fedfleet_certs::tls::client_config(identity.ca(), identity, &[fedfleet_certs::ALPN_V1])?;
+                        self.tls[index].get_or_init(|| tls).clone()
+                    }
+                },
             };
             let (options, clock, stats) = (self.options.clone(), self.clock.clone(), self.stats.clone());
             self.tasks.spawn(device.take_part(options, clock, stats));
@@ -249,6 +261,7 @@ struct SelectedDevice {
     training_time: Duration,
     drops_out: bool,
     announced: Arc<RoundAnnouncement>,
+    tls: rustls::ClientConfig,
 }
 
 impl SelectedDevice {
@@ -280,7 +293,7 @@ impl SelectedDevice {
             let agg = BroadcastAggregator { announced: announced.clone(), inner: l.aggregator.clone(), drops_out };
             Ok((Arc::new(agg), Arc::new(NoRollouts)))
         };
-        let (mut agent, acks) = open_agent(o, self.index, self.identity, self.share, self.endpoint, clock, &mut wrap)?;
+        let (mut agent, acks) = open_agent(o, self.index, self.identity, self.share, self.endpoint, clock, Some(self.tls), &mut wrap)?;
         agent.poll_control().await?;
         loop {
             if let Err(e) = agent.drive().await {

@@ -294,10 +294,10 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
                 .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
             if i % per_endpoint == 0 {
                 let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-                endpoint = Some(fedfleet_net::client_endpoint(tls)?);
+                endpoint = Some(device_endpoint(&o, i / per_endpoint, tls)?);
             }
             let endpoint = endpoint.clone().expect("made for the first agent");
-            let (agent, agg) = open_agent(&o, i, id, part, endpoint, &clock, &mut wrap)?;
+            let (agent, agg) = open_agent(&o, i, id, part, endpoint, &clock, None, &mut wrap)?;
             aggs.push(agg);
             agents.push(agent);
         }
@@ -355,9 +355,26 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
     }
 }
 
+/// The UDP socket of simulated devices' connections number `socket`. Against services on
+/// loopback, each socket gets a loopback address of its own (all of 127/8 is loopback on
+/// Linux): a real fleet's devices come from many addresses, and the services bound what one
+/// source address may have in progress.
+pub(crate) fn device_endpoint(o: &FleetOptions, socket: usize, tls: rustls::ClientConfig) -> anyhow::Result<quinn::Endpoint> {
+    let local = match o.aggregator_addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_loopback() => {
+            std::net::Ipv4Addr::new(127, 1 + (socket / 250 % 250) as u8, 0, 2 + (socket % 250) as u8).into()
+        }
+        std::net::IpAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        std::net::IpAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    Ok(fedfleet_net::client_endpoint_at(std::net::SocketAddr::new(local, 0), tls)?)
+}
+
 /// Opens agent `index` of a fleet for `identity`: its QUIC clients on `endpoint` (shared with
 /// other agents or not), its store under `o.data_dir`, its core, and its share of the data (20 %
-/// of it, at least one example, kept for health checks). `wrap` picks the clients it uses.
+/// of it, at least one example, kept for health checks). `tls`: the device's TLS config, if it
+/// has one already (a config's session tickets resume only with that config). `wrap` picks the
+/// clients it uses.
 pub(crate) fn open_agent<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registry>(
     o: &FleetOptions,
     index: usize,
@@ -365,10 +382,14 @@ pub(crate) fn open_agent<A: fedfleet_agent::clients::Aggregator, R: fedfleet_age
     share: Dataset,
     endpoint: quinn::Endpoint,
     clock: &Arc<dyn fedfleet_agent::agent::Clock>,
+    tls: Option<rustls::ClientConfig>,
     wrap: &mut impl FnMut(&AgentLinks) -> anyhow::Result<(Arc<A>, Arc<R>)>,
 ) -> anyhow::Result<(Agent<A, R>, Arc<fedfleet_agent::remote::RemoteAggregator>)> {
     let device = identity.device_id().clone();
-    let tls = fedfleet_certs::tls::client_config(identity.ca(), &identity, &[fedfleet_certs::ALPN_V1])?;
+    let tls = match tls {
+        Some(tls) => tls,
+        None => fedfleet_certs::tls::client_config(identity.ca(), &identity, &[fedfleet_certs::ALPN_V1])?,
+    };
     let mut agg_client = fedfleet_aggregator_client::client::AggregatorClient::on_endpoint(
         endpoint.clone(),
         o.aggregator_addr,

@@ -123,9 +123,15 @@ impl Aggregator {
             }
         };
         let conn = &admitted.conn;
-        let Ok(peer) = fedfleet_net::peer::identity(conn) else {
-            conn.close(1u32.into(), b"no fleet identity");
-            return;
+        let peer = match fedfleet_net::peer::checked_identity(conn, self.shared.clock.now_ms()) {
+            Ok(p) => p,
+            Err(refused) => {
+                tracing::info!(?refused, "connection refused after its handshake");
+                if matches!(refused, fedfleet_net::peer::PeerRefusal::Expired(_)) {
+                    self.shared.metrics.rejected(RejectReason::CertificateExpired);
+                }
+                return;
+            }
         };
         if matches!(peer, PeerIdentity::Device(_)) {
             self.shared.metrics.device_connections.inc();

@@ -2,7 +2,9 @@
 //! QUIC (mTLS judged by a fake clock on both sides) and the agent's own renewal code and registry
 //! client: a device is carried past its certificate's original lifetime and keeps working
 //! because it renewed; a device that did not is refused with `certificate_expired`, and its
-//! agent names the lapse at start; a revoked device's renewal is refused.
+//! agent names the lapse at start; a revoked device's renewal is refused; a certificate that
+//! lapses after the device connected is refused even when its next connection resumes the TLS
+//! session (no certificate exchanged).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -167,5 +169,37 @@ async fn a_revoked_device_cannot_renew() {
             .unwrap()
             .cert()
     );
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_session_whose_certificate_expired_since_is_refused_as_certificate_expired() {
+    let fleet = start(&[]);
+    let id = DeviceId::new("edge-03").unwrap();
+    fleet.pki.enroll_device(&id, 1, false).unwrap();
+    let identity = DeviceIdentity::load(fleet.pki.dir(), &id).unwrap();
+    // The device judges time by the system clock, so the session ticket it gets stays fresh
+    // while the registry's clock moves past the certificate's end.
+    let tls = tls::client_config(identity.ca(), &identity, &[ALPN_V1]).unwrap();
+    let client = RegistryClient::new(fleet.registry.addr, "localhost", tls).unwrap();
+    client.metadata(0).await.expect("answered while the certificate is valid");
+    client.close().await;
+
+    fleet.clock.advance(2 * DAY_MS);
+    // The next connection resumes (no certificate exchanged, so no handshake check of it); the
+    // registry's own check of the ticket's chain refuses it, with the reason a full handshake
+    // would have given. Its detail is the service's, not the TLS alert's.
+    match client.metadata(0).await {
+        Err(ClientError::Rejected(r)) => {
+            assert_eq!(r.reason, RejectReason::CertificateExpired, "{}", r.detail);
+            assert!(
+                r.detail.contains("the client certificate expired at"),
+                "refused by the handshake, not after a resumption: {}",
+                r.detail
+            );
+        }
+        other => panic!("expected a certificate_expired refusal, got {other:?}"),
+    }
+    assert_eq!(fleet.registry.reg.metrics().get("fedfleet_registry_rejections_total", "certificate_expired"), 1);
     fleet.stop().await;
 }
