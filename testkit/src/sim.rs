@@ -375,6 +375,7 @@ pub(crate) fn device_endpoint(o: &FleetOptions, socket: usize, tls: rustls::Clie
 /// of it, at least one example, kept for health checks). `tls`: the device's TLS config, if it
 /// has one already (a config's session tickets resume only with that config). `wrap` picks the
 /// clients it uses.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn open_agent<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registry>(
     o: &FleetOptions,
     index: usize,
