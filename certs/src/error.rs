@@ -39,6 +39,9 @@ pub enum CertError {
     /// The peer presented no certificate.
     #[error("peer presented no certificate")]
     NoPeerCertificate,
+    /// The peer's certificate expired (seen after a resumed TLS session, which shows none).
+    #[error("certificate_expired: the client certificate expired at {not_after}")]
+    PeerExpired { not_after: String },
     /// A certificate does not chain to the fleet CA it is used with (another fleet's, expired,
     /// not yet valid, or forged).
     #[error("{}: not a valid certificate of the fleet CA {}: {reason}", path.display(), ca.display())]

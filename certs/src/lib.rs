@@ -62,7 +62,25 @@ pub enum PeerIdentity {
 /// Classifies a peer's end-entity certificate (the first of `certs`) by its subject.
 pub fn peer_identity(certs: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertError> {
     let first = certs.first().ok_or(CertError::NoPeerCertificate)?;
+    classify(&x509::parse(first)?)
+}
+
+/// [`peer_identity`], refused as [`CertError::PeerExpired`] when the end-entity certificate has
+/// expired by `now_unix_s`. A full handshake refused such a certificate already; a resumed one
+/// (a TLS 1.3 ticket) carries the chain verified when its ticket was issued, so services call
+/// this on every connection.
+pub fn current_peer_identity(certs: &[CertificateDer<'_>], now_unix_s: i64) -> Result<PeerIdentity, CertError> {
+    let first = certs.first().ok_or(CertError::NoPeerCertificate)?;
     let cert = x509::parse(first)?;
+    let validity = renewal::Validity::of_parsed(&cert);
+    if validity.is_expired(now_unix_s) {
+        return Err(CertError::PeerExpired { not_after: renewal::rfc3339(validity.not_after) });
+    }
+    classify(&cert)
+}
+
+/// A parsed end-entity certificate's fleet identity, from its subject.
+fn classify(cert: &x509_parser::certificate::X509Certificate<'_>) -> Result<PeerIdentity, CertError> {
     let subject = cert.subject();
     let cn = x509::common_name(subject).ok_or_else(|| CertError::BadCertificate("subject has no CN".into()))?;
     match x509::org_unit(subject) {

@@ -43,9 +43,12 @@ pub struct Validity {
 impl Validity {
     /// Of a DER certificate.
     pub fn of(der: &[u8]) -> Result<Validity, CertError> {
-        let cert = x509::parse(der)?;
+        Ok(Validity::of_parsed(&x509::parse(der)?))
+    }
+
+    pub(crate) fn of_parsed(cert: &x509_parser::certificate::X509Certificate<'_>) -> Validity {
         let v = cert.validity();
-        Ok(Validity { not_before: v.not_before.timestamp(), not_after: v.not_after.timestamp() })
+        Validity { not_before: v.not_before.timestamp(), not_after: v.not_after.timestamp() }
     }
 
     /// Seconds from `now` until `not_after` (negative once expired).

@@ -187,7 +187,7 @@ pub fn server_config_at(
     // exchange and its signatures. The ticket, sealed with a key only this process holds
     // (rotated every 6 h), carries the chain verified at the full handshake, so the server keeps
     // nothing per device. What the full handshake checked and a resumed one does not, the
-    // services check on every connection or request: expiry ([`check_not_expired`]) and
+    // services check on every connection or request: expiry ([`crate::current_peer_identity`]) and
     // revocation.
     config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     config.ticketer = rustls::crypto::ring::Ticketer::new().map_err(tls_err)?;
@@ -209,20 +209,6 @@ fn server_config_with(
         .map_err(tls_err)?;
     config.alpn_protocols = alpn_vec(alpn);
     Ok(config)
-}
-
-/// Refuses a client certificate that has expired by `now_unix_s`. A full handshake refused it
-/// already; a resumed one carries the chain as it was verified when its ticket was issued (up
-/// to a ticket's lifetime earlier), so services call this on every connection.
-pub fn check_not_expired(leaf: &CertificateDer<'_>, now_unix_s: i64) -> Result<(), CertError> {
-    let validity = crate::renewal::Validity::of(leaf)?;
-    if validity.is_expired(now_unix_s) {
-        return Err(CertError::Tls(format!(
-            "certificate_expired: the client certificate expired at {}",
-            crate::renewal::rfc3339(validity.not_after)
-        )));
-    }
-    Ok(())
 }
 
 /// Server side of the operator console's HTTPS: a client certificate is optional (operators may

@@ -41,12 +41,11 @@ pub fn checked_identity(conn: &quinn::Connection, now_ms: u64) -> Result<PeerIde
         conn.close(code.into(), detail.as_bytes());
         detail
     };
-    let certs = certificates(conn).ok_or_else(|| PeerRefusal::NoIdentity(refuse(1, "no client certificate".into())))?;
-    let leaf = certs.first().ok_or_else(|| PeerRefusal::NoIdentity(refuse(1, "no client certificate".into())))?;
-    if let Err(e) = fedfleet_certs::tls::check_not_expired(leaf, (now_ms / 1000) as i64) {
-        return Err(PeerRefusal::Expired(refuse(CLOSE_CERTIFICATE_EXPIRED, e.to_string())));
-    }
-    fedfleet_certs::peer_identity(&certs).map_err(|e| PeerRefusal::NoIdentity(refuse(1, format!("no fleet identity: {e}"))))
+    let certs = certificates(conn).unwrap_or_default();
+    fedfleet_certs::current_peer_identity(&certs, (now_ms / 1000) as i64).map_err(|e| match e {
+        fedfleet_certs::CertError::PeerExpired { .. } => PeerRefusal::Expired(refuse(CLOSE_CERTIFICATE_EXPIRED, e.to_string())),
+        e => PeerRefusal::NoIdentity(refuse(1, format!("no fleet identity: {e}"))),
+    })
 }
 
 /// The admission pool of an authenticated connection: services have their own, so that no

@@ -131,7 +131,7 @@ pub struct SampledFleet {
     /// Each device's TLS config, made at its first selection and kept (as a device keeps it
     /// between connections) so that its next selection resumes the TLS session: rustls resumes
     /// a ticket only with the config (verifier, certificate) that received it.
-    tls: Vec<std::sync::OnceLock<rustls::ClientConfig>>,
+    tls: Vec<Option<rustls::ClientConfig>>,
 }
 
 /// Sockets shared by the open devices' connections.
@@ -181,7 +181,7 @@ impl SampledFleet {
             heard: None,
             stats: Arc::default(),
             tasks: tokio::task::JoinSet::new(),
-            tls: (0..identities.len()).map(|_| std::sync::OnceLock::new()).collect(),
+            tls: vec![None; identities.len()],
             identities,
         })
     }
@@ -226,12 +226,9 @@ impl SampledFleet {
                 training_time: self.behaviour.training_time(&mut rng),
                 drops_out: rng.r#gen::<f64>() < self.behaviour.dropout,
                 announced: announced.clone(),
-                tls: match self.tls[index].get() {
+                tls: match &mut self.tls[index] {
                     Some(tls) => tls.clone(),
-                    None => {
-                        let tls = fedfleet_certs::tls::client_config(identity.ca(), identity, &[fedfleet_certs::ALPN_V1])?;
-                        self.tls[index].get_or_init(|| tls).clone()
-                    }
+                    slot => slot.insert(fedfleet_certs::tls::client_config(identity.ca(), identity, &[fedfleet_certs::ALPN_V1])?).clone(),
                 },
             };
             let (options, clock, stats) = (self.options.clone(), self.clock.clone(), self.stats.clone());
