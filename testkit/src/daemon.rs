@@ -79,7 +79,27 @@ pub fn running_as_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
-/// A free TCP port on `ip` (bound and released: another process may take it in between).
+/// Ports handed to daemons come from below Linux's ephemeral range (32768–60999): a port the
+/// kernel picked for `bind(0)` is soon handed to someone's outgoing connection or another test's
+/// socket, and a daemon started on it a moment later fails with "address already in use".
+const DAEMON_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A TCP port on `ip` that is free now and that no other caller in this process has been given
+/// (a process-wide counter from a per-process start; bound and released, so another process may
+/// still take it in between, but nothing here hands it out twice).
 pub fn free_port(ip: std::net::IpAddr) -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let span = u32::from(DAEMON_PORTS.end - DAEMON_PORTS.start);
+    let seed = std::process::id().wrapping_mul(2_654_435_761)
+        ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let _ = NEXT.compare_exchange(u32::MAX, seed % span, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = DAEMON_PORTS.start + offset as u16;
+        if std::net::TcpListener::bind((ip, port)).is_ok() && std::net::UdpSocket::bind((ip, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, format!("no free port on {ip} in {DAEMON_PORTS:?}")))
 }

@@ -25,11 +25,9 @@ pub struct SeaweedFs {
 }
 
 impl SeaweedFs {
-    /// Starts `weed server` with data under `work_dir/seaweedfs`, and waits until its S3
+    /// Starts `weed server` with data under `work_dir/seaweedfs` (log `work_dir/seaweedfs-<attempt>.log`), and waits until its S3
     /// gateway answers (up to a minute).
     pub fn start(binary: PathBuf, work_dir: &Path) -> Result<SeaweedFs, String> {
-        let data = work_dir.join("seaweedfs");
-        std::fs::create_dir_all(&data).map_err(|e| format!("{}: {e}", data.display()))?;
         let identities = serde_json::json!({ "identities": [
             { "name": "registry", "credentials": [{ "accessKey": ACCESS_KEY, "secretKey": SECRET_KEY }],
               "actions": ["Admin", "Read", "List", "Tagging", "Write"] },
@@ -37,6 +35,24 @@ impl SeaweedFs {
         ]});
         let config = work_dir.join("seaweedfs-s3.json");
         std::fs::write(&config, identities.to_string()).map_err(|e| format!("{}: {e}", config.display()))?;
+        // A port picked free may be taken before weed binds it; weed then exits at once, and a
+        // fresh set of ports is tried.
+        let mut last_error = String::new();
+        for attempt in 0..3 {
+            // Each attempt on data of its own: a master that started on other ports has recorded them.
+            let data = work_dir.join("seaweedfs").join(format!("attempt-{attempt}"));
+            std::fs::create_dir_all(&data).map_err(|e| format!("{}: {e}", data.display()))?;
+            let log = work_dir.join(format!("seaweedfs-{attempt}.log"));
+            match Self::start_on_free_ports(&binary, &log, &data, &config) {
+                Ok(fs) => return Ok(fs),
+                Err(e) if e.contains("address already in use") => last_error = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last_error)
+    }
+
+    fn start_on_free_ports(binary: &Path, log: &Path, data: &Path, config: &Path) -> Result<SeaweedFs, String> {
         let ip: std::net::IpAddr = [127, 0, 0, 1].into();
         let port = || free_port(ip).map_err(|e| format!("a free port: {e}"));
         let names = [
@@ -62,7 +78,7 @@ impl SeaweedFs {
             ["-filer", "-s3", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=4"].map(String::from),
         );
         args.push(format!("-s3.config={}", config.display()));
-        let mut fs = SeaweedFs { daemon: Daemon::new(binary, args, work_dir.join("seaweedfs.log")), s3: SocketAddr::from((ip, s3)) };
+        let mut fs = SeaweedFs { daemon: Daemon::new(binary.to_owned(), args, log.to_owned()), s3: SocketAddr::from((ip, s3)) };
         fs.spawn()?;
         Ok(fs)
     }

@@ -16,11 +16,7 @@ fn ok(cfg: &Path, args: &[&str]) -> String {
 }
 
 fn free_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    fedfleet_testkit::daemon::free_port([127, 0, 0, 1].into()).unwrap()
 }
 
 /// Zero weights of exactly `spec`'s layout, as a safetensors file's bytes.
@@ -70,7 +66,7 @@ fn operator_cli_talks_to_the_running_registry_only() {
     let pki = Pki::init(dir.path().join("pki"), &FleetId::new("cli-fleet").unwrap(), 30, false).unwrap();
     pki.issue_server("registry", &[], 30, false).unwrap();
     pki.issue_server("operator", &[], 30, false).unwrap();
-    let (port, mport) = (free_port(), free_tcp_port());
+    let (port, mport) = (free_port(), free_port());
     let cfg = dir.path().join("registry.toml");
     std::fs::write(
         &cfg,

@@ -3,7 +3,7 @@
 //! CLI runs, free loopback ports, polling, Prometheus text and a seeded RNG.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -146,12 +146,12 @@ pub fn tail(path: &Path, n: usize) -> String {
 /// A UDP port on 127.0.0.1 that was free a moment ago (for QUIC services restarted on the same
 /// address, where the binary cannot be told port 0).
 pub fn free_udp_port() -> u16 {
-    UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free UDP port").port()
+    fedfleet_testkit::daemon::free_port([127, 0, 0, 1].into()).expect("free UDP port")
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (metrics endpoints).
 pub fn free_tcp_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()).expect("free TCP port").port()
+    fedfleet_testkit::daemon::free_port([127, 0, 0, 1].into()).expect("free TCP port")
 }
 
 /// Polls `f` every 100 ms until it returns `Some`; panics after `timeout` with `what`.
