@@ -506,8 +506,9 @@ pub struct Lifecycle {
     conditions: Conditions,
     uploads: BTreeMap<u64, UploadTrack>,
     install_retry_at: Option<Millis>,
-    /// When to ask for the current round's base model again.
-    train_retry_at: Option<Millis>,
+    /// When to start (or, after the base model was unavailable, retry) training for the
+    /// current round.
+    train_at: Option<Millis>,
     /// Failed asks for the current round's base model.
     train_attempts: u32,
     /// Deferrals of the current install for want of storage (its backoff).
@@ -581,7 +582,7 @@ impl Lifecycle {
             conditions: Conditions::default(),
             uploads: BTreeMap::new(),
             install_retry_at: None,
-            train_retry_at: None,
+            train_at: None,
             train_attempts: 0,
             storage_attempts: 0,
             last_refusal: None,
@@ -679,7 +680,7 @@ impl Lifecycle {
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) has work.
     pub fn poll_timeout(&self) -> Option<Millis> {
-        self.uploads.values().filter_map(|t| t.next_at).chain(self.install_retry_at).chain(self.train_retry_at).min()
+        self.uploads.values().filter_map(|t| t.next_at).chain(self.install_retry_at).chain(self.train_at).min()
     }
 
     // ----- inputs -----
@@ -699,8 +700,8 @@ impl Lifecycle {
                 self.actions.push_back(Action::Upload { outbox_id: *id });
             }
         }
-        if self.train_retry_at.is_some_and(|at| at <= now) {
-            self.train_retry_at = None;
+        if self.train_at.is_some_and(|at| at <= now) {
+            self.train_at = None;
             if let Some(round) = self.state.round.clone() {
                 self.actions.push_back(Action::Train(round));
             }
@@ -735,14 +736,14 @@ impl Lifecycle {
                     return self.handle(now, Input::TrainingFailed { round, reason });
                 }
                 tracing::info!(%round, attempt = self.train_attempts, retry_in_ms = at - now, %reason, "base model unavailable; will ask again");
-                self.train_retry_at = Some(at);
+                self.train_at = Some(at);
                 Ok(())
             }
             Input::TrainingFailed { round, reason } => {
                 if self.state.round.as_ref().map(|r| r.round) != Some(round) {
                     return Ok(());
                 }
-                self.train_retry_at = None;
+                self.train_at = None;
                 tracing::warn!(%round, %reason, "training failed; skipping the round");
                 let mut next = self.state.clone();
                 close_round(&mut next, round);
@@ -826,9 +827,17 @@ impl Lifecycle {
         next.round = Some(a.clone());
         next.last_state = DeviceState::Training { round: a.round };
         self.commit(next)?;
-        self.train_retry_at = None;
         self.train_attempts = 0;
-        self.actions.push_back(Action::Train(a));
+        // The round's start window spreads the fleet's downloads and uploads; never more than
+        // half the time left, so a late hearing still leaves time to train.
+        let offset = a.start_offset_ms(&self.state.device).min(a.deadline_unix_ms.saturating_sub(now) / 2);
+        if offset == 0 {
+            self.train_at = None;
+            self.actions.push_back(Action::Train(a));
+        } else {
+            tracing::debug!(round = %a.round, start_in_ms = offset, "joining round at its point in the start window");
+            self.train_at = Some(now + offset);
+        }
         self.report(now);
         Ok(())
     }
@@ -858,7 +867,7 @@ impl Lifecycle {
         // Commit point 1: the result is durable before anything else happens.
         self.persists.push_back(Persist::PutOutbox(entry.clone()));
         self.outbox.insert(entry.id, entry.clone());
-        self.train_retry_at = None;
+        self.train_at = None;
         let mut next = self.state.clone();
         close_round(&mut next, round);
         next.last_state = DeviceState::Idle;

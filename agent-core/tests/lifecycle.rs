@@ -209,6 +209,38 @@ fn an_overloaded_upload_waits_the_named_retry_after_plus_jitter() {
     assert_eq!(uploads(&drain(&mut lc)), vec![id]);
 }
 
+/// Issue 27: a round with a start window is joined at once (the device is training for it and
+/// says so) but its training starts at the device's own point in the window, capped at half the
+/// time left before the deadline.
+#[test]
+fn a_round_with_a_start_window_starts_training_at_the_devices_point_in_it() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    let mut a = announcement(1, &v1);
+    a.config.start_window_ms = 60_000;
+    let offset = a.start_offset_ms(&lc.state().device);
+    assert!(offset > 0, "this device's point in a minute's window is not its start");
+    lc.handle(T0, Input::RoundAnnounced(a.clone())).unwrap();
+    assert!(!drain(&mut lc).iter().any(|x| matches!(x, Action::Train(_))), "not before its point");
+    assert_eq!(lc.state().round.as_ref().map(|r| r.round), Some(a.round), "joined at once");
+    assert_eq!(lc.poll_timeout(), Some(T0 + offset));
+    lc.handle_timeout(T0 + offset - 1);
+    assert!(drain(&mut lc).is_empty());
+    lc.handle_timeout(T0 + offset);
+    assert!(drain(&mut lc).iter().any(|x| matches!(x, Action::Train(r) if r.round == a.round)));
+
+    // Heard late: at most half the time left.
+    let mut late = announcement(2, &v1);
+    late.config.start_window_ms = 3_600_000;
+    late.deadline_unix_ms = T0 + 1_000;
+    let mut lc = open(&Disk::new(), &reg, &v1);
+    drain(&mut lc);
+    lc.handle(T0, Input::RoundAnnounced(late)).unwrap();
+    assert!(lc.poll_timeout().is_some_and(|at| at <= T0 + 500), "{:?}", lc.poll_timeout());
+}
+
 #[test]
 fn participation_conditions_gate_training() {
     let disk = Disk::new();

@@ -102,6 +102,11 @@ pub struct RoundConfig {
     /// the aggregator's secure-aggregation stages, never as a plain upload.
     #[serde(default)]
     pub secure_aggregation: bool,
+    /// Devices spread their start over this many ms after they hear of the round, each at its
+    /// own point ([`RoundAnnouncement::start_offset_ms`]), so a round opened for a whole fleet
+    /// does not reach the aggregator as one burst of downloads and uploads. 0: start at once.
+    #[serde(default)]
+    pub start_window_ms: u64,
 }
 
 impl Default for RoundConfig {
@@ -117,6 +122,7 @@ impl Default for RoundConfig {
             max_samples: None,
             seed: 0,
             secure_aggregation: false,
+            start_window_ms: 0,
         }
     }
 }
@@ -169,6 +175,24 @@ pub struct RoundAnnouncement {
     /// Updates arriving after this are refused.
     pub deadline_unix_ms: u64,
     pub selection: Selection,
+}
+
+impl RoundAnnouncement {
+    /// When `device` starts on this round, in ms after it hears of it: a point in
+    /// `[0, config.start_window_ms)` from a hash of the round and the device, so the selected
+    /// devices spread evenly over the window, and one device picks the same point on every hearing.
+    pub fn start_offset_ms(&self, device: &DeviceId) -> u64 {
+        if self.config.start_window_ms == 0 {
+            return 0;
+        }
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(b"fedfleet/start/v1\0");
+        hasher.update(&self.round.0.to_be_bytes());
+        hasher.update(device.as_str().as_bytes());
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+        u64::from_be_bytes(first) % self.config.start_window_ms
+    }
 }
 
 /// The aggregator accepted an update. Signed by the aggregator, so a device can prove it.
@@ -500,6 +524,29 @@ mod tests {
         }
         assert!(matches!(decode::<Message>(&[0; 16], 8), Err(MessageError::TooLarge { .. })));
         assert!(matches!(encode(&samples()[0], 8), Err(MessageError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn start_offsets_spread_a_fleet_evenly_over_the_window() {
+        let Message::RoundAnnouncement(mut a) = samples().remove(0) else { unreachable!() };
+        let device = |i: usize| DeviceId::new(format!("dev-{i}")).unwrap();
+        assert_eq!(a.start_offset_ms(&device(1)), 0, "no window: start at once");
+        a.config.start_window_ms = 10_000;
+        let mut per_second = [0u32; 10];
+        for i in 0..10_000 {
+            let offset = a.start_offset_ms(&device(i));
+            assert!(offset < 10_000);
+            assert_eq!(offset, a.start_offset_ms(&device(i)), "the same point on every hearing");
+            per_second[(offset / 1_000) as usize] += 1;
+        }
+        // 1,000 a second expected; a binomial's spread is about 30.
+        assert!(per_second.iter().all(|&n| (850..1_150).contains(&n)), "{per_second:?}");
+        let next = RoundAnnouncement { round: RoundId(5), ..a.clone() };
+        assert_ne!(
+            (0..10).map(|i| a.start_offset_ms(&device(i))).collect::<Vec<_>>(),
+            (0..10).map(|i| next.start_offset_ms(&device(i))).collect::<Vec<_>>(),
+            "another round, other points"
+        );
     }
 
     #[test]

@@ -84,6 +84,7 @@ fn message() -> impl Strategy<Value = Message> {
                     max_samples: c.7,
                     seed: c.6 ^ 0x5555,
                     secure_aggregation: c.6 % 2 == 1,
+                    start_window_ms: deadline % 100_000,
                 },
                 deadline_unix_ms: deadline,
                 selection,

@@ -21,6 +21,8 @@ impl Aggregator {
                     let dtype = core.campaign.payload_dtype();
                     let mut config = a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0);
                     config.secure_aggregation = sh.cfg.secure_aggregation.is_some();
+                    config.start_window_ms =
+                        sh.cfg.admission.start_window_ms(self.expected_participants(&a.selection), a.deadline.saturating_sub(now));
                     let opened = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
                     core.secagg_before = std::mem::replace(&mut core.secagg, opened);
                     let ann = fedfleet_protocol::RoundAnnouncement {
@@ -176,6 +178,17 @@ impl Aggregator {
     }
 
     /// A DP campaign's (ε, δ) with the round being published counted: the model's metadata.
+    /// How many devices a round's `selection` is expected to draw: the invited list, or the
+    /// enrolled devices (times the sampling rate).
+    fn expected_participants(&self, selection: &fedfleet_protocol::Selection) -> u64 {
+        let enrolled = self.shared.allow.len() as u64;
+        match selection {
+            fedfleet_protocol::Selection::All => enrolled,
+            fedfleet_protocol::Selection::Devices(devices) => devices.len() as u64,
+            fedfleet_protocol::Selection::Sample { rate_ppm, .. } => enrolled * u64::from(*rate_ppm) / 1_000_000,
+        }
+    }
+
     fn privacy_metrics(&self) -> Vec<(String, f64)> {
         let core = self.lock();
         let e = core.coord.engine();

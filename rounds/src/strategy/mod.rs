@@ -85,6 +85,7 @@ impl ClientConfig {
             max_samples,
             seed,
             secure_aggregation: false,
+            start_window_ms: 0,
         }
     }
 }
