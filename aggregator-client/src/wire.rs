@@ -138,6 +138,35 @@ pub struct CampaignStatus {
     pub last_outcome: Option<String>,
     /// A differentially private campaign's spend: of the running campaign, or the last one's.
     pub privacy: Option<PrivacyReport>,
+    /// The service aggregates securely (SecAgg+): its parameters, and the open round's stage.
+    pub secure_aggregation: Option<SecAggReport>,
+}
+
+/// `[secure_aggregation]` as the service runs it, and where the open round's stages stand.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SecAggReport {
+    /// Neighbours per device (configured; a smaller roster uses every other device).
+    pub degree: u16,
+    /// Shares needed to rebuild a device's secrets, as a fraction of its neighbours.
+    pub threshold_fraction: f64,
+    /// Every weighted value is clamped to ±clip before quantizing.
+    pub clip: f64,
+    pub frac_bits: u8,
+    /// The open round's stages, once it has a roster.
+    pub open_round: Option<SecAggRoundReport>,
+}
+
+/// One securely aggregated round at the moment of asking.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SecAggRoundReport {
+    pub round: RoundId,
+    pub stage: Stage,
+    /// Devices on the round's roster.
+    pub roster: u32,
+    /// Shares needed to rebuild one device's secrets in this round.
+    pub threshold: u16,
+    /// Why the stages failed (the round then fails: never a wrong model).
+    pub failure: Option<String>,
 }
 
 /// The (ε, δ) a DP-FedAvg campaign has spent (see `fedfleet_rounds::privacy`).

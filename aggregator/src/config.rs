@@ -275,7 +275,8 @@ pub struct AdmissionLimits {
     /// The retry-after an overloaded device is told, in ms (devices add jitter).
     pub retry_after_ms: u64,
     /// The rate a round's invited devices are asked to arrive at: each round opens with a start
-    /// window of (expected participants / this) seconds, at most half its deadline, over which
+    /// window of (expected participants / this) seconds, at most half its deadline (half the keys
+    /// stage under secure aggregation), over which
     /// devices spread their downloads and uploads. 0 opens rounds without a window.
     pub arrivals_per_second: u32,
 }

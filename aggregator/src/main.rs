@@ -411,6 +411,22 @@ fn print_status(s: &CampaignStatus, conn: &Conn, cfg: &OperatorConfig) {
             p.noise_multiplier, p.sampling_rate, p.epsilon_spent, p.delta
         );
     }
+    if let Some(a) = &s.secure_aggregation {
+        println!(
+            "secure aggregation: SecAgg+, {} neighbours, shares needed {:.0} % of them, updates clipped to ±{} on a 2^-{} grid",
+            a.degree,
+            a.threshold_fraction * 100.0,
+            a.clip,
+            a.frac_bits
+        );
+        if let Some(r) = &a.open_round {
+            let failure = r.failure.as_deref().map(|f| format!(" (failed: {f})")).unwrap_or_default();
+            println!(
+                "  round {}: stage {:?}, {} devices on the roster, {} shares rebuild a device{failure}",
+                r.round, r.stage, r.roster, r.threshold
+            );
+        }
+    }
     if let Some((v, d)) = &s.global {
         // Under LoRA the aggregator's model holds the adapters; the registry also stores (and
         // names by digest) the model with them merged in: say which digest this is.

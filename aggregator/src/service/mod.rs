@@ -480,6 +480,7 @@ impl Aggregator {
                 epsilon_spent: p.epsilon_spent,
                 epsilon_budget: p.epsilon_budget,
             }),
+            secure_aggregation: self.secagg_report(&core),
         }
     }
 

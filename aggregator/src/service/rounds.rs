@@ -21,8 +21,12 @@ impl Aggregator {
                     let dtype = core.campaign.payload_dtype();
                     let mut config = a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0);
                     config.secure_aggregation = sh.cfg.secure_aggregation.is_some();
-                    config.start_window_ms =
-                        sh.cfg.admission.start_window_ms(self.expected_participants(&a.selection), a.deadline.saturating_sub(now));
+                    // Under secure aggregation a device must have trained before the keys stage ends.
+                    let time_to_start = match sh.cfg.secure_aggregation {
+                        Some(s) => (a.deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64,
+                        None => a.deadline.saturating_sub(now),
+                    };
+                    config.start_window_ms = sh.cfg.admission.start_window_ms(self.expected_participants(&a.selection), time_to_start);
                     let opened = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
                     core.secagg_before = std::mem::replace(&mut core.secagg, opened);
                     let ann = fedfleet_protocol::RoundAnnouncement {

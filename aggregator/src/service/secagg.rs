@@ -80,6 +80,28 @@ impl Aggregator {
     }
 
     /// The next stage deadline of the open round's secure aggregation (none once it ended).
+    /// `campaign status`'s view of secure aggregation (`None` when the service aggregates in the clear).
+    pub(super) fn secagg_report(&self, core: &Core) -> Option<crate::wire::SecAggReport> {
+        let cfg = self.shared.cfg.secure_aggregation?;
+        let open_round = core.secagg.as_ref().map(|r| {
+            let roster = r.server.roster();
+            crate::wire::SecAggRoundReport {
+                round: roster.round,
+                stage: r.server.stage(),
+                roster: roster.devices.len() as u32,
+                threshold: roster.params.threshold,
+                failure: r.server.failure().map(|f| format!("{}: {f}", f.name())),
+            }
+        });
+        Some(crate::wire::SecAggReport {
+            degree: cfg.degree,
+            threshold_fraction: cfg.threshold_fraction,
+            clip: cfg.clip,
+            frac_bits: cfg.frac_bits,
+            open_round,
+        })
+    }
+
     pub(super) fn secagg_timeout(core: &Core) -> Option<Millis> {
         core.secagg.as_ref().and_then(|s| s.server.poll_timeout())
     }

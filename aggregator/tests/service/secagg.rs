@@ -146,6 +146,12 @@ async fn a_secure_round_with_dropouts_publishes_the_plain_fold_of_the_survivors_
     // unmask stage (to 95 %) goes on.
     clock.set(ann.deadline_unix_ms - 60_000);
     svc.agg.clock_moved();
+    // The operator's view (`campaign status`) says how the round is aggregated and where it stands.
+    let _ = until(&clients[0], &ann, Stage::Unmask).await;
+    let secure = svc.agg.status().secure_aggregation.expect("the status names secure aggregation");
+    assert_eq!((secure.degree, secure.threshold_fraction), (4, 0.5));
+    let open = secure.open_round.expect("the open round's stages");
+    assert_eq!((open.round, open.stage, open.roster, open.threshold, open.failure), (ann.round, Stage::Unmask, DEVICES as u32, 2, None));
     for (i, c) in clients.iter().enumerate().take(SURVIVORS) {
         let view = until(c, &ann, Stage::Unmask).await;
         let unmask = devices[i].on_unmask(&view.unmask.expect("an unmask request")).unwrap();

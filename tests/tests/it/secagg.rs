@@ -141,6 +141,10 @@ fn a_secure_round_publishes_the_plain_rounds_model_and_stores_no_agents_update()
         tail(&log, 30),
         tail(&secure.log("agent-1"), 20)
     );
+    assert!(
+        secure_status.contains("secure aggregation: SecAgg+, 4 neighbours") && !status.contains("secure aggregation"),
+        "`campaign start` names the mode as it is\n{context}"
+    );
     assert_eq!(count_lines(&log, "the round's sum is unmasked and merged"), 1, "{context}");
     assert_eq!(count_lines(&log, "update accepted"), 0, "no update reached the aggregator in the clear\n{context}");
     assert_eq!(secure.agent_logs().matches("update securely aggregated").count(), AGENTS, "every agent's update is in the sum\n{context}");
