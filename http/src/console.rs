@@ -55,8 +55,9 @@ pub struct ConsoleConfig {
     /// Serve HTTPS with the service's certificate; required for a non-loopback `listen`.
     #[serde(default)]
     pub tls: bool,
-    /// Bearer tokens with their roles (TOML, `[[token]] name role token`), relative to the
-    /// config file. Keep it readable by the service's user only.
+    /// Bearer tokens with their roles (TOML, `[[token]] name role token`, or `token_blake3`, the
+    /// token's BLAKE3 hash in hex, so the file need not hold it), relative to the config file.
+    /// Keep it readable by the service's user only.
     #[serde(default)]
     pub tokens: Option<PathBuf>,
     /// What a loopback caller without credentials may do: `operator` (default), `reader`, or
@@ -119,12 +120,27 @@ struct TokensFile {
     token: Vec<TokenEntry>,
 }
 
+/// One `[[token]]`: the token itself, or only its BLAKE3 hash (`token_blake3`, 64 hex digits,
+/// e.g. `printf %s "$TOKEN" | b3sum`), so that the file does not hold the secret.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TokenEntry {
     name: String,
     role: Role,
-    token: String,
+    token: Option<String>,
+    token_blake3: Option<String>,
+}
+
+impl TokenEntry {
+    fn hash(&self) -> Result<blake3::Hash, String> {
+        match (&self.token, &self.token_blake3) {
+            (Some(t), None) if t.len() < MIN_TOKEN_LEN => Err(format!("token {:?} is shorter than {MIN_TOKEN_LEN} characters", self.name)),
+            (Some(t), None) => Ok(blake3::hash(t.as_bytes())),
+            (None, Some(hex)) => blake3::Hash::from_hex(hex.trim())
+                .map_err(|e| format!("token {:?}: token_blake3 is not a BLAKE3 hash in hex (64 digits): {e}", self.name)),
+            _ => Err(format!("token {:?}: give exactly one of `token` and `token_blake3`", self.name)),
+        }
+    }
 }
 
 /// Shortest token accepted: guessing one must not be practical.
@@ -147,17 +163,14 @@ impl Access {
             let text = std::fs::read_to_string(path).map_err(|e| format!("console tokens {}: {e}", path.display()))?;
             let file: TokensFile = toml::from_str(&text).map_err(|e| format!("console tokens {}: {e}", path.display()))?;
             for t in file.token {
-                if t.token.len() < MIN_TOKEN_LEN {
-                    return Err(format!(
-                        "console tokens {}: token {:?} is shorter than {MIN_TOKEN_LEN} characters",
-                        path.display(),
-                        t.name
-                    ));
-                }
+                let hash = t.hash().map_err(|e| format!("console tokens {}: {e}", path.display()))?;
                 if tokens.iter().any(|(_, n, _): &(blake3::Hash, String, Role)| *n == t.name) {
                     return Err(format!("console tokens {}: the name {:?} is used twice", path.display(), t.name));
                 }
-                tokens.push((blake3::hash(t.token.as_bytes()), t.name, t.role));
+                if tokens.iter().any(|(h, _, _): &(blake3::Hash, String, Role)| *h == hash) {
+                    return Err(format!("console tokens {}: {:?} has the token of another entry", path.display(), t.name));
+                }
+                tokens.push((hash, t.name, t.role));
             }
         }
         Ok(Access { loopback: cfg.loopback, tokens, operators: operators.to_vec() })
@@ -643,4 +656,49 @@ fn with_builtins(api: Api, audit: fedfleet_durable::Journal, peer: Option<String
         });
     let _ = document.set(api.openapi());
     api
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(tokens: &str) -> Result<Access, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.toml");
+        std::fs::write(&path, tokens).unwrap();
+        let cfg = ConsoleConfig {
+            listen: ([127, 0, 0, 1], 0).into(),
+            tls: false,
+            tokens: Some(path),
+            loopback: LoopbackAccess::default(),
+            peer: None,
+        };
+        Access::load(&cfg, &[])
+    }
+
+    #[test]
+    fn a_token_is_given_in_the_clear_or_as_its_blake3_hash_only() {
+        let hash = blake3::hash(b"ops-token-0123456789abc").to_hex();
+        let access = load(&format!(
+            "[[token]]\nname = \"viewer\"\nrole = \"reader\"\ntoken = \"viewer-token-0123456789\"\n\
+             [[token]]\nname = \"ops\"\nrole = \"operator\"\ntoken_blake3 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        assert_eq!(access.tokens[0].0, blake3::hash(b"viewer-token-0123456789"));
+        assert_eq!((access.tokens[1].0.to_hex(), access.tokens[1].2), (hash, Role::Operator));
+
+        let refused = |text: &str, why: &str| {
+            let e = load(text).err().unwrap_or_else(|| panic!("{text} was accepted"));
+            assert!(e.contains(why), "{e}");
+        };
+        refused("[[token]]\nname = \"a\"\nrole = \"reader\"\ntoken = \"short\"\n", "shorter than 20");
+        refused("[[token]]\nname = \"a\"\nrole = \"reader\"\ntoken_blake3 = \"abc\"\n", "not a BLAKE3 hash");
+        refused("[[token]]\nname = \"a\"\nrole = \"reader\"\n", "exactly one of");
+        refused(
+            &format!("[[token]]\nname = \"a\"\nrole = \"reader\"\ntoken = \"viewer-token-0123456789\"\ntoken_blake3 = \"{hash}\"\n"),
+            "exactly one of",
+        );
+        let twice = format!("[[token]]\nname = \"a\"\nrole = \"reader\"\ntoken_blake3 = \"{hash}\"\n");
+        refused(&format!("{twice}{}", twice.replace("\"a\"", "\"b\"")), "the token of another entry");
+    }
 }

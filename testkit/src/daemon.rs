@@ -91,8 +91,8 @@ pub fn free_port(ip: std::net::IpAddr) -> std::io::Result<u16> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
     let span = u32::from(DAEMON_PORTS.end - DAEMON_PORTS.start);
-    let seed = std::process::id().wrapping_mul(2_654_435_761)
-        ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    // A random start (std's per-process hash keys), so concurrent test processes seldom meet.
+    let seed = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), std::process::id()) as u32;
     let _ = NEXT.compare_exchange(u32::MAX, seed % span, Ordering::Relaxed, Ordering::Relaxed);
     for _ in 0..span {
         let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;

@@ -215,8 +215,12 @@ async fn call(
 #[test]
 fn console_refusals_and_actions_are_audited_with_who_asked() {
     let mut d = Deployment::init(1);
-    let tokens = "[[token]]\nname = \"viewer\"\nrole = \"reader\"\ntoken = \"viewer-token-0123456789\"\n\n\
-                  [[token]]\nname = \"ops\"\nrole = \"operator\"\ntoken = \"ops-token-0123456789abc\"\n";
+    // The operator's token is in the file only as its hash.
+    let ops_hash = fedfleet_protocol::Digest::of(b"ops-token-0123456789abc").to_hex(); // BLAKE3
+    let tokens = format!(
+        "[[token]]\nname = \"viewer\"\nrole = \"reader\"\ntoken = \"viewer-token-0123456789\"\n\n\
+         [[token]]\nname = \"ops\"\nrole = \"operator\"\ntoken_blake3 = \"{ops_hash}\"\n"
+    );
     std::fs::write(d.path("console-tokens.toml"), tokens).unwrap();
     // Both consoles over HTTPS, and loopback callers treated like remote ones (credentials needed).
     for file in ["registry.toml", "aggregator.toml"] {
