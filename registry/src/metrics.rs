@@ -15,6 +15,14 @@
 //! | `fedfleet_registry_object_store_uploads_total` | | artifacts written to the object store
 //! | `fedfleet_registry_object_store_failures_total` | | uploads that failed (retried)
 //! | `fedfleet_registry_object_store_pending` | | artifacts the object store still lacks
+//! | `fedfleet_registry_rollout_phase` | `rollout` | its current phase, 0 the first
+//! | `fedfleet_registry_rollout_phases` | `rollout` | how many phases it has
+//! | `fedfleet_registry_rollout_devices` | `rollout`, `outcome` | its audience so far: `healthy`, `failed`, `in_progress`
+//! | `fedfleet_registry_rollout_failure_rate` | `rollout` | failed / reporting (absent before a report)
+//! | `fedfleet_registry_rollout_status` | `rollout`, `status` | 1 for its status, 0 for the others
+//!
+//! The rollout gauges are set whenever a rollout's state changes, and for every stored rollout
+//! at start.
 //!
 //! Gauges set by the MQTT side ([`crate::mqtt`]): `fedfleet_registry_mqtt_connected`,
 //! `fedfleet_registry_devices_online`, `fedfleet_registry_devices_known`,
@@ -36,6 +44,20 @@ struct Kind {
 struct State {
     state: String,
 }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RolloutLabel {
+    rollout: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RolloutOutcome {
+    rollout: String,
+    outcome: &'static str,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RolloutStatus {
+    rollout: String,
+    status: &'static str,
+}
 
 /// The registry's metrics; handles are cheap clones of what the registry encodes.
 #[derive(Debug)]
@@ -53,6 +75,11 @@ pub struct Metrics {
     rejections: Family<Reason, Counter>,
     rollout_events: Family<Event, Counter>,
     device_reports: Family<State, Counter>,
+    rollout_phase: Family<RolloutLabel, Gauge>,
+    rollout_phases: Family<RolloutLabel, Gauge>,
+    rollout_devices: Family<RolloutOutcome, Gauge>,
+    rollout_failure_rate: Family<RolloutLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    rollout_status: Family<RolloutStatus, Gauge>,
     pub mqtt_connected: Gauge,
     devices_online: Gauge,
     devices_known: Gauge,
@@ -82,6 +109,11 @@ impl Metrics {
             rejections: Family::default(),
             rollout_events: Family::default(),
             device_reports: Family::default(),
+            rollout_phase: Family::default(),
+            rollout_phases: Family::default(),
+            rollout_devices: Family::default(),
+            rollout_failure_rate: Family::default(),
+            rollout_status: Family::default(),
             mqtt_connected: Gauge::default(),
             devices_online: Gauge::default(),
             devices_known: Gauge::default(),
@@ -104,6 +136,11 @@ impl Metrics {
         registry.register("object_store_pending", "Artifacts the object store still lacks", m.object_store_pending.clone());
         registry.register("rollout_events", "Rollout engine events", m.rollout_events.clone());
         registry.register("device_reports", "Device reports, by state", m.device_reports.clone());
+        registry.register("rollout_phase", "A rollout's current phase (0 the first)", m.rollout_phase.clone());
+        registry.register("rollout_phases", "A rollout's phases", m.rollout_phases.clone());
+        registry.register("rollout_devices", "A rollout's audience so far, by outcome", m.rollout_devices.clone());
+        registry.register("rollout_failure_rate", "A rollout's failed / reporting devices", m.rollout_failure_rate.clone());
+        registry.register("rollout_status", "1 for a rollout's status, 0 for the others", m.rollout_status.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());
         registry.register("devices_online", "Devices with a recent verified status", m.devices_online.clone());
         registry.register("devices_known", "Devices ever heard from over MQTT", m.devices_known.clone());
@@ -130,6 +167,24 @@ impl Metrics {
 
     pub fn device_report(&self, state: &str) {
         self.device_reports.get_or_create(&State { state: state.into() }).inc();
+    }
+
+    /// Sets rollout `id`'s gauges from its summary.
+    pub fn rollout_summary(&self, id: &str, s: &fedfleet_rollout::Summary) {
+        let rollout = || RolloutLabel { rollout: id.to_owned() };
+        self.rollout_phase.get_or_create(&rollout()).set(s.phase as i64);
+        self.rollout_phases.get_or_create(&rollout()).set(s.phases as i64);
+        for (outcome, n) in [("healthy", s.healthy), ("failed", s.failed), ("in_progress", s.in_progress)] {
+            self.rollout_devices.get_or_create(&RolloutOutcome { rollout: id.to_owned(), outcome }).set(i64::from(n));
+        }
+        if let Some(rate) = s.failure_rate {
+            self.rollout_failure_rate.get_or_create(&rollout()).set(rate);
+        }
+        use fedfleet_rollout::Status;
+        for status in [Status::Running, Status::Paused, Status::Completed, Status::Aborted, Status::RolledBack] {
+            let is = i64::from(status == s.status);
+            self.rollout_status.get_or_create(&RolloutStatus { rollout: id.to_owned(), status: status.name() }).set(is);
+        }
     }
 
     /// Devices online and known, from the MQTT presence view.

@@ -100,6 +100,10 @@ impl Registry {
         clock: SharedClock,
     ) -> Result<Self, RegistryError> {
         let rollouts = store.rollouts()?.into_iter().map(|r| (r.id().to_owned(), r)).collect();
+        let rollouts: BTreeMap<String, Rollout> = rollouts;
+        for r in rollouts.values() {
+            metrics.rollout_summary(r.id(), &r.summary());
+        }
         let reg = Registry { store, fleet, rollouts: Mutex::new(rollouts), signer, metrics, revocation: None, clock };
         reg.refresh_metadata(reg.now_ms())?;
         Ok(reg)
@@ -197,6 +201,7 @@ impl Registry {
         if dirty {
             self.store.put_rollout(r)?;
         }
+        self.metrics.rollout_summary(r.id(), &r.summary());
         Ok(())
     }
 

@@ -107,6 +107,19 @@ async fn signed_assignments_follow_the_rollout() {
         let body = assigned(&a, &root, &ida).await;
         assert_eq!(body.target.map(|t| t.version), Some(v(1)));
         assert_eq!(h.reg.metrics().get("fedfleet_registry_rollout_events_total", "auto_aborted"), 1);
+        // Grafana's rollout panels: its phase, its devices by outcome, its failure rate, its status.
+        let text = h.reg.metrics().render();
+        for line in [
+            "fedfleet_registry_rollout_phase{rollout=\"r1\"} 0",
+            "fedfleet_registry_rollout_phases{rollout=\"r1\"} 2",
+            "fedfleet_registry_rollout_devices{rollout=\"r1\",outcome=\"failed\"} 1",
+            "fedfleet_registry_rollout_devices{rollout=\"r1\",outcome=\"healthy\"} 0",
+            "fedfleet_registry_rollout_failure_rate{rollout=\"r1\"} 1.0",
+            "fedfleet_registry_rollout_status{rollout=\"r1\",status=\"aborted\"} 1",
+            "fedfleet_registry_rollout_status{rollout=\"r1\",status=\"running\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
 
         // Operator views.
         let dev = serde_json::to_value(op.admin(AdminRequest::DeviceStatus { device: Some("dev-a".into()) }).await.unwrap()).unwrap();
