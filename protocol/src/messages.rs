@@ -152,16 +152,17 @@ impl Selection {
                 hasher.update(b"fedfleet/sample/v1\0");
                 hasher.update(&seed.to_be_bytes());
                 hasher.update(device.as_str().as_bytes());
-                bucket(hasher.finalize().as_bytes(), PPM) < *rate_ppm
+                bucket(hasher.finalize().as_bytes(), u64::from(PPM)) < u64::from(*rate_ppm)
             }
         }
     }
 }
 
-fn bucket(hash: &[u8; 32], buckets: u32) -> u32 {
+/// A hash's first 8 bytes, big-endian, modulo `buckets`: an even draw from `0..buckets`.
+fn bucket(hash: &[u8; 32], buckets: u64) -> u64 {
     let mut first = [0u8; 8];
     first.copy_from_slice(&hash[..8]);
-    (u64::from_be_bytes(first) % u64::from(buckets)) as u32
+    u64::from_be_bytes(first) % buckets
 }
 
 /// The aggregator opens a round.
@@ -189,9 +190,7 @@ impl RoundAnnouncement {
         hasher.update(b"fedfleet/start/v1\0");
         hasher.update(&self.round.0.to_be_bytes());
         hasher.update(device.as_str().as_bytes());
-        let mut first = [0u8; 8];
-        first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
-        u64::from_be_bytes(first) % self.config.start_window_ms
+        bucket(hasher.finalize().as_bytes(), self.config.start_window_ms)
     }
 }
 
@@ -269,7 +268,7 @@ pub fn rollout_bucket(device: &DeviceId) -> u32 {
     let mut hasher = blake3::Hasher::new();
     hasher.update(b"fedfleet/rollout-bucket/v1\0");
     hasher.update(device.as_str().as_bytes());
-    bucket(hasher.finalize().as_bytes(), BASIS_POINTS)
+    bucket(hasher.finalize().as_bytes(), u64::from(BASIS_POINTS)) as u32
 }
 
 impl RolloutNotice {

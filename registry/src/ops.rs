@@ -99,8 +99,7 @@ impl Registry {
         metrics: Arc<Metrics>,
         clock: SharedClock,
     ) -> Result<Self, RegistryError> {
-        let rollouts = store.rollouts()?.into_iter().map(|r| (r.id().to_owned(), r)).collect();
-        let rollouts: BTreeMap<String, Rollout> = rollouts;
+        let rollouts: BTreeMap<String, Rollout> = store.rollouts()?.into_iter().map(|r| (r.id().to_owned(), r)).collect();
         for r in rollouts.values() {
             metrics.rollout_summary(r.id(), &r.summary());
         }

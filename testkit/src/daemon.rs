@@ -84,18 +84,20 @@ pub fn running_as_root() -> bool {
 /// socket, and a daemon started on it a moment later fails with "address already in use".
 const DAEMON_PORTS: std::ops::Range<u16> = 20_000..32_000;
 
-/// A TCP port on `ip` that is free now and that no other caller in this process has been given
-/// (a process-wide counter from a per-process start; bound and released, so another process may
-/// still take it in between, but nothing here hands it out twice).
+/// A port on `ip` free now for both TCP and UDP, that no other caller in this process has been
+/// given (a process-wide counter from a per-process start; bound and released, so another
+/// process may still take it in between, but nothing here hands it out twice).
 pub fn free_port(ip: std::net::IpAddr) -> std::io::Result<u16> {
     use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    static NEXT: std::sync::OnceLock<AtomicU32> = std::sync::OnceLock::new();
     let span = u32::from(DAEMON_PORTS.end - DAEMON_PORTS.start);
     // A random start (std's per-process hash keys), so concurrent test processes seldom meet.
-    let seed = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), std::process::id()) as u32;
-    let _ = NEXT.compare_exchange(u32::MAX, seed % span, Ordering::Relaxed, Ordering::Relaxed);
+    let next = NEXT.get_or_init(|| {
+        let seed = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), std::process::id());
+        AtomicU32::new((seed % u64::from(span)) as u32)
+    });
     for _ in 0..span {
-        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let offset = next.fetch_add(1, Ordering::Relaxed) % span;
         let port = DAEMON_PORTS.start + offset as u16;
         if std::net::TcpListener::bind((ip, port)).is_ok() && std::net::UdpSocket::bind((ip, port)).is_ok() {
             return Ok(port);

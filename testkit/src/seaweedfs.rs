@@ -25,8 +25,8 @@ pub struct SeaweedFs {
 }
 
 impl SeaweedFs {
-    /// Starts `weed server` with data under `work_dir/seaweedfs` (log `work_dir/seaweedfs-<attempt>.log`), and waits until its S3
-    /// gateway answers (up to a minute).
+    /// Starts `weed server` with data under `work_dir/seaweedfs` (log
+    /// `work_dir/seaweedfs-<attempt>.log`), and waits until its S3 gateway answers (up to a minute).
     pub fn start(binary: PathBuf, work_dir: &Path) -> Result<SeaweedFs, String> {
         let identities = serde_json::json!({ "identities": [
             { "name": "registry", "credentials": [{ "accessKey": ACCESS_KEY, "secretKey": SECRET_KEY }],

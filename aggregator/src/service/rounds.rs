@@ -181,7 +181,6 @@ impl Aggregator {
         }
     }
 
-    /// A DP campaign's (ε, δ) with the round being published counted: the model's metadata.
     /// How many devices a round's `selection` is expected to draw: the invited list, or the
     /// enrolled devices (times the sampling rate).
     fn expected_participants(&self, selection: &fedfleet_protocol::Selection) -> u64 {
@@ -189,10 +188,13 @@ impl Aggregator {
         match selection {
             fedfleet_protocol::Selection::All => enrolled,
             fedfleet_protocol::Selection::Devices(devices) => devices.len() as u64,
-            fedfleet_protocol::Selection::Sample { rate_ppm, .. } => enrolled * u64::from(*rate_ppm) / 1_000_000,
+            fedfleet_protocol::Selection::Sample { rate_ppm, .. } => {
+                enrolled * u64::from(*rate_ppm) / u64::from(fedfleet_protocol::messages::PPM)
+            }
         }
     }
 
+    /// A DP campaign's (ε, δ) with the round being published counted: the model's metadata.
     fn privacy_metrics(&self) -> Vec<(String, f64)> {
         let core = self.lock();
         let e = core.coord.engine();

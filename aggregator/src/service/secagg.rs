@@ -79,7 +79,6 @@ impl Aggregator {
         })
     }
 
-    /// The next stage deadline of the open round's secure aggregation (none once it ended).
     /// `campaign status`'s view of secure aggregation (`None` when the service aggregates in the clear).
     pub(super) fn secagg_report(&self, core: &Core) -> Option<crate::wire::SecAggReport> {
         let cfg = self.shared.cfg.secure_aggregation?;
@@ -102,6 +101,7 @@ impl Aggregator {
         })
     }
 
+    /// The next stage deadline of the open round's secure aggregation (none once it ended).
     pub(super) fn secagg_timeout(core: &Core) -> Option<Millis> {
         core.secagg.as_ref().and_then(|s| s.server.poll_timeout())
     }
