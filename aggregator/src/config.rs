@@ -374,8 +374,18 @@ pub struct MqttConfig {
     pub client: MqttClientConfig,
     #[serde(default = "fedfleet_control::presence::default_ttl_secs")]
     pub presence_ttl_secs: u64,
+    /// The open round's announcement is published again this often (0: only when it changes
+    /// and after a reconnect), so a device that missed it (a broker node lost while it was
+    /// published, a retained copy behind on the node the device failed over to) hears it.
+    /// Devices drop repeats unread.
+    #[serde(default = "default_announce_every_secs")]
+    pub announce_every_secs: u64,
     #[serde(flatten, skip_serializing)]
     unknown: UnknownKeys,
+}
+
+fn default_announce_every_secs() -> u64 {
+    30
 }
 
 /// The client id the aggregator connects under unless `[mqtt] client_id` says otherwise.
@@ -393,6 +403,7 @@ impl MqttConfig {
             listen,
             client: MqttClientConfig::default(),
             presence_ttl_secs: fedfleet_control::presence::DEFAULT_TTL_SECS,
+            announce_every_secs: default_announce_every_secs(),
             unknown: UnknownKeys::default(),
         }
     }

@@ -149,9 +149,12 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
         let agg = agg.clone();
         let client = client.clone();
         let mut ann = agg.announcements();
+        let every = std::time::Duration::from_secs(cfg.announce_every_secs);
         tokio::spawn(async move {
-            // The current round first (after a restart mid-round), then every change.
+            // The current round first (after a restart mid-round), then every change, and again
+            // every `announce_every_secs` for devices that missed it.
             let mut current = ann.borrow_and_update().clone();
+            let mut again = (!every.is_zero()).then(|| tokio::time::interval_at(tokio::time::Instant::now() + every, every));
             loop {
                 if let Some(bytes) = current.take() {
                     match Signed::<RoundAnnouncement>::decode(&bytes) {
@@ -172,6 +175,9 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
                         None => break,
                         Some(ev) => handle(&agg, &client, &receipt_key, ev),
                     },
+                    _ = async { again.as_mut().expect("guarded").tick().await }, if again.is_some() => {
+                        current = ann.borrow().clone();
+                    }
                 }
             }
         })

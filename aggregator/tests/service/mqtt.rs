@@ -1,7 +1,8 @@
 //! MQTT next to QUIC: the same round run twice on fresh data directories with identical updates,
 //! once uploaded over QUIC and once over the MQTT fallback path (embedded broker), yields
 //! byte-identical global models; receipts arrive over MQTT (also for a resend); the announcement
-//! reaches a device over MQTT and verifies against the receipt key; presence is exported.
+//! reaches a device over MQTT, verifies against the receipt key and is published again while the
+//! round is open; presence is exported.
 
 use std::time::Duration;
 
@@ -64,8 +65,9 @@ async fn published(svc: &RunningAggregator, base: Digest) -> Vec<u8> {
 /// One round of `DEVICES` identical updates; returns the published global model.
 async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
     let svc = start(fleet.config(data, DEVICES as u32, 1)).await;
-    let mqtt =
-        fedfleet_aggregator::mqtt::start(&svc.agg, &MqttConfig::embedded("127.0.0.1:0".parse().unwrap())).await.unwrap().expect("mqtt on");
+    let mut mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
+    mqtt_cfg.announce_every_secs = 1;
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
     let port = mqtt.broker_addr().unwrap().port();
     let key = svc.agg.receipt_key();
     svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
@@ -81,6 +83,15 @@ async fn round(fleet: &Fleet, data: &str, over_mqtt: bool) -> Vec<u8> {
     assert_eq!(body.round, RoundId(1));
     assert_eq!(Some(ann.encode()), svc.agg.announcements().borrow().clone(), "the same signed bytes as over QUIC");
     let (round, base) = (body.round, body.base_model.digest);
+    // The open round is announced again every `announce_every_secs` (for devices that missed
+    // it); a device that heard it drops the repeat unread.
+    timeout(WAIT, async {
+        while d0.stats().duplicates == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the open round was not announced again");
 
     if over_mqtt {
         // Presence from a verified status.

@@ -458,7 +458,9 @@ fn external_mqtt(addrs: &[SocketAddr]) -> String {
         [one] => format!("[mqtt]\nmode = \"external\"\nhost = \"{}\"\nport = {}\n", one.ip(), one.port()),
         many => {
             let list: Vec<String> = many.iter().map(|a| format!("\"{a}\"")).collect();
-            format!("[mqtt]\nmode = \"external\"\nbrokers = [{}]\n", list.join(", "))
+            // A node dies mid-campaign: an agent failing over while a round is announced hears
+            // it from the aggregator's next republish.
+            format!("[mqtt]\nmode = \"external\"\nbrokers = [{}]\nannounce_every_secs = 2\n", list.join(", "))
         }
     }
 }
