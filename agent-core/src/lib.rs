@@ -5,5 +5,6 @@
 //! `fedfleet-agent` owns all of those and feeds the core inputs and the time.
 
 pub mod lifecycle;
+pub mod privacy;
 
 pub use lifecycle::*;

@@ -138,6 +138,10 @@ pub struct CampaignStatus {
     pub last_outcome: Option<String>,
     /// A differentially private campaign's spend: of the running campaign, or the last one's.
     pub privacy: Option<PrivacyReport>,
+    /// Local differential privacy, when the devices noise their own updates (while a campaign
+    /// runs).
+    #[serde(default)]
+    pub local_dp: Option<LocalDpReport>,
     /// The service aggregates securely (SecAgg+): its parameters, and the open round's stage.
     pub secure_aggregation: Option<SecAggReport>,
 }
@@ -178,4 +182,31 @@ pub struct PrivacyReport {
     pub delta: f64,
     pub epsilon_spent: f64,
     pub epsilon_budget: Option<f64>,
+    #[serde(default)]
+    pub noise_added_by: NoiseSource,
+}
+
+/// Who adds DP-FedAvg's noise.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoiseSource {
+    /// The aggregator, to the sum it folded.
+    #[default]
+    Aggregator,
+    /// The devices, each a share before masking (secure aggregation): no party sees the
+    /// noise-free sum.
+    Devices,
+}
+
+/// `[campaign.local_dp]`: every device clips and noises its own update.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LocalDpReport {
+    pub clip_norm: f64,
+    pub noise_multiplier: f64,
+    pub delta: f64,
+    /// Rounds the running campaign has published.
+    pub rounds: u32,
+    /// What one device's releases in those rounds spend, at most (a device that sat rounds
+    /// out spends less).
+    pub epsilon_per_device: f64,
 }

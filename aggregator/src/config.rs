@@ -28,7 +28,8 @@
 //! poll_interval_ms = 1000            # how often the parent is asked for its round
 //!
 //! [secure_aggregation]               # optional: every round aggregated with SecAgg+ (the aggregator sees
-//!                                    #   only the round's sum; plain uploads are refused); fedavg/fedprox/fedopt
+//!                                    #   only the round's sum; plain uploads are refused); fedavg/fedprox/fedopt,
+//!                                    #   or dp_fedavg with the noise split across the devices (1/sqrt(quorum) each)
 //! degree = 16                        # neighbours per device (even)
 //! threshold_fraction = 0.5           # shares needed to rebuild a device's secrets, of its neighbours (>= 2)
 //! frac_bits = 24                     # fixed-point grid 2^-frac_bits of each sample_count x update value
@@ -68,6 +69,10 @@
 //! # byzantine = 1                    # krum: hostile updates tolerated
 //! # select = 1                       # krum: best updates averaged (1 = Krum, >1 = Multi-Krum; old key krum_select)
 //! # max_updates = 256                # median trimmed_mean krum: updates held per round
+//! # [campaign.local_dp]              # local DP: each device clips its update to clip_norm and adds
+//! # clip_norm = 1.0                  #   N(0, (noise_multiplier x clip_norm)^2) per coordinate before
+//! # noise_multiplier = 1.0           #   signing it; campaign status: epsilon per device (not with dp_fedavg)
+//! # delta = 1e-5
 //!
 //! [compute]                          # where the server math runs
 //! fold = "exact"                     # exact (integer fold on the CPU, default) | tensor (burn)
@@ -506,6 +511,55 @@ pub struct CampaignDefaults {
     pub proximal_mu: f32,
     pub quantization: String,
     pub max_consecutive_failures: u32,
+    /// `[campaign.local_dp]`: every device clips and noises its own update before signing it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_dp: Option<LocalDpConfig>,
+}
+
+/// `[campaign.local_dp]`: local differential privacy. Each device clips its update to
+/// `clip_norm` and adds Gaussian noise of σ = `noise_multiplier · clip_norm` to every coordinate
+/// before it signs it, so even the aggregator (and anything that reads its store) sees only
+/// noised updates. Costs far more accuracy than DP-FedAvg's noise on the sum: for a fleet that
+/// trusts nobody with an update. The ε each device's own releases spend (δ = `delta`) is
+/// reported per campaign.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalDpConfig {
+    pub clip_norm: f64,
+    pub noise_multiplier: f64,
+    #[serde(default = "defaults::dp_delta")]
+    pub delta: f64,
+}
+
+impl LocalDpConfig {
+    /// What each device does to its update.
+    pub fn device_privacy(&self) -> fedfleet_protocol::DevicePrivacy {
+        fedfleet_protocol::DevicePrivacy {
+            clip_norm: self.clip_norm,
+            noise_stddev: self.noise_multiplier * self.clip_norm,
+            count_once: false,
+        }
+    }
+
+    /// The (ε at `delta`) one device's releases in `rounds` rounds spend: a Gaussian mechanism
+    /// each, of sensitivity 2·`clip_norm` (any two updates of one device differ by at most
+    /// that), so noise multiplier `noise_multiplier / 2`, composed without sampling.
+    pub fn epsilon_per_device(&self, rounds: u64) -> f64 {
+        let spend =
+            fedfleet_rounds::privacy::DpSpend { sampling_rate: 1.0, noise_multiplier: self.noise_multiplier / 2.0, delta: self.delta };
+        spend.epsilon_after(rounds)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.device_privacy().validate().map_err(|e| ConfigError::Invalid(format!("campaign.local_dp: {e}")))?;
+        if !(self.noise_multiplier > 0.0 && self.delta > 0.0 && self.delta < 1.0) {
+            return Err(ConfigError::Invalid(format!(
+                "campaign.local_dp: noise_multiplier {} must be > 0 and delta {} in (0, 1)",
+                self.noise_multiplier, self.delta
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Default for CampaignDefaults {
@@ -529,6 +583,7 @@ impl Default for CampaignDefaults {
             proximal_mu: 0.0,
             quantization: "f32".into(),
             max_consecutive_failures: 3,
+            local_dp: None,
         }
     }
 }
@@ -781,6 +836,8 @@ impl CampaignDefaults {
                         learning_rate: clip_learning_rate.unwrap_or(0.2),
                         count_stddev: clip_count_stddev.unwrap_or((f64::from(self.target) / 20.0).max(noise_multiplier)),
                     }),
+                    // Set by the service: under secure aggregation the devices noise.
+                    noise_on_devices: false,
                 }
             }
             S::FedAdam(k) => StrategyConfig::FedAdam { client, params: opt(FedOptParams::adam(), k) },
@@ -883,6 +940,14 @@ impl Config {
         self.model.spec.validate().map_err(|e| ConfigError::Invalid(format!("model.spec: {e}")))?;
         self.campaign.dtype()?;
         self.campaign.validate_mode()?;
+        if let Some(l) = &self.campaign.local_dp {
+            l.validate()?;
+            if self.campaign.privacy().is_some() {
+                return Err(ConfigError::Invalid(
+                    "campaign.local_dp and strategy \"dp_fedavg\" both noise the updates: pick one (local DP noises each update, DP-FedAvg the sum)".into(),
+                ));
+            }
+        }
         if !matches!(self.campaign.optimizer.as_str(), "sgd" | "adam") {
             return Err(ConfigError::Invalid(format!("campaign.optimizer {:?}: expected sgd or adam", self.campaign.optimizer)));
         }
@@ -911,11 +976,11 @@ impl Config {
             fedfleet_certs::layout::validate_name(name).map_err(|e| ConfigError::Invalid(format!("relays: {name:?}: {e}")))?;
         }
         if !self.relays.is_empty() || self.relay.is_some() {
-            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates")?;
+            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates", false)?;
         }
         if let Some(s) = &self.secure_aggregation {
             s.validate()?;
-            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update")?;
+            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update", true)?;
             if !self.relays.is_empty() || self.relay.is_some() {
                 return Err(ConfigError::Invalid(
                     "secure_aggregation: relays are not yet supported with secure aggregation; remove `relays` / [relay]".into(),
@@ -934,23 +999,53 @@ impl Config {
     }
 
     /// Refuses a strategy, mode or fold that needs each update when `what` gives the
-    /// aggregator only sums (`why`).
-    fn takes_only_sums(&self, what: &str, why: &str) -> Result<(), ConfigError> {
+    /// aggregator only sums (`why`). With `noise_on_devices`, DP-FedAvg's devices clip and noise
+    /// (its adaptive clipping, which needs each update's norm, is refused).
+    fn takes_only_sums(&self, what: &str, why: &str, noise_on_devices: bool) -> Result<(), ConfigError> {
         use crate::strategy::Strategy as _;
-        let strategy = crate::strategy::ServerStrategy::new(&self.campaign.strategy_config(), 1)
-            .map_err(|e| ConfigError::Invalid(format!("[campaign] strategy: {e}")))?;
-        if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() || self.campaign.privacy().is_some() {
+        let strategy = crate::strategy::ServerStrategy::new(&self.strategy_config(noise_on_devices), 1)
+            .map_err(|e| ConfigError::Invalid(format!("{what}: campaign.strategy: {e}")))?;
+        if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() {
             return Err(ConfigError::Invalid(format!(
                 "{what}: {why}; campaign.strategy {:?}{} needs every update \
-                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode, without differential privacy)",
+                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode{})",
                 strategy.name(),
                 if self.campaign.buffer().is_some() { " in async mode" } else { "" },
+                if noise_on_devices { ", and dp_fedavg with its noise on the devices" } else { ", without differential privacy" },
             )));
         }
         if self.compute.fold == FoldBackend::Tensor {
             return Err(ConfigError::Invalid(format!("{what}: sums are merged by the exact fold; set [compute] fold = \"exact\"")));
         }
         Ok(())
+    }
+
+    /// The campaign's strategy as this service runs it: under secure aggregation DP-FedAvg's
+    /// noise is added by the devices, split across them ([`Self::device_privacy`]).
+    pub fn strategy_config(&self, noise_on_devices: bool) -> StrategyConfig {
+        let mut cfg = self.campaign.strategy_config();
+        if let StrategyConfig::DpFedAvg { noise_on_devices: on, .. } = &mut cfg {
+            *on = noise_on_devices;
+        }
+        cfg
+    }
+
+    /// What each device does to its update in a round that needs `min_quorum` updates: local
+    /// DP's clipping and noise, or, for DP-FedAvg under secure aggregation, clipping and a
+    /// `1/√min_quorum` share of the noise (a round publishes only with `min_quorum` updates or
+    /// more, so their sum holds at least the noise the accountant counts).
+    pub fn device_privacy(&self, min_quorum: u32) -> Option<fedfleet_protocol::DevicePrivacy> {
+        if let Some(l) = &self.campaign.local_dp {
+            return Some(l.device_privacy());
+        }
+        match (&self.campaign.strategy, self.secure_aggregation) {
+            (&CampaignStrategy::DpFedAvg { clip_norm, noise_multiplier, .. }, Some(_)) => Some(fedfleet_protocol::DevicePrivacy {
+                clip_norm,
+                noise_stddev: fedfleet_rounds::DpMean::device_noise_stddev(noise_multiplier, clip_norm, min_quorum),
+                count_once: true,
+            }),
+            _ => None,
+        }
     }
 
     pub fn publish_dir(&self) -> PathBuf {
@@ -1078,9 +1173,16 @@ mod tests {
         let cfg = load("", secagg).unwrap();
         let s = cfg.secure_aggregation.unwrap();
         assert_eq!((s.degree, s.frac_bits, s.params(20).threshold, s.params(3).threshold), (8, 24, 4, 2));
+        // DP-FedAvg under secure aggregation: the devices clip and split the noise, a
+        // `1/√quorum` share each; adaptive clipping (each update's norm) is refused.
+        let dp = "[campaign]\nstrategy = \"dp_fedavg\"\nnoise_multiplier = 1.0\nclip_norm = 2.0\nquorum = 4\n";
+        let cfg = load("", &format!("{secagg}{dp}")).unwrap();
+        let p = cfg.device_privacy(4).expect("the devices noise");
+        assert_eq!((p.clip_norm, p.noise_stddev, p.count_once), (2.0, 1.0, true));
+        assert!(load("", dp).unwrap().device_privacy(4).is_none(), "without secure aggregation the aggregator noises");
         for (rest, says) in [
             ("[campaign]\nstrategy = \"median\"\n", "\"median\" needs every update"),
-            ("[campaign]\nstrategy = \"dp_fedavg\"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n", "needs every update"),
+            (&format!("{dp}clip_quantile = 0.5\n"), "adaptive clipping"),
             ("[compute]\nfold = \"tensor\"\n", "exact fold"),
         ] {
             let err = load("", &format!("{secagg}{rest}")).unwrap_err();
@@ -1096,6 +1198,26 @@ mod tests {
         ] {
             let err = load("", &format!("[secure_aggregation]\n{bad}\n")).unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn local_dp_noises_on_each_device_and_excludes_dp_fedavg() {
+        let l = campaign_of("[campaign.local_dp]\nclip_norm = 0.5\nnoise_multiplier = 4.0\n").unwrap().local_dp.unwrap();
+        let p = l.device_privacy();
+        assert_eq!((p.clip_norm, p.noise_stddev, p.count_once), (0.5, 2.0, false));
+        // One Gaussian release of noise multiplier 2 (sensitivity 2C), composed over rounds.
+        let one = l.epsilon_per_device(1);
+        assert!(one > 0.0 && l.epsilon_per_device(10) > 2.0 * one, "{one}");
+        for (keys, says) in [
+            ("[campaign.local_dp]\nclip_norm = 0.0\nnoise_multiplier = 1.0\n", "clip_norm"),
+            ("[campaign.local_dp]\nclip_norm = 1.0\nnoise_multiplier = 0.0\n", "noise_multiplier"),
+            ("[campaign.local_dp]\nclip_norm = 1.0\n", "noise_multiplier"),
+            ("[campaign.local_dp]\nclip_norm = 1.0\nnoise_multiplier = 1.0\nsigma = 2\n", "sigma"),
+            ("strategy = \"dp_fedavg\"\n[campaign.local_dp]\nclip_norm = 1.0\nnoise_multiplier = 1.0\n", "pick one"),
+        ] {
+            let err = campaign_of(keys).unwrap_err();
+            assert!(err.contains(says), "{keys}: {err}");
         }
     }
 

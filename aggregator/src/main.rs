@@ -406,9 +406,16 @@ fn print_status(s: &CampaignStatus, conn: &Conn, cfg: &OperatorConfig) {
     }
     if let Some(p) = &s.privacy {
         let left = p.epsilon_budget.map(|b| format!(", {:.3} left of a budget of {b}", (b - p.epsilon_spent).max(0.0))).unwrap_or_default();
+        let by = if p.noise_added_by == fedfleet_aggregator::wire::NoiseSource::Devices { ", noise split across the devices" } else { "" };
         println!(
-            "privacy: DP-FedAvg, noise multiplier {}, sampling rate {:.4}: ε = {:.3} spent (δ = {:e}){left}",
+            "privacy: DP-FedAvg{by}, noise multiplier {}, sampling rate {:.4}: ε = {:.3} spent (δ = {:e}){left}",
             p.noise_multiplier, p.sampling_rate, p.epsilon_spent, p.delta
+        );
+    }
+    if let Some(l) = &s.local_dp {
+        println!(
+            "privacy: local DP, each update clipped to {} and noised on its device (noise multiplier {}): ε ≤ {:.3} per device over {} rounds (δ = {:e})",
+            l.clip_norm, l.noise_multiplier, l.epsilon_per_device, l.rounds, l.delta
         );
     }
     if let Some(a) = &s.secure_aggregation {

@@ -82,9 +82,18 @@ pub fn train_update(
     if out.num_examples == 0 {
         return Err("the trainer trained on no examples".into());
     }
+    // Differential privacy on the device, before the update is signed (or masked).
+    let delta = match &a.config.device_privacy {
+        Some(p) => {
+            let (private, did) = fedfleet_agent_core::privacy::privatize(&out.delta, p, &mut rand::rngs::OsRng)?;
+            tracing::debug!(norm = did.norm, scale = did.scale, noise_stddev = p.noise_stddev, "update clipped and noised on the device");
+            private
+        }
+        None => out.delta,
+    };
     let delta = match a.config.quantization {
-        DType::F32 => out.delta,
-        d => out.delta.quantize(d),
+        DType::F32 => delta,
+        d => delta.quantize(d),
     };
     let payload = delta.encode();
     let header = UpdateHeader {
@@ -172,4 +181,47 @@ pub fn quantiles_ms(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     let q = |f: f64| v[((v.len() - 1) as f64 * f).round() as usize];
     (q(0.5), q(0.99))
+}
+
+#[cfg(test)]
+mod tests {
+    use fedfleet_protocol::{DevicePrivacy, FleetId, ModelRef, ModelVersion, RoundConfig, RoundId, Selection};
+
+    use super::*;
+    use crate::trainer::GraphTrainer;
+
+    /// The update `train_update` signs for `privacy`, flattened.
+    fn trained(privacy: Option<DevicePrivacy>) -> Vec<f32> {
+        let spec = ModelSpec::Mlp { input: vec![64], hidden: vec![16], classes: 10 };
+        let base = fedfleet_learning::model::init_bundle(&spec, 3).unwrap().encode();
+        let data = Dataset::digits().unwrap().subset(&(0..64).collect::<Vec<_>>());
+        let a = RoundAnnouncement {
+            fleet: FleetId::new("f").unwrap(),
+            round: RoundId(1),
+            base_model: ModelRef { name: "m".into(), version: ModelVersion(1), digest: fedfleet_protocol::Digest::of(&base) },
+            config: RoundConfig { learning_rate: 0.5, device_privacy: privacy, ..RoundConfig::default() },
+            deadline_unix_ms: u64::MAX,
+            selection: Selection::All,
+        };
+        let key = SigningKey::from_bytes(&[4; 32]);
+        let device = DeviceId::new("dev-1").unwrap();
+        let u = train_update(&GraphTrainer, &a, &spec.to_json(), &base, &data, None, &device, &key, [0; 16]).unwrap();
+        TensorBundle::decode(&u.payload, &BundleLimits::default()).unwrap().flat_f32()
+    }
+
+    fn norm(v: &[f32]) -> f64 {
+        v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()
+    }
+
+    #[test]
+    fn a_round_with_device_privacy_gets_a_clipped_and_noised_update() {
+        let plain = trained(None);
+        assert!(norm(&plain) > 0.01, "training moved the model: {}", norm(&plain));
+        let clipped = trained(Some(DevicePrivacy { clip_norm: 0.01, noise_stddev: 0.0, count_once: false }));
+        assert!(norm(&clipped) <= 0.01 && norm(&clipped) > 0.0099, "{}", norm(&clipped));
+        // Noise far above the clipped update: the payload's spread is the noise's.
+        let noised = trained(Some(DevicePrivacy { clip_norm: 0.01, noise_stddev: 0.5, count_once: false }));
+        let sd = (noised.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / noised.len() as f64).sqrt();
+        assert!((sd - 0.5).abs() < 0.02, "{sd}");
+    }
 }

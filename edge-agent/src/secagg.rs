@@ -42,7 +42,11 @@ pub async fn securely_aggregate<A: Aggregator>(
         Ok(b) => b.flat_f32(),
         Err(e) => return refused(RejectReason::Malformed, format!("the outbox payload does not decode: {e}")),
     };
-    let weight = header.sample_count.min(round.config.max_samples.unwrap_or(u64::MAX)).max(1);
+    // DP-FedAvg counts each device once (its noise share is sized for that).
+    let weight = match round.config.device_privacy {
+        Some(p) if p.count_once => 1,
+        _ => header.sample_count.min(round.config.max_samples.unwrap_or(u64::MAX)).max(1),
+    };
     let roster = match agg.secagg_roster(round.round).await {
         Ok(r) => r,
         Err(e) => return UploadOutcome::TransportError(e.0),

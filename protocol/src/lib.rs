@@ -40,8 +40,8 @@ pub use envelope::{
 pub use framing::{Frame, FrameDecoder, FrameError, FrameKind, encode_frame};
 pub use ids::{DeviceId, Digest, FleetId, Hasher, IdError, ModelVersion, RoundId};
 pub use messages::{
-    DeviceState, DeviceStatus, Message, MessageError, ModelRef, Receipt, Rejection, RolloutAction, RolloutNotice, RoundAnnouncement,
-    RoundConfig, Selection, StorageFault,
+    DevicePrivacy, DeviceState, DeviceStatus, Message, MessageError, ModelRef, Receipt, Rejection, RolloutAction, RolloutNotice,
+    RoundAnnouncement, RoundConfig, Selection, StorageFault,
 };
 pub use model::{AdapterLineage, ModelInfo, NewVersion, SpecJson};
 pub use reject::RejectReason;

@@ -107,6 +107,37 @@ pub struct RoundConfig {
     /// does not reach the aggregator as one burst of downloads and uploads. 0: start at once.
     #[serde(default)]
     pub start_window_ms: u64,
+    /// Clipping and Gaussian noise the device applies to its update before it signs or masks
+    /// it (differential privacy on the device: local DP, or DP-FedAvg's noise split across
+    /// the devices of a securely aggregated round). `None`: the update goes as trained.
+    #[serde(default)]
+    pub device_privacy: Option<DevicePrivacy>,
+}
+
+/// What a device does to its update for differential privacy (see [`RoundConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DevicePrivacy {
+    /// The update (the delta from the base model) is scaled to L2 norm at most this.
+    pub clip_norm: f64,
+    /// Standard deviation of the Gaussian noise added to each coordinate after clipping,
+    /// drawn from the device's own randomness (nobody else learns it).
+    pub noise_stddev: f64,
+    /// The update counts once whatever its sample count (DP-FedAvg bounds a device's whole
+    /// influence by `clip_norm`): its secure-aggregation weight is 1.
+    pub count_once: bool,
+}
+
+impl DevicePrivacy {
+    /// Finite, `clip_norm > 0`, `noise_stddev >= 0`: what a device checks before using it.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.clip_norm.is_finite() && self.clip_norm > 0.0) {
+            return Err(format!("device privacy: clip_norm {} must be a finite number > 0", self.clip_norm));
+        }
+        if !(self.noise_stddev.is_finite() && self.noise_stddev >= 0.0) {
+            return Err(format!("device privacy: noise_stddev {} must be a finite number >= 0", self.noise_stddev));
+        }
+        Ok(())
+    }
 }
 
 impl Default for RoundConfig {
@@ -123,6 +154,7 @@ impl Default for RoundConfig {
             seed: 0,
             secure_aggregation: false,
             start_window_ms: 0,
+            device_privacy: None,
         }
     }
 }

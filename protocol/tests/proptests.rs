@@ -85,6 +85,7 @@ fn message() -> impl Strategy<Value = Message> {
                     seed: c.6 ^ 0x5555,
                     secure_aggregation: c.6 % 2 == 1,
                     start_window_ms: deadline % 100_000,
+                    device_privacy: None,
                 },
                 deadline_unix_ms: deadline,
                 selection,

@@ -1016,9 +1016,10 @@ impl RoundEngine {
             return Err(self.reject(RejectReason::WrongFleet));
         }
         let c = self.fresh_into_campaign(&meta.relay, meta.nonce, meta.round)?;
-        if c.spec.buffer.is_some() || c.spec.privacy.is_some() {
-            // Buffers weight each update by its own staleness and DP clips each update: both
-            // need the individual updates, which a partial sum has folded away.
+        if c.spec.buffer.is_some() {
+            // Buffers weight each update by its own staleness: they need the individual
+            // updates, which a partial sum has folded away. (DP-FedAvg takes a sum only when
+            // its devices clipped and noised: the strategy refuses the merge otherwise.)
             return Err(self.reject(RejectReason::NotPermitted));
         }
         let r = self.open_round_named(c, meta.round)?;

@@ -47,7 +47,7 @@ use crate::engine::{CampaignId, CampaignSpec, EngineConfig, EngineEvent, Invitat
 use crate::persist::{AcceptedRecord, Boundary, CampaignMeta, GlobalRef, Store};
 use crate::publish::{PublishRequest, Publisher};
 use crate::strategy::{ServerStrategy, Strategy};
-use crate::wire::{CampaignOverrides, CampaignStatus, MAX_WIRE_MESSAGE, PrivacyReport, Request, Response};
+use crate::wire::{CampaignOverrides, CampaignStatus, LocalDpReport, MAX_WIRE_MESSAGE, NoiseSource, PrivacyReport, Request, Response};
 use crate::{Coordinator, metrics::Metrics};
 
 mod base;
@@ -268,7 +268,7 @@ impl Aggregator {
         let strategy = match store.strategy()? {
             Some(b) => postcard::from_bytes(&b)
                 .map_err(|e| ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("strategy snapshot: {e}") })?,
-            None => ServerStrategy::new(&cfg.campaign.strategy_config(), update_dim(&spec))
+            None => ServerStrategy::new(&cfg.strategy_config(cfg.secure_aggregation.is_some()), update_dim(&spec))
                 .map_err(|e| ServiceError::Strategy(e.to_string()))?,
         };
         let global = store.global()?;
@@ -462,6 +462,7 @@ impl Aggregator {
         let core = self.lock();
         let e = core.coord.engine();
         let rs = e.round_status();
+        let sh_cfg = &self.shared.cfg;
         CampaignStatus {
             campaign: e.campaign_id().map(|c| c.0),
             // The label the campaign started with (strategy and mode), kept across restarts.
@@ -479,6 +480,15 @@ impl Aggregator {
                 delta: p.spend.delta,
                 epsilon_spent: p.epsilon_spent,
                 epsilon_budget: p.epsilon_budget,
+                noise_added_by: if sh_cfg.secure_aggregation.is_some() { NoiseSource::Devices } else { NoiseSource::Aggregator },
+            }),
+            // The running campaign's spend (a finished one's is in its published versions).
+            local_dp: sh_cfg.campaign.local_dp.zip(e.rounds_completed()).map(|(l, rounds)| LocalDpReport {
+                clip_norm: l.clip_norm,
+                noise_multiplier: l.noise_multiplier,
+                delta: l.delta,
+                rounds,
+                epsilon_per_device: l.epsilon_per_device(u64::from(rounds)),
             }),
             secure_aggregation: self.secagg_report(&core),
         }

@@ -21,6 +21,8 @@ impl Aggregator {
                     let dtype = core.campaign.payload_dtype();
                     let mut config = a.client.round_config(&sh.cfg.campaign.optimizer, dtype, Some(a.max_sample_count), a.round.0);
                     config.secure_aggregation = sh.cfg.secure_aggregation.is_some();
+                    let quorum = core.coord.engine().round_status().map_or(1, |s| s.quorum);
+                    config.device_privacy = sh.cfg.device_privacy(quorum);
                     // Under secure aggregation a device must have trained before the keys stage ends.
                     let time_to_start = match sh.cfg.secure_aggregation {
                         Some(s) => (a.deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64,
@@ -398,7 +400,7 @@ impl Aggregator {
         self.ensure_global().await?;
         let sh = &self.shared;
         let d = &sh.cfg.campaign;
-        let mut strategy_cfg = d.strategy_config();
+        let mut strategy_cfg = sh.cfg.strategy_config(sh.cfg.secure_aggregation.is_some());
         let dtype = d.dtype().map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if let Some(c) = core.coord.engine().campaign_id() {

@@ -1,6 +1,8 @@
 //! DP-FedAvg through the service: every update clipped and counted once, Gaussian noise on the
 //! published model, ε accounted after every round, shown in `campaign status`, and the campaign
-//! stopped (named outcome) before a round would spend past its budget.
+//! stopped (named outcome) before a round would spend past its budget. Local DP: the
+//! announcement tells devices to clip and noise, the aggregator adds nothing, and the status
+//! reports each device's spend.
 
 use fedfleet_aggregator::client::UploadOutcome;
 use fedfleet_aggregator::wire::{CampaignOverrides, Request};
@@ -72,6 +74,50 @@ async fn a_dp_campaign_publishes_noised_models_and_stops_at_its_privacy_budget()
     let moved: Vec<f64> = published.iter().zip(&base).map(|(a, b)| (a - b) as f64).collect();
     let sd = (moved.iter().map(|x| x * x).sum::<f64>() / moved.len() as f64).sqrt();
     assert!((0.45..1.0).contains(&sd), "{} coordinates moved by σ = {sd}", moved.len());
+    op.close().await;
+    agg.stop().await;
+}
+
+#[tokio::test]
+async fn local_dp_is_announced_to_the_devices_and_its_spend_reported() {
+    let fleet = Fleet::new(2);
+    let mut cfg = fleet.config("ldp", 2, 2);
+    let local = fedfleet_aggregator::config::LocalDpConfig { clip_norm: 0.5, noise_multiplier: 3.0, delta: 1e-6 };
+    cfg.campaign.local_dp = Some(local);
+    let (dir, initial) = (cfg.publish_dir(), std::fs::read(&cfg.model.initial).unwrap());
+    let agg = start(cfg).await;
+    let op = fleet.operator(agg.addr).await;
+    op.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    let info = fleet.device_client(0, agg.addr).await.current_round().await.unwrap();
+    let ann = info.announcement.expect("round 1 is open").verify(&info.receipt_key).unwrap().clone();
+    let p = ann.config.device_privacy.expect("the devices clip and noise");
+    assert_eq!((p.clip_norm, p.noise_stddev, p.count_once), (0.5, 1.5, false));
+    // Deltas as devices noised them (here all zero): the aggregator adds nothing of its own.
+    let mut zero = TensorBundle::new();
+    for p in spec().params() {
+        zero.insert_f32(&p.name, p.shape.clone(), vec![0.0; p.shape.iter().product()]).unwrap();
+    }
+    let payload = zero.encode();
+    for i in 0..2 {
+        let d = fleet.device_client(i, agg.addr).await;
+        let base = wait_round(&d, RoundId(1)).await;
+        let h = header(&fleet.fleet, &dev(i), RoundId(1), base, nonce(i, 1), 10, &payload, DType::F32, &fleet.device_key(i));
+        assert!(matches!(d.upload(&h, &payload).await.unwrap(), UploadOutcome::Accepted(_)));
+    }
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        let s = op.campaign(Request::CampaignStatus).await.unwrap();
+        if s.rounds_completed == Some(1) {
+            break s;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "round 1 did not publish: {s:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(values(&read_published(&dir, "tiny")), values(&initial), "no noise from the aggregator");
+    assert!(status.privacy.is_none(), "no DP-FedAvg accounting");
+    let l = status.local_dp.expect("the status reports local DP");
+    assert_eq!((l.clip_norm, l.noise_multiplier, l.delta, l.rounds), (0.5, 3.0, 1e-6, 1));
+    assert_eq!(l.epsilon_per_device, local.epsilon_per_device(1));
     op.close().await;
     agg.stop().await;
 }

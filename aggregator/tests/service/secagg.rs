@@ -201,3 +201,107 @@ async fn a_secure_round_with_dropouts_publishes_the_plain_fold_of_the_survivors_
     svc.stop().await;
     plain.stop().await;
 }
+
+/// DP-FedAvg under secure aggregation: the announcement tells each device to clip to C and add
+/// a `1/√quorum` share of the noise σ = z·C; the aggregator merges the unmasked sum as it is
+/// (no noise of its own: it never sees the noise-free sum) and divides it by the expected
+/// count; the status says the noise is on the devices and what the round spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_fedavg_under_secure_aggregation_puts_the_noise_on_the_devices() {
+    use rand::SeedableRng;
+    const N: usize = 4;
+    let f = Fleet::new(N);
+    let mut cfg = f.config("dp", N as u32, 1);
+    cfg.campaign.quorum = 3;
+    cfg.campaign.strategy = fedfleet_aggregator::config::CampaignStrategy::DpFedAvg {
+        clip_norm: 0.02,
+        noise_multiplier: 0.6,
+        delta: 1e-5,
+        epsilon_budget: None,
+        clip_quantile: None,
+        clip_learning_rate: None,
+        clip_count_stddev: None,
+    };
+    cfg.secure_aggregation = Some(SecureAggregationConfig { degree: 2, threshold_fraction: 1.0, ..Default::default() });
+    let svc = start(cfg).await;
+    f.operator(svc.addr).await.campaign(Request::CampaignStart(CampaignOverrides { seed: Some(1), ..Default::default() })).await.unwrap();
+    let mut clients = Vec::new();
+    for i in 0..N {
+        clients.push(f.device_client(i, svc.addr).await);
+    }
+    let (ann, receipt_key) = announcement(&clients[0]).await;
+    let p = ann.config.device_privacy.expect("the devices clip and noise");
+    assert_eq!((p.clip_norm, p.count_once), (0.02, true));
+    assert!((p.noise_stddev - 0.6 * 0.02 / 3f64.sqrt()).abs() < 1e-12, "a 1/√quorum share: {}", p.noise_stddev);
+
+    // Each device clips and noises its update (its own randomness), then masks it with weight 1.
+    let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(5);
+    let mut noised = Vec::new();
+    let mut clipped_sum = vec![0f64; delta(0).num_params()];
+    for i in 0..N {
+        let (b, _) = update(i);
+        let clip_only = fedfleet_protocol::DevicePrivacy { noise_stddev: 0.0, ..p };
+        let (c, _) = fedfleet_agent_core::privacy::privatize(&b, &clip_only, &mut rng).unwrap();
+        for (s, x) in clipped_sum.iter_mut().zip(c.flat_f32()) {
+            *s += f64::from(x);
+        }
+        let (private, did) = fedfleet_agent_core::privacy::privatize(&b, &p, &mut rng).unwrap();
+        assert!(did.scale < 1.0, "these updates are above the bound");
+        noised.push(private.flat_f32());
+    }
+    let mut devices = Vec::new();
+    for (i, c) in clients.iter().enumerate() {
+        let roster = c.secagg_roster(ann.round, &receipt_key).await.unwrap();
+        let (client, keys) = Client::new(roster, &dev(i), f.device_key(i), [i as u8 + 1; 32]).unwrap();
+        c.secagg_send(&keys.encode(), &[]).await.unwrap();
+        devices.push(client);
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let view = until(c, &ann, Stage::Shares).await;
+        let adverts: Vec<Signed<Message>> = view.keys.iter().map(|k| Signed::decode(k).unwrap()).collect();
+        c.secagg_send(&devices[i].on_keys(&adverts).unwrap().encode(), &[]).await.unwrap();
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let view = until(c, &ann, Stage::Masked).await;
+        let (msg, y) = devices[i].on_shares(&view.shares, &noised[i], 1).unwrap();
+        c.secagg_send(&msg.encode(), &fedfleet_secagg::vector_bytes(&y)).await.unwrap();
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let view = until(c, &ann, Stage::Unmask).await;
+        c.secagg_send(&devices[i].on_unmask(&view.unmask.expect("an unmask request")).unwrap().encode(), &[]).await.unwrap();
+    }
+    let dir = f.config("dp", 0, 0).publish_dir();
+    let t0 = std::time::Instant::now();
+    while fedfleet_aggregator::publish::DirPublisher::latest(&dir, "tiny").unwrap().is_none_or(|m| m.version.0 < 2) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "the round did not publish: {:?} {:?}",
+            svc.agg.round_history(3),
+            clients[0].secagg_poll(ann.round).await.map(|v| (v.stage, v.failure))
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let limits = fedfleet_protocol::BundleLimits::default();
+    let published = TensorBundle::decode(&read_published(&dir, "tiny"), &limits).unwrap().flat_f32();
+    let base = TensorBundle::decode(&std::fs::read(f.dir.path().join("initial.safetensors")).unwrap(), &limits).unwrap().flat_f32();
+    // The model moved by the devices' noised sum over the expected count (4), nothing more: the
+    // grid (2⁻²⁴) and f32 rounding are all that separate them.
+    let mut worst = 0f64;
+    let mut noise = Vec::new();
+    for (k, (m, b)) in published.iter().zip(&base).enumerate() {
+        let sum: f64 = noised.iter().map(|u| f64::from(u[k])).sum();
+        let want = f64::from(*b) + sum / N as f64;
+        worst = worst.max((f64::from(*m) - want).abs() / want.abs().max(1.0));
+        noise.push((sum - clipped_sum[k]) / N as f64);
+    }
+    assert!(worst < 1e-6, "the published step is the devices' sum over 4: off by {worst}");
+    // And that sum holds the devices' noise: σ·√(4/3)/4 per coordinate over the clipped mean.
+    let sd = (noise.iter().map(|x| x * x).sum::<f64>() / noise.len() as f64).sqrt();
+    let want = 0.6 * 0.02 * (4.0f64 / 3.0).sqrt() / 4.0;
+    // (51 coordinates: the estimate's own spread is about 10 %.)
+    assert!((sd - want).abs() < 0.35 * want, "noise sd {sd}, want {want}");
+    let privacy = svc.agg.status().privacy.expect("the status accounts the spend");
+    assert_eq!(privacy.noise_added_by, fedfleet_aggregator::wire::NoiseSource::Devices);
+    assert!(privacy.epsilon_spent > 0.0, "{privacy:?}");
+    svc.stop().await;
+}

@@ -171,6 +171,9 @@ pub struct DpMean {
     /// Rounds noised so far: the index of the next round's noise stream.
     rounds_noised: u64,
     adaptive: Option<AdaptiveClipping>,
+    /// The devices clipped and noised their updates ([`DpMean::with_noise_on_devices`]).
+    #[serde(default)]
+    noise_on_devices: bool,
 }
 
 /// Adaptive clipping (Andrew et al. 2021): after each round the clipping norm moves
@@ -210,7 +213,34 @@ impl DpMean {
             noise_seed,
             rounds_noised: 0,
             adaptive: None,
+            noise_on_devices: false,
         })
+    }
+
+    /// The devices clip their updates and each adds its share of the noise (under secure
+    /// aggregation the aggregator only ever sees the noised sum): this step merges that sum
+    /// ([`Aggregation::partial_sum_mut`]) and divides it by the expected count, adding no noise.
+    /// Each device adds `noise_multiplier · clip_norm / √m` for a round that needs `m`
+    /// updates, so the sum of `≥ m` holds at least the noise the accountant counts. Adaptive
+    /// clipping needs each update's norm, so it is refused here.
+    pub fn with_noise_on_devices(mut self) -> Result<Self, StrategyError> {
+        if self.adaptive.is_some() {
+            return Err(StrategyError::BadParameter(
+                "adaptive clipping needs each update's norm; with the noise on the devices the clipping norm is fixed".into(),
+            ));
+        }
+        self.noise_on_devices = true;
+        Ok(self)
+    }
+
+    pub fn noise_on_devices(&self) -> bool {
+        self.noise_on_devices
+    }
+
+    /// The Gaussian noise each of `min_updates` devices adds so that their sum holds the
+    /// noise of σ = `noise_multiplier · clip_norm` ([`DpMean::with_noise_on_devices`]).
+    pub fn device_noise_stddev(noise_multiplier: f64, clip_norm: f64, min_updates: u32) -> f64 {
+        noise_multiplier * clip_norm / f64::from(min_updates.max(1)).sqrt()
     }
 
     /// With adaptive clipping; refused when the count's noise leaves no noise for the updates
@@ -281,7 +311,8 @@ impl Aggregation for DpMean {
             return Err(FoldError::Empty.into());
         }
         let sum = self.clipped.sum.sum();
-        let sigma = self.update_noise_multiplier() * self.clipped.clip_norm();
+        // With the noise on the devices, the sum already holds it.
+        let sigma = if self.noise_on_devices { 0.0 } else { self.update_noise_multiplier() * self.clipped.clip_norm() };
         // One stream per round: the updates' noise, then the count's.
         let noise = self.gaussian(self.rounds_noised, sum.len() + 1);
         let denominator = self.expected_count as f64;
@@ -297,6 +328,12 @@ impl Aggregation for DpMean {
     }
     fn abort_round(&mut self) {
         self.clipped.abort_round();
+    }
+    fn partial_sum(&self) -> Option<&PartialSum> {
+        self.noise_on_devices.then_some(&self.clipped.sum)
+    }
+    fn partial_sum_mut(&mut self) -> Option<&mut PartialSum> {
+        self.noise_on_devices.then_some(&mut self.clipped.sum)
     }
 }
 
@@ -340,6 +377,33 @@ mod tests {
         s.fold(&small, 1).unwrap();
         assert_ne!(s.aggregate().unwrap(), first);
         assert!(s.aggregate().is_err(), "nothing folded");
+    }
+}
+
+#[cfg(test)]
+mod noise_on_devices_tests {
+    use super::*;
+
+    #[test]
+    fn with_the_noise_on_the_devices_the_sum_is_divided_by_the_expected_count_and_nothing_added() {
+        let dim = 1000;
+        let mut s = DpMean::new(dim, 1.0, 2.0, 4, [7; 32]).unwrap().with_noise_on_devices().unwrap();
+        // The devices' (already clipped and noised) sum, weight 1 each, merged as it is.
+        let mut devices = PartialSum::new(dim);
+        devices.fold(&vec![0.25; dim], 1).unwrap();
+        devices.fold(&vec![0.5; dim], 1).unwrap();
+        s.partial_sum_mut().expect("takes the devices' sum").merge(&devices).unwrap();
+        let mean = s.aggregate().unwrap();
+        assert!(mean.iter().all(|m| (m - 0.75 / 4.0).abs() < 1e-9), "{:?}", &mean[..3]);
+        // Server-side noise has no sum to merge into.
+        assert!(DpMean::new(dim, 1.0, 2.0, 4, [7; 32]).unwrap().partial_sum_mut().is_none());
+        // m devices of σ·C/√m each: σ·C in their sum.
+        let each = DpMean::device_noise_stddev(2.0, 1.5, 9);
+        assert!((each * 3.0 - 3.0).abs() < 1e-12, "{each}");
+        // Adaptive clipping needs each update.
+        let a = AdaptiveClipping { target_quantile: 0.5, learning_rate: 0.2, count_stddev: 2.0 };
+        let e = DpMean::new(dim, 1.0, 2.0, 4, [7; 32]).unwrap().with_adaptive_clipping(a).unwrap().with_noise_on_devices().unwrap_err();
+        assert!(e.to_string().contains("adaptive"), "{e}");
     }
 }
 

@@ -86,6 +86,7 @@ impl ClientConfig {
             seed,
             secure_aggregation: false,
             start_window_ms: 0,
+            device_privacy: None,
         }
     }
 }
@@ -261,6 +262,10 @@ pub enum StrategyConfig {
         noise_seed: [u8; 32],
         /// `Some`: `clip_norm` is where the clipping norm starts ([`AdaptiveClipping`]).
         adaptive: Option<AdaptiveClipping>,
+        /// The devices clip and add the noise (split across them under secure aggregation):
+        /// the aggregator merges their masked sum as it is, adding no noise of its own.
+        #[serde(default)]
+        noise_on_devices: bool,
     },
     FedAdam {
         client: ClientConfig,
@@ -328,10 +333,13 @@ impl ServerStrategy {
                 plain(client, mean())
             }
             StrategyConfig::ClippedFedAvg { client, clip_norm } => plain(client, A::ClippedMean(ClippedMean::new(dim, clip_norm)?)),
-            StrategyConfig::DpFedAvg { client, clip_norm, noise_multiplier, expected_count, noise_seed, adaptive } => {
+            StrategyConfig::DpFedAvg { client, clip_norm, noise_multiplier, expected_count, noise_seed, adaptive, noise_on_devices } => {
                 let mut step = DpMean::new(dim, clip_norm, noise_multiplier, expected_count, noise_seed)?;
                 if let Some(a) = adaptive {
                     step = step.with_adaptive_clipping(a)?;
+                }
+                if noise_on_devices {
+                    step = step.with_noise_on_devices()?;
                 }
                 plain(client, A::DpMean(step))
             }
@@ -370,9 +378,14 @@ impl ServerStrategy {
         self.aggregation.get().partial_sum()
     }
 
-    /// Whether a relay's partial sum can be merged: a plain weighted mean of the deltas.
+    /// Whether a partial sum can be merged (a relay's, or a securely aggregated round's): a
+    /// plain weighted mean of the deltas, or DP-FedAvg whose devices clip and noise.
     pub fn takes_partial_sums(&self) -> bool {
-        matches!(self.aggregation, AggregationStep::WeightedMean(_))
+        match &self.aggregation {
+            AggregationStep::WeightedMean(_) => true,
+            AggregationStep::DpMean(d) => d.noise_on_devices(),
+            _ => false,
+        }
     }
 
     /// Takes the round's partial sum out (a relay forwards it), leaving an empty one.
