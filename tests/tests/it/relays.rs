@@ -1,7 +1,8 @@
 //! Regional relays as real processes: the root aggregator, three `fedfleet-aggregator relay`
 //! processes and nine agents, three per relay (the registry beside them). FedAvg over the tree
 //! publishes the flat run's versions bit for bit, and a relay killed with SIGKILL mid-round and
-//! started again loses and doubles nothing.
+//! started again loses and doubles nothing. A chain of three relays under the root (four
+//! levels) publishes the same versions too.
 
 use std::path::Path;
 use std::time::Duration;
@@ -34,23 +35,64 @@ fn region(r: usize) -> std::ops::RangeInclusive<usize> {
     3 * r - 2..=3 * r
 }
 
-/// Relay `r`'s certificate, config (its region, the root as parent) and its agents' configs
-/// pointing at it; the root names the relays.
-fn make_tree(d: &Deployment) -> Vec<u16> {
+/// Relay `r` (1-based, `shape[r - 1]`): its parent (`None`: the root) and the agents that
+/// connect to it.
+struct RelaySpec {
+    parent: Option<usize>,
+    agents: std::ops::RangeInclusive<usize>,
+}
+
+/// The root and three relays under it, three agents each.
+fn two_levels() -> Vec<RelaySpec> {
+    (1..=RELAYS).map(|r| RelaySpec { parent: None, agents: region(r) }).collect()
+}
+
+/// A chain: root ← relay-1 ← relay-2 ← relay-3, three agents on each relay.
+fn four_levels() -> Vec<RelaySpec> {
+    (1..=RELAYS).map(|r| RelaySpec { parent: (r > 1).then(|| r - 1), agents: region(r) }).collect()
+}
+
+/// The agents relay `r` answers for: its own and those of every relay below it.
+fn subtree(shape: &[RelaySpec], r: usize) -> Vec<usize> {
+    let mut all: Vec<usize> = shape[r - 1].agents.clone().collect();
+    for (i, s) in shape.iter().enumerate() {
+        if s.parent == Some(r) {
+            all.extend(subtree(shape, i + 1));
+        }
+    }
+    all
+}
+
+/// Each relay's certificate and config (its region: every agent of its subtree; its parent;
+/// the relays below it), and its agents' configs pointing at it; the root names the relays
+/// directly under it.
+fn make_tree(d: &Deployment, shape: &[RelaySpec]) {
     let root = std::fs::read_to_string(d.path("aggregator.toml")).unwrap();
-    let parent = root.lines().find_map(|l| l.strip_prefix("listen = ")).unwrap().trim_matches('"').to_owned();
-    let names: Vec<String> = (1..=RELAYS).map(|r| format!("\"relay-{r}\"")).collect();
-    std::fs::write(d.path("aggregator.toml"), root.replacen("\n[publish]", &format!("\nrelays = [{}]\n\n[publish]", names.join(", ")), 1))
-        .unwrap();
-    let mut ports = Vec::new();
-    for r in 1..=RELAYS {
+    let root_addr = root.lines().find_map(|l| l.strip_prefix("listen = ")).unwrap().trim_matches('"').to_owned();
+    let ports: Vec<u16> = shape.iter().map(|_| free_udp_port()).collect();
+    let children = |parent: Option<usize>| -> Vec<String> {
+        shape.iter().enumerate().filter(|(_, s)| s.parent == parent).map(|(i, _)| format!("\"relay-{}\"", i + 1)).collect()
+    };
+    std::fs::write(
+        d.path("aggregator.toml"),
+        root.replacen("\n[publish]", &format!("\nrelays = [{}]\n\n[publish]", children(None).join(", ")), 1),
+    )
+    .unwrap();
+    for (i, spec) in shape.iter().enumerate() {
+        let r = i + 1;
         let name = format!("relay-{r}");
         d.cli("fedfleet-certs", &["--dir", "pki", "issue-server", "--name", &name]);
-        let port = free_udp_port();
-        let devices: Vec<String> = region(r).map(|i| format!("\"agent-{i}\"")).collect();
+        let port = ports[i];
+        let (parent, parent_key) = match spec.parent {
+            None => (root_addr.clone(), "aggregator/receipt.pub".to_owned()),
+            Some(p) => (format!("127.0.0.1:{}", ports[p - 1]), format!("relay-{p}/receipt.pub")),
+        };
+        let devices: Vec<String> = subtree(shape, r).iter().map(|i| format!("\"agent-{i}\"")).collect();
         // The root's config, less what only the root has (its address, identity, state,
-        // metrics, registry), plus the parent.
-        let mut config: String = root
+        // metrics, registry), plus the relays below this one and the parent.
+        let below = children(Some(r));
+        let mut config = if below.is_empty() { String::new() } else { format!("relays = [{}]\n", below.join(", ")) };
+        config += &root
             .lines()
             .filter(|l| !["metrics_addr = ", "registry = ", "server_name = ", "[publish]"].iter().any(|k| l.starts_with(k)))
             .map(|l| match l {
@@ -60,24 +102,22 @@ fn make_tree(d: &Deployment) -> Vec<u16> {
                 l => l.to_owned(),
             })
             .map(|l| l + "\n")
-            .collect();
+            .collect::<String>();
         config += &format!(
-            "\n[relay]\nparent = \"{parent}\"\nparent_receipt_key = \"aggregator/receipt.pub\"\nregion = [{}]\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
+            "\n[relay]\nparent = \"{parent}\"\nparent_receipt_key = \"{parent_key}\"\nregion = [{}]\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
             devices.join(", ")
         );
         std::fs::write(d.path(&format!("{name}.toml")), config).unwrap();
-        for i in region(r) {
-            let file = format!("agents/agent-{i}.toml");
+        for a in spec.agents.clone() {
+            let file = format!("agents/agent-{a}.toml");
             let text = std::fs::read_to_string(d.path(&file)).unwrap();
             let text = text
-                .replace(&format!("addr = \"{parent}\""), &format!("addr = \"127.0.0.1:{port}\""))
+                .replace(&format!("addr = \"{root_addr}\""), &format!("addr = \"127.0.0.1:{port}\""))
                 .replace("receipt_key = \"../aggregator/receipt.pub\"", &format!("receipt_key = \"../{name}/receipt.pub\""));
-            assert!(text.contains(&format!("127.0.0.1:{port}")), "agent {i}'s config names the aggregator differently: {text}");
+            assert!(text.contains(&format!("127.0.0.1:{port}")), "agent {a}'s config names the aggregator differently: {text}");
             std::fs::write(d.path(&file), text).unwrap();
         }
-        ports.push(port);
     }
-    ports
 }
 
 fn spawn_relay(d: &Deployment, r: usize) -> Proc {
@@ -101,7 +141,7 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
     // killed with SIGKILL once it holds both updates (its round needs the third), is started
     // again, and only then does its third agent come up.
     let mut tree = deployment(Some(&flat.path("aggregator/initial.safetensors")));
-    make_tree(&tree);
+    make_tree(&tree, &two_levels());
     tree.start_services();
     let mut relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
     for r in 1..=RELAYS {
@@ -127,5 +167,27 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
     assert_eq!(count_lines(&root_log, "update accepted"), 0, "no device reached the root\n{context}");
     assert!(count_lines(&relay2, "refolded the current round after restart") >= 1, "relay-2 refolded its two updates\n{context}");
     tree.stop_agents();
+    drop(relays);
+
+    // Deeper trees: a chain of three relays under the root, each relay's region the agents of
+    // its whole subtree, so that each waits for the sum from below. The same versions again.
+    let mut chain = deployment(Some(&flat.path("aggregator/initial.safetensors")));
+    make_tree(&chain, &four_levels());
+    chain.start_services();
+    // Parents first: a relay reads its parent's receipt key when it starts.
+    let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&chain, r)).collect();
+    chain.start_agents(1..=AGENTS, "fedfleet-agent");
+    let status = chain.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
+    let chain_versions = chain.versions("digits").iter().map(|v| v["digest"].as_str().unwrap().to_owned()).collect::<Vec<_>>();
+    let root_log = chain.log("aggregator");
+    let logs: String = (1..=RELAYS).map(|r| format!("relay-{r}:\n{}\n", tail(&chain.log(&format!("relay-{r}")), 20))).collect();
+    let context = format!("campaign: {status}\nroot:\n{}\n{logs}", tail(&root_log, 30));
+    assert_eq!(chain_versions, flat_versions, "FedAvg down a chain of relays is FedAvg over all devices, bit for bit\n{context}");
+    assert_eq!(count_lines(&root_log, "relay's partial sum accepted"), 2, "one sum (relay-1's) per round\n{context}");
+    for r in 1..RELAYS {
+        let log = chain.log(&format!("relay-{r}"));
+        assert_eq!(count_lines(&log, "relay's partial sum accepted"), 2, "relay-{r} took relay-{}'s sum each round\n{context}", r + 1);
+    }
+    chain.stop_agents();
     drop(relays);
 }
