@@ -196,12 +196,16 @@ impl Aggregator {
         }
     }
 
-    /// A DP campaign's (ε, δ) with the round being published counted: the model's metadata.
+    /// A DP campaign's (ε, δ) with the round being published counted: the model's metadata
+    /// (local DP: the ε each device's releases spent, at most).
     fn privacy_metrics(&self) -> Vec<(String, f64)> {
         let core = self.lock();
         let e = core.coord.engine();
-        let Some(p) = e.privacy() else { return Vec::new() };
         let rounds = u64::from(e.rounds_completed().unwrap_or(0)) + 1;
+        if let Some(l) = &self.shared.cfg.campaign.local_dp {
+            return vec![("local_dp_epsilon_per_device".to_owned(), l.epsilon_per_device(rounds)), ("dp_delta".to_owned(), l.delta)];
+        }
+        let Some(p) = e.privacy() else { return Vec::new() };
         vec![("dp_epsilon".to_owned(), p.spend.epsilon_after(rounds)), ("dp_delta".to_owned(), p.spend.delta)]
     }
 

@@ -118,6 +118,9 @@ async fn local_dp_is_announced_to_the_devices_and_its_spend_reported() {
     let l = status.local_dp.expect("the status reports local DP");
     assert_eq!((l.clip_norm, l.noise_multiplier, l.delta, l.rounds), (0.5, 3.0, 1e-6, 1));
     assert_eq!(l.epsilon_per_device, local.epsilon_per_device(1));
+    // The published version carries it too (the status shows it only while the campaign runs).
+    let info = fedfleet_aggregator::publish::DirPublisher::latest(&dir, "tiny").unwrap().unwrap();
+    assert_eq!(info.metrics.get("local_dp_epsilon_per_device"), Some(&local.epsilon_per_device(1)), "{:?}", info.metrics);
     op.close().await;
     agg.stop().await;
 }
