@@ -19,7 +19,9 @@ pub struct Privatized {
 /// as f32 tensors of the same names and shapes (the round's upload dtype is applied after).
 pub fn privatize(delta: &TensorBundle, p: &DevicePrivacy, rng: &mut impl RngCore) -> Result<(TensorBundle, Privatized), String> {
     p.validate()?;
-    let norm = delta.iter().flat_map(|(_, t)| t.to_f32_vec()).map(|x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
+    // Each tensor as f32 once: the norm needs them all before any is scaled.
+    let tensors: Vec<(&str, &[usize], Vec<f32>)> = delta.iter().map(|(name, t)| (name, t.shape.as_slice(), t.to_f32_vec())).collect();
+    let norm = tensors.iter().flat_map(|(_, _, v)| v).map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt();
     if !norm.is_finite() {
         return Err("the update's norm is not finite".into());
     }
@@ -27,9 +29,11 @@ pub fn privatize(delta: &TensorBundle, p: &DevicePrivacy, rng: &mut impl RngCore
     let scale = if norm > p.clip_norm { p.clip_norm / norm * (1.0 - 1e-6) } else { 1.0 };
     let mut gaussian = Gaussian::default();
     let mut out = TensorBundle::new();
-    for (name, t) in delta.iter() {
-        let values = t.to_f32_vec().into_iter().map(|x| (f64::from(x) * scale + p.noise_stddev * gaussian.draw(rng)) as f32).collect();
-        out.insert_f32(name, t.shape.clone(), values).map_err(|e| e.to_string())?;
+    for (name, shape, mut values) in tensors {
+        for x in &mut values {
+            *x = (f64::from(*x) * scale + p.noise_stddev * gaussian.draw(rng)) as f32;
+        }
+        out.insert_f32(name, shape.to_vec(), values).map_err(|e| e.to_string())?;
     }
     Ok((out, Privatized { norm, scale }))
 }

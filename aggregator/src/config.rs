@@ -976,11 +976,11 @@ impl Config {
             fedfleet_certs::layout::validate_name(name).map_err(|e| ConfigError::Invalid(format!("relays: {name:?}: {e}")))?;
         }
         if !self.relays.is_empty() || self.relay.is_some() {
-            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates", false)?;
+            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates")?;
         }
         if let Some(s) = &self.secure_aggregation {
             s.validate()?;
-            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update", true)?;
+            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update")?;
             if !self.relays.is_empty() || self.relay.is_some() {
                 return Err(ConfigError::Invalid(
                     "secure_aggregation: relays are not yet supported with secure aggregation; remove `relays` / [relay]".into(),
@@ -999,11 +999,11 @@ impl Config {
     }
 
     /// Refuses a strategy, mode or fold that needs each update when `what` gives the
-    /// aggregator only sums (`why`). With `noise_on_devices`, DP-FedAvg's devices clip and noise
+    /// aggregator only sums (`why`). Under secure aggregation DP-FedAvg's devices clip and noise
     /// (its adaptive clipping, which needs each update's norm, is refused).
-    fn takes_only_sums(&self, what: &str, why: &str, noise_on_devices: bool) -> Result<(), ConfigError> {
+    fn takes_only_sums(&self, what: &str, why: &str) -> Result<(), ConfigError> {
         use crate::strategy::Strategy as _;
-        let strategy = crate::strategy::ServerStrategy::new(&self.strategy_config(noise_on_devices), 1)
+        let strategy = crate::strategy::ServerStrategy::new(&self.strategy_config(), 1)
             .map_err(|e| ConfigError::Invalid(format!("{what}: campaign.strategy: {e}")))?;
         if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() {
             return Err(ConfigError::Invalid(format!(
@@ -1011,7 +1011,11 @@ impl Config {
                  ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode{})",
                 strategy.name(),
                 if self.campaign.buffer().is_some() { " in async mode" } else { "" },
-                if noise_on_devices { ", and dp_fedavg with its noise on the devices" } else { ", without differential privacy" },
+                if self.secure_aggregation.is_some() {
+                    ", and dp_fedavg with its noise on the devices"
+                } else {
+                    ", without differential privacy"
+                },
             )));
         }
         if self.compute.fold == FoldBackend::Tensor {
@@ -1022,10 +1026,10 @@ impl Config {
 
     /// The campaign's strategy as this service runs it: under secure aggregation DP-FedAvg's
     /// noise is added by the devices, split across them ([`Self::device_privacy`]).
-    pub fn strategy_config(&self, noise_on_devices: bool) -> StrategyConfig {
+    pub fn strategy_config(&self) -> StrategyConfig {
         let mut cfg = self.campaign.strategy_config();
-        if let StrategyConfig::DpFedAvg { noise_on_devices: on, .. } = &mut cfg {
-            *on = noise_on_devices;
+        if let StrategyConfig::DpFedAvg { noise_on_devices, .. } = &mut cfg {
+            *noise_on_devices = self.secure_aggregation.is_some();
         }
         cfg
     }

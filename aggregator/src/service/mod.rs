@@ -268,8 +268,7 @@ impl Aggregator {
         let strategy = match store.strategy()? {
             Some(b) => postcard::from_bytes(&b)
                 .map_err(|e| ServiceError::Resume { path: cfg.data_dir.clone(), detail: format!("strategy snapshot: {e}") })?,
-            None => ServerStrategy::new(&cfg.strategy_config(cfg.secure_aggregation.is_some()), update_dim(&spec))
-                .map_err(|e| ServiceError::Strategy(e.to_string()))?,
+            None => ServerStrategy::new(&cfg.strategy_config(), update_dim(&spec)).map_err(|e| ServiceError::Strategy(e.to_string()))?,
         };
         let global = store.global()?;
         let campaign = store.campaign_meta()?;

@@ -404,7 +404,7 @@ impl Aggregator {
         self.ensure_global().await?;
         let sh = &self.shared;
         let d = &sh.cfg.campaign;
-        let mut strategy_cfg = sh.cfg.strategy_config(sh.cfg.secure_aggregation.is_some());
+        let mut strategy_cfg = sh.cfg.strategy_config();
         let dtype = d.dtype().map_err(|e| e.to_string())?;
         let mut core = self.lock();
         if let Some(c) = core.coord.engine().campaign_id() {
