@@ -1076,6 +1076,9 @@ pub struct OperatorConfig {
     /// shows under LoRA).
     #[serde(default)]
     model: Option<toml::Value>,
+    /// The service's console: where the operator commands send their API requests.
+    #[serde(default)]
+    pub console: Option<fedfleet_http::console::ConsoleConfig>,
 }
 
 impl OperatorConfig {

@@ -22,7 +22,6 @@ pub fn api(agg: Aggregator) -> Api {
             "Where the campaign stands: rounds completed, the open round, the global model, the outcome, the privacy spend and mode",
             with(&agg, |agg, _| async move {
                 let mut status = to_reply(agg.status())?;
-                status["secure_aggregation"] = json!(agg.config().secure_aggregation.is_some());
                 // The newest campaign in the history (the running one, or the last one once it
                 // finished and the status no longer names it) and its published rounds.
                 let history = blocking(move || agg.round_history(CAMPAIGN_SCAN)).await?;

@@ -172,7 +172,13 @@ impl BoundAggregator {
             tracing::info!(addr = ?c.listener.local_addr().ok(), tls = c.tls.is_some(), "operator console (API and dashboard)");
             tokio::spawn(c.console.serve(c.listener, c.tls, shutdown.wait()))
         });
+        // A promotion the last run decided but did not carry out.
+        let promotion = tokio::spawn({
+            let agg = agg.clone();
+            async move { agg.finish_promotion().await }
+        });
         agg.run(endpoint, operators, shutdown).await;
+        promotion.abort();
         if let Some(m) = mqtt {
             m.shutdown().await;
         }

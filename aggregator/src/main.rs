@@ -5,10 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
-use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::config::{Config, OperatorConfig};
 use fedfleet_aggregator::lifecycle::AggregatorService;
-use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus, Request};
+use fedfleet_aggregator::wire::{CampaignOverrides, CampaignStatus};
+use fedfleet_http::operator::{OperatorClient, Target, decode};
 
 /// Federated-learning aggregator: ingests signed updates over QUIC (mTLS), aggregates them with
 /// a configurable strategy, persists round state in sled and publishes each new global model.
@@ -111,8 +111,9 @@ struct Conn {
     /// Operator certificate name in the PKI's servers/ directory.
     #[arg(long, default_value = "operator")]
     operator: String,
-    /// Aggregator address (default: the config's `operator_listen`, else its `listen`, with
-    /// 0.0.0.0 read as 127.0.0.1).
+    /// The aggregator's console (its HTTP API) address (default: the config's `[console]
+    /// listen`, with 0.0.0.0 read as 127.0.0.1). Over HTTPS the operator certificate is
+    /// presented, or the bearer token in `FEDFLEET_API_TOKEN`.
     #[arg(long)]
     addr: Option<std::net::SocketAddr>,
     /// TLS server name to expect.
@@ -251,22 +252,25 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Campaign { action } => {
             let mut wait = false;
-            let (conn, req) = match action {
+            let (conn, path, body) = match action {
                 CampaignCmd::Start { conn, rounds, target, quorum, deadline_secs, seed, wait: w } => {
                     wait = w;
-                    (
-                        conn,
-                        Request::CampaignStart(CampaignOverrides { rounds, target_count: target, min_quorum: quorum, deadline_secs, seed }),
-                    )
+                    let overrides = CampaignOverrides { rounds, target_count: target, min_quorum: quorum, deadline_secs, seed };
+                    (conn, "/api/v1/campaign/start", Some(serde_json::to_value(overrides)?))
                 }
-                CampaignCmd::Status { conn } => (conn, Request::CampaignStatus),
-                CampaignCmd::Stop { conn } => (conn, Request::CampaignStop),
+                CampaignCmd::Status { conn } => (conn, CAMPAIGN, None),
+                CampaignCmd::Stop { conn } => (conn, "/api/v1/campaign/stop", Some(serde_json::Value::Null)),
             };
             let cfg = OperatorConfig::load(&conn.config)?;
-            let status = operator_call(&conn, &cfg, req).await?;
+            let api = operator_api(&conn, &cfg)?;
+            let answer = match body {
+                Some(body) => api.post(path, &body).await?,
+                None => api.get(path).await?,
+            };
+            let status: CampaignStatus = decode(path, answer)?;
             print_status(&status, &conn, &cfg);
             if wait {
-                wait_for_campaign_end(&conn, &cfg, status).await?;
+                wait_for_campaign_end(&api, &conn, &cfg, status).await?;
             }
             Ok(())
         }
@@ -326,34 +330,25 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>, relay: boo
     Ok(())
 }
 
-async fn operator_client(conn: &Conn, cfg: &OperatorConfig) -> Result<AggregatorClient> {
-    let ca = fedfleet_certs::CaCert::load(fedfleet_certs::layout::ca_cert(&cfg.pki_dir))?;
-    let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &conn.operator)
-        .with_context(|| format!("operator certificate (create it with `fedfleet-certs issue-server --name {}`)", conn.operator))?;
-    let tls = fedfleet_certs::tls::service_client_config(&ca, &id, &[fedfleet_certs::ALPN_V1])?;
-    let mut addr = conn
-        .addr
-        .or(cfg.operator_listen)
-        .or(cfg.listen)
-        .ok_or_else(|| anyhow!("{}: no `operator_listen` or `listen` address: pass --addr", conn.config.display()))?;
-    if addr.ip().is_unspecified() {
-        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-    }
-    AggregatorClient::connect(addr, &conn.server_name, tls).await.with_context(|| format!("connecting to the aggregator at {addr}"))
+/// A client of the aggregator's console API: `--addr`, else the config's `[console] listen`.
+fn operator_api(conn: &Conn, cfg: &OperatorConfig) -> Result<OperatorClient> {
+    let console = cfg.console.as_ref();
+    let Some(listen) = conn.addr.or(console.map(|c| c.listen)) else {
+        bail!(
+            "operator commands use the aggregator's console API: {} has no [console] (e.g. `[console]` `listen = \"127.0.0.1:7405\"`), and no --addr was given",
+            conn.config.display()
+        );
+    };
+    // Without the service's `[console]` at hand, a console off this machine is HTTPS.
+    let tls = console.map_or(!listen.ip().is_loopback(), |c| c.tls);
+    let target = Target { listen, tls, pki_dir: &cfg.pki_dir, operator: &conn.operator, server_name: &conn.server_name };
+    OperatorClient::new(&target).map_err(anyhow::Error::msg)
 }
 
-async fn operator_call(conn: &Conn, cfg: &OperatorConfig, req: Request) -> Result<CampaignStatus> {
-    let client = operator_client(conn, cfg).await?;
-    let status = client.campaign(req).await?;
-    client.close().await;
-    Ok(status)
-}
-
-/// Polls the campaign (over one connection) until it ends, printing every round it completed
-/// (each publishes the next global model version, so none is missed between polls, the last
-/// included), then the final status.
-async fn wait_for_campaign_end(conn: &Conn, cfg: &OperatorConfig, started: CampaignStatus) -> Result<()> {
-    let client = operator_client(conn, cfg).await?;
+/// Polls the campaign until it ends, printing every round it completed (each publishes the
+/// next global model version, so none is missed between polls, the last included), then the
+/// final status.
+async fn wait_for_campaign_end(api: &OperatorClient, conn: &Conn, cfg: &OperatorConfig, started: CampaignStatus) -> Result<()> {
     let first = started.global.as_ref().map_or(0, |(v, _)| v.0);
     let mut reported = first;
     let mut status = started;
@@ -373,15 +368,17 @@ async fn wait_for_campaign_end(conn: &Conn, cfg: &OperatorConfig, started: Campa
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        status = client.campaign(Request::CampaignStatus).await?;
+        status = decode(CAMPAIGN, api.get(CAMPAIGN).await?)?;
     }
-    client.close().await;
     print_status(&status, conn, cfg);
     match status.last_outcome.as_deref() {
         Some("completed") => Ok(()),
         other => Err(anyhow!("the campaign ended {}", other.unwrap_or("without an outcome"))),
     }
 }
+
+/// The campaign's status in the console API.
+const CAMPAIGN: &str = "/api/v1/campaign";
 
 fn print_status(s: &CampaignStatus, conn: &Conn, cfg: &OperatorConfig) {
     if conn.json {

@@ -252,9 +252,31 @@ pub fn promotion_gate(
     }
 }
 
+/// Whether a published version whose signed `metrics` hold the gate's decision still has its
+/// promotion to finish: it passed, and the alias (now at `alias_now`) still points at the
+/// champion it was compared against (an alias moved since, by a later round or an operator,
+/// stays where it is).
+pub fn promotion_unfinished(metrics: &BTreeMap<String, f64>, alias_now: Option<ModelVersion>) -> bool {
+    let champion = metrics.get("gate_champion_version").map(|v| ModelVersion(*v as u64));
+    metrics.get("gate_passed") == Some(&1.0) && alias_now == champion
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_passed_promotion_is_finished_only_while_the_alias_is_still_at_the_champion() {
+        let passed = BTreeMap::from([("gate_passed".to_owned(), 1.0), ("gate_champion_version".to_owned(), 2.0)]);
+        assert!(promotion_unfinished(&passed, Some(ModelVersion(2))), "the alias never moved");
+        assert!(!promotion_unfinished(&passed, Some(ModelVersion(3))), "it moved (to this version or by an operator)");
+        let first = BTreeMap::from([("gate_passed".to_owned(), 1.0)]);
+        assert!(promotion_unfinished(&first, None), "no champion then, no alias now");
+        assert!(!promotion_unfinished(&first, Some(ModelVersion(1))));
+        let failed = BTreeMap::from([("gate_passed".to_owned(), 0.0), ("gate_champion_version".to_owned(), 2.0)]);
+        assert!(!promotion_unfinished(&failed, Some(ModelVersion(2))), "a candidate stays a candidate");
+        assert!(!promotion_unfinished(&BTreeMap::new(), None), "no gate");
+    }
 
     fn m(metric: &str, v: f64) -> BTreeMap<String, f64> {
         BTreeMap::from([(metric.to_owned(), v)])

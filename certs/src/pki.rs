@@ -366,6 +366,17 @@ impl Pki {
     /// Revokes an enrolled device: adds it to the signed `revoked.json` (version + 1) and marks its
     /// `devices.json` entry. Servers refuse it from their next handshake on.
     pub fn revoke(&self, id: &DeviceId, reason: &str) -> Result<Revocation, CertError> {
+        self.revoke_signed_by(id, reason, || self.ca_signing_key())
+    }
+
+    /// [`Pki::revoke`] with the CA key from `ca_key` (read only once the device is known to be
+    /// enrolled and not yet revoked).
+    pub(crate) fn revoke_signed_by(
+        &self,
+        id: &DeviceId,
+        reason: &str,
+        ca_key: impl FnOnce() -> Result<SigningKey, CertError>,
+    ) -> Result<Revocation, CertError> {
         let allow_path = self.allow_list_path();
         let mut allow = AllowListFile::read(&allow_path)?;
         let Some(allowed) = allow.devices.get_mut(id) else {
@@ -376,7 +387,7 @@ impl Pki {
         if old.contains(id) {
             return Err(CertError::Revoked(id.to_string()));
         }
-        let ca_key = self.ca_signing_key()?;
+        let ca_key = ca_key()?;
         let now = unix_now();
         let entry = RevocationEntry { device_id: id.clone(), serial: allowed.serial.clone(), revoked_at: now, reason: reason.to_string() };
         let mut entries = old.entries.clone();

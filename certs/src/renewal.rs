@@ -151,6 +151,15 @@ impl DeviceIssuer {
         let (cert, serial, not_after) = pki::sign_leaf_at(&self.ca, &self.ca_key, params, &Ed25519Public(key), days, now_t)?;
         Ok(RenewedCertificate { device_id: id, pem: cert.pem(), serial, not_after: not_after.unix_timestamp() })
     }
+
+    /// Revokes device `id` in `pki`'s lists (`revoked.json` re-signed with this CA key,
+    /// `devices.json` marked), as `fedfleet-certs revoke` does on the CA's host.
+    pub fn revoke(&self, pki: &crate::Pki, id: &DeviceId, reason: &str) -> Result<crate::Revocation, CertError> {
+        if pki.ca().public_key() != self.ca.public_key() {
+            return Err(CertError::RenewalMismatch(format!("the PKI directory {} is of another CA than this key", pki.dir().display())));
+        }
+        pki.revoke_signed_by(id, reason, || Ok(self.ca_key.clone()))
+    }
 }
 
 /// Parses the one certificate of a PEM text received from a renewing service.

@@ -318,7 +318,7 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         println!("{:>6} agents: {} ms", u(r, "agents"), line.join(" | "));
     }
     println!(
-        "The operator's `campaign status` during the campaign (`fedfleet-aggregator campaign status` to `operator_listen`, a process and mTLS connection each, every {STATUS_PROBE_PERIOD:?}):"
+        "The operator's `campaign status` during the campaign (`fedfleet-aggregator campaign status` to the console's API, a process and connection each, every {STATUS_PROBE_PERIOD:?}):"
     );
     for r in results {
         println!(
@@ -468,6 +468,8 @@ struct Services {
     metrics_addr: std::net::SocketAddr,
     /// The aggregator's `operator_listen`.
     operator_addr: std::net::SocketAddr,
+    /// The aggregator's console: the operator CLI's API.
+    console_addr: std::net::SocketAddr,
     receipt_key: ed25519_dalek::VerifyingKey,
     update_bytes_each: usize,
     setup_s: f64,
@@ -510,7 +512,9 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let operator_addr = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?;
     let config = agg_dir.join("aggregator.toml");
     let toml = aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target);
-    std::fs::write(&config, format!("operator_listen = \"{operator_addr}\"\n{toml}"))?;
+    // The operator CLI's requests go to the console, a TCP listener of its own.
+    let console_addr = free_loopback_port()?;
+    std::fs::write(&config, format!("operator_listen = \"{operator_addr}\"\n{toml}\n[console]\nlisten = \"{console_addr}\"\n"))?;
     let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
@@ -526,6 +530,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         aggregator_bin,
         metrics_addr,
         operator_addr,
+        console_addr,
         receipt_key,
         update_bytes_each: bundle.len(),
         setup_s: setup.elapsed().as_secs_f64(),
@@ -621,9 +626,9 @@ async fn run_campaign(
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     let ingest0 = ingest_seconds(sv.metrics_addr).await;
-    let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.operator_addr);
+    let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.console_addr);
     let started = Instant::now();
-    campaign_start(&sv.aggregator_bin, &sv.config, sv.operator_addr, args.rounds, target, quorum_of(args, target))?;
+    campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     while poller.latest().published < published0 + args.rounds as u64 {
         if Instant::now() > deadline {

@@ -238,8 +238,10 @@ pub struct Call {
     /// The `{name}` segments of the path.
     pub params: BTreeMap<String, String>,
     pub query: BTreeMap<String, String>,
-    /// The JSON body (`null` when empty).
+    /// The JSON body (`null` when empty, and for an upload).
     pub body: Value,
+    /// An upload's bytes (empty for the other operations).
+    pub raw: Bytes,
     pub caller: Caller,
 }
 
@@ -338,8 +340,20 @@ struct Op {
     path: &'static str,
     summary: &'static str,
     role: Role,
+    /// What the body is: JSON up to [`MAX_JSON_BODY`], or an upload's bytes up to a bound.
+    body: BodyKind,
     handler: Handler,
 }
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyKind {
+    Json,
+    /// Raw bytes (`application/octet-stream`) of at most this many.
+    Upload(usize),
+}
+
+/// Largest JSON body an operation reads.
+const MAX_JSON_BODY: usize = 1 << 20;
 
 /// A service's API: its operations, from which the router and the OpenAPI document are built.
 pub struct Api {
@@ -360,7 +374,7 @@ impl Api {
         Fut: Future<Output = Reply> + Send + 'static,
     {
         debug_assert!(path.starts_with("/api/v1/"), "{path}");
-        self.ops.push(Op { method, path, summary, role, handler: Arc::new(move |c| Box::pin(f(c))) });
+        self.ops.push(Op { method, path, summary, role, body: BodyKind::Json, handler: Arc::new(move |c| Box::pin(f(c))) });
         self
     }
 
@@ -391,6 +405,19 @@ impl Api {
         self.op(Method::POST, path, summary, Role::Operator, f)
     }
 
+    /// An operator action whose body is bytes (`application/octet-stream`, at most
+    /// `max_bytes`, read only once the caller is known to be an operator), in [`Call::raw`];
+    /// its parameters come in the query.
+    pub fn upload<F, Fut>(mut self, path: &'static str, summary: &'static str, max_bytes: usize, f: F) -> Self
+    where
+        F: Fn(Call) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Reply> + Send + 'static,
+    {
+        self = self.op(Method::POST, path, summary, Role::Operator, f);
+        self.ops.last_mut().expect("just pushed").body = BodyKind::Upload(max_bytes);
+        self
+    }
+
     /// The OpenAPI 3.1 document of every operation, built from the table the router uses.
     pub fn openapi(&self) -> Value {
         let mut paths = serde_json::Map::new();
@@ -418,8 +445,15 @@ impl Api {
                     "409": {"$ref": "#/components/responses/Error"},
                 },
             });
-            if op.method == Method::POST {
-                operation["requestBody"] = json!({"required": false, "content": {"application/json": {"schema": {"type": "object"}}}});
+            match op.body {
+                BodyKind::Upload(max) => {
+                    operation["requestBody"] = json!({"required": true, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary", "maxLength": max}}}});
+                    operation["responses"]["413"] = json!({"$ref": "#/components/responses/Error"});
+                }
+                BodyKind::Json if op.method == Method::POST => {
+                    operation["requestBody"] = json!({"required": false, "content": {"application/json": {"schema": {"type": "object"}}}});
+                }
+                BodyKind::Json => {}
             }
             let entry = paths.entry(op.path.to_owned()).or_insert_with(|| json!({}));
             entry[op.method.as_str().to_lowercase()] = operation;
@@ -502,14 +536,25 @@ impl Shared {
             self.audit(&conn, &caller.identity, action, &refused).await;
             return reply_response(refused);
         }
-        let body = if call.body.is_empty() {
-            Ok(Value::Null)
-        } else {
-            serde_json::from_slice(&call.body).map_err(|e| ApiError::bad_request(format!("the body is not JSON: {e}")))
+        // The body is read only now: a caller who may not act cannot make the service buffer it.
+        let limit = match op.body {
+            BodyKind::Json => MAX_JSON_BODY,
+            BodyKind::Upload(max) => max,
+        };
+        let bytes = axum::body::to_bytes(call.body, limit).await.map_err(|e| {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("the body could not be read within its limit of {limit} bytes: {e}"))
+        });
+        let body = match (op.body, bytes) {
+            (_, Err(e)) => Err(e),
+            (BodyKind::Upload(_), Ok(raw)) => Ok((Value::Null, raw)),
+            (BodyKind::Json, Ok(raw)) if raw.is_empty() => Ok((Value::Null, raw)),
+            (BodyKind::Json, Ok(raw)) => serde_json::from_slice(&raw)
+                .map(|v| (v, Bytes::new()))
+                .map_err(|e| ApiError::bad_request(format!("the body is not JSON: {e}"))),
         };
         let identity = caller.identity.clone();
         let outcome = match body {
-            Ok(body) => (op.handler)(Call { params: call.params, query: call.query, body, caller }).await,
+            Ok((body, raw)) => (op.handler)(Call { params: call.params, query: call.query, body, raw, caller }).await,
             Err(e) => Err(e),
         };
         // Actions are audited whatever their outcome; reads only when refused (above).
@@ -524,7 +569,7 @@ struct CallParts {
     path: String,
     params: BTreeMap<String, String>,
     query: BTreeMap<String, String>,
-    body: Bytes,
+    body: axum::body::Body,
 }
 
 /// A console ready to serve: the service's [`Api`] plus the built-in operations
@@ -558,7 +603,7 @@ impl Console {
                                 Query(query): Query<BTreeMap<String, String>>,
                                 Extension(conn): Extension<ConnInfo>,
                                 headers: HeaderMap,
-                                body: Bytes| {
+                                body: axum::body::Body| {
                 let shared = shared.clone();
                 let params: BTreeMap<String, String> = raw.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect();
                 let concrete = params.iter().fold(path.clone(), |p, (k, v)| p.replace(&format!("{{{k}}}"), v));

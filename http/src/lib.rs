@@ -10,6 +10,7 @@
 //! ```
 
 pub mod console;
+pub mod operator;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -151,6 +152,8 @@ pub struct ClientRequest<'a> {
     pub bearer: Option<&'a str>,
     /// A JSON body (`Content-Type: application/json`).
     pub json: Option<Vec<u8>>,
+    /// A byte body (`Content-Type: application/octet-stream`): an upload.
+    pub octets: Option<axum::body::Bytes>,
     /// HTTPS: the client config (its certificate, if any, is presented) and the server's name.
     pub tls: Option<(Arc<rustls::ClientConfig>, String)>,
 }
@@ -181,10 +184,18 @@ where
     if let Some(token) = r.bearer {
         req = req.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
-    if r.json.is_some() {
-        req = req.header(header::CONTENT_TYPE, "application/json");
-    }
-    let body = http_body_util::Full::new(axum::body::Bytes::from(r.json.clone().unwrap_or_default()));
+    let body = match (&r.json, &r.octets) {
+        (Some(json), _) => {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+            axum::body::Bytes::from(json.clone())
+        }
+        (None, Some(octets)) => {
+            req = req.header(header::CONTENT_TYPE, "application/octet-stream");
+            octets.clone()
+        }
+        (None, None) => axum::body::Bytes::new(),
+    };
+    let body = http_body_util::Full::new(body);
     let req = req.body(body).map_err(|e| ScrapeError::Request(e.to_string()))?;
     let resp = sender.send_request(req).await?;
     let status = resp.status().as_u16();

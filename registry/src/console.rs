@@ -36,9 +36,84 @@ async fn blocking<T: Send + 'static>(
     console::blocking(move || f(&reg, reg.now_ms())).await?.map_err(api_error)
 }
 
-fn version_param(c: &Call) -> Result<ModelVersion, ApiError> {
-    let v = c.param("version");
-    v.trim_start_matches('v').parse().map(ModelVersion).map_err(|_| ApiError::bad_request(format!("version {v:?} is not a number")))
+/// `{version}`: `3`, `v3`, or `latest` (`None`).
+fn version_param(c: &Call) -> Result<Option<ModelVersion>, ApiError> {
+    match c.param("version") {
+        "latest" => Ok(None),
+        v => v
+            .trim_start_matches('v')
+            .parse()
+            .map(|v| Some(ModelVersion(v)))
+            .map_err(|_| ApiError::bad_request(format!("version {v:?} is neither a number nor `latest`"))),
+    }
+}
+
+/// What the console needs beyond the registry: where published artifacts are mirrored, and
+/// the CA key that revokes (a registry with `[renewal]`).
+#[derive(Clone, Default)]
+pub struct ConsoleParts {
+    pub mirror: Option<Arc<crate::objects::ArtifactMirror>>,
+    pub revoker: Option<Revoker>,
+}
+
+/// The fleet CA's key and the PKI directory whose lists it signs.
+#[derive(Clone)]
+pub struct Revoker {
+    pub issuer: Arc<fedfleet_certs::DeviceIssuer>,
+    pub pki_dir: std::path::PathBuf,
+}
+
+/// The device cohorts of every rollout plan (a cohort is a named set of devices in a plan).
+fn cohorts_by_device(reg: &Registry) -> Result<BTreeMap<String, Vec<String>>, RegistryError> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for r in reg.store().rollouts()? {
+        for phase in &r.plan().phases {
+            if let fedfleet_rollout::Audience::Cohort { name, devices } = &phase.audience {
+                for d in devices {
+                    let names = out.entry(d.to_string()).or_default();
+                    if !names.contains(name) {
+                        names.push(name.clone());
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The query of `POST /api/v1/models/{name}/versions`: the version's record, beside its bytes.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PublishQuery {
+    /// The model's spec, JSON.
+    spec: String,
+    parent: Option<u64>,
+    /// `accuracy=0.97,loss=0.1`.
+    #[serde(default)]
+    metrics: String,
+    #[serde(default)]
+    publisher: String,
+}
+
+impl PublishQuery {
+    fn new_version(self, name: String, caller: &console::Caller) -> Result<crate::store::NewVersion, ApiError> {
+        let spec = fedfleet_protocol::SpecJson::parse(&self.spec).map_err(|e| ApiError::bad_request(format!("spec: {e}")))?;
+        let mut metrics = BTreeMap::new();
+        for kv in self.metrics.split(',').filter(|kv| !kv.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| ApiError::bad_request(format!("metrics: {kv:?} is not KEY=VALUE")))?;
+            let v: f64 = v.parse().map_err(|e| ApiError::bad_request(format!("metrics: {kv:?}: {e}")))?;
+            metrics.insert(k.to_owned(), v);
+        }
+        Ok(crate::store::NewVersion {
+            name,
+            spec,
+            parent: self.parent.map(ModelVersion),
+            metrics: metrics.into_iter().collect(),
+            created_at_unix_ms: 0,
+            publisher: if self.publisher.is_empty() { caller.identity.clone() } else { self.publisher },
+            adapter: None,
+        })
+    }
 }
 
 /// One device as the fleet view shows it, from its stored report (see [`Registry::report`]).
@@ -70,19 +145,28 @@ fn device_row(d: &DeviceReport, now: u64) -> Value {
 }
 
 fn devices(reg: &Registry, now: u64) -> Result<Vec<Value>, RegistryError> {
+    let cohorts = cohorts_by_device(reg)?;
     match reg.admin(AdminRequest::DeviceStatus { device: None }, now)? {
-        AdminAnswer::Devices { devices } => Ok(devices.iter().map(|d| device_row(d, now)).collect()),
+        AdminAnswer::Devices { devices } => Ok(devices
+            .iter()
+            .map(|d| {
+                let mut row = device_row(d, now);
+                row["cohorts"] = json!(cohorts.get(&d.device).cloned().unwrap_or_default());
+                row
+            })
+            .collect()),
         other => Err(RegistryError::Internal(format!("device status answered {other:?}"))),
     }
 }
 
 /// One version as `show` answers it, with its lineage (parents, newest first) and the devices
 /// that run it.
-fn version_detail(reg: &Registry, name: String, version: ModelVersion, now: u64) -> Result<Value, RegistryError> {
-    let shown = reg.admin(AdminRequest::Show { name: name.clone(), version: Some(version) }, now)?;
+fn version_detail(reg: &Registry, name: String, version: Option<ModelVersion>, now: u64) -> Result<Value, RegistryError> {
+    let shown = reg.admin(AdminRequest::Show { name: name.clone(), version }, now)?;
     let AdminAnswer::Version(shown) = shown else {
         return Err(RegistryError::Internal(format!("show answered {shown:?}")));
     };
+    let version = shown.model.version;
     let mut lineage = Vec::new();
     let mut parent = shown.model.parent;
     while let Some(p) = parent.filter(|_| lineage.len() < MAX_LINEAGE) {
@@ -116,13 +200,17 @@ fn fleet(all: Vec<Value>, query: &BTreeMap<String, String>) -> Value {
         query.get("version").is_none_or(|v| d["version"].as_str().unwrap_or("none") == v)
             && query.get("health").is_none_or(|h| d["health"] == json!(h))
             && query.get("online").is_none_or(|o| d["online"].as_bool().map(|b| if b { "true" } else { "false" }) == Some(o.as_str()))
+            && query.get("cohort").is_none_or(|c| d["cohorts"].as_array().is_some_and(|cs| cs.iter().any(|n| n == c)))
     };
     let shown: Vec<&Value> = all.iter().filter(|d| keep(d)).collect();
-    json!({"total": all.len(), "online": online, "by_version": by_version, "healths": healths, "devices": shown})
+    let mut cohorts: Vec<&str> = all.iter().filter_map(|d| d["cohorts"].as_array()).flatten().filter_map(Value::as_str).collect();
+    cohorts.sort_unstable();
+    cohorts.dedup();
+    json!({"total": all.len(), "online": online, "by_version": by_version, "healths": healths, "cohorts": cohorts, "devices": shown})
 }
 
 /// The registry's API table.
-pub fn api(reg: Arc<Registry>) -> Api {
+pub fn api(reg: Arc<Registry>, parts: ConsoleParts) -> Api {
     let mut api = Api::new("registry", &["fleet", "versions", "rollouts"])
         .read(
             "/api/v1/models",
@@ -136,7 +224,7 @@ pub fn api(reg: Arc<Registry>) -> Api {
         )
         .read(
             "/api/v1/models/{name}/versions/{version}",
-            "One version: its record and spec, the aliases on it, its lineage (parents, newest first) and the devices that run it",
+            "One version (`latest`: the newest): its record and spec, the aliases on it, its lineage (parents, newest first) and the devices that run it",
             with(&reg, |reg, c| async move {
                 let (name, version) = (c.param("name").to_owned(), version_param(&c)?);
                 blocking(&reg, move |reg, now| version_detail(reg, name, version, now)).await
@@ -151,10 +239,63 @@ pub fn api(reg: Arc<Registry>) -> Api {
                 to_reply(blocking(&reg, move |reg, now| reg.admin(AdminRequest::AliasSet { name, alias, version }, now)).await?)
             }),
         )
+        .upload(
+            "/api/v1/models/{name}/versions",
+            "Publishes the body (safetensors weights) as the model's next version; the query holds its record: `spec` (JSON, required), `parent`, `metrics` (`accuracy=0.97,loss=0.1`), `publisher` (default: the caller). Weights that are not a model of the spec are refused, naming every wrong tensor",
+            fedfleet_protocol::limits::MAX_BUNDLE_BYTES,
+            with(&(reg.clone(), parts.mirror.clone()), |(reg, mirror), c| async move {
+                let query = serde_json::to_value(&c.query).and_then(serde_json::from_value::<PublishQuery>);
+                let query = query.map_err(|e| ApiError::bad_request(format!("publish: {e}")))?;
+                let new = query.new_version(c.param("name").to_owned(), &c.caller)?;
+                let m = crate::server::publish_artifact(&reg, mirror.as_ref(), new, c.raw.to_vec()).await.map_err(api_error)?;
+                to_reply(crate::ops::published_answer(&m))
+            }),
+        )
         .read(
             "/api/v1/devices",
-            "Every device that reported: version, state, health, last seen, online; `?version=v3&health=failed&online=true` filter; counts per version",
+            "Every device that reported: version, state, health, last seen, online, the rollout cohorts naming it; `?version=v3&health=failed&online=true&cohort=canary` filter; counts per version",
             with(&reg, |reg, c| async move { Ok(fleet(blocking(&reg, devices).await?, &c.query)) }),
+        )
+        .read(
+            "/api/v1/devices/{id}",
+            "One device's last report as it sent it, and whether it is revoked",
+            with(&reg, |reg, c| async move {
+                let device = Some(c.param("id").to_owned());
+                match blocking(&reg, move |reg, now| reg.admin(AdminRequest::DeviceStatus { device }, now)).await? {
+                    AdminAnswer::Device(d) => to_reply(d),
+                    other => Err(ApiError::internal(format!("device status answered {other:?}"))),
+                }
+            }),
+        )
+        .action(
+            "/api/v1/devices/{id}/revoke",
+            "Revokes a device (`{\"reason\": \"...\"}`): `revoked.json` is re-signed by the fleet CA, and every service refuses the device from its next request. Needs the CA key (`[renewal] ca_key`); without it, revoke on the CA's host with `fedfleet-certs revoke`",
+            with(&parts.revoker, |revoker, c| async move {
+                let Some(revoker) = revoker else {
+                    return Err(ApiError::conflict(
+                        "this registry holds no CA key ([renewal] ca_key): revoke on the CA's host with `fedfleet-certs revoke --id ID`",
+                    ));
+                };
+                let id = fedfleet_protocol::DeviceId::new(c.param("id")).map_err(|e| ApiError::bad_request(format!("device id: {e}")))?;
+                let reason = c.body.get("reason").and_then(Value::as_str).unwrap_or("revoked from the console").to_owned();
+                let revoked = console::blocking(move || {
+                    let pki = fedfleet_certs::Pki::open(&revoker.pki_dir)?;
+                    revoker.issuer.revoke(&pki, &id, &reason)
+                })
+                .await?
+                .map_err(|e| match e {
+                    fedfleet_certs::CertError::NotEnrolled(_) => ApiError::not_found(e.to_string()),
+                    fedfleet_certs::CertError::Revoked(_) => ApiError::conflict(e.to_string()),
+                    e => ApiError::internal(e.to_string()),
+                })?;
+                Ok(json!({
+                    "device": revoked.entry.device_id,
+                    "serial": revoked.entry.serial,
+                    "reason": revoked.entry.reason,
+                    "revoked_at_unix": revoked.entry.revoked_at,
+                    "revocation_list_version": revoked.list_version,
+                }))
+            }),
         )
         .read(
             "/api/v1/rollouts",

@@ -1,9 +1,11 @@
 //! `fedfleet-registry`: the registry service and its operator CLI.
 //!
-//! Operator commands go to a running registry over QUIC (the config's `listen`, or `--addr`),
-//! presenting the operator service certificate (`operator_identity` in the config, issued with
-//! `fedfleet-certs issue-server --name operator`); they never open a store themselves, so they
-//! work the same from the registry's host and from an operator's. `serve`, `init-keys` and
+//! Operator commands are requests to a running registry's console API (`/api/v1`, the config's
+//! `[console] listen`, or `--addr`), the same operations the dashboard uses: over HTTPS they
+//! present the operator service certificate (`operator_identity` in the config, issued with
+//! `fedfleet-certs issue-server --name operator`) or a bearer token from `FEDFLEET_API_TOKEN`;
+//! they never open a store themselves, so they work the same from the registry's host and from
+//! an operator's. `serve`, `init-keys` and
 //! `check` are the registry host's own.
 
 use std::net::SocketAddr;
@@ -12,16 +14,17 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use fedfleet_http::operator::{OperatorClient, Target, decode, query, segment};
 use fedfleet_protocol::{Clock, SystemClock};
 use fedfleet_protocol::{DeviceId, ModelVersion, SpecJson};
-use fedfleet_registry::client::RegistryClient;
 use fedfleet_registry::config::Config;
 use fedfleet_registry::metadata;
 use fedfleet_registry::rollout::{Phase, Status};
 use fedfleet_registry::service::RegistryService;
-use fedfleet_registry::store::{NewVersion, Store, StoreConfig};
-use fedfleet_registry::wire::{AdminRequest, RolloutCommand, RolloutStart};
+use fedfleet_registry::store::{Store, StoreConfig};
+use fedfleet_registry::wire::RolloutStart;
 use fedfleet_registry_client::admin::{AdminAnswer, DeviceReport, RolloutReport};
+use serde_json::Value;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -36,8 +39,8 @@ struct Cli {
     /// Print machine-readable JSON.
     #[arg(long, global = true)]
     json: bool,
-    /// The registry operator commands talk to (default: the config's `listen`, with 0.0.0.0
-    /// read as 127.0.0.1).
+    /// The registry console (its HTTP API) operator commands talk to (default: the config's
+    /// `[console] listen`, with 0.0.0.0 read as 127.0.0.1).
     #[arg(long, global = true)]
     addr: Option<SocketAddr>,
     #[command(subcommand)]
@@ -174,8 +177,17 @@ struct StartArgs {
 
 #[derive(Subcommand, Debug)]
 enum DeviceCmd {
-    /// The latest report of one device, or of all.
+    /// The latest report of one device, or a line per device of the fleet.
     Status { id: Option<String> },
+    /// Revoke a device: every service refuses it from its next request. The registry needs the
+    /// fleet CA key for this (`[renewal] ca_key`); otherwise run `fedfleet-certs revoke` on the
+    /// CA's host.
+    Revoke {
+        id: String,
+        /// Why, kept in the revocation list.
+        #[arg(long, default_value = "operator revoke")]
+        reason: String,
+    },
 }
 
 fn parse_kv(s: &str) -> Result<(String, f64), String> {
@@ -251,101 +263,133 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         cmd => {
-            let op = Operator { cfg, addr: cli.addr, json: cli.json };
+            let op = Operator { cfg, config_path: cli.config.clone(), addr: cli.addr, json: cli.json };
             rt.block_on(op.command(cmd))
         }
     }
 }
 
-/// An operator's connection settings: the registry's address, the operator certificate.
+/// An operator's connection settings: the registry's console (its HTTP API), the operator
+/// certificate.
 struct Operator {
     cfg: Config,
+    config_path: PathBuf,
     addr: Option<SocketAddr>,
     json: bool,
 }
 
 impl Operator {
+    /// A client of the registry's console: `--addr`, else the config's `[console] listen`.
+    fn client(&self) -> anyhow::Result<OperatorClient> {
+        let cfg = &self.cfg;
+        let console = cfg.console.as_ref();
+        let Some(listen) = self.addr.or(console.map(|c| c.listen)) else {
+            bail!(
+                "operator commands use the registry's console API: {} has no [console] (e.g. `[console]` `listen = \"127.0.0.1:7445\"`), and no --addr was given",
+                self.config_path.display()
+            );
+        };
+        // Without the service's `[console]` at hand, a console off this machine is HTTPS.
+        let tls = console.map_or(!listen.ip().is_loopback(), |c| c.tls);
+        let target = Target { listen, tls, pki_dir: &cfg.pki_dir, operator: &cfg.operator_identity, server_name: &cfg.server_name };
+        OperatorClient::new(&target).map_err(anyhow::Error::msg)
+    }
+
     async fn command(&self, cmd: Cmd) -> anyhow::Result<()> {
-        let (req, artifact, wait) = match cmd {
+        let api = self.client()?;
+        let (answer, wait) = match cmd {
             Cmd::Publish { file, model, spec, parent, metrics, publisher } => {
-                let text = std::fs::read_to_string(&spec).with_context(|| format!("reading {}", spec.display()))?;
-                let spec = SpecJson::parse(&text).with_context(|| format!("{} is not JSON", spec.display()))?;
-                let f = std::fs::File::open(&file).with_context(|| format!("reading {}", file.display()))?;
+                let spec_text = std::fs::read_to_string(&spec).with_context(|| format!("reading {}", spec.display()))?;
+                SpecJson::parse(&spec_text).with_context(|| format!("{} is not JSON", spec.display()))?;
+                let bytes = tokio::fs::read(&file).await.with_context(|| format!("reading {}", file.display()))?;
                 let publisher = publisher.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
-                let new = NewVersion {
-                    name: model,
-                    spec,
-                    parent: parent.map(ModelVersion),
-                    metrics: metrics.into_iter().collect(),
-                    // The registry stamps the time with its own clock.
-                    created_at_unix_ms: 0,
-                    publisher,
-                    adapter: None,
-                };
-                (AdminRequest::Publish(new), Some(f), false)
+                let metrics: Vec<String> = metrics.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                let mut q = vec![("spec", spec_text), ("publisher", publisher), ("metrics", metrics.join(","))];
+                q.extend(parent.map(|p| ("parent", p.to_string())));
+                let path = format!("/api/v1/models/{}/versions{}", segment(&model), query(&q));
+                (decode(&path, api.upload(&path, bytes.into()).await?)?, false)
             }
-            Cmd::List => (AdminRequest::List, None, false),
-            Cmd::Show { name, version } => (AdminRequest::Show { name, version: version.map(ModelVersion) }, None, false),
+            Cmd::List => {
+                let path = "/api/v1/models";
+                (AdminAnswer::Models { models: decode(path, api.get(path).await?["models"].take())? }, false)
+            }
+            Cmd::Show { name, version } => {
+                let v = version.map_or("latest".into(), |v| v.to_string());
+                let path = format!("/api/v1/models/{}/versions/{v}", segment(&name));
+                (AdminAnswer::Version(decode(&path, api.get(&path).await?)?), false)
+            }
             Cmd::Alias { cmd: AliasCmd::Set { name, alias, version } } => {
-                (AdminRequest::AliasSet { name, alias, version: ModelVersion(version) }, None, false)
+                let path = format!("/api/v1/models/{}/aliases/{}", segment(&name), segment(&alias));
+                (decode(&path, api.post(&path, &serde_json::json!({ "version": version })).await?)?, false)
             }
-            Cmd::Rollout { cmd } => match cmd {
-                RolloutCmd::Start(a) => {
-                    let wait = a.wait;
-                    (AdminRequest::RolloutStart(start_request(a)?), None, wait)
+            Cmd::Rollout { cmd } => {
+                let (wait, path, body) = match cmd {
+                    RolloutCmd::Start(a) => {
+                        let wait = a.wait;
+                        (wait, "/api/v1/rollouts".to_owned(), Some(serde_json::to_value(start_request(a)?)?))
+                    }
+                    RolloutCmd::Pause { id } => (false, format!("/api/v1/rollouts/{}/pause", segment(&id)), Some(Value::Null)),
+                    RolloutCmd::Resume { id } => (false, format!("/api/v1/rollouts/{}/resume", segment(&id)), Some(Value::Null)),
+                    RolloutCmd::Abort { id, reason } => {
+                        (false, format!("/api/v1/rollouts/{}/abort", segment(&id)), Some(serde_json::json!({ "reason": reason })))
+                    }
+                    RolloutCmd::Rollback { id } => (false, format!("/api/v1/rollouts/{}/rollback", segment(&id)), Some(Value::Null)),
+                    RolloutCmd::Status { id: Some(id) } => (false, format!("/api/v1/rollouts/{}", segment(&id)), None),
+                    RolloutCmd::Status { id: None } => {
+                        let path = "/api/v1/rollouts";
+                        let rollouts = decode(path, api.get(path).await?["rollouts"].take())?;
+                        print_answer(&AdminAnswer::Rollouts { rollouts }, self.json);
+                        return Ok(());
+                    }
+                };
+                let answer = match body {
+                    Some(body) => api.post(&path, &body).await?,
+                    None => api.get(&path).await?,
+                };
+                (AdminAnswer::Rollout(decode(&path, answer)?), wait)
+            }
+            Cmd::Device { cmd: DeviceCmd::Status { id: Some(id) } } => {
+                let path = format!("/api/v1/devices/{}", segment(&id));
+                (AdminAnswer::Device(decode(&path, api.get(&path).await?)?), false)
+            }
+            Cmd::Device { cmd: DeviceCmd::Status { id: None } } => {
+                let fleet = api.get("/api/v1/devices").await?;
+                match self.json {
+                    true => println!("{}", serde_json::to_string_pretty(&fleet)?),
+                    false => print!("{}", render_fleet(&fleet)),
                 }
-                RolloutCmd::Pause { id } => (AdminRequest::Rollout { id, command: RolloutCommand::Pause }, None, false),
-                RolloutCmd::Resume { id } => (AdminRequest::Rollout { id, command: RolloutCommand::Resume }, None, false),
-                RolloutCmd::Abort { id, reason } => (AdminRequest::Rollout { id, command: RolloutCommand::Abort { reason } }, None, false),
-                RolloutCmd::Rollback { id } => (AdminRequest::Rollout { id, command: RolloutCommand::Rollback }, None, false),
-                RolloutCmd::Status { id } => (AdminRequest::RolloutStatus { id }, None, false),
-            },
-            Cmd::Device { cmd: DeviceCmd::Status { id } } => (AdminRequest::DeviceStatus { device: id }, None, false),
+                return Ok(());
+            }
+            Cmd::Device { cmd: DeviceCmd::Revoke { id, reason } } => {
+                let path = format!("/api/v1/devices/{}/revoke", segment(&id));
+                let revoked = api.post(&path, &serde_json::json!({ "reason": reason })).await?;
+                match self.json {
+                    true => println!("{}", serde_json::to_string_pretty(&revoked)?),
+                    false => println!(
+                        "revoked device {id} (serial {}, reason {:?}); revoked.json is now version {}",
+                        revoked["serial"].as_str().unwrap_or("?"),
+                        revoked["reason"].as_str().unwrap_or_default(),
+                        revoked["revocation_list_version"]
+                    ),
+                }
+                return Ok(());
+            }
             Cmd::Serve | Cmd::InitKeys { .. } | Cmd::Check { .. } => unreachable!("the registry host's own commands run locally"),
         };
-        let answer = self.call(req, artifact).await?;
         print_answer(&answer, self.json);
         match (&answer, wait) {
-            (AdminAnswer::Rollout(r), true) => self.wait_for_rollout_end(r).await,
+            (AdminAnswer::Rollout(r), true) => self.wait_for_rollout_end(&api, r).await,
             _ => Ok(()),
         }
     }
 
-    /// Sends one command to the running registry.
-    async fn call(&self, req: AdminRequest, artifact: Option<std::fs::File>) -> anyhow::Result<AdminAnswer> {
-        let cfg = &self.cfg;
-        let pki = fedfleet_certs::Pki::open(&cfg.pki_dir)
-            .with_context(|| format!("opening the PKI directory {} for the operator certificate", cfg.pki_dir.display()))?;
-        let id = fedfleet_certs::ServerIdentity::load(&cfg.pki_dir, &cfg.operator_identity).with_context(|| {
-            format!(
-                "operator commands present the operator certificate {:?} (fedfleet-certs issue-server --name {})",
-                cfg.operator_identity, cfg.operator_identity
-            )
-        })?;
-        let tls = fedfleet_certs::tls::service_client_config(pki.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-        let mut addr = self.addr.unwrap_or(cfg.listen);
-        if addr.ip().is_unspecified() {
-            addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
-        }
-        let client = RegistryClient::connect(addr, &cfg.server_name, tls)
-            .await
-            .with_context(|| format!("connecting to the registry at {addr} (is `fedfleet-registry serve` running there?)"))?;
-        let out = match artifact {
-            Some(f) => client.publish(req, std::io::BufReader::with_capacity(1 << 20, f)).await,
-            None => client.admin(req).await,
-        };
-        client.close().await;
-        Ok(out?)
-    }
-
     /// Polls a started rollout until it leaves `running`/`paused`, printing each phase change.
-    async fn wait_for_rollout_end(&self, started: &RolloutReport) -> anyhow::Result<()> {
+    async fn wait_for_rollout_end(&self, api: &OperatorClient, started: &RolloutReport) -> anyhow::Result<()> {
         let id = started.id.clone();
+        let path = format!("/api/v1/rollouts/{}", segment(&id));
         let mut last = (started.summary.status, started.summary.phase);
         loop {
-            let AdminAnswer::Rollout(r) = self.call(AdminRequest::RolloutStatus { id: Some(id.clone()) }, None).await? else {
-                bail!("the registry answered rollout status {id} with something else");
-            };
+            let r: RolloutReport = decode(&path, api.get(&path).await?)?;
             if (r.summary.status, r.summary.phase) != last {
                 println!("rollout {id}: {}", rollout_stage(&r));
                 last = (r.summary.status, r.summary.phase);
@@ -493,6 +537,33 @@ fn render_rollout(r: &RolloutReport) -> String {
         r.summary.in_progress,
         r.failure_threshold * 100.0
     )
+}
+
+/// The fleet as `GET /api/v1/devices` answers it: a line per device.
+fn render_fleet(fleet: &Value) -> String {
+    use std::fmt::Write;
+    let devices = fleet["devices"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if devices.is_empty() {
+        return "no device has reported\n".into();
+    }
+    let text = |v: &Value| v.as_str().map_or_else(|| "-".to_owned(), str::to_owned);
+    let mut out = String::new();
+    for d in devices {
+        let seen = d["last_seen_unix_ms"].as_u64().map_or("never".into(), rfc3339_ms);
+        let _ = writeln!(
+            out,
+            "{:<20} {:<8} {:<12} {:<10} {:<8} last seen {seen}{}{}",
+            text(&d["device"]),
+            text(&d["version"]),
+            text(&d["state"]),
+            text(&d["health"]),
+            if d["online"] == Value::Bool(true) { "online" } else { "offline" },
+            if d["revoked"] == Value::Bool(true) { "  REVOKED" } else { "" },
+            d["cohorts"].as_array().filter(|c| !c.is_empty()).map_or(String::new(), |c| format!("  cohorts {}", Value::from(c.clone())))
+        );
+    }
+    let _ = writeln!(out, "{} devices, {} online", fleet["total"], fleet["online"]);
+    out
 }
 
 fn render_device(d: &DeviceReport) -> String {

@@ -412,26 +412,36 @@ async fn publish(ctx: &Arc<Ctx>, s: &mut FramedStream, mut new: NewVersion, peer
         }
         f.flush().await.map_err(io(&path))?;
         drop(f);
-        let reg = ctx.reg.clone();
-        let p = path.clone();
         if new.publisher.is_empty() {
             new.publisher = peer_name.to_owned();
         }
-        new.created_at_unix_ms = ctx.reg.now_ms();
-        blocking(move || {
-            let artifact = std::fs::read(&p).map_err(|cause| RegistryError::Io { path: p.clone(), cause })?;
-            crate::ops::check_artifact(&new, &artifact)?;
-            reg.publish(new, artifact.as_slice())
-        })
-        .await
+        let artifact = tokio::fs::read(&path).await.map_err(io(&path))?;
+        publish_artifact(&ctx.reg, ctx.opts.mirror.as_ref(), new, artifact).await
     }
     .await;
     let _ = tokio::fs::remove_file(&path).await;
-    let m = res?;
-    if let Some(mirror) = &ctx.opts.mirror {
-        mirror.after_publish(&ctx.reg, m.model.digest).await;
+    Ok(Response::Admin(admin_json(&crate::ops::published_answer(&res?))))
+}
+
+/// Checks `artifact` against its spec and publishes it (stamped with the registry's clock), then
+/// writes it to the object store: the publish of the QUIC request and of the console's upload.
+pub async fn publish_artifact(
+    reg: &Arc<Registry>,
+    mirror: Option<&Arc<crate::objects::ArtifactMirror>>,
+    mut new: NewVersion,
+    artifact: Vec<u8>,
+) -> Result<crate::store::Manifest, RegistryError> {
+    let r = reg.clone();
+    new.created_at_unix_ms = reg.now_ms();
+    let m = blocking(move || {
+        crate::ops::check_artifact(&new, &artifact)?;
+        r.publish(new, artifact.as_slice())
+    })
+    .await?;
+    if let Some(mirror) = mirror {
+        mirror.after_publish(reg, m.model.digest).await;
     }
-    Ok(Response::Admin(admin_json(&crate::ops::published_answer(&m))))
+    Ok(m)
 }
 
 /// Sends `bytes` as Chunk frames, honouring the cut fault. Returns false if the connection was

@@ -101,6 +101,13 @@ impl RegistryService {
         &self.reg
     }
 
+    /// The console's mirror and (with `[renewal]`) the CA key it revokes with.
+    fn console_parts(&self) -> crate::console::ConsoleParts {
+        let revoker =
+            self.opts.renewal.as_ref().map(|r| crate::console::Revoker { issuer: r.issuer.clone(), pki_dir: self.cfg.pki_dir.clone() });
+        crate::console::ConsoleParts { mirror: self.opts.mirror.clone(), revoker }
+    }
+
     #[doc(hidden)]
     pub fn faults(&self) -> Arc<Faults> {
         self.opts.faults.clone()
@@ -168,7 +175,7 @@ impl BoundRegistry {
             (Some(c), Some(listener)) => {
                 let audit = service.reg.store().journal("audit", fedfleet_http::console::AUDIT_KEEP)?;
                 let clock = service.clock.clone();
-                let api = crate::console::api(service.reg.clone());
+                let api = crate::console::api(service.reg.clone(), service.console_parts());
                 let console = fedfleet_http::console::Console::new(api, c, &cfg.operators, audit, move || clock.now_ms())
                     .map_err(RegistryError::Config)?;
                 tracing::info!(addr = ?listener.local_addr().ok(), tls = c.tls, "operator console (API and dashboard)");

@@ -214,6 +214,7 @@ impl Aggregator {
     /// version carries it. A champion that cannot be read keeps the candidate a candidate.
     async fn promotion_gate(&self, metrics: &mut BTreeMap<String, f64>) -> Option<Result<String, String>> {
         let p = self.shared.cfg.promotion.as_ref()?;
+        self.finish_promotion().await;
         let decision = match self.shared.publisher.alias_version(&self.shared.cfg.model.name, &p.alias).await {
             Err(e) => Err(format!("the champion ({}) could not be read: {}", p.alias, e.0)),
             Ok(champion) => {
@@ -229,6 +230,37 @@ impl Aggregator {
         metrics.insert("gate_passed".into(), if decision.is_ok() { 1.0 } else { 0.0 });
         metrics.insert("gate_margin".into(), p.margin);
         Some(decision)
+    }
+
+    /// Moves the gate's alias to the current global model if it passed the gate and the alias
+    /// did not move then (the registry failed the move, or the service stopped between the
+    /// publish and the move), unless the alias moved since ([`promotion_unfinished`]). Runs at
+    /// start and before each gate.
+    ///
+    /// [`promotion_unfinished`]: crate::publish::promotion_unfinished
+    pub async fn finish_promotion(&self) {
+        let Some(p) = self.shared.cfg.promotion.as_ref() else { return };
+        let Some(global) = self.lock().global else { return };
+        let metrics = match self.shared.store.model_record(&global.digest) {
+            Ok(Some(rec)) => rec.metrics,
+            _ => return,
+        };
+        let name = &self.shared.cfg.model.name;
+        let alias_now = match self.shared.publisher.alias_version(name, &p.alias).await {
+            Ok(v) => v.map(|(v, _)| v),
+            Err(e) => return tracing::warn!(alias = %p.alias, error = %e.0, "promotion gate: the alias could not be read"),
+        };
+        if !crate::publish::promotion_unfinished(&metrics, alias_now) {
+            return;
+        }
+        match self.shared.publisher.set_alias(name, &p.alias, global.version).await {
+            Ok(()) => {
+                tracing::info!(version = %global.version, alias = %p.alias, "promotion gate: the alias moved now (it had not after the publish)")
+            }
+            Err(e) => {
+                tracing::warn!(version = %global.version, alias = %p.alias, error = %e.0, "promotion gate passed, but the alias still did not move")
+            }
+        }
     }
 
     /// Finalizes the closed `round`, evaluates, publishes, records, and opens the next round.

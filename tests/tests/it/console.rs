@@ -206,6 +206,7 @@ async fn call(
         path,
         bearer,
         json: body.map(|b| serde_json::to_vec(&b).unwrap()),
+        octets: None,
         tls: Some((tls.clone(), "localhost".into())),
     };
     let (status, body) = fedfleet_http::send(addr, &r).await.unwrap();
@@ -289,5 +290,97 @@ fn console_refusals_and_actions_are_audited_with_who_asked() {
         for path in ["/api/v1/devices", "/api/v1/rollouts/{id}/pause", "/api/v1/models/{name}/versions/{version}"] {
             assert!(doc["paths"][path].is_object(), "{path} is not in the document: {doc}");
         }
+    });
+}
+
+/// This machine's address on a non-loopback interface (the one a packet to TEST-NET-1 would leave
+/// from; nothing is sent), or `None` on a machine without a route.
+fn non_loopback_ip() -> Option<std::net::IpAddr> {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    socket.connect("192.0.2.1:9").ok()?;
+    Some(socket.local_addr().ok()?.ip()).filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+}
+
+/// A console listening on every interface, reached from this machine's non-loopback address: a
+/// caller without credentials is refused (and audited with that address) although loopback
+/// callers are operators here by default, and the operator CLI gets in from there with its
+/// certificate; the CLI's publish, device status and revoke go through the API.
+#[test]
+fn a_console_reached_from_another_address_asks_for_credentials_and_the_cli_gets_in() {
+    let Some(ip) = non_loopback_ip() else {
+        eprintln!("skipping: this machine has no non-loopback address to call from");
+        return;
+    };
+    let mut d = Deployment::init(1);
+    let (registry, _) = consoles(&d);
+    let text = std::fs::read_to_string(d.path("registry.toml")).unwrap();
+    let wide = text.replace(&format!("listen = \"{registry}\""), &format!("listen = \"0.0.0.0:{}\"\ntls = true", registry.port()));
+    assert_ne!(wide, text, "the registry's [console] listen line");
+    std::fs::write(d.path("registry.toml"), wide).unwrap();
+    d.start_services();
+    let remote = SocketAddr::new(ip, registry.port());
+    let pki = fedfleet_certs::Pki::open(d.path("pki")).unwrap();
+    let anonymous = Arc::new(fedfleet_certs::tls::anonymous_client_config(pki.ca(), &[]).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        wait_until("the registry console", async || tokio::net::TcpStream::connect(remote).await.ok()).await;
+        let (status, body) = call(remote, &anonymous, "GET", "/api/v1/devices", None, None).await;
+        assert_eq!(status, 401, "no credentials from {ip}: {body}");
+        let (status, body) = call(registry, &anonymous, "GET", "/api/v1/devices", None, None).await;
+        assert_eq!(status, 200, "loopback is an operator by default: {body}");
+    });
+
+    // The operator CLI from the non-loopback address: HTTPS with its certificate.
+    let addr = remote.to_string();
+    let registry_cli = |args: &[&str]| {
+        let mut all = vec!["--config", "registry.toml", "--addr", &addr];
+        all.extend_from_slice(args);
+        d.cli("fedfleet-registry", &all)
+    };
+    std::fs::write(d.path("spec.json"), r#"{"arch":"mlp","input":[64],"hidden":[64],"classes":10}"#).unwrap();
+    let published = registry_cli(&[
+        "publish",
+        "aggregator/initial.safetensors",
+        "--model",
+        "digits",
+        "--spec",
+        "spec.json",
+        "--metrics",
+        "accuracy=0.5",
+    ]);
+    assert!(published.starts_with("published digits v"), "{published}");
+    let listed = registry_cli(&["--json", "list"]);
+    assert!(listed.contains("\"digits\""), "{listed}");
+    let shown: Value = serde_json::from_str(&registry_cli(&["--json", "show", "digits"])).unwrap();
+    assert_eq!(shown["metrics"]["accuracy"], json!(0.5), "{shown}");
+    let revoked = registry_cli(&["device", "revoke", "agent-1", "--reason", "lost"]);
+    assert!(revoked.starts_with("revoked device agent-1"), "{revoked}");
+    let list = std::fs::read_to_string(d.path("pki/revoked.json")).unwrap();
+    assert!(list.contains("agent-1") && list.contains("lost"), "the CA-signed list names the device: {list}");
+    let again = std::process::Command::new(crate::procs::bin("fedfleet-registry"))
+        .args(["--config", "registry.toml", "--addr", &addr, "device", "revoke", "agent-1"])
+        .current_dir(d.path(""))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success() && err.contains("409") && err.contains("on the revocation list"), "{err}");
+    rt.block_on(async {
+        let operator = fedfleet_certs::ServerIdentity::load(d.path("pki"), "operator").unwrap();
+        let operator = Arc::new(fedfleet_certs::tls::service_client_config(pki.ca(), &operator, &[]).unwrap());
+        let (status, body) = call(remote, &operator, "GET", "/api/v1/audit", None, None).await;
+        assert_eq!(status, 200, "{body}");
+        let entries = body["entries"].as_array().unwrap();
+        let audited = |who: &str, action: &str, code: u64, peer_ip: Option<std::net::IpAddr>| {
+            entries.iter().any(|e| {
+                e["identity"] == json!(who)
+                    && e["action"] == json!(action)
+                    && e["status"] == json!(code)
+                    && peer_ip.is_none_or(|ip| e["peer"].as_str().unwrap_or_default().starts_with(&ip.to_string()))
+            })
+        };
+        assert!(audited("anonymous", "GET /api/v1/devices", 401, Some(ip)), "{body}");
+        assert!(audited("cert:operator", "POST /api/v1/models/digits/versions", 200, Some(ip)), "{body}");
+        assert!(audited("cert:operator", "POST /api/v1/devices/agent-1/revoke", 200, Some(ip)), "{body}");
+        assert!(audited("cert:operator", "POST /api/v1/devices/agent-1/revoke", 409, Some(ip)), "{body}");
     });
 }

@@ -36,6 +36,10 @@ struct Hosts {
     agg_addr: SocketAddr,
     reg_metrics: SocketAddr,
     agg_metrics: SocketAddr,
+    /// The services' consoles (HTTPS, credentials needed even from loopback): the operator's
+    /// commands are requests to their APIs.
+    reg_console: SocketAddr,
+    agg_console: SocketAddr,
     registry: Option<Proc>,
     aggregator: Option<Proc>,
     agents: Vec<Option<Proc>>,
@@ -175,16 +179,17 @@ impl Hosts {
     }
 
     /// An operator command in the operator's directory: `fedfleet-<tool> <args>` with the
-    /// operator's config and the service's address.
+    /// operator's config for that service and its console's address.
     fn operator(&self, tool: &str, args: &[&str]) -> std::process::Output {
-        let addr = if tool == "registry" { self.reg_addr } else { self.agg_addr }.to_string();
+        let addr = if tool == "registry" { self.reg_console } else { self.agg_console }.to_string();
+        let config = format!("operator-{tool}.toml");
         let mut cmd = Command::new("timeout");
         cmd.arg("300").arg(bin(&format!("fedfleet-{tool}"))).current_dir(self.host("operator")).env("RUST_LOG", "warn");
         if tool == "registry" {
-            cmd.args(["--config", "operator.toml", "--addr", &addr]).args(args);
+            cmd.args(["--config", &config, "--addr", &addr]).args(args);
         } else {
             // `campaign <action> [options]`: the connection options follow the action.
-            cmd.args(&args[..2]).args(["--config", "operator.toml", "--addr", &addr]).args(&args[2..]);
+            cmd.args(&args[..2]).args(["--config", &config, "--addr", &addr]).args(&args[2..]);
         }
         cmd.output().unwrap()
     }
@@ -233,6 +238,8 @@ fn stand_up() -> Hosts {
         agg_addr: localhost(free_udp_port()),
         reg_metrics: localhost(free_tcp_port()),
         agg_metrics: localhost(free_tcp_port()),
+        reg_console: localhost(free_tcp_port()),
+        agg_console: localhost(free_tcp_port()),
         root,
         registry: None,
         aggregator: None,
@@ -261,8 +268,10 @@ fn stand_up() -> Hosts {
     std::fs::write(
         h.host("registry").join("registry.toml"),
         format!(
-            "listen = \"{}\"\ndata_dir = \"data\"\npki_dir = \"registry-pki\"\nmetrics = \"{}\"\noperators = [\"operator\", \"aggregator\"]\n",
-            h.reg_addr, h.reg_metrics
+            "listen = \"{}\"\ndata_dir = \"data\"\npki_dir = \"registry-pki\"\nmetrics = \"{}\"\noperators = [\"operator\", \"aggregator\"]\n{}",
+            h.reg_addr,
+            h.reg_metrics,
+            console(h.reg_console)
         ),
     )
     .unwrap();
@@ -274,8 +283,11 @@ fn stand_up() -> Hosts {
     cli("fedfleet-aggregator", &["init-model", "--config", "aggregator.toml", "--seed", "7"], &h.host("aggregator"));
     h.start_aggregator();
 
-    // The operator host: a config naming its PKI directory is all it needs.
-    std::fs::write(h.host("operator").join("operator.toml"), "pki_dir = \"operator-pki\"\n").unwrap();
+    // The operator host: a config per service naming its PKI directory and the service's console.
+    for (tool, addr) in [("registry", h.reg_console), ("aggregator", h.agg_console)] {
+        std::fs::write(h.host("operator").join(format!("operator-{tool}.toml")), format!("pki_dir = \"operator-pki\"\n{}", console(addr)))
+            .unwrap();
+    }
     std::fs::write(h.host("operator").join("spec.json"), SPEC).unwrap();
 
     for i in 1..=3 {
@@ -292,9 +304,18 @@ fn aggregator_config(h: &Hosts, data_dir: &str, spec: &str) -> String {
          [model]\nname = \"{MODEL}\"\nspec = {spec}\n\
          initial = \"initial.safetensors\"\nvalidation = \"digits\"\n\
          [campaign]\nrounds = 1\ntarget = 3\nquorum = 3\ndeadline_secs = 300\nextension_secs = 60\n\
-         local_epochs = 5\nbatch_size = 32\nlr = 0.3\n",
-        h.agg_addr, h.agg_metrics, h.reg_addr
+         local_epochs = 5\nbatch_size = 32\nlr = 0.3\n{}",
+        h.agg_addr,
+        h.agg_metrics,
+        h.reg_addr,
+        console(h.agg_console)
     )
+}
+
+/// A console over HTTPS that asks every caller, loopback included, for credentials: as on a
+/// host of its own.
+fn console(addr: SocketAddr) -> String {
+    format!("[console]\nlisten = \"{addr}\"\ntls = true\nloopback = \"none\"\n")
 }
 
 #[test]

@@ -109,12 +109,15 @@ impl Fleet {
         let (reg_port, agg_port) = (free_udp_port(), free_udp_port());
         let reg_metrics: SocketAddr = ([127, 0, 0, 1], free_tcp_port()).into();
         let agg_metrics: SocketAddr = ([127, 0, 0, 1], free_tcp_port()).into();
+        // The operator commands are requests to the services' console APIs.
+        let (reg_console, agg_console) = (free_tcp_port(), free_tcp_port());
         let r = root.display();
         std::fs::write(
             root.join("registry.toml"),
             format!(
                 "listen = \"127.0.0.1:{reg_port}\"\ndata_dir = \"{r}/registry\"\npki_dir = \"{r}/pki\"\n\
-                 metrics = \"{reg_metrics}\"\noperators = [\"operator\", \"aggregator\"]\n"
+                 metrics = \"{reg_metrics}\"\noperators = [\"operator\", \"aggregator\"]\n\
+                 [console]\nlisten = \"127.0.0.1:{reg_console}\"\n"
             ),
         )
         .unwrap();
@@ -130,7 +133,8 @@ impl Fleet {
                  [model]\nname = \"{MODEL}\"\nspec = {{ arch = \"mlp\", input = [64], hidden = [64], classes = 10 }}\n\
                  initial = \"{r}/initial.safetensors\"\nvalidation = \"digits\"\n\
                  [campaign]\nrounds = {rounds}\ntarget = {target}\nquorum = {quorum}\ndeadline_secs = {deadline_secs}\n\
-                 extension_secs = {extension_secs}\nmode = \"{mode}\"\nlocal_epochs = 5\nbatch_size = 32\nlr = 0.3\n"
+                 extension_secs = {extension_secs}\nmode = \"{mode}\"\nlocal_epochs = 5\nbatch_size = 32\nlr = 0.3\n\
+                 [console]\nlisten = \"127.0.0.1:{agg_console}\"\n"
             ),
         )
         .unwrap();
