@@ -160,7 +160,7 @@ pub fn query(pairs: &[(&str, String)]) -> String {
     if pairs.is_empty() {
         return String::new();
     }
-    let mut q = form_urlencoded::Serializer::new(String::from("?"));
+    let mut q = form_urlencoded::Serializer::for_suffix(String::from("?"), 1);
     for (k, v) in pairs {
         q.append_pair(k, v);
     }

@@ -87,7 +87,8 @@ fn cohorts_by_device(reg: &Registry) -> Result<BTreeMap<String, Vec<String>>, Re
 struct PublishQuery {
     /// The model's spec, JSON.
     spec: String,
-    parent: Option<u64>,
+    /// The version this one was trained from (a query value is text).
+    parent: Option<String>,
     /// `accuracy=0.97,loss=0.1`.
     #[serde(default)]
     metrics: String,
@@ -104,10 +105,16 @@ impl PublishQuery {
             let v: f64 = v.parse().map_err(|e| ApiError::bad_request(format!("metrics: {kv:?}: {e}")))?;
             metrics.insert(k.to_owned(), v);
         }
+        let parent = match &self.parent {
+            None => None,
+            Some(p) => Some(ModelVersion(
+                p.trim_start_matches('v').parse().map_err(|_| ApiError::bad_request(format!("parent {p:?} is not a version number")))?,
+            )),
+        };
         Ok(crate::store::NewVersion {
             name,
             spec,
-            parent: self.parent.map(ModelVersion),
+            parent,
             metrics: metrics.into_iter().collect(),
             created_at_unix_ms: 0,
             publisher: if self.publisher.is_empty() { caller.identity.clone() } else { self.publisher },

@@ -91,11 +91,12 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
     std::fs::write(d.path("aggregator.toml"), format!("{config}\n[promotion]\nmetric = \"accuracy\"\nmargin = 0.5\n")).unwrap();
     d.start("fedfleet-agent");
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
-    // The operator overrides the gate by hand: v3 (the second round's model) to half the fleet
-    // first; the second phase waits an hour, so the rollout is still running when the page
-    // pauses it.
+    // The operator overrides the gate by hand: v3 (the second round's model) to the `canary`
+    // cohort (agent-1) first; the phase soaks an hour, so the rollout is still running when the
+    // page pauses it.
     let rollout = ["--config", "registry.toml", "rollout", "start", "--model", "digits", "--version", "3", "--id", "console-test"];
-    d.cli("fedfleet-registry", &[&rollout[..], &["--phases", "50,100", "--soak", "1h", "--min-healthy", "1"]].concat());
+    let phases = ["--cohort", "canary=agent-1", "--phases", "50,100", "--soak", "1h", "--min-healthy", "1"];
+    d.cli("fedfleet-registry", &[&rollout[..], &phases].concat());
     let (registry, aggregator) = consoles(&d);
 
     let port = crate::procs::free_tcp_port();
@@ -155,6 +156,11 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
         })
         .await;
         eprintln!("devices by version, page = API: {shown:?}");
+        // The rollout's cohort, on the device it names: in the API (and its filter) and the page.
+        let canary = get(registry, "/api/v1/devices?cohort=canary").await;
+        let named: Vec<&Value> = canary["devices"].as_array().unwrap().iter().map(|d| &d["device"]).collect();
+        assert_eq!(named, [&json!("agent-1")], "{canary}");
+        assert!(text(&c, "devices").await.unwrap().contains("canary"), "the fleet table shows the cohort");
         screenshot(&c, "fleet").await;
 
         // The gate: v2 promoted to stable, v3 a candidate, on the page as in the API.
