@@ -332,17 +332,16 @@ async fn serve(config: PathBuf, listen: Option<std::net::SocketAddr>, relay: boo
 
 /// A client of the aggregator's console API: `--addr`, else the config's `[console] listen`.
 fn operator_api(conn: &Conn, cfg: &OperatorConfig) -> Result<OperatorClient> {
-    let console = cfg.console.as_ref();
-    let Some(listen) = conn.addr.or(console.map(|c| c.listen)) else {
-        bail!(
-            "operator commands use the aggregator's console API: {} has no [console] (e.g. `[console]` `listen = \"127.0.0.1:7405\"`), and no --addr was given",
-            conn.config.display()
-        );
-    };
-    // Without the service's `[console]` at hand, a console off this machine is HTTPS.
-    let tls = console.map_or(!listen.ip().is_loopback(), |c| c.tls);
-    let target = Target { listen, tls, pki_dir: &cfg.pki_dir, operator: &conn.operator, server_name: &conn.server_name };
-    OperatorClient::new(&target).map_err(anyhow::Error::msg)
+    OperatorClient::new(&Target {
+        service: "aggregator",
+        config: &conn.config,
+        console: cfg.console.as_ref(),
+        addr: conn.addr,
+        pki_dir: &cfg.pki_dir,
+        operator: &conn.operator,
+        server_name: &conn.server_name,
+    })
+    .map_err(anyhow::Error::msg)
 }
 
 /// Polls the campaign until it ends, printing every round it completed (each publishes the

@@ -26,10 +26,15 @@ const CONNECT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10)
 
 /// Where a service's console is and how to reach it.
 pub struct Target<'a> {
-    /// `[console] listen` (an unspecified address is read as 127.0.0.1).
-    pub listen: SocketAddr,
-    /// `[console] tls`.
-    pub tls: bool,
+    /// The service (`registry`, `aggregator`), for messages.
+    pub service: &'a str,
+    /// The config file read, for messages.
+    pub config: &'a Path,
+    /// The service's `[console]`, if the config has it.
+    pub console: Option<&'a crate::console::ConsoleConfig>,
+    /// `--addr`: another console than the config's (an unspecified address is read as
+    /// 127.0.0.1). Without `[console]`, HTTPS unless it is a loopback address.
+    pub addr: Option<SocketAddr>,
     /// The PKI directory holding `ca.crt` and the operator's `servers/NAME.{crt,key}`.
     pub pki_dir: &'a Path,
     /// The operator certificate's name.
@@ -71,12 +76,19 @@ impl OperatorClient {
     /// A client of `target`'s console; over HTTPS it loads the CA and, unless a token is set in
     /// [`TOKEN_ENV`], the operator certificate.
     pub fn new(target: &Target) -> Result<OperatorClient, String> {
-        let mut addr = target.listen;
+        let Some(mut addr) = target.addr.or(target.console.map(|c| c.listen)) else {
+            return Err(format!(
+                "operator commands use the {} console's API: {} has no [console] (its `listen` address), and no --addr was given",
+                target.service,
+                target.config.display()
+            ));
+        };
+        let tls = target.console.map_or(!addr.ip().is_loopback(), |c| c.tls);
         if addr.ip().is_unspecified() {
             addr = SocketAddr::new([127, 0, 0, 1].into(), addr.port());
         }
         let bearer = std::env::var(TOKEN_ENV).ok().filter(|t| !t.trim().is_empty());
-        let tls = if target.tls {
+        let tls = if tls {
             let pki = fedfleet_certs::Pki::open(target.pki_dir)
                 .map_err(|e| format!("opening the PKI directory {} for the console's CA: {e}", target.pki_dir.display()))?;
             let config = match &bearer {

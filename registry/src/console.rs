@@ -19,8 +19,9 @@ pub const ONLINE_WINDOW_MS: u64 = 5 * 60 * 1000;
 /// Most parents a lineage answer walks.
 const MAX_LINEAGE: usize = 256;
 
-fn api_error(e: RegistryError) -> ApiError {
-    match e.refusal() {
+/// A refusal as the API answers it, counted like one over QUIC.
+fn api_error(reg: &Registry, e: RegistryError) -> ApiError {
+    match reg.count_refusal(&e) {
         Refusal::NotFound => ApiError::not_found(e.to_string()),
         Refusal::Invalid(_) => ApiError::conflict(e.to_string()),
         Refusal::Internal => ApiError::internal(e.to_string()),
@@ -33,7 +34,8 @@ async fn blocking<T: Send + 'static>(
     f: impl FnOnce(&Registry, u64) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let reg = reg.clone();
-    console::blocking(move || f(&reg, reg.now_ms())).await?.map_err(api_error)
+    let r = reg.clone();
+    console::blocking(move || f(&reg, reg.now_ms())).await?.map_err(|e| api_error(&r, e))
 }
 
 /// `{version}`: `3`, `v3`, or `latest` (`None`).
@@ -254,7 +256,7 @@ pub fn api(reg: Arc<Registry>, parts: ConsoleParts) -> Api {
                 let query = serde_json::to_value(&c.query).and_then(serde_json::from_value::<PublishQuery>);
                 let query = query.map_err(|e| ApiError::bad_request(format!("publish: {e}")))?;
                 let new = query.new_version(c.param("name").to_owned(), &c.caller)?;
-                let m = crate::server::publish_artifact(&reg, mirror.as_ref(), new, c.raw.to_vec()).await.map_err(api_error)?;
+                let m = crate::server::publish_artifact(&reg, mirror.as_ref(), new, c.raw.to_vec()).await.map_err(|e| api_error(&reg, e))?;
                 to_reply(crate::ops::published_answer(&m))
             }),
         )

@@ -282,17 +282,16 @@ impl Operator {
     /// A client of the registry's console: `--addr`, else the config's `[console] listen`.
     fn client(&self) -> anyhow::Result<OperatorClient> {
         let cfg = &self.cfg;
-        let console = cfg.console.as_ref();
-        let Some(listen) = self.addr.or(console.map(|c| c.listen)) else {
-            bail!(
-                "operator commands use the registry's console API: {} has no [console] (e.g. `[console]` `listen = \"127.0.0.1:7445\"`), and no --addr was given",
-                self.config_path.display()
-            );
-        };
-        // Without the service's `[console]` at hand, a console off this machine is HTTPS.
-        let tls = console.map_or(!listen.ip().is_loopback(), |c| c.tls);
-        let target = Target { listen, tls, pki_dir: &cfg.pki_dir, operator: &cfg.operator_identity, server_name: &cfg.server_name };
-        OperatorClient::new(&target).map_err(anyhow::Error::msg)
+        OperatorClient::new(&Target {
+            service: "registry",
+            config: &self.config_path,
+            console: cfg.console.as_ref(),
+            addr: self.addr,
+            pki_dir: &cfg.pki_dir,
+            operator: &cfg.operator_identity,
+            server_name: &cfg.server_name,
+        })
+        .map_err(anyhow::Error::msg)
     }
 
     async fn command(&self, cmd: Cmd) -> anyhow::Result<()> {

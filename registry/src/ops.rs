@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use fedfleet_protocol::{DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion};
 use serde_json::{Value, json};
 
+use crate::Refusal;
 use crate::RegistryError;
 use crate::metadata::MetadataSigner;
 use crate::metrics::Metrics;
@@ -127,6 +128,21 @@ impl Registry {
     }
 
     /// The registry's clock, read (unix ms).
+    /// Counts a refused or failed request by its reason (logging a failure), for either
+    /// transport; returns the kind of refusal.
+    pub fn count_refusal(&self, e: &RegistryError) -> Refusal {
+        let refusal = e.refusal();
+        match refusal {
+            Refusal::NotFound => self.metrics.rejection_named("not_found"),
+            Refusal::Invalid(name) => self.metrics.rejection_named(name),
+            Refusal::Internal => {
+                tracing::error!(error = %e, "request failed");
+                self.metrics.rejection(fedfleet_protocol::RejectReason::Internal);
+            }
+        }
+        refusal
+    }
+
     pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }

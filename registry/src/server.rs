@@ -210,21 +210,10 @@ async fn send(s: &mut FramedStream, r: &Response) -> Result<(), NetError> {
 
 /// Turns an error into the response the client sees, counting it.
 fn error_response(ctx: &Ctx, e: RegistryError) -> Response {
-    let m = ctx.reg.metrics();
-    match e.refusal() {
-        Refusal::NotFound => {
-            m.rejection_named("not_found");
-            Response::NotFound(e.to_string())
-        }
-        Refusal::Invalid(name) => {
-            m.rejection_named(name);
-            Response::Invalid(e.to_string())
-        }
-        Refusal::Internal => {
-            tracing::error!(error = %e, "request failed");
-            m.rejection(RejectReason::Internal);
-            wire::rejected(RejectReason::Internal, e.to_string())
-        }
+    match ctx.reg.count_refusal(&e) {
+        Refusal::NotFound => Response::NotFound(e.to_string()),
+        Refusal::Invalid(_) => Response::Invalid(e.to_string()),
+        Refusal::Internal => wire::rejected(RejectReason::Internal, e.to_string()),
     }
 }
 

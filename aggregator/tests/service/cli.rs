@@ -157,11 +157,19 @@ async fn campaign_wait_reports_every_round_including_the_last() {
     use fedfleet_aggregator::client::UploadOutcome;
     use fedfleet_protocol::{DType, RoundAnnouncement};
     let fleet = Fleet::new(1);
-    let cfg = fleet.config("wait", 1, 3);
+    let console = fedfleet_http::console::ConsoleConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tls: false,
+        tokens: None,
+        loopback: Default::default(),
+        peer: None,
+    };
+    let cfg = fedfleet_aggregator::config::Config { console: Some(console), ..fleet.config("wait", 1, 3) };
     let svc = start(cfg.clone()).await;
     let toml = fleet.write_toml(&cfg);
+    let console = svc.console_addr.expect("the console is bound").to_string();
     let child = Command::new(env!("CARGO_BIN_EXE_fedfleet-aggregator"))
-        .args(["campaign", "start", "--config", toml.to_str().unwrap(), "--addr", &svc.addr.to_string(), "--wait", "--rounds", "3"])
+        .args(["campaign", "start", "--config", toml.to_str().unwrap(), "--addr", &console, "--wait", "--rounds", "3"])
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped())
         .spawn()
