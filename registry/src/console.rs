@@ -33,21 +33,29 @@ async fn blocking<T: Send + 'static>(
     reg: &Arc<Registry>,
     f: impl FnOnce(&Registry, u64) -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let reg = reg.clone();
     let r = reg.clone();
-    console::blocking(move || f(&reg, reg.now_ms())).await?.map_err(|e| api_error(&r, e))
+    console::blocking(move || f(&r, r.now_ms())).await?.map_err(|e| api_error(reg, e))
+}
+
+/// A version as the API takes it: `3` or `v3`.
+fn parse_version(text: &str) -> Option<ModelVersion> {
+    text.trim_start_matches('v').parse().ok().map(ModelVersion)
 }
 
 /// `{version}`: `3`, `v3`, or `latest` (`None`).
 fn version_param(c: &Call) -> Result<Option<ModelVersion>, ApiError> {
     match c.param("version") {
         "latest" => Ok(None),
-        v => v
-            .trim_start_matches('v')
-            .parse()
-            .map(|v| Some(ModelVersion(v)))
-            .map_err(|_| ApiError::bad_request(format!("version {v:?} is neither a number nor `latest`"))),
+        v => parse_version(v).map(Some).ok_or_else(|| ApiError::bad_request(format!("version {v:?} is neither a number nor `latest`"))),
     }
+}
+
+/// One evaluation metric, `KEY=VALUE` (`accuracy=0.97`): `publish --metrics` and the API's
+/// `metrics` query.
+pub fn parse_metric(kv: &str) -> Result<(String, f64), String> {
+    let (k, v) = kv.split_once('=').ok_or("expected KEY=VALUE")?;
+    let v: f64 = v.parse().map_err(|e| format!("{v:?}: {e}"))?;
+    Ok((k.to_owned(), v))
 }
 
 /// What the console needs beyond the registry: where published artifacts are mirrored, and
@@ -63,24 +71,6 @@ pub struct ConsoleParts {
 pub struct Revoker {
     pub issuer: Arc<fedfleet_certs::DeviceIssuer>,
     pub pki_dir: std::path::PathBuf,
-}
-
-/// The device cohorts of every rollout plan (a cohort is a named set of devices in a plan).
-fn cohorts_by_device(reg: &Registry) -> Result<BTreeMap<String, Vec<String>>, RegistryError> {
-    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for r in reg.store().rollouts()? {
-        for phase in &r.plan().phases {
-            if let fedfleet_rollout::Audience::Cohort { name, devices } = &phase.audience {
-                for d in devices {
-                    let names = out.entry(d.to_string()).or_default();
-                    if !names.contains(name) {
-                        names.push(name.clone());
-                    }
-                }
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// The query of `POST /api/v1/models/{name}/versions`: the version's record, beside its bytes.
@@ -101,17 +91,11 @@ struct PublishQuery {
 impl PublishQuery {
     fn new_version(self, name: String, caller: &console::Caller) -> Result<crate::store::NewVersion, ApiError> {
         let spec = fedfleet_protocol::SpecJson::parse(&self.spec).map_err(|e| ApiError::bad_request(format!("spec: {e}")))?;
-        let mut metrics = BTreeMap::new();
-        for kv in self.metrics.split(',').filter(|kv| !kv.is_empty()) {
-            let (k, v) = kv.split_once('=').ok_or_else(|| ApiError::bad_request(format!("metrics: {kv:?} is not KEY=VALUE")))?;
-            let v: f64 = v.parse().map_err(|e| ApiError::bad_request(format!("metrics: {kv:?}: {e}")))?;
-            metrics.insert(k.to_owned(), v);
-        }
+        let metrics = self.metrics.split(',').filter(|kv| !kv.is_empty()).map(parse_metric).collect::<Result<BTreeMap<_, _>, _>>();
+        let metrics = metrics.map_err(|e| ApiError::bad_request(format!("metrics: {e}")))?;
         let parent = match &self.parent {
             None => None,
-            Some(p) => Some(ModelVersion(
-                p.trim_start_matches('v').parse().map_err(|_| ApiError::bad_request(format!("parent {p:?} is not a version number")))?,
-            )),
+            Some(p) => Some(parse_version(p).ok_or_else(|| ApiError::bad_request(format!("parent {p:?} is not a version number")))?),
         };
         Ok(crate::store::NewVersion {
             name,
@@ -154,7 +138,7 @@ fn device_row(d: &DeviceReport, now: u64) -> Value {
 }
 
 fn devices(reg: &Registry, now: u64) -> Result<Vec<Value>, RegistryError> {
-    let cohorts = cohorts_by_device(reg)?;
+    let cohorts = reg.cohorts_by_device();
     match reg.admin(AdminRequest::DeviceStatus { device: None }, now)? {
         AdminAnswer::Devices { devices } => Ok(devices
             .iter()
@@ -256,7 +240,7 @@ pub fn api(reg: Arc<Registry>, parts: ConsoleParts) -> Api {
                 let query = serde_json::to_value(&c.query).and_then(serde_json::from_value::<PublishQuery>);
                 let query = query.map_err(|e| ApiError::bad_request(format!("publish: {e}")))?;
                 let new = query.new_version(c.param("name").to_owned(), &c.caller)?;
-                let m = crate::server::publish_artifact(&reg, mirror.as_ref(), new, c.raw.to_vec()).await.map_err(|e| api_error(&reg, e))?;
+                let m = crate::server::publish_artifact(&reg, mirror.as_ref(), new, c.raw).await.map_err(|e| api_error(&reg, e))?;
                 to_reply(crate::ops::published_answer(&m))
             }),
         )

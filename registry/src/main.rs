@@ -70,7 +70,7 @@ enum Cmd {
         #[arg(long)]
         parent: Option<u64>,
         /// Evaluation metric, repeatable: --metrics accuracy=0.97
-        #[arg(long = "metrics", value_parser = parse_kv)]
+        #[arg(long = "metrics", value_parser = fedfleet_registry::console::parse_metric)]
         metrics: Vec<(String, f64)>,
         /// Publisher name recorded with the version (default: operator / $USER).
         #[arg(long)]
@@ -188,12 +188,6 @@ enum DeviceCmd {
         #[arg(long, default_value = "operator revoke")]
         reason: String,
     },
-}
-
-fn parse_kv(s: &str) -> Result<(String, f64), String> {
-    let (k, v) = s.split_once('=').ok_or("expected KEY=VALUE")?;
-    let v: f64 = v.parse().map_err(|e| format!("{v:?}: {e}"))?;
-    Ok((k.to_owned(), v))
 }
 
 fn parse_duration_ms(s: &str) -> Result<u64, String> {

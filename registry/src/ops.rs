@@ -127,7 +127,6 @@ impl Registry {
         DeviceReport { device: device.to_owned(), revoked, report }
     }
 
-    /// The registry's clock, read (unix ms).
     /// Counts a refused or failed request by its reason (logging a failure), for either
     /// transport; returns the kind of refusal.
     pub fn count_refusal(&self, e: &RegistryError) -> Refusal {
@@ -143,6 +142,25 @@ impl Registry {
         refusal
     }
 
+    /// The named cohorts of every rollout plan, by device (a cohort is a named set of devices
+    /// in a plan), from the rollouts in memory.
+    pub fn cohorts_by_device(&self) -> BTreeMap<String, Vec<String>> {
+        let rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for phase in rollouts.values().flat_map(|r| &r.plan().phases) {
+            if let crate::rollout::Audience::Cohort { name, devices } = &phase.audience {
+                for d in devices {
+                    let names = out.entry(d.to_string()).or_default();
+                    if !names.contains(name) {
+                        names.push(name.clone());
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The registry's clock, read (unix ms).
     pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }

@@ -418,13 +418,13 @@ pub async fn publish_artifact(
     reg: &Arc<Registry>,
     mirror: Option<&Arc<crate::objects::ArtifactMirror>>,
     mut new: NewVersion,
-    artifact: Vec<u8>,
+    artifact: impl AsRef<[u8]> + Send + 'static,
 ) -> Result<crate::store::Manifest, RegistryError> {
     let r = reg.clone();
     new.created_at_unix_ms = reg.now_ms();
     let m = blocking(move || {
-        crate::ops::check_artifact(&new, &artifact)?;
-        r.publish(new, artifact.as_slice())
+        crate::ops::check_artifact(&new, artifact.as_ref())?;
+        r.publish(new, artifact.as_ref())
     })
     .await?;
     if let Some(mirror) = mirror {

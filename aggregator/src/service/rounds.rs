@@ -214,10 +214,16 @@ impl Aggregator {
     /// version carries it. A champion that cannot be read keeps the candidate a candidate.
     async fn promotion_gate(&self, metrics: &mut BTreeMap<String, f64>) -> Option<Result<String, String>> {
         let p = self.shared.cfg.promotion.as_ref()?;
-        self.finish_promotion().await;
         let decision = match self.shared.publisher.alias_version(&self.shared.cfg.model.name, &p.alias).await {
             Err(e) => Err(format!("the champion ({}) could not be read: {}", p.alias, e.0)),
-            Ok(champion) => {
+            Ok(mut champion) => {
+                // The current global model passed the last gate but its alias did not move:
+                // move it first, and it is the champion.
+                if let Some((version, passed)) = self.unfinished_promotion(champion.as_ref().map(|(v, _)| *v))
+                    && self.move_alias(&p.alias, version).await
+                {
+                    champion = Some((version, passed));
+                }
                 if let Some((v, m)) = &champion {
                     metrics.insert("gate_champion_version".into(), v.0 as f64);
                     if let Some(x) = m.get(&p.metric) {
@@ -235,30 +241,39 @@ impl Aggregator {
     /// Moves the gate's alias to the current global model if it passed the gate and the alias
     /// did not move then (the registry failed the move, or the service stopped between the
     /// publish and the move), unless the alias moved since ([`promotion_unfinished`]). Runs at
-    /// start and before each gate.
+    /// start; the gate does the same with the champion it reads.
     ///
     /// [`promotion_unfinished`]: crate::publish::promotion_unfinished
     pub async fn finish_promotion(&self) {
         let Some(p) = self.shared.cfg.promotion.as_ref() else { return };
-        let Some(global) = self.lock().global else { return };
-        let metrics = match self.shared.store.model_record(&global.digest) {
-            Ok(Some(rec)) => rec.metrics,
-            _ => return,
-        };
-        let name = &self.shared.cfg.model.name;
-        let alias_now = match self.shared.publisher.alias_version(name, &p.alias).await {
+        let alias_now = match self.shared.publisher.alias_version(&self.shared.cfg.model.name, &p.alias).await {
             Ok(v) => v.map(|(v, _)| v),
             Err(e) => return tracing::warn!(alias = %p.alias, error = %e.0, "promotion gate: the alias could not be read"),
         };
-        if !crate::publish::promotion_unfinished(&metrics, alias_now) {
-            return;
+        if let Some((version, _)) = self.unfinished_promotion(alias_now) {
+            self.move_alias(&p.alias, version).await;
         }
-        match self.shared.publisher.set_alias(name, &p.alias, global.version).await {
+    }
+
+    /// The current global model's version and signed metrics, if its promotion is unfinished
+    /// while the alias points at `alias_now` ([`crate::publish::promotion_unfinished`]).
+    fn unfinished_promotion(&self, alias_now: Option<ModelVersion>) -> Option<(ModelVersion, BTreeMap<String, f64>)> {
+        let global = self.lock().global?;
+        let metrics = self.shared.store.model_record(&global.digest).ok()??.metrics;
+        crate::publish::promotion_unfinished(&metrics, alias_now).then_some((global.version, metrics))
+    }
+
+    /// Moves `alias` to `version`, whose promotion did not move it after the publish; true if it
+    /// moved now.
+    async fn move_alias(&self, alias: &str, version: ModelVersion) -> bool {
+        match self.shared.publisher.set_alias(&self.shared.cfg.model.name, alias, version).await {
             Ok(()) => {
-                tracing::info!(version = %global.version, alias = %p.alias, "promotion gate: the alias moved now (it had not after the publish)")
+                tracing::info!(%version, %alias, "promotion gate: the alias moved now (it had not after the publish)");
+                true
             }
             Err(e) => {
-                tracing::warn!(version = %global.version, alias = %p.alias, error = %e.0, "promotion gate passed, but the alias still did not move")
+                tracing::warn!(%version, %alias, error = %e.0, "promotion gate passed, but the alias still did not move");
+                false
             }
         }
     }
