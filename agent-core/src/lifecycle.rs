@@ -760,6 +760,14 @@ impl Lifecycle {
                 if !self.install_is(&model) {
                     return Ok(());
                 }
+                // A registry turned away for load names when to come back: that is not the
+                // model's fault, so it does not count against the install's attempts.
+                if let Some(after) = fedfleet_protocol::reject::retry_after_ms(&reason) {
+                    let delay = after + self.cfg.backoff.delay(1, &mut self.rng);
+                    tracing::info!(%reason, delay_ms = delay, "download turned away for load; will come back");
+                    self.install_retry_at = Some(now + delay);
+                    return Ok(());
+                }
                 self.install_retry(now, format!("download: {reason}"))
             }
             Input::StorageFailed { model, fault, detail } => self.on_storage_failed(now, model, fault, detail),

@@ -575,6 +575,36 @@ fn failed_downloads_are_retried_then_given_up() {
 }
 
 #[test]
+fn a_registry_turning_downloads_away_for_load_defers_the_install_without_failing_it() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
+    drain(&mut lc);
+    lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(reg.metadata()) }).unwrap();
+    drain(&mut lc);
+    let overloaded = || fedfleet_protocol::reject::overloaded_detail("registry refused (overloaded): admission", 2_000);
+    // Far more refusals than the install's five attempts: none counts, each waits its retry-after.
+    let mut now = T0;
+    for _ in 0..20 {
+        lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: overloaded() }).unwrap();
+        let acts = drain(&mut lc);
+        assert!(!acts.iter().any(|a| matches!(a, Action::Report(s) if matches!(s.state, DeviceState::Failed { .. }))), "{acts:?}");
+        let next = lc.poll_timeout().expect("come-back scheduled");
+        assert!(next >= now + 2_000, "came back {} ms later, before the retry-after", next - now);
+        now = next;
+        lc.handle_timeout(now);
+        assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::Download { .. })));
+    }
+    assert_eq!(lc.state().install.as_ref().map(|j| j.attempts), Some(0));
+    lc.handle(now, Input::DownloadDone { model: v2.clone(), length: 14, digest: fedfleet_protocol::Digest::of(b"model v2 bytes") })
+        .unwrap();
+    assert!(drain(&mut lc).iter().any(|a| matches!(a, Action::HealthCheck { .. })));
+}
+
+#[test]
 fn a_clock_stepped_back_does_not_make_expired_metadata_fresh_again() {
     const HOUR: u64 = 3_600_000;
     let disk = Disk::new();

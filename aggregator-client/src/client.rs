@@ -64,6 +64,11 @@ pub enum ClientError {
 
 impl From<NetError> for ClientError {
     fn from(e: NetError) -> Self {
+        // Turned away for load: the named refusal with its retry-after, for the caller to
+        // come back then (not a quick reconnect).
+        if let Some(detail) = e.overloaded() {
+            return ClientError::Refused(Rejection { reason: fedfleet_protocol::RejectReason::Overloaded, detail });
+        }
         // A refused certificate arrives as a TLS alert on the connection: name it.
         let reason = match e.tls_alert() {
             Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => fedfleet_protocol::RejectReason::CertificateExpired,

@@ -176,6 +176,47 @@ fn main() {
         }
         server_step_row(&device, p);
     }
+    signature_rows();
+}
+
+/// The update header's Ed25519 check, one by one (`verify_strict`) and in the batches the
+/// aggregator's fold thread takes (`fedfleet_protocol::verify_batch`), per signature.
+fn signature_rows() {
+    const N: usize = 1024;
+    let headers: Vec<(fedfleet_protocol::SignedUpdate, ed25519_dalek::VerifyingKey)> = (0..N)
+        .map(|i| {
+            let key = SigningKey::from_bytes(&Digest::of(&(i as u64).to_le_bytes()).0);
+            let h = UpdateHeader {
+                device: DeviceId::new(format!("dev-{i}")).unwrap(),
+                fleet: FleetId::new("bench").unwrap(),
+                round: RoundId(1),
+                base_model: Digest::of(b"base"),
+                nonce: [i as u8; 16],
+                sample_count: 10,
+                payload_len: 20_000,
+                payload_digest: Digest::of(&i.to_le_bytes()),
+                payload_dtype: DType::F32,
+            };
+            (Signed::sign(h, &key), key.verifying_key())
+        })
+        .collect();
+    let one_by_one = time_once(&|| {
+        for (signed, key) in &headers {
+            signed.verify(key).unwrap();
+        }
+    }) / N as f64;
+    let mut row = format!("ed25519 update header: one by one {:.1} us", one_by_one * 1e6);
+    for batch in [2usize, 8, 64] {
+        let secs = time_once(&|| {
+            for group in headers.chunks(batch) {
+                let items: Vec<_> = group.iter().map(|(s, k)| (s, k)).collect();
+                assert!(fedfleet_protocol::verify_batch(&items).iter().all(Result::is_ok));
+            }
+        }) / N as f64;
+        row += &format!("; batch of {batch} {:.1} us ({:.2}x)", secs * 1e6, one_by_one / secs);
+        println!("RESULT signature batch={batch} seconds_per_signature={secs:.9} one_by_one={one_by_one:.9}");
+    }
+    println!("{row} (per signature, {N} signatures)");
 }
 
 /// Seconds for one call of `f`, after one warm-up call.

@@ -81,7 +81,10 @@ enum Cmd {
     /// only the named services publish announcements. mosquitto: an `acl_file` (run it with
     /// `use_identity_as_username true`); NATS: the `authorization` block of each node's config
     /// (MQTT listener with `verify_and_map: true`), one user per enrolled device, revoked devices
-    /// left out. Write it again after enrolling or revoking and reload the broker.
+    /// left out. With `--watch`, keeps running: writes the file again whenever the PKI's rules
+    /// change (a device enrolled or revoked) and then runs the broker's reload command, e.g.
+    /// `broker-access --broker nats --out /etc/nats/fleet-authorization.conf --watch 10 --
+    /// nats-server --signal reload=/run/nats/nats.pid`.
     BrokerAccess {
         /// The fleet's PKI directory (ca.crt, devices.json, revoked.json).
         #[arg(long, env = "FEDFLEET_PKI", default_value = "pki")]
@@ -94,6 +97,13 @@ enum Cmd {
         /// Where to write it (default: standard output).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Keep running, reading the PKI again every SECS seconds; needs `--out`.
+        #[arg(long, value_name = "SECS", requires = "out", value_parser = clap::value_parser!(u64).range(1..))]
+        watch: Option<u64>,
+        /// The broker's reload command, after `--`: run after each write under `--watch` (and
+        /// again at the next check while it fails).
+        #[arg(last = true, requires = "watch", value_name = "RELOAD")]
+        reload: Vec<String>,
     },
 }
 
@@ -101,6 +111,15 @@ enum Cmd {
 enum BrokerKind {
     Mosquitto,
     Nats,
+}
+
+impl From<BrokerKind> for fedfleet_control::access::BrokerKind {
+    fn from(b: BrokerKind) -> Self {
+        match b {
+            BrokerKind::Mosquitto => Self::Mosquitto,
+            BrokerKind::Nats => Self::Nats,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -124,23 +143,24 @@ struct Conn {
     json: bool,
 }
 
-/// The access rules of `broker` for the fleet in `pki`, devices revoked in the CA-signed list
-/// (or marked in the allow-list) left out.
-fn broker_access(pki: &std::path::Path, broker: BrokerKind, services: &[String]) -> anyhow::Result<String> {
-    use fedfleet_certs::{AllowListFile, CaCert, RevocationList, layout};
-    let allow = AllowListFile::read(&layout::allow_list(pki))?;
-    let ca = CaCert::load(layout::ca_cert(pki))?;
-    let revoked = RevocationList::load(&layout::revocation_list(pki), ca.public_key())?;
-    for s in services {
-        layout::validate_name(s).with_context(|| format!("--service {s:?}"))?;
+/// `broker-access --watch`: the rules kept in step with the PKI until the process is stopped;
+/// each change is said once on standard error.
+fn watch_broker_access(mut watch: fedfleet_control::access::RulesWatch, secs: u64) -> anyhow::Result<()> {
+    use fedfleet_control::access::Tick;
+    let mut last = Tick::Unchanged;
+    loop {
+        let tick = watch.tick()?;
+        if tick != last {
+            match &tick {
+                Tick::Unchanged => {}
+                Tick::Written => eprintln!("broker access rules written again from the PKI (and the reload command run, if given)"),
+                Tick::ReloadFailed(why) => eprintln!("broker access rules written, but the reload failed (tried again in {secs} s): {why}"),
+                Tick::PkiUnreadable(why) => eprintln!("cannot read the PKI, rules left as they are (read again in {secs} s): {why}"),
+            }
+        }
+        last = tick;
+        std::thread::sleep(std::time::Duration::from_secs(secs));
     }
-    let services: Vec<&str> = services.iter().map(String::as_str).collect();
-    let devices: Vec<_> =
-        allow.devices.iter().filter(|(id, e)| e.revoked_at.is_none() && !revoked.contains(id)).map(|(id, _)| id.clone()).collect();
-    Ok(match broker {
-        BrokerKind::Mosquitto => fedfleet_control::topics::mosquitto_acl(&allow.fleet, &services),
-        BrokerKind::Nats => fedfleet_control::topics::nats_authorization(&allow.fleet, &services, &devices),
-    })
 }
 
 #[derive(Subcommand)]
@@ -238,8 +258,11 @@ async fn run(cli: Cli) -> Result<()> {
             println!("wrote {} (global model v{version} of {})", out.display(), cfg.data_dir.display());
             Ok(())
         }
-        Cmd::BrokerAccess { pki, broker, services, out } => {
-            let text = broker_access(&pki, broker, &services)?;
+        Cmd::BrokerAccess { pki, broker, services, out: Some(out), watch: Some(secs), reload } => {
+            watch_broker_access(fedfleet_control::access::RulesWatch::new(pki, broker.into(), services, out, reload), secs)
+        }
+        Cmd::BrokerAccess { pki, broker, services, out, .. } => {
+            let text = fedfleet_control::access::broker_rules(&pki, broker.into(), &services)?;
             match out {
                 Some(path) => {
                     fedfleet_aggregator::persist::write_atomic(&path, text.as_bytes())

@@ -42,11 +42,13 @@ use fedfleet_protocol::{DeviceId, DeviceStatus, RejectReason};
 pub use fedfleet_http::process_memory as memory;
 
 /// The stages of ingesting one update, timed in `ingest_seconds_total{step}`: identity,
-/// enrolment, revocation and signature; resend lookup, round checks and admission; the payload
-/// streamed in and digested (waits on the network); decode and checks; the payload written and
-/// fsynced; the exact fold and the receipt signature; the accepted record written; the group
-/// commit the receipt waits for.
-pub const INGEST_STEPS: [&str; 8] = ["authenticate", "admit", "receive", "decode", "store_payload", "fold", "record", "sync"];
+/// enrolment and revocation; resend lookup, round checks and admission; the payload streamed in
+/// and digested (waits on the network); the wait in the fold thread's queue; the update's share
+/// of its batch's ed25519 check; decode and checks; the payload written and fsynced; the exact
+/// fold and the receipt signature; the accepted record written; the group commit the receipt
+/// waits for.
+pub const INGEST_STEPS: [&str; 10] =
+    ["authenticate", "admit", "receive", "queue", "signature", "decode", "store_payload", "fold", "record", "sync"];
 
 /// Upper bounds of the `update_staleness` buckets, in versions.
 const STALENESS_BUCKETS: [f64; 9] = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
@@ -247,6 +249,12 @@ impl Metrics {
         let now = std::time::Instant::now();
         self.ingest_seconds.get_or_create(&StepLabel { step: step.into() }).inc_by((now - *since).as_secs_f64());
         *since = now;
+    }
+
+    /// Adds `elapsed` to ingest stage `step` (a stage timed for a batch, shared out).
+    pub fn ingest_add(&self, step: &'static str, elapsed: std::time::Duration) {
+        debug_assert!(INGEST_STEPS.contains(&step), "{step}");
+        self.ingest_seconds.get_or_create(&StepLabel { step: step.into() }).inc_by(elapsed.as_secs_f64());
     }
 
     pub fn folded(&self, bytes: u64, elapsed: std::time::Duration) {

@@ -18,6 +18,8 @@
 //! rustls 0.22 on ring.
 
 #[cfg(feature = "broker")]
+pub mod access;
+#[cfg(feature = "broker")]
 pub mod broker;
 pub mod client;
 pub mod config;

@@ -16,6 +16,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// Application close code of a connection turned away for load (its reason says when to retry).
 pub const OVERLOADED: u32 = 0x4f4c; // "OL"
 
+/// The retry-after a turned-away peer is told by default, and what a client assumes when the
+/// endpoint refused it before the handshake (a QUIC refusal has no room for one).
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(2);
+
 /// How many of each, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionConfig {
@@ -43,7 +47,7 @@ impl AdmissionConfig {
             handshake_timeout: Duration::from_secs(10),
             devices,
             services: 64,
-            retry_after: Duration::from_secs(2),
+            retry_after: DEFAULT_RETRY_AFTER,
         }
     }
 

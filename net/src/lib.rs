@@ -103,6 +103,26 @@ pub fn tls_alert(e: &quinn::ConnectionError) -> Option<u8> {
 }
 
 impl NetError {
+    /// The `overloaded` detail, with its retry-after, when the service turned this connection
+    /// away for load: closed with [`admission::OVERLOADED`] (its reason names the retry-after),
+    /// or refused before the handshake, which QUIC's `CONNECTION_REFUSED` says without a reason
+    /// (quinn sends none), so the admission's default retry-after is assumed.
+    pub fn overloaded(&self) -> Option<String> {
+        let NetError::Connection(e) = self else { return None };
+        match e {
+            quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(admission::OVERLOADED) => {
+                Some(String::from_utf8_lossy(&c.reason).into_owned())
+            }
+            quinn::ConnectionError::ConnectionClosed(c) if c.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED => {
+                Some(fedfleet_protocol::reject::overloaded_detail(
+                    "the service refused the connection before its handshake (admission)",
+                    admission::DEFAULT_RETRY_AFTER.as_millis() as u64,
+                ))
+            }
+            _ => None,
+        }
+    }
+
     /// The TLS alert behind this error, if the connection was closed with one.
     pub fn tls_alert(&self) -> Option<u8> {
         match self {
@@ -284,5 +304,36 @@ impl FramedStream {
     /// Bytes received so far on this stream, frame prefixes included.
     pub fn bytes_read(&self) -> u64 {
         self.bytes_read
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn closed(e: quinn::ConnectionError) -> NetError {
+        NetError::Connection(e)
+    }
+
+    #[test]
+    fn a_connection_turned_away_for_load_reads_as_overloaded_with_its_retry_after() {
+        let app = quinn::ApplicationClose {
+            error_code: quinn::VarInt::from_u32(admission::OVERLOADED),
+            reason: fedfleet_protocol::reject::overloaded_detail("overloaded", 1_500).into_bytes().into(),
+        };
+        let detail = closed(quinn::ConnectionError::ApplicationClosed(app)).overloaded().expect("overloaded");
+        assert_eq!(fedfleet_protocol::reject::retry_after_ms(&detail), Some(1_500));
+
+        let refused = quinn::ConnectionClose {
+            error_code: quinn::TransportErrorCode::CONNECTION_REFUSED,
+            frame_type: None,
+            reason: Default::default(),
+        };
+        let detail = closed(quinn::ConnectionError::ConnectionClosed(refused)).overloaded().expect("overloaded");
+        assert_eq!(fedfleet_protocol::reject::retry_after_ms(&detail), Some(admission::DEFAULT_RETRY_AFTER.as_millis() as u64));
+
+        let other = quinn::ApplicationClose { error_code: quinn::VarInt::from_u32(7), reason: Default::default() };
+        assert_eq!(closed(quinn::ConnectionError::ApplicationClosed(other)).overloaded(), None);
+        assert_eq!(closed(quinn::ConnectionError::TimedOut).overloaded(), None);
     }
 }

@@ -71,6 +71,11 @@ pub enum ClientError {
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
 impl From<NetError> for ClientError {
     fn from(e: NetError) -> Self {
+        // Turned away for load: the named refusal with its retry-after, for the caller to
+        // come back then (not a quick reconnect).
+        if let Some(detail) = e.overloaded() {
+            return ClientError::Rejected(Rejection { reason: RejectReason::Overloaded, detail });
+        }
         // A refused certificate arrives as a TLS alert on the connection: name it.
         let reason = match e.tls_alert() {
             Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => RejectReason::CertificateExpired,

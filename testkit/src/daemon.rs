@@ -26,6 +26,11 @@ impl Daemon {
         Ok(())
     }
 
+    /// The process id while it was started and not killed.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }

@@ -2,7 +2,8 @@
 //! broker: every node with its MQTT listener (TLS with the fleet CA, client certificates
 //! required, `verify_and_map`: a client is the user named by its certificate's subject), JetStream
 //! clustered (MQTT sessions and retained messages are replicated streams, so they outlive a
-//! node), routes between the nodes on loopback, and the fleet's access rules
+//! node), routes between the nodes on loopback under mutual TLS with the broker certificate (as
+//! `deploy/nats/nats-node.conf` ships them), and the fleet's access rules
 //! ([`fedfleet_control::topics::nats_authorization`]). What the tests use to run the control
 //! plane on a broker cluster that loses a node.
 
@@ -60,6 +61,7 @@ impl NatsConfig {
 struct Node {
     daemon: Daemon,
     mqtt: SocketAddr,
+    route: SocketAddr,
 }
 
 /// A running cluster; every node is killed on drop.
@@ -111,7 +113,8 @@ impl NatsCluster {
             let conf = dir.join("nats.conf");
             std::fs::write(&conf, config_text(cfg, i + 1, &dir, [client, route, mqtt], &routes)).map_err(io(&conf))?;
             let args = vec!["-c".to_owned(), conf.display().to_string()];
-            nodes.push(Node { daemon: Daemon::new(cfg.binary.clone(), args, dir.join("nats.log")), mqtt: SocketAddr::new(ip, mqtt) });
+            let daemon = Daemon::new(cfg.binary.clone(), args, dir.join("nats.log"));
+            nodes.push(Node { daemon, mqtt: SocketAddr::new(ip, mqtt), route: SocketAddr::new(ip, route) });
         }
         let mut cluster = NatsCluster { nodes };
         for i in 0..cluster.nodes.len() {
@@ -119,6 +122,16 @@ impl NatsCluster {
         }
         cluster.wait_ready().await?;
         Ok(cluster)
+    }
+
+    /// The process id of every running node (for a reload signal), node 0 first.
+    pub fn pids(&self) -> Vec<u32> {
+        self.nodes.iter().filter_map(|n| n.daemon.pid()).collect()
+    }
+
+    /// Every node's cluster route address, node 0 first.
+    pub fn route_addrs(&self) -> Vec<SocketAddr> {
+        self.nodes.iter().map(|n| n.route).collect()
     }
 
     /// Every node's MQTT address, node 0 first.
@@ -204,10 +217,17 @@ fn config_text(cfg: &NatsConfig, n: usize, dir: &Path, [client, route, mqtt]: [u
         cfg.key.display(),
         cfg.ca_cert.display()
     );
+    // Routes: each node is the other's client, both present the broker certificate.
+    let route_tls = format!(
+        "tls {{ cert_file: \"{}\", key_file: \"{}\", ca_file: \"{}\", verify: true, timeout: 5 }}",
+        cfg.cert.display(),
+        cfg.key.display(),
+        cfg.ca_cert.display()
+    );
     format!(
         "server_name: n{n}\nlisten: 127.0.0.1:{client}\nmax_payload: {max}\n{tls}\n\
          jetstream {{ store_dir: \"{store}\" }}\n\
-         cluster {{ name: fedfleet, listen: 127.0.0.1:{route}, routes: [{routes}] }}\n\
+         cluster {{ name: fedfleet, listen: 127.0.0.1:{route}, routes: [{routes}], {route_tls} }}\n\
          mqtt {{ listen: 127.0.0.1:{mqtt}, stream_replicas: {replicas}, consumer_replicas: 1, consumer_memory_storage: true, {tls} }}\n{auth}",
         // Left to itself a node sizes the MQTT streams by the peers it knows of at the first
         // connect (2 of 3 while the cluster forms), and an R2 stream stalls when a node dies.

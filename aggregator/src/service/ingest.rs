@@ -82,10 +82,13 @@ pub(super) async fn receive_payload(
     Ok(payload)
 }
 
-/// An update whose header, signature and payload digest passed every check: what step 7
-/// decodes, folds and commits.
+/// An update whose header and payload digest passed every check: what step 7 verifies (its
+/// signature, in a batch with the other queued uploads'), decodes, folds and commits.
 pub(super) struct Checked {
     h: fedfleet_protocol::UpdateHeader,
+    /// The signed header and its device's key, for the batch check on the fold thread.
+    signed: SignedUpdate,
+    key: ed25519_dalek::VerifyingKey,
     meta: UpdateMeta,
     payload: Vec<u8>,
     /// The payload already decoded (a large one is decoded before it joins the commit queue).
@@ -147,14 +150,16 @@ impl Aggregator {
         {
             return Err(reject(RejectReason::NotPermitted, format!("{} is not in this relay's region", h.device)));
         }
-        // 3. Signature.
-        update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
+        // 3. The signature is checked on the fold thread, in a batch with the other uploads
+        // queued there (see [`CommitQueue`]), before anything is folded or stored: the
+        // connection already proved the device, and the payload it may send is bounded below.
         sh.metrics.ingest_step("authenticate", &mut since);
         // 4. A resend of an accepted update gets its receipt again (once the record is durable:
-        // the first attempt may still be waiting for its flush).
+        // the first attempt may still be waiting for its flush), its signature checked here.
         // (The record's round is the one it was folded into: an asynchronous campaign folds an
         // update of an earlier buffer into the open one. The receipt names the update's own.)
         if let Some(receipt) = self.receipt_of_resend(&h.device, &h.nonce, &h.payload_digest, h.round)? {
+            update.verify(&key).map_err(|e| reject(e.reason(), e.to_string()))?;
             return Ok(receipt);
         }
         // 5. Round, replay, duplicate, selection, sample count; size.
@@ -186,7 +191,7 @@ impl Aggregator {
         // 7. The payload through the digest/length check (streamed over QUIC).
         let payload = receive_payload(&h, payload).await?;
         sh.metrics.ingest_step("receive", &mut since);
-        self.commit(Checked { h, meta, payload, delta: None, base, dtype, since }).await
+        self.commit(Checked { h, signed: update, key, meta, payload, delta: None, base, dtype, since }).await
     }
 
     /// The receipt of an accepted upload sent again (same sender, nonce, payload and round), once
@@ -256,7 +261,7 @@ impl Aggregator {
     /// Decodes, admits again, folds and records one update (not yet durable: the caller syncs
     /// the returned sequence number before the receipt may leave).
     fn fold_and_record(&self, checked: Checked) -> Result<(Signed<Receipt>, u64, Instant), Rejection> {
-        let Checked { h, meta, payload, delta, base, dtype, mut since } = checked;
+        let Checked { h, meta, payload, delta, base, dtype, mut since, .. } = checked;
         let sh = &self.shared;
         let delta = match delta {
             Some(delta) => delta,
@@ -316,8 +321,13 @@ const DECODE_ON_COMMIT_THREAD_MAX: usize = 1 << 20;
 /// Most uploads one group commit covers: the first of a group waits for at most this many folds.
 const MAX_COMMIT_GROUP: usize = 256;
 
+/// Most queued uploads whose signatures the fold thread checks in one batch.
+const MAX_SIGNATURE_BATCH: usize = 64;
+
 /// The queue of checked uploads into the aggregator's commit pipeline: two threads, no thread or
-/// lock wait per upload. The fold thread folds and records each queued upload in turn; the sync
+/// lock wait per upload. The fold thread takes every upload waiting (up to
+/// [`MAX_SIGNATURE_BATCH`]), checks their signatures in one ed25519 batch, then folds and
+/// records each in turn; the sync
 /// thread takes every recorded upload waiting for it (up to [`MAX_COMMIT_GROUP`]), makes them
 /// durable with one flush and only then answers each, while the fold thread goes on with the
 /// next ones. Both end when the last [`Aggregator`] handle (and with it the queue) drops.
@@ -355,21 +365,48 @@ impl CommitQueue {
             }
         })?;
         std::thread::Builder::new().name("aggregator-fold".into()).spawn(move || {
-            for CommitJob { me, checked, answer } in jobs {
-                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.fold_and_record(checked)))
-                    .unwrap_or_else(|_| Err(reject(RejectReason::Internal, "folding the update panicked")));
-                match outcome {
-                    Ok((receipt, seq, since)) => {
-                        let _ = to_sync.send(Recorded { me, answer, receipt, seq, since });
-                    }
-                    Err(r) => {
-                        let _ = answer.send(Err(r));
+            while let Ok(first) = jobs.recv() {
+                let mut group = vec![first];
+                while group.len() < MAX_SIGNATURE_BATCH
+                    && let Ok(job) = jobs.try_recv()
+                {
+                    group.push(job);
+                }
+                for (CommitJob { me, checked, answer }, signature) in check_signatures(group) {
+                    let outcome = signature.and_then(|()| {
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.fold_and_record(checked)))
+                            .unwrap_or_else(|_| Err(reject(RejectReason::Internal, "folding the update panicked")))
+                    });
+                    match outcome {
+                        Ok((receipt, seq, since)) => {
+                            let _ = to_sync.send(Recorded { me, answer, receipt, seq, since });
+                        }
+                        Err(r) => {
+                            let _ = answer.send(Err(r));
+                        }
                     }
                 }
             }
         })?;
         Ok(CommitQueue(queue))
     }
+}
+
+/// The signatures of a group of queued uploads, checked in one batch; each upload's share of
+/// the batch's time is its `signature` stage.
+fn check_signatures(mut group: Vec<CommitJob>) -> impl Iterator<Item = (CommitJob, Result<(), Rejection>)> {
+    for job in &mut group {
+        job.me.shared.metrics.ingest_step("queue", &mut job.checked.since);
+    }
+    let started = Instant::now();
+    let items: Vec<_> = group.iter().map(|j| (&j.checked.signed, &j.checked.key)).collect();
+    let verdicts = fedfleet_protocol::verify_batch(&items);
+    let share = started.elapsed() / group.len().max(1) as u32;
+    for job in &mut group {
+        job.me.shared.metrics.ingest_add("signature", share);
+        job.checked.since = Instant::now();
+    }
+    group.into_iter().zip(verdicts.into_iter().map(|v| v.map_err(|e| reject(e.reason(), e.to_string()))))
 }
 
 /// One flush for a group of recorded updates, then their receipts.

@@ -153,3 +153,37 @@ async fn uploads_past_the_bytes_in_flight_get_in_after_backing_off_and_the_opera
     assert!(retried > 0, "the budget never bound: nothing was tested");
     svc.stop().await;
 }
+
+/// Issue 27: a device past the device connections is turned away after its handshake with the
+/// named `overloaded` refusal and its retry-after (not a bare "connection lost"), which the
+/// agent's upload retry reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_past_the_connection_pool_is_told_overloaded_with_a_retry_after() {
+    let fleet = Fleet::new(2);
+    let mut cfg = fleet.config("pool", 2, 1);
+    cfg.admission.max_connections = 1;
+    cfg.admission.retry_after_ms = 1_500;
+    let svc = start(cfg).await;
+    let holder = fleet.device_client(0, svc.addr).await;
+    holder.current_round().await.unwrap();
+    let turned_away = fleet.device_client(1, svc.addr).await;
+    match turned_away.current_round().await {
+        Err(fedfleet_aggregator::client::ClientError::Refused(r)) => {
+            assert_eq!(r.reason, fedfleet_protocol::RejectReason::Overloaded, "{r:?}");
+            assert_eq!(fedfleet_protocol::reject::retry_after_ms(&r.detail), Some(1_500), "{}", r.detail);
+        }
+        other => panic!("expected an overloaded refusal, got {other:?}"),
+    }
+    // Once the holder lets go, the other device gets in.
+    drop(holder);
+    let mut answered = false;
+    for _ in 0..50 {
+        if fleet.device_client(1, svc.addr).await.current_round().await.is_ok() {
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(answered, "the freed slot was never taken");
+    svc.stop().await;
+}

@@ -253,5 +253,5 @@ fn broker_access_writes_the_rules_and_leaves_revoked_devices_out() {
     assert!(!acl.contains("user registry"), "{acl}");
     let (code, _, err) = run(&["--broker", "nats", "--service", "bad name"]);
     assert_ne!(code, Some(0));
-    assert!(err.contains("--service \"bad name\""), "{err}");
+    assert!(err.contains("service name \"bad name\""), "{err}");
 }
