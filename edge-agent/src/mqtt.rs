@@ -120,7 +120,7 @@ impl<A: Aggregator> MqttAggregator<A> {
                     }
                     ControlEvent::Receipt(s) => {
                         let r = s.body().clone();
-                        tracing::debug!(round = %r.round, "receipt over MQTT");
+                        tracing::info!(round = %r.round, "receipt over MQTT");
                         push_recent(&h.receipts, r);
                         h.receipt_arrived.notify_waiters();
                     }

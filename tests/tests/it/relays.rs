@@ -120,6 +120,21 @@ fn make_tree(d: &Deployment, shape: &[RelaySpec]) {
     }
 }
 
+/// Relay `r` runs an embedded MQTT broker (TLS with its service certificate) and its agents
+/// upload over MQTT only (`upload = "mqtt"`), hearing the relay's announcements there.
+fn region_over_mqtt(d: &Deployment, r: usize) {
+    let port = free_udp_port();
+    let relay = d.path(&format!("relay-{r}.toml"));
+    let config = std::fs::read_to_string(&relay).unwrap();
+    assert!(!config.contains("[mqtt]"), "{config}");
+    std::fs::write(&relay, format!("{config}\n[mqtt]\nmode = \"embedded\"\nlisten = \"127.0.0.1:{port}\"\n")).unwrap();
+    for a in region(r) {
+        let file = d.path(&format!("agents/agent-{a}.toml"));
+        let text = std::fs::read_to_string(&file).unwrap();
+        std::fs::write(&file, format!("{text}\n[mqtt]\nhost = \"127.0.0.1\"\nport = {port}\nupload = \"mqtt\"\n")).unwrap();
+    }
+}
+
 fn spawn_relay(d: &Deployment, r: usize) -> Proc {
     let name = format!("relay-{r}");
     let config = format!("{name}.toml");
@@ -139,9 +154,10 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
 
     // The tree: the root, three relays, three agents each. Relay 2 gets two of its agents, is
     // killed with SIGKILL once it holds both updates (its round needs the third), is started
-    // again, and only then does its third agent come up.
+    // again, and only then does its third agent come up. Relay 1's region uploads over MQTT.
     let mut tree = deployment(Some(&flat.path("aggregator/initial.safetensors")));
     make_tree(&tree, &two_levels());
+    region_over_mqtt(&tree, 1);
     tree.start_services();
     let mut relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
     for r in 1..=RELAYS {
@@ -166,6 +182,15 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
     assert_eq!(count_lines(&root_log, "relay's partial sum accepted"), 2 * RELAYS, "one sum per relay per round\n{context}");
     assert_eq!(count_lines(&root_log, "update accepted"), 0, "no device reached the root\n{context}");
     assert!(count_lines(&relay2, "refolded the current round after restart") >= 1, "relay-2 refolded its two updates\n{context}");
+    // Relay 1's region over MQTT: its broker ran, and each of its agents was answered there.
+    let relay1 = tree.log("relay-1");
+    assert_eq!(count_lines(&relay1, "MQTT control plane started"), 1, "{}", tail(&relay1, 30));
+    assert_eq!(count_lines(&relay1, "update accepted"), 2 * 3, "{}", tail(&relay1, 30));
+    for a in region(1) {
+        let log = tree.log(&format!("agent-{a}"));
+        assert!(count_lines(&log, "receipt over MQTT") >= 2, "agent-{a}:\n{}", tail(&log, 30));
+        assert_eq!(count_lines(&log, "MQTT upload refused by the aggregator"), 0, "agent-{a}:\n{}", tail(&log, 30));
+    }
     tree.stop_agents();
     drop(relays);
 
