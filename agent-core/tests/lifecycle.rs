@@ -545,17 +545,23 @@ fn unverifiable_manifest_is_never_staged() {
     assert_eq!(lc.active().unwrap().model, v1);
 }
 
-#[test]
-fn failed_downloads_are_retried_then_given_up() {
-    let disk = Disk::new();
+/// A device on v1 assigned v2, its metadata verified: downloading v2.
+fn downloading_v2(disk: &Disk) -> (Device, fedfleet_protocol::ModelRef) {
     let (reg, v1) = registry();
     let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
-    let mut lc = open(&disk, &reg, &v1);
+    let mut lc = open(disk, &reg, &v1);
     drain(&mut lc);
     lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
     drain(&mut lc);
     lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(reg.metadata()) }).unwrap();
     drain(&mut lc);
+    (lc, v2)
+}
+
+#[test]
+fn failed_downloads_are_retried_then_given_up() {
+    let disk = Disk::new();
+    let (mut lc, v2) = downloading_v2(&disk);
     let mut now = T0;
     for _ in 0..4 {
         lc.handle(now, Input::DownloadFailed { model: v2.clone(), reason: "reset".into() }).unwrap();
@@ -577,14 +583,7 @@ fn failed_downloads_are_retried_then_given_up() {
 #[test]
 fn a_registry_turning_downloads_away_for_load_defers_the_install_without_failing_it() {
     let disk = Disk::new();
-    let (reg, v1) = registry();
-    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
-    let mut lc = open(&disk, &reg, &v1);
-    drain(&mut lc);
-    lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
-    drain(&mut lc);
-    lc.handle(T0, Input::Metadata { model: v2.clone(), result: Ok(reg.metadata()) }).unwrap();
-    drain(&mut lc);
+    let (mut lc, v2) = downloading_v2(&disk);
     let overloaded = || fedfleet_protocol::reject::overloaded_detail("registry refused (overloaded): admission", 2_000);
     // Far more refusals than the install's five attempts: none counts, each waits its retry-after.
     let mut now = T0;

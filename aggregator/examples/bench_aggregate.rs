@@ -91,17 +91,7 @@ fn main() {
                 let mut b = TensorBundle::new();
                 b.insert_f32("w", vec![p / 1000, 1000], delta.clone()).unwrap();
                 let payload = b.encode();
-                let h = UpdateHeader {
-                    device: DeviceId::new(format!("dev-{k}")).unwrap(),
-                    fleet: FleetId::new("bench").unwrap(),
-                    round: RoundId(1),
-                    base_model: Digest::of(b"base"),
-                    nonce: [k as u8; 16],
-                    sample_count: 10,
-                    payload_len: payload.len() as u64,
-                    payload_digest: Digest::of(&payload),
-                    payload_dtype: DType::F32,
-                };
+                let h = bench_header(k as usize, payload.len() as u64, Digest::of(&payload));
                 (Signed::sign(h, &key).encode(), payload)
             })
             .collect();
@@ -179,6 +169,21 @@ fn main() {
     signature_rows();
 }
 
+/// Device `dev-{i}`'s header of an update of `payload_len` bytes.
+fn bench_header(i: usize, payload_len: u64, payload_digest: Digest) -> UpdateHeader {
+    UpdateHeader {
+        device: DeviceId::new(format!("dev-{i}")).unwrap(),
+        fleet: FleetId::new("bench").unwrap(),
+        round: RoundId(1),
+        base_model: Digest::of(b"base"),
+        nonce: [i as u8; 16],
+        sample_count: 10,
+        payload_len,
+        payload_digest,
+        payload_dtype: DType::F32,
+    }
+}
+
 /// The update header's Ed25519 check, one by one (`verify_strict`) and in the batches the
 /// aggregator's fold thread takes (`fedfleet_protocol::verify_batch`), per signature.
 fn signature_rows() {
@@ -186,18 +191,7 @@ fn signature_rows() {
     let headers: Vec<(fedfleet_protocol::SignedUpdate, ed25519_dalek::VerifyingKey)> = (0..N)
         .map(|i| {
             let key = SigningKey::from_bytes(&Digest::of(&(i as u64).to_le_bytes()).0);
-            let h = UpdateHeader {
-                device: DeviceId::new(format!("dev-{i}")).unwrap(),
-                fleet: FleetId::new("bench").unwrap(),
-                round: RoundId(1),
-                base_model: Digest::of(b"base"),
-                nonce: [i as u8; 16],
-                sample_count: 10,
-                payload_len: 20_000,
-                payload_digest: Digest::of(&i.to_le_bytes()),
-                payload_dtype: DType::F32,
-            };
-            (Signed::sign(h, &key), key.verifying_key())
+            (Signed::sign(bench_header(i, 20_000, Digest::of(&i.to_le_bytes())), &key), key.verifying_key())
         })
         .collect();
     let one_by_one = time_once(&|| {

@@ -26,11 +26,18 @@ pub enum BrokerKind {
 #[derive(Debug, thiserror::Error)]
 pub enum AccessError {
     #[error("reading the PKI: {0}")]
-    Pki(#[from] CertError),
+    Pki(CertError),
     #[error("service name {name:?}: {detail}")]
     BadService { name: String, detail: String },
     #[error("writing {path}: {cause}")]
     Write { path: PathBuf, cause: std::io::Error },
+}
+
+// Printed in the message, so not also a `source`: a report of the chain would say it twice.
+impl From<CertError> for AccessError {
+    fn from(e: CertError) -> Self {
+        AccessError::Pki(e)
+    }
 }
 
 /// The access rules of `broker` for the fleet in `pki`, revoked devices left out; `services`
