@@ -64,18 +64,10 @@ pub enum ClientError {
 
 impl From<NetError> for ClientError {
     fn from(e: NetError) -> Self {
-        // Turned away for load: the named refusal with its retry-after, for the caller to
-        // come back then (not a quick reconnect).
-        if let Some(detail) = e.overloaded() {
-            return ClientError::Refused(Rejection { reason: fedfleet_protocol::RejectReason::Overloaded, detail });
+        match e.refusal("aggregator") {
+            Some(r) => ClientError::Refused(r),
+            None => ClientError::Net(e),
         }
-        // A refused certificate arrives as a TLS alert on the connection: name it.
-        let reason = match e.tls_alert() {
-            Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => fedfleet_protocol::RejectReason::CertificateExpired,
-            Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => fedfleet_protocol::RejectReason::Revoked,
-            _ => return ClientError::Net(e),
-        };
-        ClientError::Refused(Rejection { reason, detail: format!("the aggregator refused this certificate ({e})") })
     }
 }
 

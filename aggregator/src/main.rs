@@ -286,11 +286,7 @@ async fn run(cli: Cli) -> Result<()> {
             };
             let cfg = OperatorConfig::load(&conn.config)?;
             let api = operator_api(&conn, &cfg)?;
-            let answer = match body {
-                Some(body) => api.post(path, &body).await?,
-                None => api.get(path).await?,
-            };
-            let status: CampaignStatus = decode(path, answer)?;
+            let status: CampaignStatus = decode(path, api.get_or_post(path, body.as_ref()).await?)?;
             print_status(&status, &conn, &cfg);
             if wait {
                 wait_for_campaign_end(&api, &conn, &cfg, status).await?;

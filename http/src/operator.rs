@@ -126,6 +126,14 @@ impl OperatorClient {
         self.request("POST", path, Some(body.to_string().into_bytes()), None).await
     }
 
+    /// `POST path` with `body` when there is one (an operation), else `GET path` (a view).
+    pub async fn get_or_post(&self, path: &str, body: Option<&Value>) -> Result<Value, OperatorError> {
+        match body {
+            Some(body) => self.post(path, body).await,
+            None => self.get(path).await,
+        }
+    }
+
     /// `POST path` with bytes (an upload operation).
     pub async fn upload(&self, path: &str, bytes: Bytes) -> Result<Value, OperatorError> {
         self.request("POST", path, None, Some(bytes)).await

@@ -103,11 +103,28 @@ pub fn tls_alert(e: &quinn::ConnectionError) -> Option<u8> {
 }
 
 impl NetError {
+    /// The service's named refusal behind this error, if it refused (`service` names it in the
+    /// detail): turned away for load, `overloaded` with its retry-after, for the caller to come
+    /// back then (not a quick reconnect); or its certificate refused, which arrives as a TLS
+    /// alert on the connection (`revoked`, `certificate_expired`).
+    pub fn refusal(&self, service: &str) -> Option<fedfleet_protocol::Rejection> {
+        use fedfleet_protocol::{RejectReason, Rejection};
+        if let Some(detail) = self.overloaded() {
+            return Some(Rejection { reason: RejectReason::Overloaded, detail });
+        }
+        let reason = match self.tls_alert()? {
+            ALERT_CERTIFICATE_EXPIRED => RejectReason::CertificateExpired,
+            ALERT_CERTIFICATE_REVOKED => RejectReason::Revoked,
+            _ => return None,
+        };
+        Some(Rejection { reason, detail: format!("the {service} refused this certificate ({self})") })
+    }
+
     /// The `overloaded` detail, with its retry-after, when the service turned this connection
     /// away for load: closed with [`admission::OVERLOADED`] (its reason names the retry-after),
     /// or refused before the handshake, which QUIC's `CONNECTION_REFUSED` says without a reason
     /// (quinn sends none), so the admission's default retry-after is assumed.
-    pub fn overloaded(&self) -> Option<String> {
+    fn overloaded(&self) -> Option<String> {
         let NetError::Connection(e) = self else { return None };
         match e {
             quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(admission::OVERLOADED) => {
@@ -323,6 +340,13 @@ mod tests {
         };
         let detail = closed(quinn::ConnectionError::ApplicationClosed(app)).overloaded().expect("overloaded");
         assert_eq!(fedfleet_protocol::reject::retry_after_ms(&detail), Some(1_500));
+        let named = closed(quinn::ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+            error_code: quinn::VarInt::from_u32(admission::OVERLOADED),
+            reason: detail.clone().into_bytes().into(),
+        }))
+        .refusal("aggregator")
+        .expect("a refusal");
+        assert_eq!((named.reason, named.detail), (fedfleet_protocol::RejectReason::Overloaded, detail));
 
         let refused = quinn::ConnectionClose {
             error_code: quinn::TransportErrorCode::CONNECTION_REFUSED,

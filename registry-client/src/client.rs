@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
-use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, RejectReason, Rejection};
+use fedfleet_protocol::{DeviceStatus, Digest, FrameKind, Hasher, ModelVersion, Rejection};
 
 use crate::admin::AdminAnswer;
 use crate::wire::{self, AdminRequest, MetadataSet, Request, Response, SignedAssignment, VersionSel};
@@ -71,18 +71,10 @@ pub enum ClientError {
 // Printed in the message, so not also a `source`: a report of the chain would say it twice.
 impl From<NetError> for ClientError {
     fn from(e: NetError) -> Self {
-        // Turned away for load: the named refusal with its retry-after, for the caller to
-        // come back then (not a quick reconnect).
-        if let Some(detail) = e.overloaded() {
-            return ClientError::Rejected(Rejection { reason: RejectReason::Overloaded, detail });
+        match e.refusal("registry") {
+            Some(r) => ClientError::Rejected(r),
+            None => ClientError::Net(e),
         }
-        // A refused certificate arrives as a TLS alert on the connection: name it.
-        let reason = match e.tls_alert() {
-            Some(fedfleet_net::ALERT_CERTIFICATE_EXPIRED) => RejectReason::CertificateExpired,
-            Some(fedfleet_net::ALERT_CERTIFICATE_REVOKED) => RejectReason::Revoked,
-            _ => return ClientError::Net(e),
-        };
-        ClientError::Rejected(Rejection { reason, detail: format!("the registry refused this certificate ({e})") })
     }
 }
 

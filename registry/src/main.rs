@@ -335,11 +335,7 @@ impl Operator {
                         return Ok(());
                     }
                 };
-                let answer = match body {
-                    Some(body) => api.post(&path, &body).await?,
-                    None => api.get(&path).await?,
-                };
-                (AdminAnswer::Rollout(decode(&path, answer)?), wait)
+                (AdminAnswer::Rollout(decode(&path, api.get_or_post(&path, body.as_ref()).await?)?), wait)
             }
             Cmd::Device { cmd: DeviceCmd::Status { id: Some(id) } } => {
                 let path = format!("/api/v1/devices/{}", segment(&id));

@@ -209,21 +209,19 @@ impl NatsCluster {
 }
 
 fn config_text(cfg: &NatsConfig, n: usize, dir: &Path, [client, route, mqtt]: [u16; 3], routes: &[String]) -> String {
+    let tls_with = |verify: &str| {
+        format!(
+            "tls {{ cert_file: \"{}\", key_file: \"{}\", ca_file: \"{}\", {verify}, timeout: 5 }}",
+            cfg.cert.display(),
+            cfg.key.display(),
+            cfg.ca_cert.display()
+        )
+    };
     // The same TLS for NATS clients and MQTT clients: no one connects without a fleet
     // certificate, and the certificate's subject is the user.
-    let tls = format!(
-        "tls {{ cert_file: \"{}\", key_file: \"{}\", ca_file: \"{}\", verify_and_map: true, timeout: 5 }}",
-        cfg.cert.display(),
-        cfg.key.display(),
-        cfg.ca_cert.display()
-    );
+    let tls = tls_with("verify_and_map: true");
     // Routes: each node is the other's client, both present the broker certificate.
-    let route_tls = format!(
-        "tls {{ cert_file: \"{}\", key_file: \"{}\", ca_file: \"{}\", verify: true, timeout: 5 }}",
-        cfg.cert.display(),
-        cfg.key.display(),
-        cfg.ca_cert.display()
-    );
+    let route_tls = tls_with("verify: true");
     format!(
         "server_name: n{n}\nlisten: 127.0.0.1:{client}\nmax_payload: {max}\n{tls}\n\
          jetstream {{ store_dir: \"{store}\" }}\n\
