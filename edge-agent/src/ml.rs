@@ -219,9 +219,12 @@ mod tests {
         assert!(norm(&plain) > 0.01, "training moved the model: {}", norm(&plain));
         let clipped = trained(Some(DevicePrivacy { clip_norm: 0.01, noise_stddev: 0.0, count_once: false }));
         assert!(norm(&clipped) <= 0.01 && norm(&clipped) > 0.0099, "{}", norm(&clipped));
-        // Noise far above the clipped update: the payload's spread is the noise's.
+        // Noise far above the clipped update: the payload's spread is the noise's. The noise is
+        // fresh each run; over these 1,210 coordinates the estimate's own spread is about 2 %
+        // (0.5/sqrt(2n)), so the bound is 6 of those, not a coin flip.
         let noised = trained(Some(DevicePrivacy { clip_norm: 0.01, noise_stddev: 0.5, count_once: false }));
+        assert_eq!(noised.len(), 1210);
         let sd = (noised.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / noised.len() as f64).sqrt();
-        assert!((sd - 0.5).abs() < 0.02, "{sd}");
+        assert!((sd - 0.5).abs() < 0.06, "{sd}");
     }
 }
