@@ -8,7 +8,7 @@ use fedfleet_protocol::DeviceId;
 
 use crate::error::CertError;
 use crate::fsutil;
-use crate::layout::{self, CA_CERT, CA_KEY, DEVICES_JSON, REVOKED_JSON};
+use crate::layout::{self, CA_CERT, CA_CRL, CA_KEY, DEVICES_JSON, REVOKED_JSON};
 
 /// Whose files.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +21,9 @@ pub enum Role {
     Aggregator { name: String },
     /// An operator's host: the CA certificate and the operator's service identity.
     Operator { name: String },
+    /// An MQTT broker host: the CA certificate, the CRL (`crlfile`), the allow-list and the
+    /// revocation list (for `broker-access --watch`) and the broker's server identity.
+    Broker { name: String },
     /// A device: the CA certificate and its own certificate and key (`fedfleet-agent enroll`).
     Device(DeviceId),
 }
@@ -47,6 +50,11 @@ impl Role {
                 files.extend(server(name));
             }
             Role::Operator { name } => files.extend(server(name)),
+            Role::Broker { name } => {
+                files.extend(lists);
+                files.push((PathBuf::from(CA_CRL), false));
+                files.extend(server(name));
+            }
             Role::Device(id) => {
                 let (crt, key) = layout::device_paths(Path::new(""), id);
                 files.extend([(crt, false), (key, true)]);

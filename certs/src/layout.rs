@@ -10,6 +10,7 @@ pub const CA_CERT: &str = "ca.crt";
 pub const CA_KEY: &str = "ca.key";
 pub const DEVICES_JSON: &str = "devices.json";
 pub const REVOKED_JSON: &str = "revoked.json";
+pub const CA_CRL: &str = "ca.crl";
 pub const SERVERS_DIR: &str = "servers";
 pub const DEVICES_DIR: &str = "devices";
 
@@ -24,6 +25,10 @@ pub fn allow_list(dir: &Path) -> PathBuf {
 }
 pub fn revocation_list(dir: &Path) -> PathBuf {
     dir.join(REVOKED_JSON)
+}
+/// The revocation list as an X.509 CRL (for brokers' `crlfile`).
+pub fn crl(dir: &Path) -> PathBuf {
+    dir.join(CA_CRL)
 }
 /// `(cert, key)` of a server.
 pub fn server_paths(dir: &Path, name: &str) -> (PathBuf, PathBuf) {

@@ -14,10 +14,12 @@
 //! devices/<id>.crt|.key        device identities (CN = device id, EKU clientAuth)
 //! devices.json                 allow-list: id -> public key, serial, enrolled_at[, revoked_at]
 //! revoked.json                 revocation list signed by the CA key
+//! ca.crl                       the same list as an X.509 CRL, for brokers (mosquitto's crlfile)
 //! ```
 
 mod allowlist;
 pub mod bundle;
+pub mod crl;
 mod error;
 mod fsutil;
 mod identity;

@@ -77,9 +77,10 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Revoke an enrolled device: adds it to revoked.json (re-signed by the CA).
+    /// Revoke an enrolled device: adds it to revoked.json (re-signed by the CA) and to ca.crl.
     ///
-    /// Servers pick up the new list on their next handshake, without a restart.
+    /// fedfleet's servers pick up the new list on their next handshake, without a restart; an
+    /// MQTT broker reads ca.crl when it reloads (`broker-access --watch` reloads it).
     Revoke {
         /// Device id.
         #[arg(long)]
@@ -88,16 +89,21 @@ enum Command {
         #[arg(long, default_value = "unspecified")]
         reason: String,
     },
+    /// Write ca.crl again from revoked.json: the revocation list as an X.509 CRL signed by the
+    /// CA, for a broker's `crlfile` (init and revoke write it; this is for a PKI made before
+    /// ca.crl existed, or a lost file).
+    Crl,
     /// Copy the files one host needs into OUT, laid out as a PKI directory (point the host's
     /// `pki_dir` at it, or give a device's files to `fedfleet-agent enroll`).
     ///
     /// registry, aggregator: ca.crt, devices.json, revoked.json, servers/NAME.{crt,key};
-    /// operator: ca.crt, servers/NAME.{crt,key}; device: ca.crt, devices/ID.{crt,key}. Every
-    /// later `enroll-device` and `revoke` changes devices.json and revoked.json: copy them to
-    /// every service host again (services reread them by themselves).
+    /// operator: ca.crt, servers/NAME.{crt,key}; broker: ca.crt, ca.crl, devices.json,
+    /// revoked.json, servers/NAME.{crt,key}; device: ca.crt, devices/ID.{crt,key}. Every later
+    /// `enroll-device` and `revoke` changes devices.json, revoked.json and ca.crl: copy them to
+    /// every service and broker host again (services reread them by themselves).
     Bundle {
-        /// registry, aggregator, operator or device.
-        #[arg(long, value_parser = ["registry", "aggregator", "operator", "device"])]
+        /// registry, aggregator, operator, broker or device.
+        #[arg(long, value_parser = ["registry", "aggregator", "operator", "broker", "device"])]
         role: String,
         /// The service identity's name (default: the role's name).
         #[arg(long)]
@@ -134,13 +140,14 @@ fn run(cli: Cli) -> Result<String> {
             let fleet = FleetId::new(&fleet).with_context(|| format!("invalid fleet name {fleet:?}"))?;
             let pki = Pki::init(dir, &fleet, days, force).with_context(|| format!("cannot create the fleet CA in {}", dir.display()))?;
             out += &format!(
-                "created fleet {} CA in {}\n  certificate: {}\n  key:         {} (mode 0600)\n  allow-list:  {}\n  revocation:  {}\n",
+                "created fleet {} CA in {}\n  certificate: {}\n  key:         {} (mode 0600)\n  allow-list:  {}\n  revocation:  {}\n  CRL:         {}\n",
                 pki.fleet(),
                 pki.dir().display(),
                 pki.ca_cert_path().display(),
                 fedfleet_certs::layout::ca_key(pki.dir()).display(),
                 pki.allow_list_path().display(),
                 pki.revocation_list_path().display(),
+                pki.crl_path().display(),
             );
         }
         Command::IssueServer { name, sans, days, force } => {
@@ -177,13 +184,21 @@ fn run(cli: Cli) -> Result<String> {
             let id = DeviceId::new(&id).with_context(|| format!("invalid device id {id:?}"))?;
             let r = pki.revoke(&id, &reason).with_context(|| format!("cannot revoke device {id}"))?;
             out += &format!(
-                "revoked device {} (serial {}, reason {:?})\n  {} is now version {}\n",
+                "revoked device {} (serial {}, reason {:?})\n  {} is now version {}\n  {} lists it (CRL number {})\n",
                 r.entry.device_id,
                 r.entry.serial,
                 r.entry.reason,
                 r.list_path.display(),
                 r.list_version,
+                pki.crl_path().display(),
+                r.list_version,
             );
+        }
+        Command::Crl => {
+            let pki = Pki::open(dir)?;
+            let path = pki.write_crl().context("cannot write the CRL")?;
+            let s = fedfleet_certs::crl::summary(&path)?;
+            out += &format!("wrote {} (CRL number {}, {} revoked certificates)\n", path.display(), s.number, s.revoked);
         }
         Command::Bundle { role, name, id, with_ca_key, out: to, force } => {
             use fedfleet_certs::bundle::{Role, write_bundle};
@@ -192,6 +207,7 @@ fn run(cli: Cli) -> Result<String> {
                 "registry" => Role::Registry { name, ca_key: with_ca_key },
                 "aggregator" => Role::Aggregator { name },
                 "operator" => Role::Operator { name },
+                "broker" => Role::Broker { name },
                 _ => {
                     let id = id.context("--role device needs --id ID")?;
                     Role::Device(DeviceId::new(&id).with_context(|| format!("invalid device id {id:?}"))?)

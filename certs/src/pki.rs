@@ -15,7 +15,7 @@ use crate::allowlist::{AllowEntry, AllowListFile};
 use crate::error::CertError;
 use crate::identity::{CaCert, DeviceIdentity};
 use crate::revocation::{RevocationEntry, RevocationList};
-use crate::{fsutil, keys, layout, x509};
+use crate::{crl, fsutil, keys, layout, x509};
 
 /// Default CA validity.
 pub const CA_DAYS: u32 = 3650;
@@ -89,15 +89,7 @@ pub(crate) fn sign_leaf_at(
     days: u32,
     now: OffsetDateTime,
 ) -> Result<(rcgen::Certificate, String, OffsetDateTime), CertError> {
-    let ca_parsed = x509::parse(ca.der())?;
-    let mut ca_params = CertificateParams::default();
-    ca_params.distinguished_name = x509::to_rcgen_dn(ca_parsed.subject())?;
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    let ca_not_after = OffsetDateTime::from_unix_timestamp(ca_parsed.validity().not_after.timestamp())
-        .map_err(|e| CertError::BadCertificate(format!("CA not_after: {e}")))?;
-    drop(ca_parsed);
-    let issuer = Issuer::new(ca_params, keys::to_rcgen(ca_key)?);
-
+    let (issuer, ca_not_after) = ca_issuer(ca, ca_key)?;
     params.not_before = now - BACKDATE;
     params.not_after = (now + Duration::days(days.max(1) as i64)).min(ca_not_after);
     let (serial, serial_hex) = random_serial();
@@ -107,6 +99,17 @@ pub(crate) fn sign_leaf_at(
     let not_after = params.not_after;
     let cert = params.signed_by(subject, &issuer)?;
     Ok((cert, serial_hex, not_after))
+}
+
+/// The CA as rcgen's signer (its subject, its key), and the CA's expiry.
+pub(crate) fn ca_issuer(ca: &CaCert, ca_key: &SigningKey) -> Result<(Issuer<'static, rcgen::KeyPair>, OffsetDateTime), CertError> {
+    let ca_parsed = x509::parse(ca.der())?;
+    let mut ca_params = CertificateParams::default();
+    ca_params.distinguished_name = x509::to_rcgen_dn(ca_parsed.subject())?;
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let ca_not_after = OffsetDateTime::from_unix_timestamp(ca_parsed.validity().not_after.timestamp())
+        .map_err(|e| CertError::BadCertificate(format!("CA not_after: {e}")))?;
+    Ok((Issuer::new(ca_params, keys::to_rcgen(ca_key)?), ca_not_after))
 }
 
 /// The subject of a device certificate of `fleet`: O = fleet, OU = device, CN = id.
@@ -132,9 +135,9 @@ impl Pki {
     /// resets the allow-list and the revocation list: they belong to the old CA).
     pub fn init(dir: impl AsRef<Path>, fleet: &FleetId, days: u32, force: bool) -> Result<Pki, CertError> {
         let dir = dir.as_ref().to_path_buf();
-        let (crt, key, allow, revoked) =
-            (layout::ca_cert(&dir), layout::ca_key(&dir), layout::allow_list(&dir), layout::revocation_list(&dir));
-        fsutil::refuse_existing(&[&key, &crt, &allow, &revoked], force)?;
+        let (crt, key, allow, revoked, crl) =
+            (layout::ca_cert(&dir), layout::ca_key(&dir), layout::allow_list(&dir), layout::revocation_list(&dir), layout::crl(&dir));
+        fsutil::refuse_existing(&[&key, &crt, &allow, &revoked, &crl], force)?;
         fsutil::create_dir(&dir)?;
 
         let ca_key = keys::generate();
@@ -156,7 +159,9 @@ impl Pki {
         fsutil::write_atomic(&allow, &empty.to_json(), false)?;
         let list = RevocationList::signed(1, unix_now(), Vec::new(), &ca_key);
         fsutil::write_atomic(&revoked, &list.to_json(), false)?;
-        Pki::open(&dir)
+        let pki = Pki::open(&dir)?;
+        crl::write(&dir, &pki.ca, &ca_key, &list)?;
+        Ok(pki)
     }
 
     /// Opens an existing PKI directory (reads `ca.crt`).
@@ -193,6 +198,17 @@ impl Pki {
     }
     pub fn revocation_list_path(&self) -> PathBuf {
         layout::revocation_list(&self.dir)
+    }
+    /// `ca.crl`: the revocation list as an X.509 CRL, for brokers (see [`crate::crl`]).
+    pub fn crl_path(&self) -> PathBuf {
+        layout::crl(&self.dir)
+    }
+
+    /// Writes `ca.crl` again from `revoked.json` (a PKI made before the CRL existed, or a lost
+    /// file). [`Pki::init`] and [`Pki::revoke`] write it themselves.
+    pub fn write_crl(&self) -> Result<PathBuf, CertError> {
+        let list = RevocationList::load(&self.revocation_list_path(), self.ca.public_key())?;
+        crl::write(&self.dir, &self.ca, &self.ca_signing_key()?, &list)
     }
 
     pub(crate) fn ca_signing_key(&self) -> Result<SigningKey, CertError> {
@@ -392,8 +408,11 @@ impl Pki {
         let entry = RevocationEntry { device_id: id.clone(), serial: allowed.serial.clone(), revoked_at: now, reason: reason.to_string() };
         let mut entries = old.entries.clone();
         entries.push(entry.clone());
-        let list = RevocationList::signed(old.version + 1, now, entries, &ca_key);
+        // Strictly after the last list, even within one second: the CRL's thisUpdate (crate::crl).
+        let issued_at = now.max(old.issued_at + 1);
+        let list = RevocationList::signed(old.version + 1, issued_at, entries, &ca_key);
         fsutil::write_atomic(&list_path, &list.to_json(), false)?;
+        crl::write(&self.dir, &self.ca, &ca_key, &list)?;
         allowed.revoked_at = Some(now);
         fsutil::write_atomic(&allow_path, &allow.to_json(), false)?;
         Ok(Revocation { entry, list_version: list.version, list_path })

@@ -221,3 +221,44 @@ fn a_device_identity_from_another_fleets_ca_is_refused_at_load() {
         other => panic!("a certificate of another fleet's CA was accepted: {other:?}"),
     }
 }
+
+/// `ca.crl` follows `revoked.json`: numbered by its version, listing its serials, issued by the
+/// CA and signed by the CA key, each one strictly later than the last even within a second.
+#[test]
+fn the_crl_lists_every_revoked_serial_signed_by_the_ca() {
+    use ed25519_dalek::Verifier;
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::init(dir.path(), &fleet(), CA_DAYS, false).unwrap();
+    assert_eq!(crl::summary(&pki.crl_path()).unwrap(), crl::CrlSummary { number: 1, revoked: 0 });
+    let d1 = pki.enroll_device(&id("d1"), 30, false).unwrap();
+    let d2 = pki.enroll_device(&id("d2"), 30, false).unwrap();
+    pki.enroll_device(&id("d3"), 30, false).unwrap();
+    let issued = || RevocationList::load(&pki.revocation_list_path(), pki.ca().public_key()).unwrap().issued_at;
+    pki.revoke(&id("d1"), "stolen").unwrap();
+    let first = issued();
+    pki.revoke(&id("d2"), "lost").unwrap();
+    assert!(issued() > first, "two revocations within a second still order their CRLs");
+    assert_eq!(crl::summary(&pki.crl_path()).unwrap(), crl::CrlSummary { number: 3, revoked: 2 });
+
+    let pem_bytes = std::fs::read(pki.crl_path()).unwrap();
+    let (_, pem) = x509_parser::pem::parse_x509_pem(&pem_bytes).unwrap();
+    let (_, crl) = x509_parser::parse_x509_crl(&pem.contents).unwrap();
+    let ca = x509::parse(pki.ca().der()).unwrap();
+    assert_eq!(crl.issuer(), ca.subject());
+    let mut serials: Vec<String> = crl.iter_revoked_certificates().map(|r| hex::encode(r.raw_serial())).collect();
+    serials.sort();
+    let mut want = vec![d1.entry.serial.clone(), d2.entry.serial.clone()];
+    want.sort();
+    assert_eq!(serials, want);
+    let sig = ed25519_dalek::Signature::from_slice(&crl.signature_value.data).unwrap();
+    pki.ca().public_key().verify(crl.tbs_cert_list.as_ref(), &sig).expect("signed by the CA key");
+    // thisUpdate is the list's issue time, strictly increasing; nextUpdate the CA's expiry.
+    let list = RevocationList::load(&pki.revocation_list_path(), pki.ca().public_key()).unwrap();
+    assert_eq!(crl.last_update().timestamp() as u64, list.issued_at);
+    assert_eq!(crl.next_update().unwrap(), ca.validity().not_after);
+
+    // A lost CRL is written again, byte for byte (ed25519 signs deterministically).
+    std::fs::remove_file(pki.crl_path()).unwrap();
+    pki.write_crl().unwrap();
+    assert_eq!(std::fs::read(pki.crl_path()).unwrap(), pem_bytes);
+}

@@ -6,6 +6,10 @@
 //! enrolled device is a user of its own, so a device enrolled after the broker started is
 //! refused until the rules are written again and the broker reloads them, and a revoked device
 //! keeps its broker user until then: [`RulesWatch`] does both, each time the PKI changes.
+//! mosquitto's ACL is one set of patterns for every device; it refuses revoked devices at the
+//! TLS handshake from the CRL the CA writes (`crlfile …/ca.crl`, which it reads only when it
+//! (re)loads): its rules name the CRL's number, so a revocation changes them and the watch
+//! reloads the broker. A CRL behind `revoked.json` is an error, not rules.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,6 +33,10 @@ pub enum AccessError {
     Pki(CertError),
     #[error("service name {name:?}: {detail}")]
     BadService { name: String, detail: String },
+    #[error(
+        "{path} is CRL number {crl} but revoked.json is version {list}: a broker reading it would let revoked devices in; run `fedfleet-certs crl` where the CA key is, and copy ca.crl here"
+    )]
+    StaleCrl { path: PathBuf, crl: u64, list: u64 },
     #[error("writing {path}: {cause}")]
     Write { path: PathBuf, cause: std::io::Error },
 }
@@ -53,7 +61,23 @@ pub fn broker_rules(pki: &Path, broker: BrokerKind, services: &[String]) -> Resu
     let devices: Vec<_> =
         allow.devices.iter().filter(|(id, e)| e.revoked_at.is_none() && !revoked.contains(id)).map(|(id, _)| id.clone()).collect();
     Ok(match broker {
-        BrokerKind::Mosquitto => topics::mosquitto_acl(&allow.fleet, &services),
+        BrokerKind::Mosquitto => {
+            // The ACL's patterns hold for every certificate the broker lets in: a revoked device
+            // is turned away at the handshake by `crlfile`, so the CRL must be the list's.
+            let crl_path = layout::crl(pki);
+            let crl = fedfleet_certs::crl::summary(&crl_path)?;
+            if crl.number != revoked.version {
+                return Err(AccessError::StaleCrl { path: crl_path, crl: crl.number, list: revoked.version });
+            }
+            let mut acl = format!(
+                "# Revoked devices: {} (revoked.json version {}), refused at the handshake by crlfile {}\n",
+                crl.revoked,
+                crl.number,
+                layout::CA_CRL
+            );
+            acl.push_str(&topics::mosquitto_acl(&allow.fleet, &services));
+            acl
+        }
         BrokerKind::Nats => topics::nats_authorization(&allow.fleet, &services, &devices),
     })
 }

@@ -63,11 +63,14 @@ pub struct MosquittoConfig {
     /// Access rules (`acl_file` text, e.g. `fedfleet_control::topics::mosquitto_acl`); `None`:
     /// every client may use every topic.
     pub acl: Option<String>,
+    /// The fleet's CRL (`ca.crl`, `crlfile`): revoked devices are refused at the handshake. It is
+    /// read at start and on SIGHUP ([`Mosquitto::pid`]).
+    pub crl: Option<PathBuf>,
 }
 
 impl MosquittoConfig {
     pub fn new(binary: PathBuf, listen: SocketAddr, ca_cert: PathBuf, cert: PathBuf, key: PathBuf, work_dir: PathBuf) -> MosquittoConfig {
-        MosquittoConfig { binary, listen, ca_cert, cert, key, work_dir, max_packet_size: 4 * 1024 * 1024, acl: None }
+        MosquittoConfig { binary, listen, ca_cert, cert, key, work_dir, max_packet_size: 4 * 1024 * 1024, acl: None, crl: None }
     }
 }
 
@@ -112,6 +115,11 @@ impl Mosquitto {
 
     pub fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// The running broker's process id (`kill -HUP` reloads the ACL and the CRL).
+    pub fn pid(&self) -> Option<u32> {
+        self.daemon.pid()
     }
 
     pub fn log_path(&self) -> &Path {
@@ -179,6 +187,9 @@ fn config_text(cfg: &MosquittoConfig, addr: SocketAddr, key: &Path) -> String {
     );
     if cfg.acl.is_some() {
         conf.push_str(&format!("acl_file {}\n", cfg.work_dir.join("acl").display()));
+    }
+    if let Some(crl) = &cfg.crl {
+        conf.push_str(&format!("crlfile {}\n", crl.display()));
     }
     // As root, mosquitto drops to the `mosquitto` user, which cannot read the 0600 key.
     if running_as_root() {

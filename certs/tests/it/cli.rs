@@ -168,6 +168,10 @@ fn bundle_copies_exactly_the_files_a_role_needs() {
     let op = tmp.path().join("op-host");
     ok(certs(&dir, &["bundle", "--role", "operator", "--out", op.to_str().unwrap()]));
     assert_eq!(listing(&op), ["ca.crt", "servers/operator.crt", "servers/operator.key"]);
+    ok(certs(&dir, &["issue-server", "--name", "broker"]));
+    let broker = tmp.path().join("broker-host");
+    ok(certs(&dir, &["bundle", "--role", "broker", "--out", broker.to_str().unwrap()]));
+    assert_eq!(listing(&broker), ["ca.crl", "ca.crt", "devices.json", "revoked.json", "servers/broker.crt", "servers/broker.key"]);
     // Not issued yet: named, nothing written. Again into a full directory: refused without --force.
     let reg = tmp.path().join("reg-host");
     let e = one_line_error(certs(&dir, &["bundle", "--role", "registry", "--out", reg.to_str().unwrap()]));

@@ -110,6 +110,23 @@ impl Fleet {
         (c, e, identity.signing_key())
     }
 
+    /// Whether device `id` gets connected to the broker at `port` within `within` (then lets go).
+    pub async fn connects(&self, port: u16, id: &DeviceId, within: Duration) -> bool {
+        let (client, mut events, _) = self.device(port, id);
+        let connected = tokio::time::timeout(within, async {
+            while let Some(ev) = events.recv().await {
+                if matches!(ev, ControlEvent::Connected { .. }) {
+                    return true;
+                }
+            }
+            false
+        })
+        .await
+        .unwrap_or(false);
+        drop(client);
+        connected
+    }
+
     pub fn announcement(&self, round: u64) -> Signed<RoundAnnouncement> {
         Signed::sign(
             RoundAnnouncement {

@@ -95,7 +95,6 @@ async fn nats_routes_require_tls() {
 /// and the nodes reloaded (SIGHUP), then it connects; a device revoked since is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_users_follow_enrolment_and_revocation_through_the_rules_watch() {
-    use fedfleet_control::ControlEvent;
     use fedfleet_control::access::{BrokerKind, RulesWatch, Tick};
     let Some(bin) = binary() else { return };
     let f = Fleet::new(2);
@@ -114,21 +113,7 @@ async fn nats_users_follow_enrolment_and_revocation_through_the_rules_watch() {
     let mut watch = RulesWatch::new(f.pki.dir().to_path_buf(), BrokerKind::Nats, services, rules, hup);
     assert_eq!(watch.tick().unwrap(), Tick::Unchanged);
 
-    let connects = async |id: &fedfleet_protocol::DeviceId, within: Duration| {
-        let (client, mut events, _) = f.device(port, id);
-        let connected = tokio::time::timeout(within, async {
-            while let Some(ev) = events.recv().await {
-                if matches!(ev, ControlEvent::Connected { .. }) {
-                    return true;
-                }
-            }
-            false
-        })
-        .await
-        .unwrap_or(false);
-        drop(client);
-        connected
-    };
+    let connects = async |id: &fedfleet_protocol::DeviceId, within: Duration| f.connects(port, id, within).await;
     assert!(connects(&f.devices[0], Duration::from_secs(30)).await, "an enrolled device connects");
 
     let late = fedfleet_protocol::DeviceId::new("dev-late").unwrap();
