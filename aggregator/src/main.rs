@@ -79,7 +79,9 @@ enum Cmd {
     /// Write the fleet's MQTT access rules for an external broker, from the PKI: devices publish
     /// only their own status and updates and hear the announcements and their own receipts;
     /// only the named services publish announcements. mosquitto: an `acl_file` (run it with
-    /// `use_identity_as_username true`); NATS: the `authorization` block of each node's config
+    /// `use_identity_as_username true` and `crlfile PKI/ca.crl`, which refuses revoked devices;
+    /// the rules name the CRL's number, so a revocation reloads the broker under `--watch`, and a
+    /// ca.crl behind revoked.json is an error); NATS: the `authorization` block of each node's config
     /// (MQTT listener with `verify_and_map: true`), one user per enrolled device, revoked devices
     /// left out. With `--watch`, keeps running: writes the file again whenever the PKI's rules
     /// change (a device enrolled or revoked) and then runs the broker's reload command, e.g.

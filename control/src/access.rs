@@ -34,9 +34,9 @@ pub enum AccessError {
     #[error("service name {name:?}: {detail}")]
     BadService { name: String, detail: String },
     #[error(
-        "{path} is CRL number {crl} but revoked.json is version {list}: a broker reading it would let revoked devices in; run `fedfleet-certs crl` where the CA key is, and copy ca.crl here"
+        "{path}: {detail}, so a broker reading it would let revoked devices in; run `fedfleet-certs crl` where the CA key is and copy ca.crl here"
     )]
-    StaleCrl { path: PathBuf, crl: u64, list: u64 },
+    CrlNotCurrent { path: PathBuf, detail: String },
     #[error("writing {path}: {cause}")]
     Write { path: PathBuf, cause: std::io::Error },
 }
@@ -65,9 +65,13 @@ pub fn broker_rules(pki: &Path, broker: BrokerKind, services: &[String]) -> Resu
             // The ACL's patterns hold for every certificate the broker lets in: a revoked device
             // is turned away at the handshake by `crlfile`, so the CRL must be the list's.
             let crl_path = layout::crl(pki);
+            if !crl_path.exists() {
+                return Err(AccessError::CrlNotCurrent { path: crl_path, detail: "missing".into() });
+            }
             let crl = fedfleet_certs::crl::summary(&crl_path)?;
             if crl.number != revoked.version {
-                return Err(AccessError::StaleCrl { path: crl_path, crl: crl.number, list: revoked.version });
+                let detail = format!("CRL number {} but revoked.json is version {}", crl.number, revoked.version);
+                return Err(AccessError::CrlNotCurrent { path: crl_path, detail });
             }
             let mut acl = format!(
                 "# Revoked devices: {} (revoked.json version {}), refused at the handshake by crlfile {}\n",

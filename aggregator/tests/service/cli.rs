@@ -219,7 +219,8 @@ async fn campaign_wait_reports_every_round_including_the_last() {
 }
 
 /// `broker-access` writes the fleet's broker rules from the PKI: under NATS one user per enrolled
-/// device, a revoked device left out; a service name that is not a name is refused.
+/// device, a revoked device left out; under mosquitto the ACL names the CRL that refuses it, and
+/// a missing CRL is an error; a service name that is not a name is refused.
 #[test]
 fn broker_access_writes_the_rules_and_leaves_revoked_devices_out() {
     use fedfleet_certs::{LEAF_DAYS, Pki};
@@ -251,6 +252,11 @@ fn broker_access_writes_the_rules_and_leaves_revoked_devices_out() {
     assert_eq!(code, Some(0));
     assert!(acl.contains("pattern write fedfleet/v1/acme/devices/%u/status") && acl.contains("user aggregator\n"), "{acl}");
     assert!(!acl.contains("user registry"), "{acl}");
+    assert!(acl.contains("# Revoked devices: 1 (revoked.json version 2), refused at the handshake by crlfile ca.crl"), "{acl}");
+    std::fs::remove_file(pki.crl_path()).unwrap();
+    let (code, _, err) = run(&["--broker", "mosquitto"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("ca.crl: missing, so a broker reading it would let revoked devices in; run `fedfleet-certs crl`"), "{err}");
     let (code, _, err) = run(&["--broker", "nats", "--service", "bad name"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("service name \"bad name\""), "{err}");
