@@ -86,7 +86,7 @@ pub fn train_update(
     let delta = match &a.config.device_privacy {
         Some(p) => {
             let (private, did) = fedfleet_agent_core::privacy::privatize(&out.delta, p, &mut rand::rngs::OsRng)?;
-            tracing::debug!(norm = did.norm, scale = did.scale, noise_stddev = p.noise_stddev, "update clipped and noised on the device");
+            tracing::info!(norm = did.norm, scale = did.scale, noise_stddev = p.noise_stddev, "update clipped and noised on the device");
             private
         }
         None => out.delta,

@@ -16,6 +16,8 @@ use crate::clients::Aggregator;
 
 /// How often the stages are polled.
 const POLL: Duration = Duration::from_millis(200);
+/// The wait after an `overloaded` refusal that names no retry-after.
+const OVERLOADED_RETRY: Duration = Duration::from_secs(1);
 
 fn refused(reason: RejectReason, detail: impl Into<String>) -> UploadOutcome {
     UploadOutcome::Rejected(Rejection::new(reason, detail))
@@ -57,7 +59,7 @@ pub async fn securely_aggregate<A: Aggregator>(
         Ok(c) => c,
         Err(e) => return refused(RejectReason::NotSelected, e.to_string()),
     };
-    if let Err(outcome) = send(agg, &keys, &[]).await {
+    if let Err(outcome) = send(agg, &keys, &[], round, &now).await {
         return outcome;
     }
     let mut masked_digest = None;
@@ -107,7 +109,7 @@ pub async fn securely_aggregate<A: Aggregator>(
         };
         match step {
             Ok((message, vector)) => {
-                if let Err(outcome) = send(agg, &message, &vector).await {
+                if let Err(outcome) = send(agg, &message, &vector, round, &now).await {
                     return outcome;
                 }
             }
@@ -126,11 +128,107 @@ fn acts_at(mine: Stage) -> Stage {
     }
 }
 
-/// Sends one stage message; a refusal or a lost connection ends the device's part.
-async fn send<A: Aggregator>(agg: &A, message: &Signed<Message>, vector: &[u8]) -> Result<(), UploadOutcome> {
-    match agg.secagg_send(&message.encode(), vector).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(r)) => Err(UploadOutcome::Rejected(r)),
-        Err(e) => Err(refused(RejectReason::SecAggFailed, format!("lost the aggregator during secure aggregation: {}", e.0))),
+/// Sends one stage message. An `overloaded` refusal took nothing in (the aggregator turned the
+/// connection or the message away before reading it), so the same message goes again after the
+/// retry-after it names plus up to as much again of jitter (a crowd refused together does not
+/// return together), within the round's deadline; the device keeps its secrets meanwhile. Any
+/// other refusal, or a lost connection, ends the device's part.
+async fn send<A: Aggregator>(
+    agg: &A,
+    message: &Signed<Message>,
+    vector: &[u8],
+    round: &RoundAnnouncement,
+    now: &impl Fn() -> Millis,
+) -> Result<(), UploadOutcome> {
+    let bytes = message.encode();
+    loop {
+        match agg.secagg_send(&bytes, vector).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(r)) if r.reason == RejectReason::Overloaded => {
+                let after = fedfleet_protocol::reject::retry_after_ms(&r.detail).unwrap_or(OVERLOADED_RETRY.as_millis() as u64);
+                let wait = after + rand::Rng::gen_range(&mut rand::rngs::OsRng, 0..=after);
+                if now().saturating_add(wait) >= round.deadline_unix_ms {
+                    return Err(UploadOutcome::Rejected(r));
+                }
+                tracing::debug!(retry_in_ms = wait, detail = %r.detail, "secure-aggregation message turned away for load; sending it again");
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+            }
+            Ok(Err(r)) => return Err(UploadOutcome::Rejected(r)),
+            Err(e) => return Err(refused(RejectReason::SecAggFailed, format!("lost the aggregator during secure aggregation: {}", e.0))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use fedfleet_protocol::{FleetId, ModelRef, ModelVersion, RoundConfig, RoundId, Selection};
+
+    use fedfleet_secagg::Body;
+
+    use super::*;
+    use crate::clients::{BaseModel, TransportError, UploadReply};
+
+    /// Refuses the first `overloaded` sends for load, then takes them; counts every send.
+    struct Busy {
+        overloaded: Mutex<u32>,
+        sends: Mutex<u32>,
+    }
+
+    impl Aggregator for Busy {
+        async fn current_round(&self, _: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
+            Ok(None)
+        }
+        async fn fetch_base_model(&self, _: &ModelRef) -> Result<BaseModel, TransportError> {
+            Err(TransportError("no models here".into()))
+        }
+        async fn upload(&self, _: &[u8], _: &[u8]) -> Result<UploadReply, TransportError> {
+            Err(TransportError("no uploads here".into()))
+        }
+        async fn secagg_send(&self, _: &[u8], _: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
+            *self.sends.lock().unwrap() += 1;
+            let mut left = self.overloaded.lock().unwrap();
+            if *left == 0 {
+                return Ok(Ok(()));
+            }
+            *left -= 1;
+            Ok(Err(Rejection::new(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail("device connections", 20))))
+        }
+    }
+
+    fn round(deadline_unix_ms: u64) -> RoundAnnouncement {
+        RoundAnnouncement {
+            fleet: FleetId::new("f").unwrap(),
+            round: RoundId(1),
+            base_model: ModelRef { name: "m".into(), version: ModelVersion(1), digest: fedfleet_protocol::Digest::of(b"m") },
+            config: RoundConfig::default(),
+            deadline_unix_ms,
+            selection: Selection::All,
+        }
+    }
+
+    fn keys() -> Signed<Message> {
+        let body = Body::Keys { c_public: [1; 32], s_public: [2; 32], b_commitment: [3; 32] };
+        let m = Message { round: RoundId(1), session: [0; 32], device: DeviceId::new("dev-1").unwrap(), body };
+        Signed::sign(m, &SigningKey::from_bytes(&[4; 32]))
+    }
+
+    /// A stage message turned away for load goes again after the retry-after (the device keeps
+    /// its part in the round); one that could only go again after the deadline is given up with
+    /// the refusal as it came.
+    #[tokio::test]
+    async fn a_stage_message_turned_away_for_load_is_sent_again_after_its_retry_after() {
+        let busy = Busy { overloaded: Mutex::new(3), sends: Mutex::new(0) };
+        let start = std::time::Instant::now();
+        let clock = || 1_000 + start.elapsed().as_millis() as u64;
+        assert!(send(&busy, &keys(), &[], &round(u64::MAX), &clock).await.is_ok());
+        assert_eq!(*busy.sends.lock().unwrap(), 4, "three refusals, then taken");
+        let waited = start.elapsed().as_millis();
+        assert!(waited >= 60, "each retry waits at least the 20 ms retry-after: waited {waited} ms");
+
+        let busy = Busy { overloaded: Mutex::new(1), sends: Mutex::new(0) };
+        let Err(UploadOutcome::Rejected(r)) = send(&busy, &keys(), &[], &round(1_010), &|| 1_000).await else { panic!("given up") };
+        assert_eq!((r.reason, *busy.sends.lock().unwrap()), (RejectReason::Overloaded, 1));
     }
 }

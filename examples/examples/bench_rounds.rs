@@ -630,6 +630,7 @@ async fn run_campaign(
     let started = Instant::now();
     campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
+    let mut stepper = Stepper::default();
     while poller.latest().published < published0 + args.rounds as u64 {
         if Instant::now() > deadline {
             bail!("the campaign did not finish in {} s (see {})", args.timeout_secs, log.display());
@@ -639,13 +640,16 @@ async fn run_campaign(
         }
         match &mut fleet {
             Devices::None => {}
-            Devices::All(f) => step_all(f).await?,
+            Devices::All(f) => stepper.step(f).await?,
             Devices::Sampled(f) => {
                 f.step().await?;
             }
         }
         watch();
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+    }
+    if let Devices::All(f) = &mut fleet {
+        stepper.finish(f).await?;
     }
     let udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
     let _ = stop_probe.send(true);
@@ -1079,30 +1083,65 @@ impl Drop for ChildGuard {
 /// Every agent polls the services and runs what it has to (train, upload, ...), each as its
 /// own task, as a fleet of devices would; returns when all are done.
 async fn step_all(fleet: &mut RemoteFleet) -> anyhow::Result<()> {
-    let tasks: Vec<_> = std::mem::take(&mut fleet.agents)
-        .into_iter()
-        .map(|mut agent| {
-            tokio::spawn(async move {
+    let mut stepper = Stepper::default();
+    stepper.step(fleet).await?;
+    stepper.finish(fleet).await
+}
+
+type AgentStep = tokio::task::JoinHandle<(
+    fedfleet_agent::agent::Agent<fedfleet_agent::remote::RemoteAggregator, fedfleet_agent::remote::RemoteRegistry>,
+    Result<usize, fedfleet_agent::lifecycle::AgentError>,
+)>;
+
+/// Steps the agents without waiting for the slow ones: an agent still in its last step (a
+/// securely aggregated round holds its upload through the stages, until the whole roster has
+/// sent) runs on, and the others step again, so the agents later in the round's start window
+/// are not held back by those already uploading (they would never train, and the keys stage
+/// would wait for them until its end).
+#[derive(Default)]
+struct Stepper {
+    running: Vec<AgentStep>,
+}
+
+impl Stepper {
+    /// Takes back the agents whose step ended, and starts a step for each idle agent.
+    async fn step(&mut self, fleet: &mut RemoteFleet) -> anyhow::Result<()> {
+        self.collect(fleet, false).await?;
+        for mut agent in std::mem::take(&mut fleet.agents) {
+            self.running.push(tokio::spawn(async move {
                 let r = async {
                     agent.poll_control().await?;
                     agent.drive().await
                 }
                 .await;
                 (agent, r)
-            })
-        })
-        .collect();
-    let mut failure = None;
-    for t in tasks {
-        let (agent, r) = t.await.context("an agent task panicked")?;
-        if let Err(e) = r {
-            failure.get_or_insert(e);
+            }));
         }
-        fleet.agents.push(agent);
+        Ok(())
     }
-    match failure {
-        Some(e) => Err(anyhow::anyhow!("agent: {e}")),
-        None => Ok(()),
+
+    /// Waits for every running step and gives the fleet all its agents back.
+    async fn finish(&mut self, fleet: &mut RemoteFleet) -> anyhow::Result<()> {
+        self.collect(fleet, true).await
+    }
+
+    async fn collect(&mut self, fleet: &mut RemoteFleet, wait: bool) -> anyhow::Result<()> {
+        let mut failure = None;
+        for t in std::mem::take(&mut self.running) {
+            if !wait && !t.is_finished() {
+                self.running.push(t);
+                continue;
+            }
+            let (agent, r) = t.await.context("an agent task panicked")?;
+            if let Err(e) = r {
+                failure.get_or_insert(e);
+            }
+            fleet.agents.push(agent);
+        }
+        match failure {
+            Some(e) => Err(anyhow::anyhow!("agent: {e}")),
+            None => Ok(()),
+        }
     }
 }
 
@@ -1437,13 +1476,18 @@ struct Recorder {
 }
 
 impl Recorder {
-    /// Records the agents' INFO events of interest; WARN and above of everything go to stderr.
+    /// Records the agents' INFO events of interest; WARN and above of everything go to stderr, or
+    /// what `BENCH_ROUNDS_LOG` names (`fedfleet_agent=debug,warn`: the in-process agents' story).
     fn install() -> Recorder {
         let recorder = Recorder::default();
         let agent_events = tracing_subscriber::filter::Targets::new().with_target("fedfleet_agent", tracing::Level::INFO);
+        let stderr = std::env::var("BENCH_ROUNDS_LOG")
+            .ok()
+            .and_then(|s| s.parse::<tracing_subscriber::filter::Targets>().ok())
+            .unwrap_or_else(|| tracing_subscriber::filter::Targets::new().with_default(tracing::Level::WARN));
         let subscriber = tracing_subscriber::registry()
             .with(recorder.clone().with_filter(agent_events))
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(tracing_subscriber::filter::LevelFilter::WARN));
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(stderr));
         let _ = tracing::subscriber::set_global_default(subscriber);
         recorder
     }

@@ -159,3 +159,56 @@ fn a_secure_round_publishes_the_plain_rounds_model_and_stores_no_agents_update()
     let leaked: Vec<usize> = found(&secure_files, &all).iter().enumerate().filter(|(_, h)| **h).map(|(i, _)| i / WINDOWS).collect();
     assert!(leaked.is_empty(), "windows of agents' clear updates in the secure aggregator's files: {leaked:?}\n{context}");
 }
+
+/// DP-FedAvg under secure aggregation through the real processes: the announcement tells each
+/// agent to clip its update to C and add its `1/√quorum` share of the noise σ = z·C before
+/// masking; the aggregator unmasks only the noised sum and adds nothing. The published model
+/// moved from the initial one by the noise's spread (z·C·√(agents/quorum)/target per
+/// coordinate, far above the clipped mean step), every agent says it noised, nothing reached the
+/// aggregator in the clear, and the campaign's status and the version's metrics carry the ε spent.
+#[test]
+fn dp_fedavg_under_secure_aggregation_noises_on_the_agents_and_publishes_the_spend() {
+    const CLIP: f64 = 6.0;
+    const Z: f64 = 1.0;
+    let mut d = deployment(None);
+    d.set("aggregator.toml", "strategy", &format!("\"dp_fedavg\"\nclip_norm = {CLIP}\nnoise_multiplier = {Z}\ndelta = 1e-5"));
+    std::fs::write(
+        d.path("aggregator.toml"),
+        std::fs::read_to_string(d.path("aggregator.toml")).unwrap() + "\n[secure_aggregation]\ndegree = 4\n",
+    )
+    .unwrap();
+    d.start("fedfleet-agent");
+    let status = campaign(&d).join().expect("the campaign");
+    d.stop_agents();
+    let log = d.log("aggregator");
+    let agents = d.agent_logs();
+    let context = format!("status: {status}\naggregator:\n{}\nagent-1:\n{}", tail(&log, 30), tail(&d.log("agent-1"), 20));
+    assert!(
+        status.contains("secure aggregation: SecAgg+, 4 neighbours")
+            && status.contains("privacy: DP-FedAvg, noise split across the devices, noise multiplier 1"),
+        "`campaign start` names both modes\n{context}"
+    );
+    assert_eq!(agents.matches("update clipped and noised on the device").count(), AGENTS, "{context}");
+    assert_eq!(agents.matches("update securely aggregated").count(), AGENTS, "{context}");
+    assert_eq!(count_lines(&log, "update accepted"), 0, "no update reached the aggregator in the clear\n{context}");
+
+    // The round's model: the one global model in the aggregator's store that is not the initial.
+    let limits = BundleLimits::default();
+    let initial_bytes = std::fs::read(d.path("aggregator/initial.safetensors")).unwrap();
+    let initial = TensorBundle::decode(&initial_bytes, &limits).unwrap().flat_f32();
+    let models: Vec<Vec<u8>> =
+        files(&d.path("aggregator/models")).iter().map(|p| std::fs::read(p).unwrap()).filter(|b| *b != initial_bytes).collect();
+    assert_eq!(models.len(), 1, "one round, one new global model\n{context}");
+    let published = TensorBundle::decode(&models[0], &limits).unwrap().flat_f32();
+    let step: Vec<f64> = published.iter().zip(&initial).map(|(m, b)| f64::from(*m) - f64::from(*b)).collect();
+    let sd = (step.iter().map(|x| x * x).sum::<f64>() / step.len() as f64).sqrt();
+    let (quorum, target) = (AGENTS as f64, (AGENTS + 1) as f64);
+    let want = Z * CLIP * (AGENTS as f64 / quorum).sqrt() / target;
+    // 4,810 coordinates: the estimate's own spread is 1 %; the clipped mean step adds at most
+    // C·agents/target over them all (rms 0.07 against the noise's 1.0).
+    assert!((sd - want).abs() < 0.05 * want, "the model moved by {sd} per coordinate, want the noise's {want}\n{context}");
+
+    let versions = d.versions("digits");
+    let epsilon = versions[1]["metrics"]["dp_epsilon"].as_f64().unwrap_or_else(|| panic!("v2 has no dp_epsilon: {}", versions[1]));
+    assert!(epsilon > 0.0 && status.contains(&format!("ε = {epsilon:.3} spent")), "ε {epsilon} in the version and the status\n{context}");
+}
