@@ -11,7 +11,8 @@
 # bench_learning --quick, fl_digits (the fedfleet side of benches/flower/run.sh), bench_async
 # (FedBuff against rounds, simulated time), bench_secagg (SecAgg+ cores, one round), bench_dp (DP-FedAvg accuracy against ε), bench_rounds (real aggregator and agent processes; and its sampled fleet). The Flower sides of benches/flower/*.sh need
 # flwr[simulation] and ray from PyPI and are not run here; their fedfleet sides are
-# (fl_digits, bench_rounds' deployment path).
+# (fl_digits, bench_rounds' deployment path, bench_rounds --secure-aggregation and bench_secagg
+# for secagg.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=target/debug

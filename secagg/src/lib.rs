@@ -39,6 +39,24 @@
 //! weight rides as one more coordinate, so the aggregator learns only `Σ w`. [`Params::validate`]
 //! refuses a grid whose sum over the roster could leave `±2⁶³`: the sum modulo 2⁶⁴ is then the
 //! exact integer sum. [`Aggregate::to_fixed`] moves it onto the round engine's 2⁻⁴⁸ grid.
+//!
+//! # Noise on the grid (DP-FedAvg under secure aggregation)
+//! With `dp_fedavg`, device `i` clips its update to `C`, adds `N(0, σ²/q)` per coordinate
+//! (`σ = z·C`, `q` the quorum) in f32, and only then is it clamped and rounded here. So the
+//! aggregator holds `Σᵢ r(xᵢ + nᵢ)` over the `m ≥ q` survivors, where `r` clamps to `±clip` and
+//! rounds to the grid, and the accountant (the sampled Gaussian's RDP, `fedfleet-rounds`) books
+//! it as the continuous mechanism `Σ xᵢ + N(0, σ²·m/q)`, whose noise is at least `σ²`. What that
+//! leaves out, stated rather than claimed away:
+//! - **Rounding.** `Σᵢ r(xᵢ + nᵢ) = Σᵢ (xᵢ + nᵢ) + E` with `|E| ≤ m·2^-(frac_bits+1)` per
+//!   coordinate, and `E` depends on the data: the release is not a post-processing of the
+//!   Gaussian sum, so the booked ε is not a proof for it. At `frac_bits = 24` the step is
+//!   6·10⁻⁸, about 10⁻⁵ of a typical device's noise share (`σ/√q` ≥ 10⁻³): the gap is small in
+//!   size, not closed in proof. The rigorous route is the distributed discrete Gaussian
+//!   (Kairouz, Liu, Steinke, ICML 2021: noise drawn on the grid after a randomized rounding with
+//!   a norm check, accounted as a sum of discrete Gaussians); it is not built.
+//! - **Clamping.** A value past `±clip` (1000 by default) is clamped, also data-dependently;
+//!   at noise shares far below `clip` this has probability below 10⁻¹⁰⁰ per coordinate.
+//! - **Survivors past the quorum** add noise (`m/q` ≥ 1): the accounting stays conservative.
 
 use std::collections::{BTreeMap, BTreeSet};
 
