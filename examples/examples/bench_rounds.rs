@@ -121,6 +121,12 @@ struct Args {
     /// stages. Not with --sampled.
     #[arg(long)]
     secure_aggregation: bool,
+    /// The agents talk to one regional relay (`fedfleet-aggregator relay`, its region the whole
+    /// fleet) under the root, which folds the relay's partial sum: what one relay takes. The
+    /// table's aggregator figures (CPU per update, peak RSS, ingest stages) are the relay's; the
+    /// root's CPU is printed beside them.
+    #[arg(long, conflicts_with_all = ["secure_aggregation", "sampled"])]
+    via_relay: bool,
     /// A big enrolled fleet of which each round samples a few (with --sampling-rate, e.g.
     /// `--agents 100000 --sampling-rate 0.01`): devices are enrolled in memory (one devices.json
     /// write) and hold only their identity; one shared listener hears each round's announcement
@@ -475,6 +481,59 @@ struct Services {
     setup_s: f64,
     /// `--sampled`: the fleet's identities, enrolled in memory.
     identities: Vec<fedfleet_certs::DeviceIdentity>,
+    /// `--via-relay`: the relay the agents talk to.
+    relay: Option<Relay>,
+}
+
+/// A `fedfleet-aggregator relay` process under the root.
+struct Relay {
+    process: AggregatorProcess,
+    metrics_addr: std::net::SocketAddr,
+    receipt_key: ed25519_dalek::VerifyingKey,
+}
+
+impl Services {
+    /// The process the agents upload to (the relay, or the root): whose CPU, memory and ingest
+    /// stages the benchmark reports.
+    fn ingest_pid(&self) -> u32 {
+        self.relay.as_ref().map_or(self.agg.pid(), |r| r.process.pid())
+    }
+
+    fn ingest_metrics(&self) -> std::net::SocketAddr {
+        self.relay.as_ref().map_or(self.metrics_addr, |r| r.metrics_addr)
+    }
+}
+
+/// Starts a relay of the root at `root` with the root's config `root_toml` (less what only the
+/// root has), its own certificate, state and metrics, its region every enrolled device.
+fn start_relay(bin: &Path, pki: &Pki, dir: &Path, root_toml: &str, root: std::net::SocketAddr, root_dir: &Path) -> anyhow::Result<Relay> {
+    pki.issue_server("relay", &[], 30, false)?;
+    let relay_dir = dir.join("relay");
+    std::fs::create_dir_all(&relay_dir)?;
+    let metrics_addr = free_loopback_port()?;
+    let mut config: String = root_toml
+        .lines()
+        .filter(|l| !["registry = ", "server_name = ", "[publish]"].iter().any(|k| l.starts_with(k)))
+        .map(|l| match l {
+            l if l.starts_with("listen = ") => "listen = \"127.0.0.1:0\"".to_owned(),
+            l if l.starts_with("server_identity = ") => "server_identity = \"relay\"".to_owned(),
+            l if l.starts_with("data_dir = ") => format!("data_dir = {:?}", relay_dir.join("data").display().to_string()),
+            l if l.starts_with("metrics_addr = ") => format!("metrics_addr = \"{metrics_addr}\""),
+            l => l.to_owned(),
+        })
+        .map(|l| l + "\n")
+        .collect();
+    let parent_key = root_dir.join("data").join("receipt.pub");
+    config += &format!(
+        "\n[relay]\nparent = \"{root}\"\nparent_receipt_key = {:?}\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
+        parent_key.display().to_string()
+    );
+    let path = relay_dir.join("relay.toml");
+    std::fs::write(&path, config)?;
+    let process = AggregatorProcess::spawn_as(bin, "relay", &path, &relay_dir.join("relay.log"))?;
+    let receipt_key =
+        fedfleet_aggregator::keys::read_public(&relay_dir.join("data").join("receipt.pub")).context("the relay's receipt key")?;
+    Ok(Relay { process, metrics_addr, receipt_key })
 }
 
 /// `--sampled`: the identity that listens for announcements on the whole fleet's behalf.
@@ -511,13 +570,20 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     // whose receive buffer the fleet's datagrams do not fill.
     let operator_addr = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?;
     let config = agg_dir.join("aggregator.toml");
-    let toml = aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target);
+    let mut toml = aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target);
+    if args.via_relay {
+        toml = format!("relays = [\"relay\"]\n{toml}");
+    }
     // The operator CLI's requests go to the console, a TCP listener of its own.
     let console_addr = free_loopback_port()?;
     std::fs::write(&config, format!("operator_listen = \"{operator_addr}\"\n{toml}\n[console]\nlisten = \"{console_addr}\"\n"))?;
     let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
+    let relay = match args.via_relay {
+        true => Some(start_relay(&aggregator_bin, &pki, &dir, &toml, agg.addr, &agg_dir)?),
+        false => None,
+    };
     Ok(Services {
         dir,
         _tmp: tmp,
@@ -535,6 +601,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         update_bytes_each: bundle.len(),
         setup_s: setup.elapsed().as_secs_f64(),
         identities,
+        relay,
     })
 }
 
@@ -617,15 +684,16 @@ async fn run_campaign(
     poller.wait_first(Duration::from_secs(30)).await?;
     // What the aggregator spends answering this benchmark's own scrapes (every METRICS_PERIOD),
     // measured before the campaign, so that its CPU per update can be given without them.
-    let idle0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
+    let idle0 = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(0.0);
     tokio::time::sleep(SCRAPE_COST_WINDOW).await;
-    let scrape_cpu_per_s = (proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0) - idle0) / SCRAPE_COST_WINDOW.as_secs_f64();
+    let scrape_cpu_per_s = (proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(0.0) - idle0) / SCRAPE_COST_WINDOW.as_secs_f64();
     let log = sv.agg_dir.join("aggregator.log");
-    let agg_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
+    let agg_cpu0 = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(0.0);
+    let root_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
-    let ingest0 = ingest_seconds(sv.metrics_addr).await;
+    let ingest0 = ingest_seconds(sv.ingest_metrics()).await;
     let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.console_addr);
     let started = Instant::now();
     campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
@@ -637,6 +705,11 @@ async fn run_campaign(
         }
         if !sv.agg.running() {
             bail!("the aggregator exited (see {})", log.display());
+        }
+        if let Some(r) = &mut sv.relay
+            && !r.process.running()
+        {
+            bail!("the relay exited (see {})", sv.dir.join("relay/relay.log").display());
         }
         match &mut fleet {
             Devices::None => {}
@@ -655,11 +728,15 @@ async fn run_campaign(
     let _ = stop_probe.send(true);
     let (status_ms, status_failures) = probe.await.unwrap_or_default();
     let ingest_s =
-        ingest_seconds(sv.metrics_addr).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
-    let agg_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
+        ingest_seconds(sv.ingest_metrics()).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
+    let agg_cpu_s = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
+    if sv.relay.is_some() {
+        let root_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - root_cpu0;
+        eprintln!("  via one relay: the root's CPU over the campaign {root_cpu_s:.2} s (the relay's {agg_cpu_s:.2} s, in the table)");
+    }
     let wall_s = started.elapsed().as_secs_f64();
     let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
-    let agg_peak_rss_kib = proc_status_kib(&sv.agg.pid().to_string(), "VmHWM").unwrap_or(0);
+    let agg_peak_rss_kib = proc_status_kib(&sv.ingest_pid().to_string(), "VmHWM").unwrap_or(0);
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let samples = poller.stop().await;
     let status = operator_status(&sv.pki, sv.operator_addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
@@ -801,9 +878,9 @@ fn fleet_options(sv: &Services, devices: Vec<DeviceId>) -> anyhow::Result<FleetO
         sv.pki.dir(),
         FleetId::new(FLEET)?,
         devices,
-        sv.agg.addr,
+        sv.relay.as_ref().map_or(sv.agg.addr, |r| r.process.addr),
         sv.registry_service.addr,
-        sv.receipt_key,
+        sv.relay.as_ref().map_or(sv.receipt_key, |r| r.receipt_key),
         sv.pinned_root.clone(),
         MODEL_NAME,
         sv.dir.join("agents"),
@@ -1254,9 +1331,14 @@ struct AggregatorProcess {
 impl AggregatorProcess {
     /// Starts `serve` and waits for its "listening on ADDR" line.
     fn spawn(bin: &Path, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
+        Self::spawn_as(bin, "serve", config, log)
+    }
+
+    /// Starts `bin command --config config` (`serve` or `relay`) and waits for its address.
+    fn spawn_as(bin: &Path, command: &str, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
         let log_file = std::fs::File::create(log)?;
         let mut child = Command::new(bin)
-            .arg("serve")
+            .arg(command)
             .arg("--config")
             .arg(config)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
