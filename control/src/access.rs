@@ -58,8 +58,6 @@ pub fn broker_rules(pki: &Path, broker: BrokerKind, services: &[String]) -> Resu
     let ca = CaCert::load(layout::ca_cert(pki))?;
     let revoked = RevocationList::load(&layout::revocation_list(pki), ca.public_key())?;
     let services: Vec<&str> = services.iter().map(String::as_str).collect();
-    let devices: Vec<_> =
-        allow.devices.iter().filter(|(id, e)| e.revoked_at.is_none() && !revoked.contains(id)).map(|(id, _)| id.clone()).collect();
     Ok(match broker {
         BrokerKind::Mosquitto => {
             // The ACL's patterns hold for every certificate the broker lets in: a revoked device
@@ -82,7 +80,11 @@ pub fn broker_rules(pki: &Path, broker: BrokerKind, services: &[String]) -> Resu
             acl.push_str(&topics::mosquitto_acl(&allow.fleet, &services));
             acl
         }
-        BrokerKind::Nats => topics::nats_authorization(&allow.fleet, &services, &devices),
+        BrokerKind::Nats => {
+            let devices: Vec<_> =
+                allow.devices.iter().filter(|(id, e)| e.revoked_at.is_none() && !revoked.contains(id)).map(|(id, _)| id.clone()).collect();
+            topics::nats_authorization(&allow.fleet, &services, &devices)
+        }
     })
 }
 

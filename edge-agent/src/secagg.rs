@@ -16,8 +16,6 @@ use crate::clients::Aggregator;
 
 /// How often the stages are polled.
 const POLL: Duration = Duration::from_millis(200);
-/// The wait after an `overloaded` refusal that names no retry-after.
-const OVERLOADED_RETRY: Duration = Duration::from_secs(1);
 
 fn refused(reason: RejectReason, detail: impl Into<String>) -> UploadOutcome {
     UploadOutcome::Rejected(Rejection::new(reason, detail))
@@ -145,7 +143,10 @@ async fn send<A: Aggregator>(
         match agg.secagg_send(&bytes, vector).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(r)) if r.reason == RejectReason::Overloaded => {
-                let after = fedfleet_protocol::reject::retry_after_ms(&r.detail).unwrap_or(OVERLOADED_RETRY.as_millis() as u64);
+                // A refusal naming no retry-after: the admission's default, as for a connection
+                // refused before its handshake.
+                let default = fedfleet_net::admission::DEFAULT_RETRY_AFTER.as_millis() as u64;
+                let after = fedfleet_protocol::reject::retry_after_ms(&r.detail).unwrap_or(default);
                 let wait = after + rand::Rng::gen_range(&mut rand::rngs::OsRng, 0..=after);
                 if now().saturating_add(wait) >= round.deadline_unix_ms {
                     return Err(UploadOutcome::Rejected(r));

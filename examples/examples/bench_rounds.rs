@@ -492,15 +492,24 @@ struct Relay {
     receipt_key: ed25519_dalek::VerifyingKey,
 }
 
+/// The service the agents upload to: the relay under `--via-relay`, else the root. Its CPU,
+/// memory and ingest stages are what the benchmark reports.
+struct Uplink<'a> {
+    process: &'a AggregatorProcess,
+    metrics_addr: std::net::SocketAddr,
+    receipt_key: ed25519_dalek::VerifyingKey,
+}
+
 impl Services {
-    /// The process the agents upload to (the relay, or the root): whose CPU, memory and ingest
-    /// stages the benchmark reports.
-    fn ingest_pid(&self) -> u32 {
-        self.relay.as_ref().map_or(self.agg.pid(), |r| r.process.pid())
+    fn uplink(&self) -> Uplink<'_> {
+        match &self.relay {
+            Some(r) => Uplink { process: &r.process, metrics_addr: r.metrics_addr, receipt_key: r.receipt_key },
+            None => Uplink { process: &self.agg, metrics_addr: self.metrics_addr, receipt_key: self.receipt_key },
+        }
     }
 
-    fn ingest_metrics(&self) -> std::net::SocketAddr {
-        self.relay.as_ref().map_or(self.metrics_addr, |r| r.metrics_addr)
+    fn ingest_pid(&self) -> u32 {
+        self.uplink().process.pid()
     }
 }
 
@@ -511,18 +520,8 @@ fn start_relay(bin: &Path, pki: &Pki, dir: &Path, root_toml: &str, root: std::ne
     let relay_dir = dir.join("relay");
     std::fs::create_dir_all(&relay_dir)?;
     let metrics_addr = free_loopback_port()?;
-    let mut config: String = root_toml
-        .lines()
-        .filter(|l| !["registry = ", "server_name = ", "[publish]"].iter().any(|k| l.starts_with(k)))
-        .map(|l| match l {
-            l if l.starts_with("listen = ") => "listen = \"127.0.0.1:0\"".to_owned(),
-            l if l.starts_with("server_identity = ") => "server_identity = \"relay\"".to_owned(),
-            l if l.starts_with("data_dir = ") => format!("data_dir = {:?}", relay_dir.join("data").display().to_string()),
-            l if l.starts_with("metrics_addr = ") => format!("metrics_addr = \"{metrics_addr}\""),
-            l => l.to_owned(),
-        })
-        .map(|l| l + "\n")
-        .collect();
+    let data_dir = relay_dir.join("data").display().to_string();
+    let mut config = fedfleet_testkit::services::relay_config(root_toml, "127.0.0.1:0", "relay", &data_dir, Some(metrics_addr));
     let parent_key = root_dir.join("data").join("receipt.pub");
     config += &format!(
         "\n[relay]\nparent = \"{root}\"\nparent_receipt_key = {:?}\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
@@ -693,7 +692,7 @@ async fn run_campaign(
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
-    let ingest0 = ingest_seconds(sv.ingest_metrics()).await;
+    let ingest0 = ingest_seconds(sv.uplink().metrics_addr).await;
     let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.console_addr);
     let started = Instant::now();
     campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
@@ -728,7 +727,7 @@ async fn run_campaign(
     let _ = stop_probe.send(true);
     let (status_ms, status_failures) = probe.await.unwrap_or_default();
     let ingest_s =
-        ingest_seconds(sv.ingest_metrics()).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
+        ingest_seconds(sv.uplink().metrics_addr).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
     let agg_cpu_s = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
     if sv.relay.is_some() {
         let root_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - root_cpu0;
@@ -878,9 +877,9 @@ fn fleet_options(sv: &Services, devices: Vec<DeviceId>) -> anyhow::Result<FleetO
         sv.pki.dir(),
         FleetId::new(FLEET)?,
         devices,
-        sv.relay.as_ref().map_or(sv.agg.addr, |r| r.process.addr),
+        sv.uplink().process.addr,
         sv.registry_service.addr,
-        sv.relay.as_ref().map_or(sv.receipt_key, |r| r.receipt_key),
+        sv.uplink().receipt_key,
         sv.pinned_root.clone(),
         MODEL_NAME,
         sv.dir.join("agents"),

@@ -33,6 +33,26 @@ pub fn fleet_pki(dir: &Path, fleet: &FleetId, services: &[&str], devices: &[Devi
     Pki::init_loopback(dir, fleet, services, devices, days).context("creating the fleet PKI")
 }
 
+/// A relay's config from its root's (`fedfleet-aggregator relay`): the root's settings (model,
+/// campaign, strategy, ...) less what only the root has (its address, identity, state, metrics,
+/// `[publish]` and the relays under it), with the relay's `listen`, `server_identity` and
+/// `data_dir`, and its `metrics_addr` if given. The caller adds `[relay]` (and `relays`, for a
+/// relay with relays below it).
+pub fn relay_config(root: &str, listen: &str, identity: &str, data_dir: &str, metrics: Option<SocketAddr>) -> String {
+    let root_only = ["registry = ", "server_name = ", "[publish]", "relays = "];
+    root.lines()
+        .filter(|l| !root_only.iter().any(|k| l.starts_with(k)))
+        .filter_map(|l| match l {
+            l if l.starts_with("listen = ") => Some(format!("listen = \"{listen}\"")),
+            l if l.starts_with("server_identity = ") => Some(format!("server_identity = \"{identity}\"")),
+            l if l.starts_with("data_dir = ") => Some(format!("data_dir = {data_dir:?}")),
+            l if l.starts_with("metrics_addr = ") => metrics.map(|m| format!("metrics_addr = \"{m}\"")),
+            l => Some(l.to_owned()),
+        })
+        .map(|l| l + "\n")
+        .collect()
+}
+
 /// TLS of a client holding the service certificate `name` (an operator, or a service calling another).
 pub fn service_tls(pki: &Pki, name: &str) -> anyhow::Result<rustls::ClientConfig> {
     let id = ServerIdentity::load(pki.dir(), name).with_context(|| format!("service identity {name}"))?;

@@ -87,8 +87,7 @@ fn console_pages_show_the_apis_numbers_and_pause_a_rollout_in_the_registry() {
     d.set("aggregator.toml", "rounds", "2");
     // The promotion gate: round 1's model becomes stable (no champion yet); round 2's must beat
     // it by 50 points of accuracy, which it cannot: it stays a candidate.
-    let config = std::fs::read_to_string(d.path("aggregator.toml")).unwrap();
-    std::fs::write(d.path("aggregator.toml"), format!("{config}\n[promotion]\nmetric = \"accuracy\"\nmargin = 0.5\n")).unwrap();
+    d.append("aggregator.toml", "[promotion]\nmetric = \"accuracy\"\nmargin = 0.5\n");
     d.start("fedfleet-agent");
     d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--wait"]);
     // The operator overrides the gate by hand: v3 (the second round's model) to the `canary`

@@ -54,6 +54,13 @@ impl Deployment {
         std::fs::write(&path, text.replace(&line, &format!("{key} = {value}"))).unwrap();
     }
 
+    /// Appends `text` (a section, say) to the config `file`, after a blank line.
+    pub fn append(&self, file: &str, text: &str) {
+        let path = self.dir.join(file);
+        let old = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{old}\n{text}")).unwrap();
+    }
+
     /// The aggregator's `[model] spec`.
     pub fn set_spec(&self, spec: &fedfleet_learning::ModelSpec) {
         let json: serde_json::Value = serde_json::from_str(&spec.to_json()).unwrap();

@@ -88,21 +88,11 @@ fn make_tree(d: &Deployment, shape: &[RelaySpec]) {
             Some(p) => (format!("127.0.0.1:{}", ports[p - 1]), format!("relay-{p}/receipt.pub")),
         };
         let devices: Vec<String> = subtree(shape, r).iter().map(|i| format!("\"agent-{i}\"")).collect();
-        // The root's config, less what only the root has (its address, identity, state,
-        // metrics, registry), plus the relays below this one and the parent.
+        // The root's config as a relay's (`relay_config`), plus the relays below this one and
+        // the parent.
         let below = children(Some(r));
         let mut config = if below.is_empty() { String::new() } else { format!("relays = [{}]\n", below.join(", ")) };
-        config += &root
-            .lines()
-            .filter(|l| !["metrics_addr = ", "registry = ", "server_name = ", "[publish]"].iter().any(|k| l.starts_with(k)))
-            .map(|l| match l {
-                l if l.starts_with("listen = ") => format!("listen = \"127.0.0.1:{port}\""),
-                l if l.starts_with("server_identity = ") => format!("server_identity = \"{name}\""),
-                l if l.starts_with("data_dir = ") => format!("data_dir = \"{name}\""),
-                l => l.to_owned(),
-            })
-            .map(|l| l + "\n")
-            .collect::<String>();
+        config += &fedfleet_testkit::services::relay_config(&root, &format!("127.0.0.1:{port}"), &name, &name, None);
         config += &format!(
             "\n[relay]\nparent = \"{parent}\"\nparent_receipt_key = \"{parent_key}\"\nregion = [{}]\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
             devices.join(", ")
@@ -124,14 +114,12 @@ fn make_tree(d: &Deployment, shape: &[RelaySpec]) {
 /// upload over MQTT only (`upload = "mqtt"`), hearing the relay's announcements there.
 fn region_over_mqtt(d: &Deployment, r: usize) {
     let port = free_udp_port();
-    let relay = d.path(&format!("relay-{r}.toml"));
-    let config = std::fs::read_to_string(&relay).unwrap();
+    let relay = format!("relay-{r}.toml");
+    let config = std::fs::read_to_string(d.path(&relay)).unwrap();
     assert!(!config.contains("[mqtt]"), "{config}");
-    std::fs::write(&relay, format!("{config}\n[mqtt]\nmode = \"embedded\"\nlisten = \"127.0.0.1:{port}\"\n")).unwrap();
+    d.append(&relay, &format!("[mqtt]\nmode = \"embedded\"\nlisten = \"127.0.0.1:{port}\"\n"));
     for a in region(r) {
-        let file = d.path(&format!("agents/agent-{a}.toml"));
-        let text = std::fs::read_to_string(&file).unwrap();
-        std::fs::write(&file, format!("{text}\n[mqtt]\nhost = \"127.0.0.1\"\nport = {port}\nupload = \"mqtt\"\n")).unwrap();
+        d.append(&format!("agents/agent-{a}.toml"), &format!("[mqtt]\nhost = \"127.0.0.1\"\nport = {port}\nupload = \"mqtt\"\n"));
     }
 }
 

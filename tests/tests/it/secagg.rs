@@ -18,6 +18,8 @@ use crate::procs::{count_lines, tail, wait_for};
 const AGENTS: usize = 5;
 /// Windows of each agent's update the scan looks for.
 const WINDOWS: usize = 8;
+/// SecAgg+ over the five agents: four neighbours each.
+const SECURE_AGGREGATION: &str = "[secure_aggregation]\ndegree = 4\n";
 
 /// One round over the five agents. The target is above the fleet, so the round stays open (its
 /// updates on disk) until its deadline, then publishes with its quorum of all five.
@@ -127,11 +129,7 @@ fn a_secure_round_publishes_the_plain_rounds_model_and_stores_no_agents_update()
 
     // The secure round, from the same initial model.
     let mut secure = deployment(Some(&plain.path("aggregator/initial.safetensors")));
-    std::fs::write(
-        secure.path("aggregator.toml"),
-        std::fs::read_to_string(secure.path("aggregator.toml")).unwrap() + "\n[secure_aggregation]\ndegree = 4\n",
-    )
-    .unwrap();
+    secure.append("aggregator.toml", SECURE_AGGREGATION);
     secure.start("fedfleet-agent");
     let secure_status = campaign(&secure).join().expect("the secure campaign");
     secure.stop_agents();
@@ -172,11 +170,7 @@ fn dp_fedavg_under_secure_aggregation_noises_on_the_agents_and_publishes_the_spe
     const Z: f64 = 1.0;
     let mut d = deployment(None);
     d.set("aggregator.toml", "strategy", &format!("\"dp_fedavg\"\nclip_norm = {CLIP}\nnoise_multiplier = {Z}\ndelta = 1e-5"));
-    std::fs::write(
-        d.path("aggregator.toml"),
-        std::fs::read_to_string(d.path("aggregator.toml")).unwrap() + "\n[secure_aggregation]\ndegree = 4\n",
-    )
-    .unwrap();
+    d.append("aggregator.toml", SECURE_AGGREGATION);
     d.start("fedfleet-agent");
     let status = campaign(&d).join().expect("the campaign");
     d.stop_agents();
