@@ -232,18 +232,7 @@ impl AggregatorClient {
 
     /// Secure aggregation: the open round's roster, checked and verified with `receipt_key`.
     pub async fn secagg_roster(&self, round: RoundId, receipt_key: &VerifyingKey) -> Result<fedfleet_secagg::Roster, ClientError> {
-        let Response::SecAggRoster { roster, signature } = self.call(&Request::SecAggRoster { round }).await?.0 else {
-            return Err(proto("unexpected answer to a roster request"));
-        };
-        let roster = fedfleet_secagg::Roster::from_bytes(&roster).map_err(proto)?;
-        let signature = ed25519_dalek::Signature::from_slice(&signature).map_err(proto)?;
-        receipt_key
-            .verify_strict(&roster.signing_bytes(), &signature)
-            .map_err(|_| proto("the roster is not signed by the pinned receipt key"))?;
-        if roster.round != round {
-            return Err(proto(format!("asked for round {round}'s roster, got round {}'s", roster.round)));
-        }
-        Ok(roster)
+        secagg_roster_of(self.call(&Request::SecAggRoster { round }).await?.0, round, receipt_key)
     }
 
     /// Secure aggregation: sends one stage message (and at the masked stage its vector).
@@ -260,25 +249,57 @@ impl AggregatorClient {
             }
             s.finish();
             let f = s.expect().await?;
-            match messages::decode::<Response>(&f.body, MAX_WIRE_MESSAGE).map_err(proto)? {
-                Response::SecAggTaken => Ok(()),
-                Response::Error(r) => Err(ClientError::Refused(r)),
-                other => Err(proto(format!("unexpected answer {other:?}"))),
-            }
+            secagg_taken(messages::decode::<Response>(&f.body, MAX_WIRE_MESSAGE).map_err(proto)?)
         };
         self.rpc.retry(self.max_retries, ClientError::is_transport, send).await
     }
 
     /// Secure aggregation: what the current stage of `round` hands this device.
     pub async fn secagg_poll(&self, round: RoundId) -> Result<crate::wire::SecAggView, ClientError> {
-        match self.call(&Request::SecAggPoll { round }).await?.0 {
-            Response::SecAgg(v) => Ok(v),
-            other => Err(proto(format!("unexpected answer {other:?}"))),
-        }
+        secagg_view(self.call(&Request::SecAggPoll { round }).await?.0)
     }
 
     /// Closes the connection.
     pub async fn close(&self) {
         self.rpc.close().await;
+    }
+}
+
+// What the secure-aggregation responses mean, whichever way they came (QUIC here, MQTT on the
+// agent's MQTT path).
+
+/// The roster in the answer to [`Request::SecAggRoster`] for `round`, verified with `receipt_key`.
+pub fn secagg_roster_of(response: Response, round: RoundId, receipt_key: &VerifyingKey) -> Result<fedfleet_secagg::Roster, ClientError> {
+    let (roster, signature) = match response {
+        Response::SecAggRoster { roster, signature } => (roster, signature),
+        Response::Error(r) => return Err(ClientError::Refused(r)),
+        other => return Err(proto(format!("unexpected answer to a roster request: {other:?}"))),
+    };
+    let roster = fedfleet_secagg::Roster::from_bytes(&roster).map_err(proto)?;
+    let signature = ed25519_dalek::Signature::from_slice(&signature).map_err(proto)?;
+    receipt_key
+        .verify_strict(&roster.signing_bytes(), &signature)
+        .map_err(|_| proto("the roster is not signed by the pinned receipt key"))?;
+    if roster.round != round {
+        return Err(proto(format!("asked for round {round}'s roster, got round {}'s", roster.round)));
+    }
+    Ok(roster)
+}
+
+/// Whether the answer to [`Request::SecAggSend`] took the message (a refusal is `Refused`).
+pub fn secagg_taken(response: Response) -> Result<(), ClientError> {
+    match response {
+        Response::SecAggTaken => Ok(()),
+        Response::Error(r) => Err(ClientError::Refused(r)),
+        other => Err(proto(format!("unexpected answer {other:?}"))),
+    }
+}
+
+/// The view in the answer to [`Request::SecAggPoll`].
+pub fn secagg_view(response: Response) -> Result<crate::wire::SecAggView, ClientError> {
+    match response {
+        Response::SecAgg(v) => Ok(v),
+        Response::Error(r) => Err(ClientError::Refused(r)),
+        other => Err(proto(format!("unexpected answer {other:?}"))),
     }
 }

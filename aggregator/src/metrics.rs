@@ -20,6 +20,7 @@
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
 //! | `fedfleet_aggregator_peak_resident_memory_bytes` | gauge | VmHWM |
 //! | `fedfleet_aggregator_mqtt_connected` | gauge | 1 while the MQTT control client is connected |
+//! | `fedfleet_aggregator_mqtt_requests_total` | counter | `reason`: devices' requests over MQTT (secure-aggregation stages), `answered` or the refusal's reason |
 //! | `fedfleet_aggregator_mqtt_rejected_total` | counter | `reason`: MQTT messages refused by the control client (signature, topic/device, assembly) and MQTT uploads refused by ingest (these also count in `updates_rejected_total`) |
 //! | `fedfleet_aggregator_devices_online` | gauge | devices with a verified status within `presence_ttl_secs` |
 //! | `fedfleet_aggregator_devices_known` | gauge | devices ever heard from over MQTT |
@@ -79,6 +80,7 @@ pub struct Metrics {
     rounds: Family<EventLabel, Counter>,
     pub mqtt_connected: Gauge,
     mqtt_rejected: Family<ReasonLabel, Counter>,
+    mqtt_requests: Family<ReasonLabel, Counter>,
     devices_online: Gauge,
     devices_known: Gauge,
     last_seen: Family<DeviceLabel, FloatGauge>,
@@ -122,6 +124,7 @@ impl Metrics {
             rounds: Family::default(),
             mqtt_connected: Gauge::default(),
             mqtt_rejected: Family::default(),
+            mqtt_requests: Family::default(),
             devices_online: Gauge::default(),
             devices_known: Gauge::default(),
             last_seen: Family::default(),
@@ -171,6 +174,7 @@ impl Metrics {
         registry.register("round_accepted", "Updates accepted in the open round", m.round_accepted.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());
         registry.register("mqtt_rejected", "MQTT messages and uploads refused, by reason", m.mqtt_rejected.clone());
+        registry.register("mqtt_requests", "Devices' requests over MQTT: answered, or the refusal's reason", m.mqtt_requests.clone());
         registry.register("devices_online", "Devices with a recent verified status", m.devices_online.clone());
         registry.register("devices_known", "Devices ever heard from over MQTT", m.devices_known.clone());
         registry.register("device_last_seen_seconds", "Unix time of the device's last verified status", m.last_seen.clone());
@@ -206,6 +210,13 @@ impl Metrics {
     }
     pub fn mqtt_rejected(&self, reason: RejectReason) {
         self.mqtt_rejected.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).inc();
+    }
+    /// A device's request over MQTT answered (`answered`) or refused (the reason's name).
+    pub fn mqtt_request(&self, outcome: &str) {
+        self.mqtt_requests.get_or_create(&ReasonLabel { reason: outcome.into() }).inc();
+    }
+    pub fn mqtt_requests_count(&self, outcome: &str) -> u64 {
+        self.mqtt_requests.get_or_create(&ReasonLabel { reason: outcome.into() }).get()
     }
     pub fn mqtt_rejected_count(&self, reason: RejectReason) -> u64 {
         self.mqtt_rejected.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).get()

@@ -15,6 +15,10 @@
 //!   device's lifecycle handles like a QUIC refusal. Uploads the control client refuses (bad
 //!   signature, digest mismatch: possibly forged or damaged by the broker) get no answer; the
 //!   device re-sends.
+//! * A device's request ([`ControlEvent::Request`]: its secure-aggregation stages, when it
+//!   uploads over MQTT) goes to [`Aggregator::secagg_over_mqtt`], the same handlers as over QUIC;
+//!   the response is published as a [`SignedAnswer`] on `devices/<id>/answers`, signed with the
+//!   receipt key. Requests are counted by outcome in `fedfleet_aggregator_mqtt_requests_total`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,14 +27,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::PeerIdentity;
 use fedfleet_control::{
-    AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role, SignedRejection, UploadRejection,
-    service_tls,
+    Answer, AssemblerLimits, BrokerConfig, ClientKind, ControlClient, ControlEvent, EmbeddedBroker, Role, SignedAnswer, SignedRejection,
+    UploadRejection, service_tls,
 };
-use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed};
+use fedfleet_protocol::{FleetId, RoundAnnouncement, Signed, messages};
 use tokio::task::JoinHandle;
 
 use crate::config::{MQTT_CLIENT_ID, MqttConfig, MqttMode};
 use crate::service::{Aggregator, Payload, ServiceError};
+use crate::wire::{MAX_WIRE_MESSAGE, Response};
 
 /// The running control plane; [`Mqtt::shutdown`] stops it.
 pub struct Mqtt {
@@ -228,7 +233,33 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
                 }
             });
         }
+        ControlEvent::Request(r) => {
+            let agg = agg.clone();
+            let client = client.clone();
+            let key = receipt_key.clone();
+            tokio::spawn(async move {
+                let response = agg.secagg_over_mqtt(&r.device, &r.message, &r.attachment).await;
+                let outcome = match &response {
+                    Response::Error(e) => e.reason.as_str(),
+                    _ => "answered",
+                };
+                agg.metrics().mqtt_request(outcome);
+                let bytes = match messages::encode(&response, MAX_WIRE_MESSAGE) {
+                    Ok(b) => b,
+                    Err(e) => return tracing::error!(device = %r.device, error = %e, "an MQTT answer does not encode"),
+                };
+                let answer =
+                    SignedAnswer::sign(Answer { fleet: agg.allow_list().fleet(), device: r.device.clone(), id: r.id, bytes }, &key);
+                if let Err(e) = client.publish_answer(&answer).await {
+                    tracing::warn!(device = %r.device, error = %e, "answer not published; the device will ask again");
+                }
+            });
+        }
         // A service does not subscribe to these.
-        ControlEvent::Announcement(_) | ControlEvent::Rollout(_) | ControlEvent::Receipt(_) | ControlEvent::UploadRefused(_) => {}
+        ControlEvent::Announcement(_)
+        | ControlEvent::Rollout(_)
+        | ControlEvent::Receipt(_)
+        | ControlEvent::UploadRefused(_)
+        | ControlEvent::Answer(_) => {}
     }
 }

@@ -18,7 +18,9 @@ use fedfleet_certs::PeerIdentity;
 use fedfleet_control::rejection::{SignedRejection, UploadRejection};
 use fedfleet_control::topics::{self, Topic};
 use fedfleet_control::upload::FRAME_PREFIX_LEN;
-use fedfleet_control::{Assembled, AssemblerLimits, ControlEvent, Inbound, Received, Role, UpdateAssembler, encode_frames, verify};
+use fedfleet_control::{
+    Assembled, AssemblerLimits, ControlEvent, Inbound, Received, Role, SignedAnswer, UpdateAssembler, encode_frames, verify,
+};
 use fedfleet_protocol::{
     DType, DeviceId, DeviceState, DeviceStatus, Digest, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, RolloutAction,
     RolloutNotice, RoundAnnouncement, RoundConfig, RoundId, Selection, Signable, Signed, UpdateHeader,
@@ -128,7 +130,7 @@ pub fn topic_parse(data: &[u8]) {
         if topics::may_publish(&device, f, &publishers, s) {
             assert!(!s.contains(['+', '#']), "device publishes on a wildcard");
             assert!(
-                matches!(&parsed, Ok(Topic::Status { fleet, device } | Topic::Updates { fleet, device })
+                matches!(&parsed, Ok(Topic::Status { fleet, device } | Topic::Updates { fleet, device } | Topic::Requests { fleet, device })
                     if fleet == f && device == &me),
                 "device may publish on {s:?}"
             );
@@ -137,7 +139,7 @@ pub fn topic_parse(data: &[u8]) {
             assert!(!s.contains(['+', '#']), "device subscribes to a wildcard");
             match &parsed {
                 Ok(Topic::Rounds { fleet } | Topic::Rollouts { fleet }) => assert_eq!(fleet, f),
-                Ok(Topic::Receipts { fleet, device } | Topic::Rejections { fleet, device }) => {
+                Ok(Topic::Receipts { fleet, device } | Topic::Rejections { fleet, device } | Topic::Answers { fleet, device }) => {
                     assert_eq!(fleet, f);
                     assert_eq!(device, &me);
                 }
@@ -245,7 +247,7 @@ const LATE: u8 = 4;
 /// device (cam-1, pinned aggregator and registry keys) and a service (status and updates, cam-1
 /// and cam-2 enrolled). Flags: 1 = to the service (else the device), 2 = sign the payload again
 /// with the key its topic expects (aggregator: rounds, receipts, rejections; registry: rollouts;
-/// the topic's device: status, update header frames), 4 = 61 s later. Invariants: what is
+/// the topic's device: status, update header frames; aggregator: answers), 4 = 61 s later. Invariants: what is
 /// delivered verifies against the key it must, names our fleet (and the device its topic names),
 /// and a verified announcement or rollout notice received again is a duplicate.
 pub fn inbound_publish(mut data: &[u8]) {
@@ -278,7 +280,10 @@ pub fn inbound_publish(mut data: &[u8]) {
                 }
                 Some(Topic::Status { device, .. }) => device_key(device).and_then(|k| resign::<DeviceStatus>(payload, &k)),
                 Some(Topic::Updates { device, .. }) => resign_header_frame(payload, device),
-                None => None,
+                Some(Topic::Answers { .. }) => {
+                    SignedAnswer::decode(payload).ok().map(|s| SignedAnswer::sign(s.body().clone(), &agg).encode())
+                }
+                Some(Topic::Requests { .. }) | None => None,
             }
         } else {
             None
@@ -328,6 +333,15 @@ pub fn inbound_publish(mut data: &[u8]) {
                 assert_eq!(Some(&v.device), topic_device.as_ref());
                 assert_eq!(Digest::of(&v.payload), v.signed.body().payload_digest);
                 assert!(v.signed.verify(&keys[&v.device]).is_ok());
+            }
+            ControlEvent::Answer(s) => {
+                assert!(!to_service);
+                assert!(s.verify(&agg.verifying_key()).is_ok());
+                assert_eq!((&s.body().fleet, &s.body().device), (&fleet, &cam1()));
+            }
+            ControlEvent::Request(r) => {
+                assert!(to_service);
+                assert_eq!(Some(&r.device), topic_device.as_ref());
             }
             ControlEvent::Rejected(r) => {
                 assert_eq!(r.topic, topic);
@@ -431,6 +445,12 @@ fn publish(flags: u8, topic: &str, payload: &[u8]) -> Vec<u8> {
     r
 }
 
+/// An answer to request `id` addressed to `device`, signed by the aggregator.
+fn answer(device: DeviceId, id: u64) -> Vec<u8> {
+    let a = fedfleet_control::Answer { fleet: fleet(), device, id, bytes: b"a response".to_vec() };
+    SignedAnswer::sign(a, &aggregator_key()).encode()
+}
+
 /// (target, name, bytes) of every seed input.
 pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     let mut out = Vec::new();
@@ -443,6 +463,8 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         topics::updates(&f, &c1),
         topics::receipts(&f, &c1),
         topics::rejections(&f, &c2),
+        topics::requests(&f, &c1),
+        topics::answers(&f, &c2),
         topics::all_status(&f),
         topics::all_updates(&f),
         "fedfleet/v1/eu/#".into(),
@@ -497,6 +519,8 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         publish(0, &topics::receipts(&f, &c1), &receipt(c1.clone())),
         publish(0, &topics::rejections(&f, &c1), &rejection(c1.clone(), RejectReason::Replay, "seen")),
         publish(0, &topics::rounds(&f), b""),
+        publish(0, &topics::answers(&f, &c1), &answer(c1.clone(), 7)),
+        publish(0, &topics::answers(&f, &c1), &answer(c2.clone(), 8)),
     ]
     .concat();
     out.push(("inbound_publish", "device".into(), device_side));
@@ -508,6 +532,8 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     for fr in &up1 {
         service_side.push(publish(SERVICE, &topics::updates(&f, &c1), fr));
     }
+    service_side.push(publish(SERVICE, &topics::requests(&f, &c1), &fedfleet_control::exchange::encode_request(7, b"poll", b"")));
+    service_side.push(publish(SERVICE, &topics::requests(&f, &c2), &fedfleet_control::exchange::encode_request(8, b"send", &[1; 16])));
     out.push(("inbound_publish", "service".into(), service_side.concat()));
     let strangers = [
         publish(SIGN, &topics::rounds(&f), &Signed::sign(announcement(6), &registry_key()).encode()),

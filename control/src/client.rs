@@ -19,6 +19,7 @@ use fedfleet_protocol::{
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS, Request, TlsConfiguration, Transport};
 use tokio::sync::{mpsc, watch};
 
+use crate::exchange::{self, DeviceRequest, SignedAnswer};
 use crate::rejection::SignedRejection;
 use crate::topics::{self, Topic};
 use crate::upload::{self, Assembled, AssemblerLimits, UpdateAssembler, VerifiedUpload};
@@ -71,6 +72,7 @@ pub enum Role {
     Device { id: DeviceId, aggregator_key: VerifyingKey, registry_key: Option<VerifyingKey> },
     /// A fleet service (aggregator, registry): hears device status and/or device uploads,
     /// verified against the allow-list key of the device named in the topic and in the body.
+    /// `updates` also hears devices' requests ([`crate::exchange`]): the aggregator's.
     Service { keys: Arc<dyn DeviceKeys>, status: bool, updates: bool, limits: AssemblerLimits },
 }
 
@@ -90,6 +92,11 @@ pub enum ControlEvent {
     Receipt(Signed<Receipt>),
     /// The aggregator's signed refusal of one of this device's MQTT uploads.
     UploadRefused(SignedRejection),
+    /// The aggregator's signed answer to one of this device's requests.
+    Answer(SignedAnswer),
+    /// A device's request (for a service that hears uploads); its signed parts are the
+    /// service's to verify.
+    Request(DeviceRequest),
     /// A device's status or heartbeat.
     Status(Signed<DeviceStatus>),
     /// A complete update over the MQTT upload path.
@@ -171,7 +178,10 @@ pub struct ControlClient {
     mqtt: AsyncClient,
     fleet: FleetId,
     device: Option<DeviceId>,
+    /// A device's pinned aggregator key (what its announcements, receipts and answers verify against).
+    aggregator_key: Option<VerifyingKey>,
     chunk_bytes: usize,
+    max_packet_bytes: usize,
     shared: Arc<Shared>,
     stop: Arc<watch::Sender<bool>>,
 }
@@ -198,9 +208,9 @@ impl ControlClient {
         let (events_tx, rx) = mpsc::channel(1024);
         let (stop, stopped) = watch::channel(false);
         let shared = Arc::new(Shared { stats: Mutex::new(ControlStats::default()), sticky: Mutex::new(Sticky::default()) });
-        let device = match &role {
-            Role::Device { id, .. } => Some(id.clone()),
-            Role::Service { .. } => None,
+        let (device, aggregator_key) = match &role {
+            Role::Device { id, aggregator_key, .. } => (Some(id.clone()), Some(*aggregator_key)),
+            Role::Service { .. } => (None, None),
         };
         let driver = Driver {
             inbound: Inbound::new(options.fleet.clone(), role),
@@ -212,9 +222,29 @@ impl ControlClient {
         };
         tokio::spawn(driver.run(eventloop, stopped));
         (
-            ControlClient { mqtt: client, fleet: options.fleet, device, chunk_bytes: options.chunk_bytes, shared, stop: Arc::new(stop) },
+            ControlClient {
+                mqtt: client,
+                fleet: options.fleet,
+                device,
+                aggregator_key,
+                chunk_bytes: options.chunk_bytes,
+                max_packet_bytes: options.max_packet_bytes,
+                shared,
+                stop: Arc::new(stop),
+            },
             ControlEvents { rx },
         )
+    }
+
+    /// A device's pinned aggregator key (`None` for a service).
+    pub fn aggregator_key(&self) -> Option<VerifyingKey> {
+        self.aggregator_key
+    }
+
+    /// Whether a request of `message` and `attachment` fits in one MQTT packet of this client.
+    pub fn request_fits(&self, message: &[u8], attachment: &[u8]) -> bool {
+        // The frame's prefix, and the publish's topic and header, with room to spare.
+        exchange::REQUEST_PREFIX_LEN + message.len() + attachment.len() + 512 <= self.max_packet_bytes
     }
 
     fn check_fleet(&self, fleet: &FleetId) -> Result<(), ControlError> {
@@ -285,6 +315,24 @@ impl ControlClient {
             self.publish_raw(&topic, frame, QoS::AtLeastOnce, false).await?;
         }
         Ok(())
+    }
+
+    /// Sends a request (`message`, then `attachment`) on this device's requests topic (QoS 1),
+    /// queued, not confirmed: wait for the [`ControlEvent::Answer`] naming `id`, and send again
+    /// if none comes.
+    pub async fn send_request(&self, id: u64, message: &[u8], attachment: &[u8]) -> Result<(), ControlError> {
+        let Some(device) = &self.device else {
+            return Err(ControlError::Role("send requests (not a device)"));
+        };
+        let topic = topics::requests(&self.fleet, device);
+        self.publish_raw(&topic, exchange::encode_request(id, message, attachment), QoS::AtLeastOnce, false).await
+    }
+
+    /// Publishes an answer to the device it names (QoS 1, not retained).
+    pub async fn publish_answer(&self, signed: &SignedAnswer) -> Result<(), ControlError> {
+        self.check_fleet(&signed.body().fleet)?;
+        let topic = topics::answers(&self.fleet, &signed.body().device);
+        self.publish_raw(&topic, signed.encode(), QoS::AtMostOnce, false).await
     }
 
     /// Publishes arbitrary bytes on any topic. For tools and tests (the broker enforces no
@@ -374,22 +422,27 @@ impl Driver {
     fn subscriptions(&self) -> Vec<rumqttc::SubscribeFilter> {
         let f = &self.options.fleet;
         let mut subs = Vec::new();
-        let mut add = |path: String| subs.push(rumqttc::SubscribeFilter::new(path, QoS::AtLeastOnce));
+        let mut add_with = |path: String, qos: QoS| subs.push(rumqttc::SubscribeFilter::new(path, qos));
         match &self.inbound.role {
             Role::Device { id, registry_key, .. } => {
+                let answers = Topic::Answers { fleet: f.clone(), device: id.clone() };
+                let mut add = |path: String| add_with(path, QoS::AtLeastOnce);
                 add(topics::rounds(f));
                 if registry_key.is_some() {
                     add(topics::rollouts(f));
                 }
                 add(topics::receipts(f, id));
                 add(topics::rejections(f, id));
+                add_with(answers.path(), answers.qos());
             }
             Role::Service { status, updates, .. } => {
+                let mut add = |path: String| add_with(path, QoS::AtLeastOnce);
                 if *status {
                     add(topics::all_status(f));
                 }
                 if *updates {
                     add(topics::all_updates(f));
+                    add(topics::all_requests(f));
                 }
             }
         }
@@ -609,6 +662,12 @@ impl Inbound {
             (Role::Device { id, aggregator_key, .. }, Topic::Rejections { device, .. }) if device == id => {
                 verify::rejection(topic_str, payload, &fleet, id, aggregator_key).map(|s| Some(ControlEvent::UploadRefused(s)))
             }
+            (Role::Device { id, aggregator_key, .. }, Topic::Answers { device, .. }) if device == id => {
+                verify::answer(topic_str, payload, &fleet, id, aggregator_key).map(|s| Some(ControlEvent::Answer(s)))
+            }
+            (Role::Service { updates: true, .. }, Topic::Requests { device, .. }) => exchange::decode_request(device, payload)
+                .map(|r| Some(ControlEvent::Request(r)))
+                .map_err(|e| Rejected::new(topic_str, Some(device), e.reason(), e.to_string())),
             (Role::Service { keys, status: true, .. }, Topic::Status { device, .. }) => {
                 verify::status(topic_str, payload, &fleet, device, keys.as_ref()).map(|s| Some(ControlEvent::Status(s)))
             }

@@ -10,6 +10,8 @@
 //!   reconnect and backoff.
 //! - [`upload`]: chunked update frames and the aggregator-side [`UpdateAssembler`].
 //! - [`rejection`]: the aggregator's signed refusal of an MQTT upload ([`SignedRejection`]).
+//! - [`exchange`]: a device's requests of the aggregator and its signed answers ([`SignedAnswer`]),
+//!   for what QUIC carries as request and response (the secure-aggregation stages).
 //! - [`verify`]: the checks every received message goes through; the broker is not trusted.
 //! - [`presence`]: devices online and last seen, from verified status.
 //!
@@ -23,6 +25,7 @@ pub mod access;
 pub mod broker;
 pub mod client;
 pub mod config;
+pub mod exchange;
 pub mod presence;
 pub mod rejection;
 pub mod topics;
@@ -35,6 +38,7 @@ pub use client::{
     ClientOptions, ControlClient, ControlError, ControlEvent, ControlEvents, ControlStats, Inbound, Received, Role, device_tls, service_tls,
 };
 pub use config::{ClientKind, MqttClientConfig, UnknownKeys};
+pub use exchange::{Answer, DeviceRequest, SignedAnswer};
 pub use presence::Presence;
 pub use rejection::{SignedRejection, UploadRejection};
 pub use rumqttc::QoS;

@@ -94,10 +94,10 @@ impl UploadRejection {
         b
     }
 
-    fn from_canonical_bytes(bytes: &[u8]) -> Result<Self, RejectionError> {
+    fn from_canonical_bytes(bytes: &[u8]) -> Result<Self, SealError> {
         let mut r = Reader(bytes);
-        let fleet = FleetId::new(r.str()?).map_err(|e| RejectionError::Malformed(format!("fleet: {e}")))?;
-        let device = DeviceId::new(r.str()?).map_err(|e| RejectionError::Malformed(format!("device: {e}")))?;
+        let fleet = FleetId::new(r.str()?).map_err(|e| SealError::Malformed(format!("fleet: {e}")))?;
+        let device = DeviceId::new(r.str()?).map_err(|e| SealError::Malformed(format!("device: {e}")))?;
         let round = RoundId(r.u64()?);
         let nonce: [u8; 16] = r.array()?;
         let payload_digest = Digest(r.array()?);
@@ -106,33 +106,33 @@ impl UploadRejection {
             .iter()
             .copied()
             .find(|x| x.as_str() == name)
-            .ok_or_else(|| RejectionError::Malformed(format!("unknown reason {name:?}")))?;
+            .ok_or_else(|| SealError::Malformed(format!("unknown reason {name:?}")))?;
         let detail = r.str()?.to_owned();
         if detail.len() > MAX_DETAIL_BYTES {
-            return Err(RejectionError::Malformed("detail too long".into()));
+            return Err(SealError::Malformed("detail too long".into()));
         }
         let rejected_at_unix_ms = r.u64()?;
         if !r.0.is_empty() {
-            return Err(RejectionError::Malformed("trailing bytes".into()));
+            return Err(SealError::Malformed("trailing bytes".into()));
         }
         Ok(UploadRejection { fleet, device, round, nonce, payload_digest, reason, detail, rejected_at_unix_ms })
     }
 }
 
-/// Why a rejection message was refused.
+/// Why a message a service signed for one device (a rejection, an answer) was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RejectionError {
-    #[error("malformed rejection: {0}")]
+pub enum SealError {
+    #[error("malformed {0}")]
     Malformed(String),
-    #[error("rejection signature does not verify")]
+    #[error("signature does not verify")]
     BadSignature,
 }
 
-impl RejectionError {
+impl SealError {
     pub fn reason(&self) -> RejectReason {
         match self {
-            RejectionError::Malformed(_) => RejectReason::Malformed,
-            RejectionError::BadSignature => RejectReason::BadSignature,
+            SealError::Malformed(_) => RejectReason::Malformed,
+            SealError::BadSignature => RejectReason::BadSignature,
         }
     }
 }
@@ -145,18 +145,62 @@ pub struct SignedRejection {
     signature: Signature,
 }
 
-fn message(body: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(DOMAIN.len() + 1 + body.len());
-    m.extend_from_slice(DOMAIN.as_bytes());
+/// What a sealed message's signature covers: its domain, a NUL, its body.
+fn message(domain: &str, body: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(domain.len() + 1 + body.len());
+    m.extend_from_slice(domain.as_bytes());
     m.push(0);
     m.extend_from_slice(body);
     m
 }
 
+/// `body` signed by `key` in `domain`.
+pub(crate) fn seal(domain: &str, body: &[u8], key: &SigningKey) -> Signature {
+    key.sign(&message(domain, body))
+}
+
+/// Strict ed25519 verification of a sealed body against a pinned key.
+pub(crate) fn verify_seal(domain: &str, body: &[u8], signature: &Signature, key: &VerifyingKey) -> Result<(), SealError> {
+    if key.is_weak() {
+        return Err(SealError::BadSignature);
+    }
+    key.verify_strict(&message(domain, body), signature).map_err(|_| SealError::BadSignature)
+}
+
+/// The wire form of a sealed body: `tag | 1 | u32 BE body length | body | signature[64]`.
+pub(crate) fn encode_sealed(tag: u8, body: &[u8], signature: &Signature) -> Vec<u8> {
+    let mut w = Vec::with_capacity(6 + body.len() + 64);
+    w.push(tag);
+    w.push(VERSION);
+    w.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    w.extend_from_slice(body);
+    w.extend_from_slice(&signature.to_bytes());
+    w
+}
+
+/// The body and signature of [`encode_sealed`]'s bytes (`what` names it in errors); a body over
+/// `max_body` bytes is refused before anything is copied.
+pub(crate) fn decode_sealed<'a>(tag: u8, what: &str, bytes: &'a [u8], max_body: usize) -> Result<(&'a [u8], Signature), SealError> {
+    let malformed = |m: &str| SealError::Malformed(format!("{what}: {m}"));
+    let [t, version, rest @ ..] = bytes else {
+        return Err(malformed("truncated"));
+    };
+    if *t != tag || *version != VERSION {
+        return Err(malformed("not version 1"));
+    }
+    let (len, rest) = rest.split_at_checked(4).ok_or_else(|| malformed("truncated"))?;
+    let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+    if len > max_body || rest.len() != len + 64 {
+        return Err(malformed("body length does not match"));
+    }
+    let (body, sig) = rest.split_at(len);
+    Ok((body, Signature::from_bytes(sig.try_into().expect("64 bytes"))))
+}
+
 impl SignedRejection {
     pub fn sign(body: UploadRejection, key: &SigningKey) -> Self {
         let body_bytes = body.canonical_bytes();
-        let signature = key.sign(&message(&body_bytes));
+        let signature = seal(DOMAIN, &body_bytes, key);
         SignedRejection { body, body_bytes, signature }
     }
 
@@ -166,67 +210,45 @@ impl SignedRejection {
     }
 
     /// Strict ed25519 verification against the pinned aggregator key.
-    pub fn verify(&self, key: &VerifyingKey) -> Result<&UploadRejection, RejectionError> {
-        if key.is_weak() {
-            return Err(RejectionError::BadSignature);
-        }
-        key.verify_strict(&message(&self.body_bytes), &self.signature).map_err(|_| RejectionError::BadSignature)?;
+    pub fn verify(&self, key: &VerifyingKey) -> Result<&UploadRejection, SealError> {
+        verify_seal(DOMAIN, &self.body_bytes, &self.signature, key)?;
         Ok(&self.body)
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Vec::with_capacity(6 + self.body_bytes.len() + 64);
-        w.push(TAG);
-        w.push(VERSION);
-        w.extend_from_slice(&(self.body_bytes.len() as u32).to_be_bytes());
-        w.extend_from_slice(&self.body_bytes);
-        w.extend_from_slice(&self.signature.to_bytes());
-        w
+        encode_sealed(TAG, &self.body_bytes, &self.signature)
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Self, RejectionError> {
-        let malformed = |m: &str| RejectionError::Malformed(m.to_owned());
-        let [tag, version, rest @ ..] = bytes else {
-            return Err(malformed("truncated"));
-        };
-        if *tag != TAG || *version != VERSION {
-            return Err(malformed("not a v1 rejection"));
-        }
-        let (len, rest) = rest.split_at_checked(4).ok_or_else(|| malformed("truncated"))?;
-        let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
-        if len > MAX_BODY_BYTES || rest.len() != len + 64 {
-            return Err(malformed("body length does not match"));
-        }
-        let (body_bytes, sig) = rest.split_at(len);
-        let signature = Signature::from_bytes(sig.try_into().expect("64 bytes"));
+    pub fn decode(bytes: &[u8]) -> Result<Self, SealError> {
+        let (body_bytes, signature) = decode_sealed(TAG, "rejection", bytes, MAX_BODY_BYTES)?;
         let body = UploadRejection::from_canonical_bytes(body_bytes)?;
         Ok(SignedRejection { body, body_bytes: body_bytes.to_vec(), signature })
     }
 }
 
-fn put_str(b: &mut Vec<u8>, s: &str) {
+pub(crate) fn put_str(b: &mut Vec<u8>, s: &str) {
     // Every string here is bounded (ids ≤ 64, reason names, detail ≤ MAX_DETAIL_BYTES).
     b.extend_from_slice(&(s.len() as u16).to_be_bytes());
     b.extend_from_slice(s.as_bytes());
 }
 
-struct Reader<'a>(&'a [u8]);
+pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], RejectionError> {
-        let (head, tail) = self.0.split_at_checked(n).ok_or_else(|| RejectionError::Malformed("truncated".into()))?;
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], SealError> {
+        let (head, tail) = self.0.split_at_checked(n).ok_or_else(|| SealError::Malformed("truncated".into()))?;
         self.0 = tail;
         Ok(head)
     }
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], RejectionError> {
+    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N], SealError> {
         Ok(self.take(N)?.try_into().expect("N bytes"))
     }
-    fn u64(&mut self) -> Result<u64, RejectionError> {
+    pub(crate) fn u64(&mut self) -> Result<u64, SealError> {
         Ok(u64::from_be_bytes(self.array()?))
     }
-    fn str(&mut self) -> Result<&'a str, RejectionError> {
+    pub(crate) fn str(&mut self) -> Result<&'a str, SealError> {
         let len = u16::from_be_bytes(self.array()?) as usize;
-        std::str::from_utf8(self.take(len)?).map_err(|_| RejectionError::Malformed("not UTF-8".into()))
+        std::str::from_utf8(self.take(len)?).map_err(|_| SealError::Malformed("not UTF-8".into()))
     }
 }
 
@@ -255,7 +277,7 @@ mod tests {
         let back = SignedRejection::decode(&wire).unwrap();
         assert_eq!(back.verify(&key.verifying_key()).unwrap(), &sample());
         let other = SigningKey::from_bytes(&[10; 32]).verifying_key();
-        assert_eq!(back.verify(&other), Err(RejectionError::BadSignature));
+        assert_eq!(back.verify(&other), Err(SealError::BadSignature));
     }
 
     #[test]
@@ -284,6 +306,6 @@ mod tests {
             assert_ne!(kind.domain(), DOMAIN);
         }
         let body = sample().canonical_bytes();
-        assert!(message(&body).starts_with(b"fedfleet/mqtt-rejection/v1\0"));
+        assert!(message(DOMAIN, &body).starts_with(b"fedfleet/mqtt-rejection/v1\0"));
     }
 }

@@ -7,6 +7,8 @@
 //! fedfleet/v1/<fleet>/devices/<id>/updates     upload frames (signed hdr) device     -> aggregator QoS1
 //! fedfleet/v1/<fleet>/devices/<id>/receipts    Signed<Receipt>            aggregator -> device   QoS1
 //! fedfleet/v1/<fleet>/devices/<id>/rejections  SignedRejection            aggregator -> device   QoS1
+//! fedfleet/v1/<fleet>/devices/<id>/requests    request frames             device     -> aggregator QoS1
+//! fedfleet/v1/<fleet>/devices/<id>/answers     SignedAnswer               aggregator -> device   QoS0
 //! ```
 //!
 //! Fleet and device ids are `[A-Za-z0-9._-]{1,64}` (checked by the protocol crate), so they never
@@ -49,6 +51,17 @@ pub enum Topic {
     /// ([`crate::SignedRejection`]). **QoS 1, not retained**, like receipts: a device that
     /// misses one re-sends and is refused again.
     Rejections { fleet: FleetId, device: DeviceId },
+    /// A device's requests of the aggregator ([`crate::exchange`]: today the secure-aggregation
+    /// stages). **QoS 1, not retained**: a request with no answer is sent again.
+    Requests { fleet: FleetId, device: DeviceId },
+    /// The aggregator's signed answers to this device's requests ([`crate::SignedAnswer`]).
+    /// **QoS 0, not retained**: a device whose answer is lost asks again (polls and rosters are
+    /// idempotent; a stage message sent again is refused as a duplicate, which tells the device
+    /// the first copy arrived). At QoS 0 a subscription costs a broker no queue: NATS keeps a
+    /// JetStream consumer per QoS 1 subscription, and with this one at QoS 1 the devices of
+    /// `control`'s NATS failover test did not reconnect within its minute; at QoS 0 they
+    /// reconnect as fast as without it (52–126 s for the whole test either way).
+    Answers { fleet: FleetId, device: DeviceId },
 }
 
 impl Topic {
@@ -61,12 +74,17 @@ impl Topic {
             Topic::Updates { fleet, device } => updates(fleet, device),
             Topic::Receipts { fleet, device } => receipts(fleet, device),
             Topic::Rejections { fleet, device } => rejections(fleet, device),
+            Topic::Requests { fleet, device } => requests(fleet, device),
+            Topic::Answers { fleet, device } => answers(fleet, device),
         }
     }
 
     /// QoS to publish and subscribe with (see each variant for why).
     pub fn qos(&self) -> QoS {
-        QoS::AtLeastOnce
+        match self {
+            Topic::Answers { .. } => QoS::AtMostOnce,
+            _ => QoS::AtLeastOnce,
+        }
     }
 
     /// Whether publishers set the retain flag.
@@ -81,7 +99,9 @@ impl Topic {
             | Topic::Status { fleet, .. }
             | Topic::Updates { fleet, .. }
             | Topic::Receipts { fleet, .. }
-            | Topic::Rejections { fleet, .. } => fleet,
+            | Topic::Rejections { fleet, .. }
+            | Topic::Requests { fleet, .. }
+            | Topic::Answers { fleet, .. } => fleet,
         }
     }
 
@@ -92,13 +112,15 @@ impl Topic {
             Topic::Status { device, .. }
             | Topic::Updates { device, .. }
             | Topic::Receipts { device, .. }
-            | Topic::Rejections { device, .. } => Some(device),
+            | Topic::Rejections { device, .. }
+            | Topic::Requests { device, .. }
+            | Topic::Answers { device, .. } => Some(device),
         }
     }
 }
 
 /// Whether `client` (by the identity in its certificate) may publish on `topic` in `fleet` — the
-/// embedded broker's access rule. A device publishes only its own status and updates; a fleet
+/// embedded broker's access rule. A device publishes only its own status, updates and requests; a fleet
 /// service named in `publishers` (the aggregator, the registry) anything of the fleet's schema;
 /// any other service certificate (an operator's) nothing. So no device can forge another's
 /// status, and no one but the services can plant a retained announcement that later devices
@@ -108,20 +130,22 @@ pub fn may_publish(client: &PeerIdentity, fleet: &FleetId, publishers: &[String]
     match client {
         PeerIdentity::Service(name) => publishers.contains(name) && in_fleet(fleet, topic),
         PeerIdentity::Device(me) => matches!(parse(topic),
-            Ok(Topic::Status { fleet: f, device } | Topic::Updates { fleet: f, device })
+            Ok(Topic::Status { fleet: f, device } | Topic::Updates { fleet: f, device } | Topic::Requests { fleet: f, device })
                 if &f == fleet && &device == me),
     }
 }
 
 /// Whether `client` may subscribe to `filter` in `fleet`. A device hears the fleet's
-/// announcements and rollout notices and its own receipts and refusals, never another
+/// announcements and rollout notices and its own receipts, refusals and answers, never another
 /// device's topics (no wildcards); a service any filter under the fleet's prefix.
 pub fn may_subscribe(client: &PeerIdentity, fleet: &FleetId, filter: &str) -> bool {
     match client {
         PeerIdentity::Service(_) => in_fleet(fleet, filter),
         PeerIdentity::Device(me) => match parse(filter) {
             Ok(Topic::Rounds { fleet: f } | Topic::Rollouts { fleet: f }) => &f == fleet,
-            Ok(Topic::Receipts { fleet: f, device } | Topic::Rejections { fleet: f, device }) => &f == fleet && &device == me,
+            Ok(Topic::Receipts { fleet: f, device } | Topic::Rejections { fleet: f, device } | Topic::Answers { fleet: f, device }) => {
+                &f == fleet && &device == me
+            }
             _ => false,
         },
     }
@@ -135,11 +159,14 @@ pub fn mosquitto_acl(fleet: &FleetId, services: &[&str]) -> String {
     let f = format!("{PREFIX}/{fleet}");
     let mut acl = format!(
         "# fedfleet access rules for fleet {fleet} (mosquitto acl_file; needs use_identity_as_username true)\n\
-         # Devices: their own status and updates; the fleet's announcements, their own receipts and refusals.\n\
+         # Devices: their own status, updates and requests; the fleet's announcements, their own receipts,\n\
+         # refusals and answers.\n\
          pattern write {f}/devices/%u/status\n\
          pattern write {f}/devices/%u/updates\n\
+         pattern write {f}/devices/%u/requests\n\
          pattern read {f}/devices/%u/receipts\n\
          pattern read {f}/devices/%u/rejections\n\
+         pattern read {f}/devices/%u/answers\n\
          pattern read {f}/rounds\n\
          pattern read {f}/rollouts\n\
          # Services: every topic of the fleet.\n"
@@ -176,8 +203,8 @@ pub fn nats_authorization(fleet: &FleetId, services: &[&str], devices: &[DeviceI
         entry(user(s, fedfleet_certs::OU_SERVICE), &all, &all);
     }
     for d in devices {
-        let publish = [status(fleet, d), updates(fleet, d)].map(subject);
-        let subscribe = [rounds(fleet), rollouts(fleet), receipts(fleet, d), rejections(fleet, d)].map(subject);
+        let publish = [status(fleet, d), updates(fleet, d), requests(fleet, d)].map(subject);
+        let subscribe = [rounds(fleet), rollouts(fleet), receipts(fleet, d), rejections(fleet, d), answers(fleet, d)].map(subject);
         entry(user(d.as_str(), fedfleet_certs::OU_DEVICE), &publish, &subscribe);
     }
     out.push_str("  ]\n}\n");
@@ -219,6 +246,8 @@ pub fn parse(topic: &str) -> Result<Topic, TopicError> {
                 "updates" => Ok(Topic::Updates { fleet, device }),
                 "receipts" => Ok(Topic::Receipts { fleet, device }),
                 "rejections" => Ok(Topic::Rejections { fleet, device }),
+                "requests" => Ok(Topic::Requests { fleet, device }),
+                "answers" => Ok(Topic::Answers { fleet, device }),
                 _ => Err(TopicError::Unknown(topic.to_owned())),
             }
         }
@@ -244,6 +273,12 @@ pub fn receipts(fleet: &FleetId, device: &DeviceId) -> String {
 pub fn rejections(fleet: &FleetId, device: &DeviceId) -> String {
     format!("{PREFIX}/{fleet}/devices/{device}/rejections")
 }
+pub fn requests(fleet: &FleetId, device: &DeviceId) -> String {
+    format!("{PREFIX}/{fleet}/devices/{device}/requests")
+}
+pub fn answers(fleet: &FleetId, device: &DeviceId) -> String {
+    format!("{PREFIX}/{fleet}/devices/{device}/answers")
+}
 
 /// Filter for every device's status (registry, aggregator metrics).
 pub fn all_status(fleet: &FleetId) -> String {
@@ -252,6 +287,10 @@ pub fn all_status(fleet: &FleetId) -> String {
 /// Filter for every device's upload frames (aggregator).
 pub fn all_updates(fleet: &FleetId) -> String {
     format!("{PREFIX}/{fleet}/devices/+/updates")
+}
+/// Filter for every device's requests (aggregator).
+pub fn all_requests(fleet: &FleetId) -> String {
+    format!("{PREFIX}/{fleet}/devices/+/requests")
 }
 
 #[cfg(test)]
@@ -269,10 +308,13 @@ mod tests {
             Topic::Updates { fleet: fleet.clone(), device: device.clone() },
             Topic::Receipts { fleet: fleet.clone(), device: device.clone() },
             Topic::Rejections { fleet: fleet.clone(), device: device.clone() },
+            Topic::Requests { fleet: fleet.clone(), device: device.clone() },
+            Topic::Answers { fleet: fleet.clone(), device: device.clone() },
         ];
         for t in all {
             assert_eq!(parse(&t.path()).unwrap(), t);
-            assert_eq!(t.qos(), QoS::AtLeastOnce);
+            let lossy = matches!(t, Topic::Answers { .. });
+            assert_eq!(t.qos(), if lossy { QoS::AtMostOnce } else { QoS::AtLeastOnce });
         }
         assert_eq!(rounds(&fleet), "fedfleet/v1/demo/rounds");
         assert_eq!(status(&fleet, &device), "fedfleet/v1/demo/devices/cam-1/status");
@@ -296,13 +338,16 @@ mod tests {
         let may_publish = |who: &PeerIdentity, fleet: &FleetId, topic: &str| may_publish(who, fleet, &publishers, topic);
         assert!(may_publish(&device, &fleet, &status(&fleet, &me)));
         assert!(may_publish(&device, &fleet, &updates(&fleet, &me)));
+        assert!(may_publish(&device, &fleet, &requests(&fleet, &me)));
         for forbidden in [
             rounds(&fleet),
             rollouts(&fleet),
             status(&fleet, &peer),
             updates(&fleet, &peer),
+            requests(&fleet, &peer),
             receipts(&fleet, &me),
             rejections(&fleet, &me),
+            answers(&fleet, &me),
             status(&other, &me),
             "fedfleet/v1/demo/devices/cam-1/status/extra".into(),
             "fedfleet/v1/demo/#".into(),
@@ -318,10 +363,18 @@ mod tests {
         // A service certificate that is not a publisher (an operator's) may publish nothing.
         assert!(!may_publish(&PeerIdentity::Service("operator".into()), &fleet, &rounds(&fleet)));
 
-        for allowed in [rounds(&fleet), rollouts(&fleet), receipts(&fleet, &me), rejections(&fleet, &me)] {
+        for allowed in [rounds(&fleet), rollouts(&fleet), receipts(&fleet, &me), rejections(&fleet, &me), answers(&fleet, &me)] {
             assert!(may_subscribe(&device, &fleet, &allowed), "{allowed}");
         }
-        for forbidden in [all_status(&fleet), all_updates(&fleet), receipts(&fleet, &peer), "#".into(), "fedfleet/v1/demo/#".into()] {
+        for forbidden in [
+            all_status(&fleet),
+            all_updates(&fleet),
+            all_requests(&fleet),
+            receipts(&fleet, &peer),
+            answers(&fleet, &peer),
+            "#".into(),
+            "fedfleet/v1/demo/#".into(),
+        ] {
             assert!(!may_subscribe(&device, &fleet, &forbidden), "{forbidden}");
         }
         assert!(may_subscribe(&service, &fleet, &all_status(&fleet)));

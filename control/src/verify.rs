@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 
-use crate::rejection::{RejectionError, SignedRejection};
+use crate::exchange::SignedAnswer;
+use crate::rejection::{SealError, SignedRejection};
 use ed25519_dalek::VerifyingKey;
 use fedfleet_certs::{AllowList, DeviceStatus as KeyStatus};
 use fedfleet_protocol::{
@@ -119,11 +120,21 @@ pub fn rejection(
     device: &DeviceId,
     aggregator: &VerifyingKey,
 ) -> Result<SignedRejection, Rejected> {
-    let err = |e: RejectionError| Rejected::new(topic, Some(device), e.reason(), e.to_string());
+    let err = |e: SealError| Rejected::new(topic, Some(device), e.reason(), e.to_string());
     let signed = SignedRejection::decode(bytes).map_err(err)?;
     signed.verify(aggregator).map_err(err)?;
     check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
     addressed_to(topic, device, &signed.body().device, "rejection")?;
+    Ok(signed)
+}
+
+/// An answer to one of `device`'s requests, signed by the pinned aggregator key.
+pub fn answer(topic: &str, bytes: &[u8], fleet: &FleetId, device: &DeviceId, aggregator: &VerifyingKey) -> Result<SignedAnswer, Rejected> {
+    let err = |e: SealError| Rejected::new(topic, Some(device), e.reason(), e.to_string());
+    let signed = SignedAnswer::decode(bytes).map_err(err)?;
+    signed.verify(aggregator).map_err(err)?;
+    check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
+    addressed_to(topic, device, &signed.body().device, "answer")?;
     Ok(signed)
 }
 

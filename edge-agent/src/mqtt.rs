@@ -11,6 +11,12 @@
 //!   refusal is; neither within `receipt_timeout` is a transport error, so the outbox re-sends
 //!   the same bytes.
 //!   Base models are always fetched through the inner (QUIC) client.
+//! - Secure aggregation follows the upload path: while uploads go over MQTT, the SecAgg stages
+//!   do too, as requests on `devices/<id>/requests` answered on `devices/<id>/answers` (the same
+//!   requests and responses as over QUIC, each answer signed by the pinned aggregator key, see
+//!   `fedfleet_control::exchange`); a request that does not fit in one MQTT packet (the masked
+//!   vector of a model of some 250,000 parameters and more) goes over QUIC. An answer not
+//!   received within `receipt_timeout` is a transport error, as for uploads.
 //! - [`MqttRegistry`] wraps the [`Registry`] client: every status report is also signed and
 //!   published on the device's status topic, and [`heartbeats`] re-publishes the last one
 //!   periodically with a fresh `reported_at`.
@@ -22,12 +28,14 @@
 //!
 //! Reconnecting and backoff are the control client's job.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
-use fedfleet_aggregator_client::wire::SecAggView;
+use fedfleet_aggregator_client::client::{ClientError, secagg_roster_of, secagg_taken, secagg_view};
+use fedfleet_aggregator_client::wire::{MAX_WIRE_MESSAGE, Request, Response, SecAggView};
 use fedfleet_control::{ControlClient, ControlEvent, ControlEvents, UploadRejection};
 use fedfleet_protocol::{
     DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, RejectReason, Rejection, RolloutNotice, RoundAnnouncement, RoundId,
@@ -35,10 +43,10 @@ use fedfleet_protocol::{
 };
 use fedfleet_secagg::Roster;
 use serde::Deserialize;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, oneshot};
 
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
-use crate::remote::Ack;
+use crate::remote::{Ack, agg_err, check_view_receipt};
 
 /// Which path uploads take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -89,6 +97,8 @@ struct Heard {
     /// Woken by every verified round announcement and rollout notice (one stored permit while
     /// nobody waits): the agent acts on it at once instead of at its next poll.
     wake: Arc<Notify>,
+    /// Requests waiting for their answer, by id.
+    waiting: Mutex<HashMap<u64, oneshot::Sender<Vec<u8>>>>,
 }
 
 /// [`Aggregator`] with announcements and an upload path over MQTT; see the module docs.
@@ -101,6 +111,7 @@ pub struct MqttAggregator<A> {
     switched_at: Mutex<Option<Instant>>,
     mqtt_uploads: AtomicU32,
     mqtt_acks: Mutex<Vec<Ack>>,
+    mqtt_requests: AtomicU32,
 }
 
 impl<A: Aggregator> MqttAggregator<A> {
@@ -130,6 +141,13 @@ impl<A: Aggregator> MqttAggregator<A> {
                         push_recent(&h.refusals, r);
                         h.receipt_arrived.notify_waiters();
                     }
+                    ControlEvent::Answer(s) => {
+                        let a = s.body();
+                        match h.waiting.lock().unwrap_or_else(|p| p.into_inner()).remove(&a.id) {
+                            Some(waiter) => drop(waiter.send(a.bytes.clone())),
+                            None => tracing::debug!(id = a.id, "an answer to no request waiting (late, or a repeat)"),
+                        }
+                    }
                     ControlEvent::Rollout(s) => {
                         let n = s.body().clone();
                         tracing::info!(rollout = n.rollout_id, phase = n.phase, action = ?n.action, "rollout notice over MQTT; checking the assignment");
@@ -153,6 +171,7 @@ impl<A: Aggregator> MqttAggregator<A> {
             switched_at: Mutex::new(None),
             mqtt_uploads: AtomicU32::new(0),
             mqtt_acks: Mutex::new(Vec::new()),
+            mqtt_requests: AtomicU32::new(0),
         }
     }
 
@@ -167,6 +186,11 @@ impl<A: Aggregator> MqttAggregator<A> {
     /// Uploads sent over the MQTT path so far (attempts, not receipts).
     pub fn mqtt_uploads(&self) -> u32 {
         self.mqtt_uploads.load(Ordering::Relaxed)
+    }
+
+    /// Requests (secure-aggregation stages) sent over MQTT so far, repeats included.
+    pub fn mqtt_requests(&self) -> u32 {
+        self.mqtt_requests.load(Ordering::Relaxed)
     }
 
     /// Every upload acknowledged over the MQTT path so far (by a signed receipt), in order;
@@ -211,6 +235,38 @@ impl<A: Aggregator> MqttAggregator<A> {
                 true
             }
         }
+    }
+
+    /// `request` (and its `attachment`) over MQTT, and the aggregator's answer, within
+    /// `receipt_timeout`; `None` when it does not fit in one MQTT packet (send it over QUIC).
+    async fn exchange(&self, request: &Request, attachment: &[u8]) -> Option<Result<Response, TransportError>> {
+        let message = match fedfleet_protocol::messages::encode(request, MAX_WIRE_MESSAGE) {
+            Ok(m) => m,
+            Err(e) => return Some(Err(TransportError(format!("mqtt request: {e}")))),
+        };
+        if !self.control.request_fits(&message, attachment) {
+            return None;
+        }
+        let id = rand::random::<u64>();
+        let (tx, rx) = oneshot::channel();
+        self.heard.waiting.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        self.mqtt_requests.fetch_add(1, Ordering::Relaxed);
+        let attempt = async {
+            self.control.send_request(id, &message, attachment).await.map_err(|e| TransportError(format!("mqtt request: {e}")))?;
+            rx.await.map_err(|_| TransportError("mqtt request: the control client stopped".into()))
+        };
+        let answer = tokio::time::timeout(self.opts.receipt_timeout, attempt).await;
+        self.heard.waiting.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        Some(match answer {
+            Ok(Ok(bytes)) => fedfleet_protocol::messages::decode::<Response>(&bytes, MAX_WIRE_MESSAGE)
+                .map_err(|e| TransportError(format!("mqtt answer: {e}"))),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(TransportError(format!("mqtt request: no answer within {:?}", self.opts.receipt_timeout))),
+        })
+    }
+
+    fn receipt_key(&self) -> Result<ed25519_dalek::VerifyingKey, TransportError> {
+        self.control.aggregator_key().ok_or_else(|| TransportError("the MQTT control client is not a device's".into()))
     }
 
     async fn upload_mqtt(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {
@@ -279,17 +335,40 @@ impl<A: Aggregator> Aggregator for MqttAggregator<A> {
         self.inner.fetch_base_model(model).await
     }
 
-    // Secure aggregation's stages go over the QUIC client (announcements may come over MQTT).
+    // Secure aggregation's stages take the upload path (see the module docs).
     async fn secagg_roster(&self, round: RoundId) -> Result<Roster, TransportError> {
-        self.inner.secagg_roster(round).await
+        if !self.use_mqtt() {
+            return self.inner.secagg_roster(round).await;
+        }
+        match self.exchange(&Request::SecAggRoster { round }, &[]).await {
+            Some(answer) => secagg_roster_of(answer?, round, &self.receipt_key()?).map_err(agg_err),
+            None => self.inner.secagg_roster(round).await,
+        }
     }
 
     async fn secagg_send(&self, message: &[u8], vector: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
-        self.inner.secagg_send(message, vector).await
+        if !self.use_mqtt() {
+            return self.inner.secagg_send(message, vector).await;
+        }
+        let request = Request::SecAggSend { message: message.to_vec(), vector_len: vector.len() as u64 };
+        match self.exchange(&request, vector).await {
+            Some(answer) => match secagg_taken(answer?) {
+                Ok(()) => Ok(Ok(())),
+                Err(ClientError::Refused(r)) => Ok(Err(r)),
+                Err(e) => Err(agg_err(e)),
+            },
+            None => self.inner.secagg_send(message, vector).await,
+        }
     }
 
     async fn secagg_poll(&self, round: RoundId) -> Result<SecAggView, TransportError> {
-        self.inner.secagg_poll(round).await
+        if !self.use_mqtt() {
+            return self.inner.secagg_poll(round).await;
+        }
+        match self.exchange(&Request::SecAggPoll { round }, &[]).await {
+            Some(answer) => check_view_receipt(secagg_view(answer?).map_err(agg_err)?, &self.receipt_key()?),
+            None => self.inner.secagg_poll(round).await,
+        }
     }
 
     async fn upload(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadReply, TransportError> {

@@ -33,7 +33,7 @@ use fedfleet_secagg::Roster;
 use crate::agent::Clock;
 use crate::clients::{Aggregator, BaseModel, MetadataSet, Registry, TransportError, UploadReply};
 
-fn agg_err(e: AggError) -> TransportError {
+pub(crate) fn agg_err(e: AggError) -> TransportError {
     match &e {
         AggError::Refused(r) if r.reason == RejectReason::Revoked => TransportError::certificate_revoked(format!("aggregator: {e}")),
         _ => TransportError(format!("aggregator: {e}")),
@@ -188,14 +188,19 @@ impl Aggregator for RemoteAggregator {
 
     async fn secagg_poll(&self, round: RoundId) -> Result<SecAggView, TransportError> {
         let view = self.limited("secure-aggregation poll", self.client.secagg_poll(round)).await?;
-        if let Some(bytes) = &view.receipt {
-            Signed::<Receipt>::decode(bytes)
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.verify(&self.receipt_key).map(|_| ()).map_err(|e| e.to_string()))
-                .map_err(|e| TransportError(format!("secure-aggregation receipt not signed by the pinned key: {e}")))?;
-        }
-        Ok(view)
+        check_view_receipt(view, &self.receipt_key)
     }
+}
+
+/// A secure-aggregation view whose receipt (if it has one) is signed by `receipt_key`.
+pub(crate) fn check_view_receipt(view: SecAggView, receipt_key: &VerifyingKey) -> Result<SecAggView, TransportError> {
+    if let Some(bytes) = &view.receipt {
+        Signed::<Receipt>::decode(bytes)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.verify(receipt_key).map(|_| ()).map_err(|e| e.to_string()))
+            .map_err(|e| TransportError(format!("secure-aggregation receipt not signed by the pinned key: {e}")))?;
+    }
+    Ok(view)
 }
 
 fn hex_key(k: &VerifyingKey) -> String {

@@ -129,8 +129,10 @@ fn acts_at(mine: Stage) -> Stage {
 /// Sends one stage message. An `overloaded` refusal took nothing in (the aggregator turned the
 /// connection or the message away before reading it), so the same message goes again after the
 /// retry-after it names plus up to as much again of jitter (a crowd refused together does not
-/// return together), within the round's deadline; the device keeps its secrets meanwhile. Any
-/// other refusal, or a lost connection, ends the device's part.
+/// return together), within the round's deadline; the device keeps its secrets meanwhile. A lost
+/// answer (a transport error: a dropped connection, an MQTT answer that did not come) sends the
+/// same message again after a poll interval, and a `duplicate` refusal of a copy sent again
+/// means an earlier copy was taken. Any other refusal ends the device's part.
 async fn send<A: Aggregator>(
     agg: &A,
     message: &Signed<Message>,
@@ -139,9 +141,14 @@ async fn send<A: Aggregator>(
     now: &impl Fn() -> Millis,
 ) -> Result<(), UploadOutcome> {
     let bytes = message.encode();
+    let mut sent_before = false;
     loop {
         match agg.secagg_send(&bytes, vector).await {
             Ok(Ok(())) => return Ok(()),
+            Ok(Err(r)) if sent_before && is_duplicate(&r) => {
+                tracing::debug!("a stage message sent again was a duplicate: the first copy arrived");
+                return Ok(());
+            }
             Ok(Err(r)) if r.reason == RejectReason::Overloaded => {
                 // A refusal naming no retry-after: the admission's default, as for a connection
                 // refused before its handshake.
@@ -155,9 +162,22 @@ async fn send<A: Aggregator>(
                 tokio::time::sleep(Duration::from_millis(wait)).await;
             }
             Ok(Err(r)) => return Err(UploadOutcome::Rejected(r)),
-            Err(e) => return Err(refused(RejectReason::SecAggFailed, format!("lost the aggregator during secure aggregation: {}", e.0))),
+            Err(e) => {
+                if now().saturating_add(POLL.as_millis() as u64) >= round.deadline_unix_ms {
+                    return Err(refused(RejectReason::SecAggFailed, format!("lost the aggregator during secure aggregation: {}", e.0)));
+                }
+                tracing::debug!(error = %e, "a stage message got no answer; sending it again");
+                sent_before = true;
+                tokio::time::sleep(POLL).await;
+            }
         }
     }
+}
+
+/// The protocol's refusal of a second message of one stage from the same device (its name,
+/// `fedfleet_secagg::Refusal::name`, starts the detail).
+fn is_duplicate(r: &Rejection) -> bool {
+    r.reason == RejectReason::SecAggRefused && r.detail.starts_with("duplicate:")
 }
 
 #[cfg(test)]
@@ -213,6 +233,50 @@ mod tests {
         let body = Body::Keys { c_public: [1; 32], s_public: [2; 32], b_commitment: [3; 32] };
         let m = Message { round: RoundId(1), session: [0; 32], device: DeviceId::new("dev-1").unwrap(), body };
         Signed::sign(m, &SigningKey::from_bytes(&[4; 32]))
+    }
+
+    /// Takes the first copy of a message but loses its answer, then refuses the copy sent again
+    /// as a duplicate, as the aggregator does.
+    struct LostAnswer {
+        sends: Mutex<u32>,
+    }
+
+    impl Aggregator for LostAnswer {
+        async fn current_round(&self, _: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
+            Ok(None)
+        }
+        async fn fetch_base_model(&self, _: &ModelRef) -> Result<BaseModel, TransportError> {
+            Err(TransportError("no models here".into()))
+        }
+        async fn upload(&self, _: &[u8], _: &[u8]) -> Result<UploadReply, TransportError> {
+            Err(TransportError("no uploads here".into()))
+        }
+        async fn secagg_send(&self, _: &[u8], _: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
+            let mut sends = self.sends.lock().unwrap();
+            *sends += 1;
+            match *sends {
+                1 => Err(TransportError("mqtt request: no answer within 3s".into())),
+                _ => Ok(Err(Rejection::new(RejectReason::SecAggRefused, "duplicate: device dev-1 already sent this stage's message"))),
+            }
+        }
+    }
+
+    /// A stage message whose answer was lost goes again, and the duplicate refusal of the copy
+    /// tells the device the first one arrived: it stays in the round. A duplicate refusal of a
+    /// first send is a refusal; a lost answer past the deadline ends the device's part.
+    #[tokio::test]
+    async fn a_stage_message_whose_answer_was_lost_is_sent_again_and_a_duplicate_means_taken() {
+        let lost = LostAnswer { sends: Mutex::new(0) };
+        assert!(send(&lost, &keys(), &[], &round(u64::MAX), &|| 1_000).await.is_ok());
+        assert_eq!(*lost.sends.lock().unwrap(), 2);
+
+        let lost = LostAnswer { sends: Mutex::new(1) };
+        let Err(UploadOutcome::Rejected(r)) = send(&lost, &keys(), &[], &round(u64::MAX), &|| 1_000).await else { panic!("refused") };
+        assert_eq!(r.reason, RejectReason::SecAggRefused);
+
+        let lost = LostAnswer { sends: Mutex::new(0) };
+        let Err(UploadOutcome::Rejected(r)) = send(&lost, &keys(), &[], &round(1_100), &|| 1_000).await else { panic!("given up") };
+        assert_eq!((r.reason, *lost.sends.lock().unwrap()), (RejectReason::SecAggFailed, 1));
     }
 
     /// A stage message turned away for load goes again after the retry-after (the device keeps

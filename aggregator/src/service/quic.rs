@@ -289,7 +289,9 @@ impl Aggregator {
             Request::CampaignStatus => Some(Response::Status(self.status())),
             Request::SecAggRoster { round } => Some(self.secagg_roster(peer, round)),
             Request::SecAggPoll { round } => Some(self.secagg_poll(peer, round)),
-            Request::SecAggSend { message, vector_len } => Some(self.secagg_message(peer, &message, vector_len, stream).await),
+            Request::SecAggSend { message, vector_len } => {
+                Some(self.secagg_message(peer, &message, vector_len, secagg::Attached::Streamed(stream)).await)
+            }
             Request::CampaignStop => Some(match self.stop_campaign() {
                 Ok(s) => Response::Status(s),
                 Err(e) => Response::Error(reject(RejectReason::Internal, e)),

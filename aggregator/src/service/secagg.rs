@@ -16,6 +16,13 @@ use crate::wire::SecAggView;
 /// The contributor the unmasked sum is recorded under in the round engine (it is no device).
 const SUM_CONTRIBUTOR: &str = "secagg.sum";
 
+/// Where a stage message's masked vector comes from: streamed after it (QUIC), or attached to
+/// it (an MQTT request).
+pub(super) enum Attached<'a> {
+    Streamed(&'a mut FramedStream),
+    Bytes(&'a [u8]),
+}
+
 /// The open round's secure aggregation.
 pub(super) struct SecAggRound {
     server: Server,
@@ -133,10 +140,29 @@ impl Aggregator {
         }
     }
 
-    /// Takes one stage message of `peer` (and its masked vector, streamed after it).
-    pub(super) async fn secagg_message(&self, peer: &PeerIdentity, message: &[u8], vector_len: u64, stream: &mut FramedStream) -> Response {
+    /// A device's secure-aggregation request over MQTT (`crate::mqtt`): the requests and
+    /// answers of QUIC, the masked vector attached to its message instead of streamed after it.
+    /// Nothing else is served this way.
+    pub async fn secagg_over_mqtt(&self, device: &DeviceId, message: &[u8], attachment: &[u8]) -> Response {
+        let peer = PeerIdentity::Device(device.clone());
+        match messages::decode::<Request>(message, MAX_WIRE_MESSAGE) {
+            Ok(Request::SecAggRoster { round }) => self.secagg_roster(&peer, round),
+            Ok(Request::SecAggPoll { round }) => self.secagg_poll(&peer, round),
+            Ok(Request::SecAggSend { message, vector_len }) => {
+                self.secagg_message(&peer, &message, vector_len, Attached::Bytes(attachment)).await
+            }
+            Ok(other) => Response::Error(reject(
+                RejectReason::NotPermitted,
+                format!("over MQTT the aggregator answers secure-aggregation requests only, not {other:?}"),
+            )),
+            Err(e) => Response::Error(reject(RejectReason::Malformed, format!("request: {e}"))),
+        }
+    }
+
+    /// Takes one stage message of `peer` (and its masked vector).
+    pub(super) async fn secagg_message(&self, peer: &PeerIdentity, message: &[u8], vector_len: u64, vector: Attached<'_>) -> Response {
         let sent = match secagg_device(peer) {
-            Ok(device) => self.secagg_send(device, message, vector_len, stream).await,
+            Ok(device) => self.secagg_send(device, message, vector_len, vector).await,
             Err(r) => Err(r),
         };
         match sent {
@@ -161,7 +187,7 @@ impl Aggregator {
         Ok(s)
     }
 
-    async fn secagg_send(&self, device: &DeviceId, message: &[u8], vector_len: u64, stream: &mut FramedStream) -> Result<(), Rejection> {
+    async fn secagg_send(&self, device: &DeviceId, message: &[u8], vector_len: u64, attached: Attached<'_>) -> Result<(), Rejection> {
         let signed = Signed::<Message>::decode(message).map_err(|e| reject(e.reason(), e.to_string()))?;
         if signed.body().device != *device {
             return Err(reject(
@@ -175,16 +201,23 @@ impl Aggregator {
             let s = self.session(&core, signed.body().round, device)?;
             (s.server.roster().dim as u64 + 1) * 8
         };
-        let vector = if vector_len == 0 {
+        let attached_len = match &attached {
+            Attached::Bytes(b) => Some(b.len() as u64),
+            Attached::Streamed(_) => None,
+        };
+        let vector = if vector_len == 0 && attached_len.unwrap_or(0) == 0 {
             None
-        } else if vector_len != expected {
+        } else if vector_len != expected || attached_len.is_some_and(|n| n != vector_len) {
             return Err(reject(
                 RejectReason::LengthMismatch,
-                format!("a masked vector of this round is {expected} bytes, not {vector_len}"),
+                format!("a masked vector of this round is {expected} bytes, not {}", attached_len.unwrap_or(vector_len)),
             ));
         } else {
             let _in_flight = self.reserve_bytes(vector_len)?;
-            Some(receive_vector(stream, vector_len as usize).await?)
+            Some(match attached {
+                Attached::Streamed(stream) => receive_vector(stream, vector_len as usize).await?,
+                Attached::Bytes(bytes) => words(bytes),
+            })
         };
         let me = self.clone();
         let device = device.clone();
@@ -343,5 +376,10 @@ async fn receive_vector(stream: &mut FramedStream, len: usize) -> Result<Vec<u64
             Err(e) => return Err(reject(RejectReason::Malformed, e.to_string())),
         }
     }
-    Ok(bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect())
+    Ok(words(&bytes))
+}
+
+/// A masked vector's little-endian words.
+fn words(bytes: &[u8]) -> Vec<u64> {
+    bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
 }
