@@ -29,7 +29,8 @@
 //!
 //! [secure_aggregation]               # optional: every round aggregated with SecAgg+ (the aggregator sees
 //!                                    #   only the round's sum; plain uploads are refused); fedavg/fedprox/fedopt,
-//!                                    #   or dp_fedavg with the noise split across the devices (1/sqrt(quorum) each)
+//!                                    #   or dp_fedavg with the noise split across the devices (1/sqrt(quorum) each);
+//!                                    #   on a relay, over its region (not on a service with `relays`)
 //! degree = 16                        # neighbours per device (even)
 //! threshold_fraction = 0.5           # shares needed to rebuild a device's secrets, of its neighbours (>= 2)
 //! frac_bits = 24                     # fixed-point grid 2^-frac_bits of each sample_count x update value
@@ -981,9 +982,11 @@ impl Config {
         if let Some(s) = &self.secure_aggregation {
             s.validate()?;
             self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update")?;
-            if !self.relays.is_empty() || self.relay.is_some() {
+            if !self.relays.is_empty() {
                 return Err(ConfigError::Invalid(
-                    "secure_aggregation: relays are not yet supported with secure aggregation; remove `relays` / [relay]".into(),
+                    "secure_aggregation with `relays`: this service's round closes when its own devices' stages end, before its relays \
+                     forward; put [secure_aggregation] on the relays instead (each region aggregates securely and forwards only its sum)"
+                        .into(),
                 ));
             }
         }
@@ -1173,6 +1176,10 @@ mod tests {
         assert_eq!((r.parent_receipt_key, r.forward_margin_secs, r.region.len()), (dir.path().join("root.pub"), 10, 1));
         let err = load("", &format!("{relay}[publish]\nregistry = \"127.0.0.1:2\"\n")).unwrap_err();
         assert!(err.contains("remove [publish]"), "{err}");
+        // A region aggregates securely on its relay; a parent with relays cannot also.
+        assert!(load("", &format!("{relay}[secure_aggregation]\n")).unwrap().secure_aggregation.is_some());
+        let err = load("relays = [\"relay-eu\"]", "[secure_aggregation]\n").unwrap_err();
+        assert!(err.contains("put [secure_aggregation] on the relays"), "{err}");
         let err = load("", &format!("{relay}[campaign]\nstrategy = \"krum\"\n")).unwrap_err();
         assert!(err.contains("needs every update"), "{err}");
         // Secure aggregation: sums only, like relays, and not (yet) through relays.
@@ -1196,7 +1203,7 @@ mod tests {
             assert!(err.contains("secure_aggregation") && err.contains(says), "{rest}: {err}");
         }
         let err = load("relays = [\"relay-eu\"]", secagg).unwrap_err();
-        assert!(err.contains("not yet supported"), "{err}");
+        assert!(err.contains("put [secure_aggregation] on the relays"), "{err}");
         for (bad, says) in [
             ("degree = 3", "degree 3 must be even"),
             ("threshold_fraction = 0.0", "threshold_fraction"),

@@ -8,7 +8,10 @@
 //! earlier deadline, and every update goes through the same ingest as at the root (enrollment,
 //! revocation, signature, replay, selection, shape, finite values, durable before its receipt).
 //! When the round closes (every invited device of the region sent, or the relay's deadline),
-//! [`Aggregator::forward`] sends its exact partial sum to the parent as one signed upload.
+//! [`Aggregator::forward`] sends its exact partial sum to the parent as one signed upload. A
+//! relay with `[secure_aggregation]` runs the SecAgg+ stages over its region (the roster is its
+//! region's devices) and announces the round as secure: it learns only its region's sum, which
+//! is all it forwards, and the parent only the regions' sums.
 //!
 //! The relay's store is its outbox: the accepted updates stay on disk until the parent's receipt,
 //! and a restarted relay refolds them into the same sum, signed under the same nonce (derived
@@ -115,7 +118,7 @@ impl Aggregator {
             return Ok(()); // too late to gather and forward anything for this round
         }
         self.hold_base(parent, &ann).await?;
-        let expected = self.region_invited(rc, &ann.selection);
+        let expected = self.region_invited(&ann.selection);
         let sh = &self.shared;
         let mut core = self.lock();
         if core.base.as_ref().map(|b| b.digest) != Some(ann.base_model.digest) {
@@ -137,7 +140,13 @@ impl Aggregator {
         self.drain(&mut core, now);
         // Devices get the parent's round as it was announced, with this relay's deadline, under
         // this relay's key (the one they pin).
-        let mine = RoundAnnouncement { deadline_unix_ms: deadline, ..ann.clone() };
+        let mut mine = RoundAnnouncement { deadline_unix_ms: deadline, ..ann.clone() };
+        if let Some(s) = sh.cfg.secure_aggregation {
+            // The region aggregates securely; a device must have trained before the keys stage ends.
+            mine.config.secure_aggregation = true;
+            let time_to_start = (deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64;
+            mine.config.start_window_ms = sh.cfg.admission.start_window_ms(u64::from(expected), time_to_start);
+        }
         core.campaign.announcement = Some(Signed::sign(mine, &sh.key).encode());
         sh.announce.send_replace(core.campaign.announcement.clone());
         self.commit_boundary(&mut core, now);
@@ -146,10 +155,17 @@ impl Aggregator {
     }
 
     /// The devices of the region that `selection` invites and that may still send.
-    fn region_invited(&self, rc: &RelayConfig, selection: &fedfleet_protocol::Selection) -> u32 {
-        let sh = &self.shared;
-        let region = if rc.region.is_empty() { sh.allow.devices() } else { rc.region.clone() };
-        region.iter().filter(|d| selection.selects(d) && self.sending_key(d).is_some()).count() as u32
+    fn region_invited(&self, selection: &fedfleet_protocol::Selection) -> u32 {
+        self.region().iter().filter(|d| selection.selects(d) && self.sending_key(d).is_some()).count() as u32
+    }
+
+    /// The devices this service answers for: a relay's region (`relay.region`, or every enrolled
+    /// device when it names none), else every enrolled device.
+    pub(super) fn region(&self) -> Vec<DeviceId> {
+        match self.relay_config() {
+            Some(rc) if !rc.region.is_empty() => rc.region.clone(),
+            _ => self.shared.allow.devices(),
+        }
     }
 
     /// Makes the round's base model the one this relay holds, fetched from the parent (and

@@ -37,7 +37,8 @@ pub(super) struct SecAggRound {
 }
 
 impl Aggregator {
-    /// At a round's opening: its roster (the enrolled, unrevoked devices its selection invites)
+    /// At a round's opening: its roster (the enrolled, unrevoked devices of its region that its
+    /// selection invites)
     /// and stage deadlines spread over the time to its deadline. `None` (logged) when no
     /// roster can be made: devices then get no stages and the round fails at its deadline.
     pub(super) fn open_secagg(
@@ -51,9 +52,8 @@ impl Aggregator {
         let sh = &self.shared;
         let cfg = sh.cfg.secure_aggregation?;
         let dim = core.base.as_ref()?.dim() as u32;
-        let devices: Vec<(DeviceId, [u8; 32])> = sh
-            .allow
-            .devices()
+        let devices: Vec<(DeviceId, [u8; 32])> = self
+            .region()
             .into_iter()
             .filter(|d| selection.selects(d))
             .filter_map(|d| self.sending_key(&d).map(|k| (d, k.to_bytes())))

@@ -204,3 +204,50 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
     chain.stop_agents();
     drop(relays);
 }
+
+/// Secure aggregation in every region (issues 28 and 29): the tree of three relays, each with
+/// `[secure_aggregation]`, so each relay learns only its region's sum (its three agents run the
+/// SecAgg+ stages with it) and the root only the three sums. One round of it publishes the model
+/// that one secure round over all nine agents on the root publishes, bit for bit: both sum the
+/// same updates on the same grid exactly. No relay took an update in the clear.
+#[test]
+fn secure_regions_publish_the_flat_secure_runs_model() {
+    const SECURE_AGGREGATION: &str = "[secure_aggregation]\ndegree = 2\n";
+    let one_round = |initial: Option<&Path>| {
+        let d = deployment(initial);
+        d.set("aggregator.toml", "rounds", "1");
+        d
+    };
+    let mut flat = one_round(None);
+    flat.append("aggregator.toml", SECURE_AGGREGATION);
+    flat.start("fedfleet-agent");
+    let flat_versions = campaign(&flat);
+    flat.stop_agents();
+    let flat_log = flat.log("aggregator");
+    assert_eq!(count_lines(&flat_log, "the round's sum is unmasked and merged"), 1, "{}", tail(&flat_log, 30));
+
+    let mut tree = one_round(Some(&flat.path("aggregator/initial.safetensors")));
+    make_tree(&tree, &two_levels());
+    for r in 1..=RELAYS {
+        tree.append(&format!("relay-{r}.toml"), SECURE_AGGREGATION);
+    }
+    tree.start_services();
+    let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
+    tree.start_agents(1..=AGENTS, "fedfleet-agent");
+    let status = tree.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
+    let tree_versions = tree.versions("digits").iter().map(|v| v["digest"].as_str().unwrap().to_owned()).collect::<Vec<_>>();
+    let root_log = tree.log("aggregator");
+    let logs: String = (1..=RELAYS).map(|r| format!("relay-{r}:\n{}\n", tail(&tree.log(&format!("relay-{r}")), 20))).collect();
+    let context = format!("campaign: {status}\nroot:\n{}\n{logs}agent-1:\n{}", tail(&root_log, 30), tail(&tree.log("agent-1"), 20));
+    assert_eq!(flat_versions.len(), 2, "the initial model and the round's\n{context}");
+    assert_eq!(tree_versions, flat_versions, "secure regions publish the flat secure round's model, bit for bit\n{context}");
+    assert_eq!(count_lines(&root_log, "relay's partial sum accepted"), RELAYS, "one sum per relay\n{context}");
+    for r in 1..=RELAYS {
+        let log = tree.log(&format!("relay-{r}"));
+        assert_eq!(count_lines(&log, "the round's sum is unmasked and merged"), 1, "relay-{r}'s region aggregated securely\n{context}");
+        assert_eq!(count_lines(&log, "update accepted"), 0, "relay-{r} took no update in the clear\n{context}");
+    }
+    assert_eq!(tree.agent_logs().matches("update securely aggregated").count(), AGENTS, "{context}");
+    tree.stop_agents();
+    drop(relays);
+}
