@@ -977,11 +977,11 @@ impl Config {
             fedfleet_certs::layout::validate_name(name).map_err(|e| ConfigError::Invalid(format!("relays: {name:?}: {e}")))?;
         }
         if !self.relays.is_empty() || self.relay.is_some() {
-            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates")?;
+            self.takes_only_sums("relays", "a relay forwards one sum of its region's updates", Buffers::Discounted)?;
         }
         if let Some(s) = &self.secure_aggregation {
             s.validate()?;
-            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update")?;
+            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update", Buffers::Refused)?;
             if !self.relays.is_empty() {
                 return Err(ConfigError::Invalid(
                     "secure_aggregation with `relays`: this service's round closes when its own devices' stages end, before its relays \
@@ -1003,17 +1003,21 @@ impl Config {
 
     /// Refuses a strategy, mode or fold that needs each update when `what` gives the
     /// aggregator only sums (`why`). Under secure aggregation DP-FedAvg's devices clip and noise
-    /// (its adaptive clipping, which needs each update's norm, is refused).
-    fn takes_only_sums(&self, what: &str, why: &str) -> Result<(), ConfigError> {
+    /// (its adaptive clipping, which needs each update's norm, is refused). `buffers`: whether
+    /// async mode's staleness discount may apply to a whole sum (a relay's, gathered for one
+    /// buffer) or not (secure aggregation's stages are per round).
+    fn takes_only_sums(&self, what: &str, why: &str, buffers: Buffers) -> Result<(), ConfigError> {
         use crate::strategy::Strategy as _;
         let strategy = crate::strategy::ServerStrategy::new(&self.strategy_config(), 1)
             .map_err(|e| ConfigError::Invalid(format!("{what}: campaign.strategy: {e}")))?;
-        if !strategy.takes_partial_sums() || self.campaign.buffer().is_some() {
+        let async_refused = buffers == Buffers::Refused && self.campaign.buffer().is_some();
+        if !strategy.takes_partial_sums() || async_refused {
             return Err(ConfigError::Invalid(format!(
                 "{what}: {why}; campaign.strategy {:?}{} needs every update \
-                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in rounds mode{})",
+                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in {}{})",
                 strategy.name(),
-                if self.campaign.buffer().is_some() { " in async mode" } else { "" },
+                if async_refused { " in async mode" } else { "" },
+                if buffers == Buffers::Discounted { "rounds and async mode" } else { "rounds mode" },
                 if self.secure_aggregation.is_some() {
                     ", and dp_fedavg with its noise on the devices"
                 } else {
@@ -1102,6 +1106,15 @@ impl OperatorConfig {
     }
 }
 
+/// How a service that takes only sums stands to async mode (see `Config::takes_only_sums`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Buffers {
+    /// A sum made for one buffer is discounted by its staleness as a whole (relays).
+    Discounted,
+    /// Async mode is refused (secure aggregation).
+    Refused,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1167,8 +1180,8 @@ mod tests {
         assert_eq!(cfg.relays, ["relay-eu"]);
         let err = load("relays = [\"relay-eu\"]", "[campaign]\nstrategy = \"median\"\n").unwrap_err();
         assert!(err.contains("\"median\" needs every update"), "{err}");
-        let err = load("relays = [\"relay-eu\"]", "[campaign]\nmode = \"async\"\n").unwrap_err();
-        assert!(err.contains("in async mode"), "{err}");
+        // A relay's sum in a buffer is discounted by its staleness as a whole.
+        assert!(load("relays = [\"relay-eu\"]", "[campaign]\nmode = \"async\"\n").unwrap().campaign.buffer().is_some());
         assert!(load("relays = [\"../x\"]", "").is_err());
         let relay = "[relay]\nparent = \"10.0.0.1:7401\"\nparent_receipt_key = \"root.pub\"\nregion = [\"dev-1\"]\n";
         let cfg = load("", relay).unwrap();

@@ -215,13 +215,17 @@ impl Coordinator<ServerStrategy> {
         if partial.count() != meta.update_count || partial.total_weight() != meta.total_weight {
             return Err(refused(crate::RejectReason::Malformed));
         }
-        self.merge(admitted.round, partial).map_err(|e| refused(e.reason()))?;
+        // A sum for an earlier buffer is discounted by its staleness, as its updates would be.
+        self.merge(admitted.round, &partial.discounted(admitted.staleness)).map_err(|e| refused(e.reason()))?;
         Ok(self.engine.handle_relay(now, meta).expect("admission is deterministic"))
     }
 
-    /// Merges a partial sum accepted into `round` before a restart (the refold).
-    pub fn resume_merge(&mut self, round: RoundId, partial: &PartialSum) -> Result<(), StrategyError> {
-        self.merge(round, partial)
+    /// Merges a partial sum accepted into `round` before a restart (the refold); `made_for` is
+    /// the round it was made for (a relay's receipt names it), which sets its staleness in a
+    /// buffer as at its admission.
+    pub fn resume_merge(&mut self, round: RoundId, made_for: RoundId, partial: &PartialSum) -> Result<(), StrategyError> {
+        let staleness = self.engine.staleness_of(made_for);
+        self.merge(round, &partial.discounted(staleness))
     }
 
     fn merge(&mut self, round: RoundId, partial: &PartialSum) -> Result<(), StrategyError> {

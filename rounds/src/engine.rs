@@ -63,6 +63,12 @@
 //! a closed buffer waits for its model, updates are refused as `overloaded` (retry shortly), not
 //! `stale_round`: they are still wanted. One update per device per buffer (`duplicate`).
 //!
+//! A relay's partial sum is admitted the same way, as one contribution of all its updates: it
+//! names the buffer it was gathered for, counts its updates towards the open buffer's target,
+//! and the whole sum is discounted by its staleness (sums and weight by the same factor,
+//! [`staleness_factor_ppm`], see `PartialSum::discounted`). One sum per relay per buffer: a
+//! second one is `overloaded` (the relay forwards it again, into the next buffer).
+//!
 //! # Weights
 //!
 //! An accepted update's weight is its sample count clamped to
@@ -172,8 +178,13 @@ pub fn staleness_weight(weight: u64, staleness: u32) -> u64 {
     if staleness == 0 {
         return weight;
     }
-    let factor_ppm = (PPM as f64 / (1.0 + f64::from(staleness)).sqrt()).round() as u128;
-    ((u128::from(weight) * factor_ppm / u128::from(PPM)) as u64).max(1)
+    ((u128::from(weight) * staleness_factor_ppm(staleness) / u128::from(PPM)) as u64).max(1)
+}
+
+/// FedBuff's discount `1/√(1 + staleness)` in parts per million (rounded), the one factor every
+/// stale weight and relay sum is scaled by.
+pub fn staleness_factor_ppm(staleness: u32) -> u128 {
+    (PPM as f64 / (1.0 + f64::from(staleness)).sqrt()).round() as u128
 }
 
 /// Everything needed to run a campaign.
@@ -718,7 +729,7 @@ impl RoundEngine {
                 device: meta.relay,
                 nonce: meta.nonce,
                 num_examples: meta.total_weight,
-                weight: meta.total_weight,
+                weight: accepted.weight,
                 payload_digest: meta.payload_digest,
                 accepted_at: now,
                 updates: meta.update_count,
@@ -1016,14 +1027,20 @@ impl RoundEngine {
             return Err(self.reject(RejectReason::WrongFleet));
         }
         let c = self.fresh_into_campaign(&meta.relay, meta.nonce, meta.round)?;
-        if c.spec.buffer.is_some() {
-            // Buffers weight each update by its own staleness: they need the individual
-            // updates, which a partial sum has folded away. (DP-FedAvg takes a sum only when
-            // its devices clipped and noised: the strategy refuses the merge otherwise.)
-            return Err(self.reject(RejectReason::NotPermitted));
-        }
-        let r = self.open_round_named(c, meta.round)?;
-        if meta.base_digest != c.base_digest {
+        // (DP-FedAvg takes a sum only when its devices clipped and noised: the strategy refuses
+        // the merge otherwise.)
+        let (r, base_digest, staleness) = match &c.spec.buffer {
+            Some(buffer) => {
+                let (r, base, staleness) = self.buffered_base(c, buffer, meta.round)?;
+                if r.contributions.contains_key(&meta.relay) {
+                    // This buffer holds the relay's sum of an earlier buffer: the next one takes this.
+                    return Err(self.reject(RejectReason::Overloaded));
+                }
+                (r, base.digest, staleness)
+            }
+            None => (self.open_round_named(c, meta.round)?, c.base_digest, 0),
+        };
+        if meta.base_digest != base_digest {
             return Err(self.reject(RejectReason::WrongBaseModel));
         }
         if r.contributions.contains_key(&meta.relay) {
@@ -1035,29 +1052,53 @@ impl RoundEngine {
         }
         let accepted = (u64::from(r.accepted()) + meta.update_count).min(u64::from(u32::MAX)) as u32;
         let target = self.round_target(c);
-        Ok(Accepted { round: r.id, weight: meta.total_weight, staleness: 0, accepted, target, closed_round: accepted >= target })
+        let weight = staleness_weight(meta.total_weight, staleness);
+        Ok(Accepted { round: r.id, weight, staleness, accepted, target, closed_round: accepted >= target })
     }
 
-    /// Admission in asynchronous mode (see the module docs): into the open buffer, from any
-    /// retained buffer's base.
-    fn admit_buffered(&self, c: &Campaign, buffer: &BufferPolicy, meta: &UpdateMeta) -> Result<Accepted, Reject> {
-        if meta.round >= self.next_round {
+    /// Asynchronous mode: the open buffer, and the base and staleness of an update or sum made
+    /// for buffer `round` (refused when it is unknown, too old, or while no buffer is open).
+    fn buffered_base<'c>(
+        &self,
+        c: &'c Campaign,
+        buffer: &BufferPolicy,
+        round: RoundId,
+    ) -> Result<(&'c OpenRound, &'c BufferBase, u32), Reject> {
+        if round >= self.next_round {
             return Err(self.reject(RejectReason::UnknownRound));
         }
-        if meta.round < c.first_round {
+        if round < c.first_round {
             return Err(self.reject(RejectReason::StaleRound));
         }
         let Phase::Open(r) = &c.phase else {
             // The buffer is being published; the next one wants this update.
             return Err(self.reject(RejectReason::Overloaded));
         };
-        let Some(base) = c.recent.iter().find(|b| b.round == meta.round) else {
+        let Some(base) = c.recent.iter().find(|b| b.round == round) else {
             return Err(self.reject(RejectReason::TooStale));
         };
         let staleness = c.completed - base.published;
         if staleness > buffer.max_staleness {
             return Err(self.reject(RejectReason::TooStale));
         }
+        Ok((r, base, staleness))
+    }
+
+    /// Asynchronous mode: the staleness in the open buffer of what was made for buffer `round`
+    /// (what its admission discounted it by, the same until the buffer closes); 0 in rounds mode.
+    pub fn staleness_of(&self, round: RoundId) -> u32 {
+        match &self.campaign {
+            Some(c @ Campaign { spec: CampaignSpec { buffer: Some(b), .. }, .. }) => {
+                self.buffered_base(c, b, round).map_or(0, |(_, _, staleness)| staleness)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Admission in asynchronous mode (see the module docs): into the open buffer, from any
+    /// retained buffer's base.
+    fn admit_buffered(&self, c: &Campaign, buffer: &BufferPolicy, meta: &UpdateMeta) -> Result<Accepted, Reject> {
+        let (r, base, staleness) = self.buffered_base(c, buffer, meta.round)?;
         self.admit_into(c, r, (base.digest, &base.selection), staleness, meta)
     }
 

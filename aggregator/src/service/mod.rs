@@ -315,11 +315,17 @@ impl Aggregator {
                 records = kept;
                 for rec in &records {
                     let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    // A relay's sum was admitted discounted by its staleness in a buffer (a
+                    // device's record keeps its discounted weight already).
+                    let weight = match rec.relayed {
+                        0 => rec.weight,
+                        _ => fedfleet_rounds::staleness_weight(rec.weight, core.coord.engine().staleness_of(receipt.body().round)),
+                    };
                     let contribution = fedfleet_rounds::engine::Contribution {
                         device: rec.device.clone(),
                         nonce: fedfleet_rounds::Nonce(receipt.body().nonce),
                         num_examples: rec.weight,
-                        weight: rec.weight,
+                        weight,
                         payload_digest: rec.payload_digest,
                         accepted_at: receipt.body().accepted_at_unix_ms,
                         updates: rec.relayed.max(1),
@@ -335,7 +341,8 @@ impl Aggregator {
             for rec in &records {
                 let refolded = if rec.relayed > 0 {
                     let partial = relay::stored_partial(&store, rec, &base).map_err(resume)?;
-                    core.coord.resume_merge(round, &partial)
+                    let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    core.coord.resume_merge(round, receipt.body().round, &partial)
                 } else {
                     let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(resume)? };
                     core.coord.resume_fold(round, &delta, rec.weight)

@@ -384,8 +384,8 @@ impl Aggregator {
         let (receipt, seq) = self.record_accepted(receipt, accepted.round, h.total_samples, h.update_count);
         sh.metrics.accepted.inc_by(h.update_count);
         sh.metrics.round_accepted.set(accepted.accepted as i64);
-        tracing::info!(relay = %h.relay, round = %accepted.round, updates = h.update_count, accepted = accepted.accepted,
-            target = accepted.target, "relay's partial sum accepted");
+        tracing::info!(relay = %h.relay, round = %accepted.round, made_for = %h.round, staleness = accepted.staleness,
+            updates = h.update_count, accepted = accepted.accepted, target = accepted.target, "relay's partial sum accepted");
         self.drain(&mut core, now);
         drop(core);
         sh.store.sync(seq).unwrap_or_else(|e| abort_on_commit_failure(e));

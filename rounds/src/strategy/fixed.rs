@@ -202,6 +202,23 @@ impl PartialSum {
         Ok(PartialSum { sums, total_weight, count })
     }
 
+    /// This sum discounted by FedBuff's staleness factor (`engine::staleness_factor_ppm`), as
+    /// one contribution: every sum and the total weight times the same factor in parts per
+    /// million, rounded toward zero (the weight never below 1), in integers, so the discounted
+    /// sum is the same on every machine and after a restart. Staleness 0 is the sum itself.
+    pub fn discounted(&self, staleness: u32) -> PartialSum {
+        if staleness == 0 {
+            return self.clone();
+        }
+        let factor = crate::engine::staleness_factor_ppm(staleness) as i128;
+        let ppm = i128::from(fedfleet_protocol::messages::PPM);
+        PartialSum {
+            sums: self.sums.iter().map(|s| s * factor / ppm).collect(),
+            total_weight: crate::engine::staleness_weight(self.total_weight, staleness),
+            count: self.count,
+        }
+    }
+
     /// Adds another partial sum (a relay's, or a shard's). Exact.
     pub fn merge(&mut self, other: &PartialSum) -> Result<(), FoldError> {
         if other.sums.len() != self.sums.len() {

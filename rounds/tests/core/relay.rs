@@ -206,3 +206,88 @@ fn partial_sums_off_the_wire_are_bounded() {
     huge[..16].copy_from_slice(&(1i128 << 101).to_le_bytes());
     assert!(PartialSum::from_le_bytes(&huge, 4, 3, 1).is_err(), "beyond what one in-range update reaches");
 }
+
+/// Asynchronous mode (FedBuff) over relays: a relay's sum made for buffer 1 that arrives after
+/// buffer 1 closed joins the open buffer 2 as one contribution of all its updates, discounted by
+/// its staleness as a whole (`PartialSum::discounted`: sums and weight by 1/√2 in ppm); a
+/// second sum of the same relay waits for the next buffer (`overloaded`). The refold after a restart (`resume_merge`, staleness from the
+/// round the sum was made for) gives the same buffer, bit for bit.
+#[test]
+fn a_relay_sum_for_an_earlier_buffer_joins_the_open_one_discounted_as_a_whole() {
+    let spec = |k: u32| CampaignSpec {
+        id: CampaignId(1),
+        rounds: 5,
+        base_version: ModelVersion(1),
+        base_digest: base(),
+        client: ClientConfig::default(),
+        selection: Invitation::Rate { rate: 1.0 },
+        policy: RoundPolicy {
+            target_count: k,
+            min_quorum: 1,
+            over_selection: 1.0,
+            duration_ms: 600_000,
+            extension_ms: 0,
+            max_sample_count: 1000,
+        },
+        seed: [3; 32],
+        max_consecutive_failures: 3,
+        buffer: Some(BufferPolicy { max_staleness: 1 }),
+        privacy: None,
+    };
+    let mut engine = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
+    engine.start_campaign(T0, spec(2)).unwrap();
+    let Some(EngineEvent::RoundOpened(b1)) = engine.poll_event() else { panic!("buffer 1 opens") };
+    let mut root = Coordinator::new(engine, fedavg());
+    // Two devices close buffer 1 at the root; it publishes version 2 and buffer 2 opens.
+    for i in 0..2 {
+        root.handle_update(T0 + 1, update(i, b1.round), &delta(i)).unwrap();
+    }
+    root.finalize(T0 + 2, b1.round, &global()).unwrap();
+    root.model_ready(T0 + 3, b1.round, ModelVersion(2), Digest::of(b"model v2")).unwrap();
+    let b2 = std::iter::from_fn(|| root.poll_event())
+        .find_map(|e| match e {
+            EngineEvent::RoundOpened(a) => Some(a),
+            _ => None,
+        })
+        .expect("buffer 2 opens");
+
+    // Relay 1's region trained for buffer 1 on version 1: three updates, one sum.
+    let mut region = PartialSum::new(DIM);
+    for i in 2..5 {
+        region.fold(&delta(i), 10 + 7 * i as u64).unwrap();
+    }
+    let meta = relay_meta(1, b1.round, &region);
+    let accepted = root.handle_relay(T0 + 4, meta.clone(), &region).unwrap();
+    assert_eq!((accepted.round, accepted.staleness, accepted.accepted), (b2.round, 1, 3));
+    assert_eq!(accepted.weight, staleness_weight(region.total_weight(), 1));
+    assert!(accepted.closed_round, "three updates reach buffer 2's target of 2");
+    let discounted = region.discounted(1);
+    assert_eq!(discounted.total_weight(), accepted.weight);
+    assert_eq!(discounted.count(), 3);
+    for (d, s) in discounted.raw().iter().zip(region.raw()) {
+        assert_eq!(*d, s * 707_107 / 1_000_000, "every sum scaled by the same ppm factor, toward zero");
+    }
+    assert_eq!(root.strategy().partial_sum().unwrap().raw(), discounted.raw(), "buffer 2 holds the discounted sum");
+
+    // The refold after a restart: the engine snapshot at buffer 2's opening, the sum merged again.
+    let mut engine = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
+    engine.start_campaign(T0, spec(2)).unwrap();
+    let mut again = Coordinator::new(engine, fedavg());
+    for i in 0..2 {
+        again.handle_update(T0 + 1, update(i, b1.round), &delta(i)).unwrap();
+    }
+    again.finalize(T0 + 2, b1.round, &global()).unwrap();
+    again.model_ready(T0 + 3, b1.round, ModelVersion(2), Digest::of(b"model v2")).unwrap();
+    again.resume_merge(b2.round, b1.round, &region).unwrap();
+    assert_eq!(again.strategy().partial_sum().unwrap().raw(), discounted.raw(), "the refold discounts as the admission did");
+    assert_eq!(again.strategy().partial_sum().unwrap().total_weight(), accepted.weight);
+
+    // In a fresh buffer 1 (target 10): a second sum of relay 1 waits for the next buffer.
+    let mut engine = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
+    engine.start_campaign(T0, spec(10)).unwrap();
+    let mut wide = Coordinator::new(engine, fedavg());
+    wide.handle_relay(T0 + 1, relay_meta(1, b1.round, &region), &region).unwrap();
+    let second = RelayMeta { nonce: Nonce([42; 16]), ..relay_meta(1, b1.round, &region) };
+    assert_eq!(wide.handle_relay(T0 + 2, second, &region).unwrap_err().reason, RejectReason::Overloaded);
+    assert_eq!(wide.engine().staleness_of(b1.round), 0, "made for the open buffer: no discount");
+}
