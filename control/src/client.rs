@@ -317,15 +317,15 @@ impl ControlClient {
         Ok(())
     }
 
-    /// Sends a request (`message`, then `attachment`) on this device's requests topic (QoS 1),
+    /// Sends a request (`message`, then `attachment`) on this device's requests topic (QoS 0),
     /// queued, not confirmed: wait for the [`ControlEvent::Answer`] naming `id`, and send again
     /// if none comes.
     pub async fn send_request(&self, id: u64, message: &[u8], attachment: &[u8]) -> Result<(), ControlError> {
         let Some(device) = &self.device else {
             return Err(ControlError::Role("send requests (not a device)"));
         };
-        let topic = topics::requests(&self.fleet, device);
-        self.publish_raw(&topic, exchange::encode_request(id, message, attachment), QoS::AtLeastOnce, false).await
+        let topic = Topic::Requests { fleet: self.fleet.clone(), device: device.clone() };
+        self.publish_raw(&topic.path(), exchange::encode_request(id, message, attachment), topic.qos(), false).await
     }
 
     /// Publishes an answer to the device it names (QoS 1, not retained).
@@ -442,7 +442,8 @@ impl Driver {
                 }
                 if *updates {
                     add(topics::all_updates(f));
-                    add(topics::all_requests(f));
+                    // Requests at QoS 0 (see `Topic::Requests`).
+                    add_with(topics::all_requests(f), QoS::AtMostOnce);
                 }
             }
         }

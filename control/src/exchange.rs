@@ -5,9 +5,9 @@
 //! over MQTT too.
 //!
 //! ```text
-//! request  on devices/<id>/requests (device -> service), QoS 1, not retained:
+//! request  on devices/<id>/requests (device -> service), QoS 0, not retained:
 //!   'Q' | 1 | id u64 BE | u32 BE message length | message | attachment (the rest)
-//! answer   on devices/<id>/answers (service -> device), QoS 1, not retained:
+//! answer   on devices/<id>/answers (service -> device), QoS 0, not retained:
 //!   message = "fedfleet/mqtt-answer/v1" 0x00 body      (what the signature covers)
 //!   body    = str fleet | str device | id u64 BE | answer bytes (the rest)
 //!   wire    = 'A' | 1 | u32 BE body length | body | ed25519 signature[64]

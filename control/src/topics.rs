@@ -7,7 +7,7 @@
 //! fedfleet/v1/<fleet>/devices/<id>/updates     upload frames (signed hdr) device     -> aggregator QoS1
 //! fedfleet/v1/<fleet>/devices/<id>/receipts    Signed<Receipt>            aggregator -> device   QoS1
 //! fedfleet/v1/<fleet>/devices/<id>/rejections  SignedRejection            aggregator -> device   QoS1
-//! fedfleet/v1/<fleet>/devices/<id>/requests    request frames             device     -> aggregator QoS1
+//! fedfleet/v1/<fleet>/devices/<id>/requests    request frames             device     -> aggregator QoS0
 //! fedfleet/v1/<fleet>/devices/<id>/answers     SignedAnswer               aggregator -> device   QoS0
 //! ```
 //!
@@ -52,7 +52,8 @@ pub enum Topic {
     /// misses one re-sends and is refused again.
     Rejections { fleet: FleetId, device: DeviceId },
     /// A device's requests of the aggregator ([`crate::exchange`]: today the secure-aggregation
-    /// stages). **QoS 1, not retained**: a request with no answer is sent again.
+    /// stages). **QoS 0, not retained**: a request with no answer is sent again (see
+    /// [`Topic::Answers`] for why that is safe and why QoS 0).
     Requests { fleet: FleetId, device: DeviceId },
     /// The aggregator's signed answers to this device's requests ([`crate::SignedAnswer`]).
     /// **QoS 0, not retained**: a device whose answer is lost asks again (polls and rosters are
@@ -82,7 +83,7 @@ impl Topic {
     /// QoS to publish and subscribe with (see each variant for why).
     pub fn qos(&self) -> QoS {
         match self {
-            Topic::Answers { .. } => QoS::AtMostOnce,
+            Topic::Requests { .. } | Topic::Answers { .. } => QoS::AtMostOnce,
             _ => QoS::AtLeastOnce,
         }
     }
@@ -313,7 +314,7 @@ mod tests {
         ];
         for t in all {
             assert_eq!(parse(&t.path()).unwrap(), t);
-            let lossy = matches!(t, Topic::Answers { .. });
+            let lossy = matches!(t, Topic::Requests { .. } | Topic::Answers { .. });
             assert_eq!(t.qos(), if lossy { QoS::AtMostOnce } else { QoS::AtLeastOnce });
         }
         assert_eq!(rounds(&fleet), "fedfleet/v1/demo/rounds");
