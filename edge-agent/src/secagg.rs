@@ -191,13 +191,22 @@ mod tests {
     use super::*;
     use crate::clients::{BaseModel, TransportError, UploadReply};
 
-    /// Refuses the first `overloaded` sends for load, then takes them; counts every send.
-    struct Busy {
-        overloaded: Mutex<u32>,
+    /// Answers the `n`th send (from 1) with `answer(n)`; counts every send.
+    struct Scripted {
         sends: Mutex<u32>,
+        answer: fn(u32) -> Result<Result<(), Rejection>, TransportError>,
     }
 
-    impl Aggregator for Busy {
+    impl Scripted {
+        fn new(answer: fn(u32) -> Result<Result<(), Rejection>, TransportError>) -> Self {
+            Scripted { sends: Mutex::new(0), answer }
+        }
+        fn sends(&self) -> u32 {
+            *self.sends.lock().unwrap()
+        }
+    }
+
+    impl Aggregator for Scripted {
         async fn current_round(&self, _: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
             Ok(None)
         }
@@ -208,14 +217,18 @@ mod tests {
             Err(TransportError("no uploads here".into()))
         }
         async fn secagg_send(&self, _: &[u8], _: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
-            *self.sends.lock().unwrap() += 1;
-            let mut left = self.overloaded.lock().unwrap();
-            if *left == 0 {
-                return Ok(Ok(()));
-            }
-            *left -= 1;
-            Ok(Err(Rejection::new(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail("device connections", 20))))
+            let mut sends = self.sends.lock().unwrap();
+            *sends += 1;
+            (self.answer)(*sends)
         }
+    }
+
+    fn overloaded() -> Result<Result<(), Rejection>, TransportError> {
+        Ok(Err(Rejection::new(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail("device connections", 20))))
+    }
+
+    fn duplicate() -> Result<Result<(), Rejection>, TransportError> {
+        Ok(Err(Rejection::new(RejectReason::SecAggRefused, "duplicate: device dev-1 already sent this stage's message")))
     }
 
     fn round(deadline_unix_ms: u64) -> RoundAnnouncement {
@@ -235,48 +248,24 @@ mod tests {
         Signed::sign(m, &SigningKey::from_bytes(&[4; 32]))
     }
 
-    /// Takes the first copy of a message but loses its answer, then refuses the copy sent again
-    /// as a duplicate, as the aggregator does.
-    struct LostAnswer {
-        sends: Mutex<u32>,
-    }
-
-    impl Aggregator for LostAnswer {
-        async fn current_round(&self, _: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
-            Ok(None)
-        }
-        async fn fetch_base_model(&self, _: &ModelRef) -> Result<BaseModel, TransportError> {
-            Err(TransportError("no models here".into()))
-        }
-        async fn upload(&self, _: &[u8], _: &[u8]) -> Result<UploadReply, TransportError> {
-            Err(TransportError("no uploads here".into()))
-        }
-        async fn secagg_send(&self, _: &[u8], _: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
-            let mut sends = self.sends.lock().unwrap();
-            *sends += 1;
-            match *sends {
-                1 => Err(TransportError("mqtt request: no answer within 3s".into())),
-                _ => Ok(Err(Rejection::new(RejectReason::SecAggRefused, "duplicate: device dev-1 already sent this stage's message"))),
-            }
-        }
-    }
-
     /// A stage message whose answer was lost goes again, and the duplicate refusal of the copy
     /// tells the device the first one arrived: it stays in the round. A duplicate refusal of a
     /// first send is a refusal; a lost answer past the deadline ends the device's part.
     #[tokio::test]
     async fn a_stage_message_whose_answer_was_lost_is_sent_again_and_a_duplicate_means_taken() {
-        let lost = LostAnswer { sends: Mutex::new(0) };
+        // The first copy was taken but its answer lost; the copy is refused as a duplicate.
+        let lost_then_duplicate = |n| if n == 1 { Err(TransportError("mqtt request: no answer within 3s".into())) } else { duplicate() };
+        let lost = Scripted::new(lost_then_duplicate);
         assert!(send(&lost, &keys(), &[], &round(u64::MAX), &|| 1_000).await.is_ok());
-        assert_eq!(*lost.sends.lock().unwrap(), 2);
+        assert_eq!(lost.sends(), 2);
 
-        let lost = LostAnswer { sends: Mutex::new(1) };
-        let Err(UploadOutcome::Rejected(r)) = send(&lost, &keys(), &[], &round(u64::MAX), &|| 1_000).await else { panic!("refused") };
+        let first = Scripted::new(|_| duplicate());
+        let Err(UploadOutcome::Rejected(r)) = send(&first, &keys(), &[], &round(u64::MAX), &|| 1_000).await else { panic!("refused") };
         assert_eq!(r.reason, RejectReason::SecAggRefused);
 
-        let lost = LostAnswer { sends: Mutex::new(0) };
+        let lost = Scripted::new(lost_then_duplicate);
         let Err(UploadOutcome::Rejected(r)) = send(&lost, &keys(), &[], &round(1_100), &|| 1_000).await else { panic!("given up") };
-        assert_eq!((r.reason, *lost.sends.lock().unwrap()), (RejectReason::SecAggFailed, 1));
+        assert_eq!((r.reason, lost.sends()), (RejectReason::SecAggFailed, 1));
     }
 
     /// A stage message turned away for load goes again after the retry-after (the device keeps
@@ -284,16 +273,16 @@ mod tests {
     /// the refusal as it came.
     #[tokio::test]
     async fn a_stage_message_turned_away_for_load_is_sent_again_after_its_retry_after() {
-        let busy = Busy { overloaded: Mutex::new(3), sends: Mutex::new(0) };
+        let busy = Scripted::new(|n| if n <= 3 { overloaded() } else { Ok(Ok(())) });
         let start = std::time::Instant::now();
         let clock = || 1_000 + start.elapsed().as_millis() as u64;
         assert!(send(&busy, &keys(), &[], &round(u64::MAX), &clock).await.is_ok());
-        assert_eq!(*busy.sends.lock().unwrap(), 4, "three refusals, then taken");
+        assert_eq!(busy.sends(), 4, "three refusals, then taken");
         let waited = start.elapsed().as_millis();
         assert!(waited >= 60, "each retry waits at least the 20 ms retry-after: waited {waited} ms");
 
-        let busy = Busy { overloaded: Mutex::new(1), sends: Mutex::new(0) };
+        let busy = Scripted::new(|n| if n <= 1 { overloaded() } else { Ok(Ok(())) });
         let Err(UploadOutcome::Rejected(r)) = send(&busy, &keys(), &[], &round(1_010), &|| 1_000).await else { panic!("given up") };
-        assert_eq!((r.reason, *busy.sends.lock().unwrap()), (RejectReason::Overloaded, 1));
+        assert_eq!((r.reason, busy.sends()), (RejectReason::Overloaded, 1));
     }
 }

@@ -40,7 +40,16 @@ fn update(i: usize, round: RoundId) -> UpdateMeta {
 }
 
 fn root(target: u32) -> (Coordinator<ServerStrategy>, OpenedRound) {
-    let spec = CampaignSpec {
+    let spec = campaign(target, None);
+    let mut engine = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
+    engine.start_campaign(T0, spec).unwrap();
+    let Some(EngineEvent::RoundOpened(opened)) = engine.poll_event() else { panic!("round must open") };
+    (Coordinator::new(engine, fedavg()), opened)
+}
+
+/// A FedAvg campaign whose rounds (or buffers) close at `target` updates.
+fn campaign(target: u32, buffer: Option<BufferPolicy>) -> CampaignSpec {
+    CampaignSpec {
         id: CampaignId(1),
         rounds: 2,
         base_version: ModelVersion(1),
@@ -57,13 +66,9 @@ fn root(target: u32) -> (Coordinator<ServerStrategy>, OpenedRound) {
         },
         seed: [3; 32],
         max_consecutive_failures: 3,
-        buffer: None,
+        buffer,
         privacy: None,
-    };
-    let mut engine = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
-    engine.start_campaign(T0, spec).unwrap();
-    let Some(EngineEvent::RoundOpened(opened)) = engine.poll_event() else { panic!("round must open") };
-    (Coordinator::new(engine, fedavg()), opened)
+    }
 }
 
 fn follower(opened: &OpenedRound, expected: u32) -> Coordinator<ServerStrategy> {
@@ -214,26 +219,7 @@ fn partial_sums_off_the_wire_are_bounded() {
 /// round the sum was made for) gives the same buffer, bit for bit.
 #[test]
 fn a_relay_sum_for_an_earlier_buffer_joins_the_open_one_discounted_as_a_whole() {
-    let spec = |k: u32| CampaignSpec {
-        id: CampaignId(1),
-        rounds: 5,
-        base_version: ModelVersion(1),
-        base_digest: base(),
-        client: ClientConfig::default(),
-        selection: Invitation::Rate { rate: 1.0 },
-        policy: RoundPolicy {
-            target_count: k,
-            min_quorum: 1,
-            over_selection: 1.0,
-            duration_ms: 600_000,
-            extension_ms: 0,
-            max_sample_count: 1000,
-        },
-        seed: [3; 32],
-        max_consecutive_failures: 3,
-        buffer: Some(BufferPolicy { max_staleness: 1 }),
-        privacy: None,
-    };
+    let spec = |k: u32| campaign(k, Some(BufferPolicy { max_staleness: 1 }));
     let mut engine = RoundEngine::new(fleet(), EngineConfig::default(), RoundId(1));
     engine.start_campaign(T0, spec(2)).unwrap();
     let Some(EngineEvent::RoundOpened(b1)) = engine.poll_event() else { panic!("buffer 1 opens") };

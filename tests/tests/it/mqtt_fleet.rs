@@ -202,13 +202,7 @@ async fn mqtt_fleet_three_rounds_broker_restart() {
 /// (`.ci/run` installs it); elsewhere it skips with a note.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mqtt_fleet_three_rounds_on_mosquitto_with_restart() {
-    let Some(binary) = fedfleet_testkit::mosquitto::find_binary() else {
-        if std::env::var_os("CI").is_some() {
-            panic!("mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)");
-        }
-        eprintln!("NOTE: mosquitto not found on PATH or in /usr/sbin; skipping the external-broker fleet test outside CI");
-        return;
-    };
+    let Some(binary) = mosquitto_or_skip("the external-broker fleet test") else { return };
     tokio::time::timeout(Duration::from_secs(150), body(BrokerKind::Mosquitto(binary)))
         .await
         .expect("MQTT fleet test on mosquitto timed out");
@@ -227,6 +221,34 @@ async fn mqtt_fleet_three_rounds_on_a_nats_cluster_losing_a_node() {
         return;
     };
     tokio::time::timeout(Duration::from_secs(240), body(BrokerKind::Nats(binary))).await.expect("MQTT fleet test on NATS timed out");
+}
+
+/// mosquitto's binary; outside CI, `None` with a note that `what` is skipped (CI must have it).
+fn mosquitto_or_skip(what: &str) -> Option<std::path::PathBuf> {
+    let found = fedfleet_testkit::mosquitto::find_binary();
+    if found.is_none() {
+        if std::env::var_os("CI").is_some() {
+            panic!("mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)");
+        }
+        eprintln!("NOTE: mosquitto not found on PATH or in /usr/sbin; skipping {what} outside CI");
+    }
+    found
+}
+
+/// mosquitto from `binary` with the PKI's `broker` certificate and the fleet's ACL (the
+/// registry and the aggregator as its services).
+async fn fleet_mosquitto(binary: std::path::PathBuf, fleet_dir: &FleetDir) -> Mosquitto {
+    let servers = fleet_dir.pki_dir.join("servers");
+    let mcfg = MosquittoConfig::new(
+        binary,
+        ([127, 0, 0, 1], 0).into(),
+        fleet_dir.pki.ca_cert_path(),
+        servers.join("broker.crt"),
+        servers.join("broker.key"),
+        fleet_dir.root().join("mosquitto"),
+    );
+    let acl = fedfleet_control::topics::mosquitto_acl(&fleet_dir.fleet_id, &["registry", "aggregator"]);
+    Mosquitto::start(MosquittoConfig { acl: Some(acl), ..mcfg }).await.unwrap()
 }
 
 /// The broker the fleet scenario runs against.
@@ -307,19 +329,7 @@ async fn body(kind: BrokerKind) {
             let ncfg = NatsConfig::new(binary, fleet_dir.pki.ca_cert_path(), crt, key, root_dir.join("nats"), auth);
             Some(BrokerUnderTest::Nats(NatsCluster::start(ncfg).await.unwrap()))
         }
-        BrokerKind::Mosquitto(binary) => {
-            let servers = pki_dir.join("servers");
-            let mcfg = MosquittoConfig::new(
-                binary,
-                ([127, 0, 0, 1], 0).into(),
-                fleet_dir.pki.ca_cert_path(),
-                servers.join("broker.crt"),
-                servers.join("broker.key"),
-                root_dir.join("mosquitto"),
-            );
-            let acl = fedfleet_control::topics::mosquitto_acl(&fleet_id, &["registry", "aggregator"]);
-            Some(BrokerUnderTest::Mosquitto(Mosquitto::start(MosquittoConfig { acl: Some(acl), ..mcfg }).await.unwrap()))
-        }
+        BrokerKind::Mosquitto(binary) => Some(BrokerUnderTest::Mosquitto(fleet_mosquitto(binary, &fleet_dir).await)),
     };
     let mqtt_section = match &external {
         None => EMBEDDED_MQTT.to_string(),
@@ -810,13 +820,7 @@ async fn a_secure_round_runs_over_mqtt_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secure_round_runs_over_mosquitto_alone() {
-    let Some(binary) = fedfleet_testkit::mosquitto::find_binary() else {
-        if std::env::var_os("CI").is_some() {
-            panic!("mosquitto is not installed; CI must install it (.ci/run does: apt-get install mosquitto)");
-        }
-        eprintln!("NOTE: mosquitto not found on PATH or in /usr/sbin; skipping the secure round on mosquitto outside CI");
-        return;
-    };
+    let Some(binary) = mosquitto_or_skip("the secure round on mosquitto") else { return };
     tokio::time::timeout(Duration::from_secs(150), secure_body(BrokerKind::Mosquitto(binary)))
         .await
         .expect("secure round on mosquitto timed out");
@@ -827,19 +831,7 @@ async fn secure_body(kind: BrokerKind) {
     let fleet_dir = FleetDir::new("fleetsecure", &["registry", "aggregator", "broker"], &devices);
     let (root_dir, pki_dir, fleet_id) = (fleet_dir.root(), fleet_dir.pki_dir.clone(), fleet_dir.fleet_id.clone());
     let external = match kind {
-        BrokerKind::Mosquitto(binary) => {
-            let servers = pki_dir.join("servers");
-            let mcfg = MosquittoConfig::new(
-                binary,
-                ([127, 0, 0, 1], 0).into(),
-                fleet_dir.pki.ca_cert_path(),
-                servers.join("broker.crt"),
-                servers.join("broker.key"),
-                root_dir.join("mosquitto"),
-            );
-            let acl = fedfleet_control::topics::mosquitto_acl(&fleet_id, &["registry", "aggregator"]);
-            Some(Mosquitto::start(MosquittoConfig { acl: Some(acl), ..mcfg }).await.unwrap())
-        }
+        BrokerKind::Mosquitto(binary) => Some(fleet_mosquitto(binary, &fleet_dir).await),
         BrokerKind::Embedded => None,
         BrokerKind::Nats(_) => unreachable!("run on the embedded broker and mosquitto"),
     };
