@@ -328,11 +328,11 @@ impl ControlClient {
         self.publish_raw(&topic.path(), exchange::encode_request(id, message, attachment), topic.qos(), false).await
     }
 
-    /// Publishes an answer to the device it names (QoS 1, not retained).
+    /// Publishes an answer to the device it names (QoS 0, not retained).
     pub async fn publish_answer(&self, signed: &SignedAnswer) -> Result<(), ControlError> {
         self.check_fleet(&signed.body().fleet)?;
-        let topic = topics::answers(&self.fleet, &signed.body().device);
-        self.publish_raw(&topic, signed.encode(), QoS::AtMostOnce, false).await
+        let topic = Topic::Answers { fleet: self.fleet.clone(), device: signed.body().device.clone() };
+        self.publish_raw(&topic.path(), signed.encode(), topic.qos(), false).await
     }
 
     /// Publishes arbitrary bytes on any topic. For tools and tests (the broker enforces no

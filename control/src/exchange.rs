@@ -24,10 +24,9 @@
 //! announcements and receipts, so a broker can neither forge nor alter one: a device trusts an
 //! answer over MQTT as it trusts the same response over mTLS QUIC.
 
-use ed25519_dalek::{Signature, SigningKey, VerifyingKey};
 use fedfleet_protocol::{DeviceId, FleetId};
 
-use crate::rejection::{Reader, SealError, decode_sealed, encode_sealed, put_str, seal, verify_seal};
+use crate::sealed::{Reader, SealError, Sealed, SealedBody, put_str};
 
 /// The answers' signing domain (followed by a NUL byte, then the body).
 pub const DOMAIN: &str = "fedfleet/mqtt-answer/v1";
@@ -84,7 +83,12 @@ pub struct Answer {
     pub bytes: Vec<u8>,
 }
 
-impl Answer {
+impl SealedBody for Answer {
+    const DOMAIN: &'static str = DOMAIN;
+    const TAG: u8 = ANSWER_TAG;
+    const NAME: &'static str = "answer";
+    const MAX_BODY_BYTES: usize = MAX_ANSWER_BYTES;
+
     fn canonical_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(96 + self.bytes.len());
         put_str(&mut b, self.fleet.as_str());
@@ -101,47 +105,21 @@ impl Answer {
         let id = r.u64()?;
         Ok(Answer { fleet, device, id, bytes: r.0.to_vec() })
     }
+    fn fleet(&self) -> &FleetId {
+        &self.fleet
+    }
+    fn device(&self) -> &DeviceId {
+        &self.device
+    }
 }
 
 /// An [`Answer`] with the service's signature over its bytes as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SignedAnswer {
-    body: Answer,
-    body_bytes: Vec<u8>,
-    signature: Signature,
-}
-
-impl SignedAnswer {
-    pub fn sign(body: Answer, key: &SigningKey) -> Self {
-        let body_bytes = body.canonical_bytes();
-        let signature = seal(DOMAIN, &body_bytes, key);
-        SignedAnswer { body, body_bytes, signature }
-    }
-
-    /// The body, unverified: call [`SignedAnswer::verify`] before trusting it.
-    pub fn body(&self) -> &Answer {
-        &self.body
-    }
-
-    /// Strict ed25519 verification against the pinned service key.
-    pub fn verify(&self, key: &VerifyingKey) -> Result<&Answer, SealError> {
-        verify_seal(DOMAIN, &self.body_bytes, &self.signature, key)?;
-        Ok(&self.body)
-    }
-
-    pub fn encode(&self) -> Vec<u8> {
-        encode_sealed(ANSWER_TAG, &self.body_bytes, &self.signature)
-    }
-
-    pub fn decode(bytes: &[u8]) -> Result<Self, SealError> {
-        let (body_bytes, signature) = decode_sealed(ANSWER_TAG, "answer", bytes, MAX_ANSWER_BYTES)?;
-        let body = Answer::from_canonical_bytes(body_bytes)?;
-        Ok(SignedAnswer { body, body_bytes: body_bytes.to_vec(), signature })
-    }
-}
+pub type SignedAnswer = Sealed<Answer>;
 
 #[cfg(test)]
 mod tests {
+    use ed25519_dalek::SigningKey;
+
     use super::*;
 
     fn sample() -> Answer {

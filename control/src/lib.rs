@@ -10,6 +10,8 @@
 //!   reconnect and backoff.
 //! - [`upload`]: chunked update frames and the aggregator-side [`UpdateAssembler`].
 //! - [`rejection`]: the aggregator's signed refusal of an MQTT upload ([`SignedRejection`]).
+//! - [`sealed`]: the one framing and verification of what a service signs for one device
+//!   (refusals and answers).
 //! - [`exchange`]: a device's requests of the aggregator and its signed answers ([`SignedAnswer`]),
 //!   for what QUIC carries as request and response (the secure-aggregation stages).
 //! - [`verify`]: the checks every received message goes through; the broker is not trusted.
@@ -28,6 +30,7 @@ pub mod config;
 pub mod exchange;
 pub mod presence;
 pub mod rejection;
+pub mod sealed;
 pub mod topics;
 pub mod upload;
 pub mod verify;

@@ -25,15 +25,15 @@
 //! the NUL ends it, so a rejection's signature can never be taken for a receipt's or an
 //! announcement's.
 
-use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use fedfleet_protocol::{DeviceId, Digest, FleetId, RejectReason, RoundId, UpdateHeader};
+
+use crate::sealed::{Reader, SealError, Sealed, SealedBody, put_str};
 
 /// The signing domain (followed by a NUL byte, then the body).
 pub const DOMAIN: &str = "fedfleet/mqtt-rejection/v1";
 /// Longest `detail` kept (longer ones are cut at a character boundary).
 pub const MAX_DETAIL_BYTES: usize = 1024;
 const TAG: u8 = b'J';
-const VERSION: u8 = 1;
 const MAX_BODY_BYTES: usize = 4096;
 
 /// Which update was refused, why, and when.
@@ -80,6 +80,13 @@ impl UploadRejection {
             && self.nonce == header.nonce
             && self.payload_digest == header.payload_digest
     }
+}
+
+impl SealedBody for UploadRejection {
+    const DOMAIN: &'static str = DOMAIN;
+    const TAG: u8 = TAG;
+    const NAME: &'static str = "rejection";
+    const MAX_BODY_BYTES: usize = MAX_BODY_BYTES;
 
     fn canonical_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(128 + self.detail.len());
@@ -117,144 +124,23 @@ impl UploadRejection {
         }
         Ok(UploadRejection { fleet, device, round, nonce, payload_digest, reason, detail, rejected_at_unix_ms })
     }
-}
-
-/// Why a message a service signed for one device (a rejection, an answer) was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SealError {
-    #[error("malformed {0}")]
-    Malformed(String),
-    #[error("signature does not verify")]
-    BadSignature,
-}
-
-impl SealError {
-    pub fn reason(&self) -> RejectReason {
-        match self {
-            SealError::Malformed(_) => RejectReason::Malformed,
-            SealError::BadSignature => RejectReason::BadSignature,
-        }
+    fn fleet(&self) -> &FleetId {
+        &self.fleet
+    }
+    fn device(&self) -> &DeviceId {
+        &self.device
     }
 }
 
 /// An [`UploadRejection`] with the aggregator's signature over its bytes as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SignedRejection {
-    body: UploadRejection,
-    body_bytes: Vec<u8>,
-    signature: Signature,
-}
-
-/// What a sealed message's signature covers: its domain, a NUL, its body.
-fn message(domain: &str, body: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(domain.len() + 1 + body.len());
-    m.extend_from_slice(domain.as_bytes());
-    m.push(0);
-    m.extend_from_slice(body);
-    m
-}
-
-/// `body` signed by `key` in `domain`.
-pub(crate) fn seal(domain: &str, body: &[u8], key: &SigningKey) -> Signature {
-    key.sign(&message(domain, body))
-}
-
-/// Strict ed25519 verification of a sealed body against a pinned key.
-pub(crate) fn verify_seal(domain: &str, body: &[u8], signature: &Signature, key: &VerifyingKey) -> Result<(), SealError> {
-    if key.is_weak() {
-        return Err(SealError::BadSignature);
-    }
-    key.verify_strict(&message(domain, body), signature).map_err(|_| SealError::BadSignature)
-}
-
-/// The wire form of a sealed body: `tag | 1 | u32 BE body length | body | signature[64]`.
-pub(crate) fn encode_sealed(tag: u8, body: &[u8], signature: &Signature) -> Vec<u8> {
-    let mut w = Vec::with_capacity(6 + body.len() + 64);
-    w.push(tag);
-    w.push(VERSION);
-    w.extend_from_slice(&(body.len() as u32).to_be_bytes());
-    w.extend_from_slice(body);
-    w.extend_from_slice(&signature.to_bytes());
-    w
-}
-
-/// The body and signature of [`encode_sealed`]'s bytes (`what` names it in errors); a body over
-/// `max_body` bytes is refused before anything is copied.
-pub(crate) fn decode_sealed<'a>(tag: u8, what: &str, bytes: &'a [u8], max_body: usize) -> Result<(&'a [u8], Signature), SealError> {
-    let malformed = |m: &str| SealError::Malformed(format!("{what}: {m}"));
-    let [t, version, rest @ ..] = bytes else {
-        return Err(malformed("truncated"));
-    };
-    if *t != tag || *version != VERSION {
-        return Err(malformed("not version 1"));
-    }
-    let (len, rest) = rest.split_at_checked(4).ok_or_else(|| malformed("truncated"))?;
-    let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
-    if len > max_body || rest.len() != len + 64 {
-        return Err(malformed("body length does not match"));
-    }
-    let (body, sig) = rest.split_at(len);
-    Ok((body, Signature::from_bytes(sig.try_into().expect("64 bytes"))))
-}
-
-impl SignedRejection {
-    pub fn sign(body: UploadRejection, key: &SigningKey) -> Self {
-        let body_bytes = body.canonical_bytes();
-        let signature = seal(DOMAIN, &body_bytes, key);
-        SignedRejection { body, body_bytes, signature }
-    }
-
-    /// The body, unverified: call [`SignedRejection::verify`] before trusting it.
-    pub fn body(&self) -> &UploadRejection {
-        &self.body
-    }
-
-    /// Strict ed25519 verification against the pinned aggregator key.
-    pub fn verify(&self, key: &VerifyingKey) -> Result<&UploadRejection, SealError> {
-        verify_seal(DOMAIN, &self.body_bytes, &self.signature, key)?;
-        Ok(&self.body)
-    }
-
-    pub fn encode(&self) -> Vec<u8> {
-        encode_sealed(TAG, &self.body_bytes, &self.signature)
-    }
-
-    pub fn decode(bytes: &[u8]) -> Result<Self, SealError> {
-        let (body_bytes, signature) = decode_sealed(TAG, "rejection", bytes, MAX_BODY_BYTES)?;
-        let body = UploadRejection::from_canonical_bytes(body_bytes)?;
-        Ok(SignedRejection { body, body_bytes: body_bytes.to_vec(), signature })
-    }
-}
-
-pub(crate) fn put_str(b: &mut Vec<u8>, s: &str) {
-    // Every string here is bounded (ids ≤ 64, reason names, detail ≤ MAX_DETAIL_BYTES).
-    b.extend_from_slice(&(s.len() as u16).to_be_bytes());
-    b.extend_from_slice(s.as_bytes());
-}
-
-pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
-
-impl<'a> Reader<'a> {
-    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], SealError> {
-        let (head, tail) = self.0.split_at_checked(n).ok_or_else(|| SealError::Malformed("truncated".into()))?;
-        self.0 = tail;
-        Ok(head)
-    }
-    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N], SealError> {
-        Ok(self.take(N)?.try_into().expect("N bytes"))
-    }
-    pub(crate) fn u64(&mut self) -> Result<u64, SealError> {
-        Ok(u64::from_be_bytes(self.array()?))
-    }
-    pub(crate) fn str(&mut self) -> Result<&'a str, SealError> {
-        let len = u16::from_be_bytes(self.array()?) as usize;
-        std::str::from_utf8(self.take(len)?).map_err(|_| SealError::Malformed("not UTF-8".into()))
-    }
-}
+pub type SignedRejection = Sealed<UploadRejection>;
 
 #[cfg(test)]
 mod tests {
+    use ed25519_dalek::SigningKey;
+
     use super::*;
+    use crate::sealed::message;
 
     fn sample() -> UploadRejection {
         UploadRejection {

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 
 use crate::exchange::SignedAnswer;
-use crate::rejection::{SealError, SignedRejection};
+use crate::rejection::SignedRejection;
+use crate::sealed::{SealError, Sealed, SealedBody};
 use ed25519_dalek::VerifyingKey;
 use fedfleet_certs::{AllowList, DeviceStatus as KeyStatus};
 use fedfleet_protocol::{
@@ -120,21 +121,27 @@ pub fn rejection(
     device: &DeviceId,
     aggregator: &VerifyingKey,
 ) -> Result<SignedRejection, Rejected> {
-    let err = |e: SealError| Rejected::new(topic, Some(device), e.reason(), e.to_string());
-    let signed = SignedRejection::decode(bytes).map_err(err)?;
-    signed.verify(aggregator).map_err(err)?;
-    check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
-    addressed_to(topic, device, &signed.body().device, "rejection")?;
-    Ok(signed)
+    sealed_for(topic, bytes, fleet, device, aggregator)
 }
 
 /// An answer to one of `device`'s requests, signed by the pinned aggregator key.
 pub fn answer(topic: &str, bytes: &[u8], fleet: &FleetId, device: &DeviceId, aggregator: &VerifyingKey) -> Result<SignedAnswer, Rejected> {
+    sealed_for(topic, bytes, fleet, device, aggregator)
+}
+
+/// A sealed message for `device` in our fleet, signed by the pinned aggregator key.
+fn sealed_for<T: SealedBody>(
+    topic: &str,
+    bytes: &[u8],
+    fleet: &FleetId,
+    device: &DeviceId,
+    aggregator: &VerifyingKey,
+) -> Result<Sealed<T>, Rejected> {
     let err = |e: SealError| Rejected::new(topic, Some(device), e.reason(), e.to_string());
-    let signed = SignedAnswer::decode(bytes).map_err(err)?;
+    let signed = Sealed::<T>::decode(bytes).map_err(err)?;
     signed.verify(aggregator).map_err(err)?;
-    check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
-    addressed_to(topic, device, &signed.body().device, "answer")?;
+    check_fleet(topic, Some(device), fleet, signed.body().fleet())?;
+    addressed_to(topic, device, signed.body().device(), T::NAME)?;
     Ok(signed)
 }
 

@@ -238,8 +238,12 @@ impl<A: Aggregator> MqttAggregator<A> {
     }
 
     /// `request` (and its `attachment`) over MQTT, and the aggregator's answer, within
-    /// `receipt_timeout`; `None` when it does not fit in one MQTT packet (send it over QUIC).
+    /// `receipt_timeout`; `None` when it goes over QUIC: uploads take QUIC now, or it does not
+    /// fit in one MQTT packet.
     async fn exchange(&self, request: &Request, attachment: &[u8]) -> Option<Result<Response, TransportError>> {
+        if !self.use_mqtt() {
+            return None;
+        }
         let message = match fedfleet_protocol::messages::encode(request, MAX_WIRE_MESSAGE) {
             Ok(m) => m,
             Err(e) => return Some(Err(TransportError(format!("mqtt request: {e}")))),
@@ -337,9 +341,6 @@ impl<A: Aggregator> Aggregator for MqttAggregator<A> {
 
     // Secure aggregation's stages take the upload path (see the module docs).
     async fn secagg_roster(&self, round: RoundId) -> Result<Roster, TransportError> {
-        if !self.use_mqtt() {
-            return self.inner.secagg_roster(round).await;
-        }
         match self.exchange(&Request::SecAggRoster { round }, &[]).await {
             Some(answer) => secagg_roster_of(answer?, round, &self.receipt_key()?).map_err(agg_err),
             None => self.inner.secagg_roster(round).await,
@@ -347,9 +348,6 @@ impl<A: Aggregator> Aggregator for MqttAggregator<A> {
     }
 
     async fn secagg_send(&self, message: &[u8], vector: &[u8]) -> Result<Result<(), Rejection>, TransportError> {
-        if !self.use_mqtt() {
-            return self.inner.secagg_send(message, vector).await;
-        }
         let request = Request::SecAggSend { message: message.to_vec(), vector_len: vector.len() as u64 };
         match self.exchange(&request, vector).await {
             Some(answer) => match secagg_taken(answer?) {
@@ -362,9 +360,6 @@ impl<A: Aggregator> Aggregator for MqttAggregator<A> {
     }
 
     async fn secagg_poll(&self, round: RoundId) -> Result<SecAggView, TransportError> {
-        if !self.use_mqtt() {
-            return self.inner.secagg_poll(round).await;
-        }
         match self.exchange(&Request::SecAggPoll { round }, &[]).await {
             Some(answer) => check_view_receipt(secagg_view(answer?).map_err(agg_err)?, &self.receipt_key()?),
             None => self.inner.secagg_poll(round).await,

@@ -1032,10 +1032,6 @@ impl RoundEngine {
         let (r, base_digest, staleness) = match &c.spec.buffer {
             Some(buffer) => {
                 let (r, base, staleness) = self.buffered_base(c, buffer, meta.round)?;
-                if r.contributions.contains_key(&meta.relay) {
-                    // This buffer holds the relay's sum of an earlier buffer: the next one takes this.
-                    return Err(self.reject(RejectReason::Overloaded));
-                }
                 (r, base.digest, staleness)
             }
             None => (self.open_round_named(c, meta.round)?, c.base_digest, 0),
@@ -1044,7 +1040,8 @@ impl RoundEngine {
             return Err(self.reject(RejectReason::WrongBaseModel));
         }
         if r.contributions.contains_key(&meta.relay) {
-            return Err(self.reject(RejectReason::Duplicate));
+            // In a buffer it holds the relay's sum made for an earlier one: the next buffer takes this.
+            return Err(self.reject(if c.spec.buffer.is_some() { RejectReason::Overloaded } else { RejectReason::Duplicate }));
         }
         let max_weight = meta.update_count.saturating_mul(c.spec.policy.max_sample_count.min(MAX_WEIGHT));
         if meta.update_count == 0 || meta.total_weight < meta.update_count || meta.total_weight > max_weight {

@@ -300,6 +300,8 @@ impl Aggregator {
             let base = core.base.clone().ok_or_else(|| resume("a round is open but no global model is recorded".into()))?;
             let dtype = core.campaign.payload_dtype();
             let mut records = store.accepted_in(round)?;
+            let receipt_of =
+                |rec: &AcceptedRecord| Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")));
             // The engine was snapshotted at the round's last boundary: updates accepted since
             // are re-admitted from their records (an open round only; a closed one holds them).
             if core.coord.engine().round_status().is_some_and(|s| s.round == round) {
@@ -308,13 +310,13 @@ impl Aggregator {
                 // and the device's resend is taken.
                 let (kept, lost): (Vec<_>, Vec<_>) = records.into_iter().partition(|r| store.has_update(&r.payload_digest));
                 for rec in &lost {
-                    let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    let receipt = receipt_of(rec)?;
                     store.forget_accepted(&receipt.body().nonce, rec)?;
                     tracing::warn!(device = %rec.device, payload = %rec.payload_digest, "dropped an update accepted but never acknowledged: its payload was not synced before the crash");
                 }
                 records = kept;
                 for rec in &records {
-                    let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    let receipt = receipt_of(rec)?;
                     // A relay's sum was admitted discounted by its staleness in a buffer (a
                     // device's record keeps its discounted weight already).
                     let weight = match rec.relayed {
@@ -341,7 +343,7 @@ impl Aggregator {
             for rec in &records {
                 let refolded = if rec.relayed > 0 {
                     let partial = relay::stored_partial(&store, rec, &base).map_err(resume)?;
-                    let receipt = Signed::<Receipt>::decode(&rec.receipt).map_err(|e| resume(format!("stored receipt: {e}")))?;
+                    let receipt = receipt_of(rec)?;
                     core.coord.resume_merge(round, receipt.body().round, &partial)
                 } else {
                     let delta = if deferred { Vec::new() } else { stored_delta(&store, rec, &base, dtype).map_err(resume)? };

@@ -201,16 +201,20 @@ impl Aggregator {
             let s = self.session(&core, signed.body().round, device)?;
             (s.server.roster().dim as u64 + 1) * 8
         };
-        let attached_len = match &attached {
-            Attached::Bytes(b) => Some(b.len() as u64),
-            Attached::Streamed(_) => None,
-        };
-        let vector = if vector_len == 0 && attached_len.unwrap_or(0) == 0 {
-            None
-        } else if vector_len != expected || attached_len.is_some_and(|n| n != vector_len) {
+        if let Attached::Bytes(bytes) = &attached
+            && bytes.len() as u64 != vector_len
+        {
             return Err(reject(
                 RejectReason::LengthMismatch,
-                format!("a masked vector of this round is {expected} bytes, not {}", attached_len.unwrap_or(vector_len)),
+                format!("the request announces a masked vector of {vector_len} bytes and attaches {}", bytes.len()),
+            ));
+        }
+        let vector = if vector_len == 0 {
+            None
+        } else if vector_len != expected {
+            return Err(reject(
+                RejectReason::LengthMismatch,
+                format!("a masked vector of this round is {expected} bytes, not {vector_len}"),
             ));
         } else {
             let _in_flight = self.reserve_bytes(vector_len)?;
