@@ -30,7 +30,8 @@
 //! [secure_aggregation]               # optional: every round aggregated with SecAgg+ (the aggregator sees
 //!                                    #   only the round's sum; plain uploads are refused); fedavg/fedprox/fedopt,
 //!                                    #   or dp_fedavg with the noise split across the devices (1/sqrt(quorum) each);
-//!                                    #   on a relay, over its region (not on a service with `relays`)
+//!                                    #   on a relay, over its region (not on a service with `relays`); in
+//!                                    #   async mode only on relays (a region is one cohort per buffer)
 //! degree = 16                        # neighbours per device (even)
 //! threshold_fraction = 0.5           # shares needed to rebuild a device's secrets, of its neighbours (>= 2)
 //! frac_bits = 24                     # fixed-point grid 2^-frac_bits of each sample_count x update value
@@ -981,7 +982,10 @@ impl Config {
         }
         if let Some(s) = &self.secure_aggregation {
             s.validate()?;
-            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update", Buffers::Refused)?;
+            // A relay's rounds follow its parent's rounds or buffers: each is one synchronous
+            // cohort of its region, whose sum an async parent discounts as a whole.
+            let buffers = if self.relay.is_some() { Buffers::Discounted } else { Buffers::Refused };
+            self.takes_only_sums("secure_aggregation", "the aggregator learns only the round's sum, never an update", buffers)?;
             if !self.relays.is_empty() {
                 return Err(ConfigError::Invalid(
                     "secure_aggregation with `relays`: this service's round closes when its own devices' stages end, before its relays \
@@ -1005,7 +1009,7 @@ impl Config {
     /// aggregator only sums (`why`). Under secure aggregation DP-FedAvg's devices clip and noise
     /// (its adaptive clipping, which needs each update's norm, is refused). `buffers`: whether
     /// async mode's staleness discount may apply to a whole sum (a relay's, gathered for one
-    /// buffer) or not (secure aggregation's stages are per round).
+    /// buffer) or not (secure aggregation's stages are per round, except on a relay).
     fn takes_only_sums(&self, what: &str, why: &str, buffers: Buffers) -> Result<(), ConfigError> {
         use crate::strategy::Strategy as _;
         let strategy = crate::strategy::ServerStrategy::new(&self.strategy_config(), 1)
@@ -1014,7 +1018,7 @@ impl Config {
         if !strategy.takes_partial_sums() || async_refused {
             return Err(ConfigError::Invalid(format!(
                 "{what}: {why}; campaign.strategy {:?}{} needs every update \
-                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in {}{})",
+                 ({what} works with fedavg, fedprox, fedadam, fedyogi and fedadagrad in {}{}){}",
                 strategy.name(),
                 if async_refused { " in async mode" } else { "" },
                 if buffers == Buffers::Discounted { "rounds and async mode" } else { "rounds mode" },
@@ -1022,6 +1026,11 @@ impl Config {
                     ", and dp_fedavg with its noise on the devices"
                 } else {
                     ", without differential privacy"
+                },
+                if async_refused {
+                    "; for async mode put [secure_aggregation] on relays: each region is then one SecAgg+ cohort per buffer"
+                } else {
+                    ""
                 },
             )));
         }
@@ -1111,7 +1120,8 @@ impl OperatorConfig {
 enum Buffers {
     /// A sum made for one buffer is discounted by its staleness as a whole (relays).
     Discounted,
-    /// Async mode is refused (secure aggregation).
+    /// Async mode is refused (secure aggregation on a service that is not a relay: its stages
+    /// need one synchronous cohort, which a relay's region is for each buffer it follows).
     Refused,
 }
 
@@ -1191,6 +1201,11 @@ mod tests {
         assert!(err.contains("remove [publish]"), "{err}");
         // A region aggregates securely on its relay; a parent with relays cannot also.
         assert!(load("", &format!("{relay}[secure_aggregation]\n")).unwrap().secure_aggregation.is_some());
+        // In async mode a relay's region is one SecAgg+ cohort per buffer; a lone service has none.
+        let secure_async = "[secure_aggregation]\n[campaign]\nmode = \"async\"\n";
+        assert!(load("", &format!("{relay}{secure_async}")).unwrap().secure_aggregation.is_some());
+        let err = load("", secure_async).unwrap_err();
+        assert!(err.contains("in async mode") && err.contains("put [secure_aggregation] on relays"), "{err}");
         let err = load("relays = [\"relay-eu\"]", "[secure_aggregation]\n").unwrap_err();
         assert!(err.contains("put [secure_aggregation] on the relays"), "{err}");
         let err = load("", &format!("{relay}[campaign]\nstrategy = \"krum\"\n")).unwrap_err();

@@ -260,12 +260,30 @@ fn secure_regions_publish_the_flat_secure_runs_model() {
 /// was accepted once at the root: nothing is lost or counted twice.
 #[test]
 fn relays_forward_one_sum_per_buffer_in_async_mode() {
+    async_tree(false);
+}
+
+/// Secure aggregation per FedBuff buffer (issue 29): the same async tree with
+/// `[secure_aggregation]` on every relay. Each region is one SecAgg+ cohort per buffer it
+/// follows: the relay learns only its region's sum for that buffer and takes no update in the
+/// clear, the root only the regions' sums (discounted as a whole when their buffer has closed).
+#[test]
+fn secure_regions_aggregate_per_buffer_in_async_mode() {
+    async_tree(true);
+}
+
+fn async_tree(secure: bool) {
     let mut tree = deployment(None);
     tree.set("aggregator.toml", "rounds", "3");
     tree.set("aggregator.toml", "target", "3");
     let root = std::fs::read_to_string(tree.path("aggregator.toml")).unwrap();
     std::fs::write(tree.path("aggregator.toml"), root.replacen("\n[campaign]\n", "\n[campaign]\nmode = \"async\"\n", 1)).unwrap();
     make_tree(&tree, &two_levels());
+    if secure {
+        for r in 1..=RELAYS {
+            tree.append(&format!("relay-{r}.toml"), "[secure_aggregation]\ndegree = 2\n");
+        }
+    }
     tree.start_services();
     let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
     tree.start_agents(1..=AGENTS, "fedfleet-agent");
@@ -280,6 +298,18 @@ fn relays_forward_one_sum_per_buffer_in_async_mode() {
     let accepted = count_lines(&root_log, "relay's partial sum accepted");
     assert!(forwarded >= 3, "one sum per buffer at least\n{context}");
     assert_eq!(accepted, forwarded, "every forwarded sum accepted once\n{context}");
+    if secure {
+        for r in 1..=RELAYS {
+            let log = tree.log(&format!("relay-{r}"));
+            // A sum refused while its buffer published is forwarded later, or not at all once the
+            // campaign has its versions; none is forwarded without being unmasked first.
+            let unmasked = count_lines(&log, "the round's sum is unmasked and merged");
+            assert!(unmasked >= 1, "relay-{r}'s region aggregated securely\n{context}");
+            assert!(count_lines(&log, "partial sum forwarded") <= unmasked, "relay-{r} forwarded only unmasked sums\n{context}");
+            assert_eq!(count_lines(&log, "update accepted"), 0, "relay-{r} took no update in the clear\n{context}");
+        }
+        assert!(tree.agent_logs().matches("update securely aggregated").count() >= 3, "{context}");
+    }
     let stale = std::fs::read_to_string(&root_log)
         .unwrap()
         .lines()
