@@ -174,10 +174,9 @@ async fn send<A: Aggregator>(
     }
 }
 
-/// The protocol's refusal of a second message of one stage from the same device (its name,
-/// `fedfleet_secagg::Refusal::name`, starts the detail).
+/// The aggregator's refusal of a second message of one stage from the same device.
 fn is_duplicate(r: &Rejection) -> bool {
-    r.reason == RejectReason::SecAggRefused && r.detail.starts_with("duplicate:")
+    r.reason == RejectReason::Duplicate
 }
 
 #[cfg(test)]
@@ -228,7 +227,7 @@ mod tests {
     }
 
     fn duplicate() -> Result<Result<(), Rejection>, TransportError> {
-        Ok(Err(Rejection::new(RejectReason::SecAggRefused, "duplicate: device dev-1 already sent this stage's message")))
+        Ok(Err(Rejection::new(RejectReason::Duplicate, "duplicate: device dev-1 already sent this stage's message")))
     }
 
     fn round(deadline_unix_ms: u64) -> RoundAnnouncement {
@@ -261,7 +260,7 @@ mod tests {
 
         let first = Scripted::new(|_| duplicate());
         let Err(UploadOutcome::Rejected(r)) = send(&first, &keys(), &[], &round(u64::MAX), &|| 1_000).await else { panic!("refused") };
-        assert_eq!(r.reason, RejectReason::SecAggRefused);
+        assert_eq!(r.reason, RejectReason::Duplicate);
 
         let lost = Scripted::new(lost_then_duplicate);
         let Err(UploadOutcome::Rejected(r)) = send(&lost, &keys(), &[], &round(1_100), &|| 1_000).await else { panic!("given up") };

@@ -48,7 +48,8 @@ reasons! {
     DeadlinePassed => "deadline_passed",
     /// The (device, round, nonce) triple was seen before.
     Replay => "replay",
-    /// The device already has an accepted update in this round.
+    /// The device already has an accepted update in this round (or, under secure aggregation,
+    /// already sent this stage's message).
     Duplicate => "duplicate",
     /// The signature does not verify against the enrolled key.
     BadSignature => "bad_signature",

@@ -236,7 +236,10 @@ impl Aggregator {
             s.server.handle_timeout(now);
             s.server.handle(&signed, vector.as_deref()).map_err(|r| {
                 me.shared.metrics.secagg_refused(r.name());
-                reject(RejectReason::SecAggRefused, format!("{}: {r}", r.name()))
+                // A second message of a stage is the same refusal as a second update.
+                let reason =
+                    if matches!(r, fedfleet_secagg::Refusal::Duplicate(_)) { RejectReason::Duplicate } else { RejectReason::SecAggRefused };
+                reject(reason, format!("{}: {r}", r.name()))
             })?;
             if let (fedfleet_secagg::Body::Masked { digest, .. }, Some(_)) = (&signed.body().body, &vector) {
                 s.masked.insert(device, *digest);

@@ -113,7 +113,7 @@ async fn a_secure_round_with_dropouts_publishes_the_plain_fold_of_the_survivors_
         c.secagg_send(&keys.encode(), &[]).await.unwrap();
         if i == 0 {
             let (reason, detail) = refusal(c.secagg_send(&keys.encode(), &[]).await);
-            assert_eq!((reason, detail.split(':').next().unwrap()), (RejectReason::SecAggRefused, "duplicate"));
+            assert_eq!((reason, detail.split(':').next().unwrap()), (RejectReason::Duplicate, "duplicate"));
         }
         devices.push(client);
     }
