@@ -121,12 +121,14 @@ struct Args {
     /// stages. Not with --sampled.
     #[arg(long)]
     secure_aggregation: bool,
-    /// The agents talk to one regional relay (`fedfleet-aggregator relay`, its region the whole
-    /// fleet) under the root, which folds the relay's partial sum: what one relay takes. The
-    /// table's aggregator figures (CPU per update, peak RSS, ingest stages) are the relay's; the
-    /// root's CPU is printed beside them.
-    #[arg(long, conflicts_with_all = ["secure_aggregation", "sampled"])]
-    via_relay: bool,
+    /// The agents talk to K regional relays (`fedfleet-aggregator relay` processes, each with a
+    /// region of N/K devices) under the root, which folds their partial sums: what relays take.
+    /// The table's aggregator figures are the relays': CPU per update over all of them, the
+    /// highest peak RSS of one, their ingest stages summed; the root's and each relay's CPU are
+    /// printed beside them. `--via-relay` is `--relays 1`.
+    #[arg(long, value_name = "K", default_value_t = 0, num_args = 0..=1, default_missing_value = "1", alias = "via-relay",
+          conflicts_with_all = ["secure_aggregation", "sampled"])]
+    relays: usize,
     /// A big enrolled fleet of which each round samples a few (with --sampling-rate, e.g.
     /// `--agents 100000 --sampling-rate 0.01`): devices are enrolled in memory (one devices.json
     /// write) and hold only their identity; one shared listener hears each round's announcement
@@ -185,6 +187,9 @@ fn coordinate(args: &Args) -> anyhow::Result<()> {
     }
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
+    }
+    if args.relays > 0 && args.agents.iter().any(|&n| n < args.relays) {
+        bail!("--relays {} needs at least one device per relay at every --agents size", args.relays);
     }
     if args.secure_aggregation && args.sampled {
         bail!("--secure-aggregation runs with the all-agents fleet, not --sampled");
@@ -481,58 +486,80 @@ struct Services {
     setup_s: f64,
     /// `--sampled`: the fleet's identities, enrolled in memory.
     identities: Vec<fedfleet_certs::DeviceIdentity>,
-    /// `--via-relay`: the relay the agents talk to.
-    relay: Option<Relay>,
+    /// `--relays K`: the relays the agents talk to, each with its region.
+    relays: Vec<Relay>,
 }
 
-/// A `fedfleet-aggregator relay` process under the root.
+/// A `fedfleet-aggregator relay` process under the root, and the devices of its region.
 struct Relay {
+    name: String,
     process: AggregatorProcess,
     metrics_addr: std::net::SocketAddr,
     receipt_key: ed25519_dalek::VerifyingKey,
+    region: Vec<DeviceId>,
 }
 
-/// The service the agents upload to: the relay under `--via-relay`, else the root. Its CPU,
-/// memory and ingest stages are what the benchmark reports.
+/// A service the agents upload to (a relay under `--relays`, else the root): its CPU, memory
+/// and ingest stages are what the benchmark reports.
 struct Uplink<'a> {
     process: &'a AggregatorProcess,
     metrics_addr: std::net::SocketAddr,
-    receipt_key: ed25519_dalek::VerifyingKey,
 }
 
 impl Services {
-    fn uplink(&self) -> Uplink<'_> {
-        match &self.relay {
-            Some(r) => Uplink { process: &r.process, metrics_addr: r.metrics_addr, receipt_key: r.receipt_key },
-            None => Uplink { process: &self.agg, metrics_addr: self.metrics_addr, receipt_key: self.receipt_key },
+    fn uplinks(&self) -> Vec<Uplink<'_>> {
+        if self.relays.is_empty() {
+            return vec![Uplink { process: &self.agg, metrics_addr: self.metrics_addr }];
         }
+        self.relays.iter().map(|r| Uplink { process: &r.process, metrics_addr: r.metrics_addr }).collect()
     }
 
-    fn ingest_pid(&self) -> u32 {
-        self.uplink().process.pid()
+    /// The CPU seconds of every uplink so far, in [`Self::uplinks`]' order.
+    fn uplink_cpu_secs(&self) -> Vec<f64> {
+        self.uplinks().iter().map(|u| proc_cpu_secs(u.process.pid().to_string()).unwrap_or(f64::NAN)).collect()
+    }
+
+    /// The uplinks' ingest stage seconds, summed over them.
+    async fn uplink_ingest_seconds(&self) -> BTreeMap<String, f64> {
+        let mut sum = BTreeMap::new();
+        for u in self.uplinks() {
+            for (stage, s) in ingest_seconds(u.metrics_addr).await {
+                *sum.entry(stage).or_insert(0.0) += s;
+            }
+        }
+        sum
     }
 }
 
-/// Starts a relay of the root at `root` with the root's config `root_toml` (less what only the
-/// root has), its own certificate, state and metrics, its region every enrolled device.
-fn start_relay(bin: &Path, pki: &Pki, dir: &Path, root_toml: &str, root: std::net::SocketAddr, root_dir: &Path) -> anyhow::Result<Relay> {
-    pki.issue_server("relay", &[], 30, false)?;
-    let relay_dir = dir.join("relay");
+/// Starts relay `name` of the root at `root` with the root's config `root_toml` (less what only
+/// the root has), its own certificate, state and metrics, and `region` for its devices.
+fn start_relay(
+    bin: &Path,
+    pki: &Pki,
+    (dir, name): (&Path, &str),
+    root_toml: &str,
+    (root, root_dir): (std::net::SocketAddr, &Path),
+    region: Vec<DeviceId>,
+) -> anyhow::Result<Relay> {
+    pki.issue_server(name, &[], 30, false)?;
+    let relay_dir = dir.join(name);
     std::fs::create_dir_all(&relay_dir)?;
     let metrics_addr = free_loopback_port()?;
     let data_dir = relay_dir.join("data").display().to_string();
-    let mut config = fedfleet_testkit::services::relay_config(root_toml, "127.0.0.1:0", "relay", &data_dir, Some(metrics_addr));
+    let mut config = fedfleet_testkit::services::relay_config(root_toml, "127.0.0.1:0", name, &data_dir, Some(metrics_addr));
     let parent_key = root_dir.join("data").join("receipt.pub");
+    let devices: Vec<String> = region.iter().map(|d| format!("{:?}", d.as_str())).collect();
     config += &format!(
-        "\n[relay]\nparent = \"{root}\"\nparent_receipt_key = {:?}\nforward_margin_secs = 5\npoll_interval_ms = 200\n",
-        parent_key.display().to_string()
+        "\n[relay]\nparent = \"{root}\"\nparent_receipt_key = {:?}\nforward_margin_secs = 5\npoll_interval_ms = 200\nregion = [{}]\n",
+        parent_key.display().to_string(),
+        devices.join(", ")
     );
     let path = relay_dir.join("relay.toml");
     std::fs::write(&path, config)?;
     let process = AggregatorProcess::spawn_as(bin, "relay", &path, &relay_dir.join("relay.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&relay_dir.join("data").join("receipt.pub")).context("the relay's receipt key")?;
-    Ok(Relay { process, metrics_addr, receipt_key })
+    Ok(Relay { name: name.to_owned(), process, metrics_addr, receipt_key, region })
 }
 
 /// `--sampled`: the identity that listens for announcements on the whole fleet's behalf.
@@ -570,8 +597,9 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let operator_addr = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?;
     let config = agg_dir.join("aggregator.toml");
     let mut toml = aggregator_toml(args, &pki, &agg_dir, &initial, metrics_addr, registry_service.addr, target);
-    if args.via_relay {
-        toml = format!("relays = [\"relay\"]\n{toml}");
+    let relay_names: Vec<String> = (1..=args.relays).map(|k| format!("relay-{k}")).collect();
+    if !relay_names.is_empty() {
+        toml = format!("relays = {relay_names:?}\n{toml}");
     }
     // The operator CLI's requests go to the console, a TCP listener of its own.
     let console_addr = free_loopback_port()?;
@@ -579,10 +607,13 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
-    let relay = match args.via_relay {
-        true => Some(start_relay(&aggregator_bin, &pki, &dir, &toml, agg.addr, &agg_dir)?),
-        false => None,
-    };
+    // Region k: the k-th of K contiguous slices of the fleet.
+    let per_region = devices.len().div_ceil(args.relays.max(1));
+    let relays = relay_names
+        .iter()
+        .zip(devices.chunks(per_region.max(1)))
+        .map(|(name, region)| start_relay(&aggregator_bin, &pki, (&dir, name), &toml, (agg.addr, &agg_dir), region.to_vec()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Services {
         dir,
         _tmp: tmp,
@@ -600,7 +631,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         update_bytes_each: bundle.len(),
         setup_s: setup.elapsed().as_secs_f64(),
         identities,
-        relay,
+        relays,
     })
 }
 
@@ -683,16 +714,16 @@ async fn run_campaign(
     poller.wait_first(Duration::from_secs(30)).await?;
     // What the aggregator spends answering this benchmark's own scrapes (every METRICS_PERIOD),
     // measured before the campaign, so that its CPU per update can be given without them.
-    let idle0 = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(0.0);
+    let idle0: f64 = sv.uplink_cpu_secs().iter().sum();
     tokio::time::sleep(SCRAPE_COST_WINDOW).await;
-    let scrape_cpu_per_s = (proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(0.0) - idle0) / SCRAPE_COST_WINDOW.as_secs_f64();
+    let scrape_cpu_per_s = (sv.uplink_cpu_secs().iter().sum::<f64>() - idle0) / SCRAPE_COST_WINDOW.as_secs_f64();
     let log = sv.agg_dir.join("aggregator.log");
-    let agg_cpu0 = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(0.0);
+    let agg_cpu0 = sv.uplink_cpu_secs();
     let root_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
-    let ingest0 = ingest_seconds(sv.uplink().metrics_addr).await;
+    let ingest0 = sv.uplink_ingest_seconds().await;
     let (stop_probe, probe) = probe_operator_status(sv.aggregator_bin.clone(), sv.config.clone(), sv.console_addr);
     let started = Instant::now();
     campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
@@ -705,10 +736,8 @@ async fn run_campaign(
         if !sv.agg.running() {
             bail!("the aggregator exited (see {})", log.display());
         }
-        if let Some(r) = &mut sv.relay
-            && !r.process.running()
-        {
-            bail!("the relay exited (see {})", sv.dir.join("relay/relay.log").display());
+        if let Some(r) = sv.relays.iter_mut().find_map(|r| (!r.process.running()).then_some(&r.name)) {
+            bail!("{r} exited (see {})", sv.dir.join(r).join("relay.log").display());
         }
         match &mut fleet {
             Devices::None => {}
@@ -727,15 +756,28 @@ async fn run_campaign(
     let _ = stop_probe.send(true);
     let (status_ms, status_failures) = probe.await.unwrap_or_default();
     let ingest_s =
-        ingest_seconds(sv.uplink().metrics_addr).await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
-    let agg_cpu_s = proc_cpu_secs(sv.ingest_pid().to_string()).unwrap_or(f64::NAN) - agg_cpu0;
-    if sv.relay.is_some() {
+        sv.uplink_ingest_seconds().await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
+    let uplink_cpu_s: Vec<f64> = sv.uplink_cpu_secs().iter().zip(&agg_cpu0).map(|(now, then)| now - then).collect();
+    let agg_cpu_s: f64 = uplink_cpu_s.iter().sum();
+    if !sv.relays.is_empty() {
         let root_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - root_cpu0;
-        eprintln!("  via one relay: the root's CPU over the campaign {root_cpu_s:.2} s (the relay's {agg_cpu_s:.2} s, in the table)");
+        let each: Vec<String> = sv
+            .relays
+            .iter()
+            .zip(&uplink_cpu_s)
+            .map(|(r, cpu)| format!("{} ({} devices) {cpu:.2} s", r.name, r.region.len()))
+            .collect();
+        eprintln!(
+            "  via {} relay(s): the root's CPU over the campaign {root_cpu_s:.2} s; the relays' {agg_cpu_s:.2} s in all, in the table: {}",
+            sv.relays.len(),
+            each.join(", ")
+        );
     }
     let wall_s = started.elapsed().as_secs_f64();
     let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
-    let agg_peak_rss_kib = proc_status_kib(&sv.ingest_pid().to_string(), "VmHWM").unwrap_or(0);
+    // The largest one service took (one relay's, under --relays).
+    let agg_peak_rss_kib =
+        sv.uplinks().iter().map(|u| proc_status_kib(&u.process.pid().to_string(), "VmHWM").unwrap_or(0)).max().unwrap_or(0);
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     let samples = poller.stop().await;
     let status = operator_status(&sv.pki, sv.operator_addr).await.unwrap_or_else(|e| format!("status unavailable: {e}"));
@@ -840,12 +882,25 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
 
     // The agents; they connect (one step) before the campaign starts.
     let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
-    let mut options = fleet_options(&sv, devices)?;
-    options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
-    // One step of 10,000 agents on 2 cores takes longer than the 30 s after which an idle
-    // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
-    options.keep_alive = Some(Duration::from_secs(10));
-    let mut fleet = RemoteFleet::start(options)?;
+    // Each relay's region talks to it; without relays the fleet talks to the root.
+    let regions: Vec<(Vec<DeviceId>, std::net::SocketAddr, ed25519_dalek::VerifyingKey)> = match sv.relays.is_empty() {
+        true => vec![(devices, sv.agg.addr, sv.receipt_key)],
+        false => sv.relays.iter().map(|r| (r.region.clone(), r.process.addr, r.receipt_key)).collect(),
+    };
+    let mut fleet: Option<RemoteFleet> = None;
+    for (region, addr, receipt_key) in regions {
+        let mut options = fleet_options(&sv, region, (addr, receipt_key))?;
+        options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
+        // One step of 10,000 agents on 2 cores takes longer than the 30 s after which an idle
+        // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
+        options.keep_alive = Some(Duration::from_secs(10));
+        let region = RemoteFleet::start(options)?;
+        match &mut fleet {
+            Some(f) => f.extend(region),
+            None => fleet = Some(region),
+        }
+    }
+    let mut fleet = fleet.expect("at least one region");
     let online = Instant::now();
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     step_all(&mut fleet).await?;
@@ -872,14 +927,18 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
 }
 
 /// The simulated devices' view of the services started for this run.
-fn fleet_options(sv: &Services, devices: Vec<DeviceId>) -> anyhow::Result<FleetOptions> {
+fn fleet_options(
+    sv: &Services,
+    devices: Vec<DeviceId>,
+    (aggregator, receipt_key): (std::net::SocketAddr, ed25519_dalek::VerifyingKey),
+) -> anyhow::Result<FleetOptions> {
     let mut options = FleetOptions::new(
         sv.pki.dir(),
         FleetId::new(FLEET)?,
         devices,
-        sv.uplink().process.addr,
+        aggregator,
         sv.registry_service.addr,
-        sv.uplink().receipt_key,
+        receipt_key,
         sv.pinned_root.clone(),
         MODEL_NAME,
         sv.dir.join("agents"),
@@ -948,7 +1007,7 @@ async fn sampled_worker(args: &Args, n: usize, target: u32, devices: &[DeviceId]
     let mut sv = start_services(args, devices, target).await?;
     eprintln!("  {n} devices enrolled in memory (setup {:.1} s)", sv.setup_s);
     let base_rss_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
-    let options = fleet_options(&sv, Vec::new())?;
+    let options = fleet_options(&sv, Vec::new(), (sv.agg.addr, sv.receipt_key))?;
     let behaviour = DeviceBehaviour {
         train_median_ms: args.train_median_ms,
         train_sigma: args.train_sigma,

@@ -349,6 +349,12 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
         self.aggs.iter().flat_map(|g| g.acks()).collect()
     }
 
+    /// Adds `other`'s agents (e.g. another region's, talking to another relay) to this fleet.
+    pub fn extend(&mut self, other: RemoteFleet<A, R>) {
+        self.agents.extend(other.agents);
+        self.aggs.extend(other.aggs);
+    }
+
     /// Total outbox entries still waiting.
     pub fn pending(&self) -> usize {
         self.status().iter().map(|s| s.outbox).sum()
