@@ -755,18 +755,13 @@ async fn run_campaign(
     let udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
     let _ = stop_probe.send(true);
     let (status_ms, status_failures) = probe.await.unwrap_or_default();
-    let ingest_s =
-        sv.uplink_ingest_seconds().await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
+    let ingest_s = sv.uplink_ingest_seconds().await.into_iter().map(|(k, v)| (k.clone(), v - ingest0.get(&k).unwrap_or(&0.0))).collect();
     let uplink_cpu_s: Vec<f64> = sv.uplink_cpu_secs().iter().zip(&agg_cpu0).map(|(now, then)| now - then).collect();
     let agg_cpu_s: f64 = uplink_cpu_s.iter().sum();
     if !sv.relays.is_empty() {
         let root_cpu_s = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(f64::NAN) - root_cpu0;
-        let each: Vec<String> = sv
-            .relays
-            .iter()
-            .zip(&uplink_cpu_s)
-            .map(|(r, cpu)| format!("{} ({} devices) {cpu:.2} s", r.name, r.region.len()))
-            .collect();
+        let each: Vec<String> =
+            sv.relays.iter().zip(&uplink_cpu_s).map(|(r, cpu)| format!("{} ({} devices) {cpu:.2} s", r.name, r.region.len())).collect();
         eprintln!(
             "  via {} relay(s): the root's CPU over the campaign {root_cpu_s:.2} s; the relays' {agg_cpu_s:.2} s in all, in the table: {}",
             sv.relays.len(),
