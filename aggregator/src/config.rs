@@ -281,25 +281,15 @@ pub struct AdmissionLimits {
     pub max_bytes_in_flight: u64,
     /// The retry-after an overloaded device is told, in ms (devices add jitter).
     pub retry_after_ms: u64,
-    /// The rate a round's invited devices are asked to arrive at: each round opens with a start
-    /// window of (expected participants / this) seconds, at most half its deadline (half the keys
-    /// stage under secure aggregation), over which
-    /// devices spread their downloads and uploads. 0 opens rounds without a window.
+    /// The highest rate a round's invited devices are asked to arrive at: each round opens
+    /// with a start window of (expected participants / rate) seconds, at most half its deadline
+    /// (half the keys stage under secure aggregation), over which devices spread their downloads
+    /// and uploads. The rate starts here and follows what the service took in its last round
+    /// (`crate::pacing`). 0 opens rounds without a window.
     pub arrivals_per_second: u32,
 }
 
 impl AdmissionLimits {
-    /// The start window for a round expected to draw `participants` devices, `deadline_ms`
-    /// from now: `participants / arrivals_per_second` seconds, at most half of `deadline_ms`;
-    /// none under a second (a burst that small is taken in stride, and not worth a wait).
-    pub fn start_window_ms(&self, participants: u64, deadline_ms: u64) -> u64 {
-        if self.arrivals_per_second == 0 {
-            return 0;
-        }
-        let window = (participants.saturating_mul(1_000) / u64::from(self.arrivals_per_second)).min(deadline_ms / 2);
-        if window < 1_000 { 0 } else { window }
-    }
-
     /// `max_bytes_in_flight` as the KiB permits the ingest path takes (at least one).
     pub fn in_flight_kib(&self) -> u32 {
         self.max_bytes_in_flight.div_ceil(1024).clamp(1, u64::from(u32::MAX)) as u32
@@ -1137,15 +1127,6 @@ mod tests {
         assert_eq!(cfg.model.spec, fedfleet_learning::ModelSpec::digits_mlp());
         let (_, mqtt) = Config::load_all(&p).unwrap();
         assert_eq!(mqtt, Some(MqttConfig::embedded("127.0.0.1:8883".parse().unwrap())));
-    }
-
-    #[test]
-    fn a_rounds_start_window_grows_with_its_expected_devices() {
-        let limits = AdmissionLimits::default();
-        assert_eq!(limits.start_window_ms(100, 600_000), 0, "a small round opens at once");
-        assert_eq!(limits.start_window_ms(10_000, 600_000), 20_000, "10,000 devices at 500 a second");
-        assert_eq!(limits.start_window_ms(1_000_000, 600_000), 300_000, "at most half the deadline");
-        assert_eq!(AdmissionLimits { arrivals_per_second: 0, ..limits }.start_window_ms(10_000, 600_000), 0);
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod keys;
 pub mod lifecycle;
 pub mod metrics;
 pub mod mqtt;
+pub mod pacing;
 pub mod persist;
 pub mod publish;
 pub mod segments;

@@ -15,6 +15,7 @@
 //! | `fedfleet_aggregator_update_staleness` | histogram | versions between an accepted update's base model and the model it was folded into (0 in rounds; asynchronous campaigns: how far behind devices train) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
 //! | `fedfleet_aggregator_round_accepted` | gauge | updates accepted in the open round (0 between campaigns) |
+//! | `fedfleet_aggregator_arrivals_per_second` | gauge | the arrival rate the last round's start window asked for (`[admission] arrivals_per_second` at most; lowered after an overloaded round) |
 //! | `fedfleet_aggregator_global_version` | gauge | the last published global model's version |
 //! | `fedfleet_aggregator_global_metric` | gauge | `metric` (`accuracy`, `loss`, `rmse`, ...): the last published model's server-side evaluation (the campaign's learning curve over time) |
 //! | `fedfleet_aggregator_resident_memory_bytes` | gauge | VmRSS |
@@ -75,6 +76,7 @@ pub struct Metrics {
     pub global_version: Gauge,
     global_metric: Family<MetricLabel, Gauge<f64, AtomicU64>>,
     pub round_accepted: Gauge,
+    pub arrivals_per_second: Gauge,
     rejected: Family<ReasonLabel, Counter>,
     secagg_refused: Family<ReasonLabel, Counter>,
     rounds: Family<EventLabel, Counter>,
@@ -119,6 +121,7 @@ impl Metrics {
             global_version: Gauge::default(),
             global_metric: Family::default(),
             round_accepted: Gauge::default(),
+            arrivals_per_second: Gauge::default(),
             rejected: Family::default(),
             secagg_refused: Family::default(),
             rounds: Family::default(),
@@ -172,6 +175,7 @@ impl Metrics {
         registry.register("global_version", "The last published global model's version", m.global_version.clone());
         registry.register("global_metric", "The last published global model's server-side evaluation, by metric", m.global_metric.clone());
         registry.register("round_accepted", "Updates accepted in the open round", m.round_accepted.clone());
+        registry.register("arrivals_per_second", "The arrival rate the last round's start window asked for", m.arrivals_per_second.clone());
         registry.register("mqtt_connected", "1 while the MQTT control client is connected", m.mqtt_connected.clone());
         registry.register("mqtt_rejected", "MQTT messages and uploads refused, by reason", m.mqtt_rejected.clone());
         registry.register("mqtt_requests", "Devices' requests over MQTT: answered, or the refusal's reason", m.mqtt_requests.clone());

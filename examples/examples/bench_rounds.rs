@@ -159,6 +159,14 @@ struct Args {
     /// with its quorum).
     #[arg(long, default_value_t = 15)]
     round_deadline_secs: u64,
+    /// The aggregator's `[admission] arrivals_per_second` (the rate a round's start window
+    /// spreads its devices at; 0: no window); the service's default when not given.
+    #[arg(long)]
+    arrivals_per_second: Option<u32>,
+    /// The aggregator's `[admission] max_bytes_in_flight` (update bytes being received at once);
+    /// the service's default when not given.
+    #[arg(long)]
+    max_bytes_in_flight: Option<u64>,
     /// Internal: run one fleet size and print its result as JSON.
     #[arg(long, hide = true)]
     worker: Option<usize>,
@@ -1316,7 +1324,7 @@ local_epochs = {epochs}
 batch_size = {batch}
 learning_rate = 0.1
 quantization = "f32"
-{secure_aggregation}"#,
+{secure_aggregation}{admission}"#,
         pki_dir = pki.dir().display().to_string(),
         data_dir = dir.join("data").display().to_string(),
         hidden = hidden.join(", "),
@@ -1328,7 +1336,20 @@ quantization = "f32"
         epochs = args.local_epochs,
         batch = args.batch_size,
         secure_aggregation = if args.secure_aggregation { "\n[secure_aggregation]\n" } else { "" },
+        admission = admission_toml(args),
     )
+}
+
+/// `[admission]` with what the command line sets of it, if anything.
+fn admission_toml(args: &Args) -> String {
+    let mut keys = String::new();
+    if let Some(r) = args.arrivals_per_second {
+        keys += &format!("arrivals_per_second = {r}\n");
+    }
+    if let Some(b) = args.max_bytes_in_flight {
+        keys += &format!("max_bytes_in_flight = {b}\n");
+    }
+    if keys.is_empty() { keys } else { format!("\n[admission]\n{keys}") }
 }
 
 /// A port that was free a moment ago (the aggregator's metrics listener takes it).

@@ -46,6 +46,16 @@ impl Aggregator {
         });
     }
 
+    /// Teaches the arrival pacer what the round that just closed took, and turned away as
+    /// `overloaded` (nothing after a restart mid-round: its opening is not known).
+    pub(super) fn pace_after(&self, core: &mut Core, accepted: u64, now: Millis) {
+        let Some(opened) = core.round_log.as_ref().and_then(|r| r.opened_at_unix_ms.map(|at| (at, &r.rejected_at_open))) else { return };
+        let (at, refused_at_open) = opened;
+        let refused = self.shared.metrics.rejected_count(RejectReason::Overloaded);
+        let before = refused_at_open.get(RejectReason::Overloaded.as_str()).copied().unwrap_or(refused);
+        core.pacer.round_closed(accepted, refused.saturating_sub(before), now.saturating_sub(at));
+    }
+
     /// The record of `round` so far (a fresh one when the service restarted meanwhile).
     fn round_log<'c>(&self, core: &'c mut Core, round: RoundId) -> &'c mut RoundRecord {
         if core.round_log.as_ref().is_none_or(|r| r.round != round.0) {

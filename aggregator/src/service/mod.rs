@@ -130,6 +130,8 @@ struct Core {
     /// What the history will record of the open or closing round (lost in a restart: the
     /// round's record then has no opening facts).
     round_log: Option<history::RoundRecord>,
+    /// The arrival rate the next round's start window asks for (lost in a restart).
+    pacer: crate::pacing::ArrivalPacer,
 }
 
 struct Shared {
@@ -285,6 +287,7 @@ impl Aggregator {
             secagg: None,
             secagg_before: None,
             round_log: None,
+            pacer: crate::pacing::ArrivalPacer::new(cfg.admission.arrivals_per_second),
         };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;

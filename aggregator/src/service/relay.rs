@@ -145,7 +145,7 @@ impl Aggregator {
             // The region aggregates securely; a device must have trained before the keys stage ends.
             mine.config.secure_aggregation = true;
             let time_to_start = (deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64;
-            mine.config.start_window_ms = sh.cfg.admission.start_window_ms(u64::from(expected), time_to_start);
+            mine.config.start_window_ms = core.pacer.open_round(u64::from(expected), time_to_start);
         }
         core.campaign.announcement = Some(Signed::sign(mine, &sh.key).encode());
         sh.announce.send_replace(core.campaign.announcement.clone());

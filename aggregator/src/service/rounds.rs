@@ -28,7 +28,9 @@ impl Aggregator {
                         Some(s) => (a.deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64,
                         None => a.deadline.saturating_sub(now),
                     };
-                    config.start_window_ms = sh.cfg.admission.start_window_ms(self.expected_participants(&a.selection), time_to_start);
+                    config.start_window_ms = core.pacer.open_round(self.expected_participants(&a.selection), time_to_start);
+                    sh.metrics.arrivals_per_second.set(i64::from(core.pacer.rate()));
+                    tracing::info!(round = %a.round, start_window_ms = config.start_window_ms, arrivals_per_second = core.pacer.rate(), "start window");
                     let opened = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
                     core.secagg_before = std::mem::replace(&mut core.secagg, opened);
                     let ann = fedfleet_protocol::RoundAnnouncement {
@@ -52,6 +54,7 @@ impl Aggregator {
                     sh.metrics.round("closed");
                     sh.metrics.open_round.set(0);
                     let updates = contributions.iter().map(|c| c.updates.max(1)).sum::<u64>().min(u32::MAX as u64) as u32;
+                    self.pace_after(core, u64::from(updates), now);
                     self.history_round_closed(core, round, updates, now);
                     core.campaign.announcement = None;
                     sh.announce.send_replace(None);
