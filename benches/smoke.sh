@@ -43,6 +43,7 @@ step "$examples/bench_async" --devices 8 --buffer 2 --max-versions 3
 step "$examples/bench_secagg" --devices 8,12 --dim 100
 step "$examples/bench_dp" --devices 20 --rounds 3 --epsilons 8
 step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --rollout
+step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --rollout --mirror
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --secure-aggregation
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --relays 2
 step "$examples/bench_rounds" --agents 200 --rounds 2 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --sampled \
