@@ -11,8 +11,8 @@
 //! the 2-core VM at 500 a second: 247 MiB peak and 7,583 refusals in a round; at 200 a second,
 //! the rate it took: 80 MiB and none, at the same CPU per update; benches/README.md).
 //!
-//! Pure: the service tells it what each round did. In memory only: a restarted service starts
-//! again from the configured rate.
+//! Pure: the service tells it what each round did. The rate is kept with each round boundary,
+//! so a restarted service, or its next campaign, starts from what it learned.
 
 /// Rounds with fewer updates teach the pacer nothing (too few to measure a rate by).
 const MIN_SAMPLE: u64 = 100;
@@ -32,6 +32,12 @@ pub struct ArrivalPacer {
 impl ArrivalPacer {
     pub fn new(arrivals_per_second: u32) -> Self {
         ArrivalPacer { ceiling: arrivals_per_second, rate: arrivals_per_second, windowed: false }
+    }
+
+    /// A pacer that had learned `learned` (kept by the store), under the configured rate.
+    pub fn resume(arrivals_per_second: u32, learned: Option<u32>) -> Self {
+        let rate = learned.map_or(arrivals_per_second, |r| r.clamp(MIN_RATE.min(arrivals_per_second), arrivals_per_second));
+        ArrivalPacer { rate, ..ArrivalPacer::new(arrivals_per_second) }
     }
 
     /// The arrivals per second the next round asks for.
@@ -106,6 +112,14 @@ mod tests {
         assert_eq!(p.rate(), 500);
         p.round_closed(1_000, 5_000, 1_000_000);
         assert_eq!(p.rate(), MIN_RATE);
+    }
+
+    #[test]
+    fn a_resumed_pacer_starts_from_what_it_learned_under_the_configured_rate() {
+        assert_eq!(ArrivalPacer::resume(500, Some(166)).rate(), 166);
+        assert_eq!(ArrivalPacer::resume(500, None).rate(), 500);
+        assert_eq!(ArrivalPacer::resume(200, Some(400)).rate(), 200, "a lowered setting wins");
+        assert_eq!(ArrivalPacer::resume(0, Some(166)).rate(), 0, "0 still turns the window off");
     }
 
     #[test]

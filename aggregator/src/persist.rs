@@ -17,6 +17,7 @@
 //! |            | `strategy`               | `ServerStrategy` at the last round boundary         |
 //! |            | `global`                 | [`GlobalRef`]: the current global model             |
 //! |            | `campaign`               | [`CampaignMeta`]: strategy name, dtype, last outcome |
+//! |            | `arrival_rate`           | the pacer's learned rate (u32 BE), at boundaries    |
 //! | `accepted` | device `\0` nonce        | [`AcceptedRecord`]: round, payload digest, weight, signed receipt |
 //! | `models`   | digest                   | [`ModelInfo`]                                     |
 //! | `sequence` | `seq`                    | commit sequence (u64 BE), bumped by every commit    |
@@ -175,6 +176,8 @@ pub struct Boundary<'a> {
     pub strategy: Option<&'a [u8]>,
     pub global: Option<GlobalRef>,
     pub campaign: Option<&'a CampaignMeta>,
+    /// The arrival rate the pacer has learned (`crate::pacing`).
+    pub arrival_rate: Option<u32>,
 }
 
 pub struct Store {
@@ -318,6 +321,15 @@ impl Store {
         }
     }
 
+    /// The arrival rate the pacer had learned at the last round boundary, if any.
+    pub fn arrival_rate(&self) -> Result<Option<u32>> {
+        match self.meta.get("arrival_rate")? {
+            None => Ok(None),
+            Some(b) if b.len() == 4 => Ok(Some(u32::from_be_bytes(b.as_ref().try_into().expect("4 bytes")))),
+            Some(_) => Err(corrupt(&self.dir, "meta/arrival_rate is not 4 bytes")),
+        }
+    }
+
     pub fn engine(&self) -> Result<Option<Vec<u8>>> {
         Ok(self.meta.get("engine")?.map(|b| b.to_vec()))
     }
@@ -410,6 +422,9 @@ impl Store {
             }
             if let Some(c) = &campaign {
                 m.insert("campaign", c.as_slice())?;
+            }
+            if let Some(r) = b.arrival_rate {
+                m.insert("arrival_rate", &r.to_be_bytes())?;
             }
             bump_seq(s)
         });
@@ -523,9 +538,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let s = Store::open(dir.path()).unwrap();
-            s.commit_boundary(Boundary { engine: b"e", strategy: None, global: None, campaign: None }).unwrap();
+            assert_eq!(s.arrival_rate().unwrap(), None);
+            s.commit_boundary(Boundary { engine: b"e", strategy: None, global: None, campaign: None, arrival_rate: Some(166) }).unwrap();
             assert_eq!(s.seq().unwrap(), 1);
         }
+        assert_eq!(Store::open(dir.path()).unwrap().arrival_rate().unwrap(), Some(166), "kept with the boundary");
         std::fs::write(dir.path().join(COMMIT_FILE), format!("{MARKER_PREFIX} 5\n")).unwrap();
         let err = Store::open(dir.path()).err().expect("refused");
         assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");

@@ -287,7 +287,7 @@ impl Aggregator {
             secagg: None,
             secagg_before: None,
             round_log: None,
-            pacer: crate::pacing::ArrivalPacer::new(cfg.admission.arrivals_per_second),
+            pacer: crate::pacing::ArrivalPacer::resume(cfg.admission.arrivals_per_second, store.arrival_rate()?),
         };
         if let Some(g) = global {
             let bytes = store.read_model(&g.digest)?;
