@@ -533,6 +533,18 @@ fn read_marker(dir: &Path) -> Result<u64> {
 mod tests {
     use super::*;
 
+    /// Update `i`'s accepted record in round 1.
+    fn rec(i: u8) -> AcceptedRecord {
+        AcceptedRecord {
+            round: RoundId(1),
+            device: DeviceId::new(format!("dev-{i}")).unwrap(),
+            payload_digest: Digest::of(&[i]),
+            weight: 1,
+            receipt: vec![i],
+            relayed: 0,
+        }
+    }
+
     #[test]
     fn refuses_a_database_behind_its_marker() {
         let dir = tempfile::tempdir().unwrap();
@@ -568,14 +580,6 @@ mod tests {
     fn one_sync_makes_every_applied_update_durable() {
         let dir = tempfile::tempdir().unwrap();
         let s = Store::open(dir.path()).unwrap();
-        let rec = |i: u8| AcceptedRecord {
-            round: RoundId(1),
-            device: DeviceId::new(format!("dev-{i}")).unwrap(),
-            payload_digest: Digest::of(&[i]),
-            weight: 1,
-            receipt: vec![i],
-            relayed: 0,
-        };
         let seqs: Vec<u64> = (0..3).map(|i| s.apply_update(&[i; 16], &rec(i)).unwrap()).collect();
         assert_eq!(seqs, [1, 2, 3]);
         assert_eq!(read_marker(dir.path()).unwrap(), 0, "nothing is acknowledged before a sync");
@@ -593,14 +597,6 @@ mod tests {
     #[test]
     fn a_commit_sequence_kept_in_meta_moves_to_its_own_tree_on_open() {
         let dir = tempfile::tempdir().unwrap();
-        let rec = |i: u8| AcceptedRecord {
-            round: RoundId(1),
-            device: DeviceId::new(format!("dev-{i}")).unwrap(),
-            payload_digest: Digest::of(&[i]),
-            weight: 1,
-            receipt: vec![i],
-            relayed: 0,
-        };
         {
             let s = Store::open(dir.path()).unwrap();
             for i in 0..3 {
