@@ -49,8 +49,10 @@ impl Aggregator {
     /// Teaches the arrival pacer what the round that just closed took, and turned away as
     /// `overloaded` (nothing after a restart mid-round: its opening is not known).
     pub(super) fn pace_after(&self, core: &mut Core, accepted: u64, now: Millis) {
-        let Some(opened) = core.round_log.as_ref().and_then(|r| r.opened_at_unix_ms.map(|at| (at, &r.rejected_at_open))) else { return };
-        let (at, refused_at_open) = opened;
+        let Some((at, refused_at_open)) = core.round_log.as_ref().and_then(|r| r.opened_at_unix_ms.map(|at| (at, &r.rejected_at_open)))
+        else {
+            return;
+        };
         let refused = self.shared.metrics.rejected_count(RejectReason::Overloaded);
         let before = refused_at_open.get(RejectReason::Overloaded.as_str()).copied().unwrap_or(refused);
         core.pacer.round_closed(accepted, refused.saturating_sub(before), now.saturating_sub(at));

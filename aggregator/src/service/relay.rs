@@ -146,6 +146,7 @@ impl Aggregator {
             mine.config.secure_aggregation = true;
             let time_to_start = (deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64;
             mine.config.start_window_ms = core.pacer.open_round(u64::from(expected), time_to_start);
+            sh.metrics.arrivals_per_second.set(i64::from(core.pacer.rate()));
         }
         core.campaign.announcement = Some(Signed::sign(mine, &sh.key).encode());
         sh.announce.send_replace(core.campaign.announcement.clone());

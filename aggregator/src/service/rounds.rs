@@ -28,9 +28,13 @@ impl Aggregator {
                         Some(s) => (a.deadline.saturating_sub(now) as f64 * s.stage_ends[0]) as u64,
                         None => a.deadline.saturating_sub(now),
                     };
-                    config.start_window_ms = core.pacer.open_round(self.expected_participants(&a.selection), time_to_start);
-                    sh.metrics.arrivals_per_second.set(i64::from(core.pacer.rate()));
-                    tracing::info!(round = %a.round, start_window_ms = config.start_window_ms, arrivals_per_second = core.pacer.rate(), "start window");
+                    // A relay announces the parent's round with the parent's window, or under secure
+                    // aggregation a window of its own for its region (`follow_once`): not this one.
+                    if sh.cfg.relay.is_none() {
+                        config.start_window_ms = core.pacer.open_round(self.expected_participants(&a.selection), time_to_start);
+                        sh.metrics.arrivals_per_second.set(i64::from(core.pacer.rate()));
+                        tracing::info!(round = %a.round, start_window_ms = config.start_window_ms, arrivals_per_second = core.pacer.rate(), "start window");
+                    }
                     let opened = self.open_secagg(core, a.round, &a.selection, a.deadline, now);
                     core.secagg_before = std::mem::replace(&mut core.secagg, opened);
                     let ann = fedfleet_protocol::RoundAnnouncement {

@@ -131,6 +131,33 @@ fn spawn_relay(d: &Deployment, r: usize) -> Proc {
     p
 }
 
+/// A campaign run on a tree whose configs are written ([`make_tree`]): what the tests check.
+struct TreeRun {
+    /// Kept running until the test drops them.
+    relays: Vec<Proc>,
+    /// What `campaign start --wait` printed.
+    status: String,
+    /// The digest of every version the registry holds, oldest first.
+    versions: Vec<String>,
+    root_log: std::path::PathBuf,
+    /// The campaign's answer and the services' logs, for failure messages.
+    context: String,
+}
+
+/// Starts the registry and root, the relays (parents first: a relay reads its parent's receipt
+/// key when it starts) and every agent, then runs the campaign to its end.
+fn run_tree(d: &mut Deployment) -> TreeRun {
+    d.start_services();
+    let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(d, r)).collect();
+    d.start_agents(1..=AGENTS, "fedfleet-agent");
+    let status = d.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
+    let versions = d.versions("digits").iter().map(|v| v["digest"].as_str().unwrap().to_owned()).collect();
+    let root_log = d.log("aggregator");
+    let logs: String = (1..=RELAYS).map(|r| format!("relay-{r}:\n{}\n", tail(&d.log(&format!("relay-{r}")), 20))).collect();
+    let context = format!("campaign: {status}\nroot:\n{}\n{logs}agent-1:\n{}", tail(&root_log, 40), tail(&d.log("agent-1"), 20));
+    TreeRun { relays, status, versions, root_log, context }
+}
+
 #[test]
 fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_mid_round() {
     // The flat run: nine agents on the root.
@@ -186,15 +213,7 @@ fn a_tree_of_relays_publishes_the_flat_runs_models_and_survives_a_relay_killed_m
     // its whole subtree, so that each waits for the sum from below. The same versions again.
     let mut chain = deployment(Some(&flat.path("aggregator/initial.safetensors")));
     make_tree(&chain, &four_levels());
-    chain.start_services();
-    // Parents first: a relay reads its parent's receipt key when it starts.
-    let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&chain, r)).collect();
-    chain.start_agents(1..=AGENTS, "fedfleet-agent");
-    let status = chain.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
-    let chain_versions = chain.versions("digits").iter().map(|v| v["digest"].as_str().unwrap().to_owned()).collect::<Vec<_>>();
-    let root_log = chain.log("aggregator");
-    let logs: String = (1..=RELAYS).map(|r| format!("relay-{r}:\n{}\n", tail(&chain.log(&format!("relay-{r}")), 20))).collect();
-    let context = format!("campaign: {status}\nroot:\n{}\n{logs}", tail(&root_log, 30));
+    let TreeRun { relays, versions: chain_versions, root_log, context, .. } = run_tree(&mut chain);
     assert_eq!(chain_versions, flat_versions, "FedAvg down a chain of relays is FedAvg over all devices, bit for bit\n{context}");
     assert_eq!(count_lines(&root_log, "relay's partial sum accepted"), 2, "one sum (relay-1's) per round\n{context}");
     for r in 1..RELAYS {
@@ -231,14 +250,7 @@ fn secure_regions_publish_the_flat_secure_runs_model() {
     for r in 1..=RELAYS {
         tree.append(&format!("relay-{r}.toml"), SECURE_AGGREGATION);
     }
-    tree.start_services();
-    let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
-    tree.start_agents(1..=AGENTS, "fedfleet-agent");
-    let status = tree.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
-    let tree_versions = tree.versions("digits").iter().map(|v| v["digest"].as_str().unwrap().to_owned()).collect::<Vec<_>>();
-    let root_log = tree.log("aggregator");
-    let logs: String = (1..=RELAYS).map(|r| format!("relay-{r}:\n{}\n", tail(&tree.log(&format!("relay-{r}")), 20))).collect();
-    let context = format!("campaign: {status}\nroot:\n{}\n{logs}agent-1:\n{}", tail(&root_log, 30), tail(&tree.log("agent-1"), 20));
+    let TreeRun { relays, versions: tree_versions, root_log, context, .. } = run_tree(&mut tree);
     assert_eq!(flat_versions.len(), 2, "the initial model and the round's\n{context}");
     assert_eq!(tree_versions, flat_versions, "secure regions publish the flat secure round's model, bit for bit\n{context}");
     assert_eq!(count_lines(&root_log, "relay's partial sum accepted"), RELAYS, "one sum per relay\n{context}");
@@ -284,15 +296,9 @@ fn async_tree(secure: bool) {
             tree.append(&format!("relay-{r}.toml"), "[secure_aggregation]\ndegree = 2\n");
         }
     }
-    tree.start_services();
-    let relays: Vec<Proc> = (1..=RELAYS).map(|r| spawn_relay(&tree, r)).collect();
-    tree.start_agents(1..=AGENTS, "fedfleet-agent");
-    let status = tree.cli("fedfleet-aggregator", &["campaign", "start", "--config", "aggregator.toml", "--seed", "11", "--wait"]);
-    let root_log = tree.log("aggregator");
-    let logs: String = (1..=RELAYS).map(|r| format!("relay-{r}:\n{}\n", tail(&tree.log(&format!("relay-{r}")), 20))).collect();
-    let context = format!("campaign: {status}\nroot:\n{}\n{logs}", tail(&root_log, 40));
+    let TreeRun { relays, status, versions, root_log, context } = run_tree(&mut tree);
     assert!(status.contains("async"), "the campaign runs buffers\n{context}");
-    assert_eq!(tree.versions("digits").len(), 4, "the initial model and three buffers' versions\n{context}");
+    assert_eq!(versions.len(), 4, "the initial model and three buffers' versions\n{context}");
     assert_eq!(count_lines(&root_log, "update accepted"), 0, "no device reached the root\n{context}");
     let forwarded: usize = (1..=RELAYS).map(|r| count_lines(&tree.log(&format!("relay-{r}")), "partial sum forwarded")).sum();
     let accepted = count_lines(&root_log, "relay's partial sum accepted");
