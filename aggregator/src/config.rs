@@ -284,8 +284,9 @@ pub struct AdmissionLimits {
     /// The highest rate a round's invited devices are asked to arrive at: each round opens
     /// with a start window of (expected participants / rate) seconds, at most half its deadline
     /// (half the keys stage under secure aggregation), over which devices spread their downloads
-    /// and uploads. The rate starts here and follows what the service took in its last round
-    /// (`crate::pacing`). 0 opens rounds without a window.
+    /// and uploads. A fresh service starts at a quarter of this and doubles it after each clean
+    /// round, then follows what the service took in its last round (`crate::pacing`). 0 opens
+    /// rounds without a window.
     pub arrivals_per_second: u32,
 }
 

@@ -30,6 +30,10 @@ pub struct RoundRecord {
     /// Refusal counts when the round opened (the base of `rejected`); not in the record.
     #[serde(skip)]
     rejected_at_open: BTreeMap<String, u64>,
+    /// When the round's first update was accepted (the arrival pacer's measure starts there,
+    /// not at the opening, so devices' training time does not count as the service's).
+    #[serde(skip)]
+    first_accepted_at_unix_ms: Option<u64>,
     pub opened_at_unix_ms: Option<u64>,
     pub closed_at_unix_ms: Option<u64>,
     pub published_at_unix_ms: Option<u64>,
@@ -46,16 +50,23 @@ impl Aggregator {
         });
     }
 
+    /// Notes a device's update accepted into `round` (the first one starts the pacer's measure).
+    pub(super) fn history_update_accepted(&self, core: &mut Core, round: RoundId, now: Millis) {
+        self.round_log(core, round).first_accepted_at_unix_ms.get_or_insert(now);
+    }
+
     /// Teaches the arrival pacer what the round that just closed took, and turned away as
-    /// `overloaded` (nothing after a restart mid-round: its opening is not known).
+    /// `overloaded`, from its first accepted update (or its opening) to now (nothing after a
+    /// restart mid-round: its opening is not known).
     pub(super) fn pace_after(&self, core: &mut Core, accepted: u64, now: Millis) {
-        let Some((at, refused_at_open)) = core.round_log.as_ref().and_then(|r| r.opened_at_unix_ms.map(|at| (at, &r.rejected_at_open)))
+        let Some(RoundRecord { opened_at_unix_ms: Some(opened), first_accepted_at_unix_ms: first, rejected_at_open, .. }) = &core.round_log
         else {
             return;
         };
         let refused = self.shared.metrics.rejected_count(RejectReason::Overloaded);
-        let before = refused_at_open.get(RejectReason::Overloaded.as_str()).copied().unwrap_or(refused);
-        core.pacer.round_closed(accepted, refused.saturating_sub(before), now.saturating_sub(at));
+        let before = rejected_at_open.get(RejectReason::Overloaded.as_str()).copied().unwrap_or(refused);
+        let since = first.unwrap_or(*opened);
+        core.pacer.round_closed(accepted, refused.saturating_sub(before), now.saturating_sub(since));
     }
 
     /// The record of `round` so far (a fresh one when the service restarted meanwhile).

@@ -292,6 +292,7 @@ impl Aggregator {
             sh.metrics.folded(delta.len() as u64 * 4, t.elapsed());
         }
         sh.metrics.ingest_step("fold", &mut since);
+        self.history_update_accepted(&mut core, accepted.round, now);
         let receipt = Receipt {
             fleet: h.fleet.clone(),
             device: h.device.clone(),

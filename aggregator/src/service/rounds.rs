@@ -139,7 +139,7 @@ impl Aggregator {
             strategy: strategy.as_deref(),
             global: core.global,
             campaign: Some(&core.campaign),
-            arrival_rate: Some(core.pacer.rate()),
+            arrival_rate: core.pacer.learned(),
         });
         if let Err(e) = r {
             tracing::error!(error = %e, "cannot commit a round boundary; aborting so a restart resumes from disk");
