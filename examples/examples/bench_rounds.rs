@@ -340,7 +340,8 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         let order = fedfleet_aggregator::metrics::INGEST_STEPS;
         let line: Vec<String> =
             order.iter().map(|s| format!("{s} {:.3}", steps.get(*s).and_then(|v| v.as_f64()).unwrap_or(f64::NAN))).collect();
-        println!("{:>6} agents: {} ms", u(r, "agents"), line.join(" | "));
+        let per_flush = r["updates_per_flush"].as_f64().map_or(String::new(), |n| format!("; {n:.1} updates per group commit"));
+        println!("{:>6} agents: {} ms{per_flush}", u(r, "agents"), line.join(" | "));
     }
     println!(
         "The operator's `campaign status` during the campaign (`fedfleet-aggregator campaign status` to the console's API, a process and connection each, every {STATUS_PROBE_PERIOD:?}):"
@@ -1084,7 +1085,8 @@ fn campaign_result(
         "operator_status_ms_max": percentile(&rec.status_ms, 1.0),
         "operator_status_probes": rec.status_ms.len(),
         "operator_status_failures": rec.status_failures,
-        "ingest_ms_per_update": rec.ingest_s.iter().map(|(k, v)| (k.clone(), json!(v * 1e3 / accepted))).collect::<serde_json::Map<_, _>>(),
+        "ingest_ms_per_update": rec.ingest_s.iter().filter(|(k, _)| *k != FLUSHES).map(|(k, v)| (k.clone(), json!(v * 1e3 / accepted))).collect::<serde_json::Map<_, _>>(),
+        "updates_per_flush": rec.ingest_s.get(FLUSHES).filter(|n| **n > 0.0).map(|n| accepted / n),
         "worker_peak_rss_kib": worker_peak_rss_kib,
         "worker_base_rss_kib": base_rss_kib,
         "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
@@ -1689,13 +1691,20 @@ fn percentile(values: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// The aggregator's `ingest_seconds_total{step}` counters, by step (empty if unreachable).
+/// The key under which [`ingest_seconds`] gives the aggregator's group commits.
+const FLUSHES: &str = "commit flushes";
+
+/// The aggregator's `ingest_seconds_total{step}` counters, by step, and its group commits as
+/// [`FLUSHES`] (empty if unreachable).
 async fn ingest_seconds(addr: std::net::SocketAddr) -> BTreeMap<String, f64> {
     let Ok(Ok((200, text))) = tokio::time::timeout(Duration::from_secs(2), fedfleet_http::scrape(addr, "/metrics")).await else {
         return BTreeMap::new();
     };
     text.lines()
         .filter_map(|l| {
+            if let Some(n) = l.strip_prefix("fedfleet_aggregator_commit_flushes_total ") {
+                return Some((FLUSHES.to_owned(), n.trim().parse().ok()?));
+            }
             let rest = l.strip_prefix("fedfleet_aggregator_ingest_seconds_total{step=\"")?;
             let (step, value) = rest.split_once("\"} ")?;
             Some((step.to_owned(), value.trim().parse().ok()?))

@@ -233,11 +233,23 @@ impl Aggregator {
     /// budget takes all of it, and waits for it alone.)
     pub(super) fn reserve_bytes(&self, len: u64) -> Result<tokio::sync::OwnedSemaphorePermit, Rejection> {
         let limits = self.shared.cfg.admission;
-        let kib = len.div_ceil(1024).clamp(1, u64::from(limits.in_flight_kib())) as u32;
-        self.shared.in_flight.clone().try_acquire_many_owned(kib).map_err(|_| {
+        self.shared.in_flight.clone().try_acquire_many_owned(self.in_flight_kib(len)).map_err(|_| {
             let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
             reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms))
         })
+    }
+
+    /// The KiB of the in-flight budget an upload of `len` bytes takes.
+    fn in_flight_kib(&self, len: u64) -> u32 {
+        len.div_ceil(1024).clamp(1, u64::from(self.shared.cfg.admission.in_flight_kib())) as u32
+    }
+
+    /// Whether uploads other than `group` hold in-flight bytes (streaming, or waiting to fold):
+    /// their records are coming.
+    fn others_in_flight(&self, group: &[Recorded]) -> bool {
+        let sh = &self.shared;
+        let held = (sh.cfg.admission.in_flight_kib() as usize).saturating_sub(sh.in_flight.available_permits());
+        held > group.iter().map(|r| r.kib as usize).sum::<usize>()
     }
 
     /// Step 7: decode, check, fold and commit in the commit pipeline (see [`CommitQueue`]);
@@ -322,16 +334,22 @@ const DECODE_ON_COMMIT_THREAD_MAX: usize = 1 << 20;
 /// Most uploads one group commit covers: the first of a group waits for at most this many folds.
 const MAX_COMMIT_GROUP: usize = 256;
 
+/// How long a group commit waits for more folded uploads while others are still in flight: one
+/// flush (three `fdatasync`s, and sled waking its writer threads) then covers them all. At a few
+/// hundred uploads a second, each had a flush of its own.
+const COMMIT_LINGER: Duration = Duration::from_millis(5);
+
 /// Most queued uploads whose signatures the fold thread checks in one batch.
 const MAX_SIGNATURE_BATCH: usize = 64;
 
 /// The queue of checked uploads into the aggregator's commit pipeline: two threads, no thread or
 /// lock wait per upload. The fold thread takes every upload waiting (up to
 /// [`MAX_SIGNATURE_BATCH`]), checks their signatures in one ed25519 batch, then folds and
-/// records each in turn; the sync
-/// thread takes every recorded upload waiting for it (up to [`MAX_COMMIT_GROUP`]), makes them
-/// durable with one flush and only then answers each, while the fold thread goes on with the
-/// next ones. Both end when the last [`Aggregator`] handle (and with it the queue) drops.
+/// records each in turn; the sync thread takes every recorded upload waiting for it (up to
+/// [`MAX_COMMIT_GROUP`]; while other uploads are in flight, it waits up to [`COMMIT_LINGER`]
+/// for theirs), makes them durable with one flush and only then answers each, while the fold
+/// thread goes on with the next ones. Both end when the last [`Aggregator`] handle (and with
+/// it the queue) drops.
 pub(super) struct CommitQueue(std::sync::mpsc::Sender<CommitJob>);
 
 /// An update folded and recorded, waiting for the flush that makes its record durable.
@@ -341,6 +359,8 @@ struct Recorded {
     receipt: Signed<Receipt>,
     seq: u64,
     since: Instant,
+    /// The upload's share of the in-flight budget.
+    kib: u32,
 }
 
 pub(super) struct CommitJob {
@@ -356,10 +376,17 @@ impl CommitQueue {
         let (to_sync, recorded) = std::sync::mpsc::channel::<Recorded>();
         std::thread::Builder::new().name("aggregator-sync".into()).spawn(move || {
             while let Ok(first) = recorded.recv() {
+                let linger_until = Instant::now() + COMMIT_LINGER;
                 let mut group = vec![first];
-                while group.len() < MAX_COMMIT_GROUP
-                    && let Ok(r) = recorded.try_recv()
-                {
+                while group.len() < MAX_COMMIT_GROUP {
+                    let next = match recorded.try_recv() {
+                        Ok(r) => Ok(r),
+                        Err(_) if group[0].me.others_in_flight(&group) => {
+                            recorded.recv_timeout(linger_until.saturating_duration_since(Instant::now())).map_err(|_| ())
+                        }
+                        Err(_) => Err(()),
+                    };
+                    let Ok(r) = next else { break };
                     group.push(r);
                 }
                 sync_group(group);
@@ -374,13 +401,14 @@ impl CommitQueue {
                     group.push(job);
                 }
                 for (CommitJob { me, checked, answer }, signature) in check_signatures(group) {
+                    let kib = me.in_flight_kib(checked.h.payload_len);
                     let outcome = signature.and_then(|()| {
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.fold_and_record(checked)))
                             .unwrap_or_else(|_| Err(reject(RejectReason::Internal, "folding the update panicked")))
                     });
                     match outcome {
                         Ok((receipt, seq, since)) => {
-                            let _ = to_sync.send(Recorded { me, answer, receipt, seq, since });
+                            let _ = to_sync.send(Recorded { me, answer, receipt, seq, since, kib });
                         }
                         Err(r) => {
                             let _ = answer.send(Err(r));
@@ -413,7 +441,9 @@ fn check_signatures(mut group: Vec<CommitJob>) -> impl Iterator<Item = (CommitJo
 /// One flush for a group of recorded updates, then their receipts.
 fn sync_group(group: Vec<Recorded>) {
     let last = group.iter().map(|r| r.seq).max().unwrap_or(0);
-    group[0].me.shared.store.sync(last).unwrap_or_else(|e| abort_on_commit_failure(e));
+    let sh = &group[0].me.shared;
+    sh.store.sync(last).unwrap_or_else(|e| abort_on_commit_failure(e));
+    sh.metrics.commit_flushes.inc();
     for Recorded { me, answer, receipt, mut since, .. } in group {
         me.shared.metrics.ingest_step("sync", &mut since);
         let _ = answer.send(Ok(receipt));
