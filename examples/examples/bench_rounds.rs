@@ -364,6 +364,15 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             f(r, "agg_scrape_cpu_per_s") * 1e3,
             f(r, "agg_cpu_ms_per_update_net"),
         );
+        if let Some(net) = r["agg_cpu_ms_per_update_net_of_polls"].as_f64() {
+            println!(
+                "{} agents: the agents asked for the round {:.1} times per update ({:.1} us of aggregator CPU each, measured before the campaign); CPU/update net of the scrapes and these polls: {:.2} ms",
+                u(r, "agents"),
+                f(r, "round_polls_per_update"),
+                f(r, "agg_cpu_us_per_round_poll"),
+                net,
+            );
+        }
     }
     println!("Per round (agg CPU/upd, net: from announcement to publication, less the scrapes):");
     println!(
@@ -747,6 +756,9 @@ struct CampaignRecord {
     agg_peak_rss_kib: u64,
     /// The aggregator's CPU seconds per second while idle but scraped (see [`SCRAPE_COST_WINDOW`]).
     scrape_cpu_per_s: f64,
+    /// The aggregator's CPU seconds per round poll, net of the scrapes, measured before the
+    /// campaign while the agents polled (every agent each step; `Devices::All` only).
+    poll_cpu_s: Option<f64>,
     /// The campaign's wall time, s.
     wall_s: f64,
     /// This process's CPU time over the campaign.
@@ -820,6 +832,10 @@ async fn run_campaign(
     let idle0: f64 = sv.uplink_cpu_secs().iter().sum();
     tokio::time::sleep(SCRAPE_COST_WINDOW).await;
     let scrape_cpu_per_s = (sv.uplink_cpu_secs().iter().sum::<f64>() - idle0) / SCRAPE_COST_WINDOW.as_secs_f64();
+    let poll_cpu_s = match &mut fleet {
+        Devices::All(f) => poll_cost(args, sv, f, scrape_cpu_per_s).await?,
+        _ => None,
+    };
     let log = sv.agg_dir.join("aggregator.log");
     let agg_cpu0 = sv.uplink_cpu_secs();
     let root_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
@@ -886,6 +902,7 @@ async fn run_campaign(
         agg_cpu_s,
         agg_peak_rss_kib,
         scrape_cpu_per_s,
+        poll_cpu_s,
         wall_s,
         own_cpu_s,
         status,
@@ -895,6 +912,22 @@ async fn run_campaign(
         status_ms,
         status_failures,
     })
+}
+
+/// What one round poll costs the services, net of the scrapes: the fleet stepped every
+/// `--poll-ms` for [`SCRAPE_COST_WINDOW`] with no campaign running, as it steps in one. The
+/// agents ask for the round each step (a device daemon every 10 s by default, or it hears the
+/// announcement over MQTT), so at 50 ms these polls are a large share of the services' CPU.
+async fn poll_cost(args: &Args, sv: &Services, fleet: &mut RemoteFleet, scrape_cpu_per_s: f64) -> anyhow::Result<Option<f64>> {
+    let count = |m: BTreeMap<String, f64>| m.get(ROUND_POLLS).copied().unwrap_or(0.0);
+    let (polls0, cpu0, t0) = (count(sv.uplink_ingest_seconds().await), sv.uplink_cpu_secs().iter().sum::<f64>(), Instant::now());
+    while t0.elapsed() < SCRAPE_COST_WINDOW {
+        step_all(fleet).await?;
+        tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+    }
+    let cpu = sv.uplink_cpu_secs().iter().sum::<f64>() - cpu0 - scrape_cpu_per_s * t0.elapsed().as_secs_f64();
+    let polls = count(sv.uplink_ingest_seconds().await) - polls0;
+    Ok((polls > 0.0).then(|| cpu.max(0.0) / polls))
 }
 
 /// Per-round figures from the aggregator's metrics and the agents' events.
@@ -1085,8 +1118,13 @@ fn campaign_result(
         "operator_status_ms_max": percentile(&rec.status_ms, 1.0),
         "operator_status_probes": rec.status_ms.len(),
         "operator_status_failures": rec.status_failures,
-        "ingest_ms_per_update": rec.ingest_s.iter().filter(|(k, _)| *k != FLUSHES).map(|(k, v)| (k.clone(), json!(v * 1e3 / accepted))).collect::<serde_json::Map<_, _>>(),
+        "ingest_ms_per_update": rec.ingest_s.iter().filter(|(k, _)| COUNTS.iter().all(|(_, c)| k != c)).map(|(k, v)| (k.clone(), json!(v * 1e3 / accepted))).collect::<serde_json::Map<_, _>>(),
         "updates_per_flush": rec.ingest_s.get(FLUSHES).filter(|n| **n > 0.0).map(|n| accepted / n),
+        "round_polls_per_update": rec.ingest_s.get(ROUND_POLLS).map(|n| n / accepted),
+        "agg_cpu_us_per_round_poll": rec.poll_cpu_s.map(|s| s * 1e6),
+        "agg_cpu_ms_per_update_net_of_polls": rec.poll_cpu_s.zip(rec.ingest_s.get(ROUND_POLLS)).map(|(each, polls)| {
+            (rec.agg_cpu_s - rec.scrape_cpu_per_s * rec.wall_s - each * polls) * 1e3 / accepted
+        }),
         "worker_peak_rss_kib": worker_peak_rss_kib,
         "worker_base_rss_kib": base_rss_kib,
         "agents_rss_above_base_kib": worker_peak_rss_kib.saturating_sub(base_rss_kib),
@@ -1691,19 +1729,23 @@ fn percentile(values: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// The key under which [`ingest_seconds`] gives the aggregator's group commits.
+/// The keys under which [`ingest_seconds`] gives the aggregator's group commits and the round
+/// polls it answered (counts, not seconds), with the counters they come from.
 const FLUSHES: &str = "commit flushes";
+const ROUND_POLLS: &str = "round polls";
+const COUNTS: [(&str, &str); 2] =
+    [("fedfleet_aggregator_commit_flushes_total ", FLUSHES), ("fedfleet_aggregator_round_polls_total ", ROUND_POLLS)];
 
-/// The aggregator's `ingest_seconds_total{step}` counters, by step, and its group commits as
-/// [`FLUSHES`] (empty if unreachable).
+/// The aggregator's `ingest_seconds_total{step}` counters, by step, and its [`COUNTS`] (empty
+/// if unreachable).
 async fn ingest_seconds(addr: std::net::SocketAddr) -> BTreeMap<String, f64> {
     let Ok(Ok((200, text))) = tokio::time::timeout(Duration::from_secs(2), fedfleet_http::scrape(addr, "/metrics")).await else {
         return BTreeMap::new();
     };
     text.lines()
         .filter_map(|l| {
-            if let Some(n) = l.strip_prefix("fedfleet_aggregator_commit_flushes_total ") {
-                return Some((FLUSHES.to_owned(), n.trim().parse().ok()?));
+            if let Some((n, key)) = COUNTS.iter().find_map(|(name, key)| Some((l.strip_prefix(name)?, key))) {
+                return Some((key.to_string(), n.trim().parse().ok()?));
             }
             let rest = l.strip_prefix("fedfleet_aggregator_ingest_seconds_total{step=\"")?;
             let (step, value) = rest.split_once("\"} ")?;

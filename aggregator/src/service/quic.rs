@@ -251,6 +251,7 @@ impl Aggregator {
         let is_operator = matches!(peer, PeerIdentity::Service(n) if self.shared.cfg.operators.contains(n));
         match req {
             Request::GetRound => {
+                self.shared.metrics.round_polls.inc();
                 let core = self.lock();
                 Some(Response::Round {
                     announcement: core.campaign.announcement.clone(),
