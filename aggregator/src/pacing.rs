@@ -94,11 +94,13 @@ impl ArrivalPacer {
         if overloaded.saturating_mul(100) > accepted {
             self.rate = took.clamp(u64::from(MIN_RATE), u64::from(self.ceiling)) as u32;
             self.probing = false;
-        } else if self.windowed && took.saturating_mul(4) < u64::from(self.rate) * 3 {
-            self.probing = false;
         } else if self.windowed {
-            let more = if self.probing { self.rate } else { self.rate.div_ceil(4) };
-            self.rate = self.rate.saturating_add(more).min(self.ceiling);
+            if took.saturating_mul(4) < u64::from(self.rate) * 3 {
+                self.probing = false;
+            } else {
+                let more = if self.probing { self.rate } else { self.rate.div_ceil(4) };
+                self.rate = self.rate.saturating_add(more).min(self.ceiling);
+            }
         }
     }
 }

@@ -244,12 +244,12 @@ impl Aggregator {
         len.div_ceil(1024).clamp(1, u64::from(self.shared.cfg.admission.in_flight_kib())) as u32
     }
 
-    /// Whether uploads other than `group` hold in-flight bytes (streaming, or waiting to fold):
-    /// their records are coming.
-    fn others_in_flight(&self, group: &[Recorded]) -> bool {
+    /// Whether uploads beyond a group's `group_kib` hold in-flight bytes (streaming, or waiting
+    /// to fold): their records are coming.
+    fn others_in_flight(&self, group_kib: usize) -> bool {
         let sh = &self.shared;
         let held = (sh.cfg.admission.in_flight_kib() as usize).saturating_sub(sh.in_flight.available_permits());
-        held > group.iter().map(|r| r.kib as usize).sum::<usize>()
+        held > group_kib
     }
 
     /// Step 7: decode, check, fold and commit in the commit pipeline (see [`CommitQueue`]);
@@ -377,16 +377,15 @@ impl CommitQueue {
         std::thread::Builder::new().name("aggregator-sync".into()).spawn(move || {
             while let Ok(first) = recorded.recv() {
                 let linger_until = Instant::now() + COMMIT_LINGER;
+                let mut group_kib = first.kib as usize;
                 let mut group = vec![first];
                 while group.len() < MAX_COMMIT_GROUP {
-                    let next = match recorded.try_recv() {
-                        Ok(r) => Ok(r),
-                        Err(_) if group[0].me.others_in_flight(&group) => {
-                            recorded.recv_timeout(linger_until.saturating_duration_since(Instant::now())).map_err(|_| ())
-                        }
-                        Err(_) => Err(()),
-                    };
-                    let Ok(r) = next else { break };
+                    let next = recorded.try_recv().ok().or_else(|| {
+                        let wait = linger_until.saturating_duration_since(Instant::now());
+                        group[0].me.others_in_flight(group_kib).then(|| recorded.recv_timeout(wait).ok()).flatten()
+                    });
+                    let Some(r) = next else { break };
+                    group_kib += r.kib as usize;
                     group.push(r);
                 }
                 sync_group(group);
