@@ -466,8 +466,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
     /// The base model of a round: from the cache by digest, else from the aggregator.
     async fn base_model(&self, m: &ModelRef) -> Result<(String, Vec<u8>), String> {
         let store = self.core.store();
-        let spec_path = store.blob_path(&m.digest).with_extension("spec.json");
-        if let (Ok(Some(bytes)), Ok(spec)) = (store.get_blob(&m.digest), std::fs::read_to_string(&spec_path)) {
+        if let (Ok(Some(bytes)), Some(spec)) = (store.get_blob(&m.digest), store.spec(&m.digest)) {
             return Ok((spec, bytes));
         }
         let base = self.agg.fetch_base_model(m).await.map_err(|e| format!("base model: {e}"))?;
@@ -476,7 +475,16 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             return Err(format!("base model digest {got} differs from the round's {}", m.digest));
         }
         store.put_blob(&base.bytes).map_err(|e| e.to_string())?;
-        write_atomic(&spec_path, base.spec.as_bytes()).map_err(|e| e.to_string())?;
+        store.put_spec(&m.digest, &base.spec).map_err(|e| e.to_string())?;
+        // A new round's base: the past rounds' bases (and models that rotated out of the slots)
+        // go, or a device would keep every model it ever trained on.
+        let st = self.core.state();
+        let mut keep = vec![m.digest];
+        keep.extend([&st.active, &st.previous, &st.staged].into_iter().flatten().map(|s| s.model.digest));
+        keep.extend(st.install.as_ref().map(|job| job.model.digest));
+        if let Err(e) = store.retain_blobs(&keep) {
+            tracing::warn!(error = %e, "past round bases not removed");
+        }
         Ok((base.spec, base.bytes))
     }
 

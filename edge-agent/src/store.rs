@@ -2,6 +2,9 @@
 //! [`PersistedState`](crate::lifecycle::PersistedState), JSON) and an `outbox` tree (signed updates
 //! not yet acknowledged), plus content-addressed model blobs as files (`blobs/<digest>`), written
 //! temp file + fsync + rename. Every write that is a commit point is flushed before it returns.
+//! A round's base model keeps its spec beside it (`blobs/<digest>.spec.json`); the store keeps
+//! what its caller names ([`AgentStore::retain_blobs`]), so a device that takes part in round
+//! after round holds one base model, not every one it trained on.
 //!
 //! A full disk: `reserve` holds [`STORE_RESERVE_BYTES`] the store gets back when the filesystem
 //! runs low (before a commit, or when sled cannot open for want of space), and takes again once
@@ -79,6 +82,9 @@ enum Records {
 struct MemoryRecords {
     state: BTreeMap<&'static [u8], Vec<u8>>,
     outbox: BTreeMap<u64, Vec<u8>>,
+    /// Model blobs by digest, and the specs of those that are round bases.
+    blobs: BTreeMap<Digest, Vec<u8>>,
+    specs: BTreeMap<Digest, String>,
 }
 
 impl MemoryRecords {
@@ -110,9 +116,9 @@ impl AgentStore {
         Ok(store)
     }
 
-    /// A store for a simulated device: state and outbox in memory (lost with the process, and no
-    /// file held open), model blobs as files in `dir` as usual, no space reserve. Not for a real
-    /// device: an update in its outbox would not survive a restart.
+    /// A store for a simulated device: state, outbox and model blobs in memory (lost with the
+    /// process, and no file held open or created but a resumable download's partial file), no
+    /// space reserve. Not for a real device: an update in its outbox would not survive a restart.
     pub fn in_memory(dir: impl AsRef<Path>) -> Result<Self, StoreError> {
         let dir = dir.as_ref().to_owned();
         fs::create_dir_all(dir.join("blobs")).map_err(|e| StoreError::io(&dir, e))?;
@@ -288,13 +294,32 @@ impl AgentStore {
         self.dir.join("partial").join(format!("{}.part", digest.to_hex()))
     }
 
+    /// Where a round base's spec is kept, beside its blob.
+    fn spec_path(&self, digest: &Digest) -> PathBuf {
+        self.dir.join("blobs").join(format!("{}.spec.json", digest.to_hex()))
+    }
+
+    fn memory(&self) -> Option<std::sync::MutexGuard<'_, MemoryRecords>> {
+        match &self.records {
+            Records::Memory(m) => Some(MemoryRecords::lock(m)),
+            Records::Sled { .. } => None,
+        }
+    }
+
     pub fn has_blob(&self, digest: &Digest) -> bool {
-        self.blob_path(digest).is_file()
+        match self.memory() {
+            Some(m) => m.blobs.contains_key(digest),
+            None => self.blob_path(digest).is_file(),
+        }
     }
 
     /// Stores a blob under its digest: temp file, fsync, rename, fsync of the directory.
     pub fn put_blob(&self, bytes: &[u8]) -> Result<Digest, StoreError> {
         let digest = Digest::of(bytes);
+        if let Some(mut m) = self.memory() {
+            m.blobs.entry(digest).or_insert_with(|| bytes.to_vec());
+            return Ok(digest);
+        }
         let path = self.blob_path(&digest);
         if path.is_file() {
             return Ok(digest);
@@ -306,6 +331,11 @@ impl AgentStore {
     /// Moves a completed partial download into the blob store (after its digest was checked).
     pub fn promote_partial(&self, digest: &Digest) -> Result<(), StoreError> {
         let from = self.partial_path(digest);
+        if let Some(mut m) = self.memory() {
+            let bytes = fs::read(&from).map_err(|e| StoreError::io(&from, e))?;
+            m.blobs.insert(*digest, bytes);
+            return fs::remove_file(&from).map_err(|e| StoreError::io(&from, e));
+        }
         let to = self.blob_path(digest);
         fs::rename(&from, &to).map_err(|e| StoreError::io(&from, e))?;
         fedfleet_durable::sync_parent(&to).map_err(|e| StoreError::io(&to, e))
@@ -313,6 +343,9 @@ impl AgentStore {
 
     /// Reads a blob and checks its digest.
     pub fn get_blob(&self, digest: &Digest) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(m) = self.memory() {
+            return Ok(m.blobs.get(digest).cloned());
+        }
         let path = self.blob_path(digest);
         match fs::read(&path) {
             Ok(b) if Digest::of(&b) == *digest => Ok(Some(b)),
@@ -325,9 +358,54 @@ impl AgentStore {
         }
     }
 
+    /// Keeps the spec of the round base `digest` (its blob is [`Self::put_blob`]'s).
+    pub fn put_spec(&self, digest: &Digest, spec: &str) -> Result<(), StoreError> {
+        if let Some(mut m) = self.memory() {
+            m.specs.insert(*digest, spec.to_owned());
+            return Ok(());
+        }
+        write_atomic(&self.spec_path(digest), spec.as_bytes())
+    }
+
+    /// The spec kept for the round base `digest`, if any.
+    pub fn spec(&self, digest: &Digest) -> Option<String> {
+        match self.memory() {
+            Some(m) => m.specs.get(digest).cloned(),
+            None => fs::read_to_string(self.spec_path(digest)).ok(),
+        }
+    }
+
+    /// Removes a blob, its spec and any partial download of it.
     pub fn remove_blob(&self, digest: &Digest) {
-        let _ = fs::remove_file(self.blob_path(digest));
+        if let Some(mut m) = self.memory() {
+            m.blobs.remove(digest);
+            m.specs.remove(digest);
+        } else {
+            let _ = fs::remove_file(self.blob_path(digest));
+            let _ = fs::remove_file(self.spec_path(digest));
+        }
         let _ = fs::remove_file(self.partial_path(digest));
+    }
+
+    /// Removes every blob (and spec) not in `keep`; what is not named a blob or a spec (a
+    /// partial download, another file) stays. The caller names all the models its state refers
+    /// to: a blob no state names is a round base of a past round, or a model that rotated out.
+    pub fn retain_blobs(&self, keep: &[Digest]) -> Result<(), StoreError> {
+        if let Some(mut m) = self.memory() {
+            m.blobs.retain(|d, _| keep.contains(d));
+            m.specs.retain(|d, _| keep.contains(d));
+            return Ok(());
+        }
+        let dir = self.dir.join("blobs");
+        for entry in fs::read_dir(&dir).map_err(|e| StoreError::io(&dir, e))? {
+            let name = entry.map_err(|e| StoreError::io(&dir, e))?.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let Ok(digest) = name.strip_suffix(".spec.json").unwrap_or(name).parse::<Digest>() else { continue };
+            if !keep.contains(&digest) {
+                let _ = fs::remove_file(dir.join(name));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -394,10 +472,35 @@ mod memory_tests {
             assert_eq!(store.outbox_entry(1).unwrap(), Some(entry(1)));
             let blob = store.put_blob(b"model").unwrap();
             assert_eq!(store.get_blob(&blob).unwrap().as_deref(), Some(&b"model"[..]));
+            store.put_spec(&blob, "{}").unwrap();
+            assert_eq!(store.spec(&blob).as_deref(), Some("{}"));
         }
         assert!(dir.path().join("sled/db").exists());
         assert!(!dir.path().join("memory/db").exists());
         assert!(!dir.path().join("memory/reserve").exists(), "a simulated device reserves no disk");
         assert!(memory.tree("inbox").unwrap_err().to_string().contains("in-memory store has no inbox tree"));
+        assert_eq!(std::fs::read_dir(dir.path().join("memory/blobs")).unwrap().count(), 0, "a simulated device's blobs stay in memory");
+    }
+
+    /// A store keeps the blobs (and specs) it is told to keep, and nothing else it named.
+    #[test]
+    fn retaining_blobs_removes_past_round_bases_and_keeps_the_named_ones_and_partial_downloads() {
+        let dir = tempfile::tempdir().unwrap();
+        let sled_store = AgentStore::open(dir.path().join("sled")).unwrap();
+        let memory = AgentStore::in_memory(dir.path().join("memory")).unwrap();
+        for store in [&sled_store, &memory] {
+            let [old, kept, active] = [&b"round 1"[..], b"round 2", b"active"].map(|b| store.put_blob(b).unwrap());
+            store.put_spec(&old, "old").unwrap();
+            store.put_spec(&kept, "kept").unwrap();
+            std::fs::write(store.partial_path(&old), b"half").unwrap();
+            store.retain_blobs(&[kept, active]).unwrap();
+            assert!(!store.has_blob(&old) && store.spec(&old).is_none());
+            assert!(store.has_blob(&kept) && store.spec(&kept).as_deref() == Some("kept"));
+            assert!(store.has_blob(&active));
+            assert!(store.partial_path(&old).exists(), "a partial download is not a blob");
+        }
+        let left: std::collections::BTreeSet<String> =
+            std::fs::read_dir(dir.path().join("sled/blobs")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(left.len(), 3, "two blobs and one spec: {left:?}");
     }
 }

@@ -139,6 +139,31 @@ async fn inbox_examples_pushed_through_the_socket_are_what_the_next_round_trains
     server.await.unwrap().unwrap();
 }
 
+/// Every round brings a new base model; a device holds the current one and its slots' models,
+/// not every model it ever trained on (its disk would fill round after round).
+#[tokio::test]
+async fn a_device_keeps_the_current_round_base_and_its_slots_not_every_past_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 2, 3).unwrap();
+    let first_base = fleet.global_ref.digest;
+    for round in 1..=5 {
+        fleet.run_round(round, round_config()).await.unwrap();
+    }
+    let store = fleet.agents[0].core().store();
+    let blobs: Vec<String> = std::fs::read_dir(store.dir().join("blobs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.ends_with(".spec.json"))
+        .collect();
+    // The last round's base (the previous model), the active one, and room for one more.
+    assert!(blobs.len() <= 3, "5 rounds left {} blobs: {blobs:?}", blobs.len());
+    assert!(!store.has_blob(&first_base) && store.spec(&first_base).is_none(), "round 1's base is gone");
+    let st = fleet.agents[0].core().state();
+    for m in [&st.active, &st.previous].into_iter().flatten() {
+        assert!(store.has_blob(&m.model.digest), "slot model {} kept", m.model.digest);
+    }
+}
+
 #[tokio::test]
 async fn fedbn_batch_norms_stay_on_the_device_and_are_used_for_training_and_inference() {
     use fedfleet_learning::{ModelSpec, Predictor, finetune::overlay_local};

@@ -87,7 +87,7 @@ async fn body() {
     for a in &fleet.agents[2..] {
         let st = a.core().store();
         assert_eq!(st.put_blob(&bytes).unwrap(), g.digest);
-        std::fs::write(st.blob_path(&g.digest).with_extension("spec.json"), spec.to_json()).unwrap();
+        st.put_spec(&g.digest, &spec.to_json()).unwrap();
     }
     // ... and the aggregator goes down: their uploads fail and stay in the outbox.
     drop(agg);
