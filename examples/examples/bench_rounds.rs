@@ -16,8 +16,9 @@
 //!   its own operator CLI (`fedfleet-aggregator campaign start`);
 //! - N agents in the worker (`fedfleet_testkit::sim::RemoteFleet`: each its own certificate, key,
 //!   sled store, QUIC clients and share of the digits training split, the daemon's lifecycle),
-//!   driven concurrently: every step runs each agent's poll + drive as its own task, then
-//!   sleeps `--poll-ms`. Agents connect (one step) before the campaign starts.
+//!   driven concurrently: every step runs each agent's drive (and its poll of the round and its
+//!   assignment, every `--control-poll-ms` or when a listener hears a new round) as its own
+//!   task, then sleeps `--poll-ms`. Agents connect (one step) before the campaign starts.
 //!
 //! Measured per round r, from the aggregator's metrics (polled every 5 ms) and the agents'
 //! own trace events (`trained` with `train_ms`, `update acknowledged`):
@@ -45,11 +46,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use fedfleet_agent::clients::Aggregator as _;
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::wire::Request as AggRequest;
 use fedfleet_certs::{Pki, ServerIdentity};
 use fedfleet_learning::{ModelSpec, model::init_bundle};
-use fedfleet_protocol::{DeviceId, FleetId};
+use fedfleet_protocol::{DeviceId, FleetId, RoundId};
 use fedfleet_testkit::sampled::{DeviceBehaviour, SampledFleet, SampledStats};
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 use serde_json::{Value, json};
@@ -85,9 +87,18 @@ struct Args {
     local_epochs: u32,
     #[arg(long, default_value_t = 32)]
     batch_size: u32,
-    /// Pause between two fleet steps (every agent polls the aggregator and registry each step).
+    /// Pause between two fleet steps (every agent polls the aggregator and registry each step,
+    /// unless --control-poll-ms says otherwise).
     #[arg(long, default_value_t = 50)]
     poll_ms: u64,
+    /// Each agent asks for the round and its rollout assignment at most this often (a daemon's
+    /// own poll: every 10 s), and at once when a new round is heard: one listener (the first
+    /// agent's connection) asks every step, as one subscription to the MQTT broker's retained
+    /// announcement hears it for all. Between two asks an agent only drives its lifecycle
+    /// (training, uploads, retries). 0: every agent asks every step (with --secure-aggregation,
+    /// always: its stages are heard by polling).
+    #[arg(long, default_value_t = 10_000)]
+    control_poll_ms: u64,
     /// Give up on a campaign after this long.
     #[arg(long, default_value_t = 1800)]
     timeout_secs: u64,
@@ -847,7 +858,10 @@ async fn run_campaign(
     let started = Instant::now();
     campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
-    let mut stepper = Stepper::default();
+    let mut stepper = match args.control_poll_ms {
+        ms if ms > 0 && !args.secure_aggregation => Stepper::paced(Duration::from_millis(ms)),
+        _ => Stepper::default(),
+    };
     while poller.latest().published < published0 + args.rounds as u64 {
         if Instant::now() > deadline {
             bail!("the campaign did not finish in {} s (see {})", args.timeout_secs, log.display());
@@ -1386,16 +1400,54 @@ type AgentStep = tokio::task::JoinHandle<(
 #[derive(Default)]
 struct Stepper {
     running: Vec<AgentStep>,
+    /// `--control-poll-ms`: when each agent asks for the round and its assignment; `None`: every step.
+    paced: Option<ControlPolls>,
+}
+
+/// `--control-poll-ms`: agents ask at most every `every`, and all at once when the listener
+/// hears a round it had not.
+struct ControlPolls {
+    every: Duration,
+    heard: Option<RoundId>,
+    heard_at: Instant,
+    last_ask: std::collections::HashMap<DeviceId, Instant>,
+}
+
+impl ControlPolls {
+    /// Whether `device` asks in this step (and notes that it does).
+    fn due(&mut self, device: &DeviceId, now: Instant) -> bool {
+        let due = self.last_ask.get(device).is_none_or(|&at| at <= self.heard_at || now.duration_since(at) >= self.every);
+        if due {
+            self.last_ask.insert(device.clone(), now);
+        }
+        due
+    }
 }
 
 impl Stepper {
+    fn paced(every: Duration) -> Self {
+        let paced = ControlPolls { every, heard: None, heard_at: Instant::now(), last_ask: Default::default() };
+        Stepper { running: Vec::new(), paced: Some(paced) }
+    }
+
     /// Takes back the agents whose step ended, and starts a step for each idle agent.
     async fn step(&mut self, fleet: &mut RemoteFleet) -> anyhow::Result<()> {
         self.collect(fleet, false).await?;
+        if let Some(p) = &mut self.paced {
+            // The listener: the first agent's connection, asking as one subscriber would hear.
+            let heard = fleet.aggregator(0).current_round(&FleetId::new(FLEET)?).await.ok().flatten().map(|a| a.round);
+            if heard.is_some() && heard != p.heard {
+                (p.heard, p.heard_at) = (heard, Instant::now());
+            }
+        }
+        let now = Instant::now();
         for mut agent in std::mem::take(&mut fleet.agents) {
+            let ask = self.paced.as_mut().is_none_or(|p| p.due(&agent.core().state().device, now));
             self.running.push(tokio::spawn(async move {
                 let r = async {
-                    agent.poll_control().await?;
+                    if ask {
+                        agent.poll_control().await?;
+                    }
                     agent.drive().await
                 }
                 .await;

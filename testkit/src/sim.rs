@@ -307,6 +307,11 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
         Ok(RemoteFleet { agents, aggs })
     }
 
+    /// The `i`-th agent's aggregator client (shared with the agent).
+    pub fn aggregator(&self, i: usize) -> &Arc<fedfleet_agent::remote::RemoteAggregator> {
+        &self.aggs[i]
+    }
+
     /// Polls the services and drives every agent once (in turn).
     pub async fn step(&mut self) -> Result<(), AgentError> {
         for a in &mut self.agents {
