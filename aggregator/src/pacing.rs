@@ -5,7 +5,9 @@
 //! back (a slow start, as TCP's: the first round of a big fleet must not be the one that finds
 //! the machine's limit by overflowing it). Then the rate follows what the service took: after
 //! a round that turned devices away as `overloaded`, the rate it accepted updates at (what this
-//! machine can take), and the doubling ends; after a clean round its window held back, a
+//! machine can take) or half the rate asked, whichever is higher, and the doubling ends (the
+//! devices it refused came back after their backoff, and the gaps they left make the rate
+//! taken an underestimate: halving, as TCP does on a loss, bounds the fall per round); after a clean round its window held back, a
 //! quarter more; after a round whose updates came in well under the rate asked (the service
 //! lost datagrams and waited on retransmissions, or the devices were slow), the same rate, and
 //! the doubling ends. Never above the configured rate.
@@ -82,7 +84,8 @@ impl ArrivalPacer {
 
     /// What a round did: `accepted` updates, and `overloaded` refusals, over the `span_ms` from
     /// its first accepted update to its close. More than 1 % of its updates refused means the
-    /// devices came faster than the service took them: ask for the rate it took. Updates taken
+    /// devices came faster than the service took them: ask for the rate it took, or half the
+    /// rate asked if that is higher (the span includes the refused devices' backoffs). Updates taken
     /// at under three quarters of the rate asked: hold the rate (lowering it could be the slow
     /// devices' doing, not the service's). Otherwise ask for more: twice as much in the slow
     /// start, a quarter more after it.
@@ -92,7 +95,8 @@ impl ArrivalPacer {
         }
         let took = accepted.saturating_mul(1_000) / span_ms;
         if overloaded.saturating_mul(100) > accepted {
-            self.rate = took.clamp(u64::from(MIN_RATE), u64::from(self.ceiling)) as u32;
+            let halved = u64::from(self.rate / 2);
+            self.rate = took.max(halved).clamp(u64::from(MIN_RATE), u64::from(self.ceiling)) as u32;
             self.probing = false;
         } else if self.windowed {
             if took.saturating_mul(4) < u64::from(self.rate) * 3 {
@@ -141,8 +145,26 @@ mod tests {
         // Never above the ceiling, never under the floor.
         p.round_closed(10_000, 5_000, 1);
         assert_eq!(p.rate(), 500);
-        p.round_closed(1_000, 5_000, 1_000_000);
+        for _ in 0..10 {
+            p.round_closed(1_000, 5_000, 1_000_000);
+        }
         assert_eq!(p.rate(), MIN_RATE);
+    }
+
+    #[test]
+    fn an_overloaded_round_whose_refused_devices_came_back_late_halves_the_rate_at_most() {
+        // Measured: 3,000 devices asked for at 1,000 a second, 112 refused, who came back after
+        // their backoff: the round took 32 s (93 a second), in 3.5 s once nobody was refused.
+        let mut p = ArrivalPacer::new(4_000);
+        assert_eq!(p.open_round(3_000, 600_000), 3_000);
+        p.round_closed(3_000, 112, 32_000);
+        assert_eq!((p.rate(), p.learned()), (500, Some(500)), "half of 1,000, not 93");
+        // A machine that truly takes only 93 a second gets there in a few overloaded rounds.
+        for _ in 0..3 {
+            p.open_round(3_000, 600_000);
+            p.round_closed(3_000, 112, 32_000);
+        }
+        assert_eq!(p.rate(), 93);
     }
 
     #[test]
