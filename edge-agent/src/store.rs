@@ -454,12 +454,18 @@ mod memory_tests {
         }
     }
 
-    /// Both backends keep the same records; the in-memory one holds no database file open.
-    #[test]
-    fn an_in_memory_store_keeps_what_a_sled_store_keeps_and_opens_no_database() {
+    /// A sled store (`sled/`) and an in-memory one (`memory/`) in a fresh directory.
+    fn both_stores() -> (tempfile::TempDir, AgentStore, AgentStore) {
         let dir = tempfile::tempdir().unwrap();
         let sled_store = AgentStore::open(dir.path().join("sled")).unwrap();
         let memory = AgentStore::in_memory(dir.path().join("memory")).unwrap();
+        (dir, sled_store, memory)
+    }
+
+    /// Both backends keep the same records; the in-memory one holds no database file open.
+    #[test]
+    fn an_in_memory_store_keeps_what_a_sled_store_keeps_and_opens_no_database() {
+        let (dir, sled_store, memory) = both_stores();
         for store in [&sled_store, &memory] {
             assert_eq!(store.saved().unwrap().state, None);
             store.apply(&Persist::State(b"{\"v\":1}".to_vec())).unwrap();
@@ -485,9 +491,7 @@ mod memory_tests {
     /// A store keeps the blobs (and specs) it is told to keep, and nothing else it named.
     #[test]
     fn retaining_blobs_removes_past_round_bases_and_keeps_the_named_ones_and_partial_downloads() {
-        let dir = tempfile::tempdir().unwrap();
-        let sled_store = AgentStore::open(dir.path().join("sled")).unwrap();
-        let memory = AgentStore::in_memory(dir.path().join("memory")).unwrap();
+        let (dir, sled_store, memory) = both_stores();
         for store in [&sled_store, &memory] {
             let [old, kept, active] = [&b"round 1"[..], b"round 2", b"active"].map(|b| store.put_blob(b).unwrap());
             store.put_spec(&old, "old").unwrap();
