@@ -515,6 +515,10 @@ pub struct Lifecycle {
     storage_attempts: u32,
     /// The last round refusal logged at INFO (logged once per round and reason).
     last_refusal: Option<(RoundId, RoundRefusal)>,
+    /// Whether this process has told the registry that it runs the model its assignment names.
+    /// Reports are not acknowledged: one lost to a crash right after the activation (or to the
+    /// network) would leave the rollout waiting for this device for ever.
+    assignment_reported: bool,
     actions: VecDeque<Action>,
     rng: ChaCha8Rng,
 }
@@ -586,6 +590,7 @@ impl Lifecycle {
             train_attempts: 0,
             storage_attempts: 0,
             last_refusal: None,
+            assignment_reported: false,
             actions: VecDeque::new(),
             rng,
         };
@@ -997,7 +1002,11 @@ impl Lifecycle {
                 next.last_state = DeviceState::Active;
                 self.commit(next)?;
                 self.report(now);
+            } else if !self.assignment_reported {
+                // Once per process: the report of the activation may not have left before a crash.
+                self.report(now);
             }
+            self.assignment_reported = true;
             return Ok(());
         }
         if self.install_is(&model) || self.state.last_failed == Some((rollout_id, model.digest)) {

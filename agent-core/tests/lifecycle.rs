@@ -328,6 +328,30 @@ fn healthy_candidate_is_activated_atomically() {
     assert!(matches!(drain(&mut lc).as_slice(), [Action::Serve { model, .. }] if model.model == v2));
 }
 
+/// Seen in the kill -9 suite: an agent killed right after its activation was committed, before
+/// its report left, ran the new model while the registry waited for it; the rollout never ended.
+#[test]
+fn a_device_restarted_after_activating_reports_it_once_when_it_hears_the_assignment_again() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    install_to_health_check(&mut lc, &reg, &v2);
+    lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(report(0.90, 0.91)) }).unwrap();
+    drop(lc); // killed: the actions, its report among them, never ran
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    let reports = |lc: &mut Device| {
+        lc.handle(T0, Input::Assignment(Registry::notice(&fleet(), 1, &v2))).unwrap();
+        drain(lc)
+            .into_iter()
+            .filter_map(|a| if let Action::Report(s) = a { Some((s.state.as_str().to_owned(), s.active)) } else { None })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(reports(&mut lc), vec![("active".to_owned(), Some(v2.clone()))]);
+    assert_eq!(reports(&mut lc), vec![], "once per process, not at every poll");
+}
+
 #[test]
 fn on_a_small_holdout_one_example_worse_is_noise_not_a_regression() {
     // 14 held-out examples at 12/14 for the active model: the candidate's 11/14 is 7 points
