@@ -295,6 +295,17 @@ fn install_to_health_check(lc: &mut Device, reg: &Registry, v2: &fedfleet_protoc
     assert_eq!(lc.staged().map(|m| &m.model), Some(v2));
 }
 
+/// A device on v1 whose install of a newly published v2 waits for its health check: the disk,
+/// the registry, v1, v2 and the device.
+fn v2_in_health_check() -> (Disk, Registry, fedfleet_protocol::ModelRef, fedfleet_protocol::ModelRef, Device) {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
+    let mut lc = open(&disk, &reg, &v1);
+    install_to_health_check(&mut lc, &reg, &v2);
+    (disk, reg, v1, v2, lc)
+}
+
 fn report(cand: f64, active: f64) -> HealthReport {
     HealthReport {
         holdout: 50,
@@ -310,11 +321,7 @@ fn report(cand: f64, active: f64) -> HealthReport {
 
 #[test]
 fn healthy_candidate_is_activated_atomically() {
-    let disk = Disk::new();
-    let (reg, v1) = registry();
-    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
-    let mut lc = open(&disk, &reg, &v1);
-    install_to_health_check(&mut lc, &reg, &v2);
+    let (disk, reg, v1, v2, mut lc) = v2_in_health_check();
     lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(report(0.90, 0.91)) }).unwrap();
     let acts = drain(&mut lc);
     assert!(acts.iter().any(|a| matches!(a, Action::Serve { model, .. } if model.model == v2)));
@@ -332,11 +339,7 @@ fn healthy_candidate_is_activated_atomically() {
 /// its report left, ran the new model while the registry waited for it; the rollout never ended.
 #[test]
 fn a_device_restarted_after_activating_reports_it_once_when_it_hears_the_assignment_again() {
-    let disk = Disk::new();
-    let (reg, v1) = registry();
-    let v2 = reg.publish("digits", SPEC, b"model v2 bytes".to_vec());
-    let mut lc = open(&disk, &reg, &v1);
-    install_to_health_check(&mut lc, &reg, &v2);
+    let (disk, reg, v1, v2, mut lc) = v2_in_health_check();
     lc.handle(T0, Input::HealthResult { model: v2.clone(), result: Ok(report(0.90, 0.91)) }).unwrap();
     drop(lc); // killed: the actions, its report among them, never ran
     let mut lc = open(&disk, &reg, &v1);
