@@ -35,8 +35,10 @@ pub struct OutboxEntry {
     pub nonce: [u8; 16],
     pub payload_digest: Digest,
     /// The encoded `SignedUpdate` envelope, exactly as signed.
+    #[serde(with = "fedfleet_protocol::serde_hex::vec")]
     pub header: Vec<u8>,
-    /// The safetensors payload.
+    /// The safetensors payload (hex in the store's JSON record).
+    #[serde(with = "fedfleet_protocol::serde_hex::vec")]
     pub payload: Vec<u8>,
     pub created_at_ms: u64,
 }

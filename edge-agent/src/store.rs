@@ -488,6 +488,21 @@ mod memory_tests {
         assert_eq!(std::fs::read_dir(dir.path().join("memory/blobs")).unwrap().count(), 0, "a simulated device's blobs stay in memory");
     }
 
+    /// Queued updates are written with their bytes in hex; an outbox written before (bytes as
+    /// JSON arrays of numbers) still reads.
+    #[test]
+    fn an_outbox_entry_is_written_in_hex_and_one_written_as_numbers_still_reads() {
+        let e = entry(3);
+        let json = String::from_utf8(serde_json::to_vec(&e).unwrap()).unwrap();
+        assert!(json.contains(r#""payload":"0303030303030303""#), "{json}");
+        let old = json
+            .replace(r#""header":"010203""#, r#""header":[1,2,3]"#)
+            .replace(r#""payload":"0303030303030303""#, r#""payload":[3,3,3,3,3,3,3,3]"#);
+        assert_ne!(old, json);
+        assert_eq!(decode_entry(3, old.as_bytes()).unwrap(), e);
+        assert_eq!(decode_entry(3, json.as_bytes()).unwrap(), e);
+    }
+
     /// A store keeps the blobs (and specs) it is told to keep, and nothing else it named.
     #[test]
     fn retaining_blobs_removes_past_round_bases_and_keeps_the_named_ones_and_partial_downloads() {
