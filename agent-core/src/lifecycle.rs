@@ -347,6 +347,13 @@ pub struct PersistedState {
     pub latest_time: Millis,
 }
 
+impl PersistedState {
+    /// The digests of the models in the slots: active, previous and staged. Their blobs stay.
+    pub fn slot_digests(&self) -> impl Iterator<Item = Digest> + '_ {
+        [&self.active, &self.previous, &self.staged].into_iter().flatten().map(|m| m.model.digest)
+    }
+}
+
 /// What the health check measured (the shell runs it; the core judges it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthReport {

@@ -1,16 +1,16 @@
-//! How fast a round's devices are asked to arrive. A round opens with a start window over which
-//! its devices spread their downloads and uploads (each at its own point in it); the window is
-//! the expected participants over an arrival rate. A fresh service starts at a quarter of
-//! `[admission] arrivals_per_second` and doubles it after each clean round its window held
-//! back (a slow start, as TCP's: the first round of a big fleet must not be the one that finds
-//! the machine's limit by overflowing it). Then the rate follows what the service took: after
-//! a round that turned devices away as `overloaded`, the rate it accepted updates at (what this
-//! machine can take) or half the rate asked, whichever is higher, and the doubling ends (the
-//! devices it refused came back after their backoff, and the gaps they left make the rate
-//! taken an underestimate: halving, as TCP does on a loss, bounds the fall per round); after a clean round its window held back, a
-//! quarter more; after a round whose updates came in well under the rate asked (the service
-//! lost datagrams and waited on retransmissions, or the devices were slow), the same rate, and
-//! the doubling ends. Never above the configured rate.
+//! How fast a round's devices are asked to arrive. A round opens with a start window over which its
+//! devices spread their downloads and uploads (each at its own point in it); the window is the
+//! expected participants over an arrival rate. A fresh service starts at a quarter of `[admission]
+//! arrivals_per_second` and doubles it after each clean round its window held back (a slow start,
+//! as TCP's: the first round of a big fleet must not be the one that finds the machine's limit by
+//! overflowing it). Then the rate follows what the service took: after a round that turned devices
+//! away as `overloaded`, the rate it accepted updates at (what this machine can take) or half the
+//! rate asked, whichever is higher, and the doubling ends (the devices it refused came back after
+//! their backoff, and the gaps they left make the rate taken an underestimate: halving, as TCP does
+//! on a loss, bounds the fall per round); after a clean round its window held back, a quarter more;
+//! after a round whose updates came in well under the rate asked (the service lost datagrams and
+//! waited on retransmissions, or the devices were slow), the same rate, and the doubling ends.
+//! Never above the configured rate.
 //!
 //! Why: devices that arrive faster than the service folds wait with their uploads in flight,
 //! or are refused and come back; both cost memory and CPU and gain nothing (10,000 devices on
@@ -82,13 +82,13 @@ impl ArrivalPacer {
         window
     }
 
-    /// What a round did: `accepted` updates, and `overloaded` refusals, over the `span_ms` from
-    /// its first accepted update to its close. More than 1 % of its updates refused means the
-    /// devices came faster than the service took them: ask for the rate it took, or half the
-    /// rate asked if that is higher (the span includes the refused devices' backoffs). Updates taken
-    /// at under three quarters of the rate asked: hold the rate (lowering it could be the slow
-    /// devices' doing, not the service's). Otherwise ask for more: twice as much in the slow
-    /// start, a quarter more after it.
+    /// What a round did: `accepted` updates, and `overloaded` refusals, over the `span_ms` from its
+    /// first accepted update to its close. More than 1 % of its updates refused means the devices
+    /// came faster than the service took them: ask for the rate it took, or half the rate asked if
+    /// that is higher (the span includes the refused devices' backoffs). Updates taken at under
+    /// three quarters of the rate asked: hold the rate (lowering it could be the slow devices'
+    /// doing, not the service's). Otherwise ask for more: twice as much in the slow start, a
+    /// quarter more after it.
     pub fn round_closed(&mut self, accepted: u64, overloaded: u64, span_ms: u64) {
         if self.ceiling == 0 || accepted < MIN_SAMPLE || span_ms == 0 {
             return;

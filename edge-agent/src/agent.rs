@@ -401,7 +401,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             }
             Action::Discard { digest } => {
                 let st = self.core.state();
-                let keep = [&st.active, &st.previous, &st.staged].iter().any(|m| m.as_ref().is_some_and(|m| m.model.digest == digest));
+                let keep = st.slot_digests().any(|d| d == digest);
                 if !keep {
                     self.core.store().remove_blob(&digest);
                 }
@@ -480,7 +480,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         // go, or a device would keep every model it ever trained on.
         let st = self.core.state();
         let mut keep = vec![m.digest];
-        keep.extend([&st.active, &st.previous, &st.staged].into_iter().flatten().map(|s| s.model.digest));
+        keep.extend(st.slot_digests());
         keep.extend(st.install.as_ref().map(|job| job.model.digest));
         if let Err(e) = store.retain_blobs(&keep) {
             tracing::warn!(error = %e, "past round bases not removed");
