@@ -320,7 +320,8 @@ mod tests {
             assert_eq!(j.newest(10).unwrap(), vec![vec![4], vec![3], vec![2]]);
             j.flush().unwrap();
         }
-        let db = sled::open(dir.path()).unwrap();
+        // `open_sled`: the first handle's lock is released by a background thread after the drop.
+        let db = open_sled(dir.path()).unwrap();
         let j = Journal::open(&db, "log", 3).unwrap();
         j.append(&[5]).unwrap();
         assert_eq!(j.newest(2).unwrap(), vec![vec![5], vec![4]]);
