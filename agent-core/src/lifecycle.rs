@@ -524,9 +524,10 @@ pub struct Lifecycle {
     storage_attempts: u32,
     /// The last round refusal logged at INFO (logged once per round and reason).
     last_refusal: Option<(RoundId, RoundRefusal)>,
-    /// Whether this process has told the registry that it runs the model its assignment names.
-    /// Reports are not acknowledged: one lost to a crash right after the activation (or to the
-    /// network) would leave the rollout waiting for this device for ever.
+    /// Whether this process has told the registry that it runs the model its assignment names
+    /// (it activated it, or reported it once on hearing the assignment). A report lost to a crash
+    /// right after the activation would leave the rollout waiting for this device for ever; one
+    /// the network lost the shell sends again.
     assignment_reported: bool,
     actions: VecDeque<Action>,
     rng: ChaCha8Rng,
@@ -1249,6 +1250,7 @@ impl Lifecycle {
         self.commit(next)?;
         self.actions.push_back(Action::Serve { slot: self.state.active_slot, model: candidate });
         self.report(now);
+        self.assignment_reported = true;
         Ok(())
     }
 

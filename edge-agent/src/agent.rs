@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_learning::{Dataset, Normalization};
-use fedfleet_protocol::{Digest, ModelRef, RoundAnnouncement, StorageFault, TensorBundle};
+use fedfleet_protocol::{DeviceStatus, Digest, ModelRef, RoundAnnouncement, StorageFault, TensorBundle};
 use rand::RngCore;
 
 use crate::clients::{Aggregator, Registry, UploadReply};
@@ -151,6 +151,11 @@ pub struct Agent<A, R> {
     refused_as_revoked: u32,
     /// The last announced round that aggregates securely: its update goes through the stages.
     secure_round: Option<RoundAnnouncement>,
+    /// The newest status report no path took (the registry unreachable): sent again at each
+    /// poll until one is delivered or a newer report replaces it. Without it a lost report of
+    /// an activation would leave the rollout waiting on this device for ever (the MQTT
+    /// heartbeat repeats it, but a device may run without MQTT).
+    undelivered_report: Option<DeviceStatus>,
 }
 
 /// The longest a device whose certificate the services refuse as revoked waits between polls.
@@ -180,6 +185,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             trainer,
             refused_as_revoked: 0,
             secure_round: None,
+            undelivered_report: None,
         }
     }
 
@@ -266,6 +272,9 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             Ok(None) => {}
             Err(e) if e.is_certificate_revoked() => revoked = Some(e),
             Err(e) => tracing::debug!(error = %e, "round poll failed"),
+        }
+        if let Some(status) = self.undelivered_report.take() {
+            self.deliver_report(status).await;
         }
         let device = self.core.state().device.clone();
         match self.reg.assignment(&device).await {
@@ -442,12 +451,21 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
                 {
                     tracing::warn!(error = %e, "cannot write status file");
                 }
-                if let Err(e) = self.reg.report(&status).await {
-                    tracing::debug!(error = %e, "status report not delivered");
-                }
+                self.deliver_report(status).await;
             }
         }
         Ok(())
+    }
+
+    /// Sends `status`; kept for the next poll if no path took it (a newer report replaces it).
+    async fn deliver_report(&mut self, status: DeviceStatus) {
+        match self.reg.report(&status).await {
+            Ok(()) => self.undelivered_report = None,
+            Err(e) => {
+                tracing::debug!(error = %e, "status report not delivered; sent again at the next poll");
+                self.undelivered_report = Some(status);
+            }
+        }
     }
 
     /// This device's local tensors (FedBN), if it trained a model that keeps any.

@@ -148,6 +148,8 @@ struct RegInner {
     assignments: HashMap<DeviceId, RolloutNotice>,
     broadcast: Option<RolloutNotice>,
     download_faults: usize,
+    /// Report calls still to fail (and not record).
+    report_faults: usize,
     corrupt_downloads: bool,
     reports: Vec<DeviceStatus>,
     downloaded_bytes: u64,
@@ -179,6 +181,7 @@ impl FakeRegistry {
                 assignments: HashMap::new(),
                 broadcast: None,
                 download_faults: 0,
+                report_faults: 0,
                 corrupt_downloads: false,
                 reports: Vec::new(),
                 downloaded_bytes: 0,
@@ -246,6 +249,10 @@ impl FakeRegistry {
     pub fn fail_downloads(&self, n: usize) {
         self.inner.lock().unwrap().download_faults = n;
     }
+    /// The next `n` report calls fail (the registry unreachable); the reports are lost.
+    pub fn fail_reports(&self, n: usize) {
+        self.inner.lock().unwrap().report_faults = n;
+    }
     /// Serve artifacts with one byte flipped.
     pub fn corrupt_downloads(&self, on: bool) {
         self.inner.lock().unwrap().corrupt_downloads = on;
@@ -289,7 +296,12 @@ impl Registry for FakeRegistry {
         Ok(out)
     }
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
-        self.inner.lock().unwrap().reports.push(status.clone());
+        let mut i = self.inner.lock().unwrap();
+        if i.report_faults > 0 {
+            i.report_faults -= 1;
+            return Err(TransportError("registry unreachable (injected)".into()));
+        }
+        i.reports.push(status.clone());
         Ok(())
     }
 }

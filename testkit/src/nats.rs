@@ -75,17 +75,21 @@ impl NatsCluster {
     pub async fn start(cfg: NatsConfig) -> Result<NatsCluster, NatsError> {
         // The ports are picked free and released, so a test running beside this one may take
         // one first: then the node exits on "address already in use" and the cluster starts
-        // again on other ports, from empty stores.
+        // again on other ports, from empty stores. The same for a cluster that did not form in
+        // time: on two loaded cores nats-server 2.9's nodes can drop each other's routes as
+        // duplicates over and over and elect no JetStream leader; a fresh start forms.
         let mut attempt = 1;
         loop {
             match Self::start_once(&cfg).await {
-                Err(NatsError::Exited { log, .. }) if attempt < 3 && log.contains("address already in use") => {
-                    attempt += 1;
-                    for i in 1..=cfg.nodes {
-                        let _ = std::fs::remove_dir_all(cfg.work_dir.join(format!("n{i}")));
-                    }
+                Err(NatsError::NotReady { logs, .. }) if attempt < 3 => {
+                    eprintln!("the NATS cluster did not form in time (attempt {attempt}); starting it again. Node logs:\n{logs}");
                 }
+                Err(NatsError::Exited { log, .. }) if attempt < 3 && log.contains("address already in use") => {}
                 other => return other,
+            }
+            attempt += 1;
+            for i in 1..=cfg.nodes {
+                let _ = std::fs::remove_dir_all(cfg.work_dir.join(format!("n{i}")));
             }
         }
     }

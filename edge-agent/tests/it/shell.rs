@@ -87,6 +87,28 @@ async fn lost_receipts_and_resets_still_deliver_exactly_once() {
     assert_eq!(acc[0].0.body().payload_dtype, DType::I8);
 }
 
+/// A device whose report of an activation no path took (the registry unreachable, no MQTT)
+/// sends it again at its next poll, once: otherwise the rollout would wait on it for ever.
+#[tokio::test]
+async fn a_report_the_registry_did_not_take_is_sent_again_at_the_next_poll_and_only_until_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 1, 7).unwrap();
+    fleet.reg.fail_reports(usize::MAX);
+    let s = fleet.run_round(1, round_config()).await.unwrap();
+    assert_eq!(s.activated, 1, "{s:?}");
+    assert!(fleet.reg.reports().is_empty(), "every report was lost");
+
+    fleet.reg.fail_reports(0);
+    fleet.step().await.unwrap();
+    let reports = fleet.reg.reports();
+    assert_eq!(reports.len(), 1, "the newest undelivered report only: {reports:?}");
+    assert_eq!(reports[0].state.as_str(), "active");
+    assert_eq!(reports[0].active.as_ref(), Some(&s.model));
+
+    fleet.step().await.unwrap();
+    assert_eq!(fleet.reg.reports().len(), 1, "a delivered report is not sent again");
+}
+
 /// The application pushes labelled examples through the local socket; they are bounded, and the
 /// next round trains on them beside the configured data (every 5th held out for health checks).
 #[tokio::test]
