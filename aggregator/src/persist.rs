@@ -20,29 +20,32 @@
 //! |            | `arrival_rate`           | the pacer's learned rate (u32 BE), at boundaries    |
 //! | `accepted` | device `\0` nonce        | [`AcceptedRecord`]: round, payload digest, weight, signed receipt |
 //! | `models`   | digest                   | [`ModelInfo`]                                     |
-//! | `sequence` | `seq`                    | commit sequence (u64 BE), bumped by every commit    |
+//! | `sequence` | `seq`                    | the commit sequence (u64 BE) as of the last sync    |
 //!
 //! `seq` has a tree of its own: sled rewrites a tree's node whole every so many writes, and a
-//! node holding the strategy's snapshot (about 16 bytes a parameter) beside a counter bumped by
-//! every update became a blob file written, fsynced and deleted every ~14 updates (a profile at
-//! 1,000 devices: 3 % of the aggregator's samples creating blob files). Stores from before kept
-//! it in `meta`; it moves on open.
+//! node holding the strategy's snapshot (about 16 bytes a parameter) beside a counter written
+//! often became a blob file written, fsynced and deleted every ~14 updates (a profile at 1,000
+//! devices: 3 % of the aggregator's samples creating blob files). Stores from before kept it in
+//! `meta`; it moves on open.
 //!
 //! # Commit points
 //!
 //! * **Accepted update**: the payload is appended to its round's segment first (a resend is not
-//!   written twice); then one sled transaction stores the accepted record and bumps `seq`
-//!   ([`Store::apply_update`], under the service lock); then, outside the lock, [`Store::sync`]
-//!   fdatasyncs the segments written to, flushes sled and writes the `COMMIT` file; only then does
-//!   the device get its receipt. `sync` is a group commit: one fdatasync and one flush make every
-//!   payload and transaction before them durable, so concurrent uploads share them. sled may
+//!   written twice); then one sled insert stores the accepted record and the update takes the
+//!   next commit sequence number, counted in memory ([`Store::apply_update`], under the service
+//!   lock); then, outside the lock, [`Store::sync`] fdatasyncs the segments written to, writes
+//!   `seq`, flushes sled and writes the `COMMIT` file; only then does the device get its receipt.
+//!   `sync` is a group commit: one fdatasync and one flush make every payload and record before
+//!   them durable, so concurrent uploads share them. Not a sled transaction per update: sled
+//!   0.34 seals and writes its log buffer twice for every transaction (`pin_log`), two small
+//!   writes and two wake-ups of its whole I/O pool per update. sled may
 //!   flush a record on its own before its payload is synced: a record of the open round whose
 //!   payload is missing after a crash was never acknowledged, and the restart drops it
 //!   ([`Store::forget_accepted`]; the device's resend is then taken). A round's model is computed only
 //!   after a `sync` of everything applied, so nothing folded into a published model can be lost.
 //! * **Round boundary** (campaign start, model published, round failed, campaign stopped): one
 //!   transaction stores the engine, the strategy (its partial sum is empty then; optimizer state
-//!   such as Adam moments is in it) and the global model reference.
+//!   such as Adam moments is in it) and the global model reference; a sync follows.
 //!
 //! The partial sum is **not** written per update (for 10 M parameters its i128 sums are 160 MB).
 //! On restart the strategy is restored from the last boundary and the open (or closed but
@@ -55,18 +58,19 @@
 //! # Corruption
 //!
 //! As in the registry's store (same idea, separate code): sled 0.34 can silently truncate a
-//! damaged log, so every commit bumps `seq` inside its transaction and the `COMMIT` file outside
-//! sled records the last flushed one. On open, sled behind the marker, a missing format marker,
+//! damaged log, so every sync writes `seq` (the last commit it covers) just before its flush, and
+//! the `COMMIT` file outside sled records the last flushed one. sled recovers a prefix of its
+//! log, so a recovered `seq` at or past the marker means nothing acknowledged was lost. On open, sled behind the marker, a missing format marker,
 //! an undecodable snapshot or a missing payload/model file is refused with
 //! [`StoreError::Corrupt`], saying what to do; the service never silently starts empty.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use fedfleet_protocol::{DType, DeviceId, Digest, ModelInfo, ModelVersion, RoundId};
 use serde::{Deserialize, Serialize};
-use sled::Transactional;
-use sled::transaction::{ConflictableTransactionError, TransactionError};
+use sled::transaction::TransactionError;
 
 /// Value of `meta/format`.
 pub const FORMAT: &str = "fedfleet-aggregator-state/2";
@@ -189,6 +193,8 @@ pub struct Store {
     models: sled::Tree,
     /// The commit sequence alone (see the module docs).
     sequence: sled::Tree,
+    /// The last commit sequence number given out; `sequence` holds it as of the last sync.
+    last_seq: AtomicU64,
     /// The last sequence made durable, and the `COMMIT` file that records it.
     marker: Mutex<u64>,
     commit_marker: fedfleet_durable::CommitMarker,
@@ -218,15 +224,6 @@ fn enc<T: Serialize>(v: &T) -> Vec<u8> {
     postcard::to_stdvec(v).expect("state serializes")
 }
 
-fn bump_seq(sequence: &sled::transaction::TransactionalTree) -> std::result::Result<u64, ConflictableTransactionError<StoreError>> {
-    let seq = match sequence.get("seq")? {
-        Some(b) if b.len() == 8 => u64::from_be_bytes(b.as_ref().try_into().expect("8 bytes")),
-        _ => 0,
-    } + 1;
-    sequence.insert("seq", &seq.to_be_bytes())?;
-    Ok(seq)
-}
-
 impl Store {
     /// Opens (or creates) the state in `dir`, refusing a damaged database.
     pub fn open(dir: &Path) -> Result<Store> {
@@ -248,6 +245,7 @@ impl Store {
             accepted: db.open_tree("accepted")?,
             models: db.open_tree("models")?,
             sequence: db.open_tree("sequence")?,
+            last_seq: AtomicU64::new(0),
             db,
             dir: dir.to_owned(),
             marker: Mutex::new(marker),
@@ -294,6 +292,7 @@ impl Store {
                 ),
             ));
         }
+        store.last_seq.store(seq, Ordering::SeqCst);
         Ok(store)
     }
 
@@ -399,20 +398,20 @@ impl Store {
     /// re-admits the open round's records into it (`RoundEngine::readmit`), so an update costs
     /// the same whatever the round's size.
     pub fn apply_update(&self, nonce: &[u8; 16], rec: &AcceptedRecord) -> Result<u64> {
-        let key = accepted_key(&rec.device, nonce);
-        let value = enc(rec);
-        let res = (&self.sequence, &self.accepted).transaction(|(s, a)| {
-            a.insert(key.as_slice(), value.as_slice())?;
-            bump_seq(s)
-        });
-        tx(res)
+        self.accepted.insert(accepted_key(&rec.device, nonce), enc(rec))?;
+        // Numbered after the insert: a sync that reads this number covers the record.
+        Ok(self.next_seq())
+    }
+
+    fn next_seq(&self) -> u64 {
+        self.last_seq.fetch_add(1, Ordering::SeqCst) + 1
     }
 
     /// Commit point of a round boundary.
     pub fn commit_boundary(&self, b: Boundary<'_>) -> Result<()> {
         let global = b.global.map(|g| enc(&g));
         let campaign = b.campaign.map(enc);
-        let res = (&self.meta, &self.sequence).transaction(|(m, s)| {
+        let res = self.meta.transaction(|m| {
             m.insert("engine", b.engine)?;
             if let Some(s) = b.strategy {
                 m.insert("strategy", s)?;
@@ -426,13 +425,10 @@ impl Store {
             if let Some(r) = b.arrival_rate {
                 m.insert("arrival_rate", &r.to_be_bytes())?;
             }
-            bump_seq(s)
+            Ok(())
         });
-        let seq = match res {
-            Ok(s) => s,
-            Err(TransactionError::Abort(e)) => return Err(e),
-            Err(TransactionError::Storage(e)) => return Err(e.into()),
-        };
+        tx(res)?;
+        let seq = self.next_seq();
         self.sync(seq)
     }
 
@@ -493,9 +489,12 @@ impl Store {
         if seq <= *durable {
             return Ok(());
         }
-        let target = self.seq()?.max(seq);
+        let target = self.last_seq.load(Ordering::SeqCst).max(seq);
         // Payloads before the records that name them.
         self.updates.sync().map_err(io(&self.dir.join("updates")))?;
+        // Written after every record it covers and flushed with them (see the module docs).
+        // Only syncs write it, under the marker lock, so it never goes back.
+        self.sequence.insert("seq", &target.to_be_bytes())?;
         self.db.flush()?;
         let m = &self.commit_marker;
         m.write(target).map_err(io(m.path()))?;
@@ -505,7 +504,7 @@ impl Store {
 
     /// [`Store::sync`] of everything applied so far.
     pub fn sync_all(&self) -> Result<()> {
-        self.sync(self.seq()?)
+        self.sync(self.last_seq.load(Ordering::SeqCst))
     }
 }
 
@@ -590,6 +589,27 @@ mod tests {
         drop(s);
         let s = Store::open(dir.path()).unwrap();
         assert_eq!(s.accepted_in(RoundId(1)).unwrap().len(), 3);
+    }
+
+    /// An update costs one sled insert: the commit sequence is counted in memory and written by
+    /// the sync that covers it (a sled transaction per update wrote sled's log twice), and a
+    /// reopened store counts on from what the last sync wrote.
+    #[test]
+    fn the_commit_sequence_is_written_by_the_sync_not_by_each_update() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = Store::open(dir.path()).unwrap();
+            assert_eq!([1, 2].map(|i| s.apply_update(&[i; 16], &rec(i)).unwrap()), [1, 2]);
+            assert_eq!(s.seq().unwrap(), 0, "not written per update");
+            s.sync(2).unwrap();
+            assert_eq!((s.seq().unwrap(), read_marker(dir.path()).unwrap()), (2, 2));
+            // Applied, never synced: a crash may keep or lose it; nothing acknowledged it.
+            assert_eq!(s.apply_update(&[3; 16], &rec(3)).unwrap(), 3);
+        }
+        let s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.apply_update(&[4; 16], &rec(4)).unwrap(), 3, "counts on from the last sync");
+        s.sync_all().unwrap();
+        assert_eq!(read_marker(dir.path()).unwrap(), 3);
     }
 
     /// A store from before `sequence` had a tree of its own keeps counting where it was, and
