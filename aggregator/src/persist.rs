@@ -38,11 +38,11 @@
 //!   `sync` is a group commit: one fdatasync and one flush make every payload and record before
 //!   them durable, so concurrent uploads share them. Not a sled transaction per update: sled
 //!   0.34 seals and writes its log buffer twice for every transaction (`pin_log`), two small
-//!   writes and two wake-ups of its whole I/O pool per update. sled may
-//!   flush a record on its own before its payload is synced: a record of the open round whose
-//!   payload is missing after a crash was never acknowledged, and the restart drops it
-//!   ([`Store::forget_accepted`]; the device's resend is then taken). A round's model is computed only
-//!   after a `sync` of everything applied, so nothing folded into a published model can be lost.
+//!   writes and two wake-ups of its whole I/O pool per update. sled may flush a record on its
+//!   own before its payload is synced: a record of the open round whose payload is missing
+//!   after a crash was never acknowledged, and the restart drops it ([`Store::forget_accepted`];
+//!   the device's resend is then taken). A round's model is computed only after a `sync` of
+//!   everything applied, so nothing folded into a published model can be lost.
 //! * **Round boundary** (campaign start, model published, round failed, campaign stopped): one
 //!   transaction stores the engine, the strategy (its partial sum is empty then; optimizer state
 //!   such as Adam moments is in it) and the global model reference; a sync follows.
@@ -60,9 +60,10 @@
 //! As in the registry's store (same idea, separate code): sled 0.34 can silently truncate a
 //! damaged log, so every sync writes `seq` (the last commit it covers) just before its flush, and
 //! the `COMMIT` file outside sled records the last flushed one. sled recovers a prefix of its
-//! log, so a recovered `seq` at or past the marker means nothing acknowledged was lost. On open, sled behind the marker, a missing format marker,
-//! an undecodable snapshot or a missing payload/model file is refused with
-//! [`StoreError::Corrupt`], saying what to do; the service never silently starts empty.
+//! log, so a recovered `seq` at or past the marker means nothing acknowledged was lost. On
+//! open, sled behind the marker, a missing format marker, an undecodable snapshot or a missing
+//! payload/model file is refused with [`StoreError::Corrupt`], saying what to do; the service
+//! never silently starts empty.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
