@@ -306,6 +306,8 @@ impl Store {
         Ok(fedfleet_durable::Journal::open(&self.db, name, keep)?)
     }
 
+    /// The commit sequence as sled holds it: as of the last sync (updates applied since are
+    /// counted in memory only).
     pub fn seq(&self) -> Result<u64> {
         Ok(match self.sequence.get("seq")? {
             Some(b) if b.len() == 8 => u64::from_be_bytes(b.as_ref().try_into().expect("8 bytes")),
