@@ -287,12 +287,22 @@ impl Registry {
         let Some(model) = about else {
             return Ok(());
         };
-        let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = rollouts.values_mut().filter(|r| r.plan().model == model.name).max_by_key(|r| r.started_at()) {
+        let written = {
+            let mut rollouts = self.rollouts.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(r) = rollouts.values_mut().filter(|r| r.plan().model == model.name).max_by_key(|r| r.started_at()) else {
+                return Ok(());
+            };
             r.handle_report(now, status.device.clone(), model.version, state);
-            self.store.put_rollout_report(r, &status.device)?;
+            let written = self.store.write_rollout_report(r, &status.device)?;
+            // What the report set off (a phase advanced, an alias moved) is flushed here, before
+            // anyone else can act on it.
             self.pump(r, false)?;
-        }
+            written
+        };
+        // Durable before it is answered, but flushed with the rollouts unlocked: the fleet's
+        // other reports and polls do not queue behind this fsync, and reports that come
+        // together share flushes.
+        self.store.sync(written)?;
         Ok(())
     }
 

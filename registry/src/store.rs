@@ -145,6 +145,11 @@ pub struct Artifact {
     pub chunks: Vec<ChunkRef>,
 }
 
+/// A write that is in sled but not yet durable; [`Store::sync`] makes it so.
+#[must_use = "a write is durable only once Store::sync returns"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unsynced(u64);
+
 /// The manifest of a stored version.
 fn manifest_of(model: ModelInfo, art: Artifact) -> Manifest {
     Manifest { model, chunk_size: art.chunk_size, chunks: art.chunks }
@@ -691,16 +696,25 @@ impl Store {
 
     /// Persists a rollout's state (the shell calls this after each state change). Flushed.
     pub fn put_rollout(&self, rollout: &crate::rollout::Rollout) -> Result<()> {
-        self.put_rollout_with(rollout, None)
+        let written = self.write_rollout(rollout, None)?;
+        self.sync(written)
     }
 
-    /// Persists a rollout's state and the record `device` just changed in it, together: one
-    /// record per report, however many devices the rollout has heard from. Flushed.
-    pub fn put_rollout_report(&self, rollout: &crate::rollout::Rollout, device: &DeviceId) -> Result<()> {
-        self.put_rollout_with(rollout, Some(device))
+    /// Writes a rollout's state and the record `device` just changed in it, together: one
+    /// record per report, however many devices the rollout has heard from. **Not yet durable**:
+    /// the caller answers the report only after [`Store::sync`], which it calls once it has let
+    /// go of its locks, so that other devices' reports and polls do not wait for this flush.
+    pub fn write_rollout_report(&self, rollout: &crate::rollout::Rollout, device: &DeviceId) -> Result<Unsynced> {
+        self.write_rollout(rollout, Some(device))
     }
 
-    fn put_rollout_with(&self, rollout: &crate::rollout::Rollout, device: Option<&DeviceId>) -> Result<()> {
+    /// Makes a write durable (and every write before it): flush, then the commit marker. A
+    /// write that an earlier sync already covered costs a flush with nothing left to write.
+    pub fn sync(&self, written: Unsynced) -> Result<()> {
+        self.commit(written.0)
+    }
+
+    fn write_rollout(&self, rollout: &crate::rollout::Rollout, device: Option<&DeviceId>) -> Result<Unsynced> {
         let bytes = encode(rollout);
         let record = device.and_then(|d| {
             let key = [prefix(rollout.id()), d.as_str().as_bytes().to_vec()].concat();
@@ -713,8 +727,7 @@ impl Store {
             }
             bump_seq(m)
         });
-        let seq = tx_result(res)?;
-        self.commit(seq)
+        tx_result(res).map(Unsynced)
     }
 
     /// A persisted rollout.

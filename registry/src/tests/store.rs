@@ -285,7 +285,8 @@ fn rollouts_persist() {
     let devices: Vec<DeviceId> = (0..200).map(|i| DeviceId::new(format!("d{i}")).unwrap()).collect();
     let report = |r: &mut Rollout, d: &DeviceId, state| {
         r.handle_report(10, d.clone(), ModelVersion(2), state);
-        store.put_rollout_report(r, d).unwrap();
+        let written = store.write_rollout_report(r, d).unwrap();
+        store.sync(written).unwrap();
     };
     for d in &devices {
         report(&mut r, d, crate::rollout::VersionReport::Verified);
@@ -300,6 +301,63 @@ fn rollouts_persist() {
     assert_eq!(back.devices().len(), 200);
     assert_eq!(back.summary(), r.summary());
     assert_eq!(store.rollouts().unwrap(), vec![r]);
+}
+
+/// Reports flush with the rollouts unlocked (`Registry::report`): from many devices at once,
+/// every answered report is in the store when it is opened again, under a commit marker that
+/// matches what sled holds.
+#[test]
+fn reports_answered_at_once_from_many_devices_are_all_durable() {
+    use crate::ops::Registry;
+    use crate::rollout::Phase;
+    use crate::wire::{AdminRequest, RolloutStart};
+    use fedfleet_protocol::{DeviceState, DeviceStatus, FleetId, ModelRef};
+
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = FleetId::new("f").unwrap();
+    let store = Store::open(dir.path(), cfg()).unwrap();
+    let reg = Registry::new(store, fleet.clone(), None, Default::default(), fedfleet_protocol::SystemClock::shared()).unwrap();
+    reg.publish(meta("m", None), &blob(1, 100)[..]).unwrap();
+    let v2 = reg.publish(meta("m", Some(1)), &blob(2, 100)[..]).unwrap();
+    reg.store().set_alias("m", "stable", ModelVersion(1)).unwrap();
+    let start = RolloutStart {
+        id: Some("r1".into()),
+        model: "m".into(),
+        alias: "stable".into(),
+        target: v2.model.version,
+        phases: vec![Phase::percent(100.0, 3_600_000)],
+        failure_threshold: 0.5,
+        min_sample: 5,
+    };
+    reg.admin(AdminRequest::RolloutStart(start), 1_000).unwrap();
+    let target = ModelRef { name: "m".into(), version: v2.model.version, digest: v2.model.digest };
+    let (threads, each) = (8, 40);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (reg, fleet, target) = (&reg, &fleet, &target);
+            s.spawn(move || {
+                for i in 0..each {
+                    let status = DeviceStatus {
+                        fleet: fleet.clone(),
+                        device: DeviceId::new(format!("d{t}-{i}")).unwrap(),
+                        reported_at_unix_ms: 2_000,
+                        state: DeviceState::Verified,
+                        active: None,
+                        staged: Some(target.clone()),
+                        rollout_id: None,
+                    };
+                    reg.report(&status, 2_000).unwrap();
+                }
+            });
+        }
+    });
+    let summary = reg.store().rollout("r1").unwrap().unwrap().summary();
+    drop(reg);
+    let store = Store::open(dir.path(), cfg()).unwrap();
+    let back = store.rollout("r1").unwrap().unwrap();
+    assert_eq!(back.devices().len(), threads * each);
+    assert_eq!(back.summary(), summary);
+    assert!(store.seq().unwrap() >= (threads * each) as u64, "every report was a commit");
 }
 
 // ---- crash tests -------------------------------------------------------------------------
