@@ -106,6 +106,10 @@ struct Args {
     /// directory, e.g. target/release/).
     #[arg(long)]
     aggregator_bin: Option<PathBuf>,
+    /// The aggregator's (and relays') tokio worker threads (`TOKIO_WORKER_THREADS`; default:
+    /// one per core). On cores shared with the simulated fleet, 1 costs less CPU per update.
+    #[arg(long)]
+    aggregator_workers: Option<usize>,
     /// Where the work directories go (default: the system temp dir). The aggregator fsyncs every
     /// accepted update: a tmpfs such as /dev/shm shows what the disk's sync latency costs.
     #[arg(long)]
@@ -288,13 +292,14 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     let spec = spec_of(args);
     println!();
     println!(
-        "# bench_rounds: {} ({} parameters, {} B per f32 update), {} round(s) per fleet size, {} profile, {} CPU core(s)",
+        "# bench_rounds: {} ({} parameters, {} B per f32 update), {} round(s) per fleet size, {} profile, {} CPU core(s){}",
         spec_label(&args.hidden),
         spec.num_params(),
         u(&results[0], "update_bytes_each"),
         args.rounds,
         if cfg!(debug_assertions) { "dev" } else { "release" },
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        args.aggregator_workers.map(|n| format!(", the aggregator on {n} tokio worker(s)")).unwrap_or_default(),
     );
     println!(
         "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 5 per agent above 287 agents, so that each has a holdout example); agents poll every {} ms{}",
@@ -585,7 +590,7 @@ impl Services {
 /// Starts relay `name` of the root at `root` with the root's config `root_toml` (less what only
 /// the root has), its own certificate, state and metrics, and `region` for its devices.
 fn start_relay(
-    bin: &Path,
+    (bin, workers): (&Path, Option<usize>),
     pki: &Pki,
     (dir, name): (&Path, &str),
     root_toml: &str,
@@ -607,7 +612,7 @@ fn start_relay(
     );
     let path = relay_dir.join("relay.toml");
     std::fs::write(&path, config)?;
-    let process = AggregatorProcess::spawn_as(bin, "relay", &path, &relay_dir.join("relay.log"))?;
+    let process = AggregatorProcess::spawn_as(bin, workers, "relay", &path, &relay_dir.join("relay.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&relay_dir.join("data").join("receipt.pub")).context("the relay's receipt key")?;
     Ok(Relay { name: name.to_owned(), process, metrics_addr, receipt_key, region })
@@ -725,7 +730,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     // The operator CLI's requests go to the console, a TCP listener of its own.
     let console_addr = free_loopback_port()?;
     std::fs::write(&config, format!("operator_listen = \"{operator_addr}\"\n{toml}\n[console]\nlisten = \"{console_addr}\"\n"))?;
-    let agg = AggregatorProcess::spawn(&aggregator_bin, &config, &agg_dir.join("aggregator.log"))?;
+    let agg = AggregatorProcess::spawn(&aggregator_bin, args.aggregator_workers, &config, &agg_dir.join("aggregator.log"))?;
     let receipt_key =
         fedfleet_aggregator::keys::read_public(&agg_dir.join("data").join("receipt.pub")).context("the aggregator's receipt key")?;
     // Region k: the k-th of K contiguous slices of the fleet.
@@ -733,7 +738,9 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     let relays = relay_names
         .iter()
         .zip(devices.chunks(per_region.max(1)))
-        .map(|(name, region)| start_relay(&aggregator_bin, &pki, (&dir, name), &toml, (agg.addr, &agg_dir), region.to_vec()))
+        .map(|(name, region)| {
+            start_relay((&aggregator_bin, args.aggregator_workers), &pki, (&dir, name), &toml, (agg.addr, &agg_dir), region.to_vec())
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Services {
         dir,
@@ -1603,14 +1610,19 @@ struct AggregatorProcess {
 
 impl AggregatorProcess {
     /// Starts `serve` and waits for its "listening on ADDR" line.
-    fn spawn(bin: &Path, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
-        Self::spawn_as(bin, "serve", config, log)
+    fn spawn(bin: &Path, workers: Option<usize>, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
+        Self::spawn_as(bin, workers, "serve", config, log)
     }
 
-    /// Starts `bin command --config config` (`serve` or `relay`) and waits for its address.
-    fn spawn_as(bin: &Path, command: &str, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
+    /// Starts `bin command --config config` (`serve` or `relay`) on `workers` tokio worker
+    /// threads (default: tokio's, one per core) and waits for its address.
+    fn spawn_as(bin: &Path, workers: Option<usize>, command: &str, config: &Path, log: &Path) -> anyhow::Result<AggregatorProcess> {
         let log_file = std::fs::File::create(log)?;
-        let mut child = Command::new(bin)
+        let mut child = Command::new(bin);
+        if let Some(n) = workers {
+            child.env("TOKIO_WORKER_THREADS", n.to_string());
+        }
+        let mut child = child
             .arg(command)
             .arg("--config")
             .arg(config)
