@@ -254,6 +254,19 @@ pub fn client_endpoint_at(addr: SocketAddr, tls: rustls::ClientConfig) -> Result
     Ok(endpoint)
 }
 
+/// [`client_endpoint_at`] for a socket that many devices' connections share (a simulated fleet's):
+/// their bursts arrive together as a service's do, so it gets a service's socket buffers.
+pub fn shared_client_endpoint_at(addr: SocketAddr, tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
+    let config = quic_client_config(tls)?;
+    let socket = std::net::UdpSocket::bind(addr).map_err(|cause| NetError::Bind { addr, cause })?;
+    widen_buffers(&socket);
+    let runtime = quinn::default_runtime().ok_or_else(|| NetError::Config("no async runtime".into()))?;
+    let mut endpoint =
+        quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime).map_err(|cause| NetError::Bind { addr, cause })?;
+    endpoint.set_default_client_config(config);
+    Ok(endpoint)
+}
+
 /// Connects and completes the handshake. A server that refuses our certificate may still let
 /// this succeed: the refusal then surfaces on the first stream.
 pub async fn connect(endpoint: &quinn::Endpoint, addr: SocketAddr, server_name: &str) -> Result<quinn::Connection, NetError> {

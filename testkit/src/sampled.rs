@@ -158,7 +158,7 @@ impl SampledFleet {
         rand::seq::SliceRandom::shuffle(&mut order[..], &mut ChaCha8Rng::seed_from_u64(o.partition_seed));
         train = train.subset(&order);
         let tls = fedfleet_certs::tls::client_config(listener.ca(), listener, &[fedfleet_certs::ALPN_V1])?;
-        let endpoints = (0..SOCKETS).map(|i| crate::sim::device_endpoint(&o, i, tls.clone())).collect::<Result<Vec<_>, _>>()?;
+        let endpoints = (0..SOCKETS).map(|i| crate::sim::device_endpoint(&o, i, true, tls.clone())).collect::<Result<Vec<_>, _>>()?;
         let client = fedfleet_aggregator_client::client::AggregatorClient::on_endpoint(
             endpoints[0].clone(),
             o.aggregator_addr,

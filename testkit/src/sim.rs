@@ -297,7 +297,7 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
                 .with_context(|| format!("identity of {device} in {} (enroll it first)", o.pki_dir.display()))?;
             if i % per_endpoint == 0 {
                 let tls = fedfleet_certs::tls::client_config(id.ca(), &id, &[fedfleet_certs::ALPN_V1])?;
-                endpoint = Some(device_endpoint(&o, i / per_endpoint, tls)?);
+                endpoint = Some(device_endpoint(&o, i / per_endpoint, per_endpoint > 1, tls)?);
             }
             let endpoint = endpoint.clone().expect("made for the first agent");
             let (agent, agg) = open_agent(&o, i, id, part, endpoint, &clock, None, &mut wrap)?;
@@ -372,8 +372,9 @@ impl<A: fedfleet_agent::clients::Aggregator, R: fedfleet_agent::clients::Registr
 /// The UDP socket of simulated devices' connections number `socket`. Against services on
 /// loopback, each socket gets a loopback address of its own (all of 127/8 is loopback on
 /// Linux): a real fleet's devices come from many addresses, and the services bound what one
-/// source address may have in progress.
-pub(crate) fn device_endpoint(o: &FleetOptions, socket: usize, tls: rustls::ClientConfig) -> anyhow::Result<quinn::Endpoint> {
+/// source address may have in progress. A socket `shared` by many agents' connections gets a
+/// service's socket buffers: their downloads arrive in one burst.
+pub(crate) fn device_endpoint(o: &FleetOptions, socket: usize, shared: bool, tls: rustls::ClientConfig) -> anyhow::Result<quinn::Endpoint> {
     let local = match o.aggregator_addr.ip() {
         std::net::IpAddr::V4(ip) if ip.is_loopback() => {
             std::net::Ipv4Addr::new(127, 1 + (socket / 250 % 250) as u8, 0, 2 + (socket % 250) as u8).into()
@@ -381,7 +382,8 @@ pub(crate) fn device_endpoint(o: &FleetOptions, socket: usize, tls: rustls::Clie
         std::net::IpAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
         std::net::IpAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
     };
-    Ok(fedfleet_net::client_endpoint_at(std::net::SocketAddr::new(local, 0), tls)?)
+    let addr = std::net::SocketAddr::new(local, 0);
+    Ok(if shared { fedfleet_net::shared_client_endpoint_at(addr, tls)? } else { fedfleet_net::client_endpoint_at(addr, tls)? })
 }
 
 /// Opens agent `index` of a fleet for `identity`: its QUIC clients on `endpoint` (shared with
