@@ -107,7 +107,7 @@ struct Args {
     #[arg(long)]
     aggregator_bin: Option<PathBuf>,
     /// The aggregator's (and relays') tokio worker threads (`TOKIO_WORKER_THREADS`; default:
-    /// one per core). On cores shared with the simulated fleet, 1 costs less CPU per update.
+    /// one per core), to compare settings on cores shared with the simulated fleet.
     #[arg(long)]
     aggregator_workers: Option<usize>,
     /// Where the work directories go (default: the system temp dir). The aggregator fsyncs every

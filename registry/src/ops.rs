@@ -301,7 +301,7 @@ impl Registry {
         };
         // Durable before it is answered, but flushed with the rollouts unlocked: the fleet's
         // other reports and polls do not queue behind this fsync, and reports that come
-        // together share flushes.
+        // together overlap their flushes.
         self.store.sync(written)?;
         Ok(())
     }
