@@ -226,10 +226,19 @@ fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::End
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(server_transport());
+    endpoint_with_service_buffers(addr, endpoint, Some(config))
+}
+
+/// An endpoint on a socket bound to `addr` with a service's buffers ([`SERVICE_SOCKET_BUFFER`]).
+fn endpoint_with_service_buffers(
+    addr: SocketAddr,
+    endpoint: quinn::EndpointConfig,
+    server: Option<quinn::ServerConfig>,
+) -> Result<quinn::Endpoint, NetError> {
     let socket = std::net::UdpSocket::bind(addr).map_err(|cause| NetError::Bind { addr, cause })?;
     widen_buffers(&socket);
     let runtime = quinn::default_runtime().ok_or_else(|| NetError::Config("no async runtime".into()))?;
-    quinn::Endpoint::new(endpoint, Some(config), socket, runtime).map_err(|cause| NetError::Bind { addr, cause })
+    quinn::Endpoint::new(endpoint, server, socket, runtime).map_err(|cause| NetError::Bind { addr, cause })
 }
 
 /// The QUIC client config of a rustls config from `fedfleet_certs::tls::client_config`.
@@ -258,11 +267,7 @@ pub fn client_endpoint_at(addr: SocketAddr, tls: rustls::ClientConfig) -> Result
 /// their bursts arrive together as a service's do, so it gets a service's socket buffers.
 pub fn shared_client_endpoint_at(addr: SocketAddr, tls: rustls::ClientConfig) -> Result<quinn::Endpoint, NetError> {
     let config = quic_client_config(tls)?;
-    let socket = std::net::UdpSocket::bind(addr).map_err(|cause| NetError::Bind { addr, cause })?;
-    widen_buffers(&socket);
-    let runtime = quinn::default_runtime().ok_or_else(|| NetError::Config("no async runtime".into()))?;
-    let mut endpoint =
-        quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime).map_err(|cause| NetError::Bind { addr, cause })?;
+    let mut endpoint = endpoint_with_service_buffers(addr, quinn::EndpointConfig::default(), None)?;
     endpoint.set_default_client_config(config);
     Ok(endpoint)
 }
