@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use fedfleet_protocol::DeviceState;
 
 use crate::multiprocess::{AGENTS, Fleet, MODEL, Plan, STEP_TIMEOUT, one_at_a_time, open_round};
-use crate::procs::{LinkFaults, Relay, SeededRng, count_lines, poll_every, wait_for};
+use crate::procs::{LinkFaults, Relay, SeededRng, count_lines, poll_every, sample, wait_for};
 
 const ROUNDS: u32 = 3;
 
@@ -206,8 +206,12 @@ fn campaign_and_rollout(faulty: Option<Option<&NetLab>>, rng: &mut SeededRng, t0
         let k = rng.range(0, AGENTS as u64 - 1);
         let secs = if long_partitions() { rng.range(32, 40) } else { rng.range(3, 8) };
         let at = wait_for(&format!("round {p} with {k} updates"), STEP_TIMEOUT * 2, || {
-            let (round, accepted) = open_round(&f.aggregator_metrics());
-            (round > p || (round == p && accepted >= k)).then_some((round, accepted))
+            let metrics = f.aggregator_metrics();
+            let (round, accepted) = open_round(&metrics);
+            // Round `p` may be over between two polls (the last round's, then no round is open:
+            // seen with its last two uploads 31 ms apart); the partition then comes after it.
+            let published = sample(&metrics, r#"fedfleet_aggregator_rounds_total{event="published"}"#).unwrap_or(0.0);
+            (round > p || (round == p && accepted >= k) || published >= p as f64).then_some((round, accepted))
         });
         eprintln!("[{:.1?}] open round {} with {} of {AGENTS} updates (aimed at round {p} with {k})", t0.elapsed(), at.0, at.1);
         link.partition(&f, secs, t0, true);
