@@ -10,7 +10,7 @@ use fedfleet_learning::{Dataset, Normalization};
 use fedfleet_protocol::{DeviceStatus, Digest, ModelRef, RoundAnnouncement, StorageFault, TensorBundle};
 use rand::RngCore;
 
-use crate::clients::{Aggregator, Registry, UploadReply};
+use crate::clients::{Aggregator, BaseModel, Registry, UploadReply};
 use crate::inbox::Inbox;
 use crate::lifecycle::{Action, AgentError, Conditions, DurableLifecycle, Input, Millis, SlotModel, UploadOutcome};
 use crate::ml;
@@ -124,11 +124,20 @@ pub struct ShellConfig {
     pub conditions_file: Option<std::path::PathBuf>,
     /// Where artifacts are downloaded from before (or instead of) the registry.
     pub mirrors: Option<Arc<crate::mirror::Mirrors>>,
+    /// A round's base model from the registry (and the mirrors) before the aggregator.
+    pub round_bases_from_registry: bool,
 }
 
 impl Default for ShellConfig {
     fn default() -> Self {
-        ShellConfig { download_chunk: 256 * 1024, latency_samples: 64, status_file: None, conditions_file: None, mirrors: None }
+        ShellConfig {
+            download_chunk: 256 * 1024,
+            latency_samples: 64,
+            status_file: None,
+            conditions_file: None,
+            mirrors: None,
+            round_bases_from_registry: true,
+        }
     }
 }
 
@@ -156,7 +165,13 @@ pub struct Agent<A, R> {
     /// an activation would leave the rollout waiting on this device for ever (the MQTT
     /// heartbeat repeats it, but a device may run without MQTT).
     undelivered_report: Option<DeviceStatus>,
+    /// Until when round bases come from the aggregator only: set for a while after the registry
+    /// failed to serve one, so that a registry that is down does not cost every round a timeout.
+    bases_from_aggregator_until: Millis,
 }
+
+/// How long round bases come from the aggregator after the registry failed to serve one.
+const REGISTRY_BASES_PAUSE: Duration = Duration::from_secs(300);
 
 /// The longest a device whose certificate the services refuse as revoked waits between polls.
 const REVOKED_POLL_MAX: Duration = Duration::from_secs(3600);
@@ -186,6 +201,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             refused_as_revoked: 0,
             secure_round: None,
             undelivered_report: None,
+            bases_from_aggregator_until: 0,
         }
     }
 
@@ -481,13 +497,34 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             .ok_or_else(|| format!("blob {} not in the store", m.model.digest))
     }
 
-    /// The base model of a round: from the cache by digest, else from the aggregator.
-    async fn base_model(&self, m: &ModelRef) -> Result<(String, Vec<u8>), String> {
-        let store = self.core.store();
-        if let (Ok(Some(bytes)), Some(spec)) = (store.get_blob(&m.digest), store.spec(&m.digest)) {
-            return Ok((spec, bytes));
+    /// The base model of a round: from the cache by digest, else from the registry (or its
+    /// mirrors) by name and version, else from the aggregator. Every round's base is a published
+    /// version, and fetching it where rollouts come from takes half of each update's bytes off
+    /// the aggregator (issue 27).
+    async fn base_model(&mut self, m: &ModelRef) -> Result<(String, Vec<u8>), String> {
+        {
+            let store = self.core.store();
+            if let (Ok(Some(bytes)), Some(spec)) = (store.get_blob(&m.digest), store.spec(&m.digest)) {
+                return Ok((spec, bytes));
+            }
         }
-        let base = self.agg.fetch_base_model(m).await.map_err(|e| format!("base model: {e}"))?;
+        let from_registry = if self.cfg.round_bases_from_registry && self.now() >= self.bases_from_aggregator_until {
+            match self.base_from_registry(m).await {
+                Ok(base) => Some(base),
+                Err(e) => {
+                    tracing::info!(name = %m.name, version = %m.version, error = %e, "round base not from the registry: from the aggregator for a while");
+                    self.bases_from_aggregator_until = self.now() + REGISTRY_BASES_PAUSE.as_millis() as Millis;
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let base = match from_registry {
+            Some(base) => base,
+            None => self.agg.fetch_base_model(m).await.map_err(|e| format!("base model: {e}"))?,
+        };
+        let store = self.core.store();
         let got = Digest::of(&base.bytes);
         if got != m.digest {
             return Err(format!("base model digest {got} differs from the round's {}", m.digest));
@@ -504,6 +541,32 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             tracing::warn!(error = %e, "past round bases not removed");
         }
         Ok((base.spec, base.bytes))
+    }
+
+    /// A round's base through the registry: its description by name and version, checked
+    /// against the announced digest and bounded before a byte is fetched, then the bytes as an
+    /// artifact download (mirrors first, resumable, the disk checked).
+    async fn base_from_registry(&self, m: &ModelRef) -> Result<BaseModel, String> {
+        let info = self.reg.model_info(&m.name, m.version).await.map_err(|e| e.0)?;
+        if info.digest != m.digest {
+            return Err(format!("the registry's {} v{} is {}, the round's base {}", m.name, m.version, info.digest, m.digest));
+        }
+        if info.length > fedfleet_protocol::limits::MAX_BUNDLE_BYTES as u64 {
+            return Err(format!("{} bytes, over the {} a model may have", info.length, fedfleet_protocol::limits::MAX_BUNDLE_BYTES));
+        }
+        let spec = serde_json::to_string(&info.spec.0).map_err(|e| format!("spec: {e}"))?;
+        match self.download(m, info.length).await {
+            Ok((_, digest)) if digest == m.digest => {}
+            Ok((_, digest)) => {
+                // Never promoted: dropped, so that the next attempt starts over.
+                let _ = std::fs::remove_file(self.core.store().partial_path(&m.digest));
+                return Err(format!("downloaded {digest}, the round's base is {}", m.digest));
+            }
+            Err(DownloadError::Transport(e)) => return Err(e),
+            Err(DownloadError::Storage { detail, .. }) => return Err(detail),
+        }
+        let bytes = self.core.store().get_blob(&m.digest).map_err(|e| e.to_string())?.ok_or("the download left no blob")?;
+        Ok(BaseModel { spec, bytes })
     }
 
     /// Resumable download into the partial file; returns the length and digest of what is there

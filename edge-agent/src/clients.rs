@@ -6,7 +6,8 @@ use std::future::Future;
 
 use fedfleet_aggregator_client::wire::SecAggView;
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelRef, ModelVersion, Receipt, Rejection, RolloutNotice, RoundAnnouncement, RoundId,
+    DeviceId, DeviceStatus, FleetId, ModelInfo, ModelRef, ModelVersion, Receipt, Rejection, RolloutNotice, RoundAnnouncement,
+    RoundId,
 };
 use fedfleet_secagg::Roster;
 
@@ -98,6 +99,13 @@ pub trait Registry: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<u8>, TransportError>> + Send;
     /// A status report (install steps with their reasons, heartbeats).
     fn report(&self, status: &DeviceStatus) -> impl Future<Output = Result<(), TransportError>> + Send;
+    /// The description of `name`/`version` (length, digest, spec): how a round's base model is
+    /// fetched from the registry instead of the aggregator. Unchecked: the agent compares the
+    /// digest with the round's signed announcement and the bytes with the digest.
+    fn model_info(&self, name: &str, version: ModelVersion) -> impl Future<Output = Result<ModelInfo, TransportError>> + Send {
+        let _ = (name, version);
+        async { Err(TransportError("this registry client describes no models".into())) }
+    }
 }
 
 /// Clients for a daemon whose service clients are not linked in yet: every call fails with a

@@ -48,6 +48,8 @@
 //! # mirrors = ["https://cdn.example/fedfleet-models"]  # artifacts at <mirror>/artifacts/<digest>,
 //! #                                            # tried first (untrusted: checked against signed metadata)
 //! # registry_fallback = true                   # false: artifact bytes come from mirrors only
+//! # round_bases = true                         # a round's base model from here (and the mirrors)
+//! #                                            # before the aggregator; false: the aggregator only
 //!
 //! [renewal]         # the device certificate is renewed through [registry] before it expires
 //! # renew_before_days = 30; check_interval_secs = 3600   (also renewed in its last third)
@@ -178,6 +180,10 @@ pub struct RegistryEndpoint {
     /// Whether the registry serves artifact bytes that no mirror could (default true).
     #[serde(default = "default_true")]
     pub registry_fallback: bool,
+    /// Whether a round's base model comes from the registry (and its mirrors) before the
+    /// aggregator (default true: it halves the bytes each update costs the aggregator).
+    #[serde(default = "default_true")]
+    pub round_bases: bool,
 }
 
 fn default_true() -> bool {

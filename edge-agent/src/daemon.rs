@@ -152,6 +152,7 @@ pub fn build_agent<A: Aggregator, R: Registry>(
         status_file: Some(cfg.status_path()),
         conditions_file: cfg.participation.status_file.clone(),
         mirrors,
+        round_bases_from_registry: cfg.registry.as_ref().is_some_and(|r| r.round_bases),
         ..Default::default()
     };
     let mut agent = Agent::new(core, agg, reg, identity.signing_key(), data, clock, shell).with_trainer(trainer);

@@ -439,6 +439,9 @@ impl<R: Registry> Registry for MqttRegistry<R> {
     async fn download(&self, name: &str, version: ModelVersion, offset: u64, max_len: u32) -> Result<Vec<u8>, TransportError> {
         self.inner.download(name, version, offset, max_len).await
     }
+    async fn model_info(&self, name: &str, version: ModelVersion) -> Result<fedfleet_protocol::ModelInfo, TransportError> {
+        self.inner.model_info(name, version).await
+    }
     /// Delivered if either path took it.
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
         let mqtt = self.status.publish(status).await;

@@ -284,4 +284,8 @@ impl Registry for RemoteRegistry {
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
         within(self.timeout, "registry", "report", self.client.report(status), reg_err).await
     }
+
+    async fn model_info(&self, name: &str, version: ModelVersion) -> Result<fedfleet_protocol::ModelInfo, TransportError> {
+        within(self.timeout, "registry", "manifest", self.client.manifest(name, version), reg_err).await.map(|m| m.model)
+    }
 }

@@ -30,8 +30,10 @@
 //! - aggregator: peak RSS (`VmHWM` of its process) and CPU time (utime + stime) per update;
 //! - agents: the worker's peak RSS divided by N (all agents plus registry and runtime), and the
 //!   same above the worker's RSS just before the agents were opened; the worker's CPU time per
-//!   update; one real `fedfleet-agent run` daemon's peak RSS in a campaign of its own (when the
+//!   update, less the registry's threads; one real `fedfleet-agent run` daemon's peak RSS in a campaign of its own (when the
 //!   binary is built; `--no-daemon` skips it);
+//! - registry (in the worker, its own runtime's threads): CPU time per update (round bases come
+//!   from it unless `--round-bases-from-aggregator`, and the aggregator publishes into it);
 //! - context: the machine's UDP receive-buffer drops (`RcvbufErrors`; QUIC retransmits after a
 //!   timeout), the agents' upload retries, rejected updates, the load average.
 //!
@@ -137,6 +139,11 @@ struct Args {
     /// sled stores would pass the open-file limit (about 6,000 agents at 20,000 files).
     #[arg(long)]
     light: bool,
+    /// The agents fetch each round's base model from the aggregator only (`[registry]
+    /// round_bases = false`), not from the registry first: the A/B of where bases come from.
+    /// The registry's CPU per update is printed either way.
+    #[arg(long)]
+    round_bases_from_aggregator: bool,
     /// Every round aggregated with SecAgg+ (`[secure_aggregation]`, the default degree and
     /// threshold): the same fleet and task, each device's update sent only masked, through the
     /// stages. Not with --sampled.
@@ -302,6 +309,10 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
         args.aggregator_workers.map(|n| format!(", the aggregator on {n} tokio worker(s)")).unwrap_or_default(),
     );
     println!(
+        "# round bases: {}",
+        if args.round_bases_from_aggregator { "from the aggregator (--round-bases-from-aggregator)" } else { "from the registry, the aggregator if it cannot" }
+    );
+    println!(
         "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 5 per agent above 287 agents, so that each has a holdout example); agents poll every {} ms{}",
         args.sampling_rate.min(1.0),
         args.local_epochs,
@@ -379,6 +390,11 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             METRICS_PERIOD.as_millis(),
             f(r, "agg_scrape_cpu_per_s") * 1e3,
             f(r, "agg_cpu_ms_per_update_net"),
+        );
+        println!(
+            "{} agents: the registry's CPU/update (round bases, the aggregator's publishes, metadata; its threads in this process, left out of the agents' figure): {:.2} ms",
+            u(r, "agents"),
+            f(r, "registry_cpu_ms_per_update"),
         );
         if let Some(net) = r["agg_cpu_ms_per_update_net_of_polls"].as_f64() {
             println!(
@@ -524,7 +540,7 @@ struct Services {
     registry_service: fedfleet_testkit::services::RunningRegistry,
     /// The registry's own runtime (threads named [`REGISTRY_THREADS`]), so that its CPU can be
     /// told from the simulated agents'.
-    _registry_rt: Option<SideRuntime>,
+    _registry_rt: SideRuntime,
     /// `--mirror`: the bucket the agents download from.
     seaweedfs: Option<fedfleet_testkit::seaweedfs::SeaweedFs>,
     pinned_root: fedfleet_registry::tuf::SignedMetadata<fedfleet_registry::tuf::Root>,
@@ -699,17 +715,15 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         ..Default::default()
     };
     let registry_dir = dir.join("registry");
-    let (registry_service, registry_rt) = if args.rollout {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(REGISTRY_THREADS).enable_all().build()?;
-        // Started inside it: its endpoint and tasks run on its threads.
-        let running = {
-            let _inside = rt.enter();
-            fedfleet_testkit::services::RunningRegistry::start(&pki, &registry_dir, registry_setup)?
-        };
-        (running, Some(SideRuntime(Some(rt))))
-    } else {
-        (fedfleet_testkit::services::RunningRegistry::start(&pki, &registry_dir, registry_setup)?, None)
+    // On a runtime of its own, so that its CPU can be told from the agents' (round bases and
+    // rollouts come from it).
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(REGISTRY_THREADS).enable_all().build()?;
+    // Started inside it: its endpoint and tasks run on its threads.
+    let registry_service = {
+        let _inside = rt.enter();
+        fedfleet_testkit::services::RunningRegistry::start(&pki, &registry_dir, registry_setup)?
     };
+    let registry_rt = SideRuntime(Some(rt));
     let pinned_root = registry_service.pinned_root.clone();
 
     let agg_dir = dir.join("aggregator");
@@ -779,8 +793,10 @@ struct CampaignRecord {
     poll_cpu_s: Option<f64>,
     /// The campaign's wall time, s.
     wall_s: f64,
-    /// This process's CPU time over the campaign.
+    /// This process's CPU time over the campaign, the registry's threads left out.
     own_cpu_s: f64,
+    /// The CPU time of the registry's threads (in this process) over the campaign.
+    registry_cpu_s: f64,
     status: String,
     loadavg: String,
     udp_drops: u64,
@@ -858,6 +874,7 @@ async fn run_campaign(
     let agg_cpu0 = sv.uplink_cpu_secs();
     let root_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
+    let registry_cpu0 = threads_cpu_secs(REGISTRY_THREADS);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
     let drops0 = udp_rcvbuf_errors().unwrap_or(0);
     let ingest0 = sv.uplink_ingest_seconds().await;
@@ -909,7 +926,8 @@ async fn run_campaign(
         );
     }
     let wall_s = started.elapsed().as_secs_f64();
-    let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0;
+    let registry_cpu_s = threads_cpu_secs(REGISTRY_THREADS) - registry_cpu0;
+    let own_cpu_s = proc_cpu_secs("self".into()).unwrap_or(f64::NAN) - own_cpu0 - registry_cpu_s;
     // The largest one service took (one relay's, under --relays).
     let agg_peak_rss_kib =
         sv.uplinks().iter().map(|u| proc_status_kib(&u.process.pid().to_string(), "VmHWM").unwrap_or(0)).max().unwrap_or(0);
@@ -926,6 +944,7 @@ async fn run_campaign(
         poll_cpu_s,
         wall_s,
         own_cpu_s,
+        registry_cpu_s,
         status,
         loadavg,
         udp_drops,
@@ -1043,6 +1062,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     for (region, addr, receipt_key) in regions {
         let mut options = fleet_options(&sv, region, (addr, receipt_key))?;
         options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
+        options.round_bases_from_registry = !args.round_bases_from_aggregator;
         // One step of 10,000 agents on 2 cores takes longer than the 30 s after which an idle
         // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
         options.keep_alive = Some(Duration::from_secs(10));
@@ -1135,6 +1155,7 @@ fn campaign_result(
         "agg_scrape_cpu_per_s": rec.scrape_cpu_per_s,
         "agg_cpu_ms_per_update_net": (rec.agg_cpu_s - rec.scrape_cpu_per_s * rec.wall_s) * 1e3 / accepted,
         "agents_cpu_ms_per_update": rec.own_cpu_s * 1e3 / accepted,
+        "registry_cpu_ms_per_update": rec.registry_cpu_s * 1e3 / accepted,
         "operator_status_ms_median": percentile(&rec.status_ms, 0.5),
         "operator_status_ms_max": percentile(&rec.status_ms, 1.0),
         "operator_status_probes": rec.status_ms.len(),

@@ -121,6 +121,12 @@ impl Registry for Downlink {
             Downlink::Mqtt(r) => r.download(name, version, offset, max_len).await,
         }
     }
+    async fn model_info(&self, name: &str, version: ModelVersion) -> Result<fedfleet_protocol::ModelInfo, TransportError> {
+        match self {
+            Downlink::Quic(r) => r.model_info(name, version).await,
+            Downlink::Mqtt(r) => r.model_info(name, version).await,
+        }
+    }
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
         match self {
             Downlink::Quic(r) => r.report(status).await,

@@ -295,6 +295,10 @@ impl Registry for FakeRegistry {
         i.downloaded_bytes += out.len() as u64;
         Ok(out)
     }
+    async fn model_info(&self, name: &str, version: ModelVersion) -> Result<ModelInfo, TransportError> {
+        let i = self.inner.lock().unwrap();
+        i.targets.iter().find(|t| t.name == name && t.version == version).cloned().ok_or_else(|| TransportError(format!("no model {name} v{version}")))
+    }
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
         let mut i = self.inner.lock().unwrap();
         if i.report_faults > 0 {

@@ -191,6 +191,8 @@ pub struct FleetOptions {
     pub keep_alive: Option<std::time::Duration>,
     /// `[registry] mirrors`: artifact mirrors (a bucket's URL) tried before the registry.
     pub mirrors: Vec<String>,
+    /// `[registry] round_bases`: a round's base from the registry before the aggregator.
+    pub round_bases_from_registry: bool,
 }
 
 impl FleetOptions {
@@ -228,6 +230,7 @@ impl FleetOptions {
             light: None,
             keep_alive: None,
             mirrors: Vec::new(),
+            round_bases_from_registry: true,
         }
     }
 }
@@ -451,6 +454,6 @@ pub(crate) fn open_agent<A: fedfleet_agent::clients::Aggregator, R: fedfleet_age
         true => None,
         false => Some(Arc::new(fedfleet_agent::mirror::Mirrors::new(&o.mirrors, true).map_err(anyhow::Error::msg)?)),
     };
-    let shell = ShellConfig { latency_samples: 8, mirrors, ..Default::default() };
+    let shell = ShellConfig { latency_samples: 8, mirrors, round_bases_from_registry: o.round_bases_from_registry, ..Default::default() };
     Ok((Agent::new(core, agent_agg, agent_reg, key, LocalData { train: tr, holdout }, clock.clone(), shell), agg))
 }

@@ -109,6 +109,74 @@ async fn a_report_the_registry_did_not_take_is_sent_again_at_the_next_poll_and_o
     assert_eq!(fleet.reg.reports().len(), 1, "a delivered report is not sent again");
 }
 
+/// A model like `g` with its first tensor moved by `by`: a base no device holds yet.
+fn moved(g: &fedfleet_protocol::TensorBundle, by: f32) -> fedfleet_protocol::TensorBundle {
+    let mut b = fedfleet_protocol::TensorBundle::new();
+    for (i, (name, t)) in g.iter().enumerate() {
+        let shift = if i == 0 { by } else { 0.0 };
+        b.insert_f32(name, t.shape.clone(), t.to_f32_vec().iter().map(|v| v + shift).collect()).unwrap();
+    }
+    b
+}
+
+/// A round's base comes from the registry that published it, not from the aggregator; one the
+/// registry cannot serve comes from the aggregator, which then alone serves bases for a while
+/// (a registry that is down costs no round a timeout), and after that the registry again.
+#[tokio::test]
+async fn a_rounds_base_comes_from_the_registry_and_from_the_aggregator_when_the_registry_cannot_serve_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = SimFleet::new(dir.path(), 1, 11).unwrap();
+    let spec = fleet.spec.to_json();
+    let mut round = 0;
+    let mut train_on = |fleet: &mut SimFleet, base: &fedfleet_protocol::ModelRef| {
+        round += 1;
+        fleet.agg.set_round(Some(fedfleet_protocol::RoundAnnouncement {
+            fleet: fleet.fleet.clone(),
+            round: fedfleet_protocol::RoundId(round),
+            base_model: base.clone(),
+            config: round_config(),
+            deadline_unix_ms: u64::MAX,
+            selection: fedfleet_protocol::Selection::All,
+        }));
+        round
+    };
+    let trained_on = |fleet: &SimFleet| fleet.agg.accepted().iter().map(|(h, _)| h.body().base_model).collect::<Vec<_>>();
+
+    // Published in the registry only: the aggregator could not have served it.
+    let b1 = moved(&fleet.global, 0.01).encode();
+    let base1 = fleet.reg.publish("digits", &spec, b1.clone());
+    train_on(&mut fleet, &base1);
+    fleet.step().await.unwrap();
+    assert_eq!(trained_on(&fleet), vec![base1.digest]);
+    assert_eq!(fleet.reg.downloaded_bytes(), b1.len() as u64, "the base came from the registry");
+
+    // A version the registry does not have: from the aggregator.
+    let b2 = moved(&fleet.global, 0.02).encode();
+    let d2 = fleet.agg.add_base_model(&spec, b2);
+    let base2 = fedfleet_protocol::ModelRef { name: "digits".into(), version: fedfleet_protocol::ModelVersion(99), digest: d2 };
+    train_on(&mut fleet, &base2);
+    fleet.step().await.unwrap();
+    assert_eq!(trained_on(&fleet), vec![base1.digest, d2]);
+
+    // Both have the next one, but the registry is left alone for a while.
+    let b3 = moved(&fleet.global, 0.03).encode();
+    let base3 = fleet.reg.publish("digits", &spec, b3.clone());
+    fleet.agg.add_base_model(&spec, b3);
+    train_on(&mut fleet, &base3);
+    fleet.step().await.unwrap();
+    assert_eq!(trained_on(&fleet), vec![base1.digest, d2, base3.digest]);
+    assert_eq!(fleet.reg.downloaded_bytes(), b1.len() as u64, "round 3's base came from the aggregator");
+
+    // Five minutes later the registry serves bases again.
+    fleet.clock.advance(301_000);
+    let b4 = moved(&fleet.global, 0.04).encode();
+    let base4 = fleet.reg.publish("digits", &spec, b4.clone());
+    train_on(&mut fleet, &base4);
+    fleet.step().await.unwrap();
+    assert_eq!(trained_on(&fleet), vec![base1.digest, d2, base3.digest, base4.digest]);
+    assert_eq!(fleet.reg.downloaded_bytes(), (b1.len() + b4.len()) as u64, "round 4's base came from the registry");
+}
+
 /// The application pushes labelled examples through the local socket; they are bounded, and the
 /// next round trains on them beside the configured data (every 5th held out for health checks).
 #[tokio::test]
