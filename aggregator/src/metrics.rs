@@ -13,6 +13,7 @@
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
 //! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, decode, store_payload, fold, record, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
 //! | `fedfleet_aggregator_round_polls_total` | counter | devices' (and relays') requests for the current round announcement (a device polls every `poll_interval_ms`, 10 s by default) |
+//! | `fedfleet_aggregator_base_models_served_total` | counter | round base models sent to devices and relays (agents fetch them from the registry first: these are the ones it could not serve) |
 //! | `fedfleet_aggregator_commit_flushes_total` | counter | group commits of accepted updates (÷ into `updates_accepted_total`: updates made durable per flush) |
 //! | `fedfleet_aggregator_update_staleness` | histogram | versions between an accepted update's base model and the model it was folded into (0 in rounds; asynchronous campaigns: how far behind devices train) |
 //! | `fedfleet_aggregator_open_round` | gauge | id of the open round (0 = none) |
@@ -74,6 +75,7 @@ pub struct Metrics {
     pub update_staleness: Histogram,
     pub commit_flushes: Counter,
     pub round_polls: Counter,
+    pub base_models_served: Counter,
     fold_seconds: Counter<f64, AtomicU64>,
     ingest_seconds: Family<StepLabel, Counter<f64, AtomicU64>>,
     pub open_round: Gauge,
@@ -121,6 +123,7 @@ impl Metrics {
             update_staleness: Histogram::new(STALENESS_BUCKETS),
             commit_flushes: Counter::default(),
             round_polls: Counter::default(),
+            base_models_served: Counter::default(),
             fold_seconds: Counter::default(),
             ingest_seconds: Family::default(),
             open_round: Gauge::default(),
@@ -176,6 +179,11 @@ impl Metrics {
             m.update_staleness.clone(),
         );
         registry.register("round_polls", "Requests for the current round announcement", m.round_polls.clone());
+        registry.register(
+            "base_models_served",
+            "Round base models sent (agents fetch them from the registry first)",
+            m.base_models_served.clone(),
+        );
         registry.register("commit_flushes", "Group commits of accepted updates (one flush each)", m.commit_flushes.clone());
         registry.register("fold_seconds", "Seconds spent folding", m.fold_seconds.clone());
         registry.register("ingest_seconds", "Seconds spent in each stage of ingesting updates", m.ingest_seconds.clone());

@@ -543,9 +543,48 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         Ok((base.spec, base.bytes))
     }
 
+    /// Up to `want` bytes (never none) of `model`'s artifact from `offset`: from the mirrors
+    /// while they serve it (`mirrors` becomes `None` at the first that does not, or, with
+    /// `registry_fallback` off, that is an error), else from the registry. `mirrored` is set
+    /// once a mirror served bytes.
+    async fn artifact_range(
+        &self,
+        model: &ModelRef,
+        offset: u64,
+        want: u32,
+        mirrors: &mut Option<&Arc<crate::mirror::Mirrors>>,
+        mirrored: &mut bool,
+    ) -> Result<Vec<u8>, DownloadError> {
+        if let Some(m) = *mirrors {
+            match m.read_range(&model.digest, offset, want).await {
+                Ok(b) if !b.is_empty() => {
+                    *mirrored = true;
+                    return Ok(b);
+                }
+                Ok(_) => tracing::info!(digest = %model.digest, offset, "mirror sent nothing"),
+                Err(e) => tracing::info!(digest = %model.digest, error = %e, "mirror did not serve the artifact"),
+            }
+            if !m.registry_fallback {
+                return Err(DownloadError::Transport(format!(
+                    "no mirror served bytes {offset}.. of {} and registry_fallback is off",
+                    model.digest
+                )));
+            }
+            *mirrors = None;
+        }
+        let chunk =
+            self.reg.download(&model.name, model.version, offset, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?;
+        if chunk.is_empty() {
+            return Err(DownloadError::Transport(format!("registry sent nothing at offset {offset} of {}", model.digest)));
+        }
+        Ok(chunk)
+    }
+
     /// A round's base through the registry: its description by name and version, checked
-    /// against the announced digest and bounded before a byte is fetched, then the bytes as an
-    /// artifact download (mirrors first, resumable, the disk checked).
+    /// against the announced digest and bounded before a byte is fetched, then its bytes, from
+    /// the mirrors first. In memory, not through the resumable download an install uses (a
+    /// file written and synced chunk by chunk): a base is fetched again if the device restarts
+    /// mid-round, and the file's syncs cost simulated devices more than the whole fetch.
     async fn base_from_registry(&self, m: &ModelRef) -> Result<BaseModel, String> {
         let info = self.reg.model_info(&m.name, m.version).await.map_err(|e| e.0)?;
         if info.digest != m.digest {
@@ -555,17 +594,25 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             return Err(format!("{} bytes, over the {} a model may have", info.length, fedfleet_protocol::limits::MAX_BUNDLE_BYTES));
         }
         let spec = serde_json::to_string(&info.spec.0).map_err(|e| format!("spec: {e}"))?;
-        match self.download(m, info.length).await {
-            Ok((_, digest)) if digest == m.digest => {}
-            Ok((_, digest)) => {
-                // Never promoted: dropped, so that the next attempt starts over.
-                let _ = std::fs::remove_file(self.core.store().partial_path(&m.digest));
-                return Err(format!("downloaded {digest}, the round's base is {}", m.digest));
-            }
-            Err(DownloadError::Transport(e)) => return Err(e),
-            Err(DownloadError::Storage { detail, .. }) => return Err(detail),
+        let mut mirrors = self.cfg.mirrors.as_ref().filter(|mm| mm.serves(&m.digest));
+        let mut mirrored = false;
+        let mut bytes = Vec::new();
+        while (bytes.len() as u64) < info.length {
+            let have = bytes.len() as u64;
+            let want = (info.length - have).min(self.cfg.download_chunk as u64) as u32;
+            let chunk = match self.artifact_range(m, have, want, &mut mirrors, &mut mirrored).await {
+                Ok(c) => c,
+                Err(DownloadError::Transport(e) | DownloadError::Storage { detail: e, .. }) => return Err(e),
+            };
+            bytes.extend_from_slice(&chunk[..chunk.len().min((info.length - have) as usize)]);
         }
-        let bytes = self.core.store().get_blob(&m.digest).map_err(|e| e.to_string())?.ok_or("the download left no blob")?;
+        let got = Digest::of(&bytes);
+        if got != m.digest {
+            if let (true, Some(mm)) = (mirrored, &self.cfg.mirrors) {
+                mm.refuse(&m.digest);
+            }
+            return Err(format!("fetched {got}, the round's base is {}", m.digest));
+        }
         Ok(BaseModel { spec, bytes })
     }
 
@@ -608,35 +655,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| DownloadError::storage(&path, e))?;
         while have < length {
             let want = (length - have).min(self.cfg.download_chunk as u64) as u32;
-            let mut chunk = None;
-            if let Some(m) = mirrors {
-                match m.read_range(&model.digest, have, want).await {
-                    Ok(b) if !b.is_empty() => {
-                        mirrored = true;
-                        chunk = Some(b);
-                    }
-                    Ok(_) => tracing::info!(digest = %model.digest, offset = have, "mirror sent nothing"),
-                    Err(e) => tracing::info!(digest = %model.digest, error = %e, "mirror did not serve the artifact"),
-                }
-                if chunk.is_none() {
-                    if !m.registry_fallback {
-                        return Err(DownloadError::Transport(format!(
-                            "no mirror served bytes {have}.. of {} and registry_fallback is off",
-                            model.digest
-                        )));
-                    }
-                    mirrors = None;
-                }
-            }
-            let chunk = match chunk {
-                Some(c) => c,
-                None => {
-                    self.reg.download(&model.name, model.version, have, want).await.map_err(|e| DownloadError::Transport(e.to_string()))?
-                }
-            };
-            if chunk.is_empty() {
-                return Err(DownloadError::Transport(format!("registry sent nothing at offset {have} of {length}")));
-            }
+            let chunk = self.artifact_range(model, have, want, &mut mirrors, &mut mirrored).await?;
             let take = chunk.len().min((length - have) as usize);
             f.write_all(&chunk[..take]).and_then(|()| f.sync_data()).map_err(|e| DownloadError::storage(&path, e))?;
             have += take as u64;

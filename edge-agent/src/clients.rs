@@ -6,8 +6,7 @@ use std::future::Future;
 
 use fedfleet_aggregator_client::wire::SecAggView;
 use fedfleet_protocol::{
-    DeviceId, DeviceStatus, FleetId, ModelInfo, ModelRef, ModelVersion, Receipt, Rejection, RolloutNotice, RoundAnnouncement,
-    RoundId,
+    DeviceId, DeviceStatus, FleetId, ModelInfo, ModelRef, ModelVersion, Receipt, Rejection, RolloutNotice, RoundAnnouncement, RoundId,
 };
 use fedfleet_secagg::Roster;
 

@@ -310,7 +310,11 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
     );
     println!(
         "# round bases: {}",
-        if args.round_bases_from_aggregator { "from the aggregator (--round-bases-from-aggregator)" } else { "from the registry, the aggregator if it cannot" }
+        if args.round_bases_from_aggregator {
+            "from the aggregator (--round-bases-from-aggregator)"
+        } else {
+            "from the registry, the aggregator if it cannot"
+        }
     );
     println!(
         "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 5 per agent above 287 agents, so that each has a holdout example); agents poll every {} ms{}",

@@ -297,7 +297,11 @@ impl Registry for FakeRegistry {
     }
     async fn model_info(&self, name: &str, version: ModelVersion) -> Result<ModelInfo, TransportError> {
         let i = self.inner.lock().unwrap();
-        i.targets.iter().find(|t| t.name == name && t.version == version).cloned().ok_or_else(|| TransportError(format!("no model {name} v{version}")))
+        i.targets
+            .iter()
+            .find(|t| t.name == name && t.version == version)
+            .cloned()
+            .ok_or_else(|| TransportError(format!("no model {name} v{version}")))
     }
     async fn report(&self, status: &DeviceStatus) -> Result<(), TransportError> {
         let mut i = self.inner.lock().unwrap();

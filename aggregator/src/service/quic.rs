@@ -278,6 +278,7 @@ impl Aggregator {
                     }
                 }
                 let _ = stream.send(FrameKind::End, &[]).await;
+                self.shared.metrics.base_models_served.inc();
                 None
             }
             Request::CampaignStart(_) | Request::CampaignStatus | Request::CampaignStop if !is_operator => {

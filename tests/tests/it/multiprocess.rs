@@ -521,10 +521,15 @@ fn campaign_and_rollout_reach_every_agent() {
     assert!(accuracy > 0.8, "test accuracy {accuracy}");
 
     // Both services' /metrics parse as Prometheus text and count what happened; other paths 404.
-    let reg = parse_metrics(&scrape(f.reg_metrics).expect("registry metrics"));
+    let reg_text = scrape(f.reg_metrics).expect("registry metrics");
+    let reg = parse_metrics(&reg_text);
     let agg = f.aggregator_metrics();
     assert_eq!(sample(&agg, "fedfleet_aggregator_updates_accepted_total"), Some((AGENTS * rounds as usize) as f64), "{agg}");
     assert!(reg.samples.iter().any(|s| s.metric == "fedfleet_registry_chunks_served_total"), "registry metrics lack chunks_served");
+    // Every round's base is a registry version: the agents fetched each from the registry.
+    assert_eq!(sample(&agg, "fedfleet_aggregator_base_models_served_total"), Some(0.0), "{agg}");
+    let manifests = sample(&reg_text, r#"fedfleet_registry_requests_total{kind="manifest"}"#);
+    assert!(manifests >= Some((AGENTS * rounds as usize) as f64), "a base per agent and round described by the registry: {manifests:?}");
     for addr in [f.reg_metrics, f.agg_metrics] {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let (status, _) = rt.block_on(fedfleet_http::scrape(addr, "/anything-else")).unwrap();
