@@ -520,15 +520,19 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         } else {
             None
         };
+        // The registry's bytes were checked against the digest as they were fetched.
         let base = match from_registry {
             Some(base) => base,
-            None => self.agg.fetch_base_model(m).await.map_err(|e| format!("base model: {e}"))?,
+            None => {
+                let base = self.agg.fetch_base_model(m).await.map_err(|e| format!("base model: {e}"))?;
+                let got = Digest::of(&base.bytes);
+                if got != m.digest {
+                    return Err(format!("base model digest {got} differs from the round's {}", m.digest));
+                }
+                base
+            }
         };
         let store = self.core.store();
-        let got = Digest::of(&base.bytes);
-        if got != m.digest {
-            return Err(format!("base model digest {got} differs from the round's {}", m.digest));
-        }
         store.put_blob(&base.bytes).map_err(|e| e.to_string())?;
         store.put_spec(&m.digest, &base.spec).map_err(|e| e.to_string())?;
         // A new round's base: the past rounds' bases (and models that rotated out of the slots)
@@ -608,7 +612,7 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
         }
         let got = Digest::of(&bytes);
         if got != m.digest {
-            if let (true, Some(mm)) = (mirrored, &self.cfg.mirrors) {
+            if mirrored && let Some(mm) = &self.cfg.mirrors {
                 mm.refuse(&m.digest);
             }
             return Err(format!("fetched {got}, the round's base is {}", m.digest));
