@@ -308,6 +308,12 @@ pub struct InstallJob {
 /// it) before the candidate is given up and reported failed.
 pub const MAX_HEALTH_CHECK_STARTS: u32 = 3;
 
+/// A device reports its round progress (joined a round, trained) at most this often, and the
+/// state in between rides on the next report. Two reports a round from every device were two of
+/// the registry's five requests per update (issue 27). Failures, revocation and every rollout
+/// state are reported at once.
+pub const ROUND_PROGRESS_REPORT_MS: Millis = 60_000;
+
 /// Everything that survives a restart (besides the outbox and blobs).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PersistedState {
@@ -529,6 +535,10 @@ pub struct Lifecycle {
     /// right after the activation would leave the rollout waiting for this device for ever; one
     /// the network lost the shell sends again.
     assignment_reported: bool,
+    /// When this process last reported its status.
+    last_report_at: Option<Millis>,
+    /// A round's progress not yet reported, and when it will be ([`ROUND_PROGRESS_REPORT_MS`]).
+    report_at: Option<Millis>,
     actions: VecDeque<Action>,
     rng: ChaCha8Rng,
 }
@@ -601,6 +611,8 @@ impl Lifecycle {
             storage_attempts: 0,
             last_refusal: None,
             assignment_reported: false,
+            last_report_at: None,
+            report_at: None,
             actions: VecDeque::new(),
             rng,
         };
@@ -695,7 +707,7 @@ impl Lifecycle {
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) has work.
     pub fn poll_timeout(&self) -> Option<Millis> {
-        self.uploads.values().filter_map(|t| t.next_at).chain(self.install_retry_at).chain(self.train_at).min()
+        self.uploads.values().filter_map(|t| t.next_at).chain(self.install_retry_at).chain(self.train_at).chain(self.report_at).min()
     }
 
     // ----- inputs -----
@@ -714,6 +726,9 @@ impl Lifecycle {
                 t.in_flight = true;
                 self.actions.push_back(Action::Upload { outbox_id: *id });
             }
+        }
+        if self.report_at.is_some_and(|at| at <= now) {
+            self.report(now);
         }
         if self.train_at.is_some_and(|at| at <= now) {
             self.train_at = None;
@@ -861,7 +876,7 @@ impl Lifecycle {
             tracing::debug!(round = %a.round, start_in_ms = offset, "joining round at its point in the start window");
             self.train_at = Some(now + offset);
         }
-        self.report(now);
+        self.report_progress(now);
         Ok(())
     }
 
@@ -897,7 +912,7 @@ impl Lifecycle {
         self.commit(next)?;
         self.uploads.insert(entry.id, UploadTrack { in_flight: true, ..Default::default() });
         self.actions.push_back(Action::Upload { outbox_id: entry.id });
-        self.report(now);
+        self.report_progress(now);
         Ok(())
     }
 
@@ -1276,8 +1291,21 @@ impl Lifecycle {
         id
     }
 
+    /// Reports the status now; it carries any round progress not yet reported.
     fn report(&mut self, now: Millis) {
+        self.last_report_at = Some(now);
+        self.report_at = None;
         self.actions.push_back(Action::Report(self.status(now)));
+    }
+
+    /// Reports round progress now, or [`ROUND_PROGRESS_REPORT_MS`] after the last report.
+    fn report_progress(&mut self, now: Millis) {
+        match self.last_report_at {
+            Some(at) if now < at.saturating_add(ROUND_PROGRESS_REPORT_MS) => {
+                self.report_at.get_or_insert(at.saturating_add(ROUND_PROGRESS_REPORT_MS));
+            }
+            _ => self.report(now),
+        }
     }
 }
 

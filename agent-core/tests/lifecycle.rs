@@ -5,7 +5,8 @@
 mod support;
 
 use fedfleet_agent_core::lifecycle::{
-    Action, Conditions, HealthFailure, HealthReport, Input, InstallPhase, MAX_HEALTH_CHECK_STARTS, RoundRefusal, UploadOutcome,
+    Action, Conditions, HealthFailure, HealthReport, Input, InstallPhase, MAX_HEALTH_CHECK_STARTS, ROUND_PROGRESS_REPORT_MS, RoundRefusal,
+    UploadOutcome,
 };
 use fedfleet_protocol::{DeviceState, RejectReason, Rejection};
 
@@ -55,7 +56,56 @@ fn upload_retried_with_backoff_until_receipt() {
     lc.handle(at, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Receipt(receipt(1, b"delta-1", 1)) }).unwrap();
     assert!(lc.pending_uploads().is_empty());
     assert!(disk.outbox_ids().is_empty());
+    // Left, unless a retry already passed it: the report that the round was trained.
+    if let Some(at) = lc.poll_timeout() {
+        assert_eq!(at, T0 + ROUND_PROGRESS_REPORT_MS);
+        lc.handle_timeout(at);
+        assert!(matches!(drain(&mut lc).as_slice(), [Action::Report(s)] if s.state == DeviceState::Idle));
+    }
     assert_eq!(lc.poll_timeout(), None);
+}
+
+/// Issue 27: two reports a round from every device were two of the registry's five requests an
+/// update. Round progress goes out at most once a minute, carried by the latest status; a
+/// failure goes out at once and takes the pending progress with it.
+#[test]
+fn round_progress_is_reported_at_most_once_a_minute_and_a_failure_at_once() {
+    let disk = Disk::new();
+    let (reg, v1) = registry();
+    let mut lc = open(&disk, &reg, &v1);
+    drain(&mut lc);
+    let reports = |lc: &mut Device| -> Vec<String> {
+        drain(lc).into_iter().filter_map(|a| if let Action::Report(s) = a { Some(s.state.as_str().to_owned()) } else { None }).collect()
+    };
+    let round = |n: u64| fedfleet_protocol::RoundId(n);
+    lc.handle(T0, Input::RoundAnnounced(announcement(1, &v1))).unwrap();
+    assert_eq!(reports(&mut lc), ["training"], "the first report goes out at once");
+    for (n, at) in [(1, T0 + 1_000), (2, T0 + 3_000)] {
+        if n > 1 {
+            lc.handle(at - 1_000, Input::RoundAnnounced(announcement(n, &v1))).unwrap();
+            assert_eq!(reports(&mut lc), Vec::<String>::new(), "round {n} joined");
+        }
+        let header = signed_update(n, &v1, b"delta", n as u8);
+        lc.handle(at, Input::TrainingDone { round: round(n), header, payload: b"delta".to_vec() }).unwrap();
+        assert_eq!(reports(&mut lc), Vec::<String>::new(), "round {n} trained");
+        let id = *lc.pending_uploads().last().unwrap();
+        lc.handle(at, Input::UploadResult { outbox_id: id, outcome: UploadOutcome::Receipt(receipt(n, b"delta", n as u8)) }).unwrap();
+        assert_eq!(reports(&mut lc), Vec::<String>::new(), "round {n} acknowledged");
+    }
+    let due = T0 + ROUND_PROGRESS_REPORT_MS;
+    assert_eq!(lc.poll_timeout(), Some(due));
+    lc.handle_timeout(due - 1);
+    assert_eq!(reports(&mut lc), Vec::<String>::new());
+    lc.handle_timeout(due);
+    assert_eq!(reports(&mut lc), ["idle"], "the latest state, once");
+    assert_eq!(lc.poll_timeout(), None);
+    // Round 3 is joined within the minute: held; its failure is reported at once.
+    lc.handle(due + 1_000, Input::RoundAnnounced(announcement(3, &v1))).unwrap();
+    assert_eq!(reports(&mut lc), Vec::<String>::new());
+    assert_eq!(lc.poll_timeout(), Some(due + ROUND_PROGRESS_REPORT_MS));
+    lc.handle(due + 2_000, Input::TrainingFailed { round: round(3), reason: "out of memory".into() }).unwrap();
+    assert_eq!(reports(&mut lc), ["failed"]);
+    assert_eq!(lc.poll_timeout(), None, "the failure carried the progress");
 }
 
 #[test]

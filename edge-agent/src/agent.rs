@@ -258,6 +258,16 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
 
     /// Asks the services for the open round and this device's assignment.
     pub async fn poll_control(&mut self) -> Result<(), AgentError> {
+        self.poll(true).await
+    }
+
+    /// Asks the aggregator for the open round only: for a device woken by a pushed announcement
+    /// (a new round changes no assignment; the registry is asked at the next full poll).
+    pub async fn poll_round(&mut self) -> Result<(), AgentError> {
+        self.poll(false).await
+    }
+
+    async fn poll(&mut self, with_registry: bool) -> Result<(), AgentError> {
         let mut conditions = self.cfg.conditions_file.as_ref().map(|path| {
             std::fs::read(path)
                 .map_err(|e| e.to_string())
@@ -289,15 +299,17 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             Err(e) if e.is_certificate_revoked() => revoked = Some(e),
             Err(e) => tracing::debug!(error = %e, "round poll failed"),
         }
-        if let Some(status) = self.undelivered_report.take() {
-            self.deliver_report(status).await;
-        }
-        let device = self.core.state().device.clone();
-        match self.reg.assignment(&device).await {
-            Ok(Some(n)) => self.input(Input::Assignment(n))?,
-            Ok(None) => {}
-            Err(e) if e.is_certificate_revoked() => revoked = Some(e),
-            Err(e) => tracing::debug!(error = %e, "assignment poll failed"),
+        if with_registry {
+            if let Some(status) = self.undelivered_report.take() {
+                self.deliver_report(status).await;
+            }
+            let device = self.core.state().device.clone();
+            match self.reg.assignment(&device).await {
+                Ok(Some(n)) => self.input(Input::Assignment(n))?,
+                Ok(None) => {}
+                Err(e) if e.is_certificate_revoked() => revoked = Some(e),
+                Err(e) => tracing::debug!(error = %e, "assignment poll failed"),
+            }
         }
         match revoked {
             Some(e) => {

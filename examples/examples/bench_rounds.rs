@@ -17,7 +17,7 @@
 //! - N agents in the worker (`fedfleet_testkit::sim::RemoteFleet`: each its own certificate, key,
 //!   sled store, QUIC clients and share of the digits training split, the daemon's lifecycle),
 //!   driven concurrently: every step runs each agent's drive (and its poll of the round and its
-//!   assignment, every `--control-poll-ms` or when a listener hears a new round) as its own
+//!   assignment every `--control-poll-ms`, of the round alone when a listener hears a new one) as its own
 //!   task, then sleeps `--poll-ms`. Agents connect (one step) before the campaign starts.
 //!
 //! Measured per round r, from the aggregator's metrics (polled every 5 ms) and the agents'
@@ -94,9 +94,10 @@ struct Args {
     #[arg(long, default_value_t = 50)]
     poll_ms: u64,
     /// Each agent asks for the round and its rollout assignment at most this often (a daemon's
-    /// own poll: every 10 s), and at once when a new round is heard: one listener (the first
-    /// agent's connection) asks every step, as one subscription to the MQTT broker's retained
-    /// announcement hears it for all. Between two asks an agent only drives its lifecycle
+    /// own poll: every 10 s), and for the round alone at once when a new round is heard: one
+    /// listener (the first agent's connection) asks every step, as one subscription to the MQTT
+    /// broker's retained announcement hears it for all (a pushed round changes no assignment,
+    /// so the registry is not asked). Between two asks an agent only drives its lifecycle
     /// (training, uploads, retries). 0: every agent asks every step (with --secure-aggregation,
     /// always: its stages are heard by polling).
     #[arg(long, default_value_t = 10_000)]
@@ -1436,23 +1437,37 @@ struct Stepper {
     paced: Option<ControlPolls>,
 }
 
-/// `--control-poll-ms`: agents ask at most every `every`, and all at once when the listener
-/// hears a round it had not.
+/// `--control-poll-ms`: agents ask the services at most every `every`, and the aggregator alone
+/// at once when the listener hears a round it had not (as a pushed announcement wakes a device).
 struct ControlPolls {
     every: Duration,
     heard: Option<RoundId>,
     heard_at: Instant,
-    last_ask: std::collections::HashMap<DeviceId, Instant>,
+    /// Per device: when it last asked both services, and when it last asked for the round.
+    last_ask: std::collections::HashMap<DeviceId, (Instant, Instant)>,
+}
+
+/// What a device asks in a step.
+#[derive(Clone, Copy)]
+enum ControlPoll {
+    Both,
+    RoundOnly,
 }
 
 impl ControlPolls {
-    /// Whether `device` asks in this step (and notes that it does).
-    fn due(&mut self, device: &DeviceId, now: Instant) -> bool {
-        let due = self.last_ask.get(device).is_none_or(|&at| at <= self.heard_at || now.duration_since(at) >= self.every);
-        if due {
-            self.last_ask.insert(device.clone(), now);
+    /// What `device` asks in this step, if anything (and notes that it does).
+    fn due(&mut self, device: &DeviceId, now: Instant) -> Option<ControlPoll> {
+        let first = !self.last_ask.contains_key(device);
+        let asked = self.last_ask.entry(device.clone()).or_insert((now, now));
+        if first || now.duration_since(asked.0) >= self.every {
+            *asked = (now, now);
+            Some(ControlPoll::Both)
+        } else if asked.1 <= self.heard_at {
+            asked.1 = now;
+            Some(ControlPoll::RoundOnly)
+        } else {
+            None
         }
-        due
     }
 }
 
@@ -1474,11 +1489,16 @@ impl Stepper {
         }
         let now = Instant::now();
         for mut agent in std::mem::take(&mut fleet.agents) {
-            let ask = self.paced.as_mut().is_none_or(|p| p.due(&agent.core().state().device, now));
+            let ask = match &mut self.paced {
+                Some(p) => p.due(&agent.core().state().device, now),
+                None => Some(ControlPoll::Both),
+            };
             self.running.push(tokio::spawn(async move {
                 let r = async {
-                    if ask {
-                        agent.poll_control().await?;
+                    match ask {
+                        Some(ControlPoll::Both) => agent.poll_control().await?,
+                        Some(ControlPoll::RoundOnly) => agent.poll_round().await?,
+                        None => {}
                     }
                     agent.drive().await
                 }
