@@ -56,6 +56,9 @@ use fedfleet_learning::{ModelSpec, model::init_bundle};
 use fedfleet_protocol::{DeviceId, FleetId, RoundId};
 use fedfleet_testkit::sampled::{DeviceBehaviour, SampledFleet, SampledStats};
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
+
+/// The simulated fleet: its agents' uploads go through [`HeldUploads`].
+type Fleet = RemoteFleet<HeldUploads, fedfleet_agent::remote::RemoteRegistry>;
 use serde_json::{Value, json};
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
@@ -145,6 +148,12 @@ struct Args {
     /// The registry's CPU per update is printed either way.
     #[arg(long)]
     round_bases_from_aggregator: bool,
+    /// Each round's uploads are held until every agent of the round has trained (or for at most
+    /// 30 s), then go at once; the ingest window starts at the release. What the aggregator takes
+    /// when the devices' training is not on the same cores: on a real fleet it runs on the
+    /// devices. Not with --sampled or --secure-aggregation.
+    #[arg(long, conflicts_with_all = ["sampled", "secure_aggregation"])]
+    upload_burst: bool,
     /// Every round aggregated with SecAgg+ (`[secure_aggregation]`, the default degree and
     /// threshold): the same fleet and task, each device's update sent only masked, through the
     /// stages. Not with --sampled.
@@ -317,6 +326,11 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             "from the registry, the aggregator if it cannot"
         }
     );
+    if args.upload_burst {
+        println!(
+            "# --upload-burst: each round's uploads held until every agent trained, then sent at once; the ingest window starts at the release"
+        );
+    }
     println!(
         "# FedAvg, sampling rate {} (target = every selected agent), {} local epoch(s), batch {}, IID shares of the 1,438-example digits training split (tiled to 5 per agent above 287 agents, so that each has a holdout example); agents poll every {} ms{}",
         args.sampling_rate.min(1.0),
@@ -850,7 +864,7 @@ fn probe_operator_status(
 enum Devices<'a> {
     None,
     /// Every agent polls and drives each step.
-    All(&'a mut RemoteFleet),
+    All(&'a mut Fleet),
     /// The listener polls; selected devices run in tasks of their own.
     Sampled(&'a mut SampledFleet),
 }
@@ -963,7 +977,7 @@ async fn run_campaign(
 /// `--poll-ms` for [`SCRAPE_COST_WINDOW`] with no campaign running, as it steps in one. The
 /// agents ask for the round each step (a device daemon every 10 s by default, or it hears the
 /// announcement over MQTT), so at 50 ms these polls are a large share of the services' CPU.
-async fn poll_cost(args: &Args, sv: &Services, fleet: &mut RemoteFleet, scrape_cpu_per_s: f64) -> anyhow::Result<Option<f64>> {
+async fn poll_cost(args: &Args, sv: &Services, fleet: &mut Fleet, scrape_cpu_per_s: f64) -> anyhow::Result<Option<f64>> {
     let count = |m: BTreeMap<String, f64>| m.get(ROUND_POLLS).copied().unwrap_or(0.0);
     let (polls0, cpu0, t0) = (count(sv.uplink_ingest_seconds().await), sv.uplink_cpu_secs().iter().sum::<f64>(), Instant::now());
     while t0.elapsed() < SCRAPE_COST_WINDOW {
@@ -975,8 +989,9 @@ async fn poll_cost(args: &Args, sv: &Services, fleet: &mut RemoteFleet, scrape_c
     Ok((polls > 0.0).then(|| cpu.max(0.0) / polls))
 }
 
-/// Per-round figures from the aggregator's metrics and the agents' events.
-fn rounds_of(args: &Args, rec: &CampaignRecord, ev: &[AgentEvent]) -> anyhow::Result<Vec<Value>> {
+/// Per-round figures from the aggregator's metrics and the agents' events; `releases`: when
+/// each round's held uploads were let go (`--upload-burst`), the start of its ingest window.
+fn rounds_of(args: &Args, rec: &CampaignRecord, ev: &[AgentEvent], releases: &BTreeMap<u64, Instant>) -> anyhow::Result<Vec<Value>> {
     let mut rounds = Vec::new();
     for r in 1..=args.rounds as u64 {
         let s = &rec.samples;
@@ -987,7 +1002,7 @@ fn rounds_of(args: &Args, rec: &CampaignRecord, ev: &[AgentEvent]) -> anyhow::Re
         let acked: Vec<&AgentEvent> = ev.iter().filter(|e| e.round == r && e.train_ms.is_none()).collect();
         let slowest_ms = trained.iter().filter_map(|e| e.train_ms).fold(0.0, f64::max);
         let sum_ms: f64 = trained.iter().filter_map(|e| e.train_ms).sum();
-        let first_upload = trained.iter().map(|e| e.at).min();
+        let first_upload = releases.get(&r).copied().or_else(|| trained.iter().map(|e| e.at).min());
         let last_receipt = acked.iter().map(|e| e.at).max();
         let ingest_s = match (first_upload, last_receipt) {
             (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
@@ -1021,6 +1036,99 @@ fn mean(rounds: &[Value], k: &str) -> f64 {
 
 fn total(rounds: &[Value], k: &str) -> f64 {
     rounds.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).sum()
+}
+
+/// `--upload-burst`: holds each round's uploads until `expected` agents have one (or
+/// [`UploadBurst::HOLD_LIMIT`] passed), then lets them all go. A resend after the release passes.
+struct UploadBurst {
+    expected: usize,
+    /// Uploads waiting, per round.
+    arrived: Mutex<BTreeMap<u64, usize>>,
+    /// The highest round released, and when each was.
+    released: tokio::sync::watch::Sender<u64>,
+    release_times: Mutex<BTreeMap<u64, Instant>>,
+}
+
+impl UploadBurst {
+    const HOLD_LIMIT: Duration = Duration::from_secs(30);
+
+    fn new(expected: usize) -> Self {
+        UploadBurst { expected, arrived: Mutex::default(), released: tokio::sync::watch::Sender::new(0), release_times: Mutex::default() }
+    }
+
+    /// Returns once `round`'s uploads are released.
+    async fn hold(&self, round: u64) {
+        if *self.released.borrow() >= round {
+            return;
+        }
+        let mut rx = self.released.subscribe();
+        let all_in = {
+            let mut arrived = self.arrived.lock().unwrap_or_else(|p| p.into_inner());
+            let n = arrived.entry(round).or_insert(0);
+            *n += 1;
+            *n >= self.expected
+        };
+        if all_in || tokio::time::timeout(Self::HOLD_LIMIT, rx.wait_for(|r| *r >= round)).await.is_err() {
+            self.release(round);
+        }
+    }
+
+    fn release(&self, round: u64) {
+        let now = Instant::now();
+        if self.released.send_if_modified(|r| std::mem::replace(r, (*r).max(round)) < round) {
+            self.release_times.lock().unwrap_or_else(|p| p.into_inner()).insert(round, now);
+        }
+    }
+
+    fn releases(&self) -> BTreeMap<u64, Instant> {
+        self.release_times.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// An agent's aggregator client, its uploads held by the [`UploadBurst`] if there is one.
+struct HeldUploads {
+    inner: Arc<fedfleet_agent::remote::RemoteAggregator>,
+    burst: Option<Arc<UploadBurst>>,
+}
+
+impl fedfleet_agent::clients::Aggregator for HeldUploads {
+    async fn current_round(
+        &self,
+        fleet: &FleetId,
+    ) -> Result<Option<fedfleet_protocol::RoundAnnouncement>, fedfleet_agent::clients::TransportError> {
+        self.inner.current_round(fleet).await
+    }
+    async fn fetch_base_model(
+        &self,
+        model: &fedfleet_protocol::ModelRef,
+    ) -> Result<fedfleet_agent::clients::BaseModel, fedfleet_agent::clients::TransportError> {
+        self.inner.fetch_base_model(model).await
+    }
+    async fn upload(
+        &self,
+        signed_header: &[u8],
+        payload: &[u8],
+    ) -> Result<fedfleet_agent::clients::UploadReply, fedfleet_agent::clients::TransportError> {
+        if let Some(burst) = &self.burst
+            && let Ok(update) = fedfleet_protocol::SignedUpdate::decode(signed_header)
+        {
+            burst.hold(update.body().round.0).await;
+        }
+        self.inner.upload(signed_header, payload).await
+    }
+    async fn secagg_roster(&self, round: RoundId) -> Result<fedfleet_secagg::Roster, fedfleet_agent::clients::TransportError> {
+        self.inner.secagg_roster(round).await
+    }
+    async fn secagg_send(
+        &self,
+        message: &[u8],
+        vector: &[u8],
+    ) -> Result<Result<(), fedfleet_protocol::Rejection>, fedfleet_agent::clients::TransportError> {
+        self.inner.secagg_send(message, vector).await
+    }
+    async fn secagg_poll(&self, round: RoundId) -> Result<fedfleet_aggregator::wire::SecAggView, fedfleet_agent::clients::TransportError> {
+        self.inner.secagg_poll(round).await
+    }
 }
 
 /// Open files a simulated agent holds (its sled store's files and its QUIC socket), measured as
@@ -1063,7 +1171,8 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         true => vec![(devices, sv.agg.addr, sv.receipt_key)],
         false => sv.relays.iter().map(|r| (r.region.clone(), r.process.addr, r.receipt_key)).collect(),
     };
-    let mut fleet: Option<RemoteFleet> = None;
+    let mut fleet: Option<Fleet> = None;
+    let burst = args.upload_burst.then(|| Arc::new(UploadBurst::new(target as usize)));
     for (region, addr, receipt_key) in regions {
         let mut options = fleet_options(&sv, region, (addr, receipt_key))?;
         options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
@@ -1071,7 +1180,10 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         // One step of 10,000 agents on 2 cores takes longer than the 30 s after which an idle
         // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
         options.keep_alive = Some(Duration::from_secs(10));
-        let region = RemoteFleet::start(options)?;
+        let region = RemoteFleet::start_with(options, |l| {
+            let agg = HeldUploads { inner: l.aggregator.clone(), burst: burst.clone() };
+            Ok((Arc::new(agg), l.registry.clone()))
+        })?;
         match &mut fleet {
             Some(f) => f.extend(region),
             None => fleet = Some(region),
@@ -1090,7 +1202,8 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     // The agents keep polling the aggregator while the rollout runs, as devices would.
     let rollout = if args.rollout { run_rollout(args, &sv, &mut fleet).await? } else { Value::Null };
     sv.agg.stop();
-    let rounds = rounds_of(args, &rec, &events.take())?;
+    let releases = burst.map(|b| b.releases()).unwrap_or_default();
+    let rounds = rounds_of(args, &rec, &events.take(), &releases)?;
     let mut result =
         campaign_result(n, target, &sv, &rec, rounds, &events, (worker_peak_rss_kib, base_rss_kib), (online_s, online_udp_drops));
     result.insert("rollout".into(), rollout);
@@ -1208,7 +1321,7 @@ async fn sampled_worker(args: &Args, n: usize, target: u32, devices: &[DeviceId]
     fleet.settle().await;
     let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
     sv.agg.stop();
-    let rounds = rounds_of(args, &rec, &events.take())?;
+    let rounds = rounds_of(args, &rec, &events.take(), &BTreeMap::new())?;
     let st = &fleet.stats;
     let sampled = json!({
             "quorum": quorum_of(args, target),
@@ -1231,7 +1344,7 @@ async fn sampled_worker(args: &Args, n: usize, target: u32, devices: &[DeviceId]
 
 /// `--rollout`: the registry's latest version of the model to every agent in one phase (100 %,
 /// 1 s soak, every agent must report it healthy), stepping the fleet until the rollout ends.
-async fn run_rollout(args: &Args, sv: &Services, fleet: &mut RemoteFleet) -> anyhow::Result<Value> {
+async fn run_rollout(args: &Args, sv: &Services, fleet: &mut Fleet) -> anyhow::Result<Value> {
     use fedfleet_registry::admin::AdminAnswer;
     use fedfleet_registry::wire::{AdminRequest, RolloutStart};
     let n = fleet.agents.len();
@@ -1394,7 +1507,7 @@ model = "{MODEL_NAME}"
     let rec = rec.with_context(|| format!("daemon campaign (daemon log: {})", log.display()))?;
     drop(daemon);
     sv.registry_service.stop().await;
-    let rounds = rounds_of(args, &rec, &[])?;
+    let rounds = rounds_of(args, &rec, &[], &BTreeMap::new())?;
     Ok(json!({
         "daemon_peak_rss_kib": daemon_hwm,
         "round_wall_s": mean(&rounds, "wall_s"),
@@ -1414,14 +1527,14 @@ impl Drop for ChildGuard {
 
 /// Every agent polls the services and runs what it has to (train, upload, ...), each as its
 /// own task, as a fleet of devices would; returns when all are done.
-async fn step_all(fleet: &mut RemoteFleet) -> anyhow::Result<()> {
+async fn step_all(fleet: &mut Fleet) -> anyhow::Result<()> {
     let mut stepper = Stepper::default();
     stepper.step(fleet).await?;
     stepper.finish(fleet).await
 }
 
 type AgentStep = tokio::task::JoinHandle<(
-    fedfleet_agent::agent::Agent<fedfleet_agent::remote::RemoteAggregator, fedfleet_agent::remote::RemoteRegistry>,
+    fedfleet_agent::agent::Agent<HeldUploads, fedfleet_agent::remote::RemoteRegistry>,
     Result<usize, fedfleet_agent::lifecycle::AgentError>,
 )>;
 
@@ -1478,7 +1591,7 @@ impl Stepper {
     }
 
     /// Takes back the agents whose step ended, and starts a step for each idle agent.
-    async fn step(&mut self, fleet: &mut RemoteFleet) -> anyhow::Result<()> {
+    async fn step(&mut self, fleet: &mut Fleet) -> anyhow::Result<()> {
         self.collect(fleet, false).await?;
         if let Some(p) = &mut self.paced {
             // The listener: the first agent's connection, asking as one subscriber would hear.
@@ -1510,11 +1623,11 @@ impl Stepper {
     }
 
     /// Waits for every running step and gives the fleet all its agents back.
-    async fn finish(&mut self, fleet: &mut RemoteFleet) -> anyhow::Result<()> {
+    async fn finish(&mut self, fleet: &mut Fleet) -> anyhow::Result<()> {
         self.collect(fleet, true).await
     }
 
-    async fn collect(&mut self, fleet: &mut RemoteFleet, wait: bool) -> anyhow::Result<()> {
+    async fn collect(&mut self, fleet: &mut Fleet, wait: bool) -> anyhow::Result<()> {
         let mut failure = None;
         for t in std::mem::take(&mut self.running) {
             if !wait && !t.is_finished() {
