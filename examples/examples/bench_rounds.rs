@@ -57,8 +57,8 @@ use fedfleet_protocol::{DeviceId, FleetId, RoundId};
 use fedfleet_testkit::sampled::{DeviceBehaviour, SampledFleet, SampledStats};
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 
-/// The simulated fleet: its agents' uploads go through [`HeldUploads`].
-type Fleet = RemoteFleet<HeldUploads, fedfleet_agent::remote::RemoteRegistry>;
+/// The simulated fleet: its agents' uploads go through [`BenchAggregator`].
+type Fleet = RemoteFleet<BenchAggregator, fedfleet_agent::remote::RemoteRegistry>;
 use serde_json::{Value, json};
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
@@ -154,6 +154,12 @@ struct Args {
     /// devices. Not with --sampled or --secure-aggregation.
     #[arg(long, conflicts_with_all = ["sampled", "secure_aggregation"])]
     upload_burst: bool,
+    /// Rounds are pushed, as an MQTT broker pushes the retained announcement: the listener's
+    /// signed announcement is handed to every agent, which verifies it against its pinned key,
+    /// and no agent asks the aggregator for the round (the registry still, every
+    /// --control-poll-ms). Without it, a heard round makes every agent ask the aggregator.
+    #[arg(long, conflicts_with_all = ["sampled", "secure_aggregation", "relays"])]
+    pushed_rounds: bool,
     /// Every round aggregated with SecAgg+ (`[secure_aggregation]`, the default degree and
     /// threshold): the same fleet and task, each device's update sent only masked, through the
     /// stages. Not with --sampled.
@@ -326,6 +332,11 @@ fn print_table(args: &Args, results: &[Value], daemon: Option<&Value>, wall: Dur
             "from the registry, the aggregator if it cannot"
         }
     );
+    if args.pushed_rounds {
+        println!(
+            "# --pushed-rounds: every agent gets the listener's signed announcement and verifies it; none asks the aggregator for the round"
+        );
+    }
     if args.upload_burst {
         println!(
             "# --upload-burst: each round's uploads held until every agent trained, then sent at once; the ingest window starts at the release"
@@ -579,6 +590,8 @@ struct Services {
     identities: Vec<fedfleet_certs::DeviceIdentity>,
     /// `--relays K`: the relays the agents talk to, each with its region.
     relays: Vec<Relay>,
+    /// `--pushed-rounds`: the announcement the listener heard, handed to every agent.
+    pushed: Option<Arc<PushedRound>>,
 }
 
 /// A `fedfleet-aggregator relay` process under the root, and the devices of its region.
@@ -776,6 +789,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Services {
+        pushed: args.pushed_rounds.then(Arc::default),
         dir,
         _tmp: tmp,
         pki,
@@ -902,7 +916,7 @@ async fn run_campaign(
     campaign_start(&sv.aggregator_bin, &sv.config, sv.console_addr, args.rounds, target, quorum_of(args, target))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     let mut stepper = match args.control_poll_ms {
-        ms if ms > 0 && !args.secure_aggregation => Stepper::paced(Duration::from_millis(ms)),
+        ms if ms > 0 && !args.secure_aggregation => Stepper::paced(Duration::from_millis(ms), sv.pushed.clone()),
         _ => Stepper::default(),
     };
     while poller.latest().published < published0 + args.rounds as u64 {
@@ -1085,18 +1099,46 @@ impl UploadBurst {
     }
 }
 
-/// An agent's aggregator client, its uploads held by the [`UploadBurst`] if there is one.
-struct HeldUploads {
-    inner: Arc<fedfleet_agent::remote::RemoteAggregator>,
-    burst: Option<Arc<UploadBurst>>,
+/// `--pushed-rounds`: the signed announcement the listener last heard.
+#[derive(Default)]
+struct PushedRound(Mutex<Option<fedfleet_protocol::Signed<fedfleet_protocol::RoundAnnouncement>>>);
+
+impl PushedRound {
+    /// Asks the aggregator for the round (one subscriber's hearing) and keeps the answer.
+    async fn listen(&self, listener: &fedfleet_agent::remote::RemoteAggregator) -> Option<RoundId> {
+        let heard = listener.client().current_round().await.ok()?.announcement;
+        let round = heard.as_ref().map(|a| a.body().round);
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = heard;
+        round
+    }
 }
 
-impl fedfleet_agent::clients::Aggregator for HeldUploads {
+/// An agent's aggregator client: its uploads held by the [`UploadBurst`], and its rounds pushed
+/// by [`PushedRound`], where the run has them.
+struct BenchAggregator {
+    inner: Arc<fedfleet_agent::remote::RemoteAggregator>,
+    burst: Option<Arc<UploadBurst>>,
+    pushed: Option<Arc<PushedRound>>,
+    /// The key the agent pins (the pushed announcement is verified against it).
+    receipt_key: ed25519_dalek::VerifyingKey,
+}
+
+impl fedfleet_agent::clients::Aggregator for BenchAggregator {
+    /// As `MqttAggregator`: the pushed announcement once one arrived, else a poll.
     async fn current_round(
         &self,
         fleet: &FleetId,
     ) -> Result<Option<fedfleet_protocol::RoundAnnouncement>, fedfleet_agent::clients::TransportError> {
-        self.inner.current_round(fleet).await
+        let pushed = self.pushed.as_ref().and_then(|p| p.0.lock().unwrap_or_else(|p| p.into_inner()).clone());
+        match pushed {
+            Some(signed) => {
+                let a = signed
+                    .verify(&self.receipt_key)
+                    .map_err(|e| fedfleet_agent::clients::TransportError(format!("round announcement signature: {e}")))?;
+                Ok((&a.fleet == fleet).then(|| a.clone()))
+            }
+            None => self.inner.current_round(fleet).await,
+        }
     }
     async fn fetch_base_model(
         &self,
@@ -1181,7 +1223,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
         options.keep_alive = Some(Duration::from_secs(10));
         let region = RemoteFleet::start_with(options, |l| {
-            let agg = HeldUploads { inner: l.aggregator.clone(), burst: burst.clone() };
+            let agg = BenchAggregator { inner: l.aggregator.clone(), burst: burst.clone(), pushed: sv.pushed.clone(), receipt_key };
             Ok((Arc::new(agg), l.registry.clone()))
         })?;
         match &mut fleet {
@@ -1534,7 +1576,7 @@ async fn step_all(fleet: &mut Fleet) -> anyhow::Result<()> {
 }
 
 type AgentStep = tokio::task::JoinHandle<(
-    fedfleet_agent::agent::Agent<HeldUploads, fedfleet_agent::remote::RemoteRegistry>,
+    fedfleet_agent::agent::Agent<BenchAggregator, fedfleet_agent::remote::RemoteRegistry>,
     Result<usize, fedfleet_agent::lifecycle::AgentError>,
 )>;
 
@@ -1548,6 +1590,8 @@ struct Stepper {
     running: Vec<AgentStep>,
     /// `--control-poll-ms`: when each agent asks for the round and its assignment; `None`: every step.
     paced: Option<ControlPolls>,
+    /// `--pushed-rounds`: where the listener leaves what it heard.
+    pushed: Option<Arc<PushedRound>>,
 }
 
 /// `--control-poll-ms`: agents ask the services at most every `every`, and the aggregator alone
@@ -1585,9 +1629,9 @@ impl ControlPolls {
 }
 
 impl Stepper {
-    fn paced(every: Duration) -> Self {
+    fn paced(every: Duration, pushed: Option<Arc<PushedRound>>) -> Self {
         let paced = ControlPolls { every, heard: None, heard_at: Instant::now(), last_ask: Default::default() };
-        Stepper { running: Vec::new(), paced: Some(paced) }
+        Stepper { running: Vec::new(), paced: Some(paced), pushed }
     }
 
     /// Takes back the agents whose step ended, and starts a step for each idle agent.
@@ -1595,7 +1639,10 @@ impl Stepper {
         self.collect(fleet, false).await?;
         if let Some(p) = &mut self.paced {
             // The listener: the first agent's connection, asking as one subscriber would hear.
-            let heard = fleet.aggregator(0).current_round(&FleetId::new(FLEET)?).await.ok().flatten().map(|a| a.round);
+            let heard = match &self.pushed {
+                Some(pushed) => pushed.listen(fleet.aggregator(0)).await,
+                None => fleet.aggregator(0).current_round(&FleetId::new(FLEET)?).await.ok().flatten().map(|a| a.round),
+            };
             if heard.is_some() && heard != p.heard {
                 (p.heard, p.heard_at) = (heard, Instant::now());
             }

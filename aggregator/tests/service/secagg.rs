@@ -33,9 +33,18 @@ fn refusal(r: Result<(), fedfleet_aggregator::client::ClientError>) -> (RejectRe
     }
 }
 
+/// The open round's announcement, asked again for up to 20 s (a loaded machine may answer the
+/// operator before a device sees the round).
 async fn announcement(c: &AggregatorClient) -> (RoundAnnouncement, ed25519_dalek::VerifyingKey) {
-    let info = c.current_round().await.unwrap();
-    (info.announcement.expect("a round is open").verify(&info.receipt_key).unwrap().clone(), info.receipt_key)
+    let t0 = std::time::Instant::now();
+    loop {
+        let info = c.current_round().await.unwrap();
+        if let Some(a) = info.announcement {
+            return (a.verify(&info.receipt_key).unwrap().clone(), info.receipt_key);
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "no round opened");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }
 
 /// Polls device `c` until the round's stage is `stage`.

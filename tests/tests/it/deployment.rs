@@ -180,6 +180,19 @@ impl Deployment {
         (1..=self.agents).map(|i| std::fs::read_to_string(self.log(&format!("agent-{i}"))).unwrap_or_default()).collect()
     }
 
+    /// How many times the agents' logs say `line`, once they say it `n` times or 60 s passed:
+    /// a campaign is over when the aggregator publishes, before every agent heard back.
+    pub fn agent_lines(&self, line: &str, n: usize) -> usize {
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let seen = self.agent_logs().matches(line).count();
+            if seen >= n || std::time::Instant::now() >= end {
+                return seen;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
     /// Stops the agents with SIGTERM (each must exit cleanly); the services are killed on drop.
     pub fn stop_agents(&mut self) {
         for mut a in self.agent_procs.drain(..) {

@@ -132,6 +132,7 @@ fn a_secure_round_publishes_the_plain_rounds_model_and_stores_no_agents_update()
     secure.append("aggregator.toml", SECURE_AGGREGATION);
     secure.start("fedfleet-agent");
     let secure_status = campaign(&secure).join().expect("the secure campaign");
+    let securely = secure.agent_lines("update securely aggregated", AGENTS);
     secure.stop_agents();
     let log = secure.log("aggregator");
     let context = format!(
@@ -145,7 +146,7 @@ fn a_secure_round_publishes_the_plain_rounds_model_and_stores_no_agents_update()
     );
     assert_eq!(count_lines(&log, "the round's sum is unmasked and merged"), 1, "{context}");
     assert_eq!(count_lines(&log, "update accepted"), 0, "no update reached the aggregator in the clear\n{context}");
-    assert_eq!(secure.agent_logs().matches("update securely aggregated").count(), AGENTS, "every agent's update is in the sum\n{context}");
+    assert_eq!(securely, AGENTS, "every agent's update is in the sum\n{context}");
     let secure_accuracy = secure.version_metrics("digits", "accuracy");
     assert_eq!(secure_accuracy.len(), 2, "the initial model and the round's\n{context}");
     assert!(
@@ -173,6 +174,7 @@ fn dp_fedavg_under_secure_aggregation_noises_on_the_agents_and_publishes_the_spe
     d.append("aggregator.toml", SECURE_AGGREGATION);
     d.start("fedfleet-agent");
     let status = campaign(&d).join().expect("the campaign");
+    let securely = d.agent_lines("update securely aggregated", AGENTS);
     d.stop_agents();
     let log = d.log("aggregator");
     let agents = d.agent_logs();
@@ -183,7 +185,7 @@ fn dp_fedavg_under_secure_aggregation_noises_on_the_agents_and_publishes_the_spe
         "`campaign start` names both modes\n{context}"
     );
     assert_eq!(agents.matches("update clipped and noised on the device").count(), AGENTS, "{context}");
-    assert_eq!(agents.matches("update securely aggregated").count(), AGENTS, "{context}");
+    assert_eq!(securely, AGENTS, "{context}");
     assert_eq!(count_lines(&log, "update accepted"), 0, "no update reached the aggregator in the clear\n{context}");
 
     // The round's model: the one global model in the aggregator's store that is not the initial.
