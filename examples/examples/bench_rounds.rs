@@ -246,6 +246,9 @@ fn coordinate(args: &Args) -> anyhow::Result<()> {
     if args.secure_aggregation && args.sampled {
         bail!("--secure-aggregation runs with the all-agents fleet, not --sampled");
     }
+    if args.pushed_rounds && args.control_poll_ms == 0 {
+        bail!("--pushed-rounds needs the listener of --control-poll-ms > 0 (with 0, every agent asks every step)");
+    }
     let aggregator = aggregator_binary(args)?;
     let started = Instant::now();
     let mut results = Vec::new();
