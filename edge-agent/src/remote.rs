@@ -126,6 +126,17 @@ impl RemoteAggregator {
     }
 }
 
+/// A round announcement checked against the pinned receipt key, however it arrived (polled, or
+/// pushed to a simulated device); `None` when it is another fleet's.
+pub fn verified_round(
+    signed: &Signed<RoundAnnouncement>,
+    receipt_key: &VerifyingKey,
+    fleet: &FleetId,
+) -> Result<Option<RoundAnnouncement>, TransportError> {
+    let a = signed.verify(receipt_key).map_err(|e| TransportError(format!("round announcement signature: {e}")))?;
+    Ok((&a.fleet == fleet).then(|| a.clone()))
+}
+
 impl Aggregator for RemoteAggregator {
     async fn current_round(&self, fleet: &FleetId) -> Result<Option<RoundAnnouncement>, TransportError> {
         let info = self.limited("round poll", self.client.current_round()).await?;
@@ -137,11 +148,7 @@ impl Aggregator for RemoteAggregator {
             )));
         }
         let Some(signed) = info.announcement else { return Ok(None) };
-        let a = signed.verify(&self.receipt_key).map_err(|e| TransportError(format!("round announcement signature: {e}")))?;
-        if &a.fleet != fleet {
-            return Ok(None);
-        }
-        Ok(Some(a.clone()))
+        verified_round(&signed, &self.receipt_key, fleet)
     }
 
     async fn fetch_base_model(&self, model: &ModelRef) -> Result<BaseModel, TransportError> {

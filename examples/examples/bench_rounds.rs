@@ -1134,12 +1134,7 @@ impl fedfleet_agent::clients::Aggregator for BenchAggregator {
     ) -> Result<Option<fedfleet_protocol::RoundAnnouncement>, fedfleet_agent::clients::TransportError> {
         let pushed = self.pushed.as_ref().and_then(|p| p.0.lock().unwrap_or_else(|p| p.into_inner()).clone());
         match pushed {
-            Some(signed) => {
-                let a = signed
-                    .verify(&self.receipt_key)
-                    .map_err(|e| fedfleet_agent::clients::TransportError(format!("round announcement signature: {e}")))?;
-                Ok((&a.fleet == fleet).then(|| a.clone()))
-            }
+            Some(signed) => fedfleet_agent::remote::verified_round(&signed, &self.receipt_key, fleet),
             None => self.inner.current_round(fleet).await,
         }
     }
