@@ -20,6 +20,10 @@ pub const OVERLOADED: u32 = 0x4f4c; // "OL"
 /// endpoint refused it before the handshake (a QUIC refusal has no room for one).
 pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(2);
 
+/// How long a service gives a handshake (`AdmissionConfig::handshake_timeout`'s default), and
+/// so how long a client waits for one: past it the service has dropped it.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How many of each, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionConfig {
@@ -44,7 +48,7 @@ impl AdmissionConfig {
         AdmissionConfig {
             handshakes: 256,
             per_source: 64,
-            handshake_timeout: Duration::from_secs(10),
+            handshake_timeout: HANDSHAKE_TIMEOUT,
             devices,
             services: 64,
             retry_after: DEFAULT_RETRY_AFTER,

@@ -197,30 +197,86 @@ pub fn server_endpoint_restartable(addr: SocketAddr, tls: rustls::ServerConfig, 
     let seed = blake3::derive_key("fedfleet-net 2026 QUIC stateless reset key v1", secret);
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &seed);
     let mut config = quinn::EndpointConfig::new(Arc::new(key));
-    // The new process must also recognise the old connection ids as its own (hashed with a
+    // The new process must also recognise the old connection ids as its own (tagged with a
     // stable key), or it drops their packets instead of resetting them.
-    let cid_seed = blake3::derive_key("fedfleet-net 2026 QUIC connection id key v1", secret);
-    let cid_key = u64::from_le_bytes(cid_seed[..8].try_into().expect("8 bytes"));
-    config.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
+    let cid_key = blake3::derive_key("fedfleet-net 2026 QUIC connection id key v2", secret);
+    config.cid_generator(move || Box::new(KeyedConnectionIds { key: cid_key }));
     bind_server(addr, tls, config)
 }
 
-/// Socket buffers a service asks for: a fleet's handshakes and uploads arrive in bursts, and
-/// the kernel default (~208 KiB) drops datagrams that QUIC then waits to retransmit. The kernel
-/// caps the request at `net.core.rmem_max`/`wmem_max`; a smaller buffer is not an error.
-const SERVICE_SOCKET_BUFFER: usize = 4 << 20;
+/// Connection ids a service can tell as its own after a restart: a random nonce and a keyed
+/// tag of it. quinn's `HashedConnectionIdGenerator` does the same with a 3-byte nonce, but the
+/// id a stateless retry hands out is not checked against live connections' ids, and at 24 bits
+/// a burst of thousands of retries beside thousands of connections draws a live id every few
+/// thousand (measured: 1-4 devices per 3,000-device burst whose handshakes hung until their
+/// timeout, their Initials going to another connection). At 64 bits that does not happen.
+struct KeyedConnectionIds {
+    key: [u8; 32],
+}
+
+const CID_NONCE_LEN: usize = 8;
+const CID_TAG_LEN: usize = 4;
+
+impl KeyedConnectionIds {
+    fn tag(&self, nonce: &[u8]) -> [u8; CID_TAG_LEN] {
+        let hash = blake3::keyed_hash(&self.key, nonce);
+        hash.as_bytes()[..CID_TAG_LEN].try_into().expect("a blake3 hash has 32 bytes")
+    }
+}
+
+impl quinn_proto::ConnectionIdGenerator for KeyedConnectionIds {
+    fn generate_cid(&mut self) -> quinn_proto::ConnectionId {
+        let mut id = [0u8; CID_NONCE_LEN + CID_TAG_LEN];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut id[..CID_NONCE_LEN]).expect("the system's random source");
+        let tag = self.tag(&id[..CID_NONCE_LEN]);
+        id[CID_NONCE_LEN..].copy_from_slice(&tag);
+        quinn_proto::ConnectionId::new(&id)
+    }
+
+    fn validate(&self, cid: &quinn_proto::ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
+        let (nonce, tag) = cid.split_at(CID_NONCE_LEN.min(cid.len()));
+        if cid.len() == CID_NONCE_LEN + CID_TAG_LEN && self.tag(nonce) == tag { Ok(()) } else { Err(quinn_proto::InvalidCid) }
+    }
+
+    fn cid_len(&self) -> usize {
+        CID_NONCE_LEN + CID_TAG_LEN
+    }
+
+    fn cid_lifetime(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// Socket buffers a service asks for: a fleet's handshakes and uploads arrive in bursts (a
+/// round's uploads from 1,000 devices are 20 MB at once), and the kernel default (~208 KiB)
+/// drops datagrams that QUIC then waits to retransmit, shrinking its window. The kernel caps
+/// the request at `net.core.rmem_max`/`wmem_max`; a smaller buffer is not an error, but it is
+/// said once, with the setting to raise.
+const SERVICE_SOCKET_BUFFER: usize = 16 << 20;
 
 fn widen_buffers(socket: &std::net::UdpSocket) {
     let Ok(state) = quinn::udp::UdpSocketState::new(socket.into()) else { return };
     let recv = state.set_recv_buffer_size(socket.into(), SERVICE_SOCKET_BUFFER);
     let send = state.set_send_buffer_size(socket.into(), SERVICE_SOCKET_BUFFER);
-    tracing::debug!(
-        recv = ?state.recv_buffer_size(socket.into()).ok(),
-        send = ?state.send_buffer_size(socket.into()).ok(),
-        ok = recv.is_ok() && send.is_ok(),
-        "service UDP socket buffers"
-    );
+    let granted = state.recv_buffer_size(socket.into()).ok();
+    tracing::debug!(recv = ?granted, send = ?state.send_buffer_size(socket.into()).ok(), ok = recv.is_ok() && send.is_ok(), "service UDP socket buffers");
+    // Linux reports twice what it granted (half is its bookkeeping), so a full grant reads as
+    // at least the request.
+    if let Some(granted) = granted
+        && granted < SERVICE_SOCKET_BUFFER
+        && !SMALL_BUFFER_SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::info!(
+            asked = SERVICE_SOCKET_BUFFER,
+            granted,
+            "the UDP receive buffer is smaller than asked: bursts of uploads will be dropped and resent; \
+             for fleets of thousands raise it (sysctl -w net.core.rmem_max=16777216 net.core.wmem_max=16777216)"
+        );
+    }
 }
+
+/// [`widen_buffers`]' advice is given once a process.
+static SMALL_BUFFER_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn bind_server(addr: SocketAddr, tls: rustls::ServerConfig, endpoint: quinn::EndpointConfig) -> Result<quinn::Endpoint, NetError> {
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| NetError::Config(e.to_string()))?;
@@ -276,7 +332,18 @@ pub fn shared_client_endpoint_at(addr: SocketAddr, tls: rustls::ClientConfig) ->
 /// this succeed: the refusal then surfaces on the first stream.
 pub async fn connect(endpoint: &quinn::Endpoint, addr: SocketAddr, server_name: &str) -> Result<quinn::Connection, NetError> {
     let connecting = endpoint.connect(addr, server_name).map_err(|cause| NetError::Connect { addr, cause })?;
-    Ok(connecting.await?)
+    handshake(connecting).await
+}
+
+/// Waits for a client handshake, up to [`admission::HANDSHAKE_TIMEOUT`]: a service drops a
+/// handshake it has not finished by then, so waiting on (until the 30 s idle timeout) would
+/// wait for nothing. The error is quinn's own for a handshake that timed out, so callers
+/// retry it as they would that.
+pub(crate) async fn handshake(connecting: quinn::Connecting) -> Result<quinn::Connection, NetError> {
+    match tokio::time::timeout(admission::HANDSHAKE_TIMEOUT, connecting).await {
+        Ok(c) => Ok(c?),
+        Err(_) => Err(NetError::Connection(quinn::ConnectionError::TimedOut)),
+    }
 }
 
 /// One bidirectional stream carrying length-prefixed frames.
@@ -348,6 +415,40 @@ mod tests {
 
     fn closed(e: quinn::ConnectionError) -> NetError {
         NetError::Connection(e)
+    }
+
+    /// The sysctl file a service host installs grants what the services ask for.
+    #[test]
+    fn the_shipped_sysctl_settings_grant_the_service_socket_buffers() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/sysctl/90-fedfleet.conf");
+        let conf = std::fs::read_to_string(path).unwrap();
+        for key in ["net.core.rmem_max", "net.core.wmem_max"] {
+            let value = conf
+                .lines()
+                .filter_map(|l| l.split_once('='))
+                .find(|(k, _)| k.trim() == key)
+                .map(|(_, v)| v.trim().parse::<usize>().unwrap())
+                .unwrap_or_else(|| panic!("{key} is not in {path}"));
+            assert!(value >= SERVICE_SOCKET_BUFFER, "{key} = {value}");
+        }
+    }
+
+    /// A burst's worth of connection ids (every stateless retry of 3,000 devices and their
+    /// connections' ids, twice over) has no two alike: quinn's 3-byte nonce gave about a dozen
+    /// pairs here. Ids are recognised by a restarted process (same key) and by no other.
+    #[test]
+    fn connection_ids_do_not_collide_in_a_burst_and_are_recognised_across_a_restart() {
+        use quinn_proto::ConnectionIdGenerator;
+        let key = blake3::derive_key("test", b"secret");
+        let mut ids = KeyedConnectionIds { key };
+        let drawn: Vec<_> = (0..20_000).map(|_| ids.generate_cid()).collect();
+        let distinct: std::collections::HashSet<_> = drawn.iter().map(|c| c.to_vec()).collect();
+        assert_eq!(distinct.len(), drawn.len());
+        let restarted = KeyedConnectionIds { key };
+        let stranger = KeyedConnectionIds { key: blake3::derive_key("test", b"another secret") };
+        assert!(drawn.iter().all(|c| restarted.validate(c).is_ok()));
+        assert!(drawn.iter().all(|c| stranger.validate(c).is_err()));
+        assert!(restarted.validate(&quinn_proto::ConnectionId::new(&drawn[0][..8])).is_err(), "a short id is not ours");
     }
 
     #[test]

@@ -92,7 +92,7 @@ impl RpcConnection {
             .endpoint
             .connect_with(config, self.addr, &self.server_name)
             .map_err(|cause| NetError::Connect { addr: self.addr, cause })?;
-        let c = connecting.await?;
+        let c = crate::handshake(connecting).await?;
         *guard = Some(c.clone());
         Ok(c)
     }
@@ -159,5 +159,28 @@ impl RpcConnection {
         if self.owns_endpoint {
             self.endpoint.wait_idle().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handshake nobody answers (a bound socket that reads nothing) ends at the services'
+    /// handshake bound, not at the idle timeout three times as long.
+    #[tokio::test(start_paused = true)]
+    async fn a_handshake_nobody_answers_ends_at_the_services_bound() {
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let tls = rustls::ClientConfig::builder_with_provider(fedfleet_certs::tls::provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let rpc = RpcConnection::new(silent.local_addr().unwrap(), "aggregator", tls).unwrap();
+        let started = tokio::time::Instant::now();
+        let err = rpc.connection().await.unwrap_err();
+        assert!(matches!(err, NetError::Connection(quinn::ConnectionError::TimedOut)), "{err}");
+        let waited = started.elapsed();
+        assert!(waited >= crate::admission::HANDSHAKE_TIMEOUT && waited < crate::IDLE_TIMEOUT, "{waited:?}");
     }
 }
