@@ -3,12 +3,13 @@
 
 use super::*;
 
-/// The base model of the open round, decoded.
+/// The base model of the open round, decoded. Every upload holds a clone while it is checked
+/// and folded, so its parts are shared, not copied.
 #[derive(Clone)]
 pub(super) struct Base {
     pub(super) digest: Digest,
     pub(super) version: ModelVersion,
-    pub(super) layout: Layout,
+    pub(super) layout: Arc<Layout>,
     pub(super) values: Arc<Vec<f32>>,
     pub(super) sent: Arc<Sent>,
 }
@@ -39,7 +40,14 @@ impl Sent {
 }
 
 impl Base {
-    pub(super) fn new(digest: Digest, version: ModelVersion, layout: Layout, values: Vec<f32>, sent_layout: &Layout) -> Self {
+    pub(super) fn new(
+        digest: Digest,
+        version: ModelVersion,
+        layout: impl Into<Arc<Layout>>,
+        values: Vec<f32>,
+        sent_layout: &Layout,
+    ) -> Self {
+        let layout = layout.into();
         let sent = Arc::new(Sent::of(&layout, sent_layout));
         Base { digest, version, layout, values: Arc::new(values), sent }
     }
