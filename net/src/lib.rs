@@ -234,8 +234,11 @@ impl quinn_proto::ConnectionIdGenerator for KeyedConnectionIds {
     }
 
     fn validate(&self, cid: &quinn_proto::ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
-        let (nonce, tag) = cid.split_at(CID_NONCE_LEN.min(cid.len()));
-        if cid.len() == CID_NONCE_LEN + CID_TAG_LEN && self.tag(nonce) == tag { Ok(()) } else { Err(quinn_proto::InvalidCid) }
+        if cid.len() != CID_NONCE_LEN + CID_TAG_LEN {
+            return Err(quinn_proto::InvalidCid);
+        }
+        let (nonce, tag) = cid.split_at(CID_NONCE_LEN);
+        if self.tag(nonce) == tag { Ok(()) } else { Err(quinn_proto::InvalidCid) }
     }
 
     fn cid_len(&self) -> usize {
