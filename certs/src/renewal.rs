@@ -17,7 +17,8 @@ use crate::error::CertError;
 use crate::identity::CaCert;
 use crate::{PeerIdentity, keys, peer_identity, pki, x509};
 
-/// A service warns when its own certificate expires within this many days.
+/// A service warns when its own certificate expires within this many days, or within the last
+/// third of its lifetime if that is shorter (a 30-day certificate is not "expiring" when issued).
 pub const EXPIRY_WARNING_DAYS: u64 = 30;
 
 /// An ed25519 public key as rcgen's subject key: renewal signs a certificate for a key whose
@@ -56,6 +57,14 @@ impl Validity {
         self.not_after - now
     }
 
+    /// Whether a service should warn about its own certificate at `now`: within
+    /// [`EXPIRY_WARNING_DAYS`] of its end, or within the last third of its lifetime if that is
+    /// shorter, so that short-lived certificates do not warn from the moment they are issued.
+    pub fn expiry_warning_due(&self, now: i64) -> bool {
+        let lifetime = (self.not_after - self.not_before).max(0);
+        self.seconds_left(now) < (EXPIRY_WARNING_DAYS as i64 * 86_400).min(lifetime / 3)
+    }
+
     pub fn is_expired(&self, now: i64) -> bool {
         now > self.not_after
     }
@@ -76,14 +85,14 @@ pub fn rfc3339(unix: i64) -> String {
         .unwrap_or_else(|| format!("unix {unix}"))
 }
 
-/// Logs a WARN when a service's own certificate `name` (at `path`) expires within
-/// [`EXPIRY_WARNING_DAYS`] of `now` (an ERROR once it has), and returns the seconds left.
+/// Logs a WARN when a service's own certificate `name` expires soon at `now`
+/// ([`Validity::expiry_warning_due`]; an ERROR once it has), and returns the seconds left.
 pub fn warn_if_expiring(name: &str, validity: Validity, now: i64) -> i64 {
     let left = validity.seconds_left(now);
     let not_after = rfc3339(validity.not_after);
     if left <= 0 {
         tracing::error!(certificate = name, %not_after, "this service's certificate has expired: clients refuse it; issue a new one (fedfleet-certs issue-server --force) and restart");
-    } else if left < (EXPIRY_WARNING_DAYS * 86_400) as i64 {
+    } else if validity.expiry_warning_due(now) {
         tracing::warn!(certificate = name, %not_after, days_left = left / 86_400, "this service's certificate expires soon: issue a new one (fedfleet-certs issue-server --force) and restart");
     }
     left

@@ -262,3 +262,18 @@ fn the_crl_lists_every_revoked_serial_signed_by_the_ca() {
     pki.write_crl().unwrap();
     assert_eq!(std::fs::read(pki.crl_path()).unwrap(), pem_bytes);
 }
+
+#[test]
+fn a_service_certificate_warns_in_its_last_30_days_or_last_third_whichever_is_shorter() {
+    use crate::renewal::Validity;
+    const DAY: i64 = 86_400;
+    let year = Validity { not_before: 0, not_after: 365 * DAY };
+    assert!(!year.expiry_warning_due(335 * DAY - 1), "31 days left of a year: quiet");
+    assert!(year.expiry_warning_due(335 * DAY + 1), "under 30 days left: warns");
+    // A 30-day certificate has under 30 days left from its first second; it warns in its last 10.
+    let month = Validity { not_before: 0, not_after: 30 * DAY };
+    assert!(!month.expiry_warning_due(3_600), "an hour-old short-lived certificate does not warn");
+    assert!(!month.expiry_warning_due(20 * DAY - 1));
+    assert!(month.expiry_warning_due(20 * DAY + 1));
+    assert!(month.expiry_warning_due(31 * DAY), "expired: still due (the caller logs an error)");
+}
