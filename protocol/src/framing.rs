@@ -184,10 +184,18 @@ impl FrameDecoder {
             return Err(FrameError::TooLarge { kind, len: u64::from(len), max: kind.max_body_len() });
         }
         let total = FRAME_PREFIX_LEN + len as usize;
-        let Some(body) = pending.get(FRAME_PREFIX_LEN..total) else {
+        if pending.len() < total {
             return Ok(None);
-        };
-        let frame = Frame { kind, body: body.to_vec() };
+        }
+        if self.start == 0 && total == self.buf.len() {
+            // The buffer holds this frame alone (an upload's payload chunk, typically): it
+            // becomes the body, so a stream waiting on its commit keeps no second copy.
+            let mut body = std::mem::take(&mut self.buf);
+            body.drain(..FRAME_PREFIX_LEN);
+            body.shrink_to_fit();
+            return Ok(Some(Frame { kind, body }));
+        }
+        let frame = Frame { kind, body: pending[FRAME_PREFIX_LEN..total].to_vec() };
         self.start += total;
         if self.start == self.buf.len() {
             self.buf.clear();
@@ -225,6 +233,25 @@ mod tests {
             decoder.finish().unwrap();
             assert_eq!(out, frames, "piece size {piece}");
         }
+    }
+
+    #[test]
+    fn a_frame_alone_in_the_buffer_becomes_its_body_and_the_decoder_keeps_no_copy() {
+        let body = vec![9u8; 20_000];
+        let mut wire = encode_frame(FrameKind::Chunk, &body).unwrap();
+        let mut decoder = FrameDecoder::new();
+        for piece in wire.chunks(1_200) {
+            decoder.push(piece);
+        }
+        let frame = decoder.poll().unwrap().unwrap();
+        assert_eq!(frame, Frame { kind: FrameKind::Chunk, body: body.clone() });
+        assert_eq!(decoder.buf.capacity(), 0, "the buffer became the body");
+        // The next frames decode as before.
+        wire.extend(encode_frame(FrameKind::End, &[]).unwrap());
+        decoder.push(&wire);
+        assert_eq!(decoder.poll().unwrap().unwrap(), Frame { kind: FrameKind::Chunk, body });
+        assert_eq!(decoder.poll().unwrap().unwrap(), Frame { kind: FrameKind::End, body: vec![] });
+        decoder.finish().unwrap();
     }
 
     #[test]

@@ -65,12 +65,19 @@ pub(super) async fn receive_payload(
         }
         Payload::Quic(stream) => stream,
     };
-    let mut payload = Vec::with_capacity(header.payload_len() as usize);
+    // A payload of one chunk is that chunk's buffer, not a copy; more chunks go into one
+    // buffer of the length the checked header states.
+    let mut payload = Vec::new();
     loop {
         match stream.recv().await {
             Ok(Some(Frame { kind: FrameKind::Chunk, body })) => {
                 check.update(&body).map_err(refused)?;
-                payload.extend_from_slice(&body);
+                if payload.is_empty() {
+                    payload = body;
+                } else {
+                    payload.reserve_exact((header.payload_len() as usize).saturating_sub(payload.len()));
+                    payload.extend_from_slice(&body);
+                }
             }
             Ok(Some(Frame { kind: FrameKind::End, .. })) => break,
             Ok(Some(f)) => return Err(reject(RejectReason::Malformed, format!("unexpected {:?} frame in a payload", f.kind))),
