@@ -187,12 +187,14 @@ impl FrameDecoder {
         if pending.len() < total {
             return Ok(None);
         }
-        if self.start == 0 && total == self.buf.len() {
-            // The buffer holds this frame alone (an upload's payload chunk, typically): it
-            // becomes the body, so a stream waiting on its commit keeps no second copy.
+        if pending.len() == total {
+            // This frame ends the buffer (an upload's payload chunk, typically, after its header
+            // frame): the buffer becomes the body, so a stream waiting on its commit keeps no
+            // second copy.
             let mut body = std::mem::take(&mut self.buf);
-            body.drain(..FRAME_PREFIX_LEN);
+            body.drain(..self.start + FRAME_PREFIX_LEN);
             body.shrink_to_fit();
+            self.start = 0;
             return Ok(Some(Frame { kind, body }));
         }
         let frame = Frame { kind, body: pending[FRAME_PREFIX_LEN..total].to_vec() };
@@ -236,13 +238,16 @@ mod tests {
     }
 
     #[test]
-    fn a_frame_alone_in_the_buffer_becomes_its_body_and_the_decoder_keeps_no_copy() {
+    fn a_frame_that_ends_the_buffer_becomes_its_body_and_the_decoder_keeps_no_copy() {
         let body = vec![9u8; 20_000];
         let mut wire = encode_frame(FrameKind::Chunk, &body).unwrap();
         let mut decoder = FrameDecoder::new();
+        // A header frame first, in the same buffer, as an upload's arrives.
+        decoder.push(&encode_frame(FrameKind::Signed, &[1, 2, 3]).unwrap());
         for piece in wire.chunks(1_200) {
             decoder.push(piece);
         }
+        assert_eq!(decoder.poll().unwrap().unwrap(), Frame { kind: FrameKind::Signed, body: vec![1, 2, 3] });
         let frame = decoder.poll().unwrap().unwrap();
         assert_eq!(frame, Frame { kind: FrameKind::Chunk, body: body.clone() });
         assert_eq!(decoder.buf.capacity(), 0, "the buffer became the body");
