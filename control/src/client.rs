@@ -219,6 +219,7 @@ impl ControlClient {
             options: options.clone(),
             events: events_tx,
             shared: shared.clone(),
+            requests: client.clone(),
         };
         tokio::spawn(driver.run(eventloop, stopped));
         (
@@ -371,6 +372,8 @@ struct Driver {
     events: mpsc::Sender<ControlEvent>,
     shared: Arc<Shared>,
     inbound: Inbound,
+    /// The request channel's sending side, for subscribing again to refused filters.
+    requests: AsyncClient,
 }
 
 /// What one incoming publish came to (see [`Inbound::receive`]).
@@ -407,6 +410,56 @@ async fn pause(stopped: &mut watch::Receiver<bool>, d: Duration) -> bool {
     tokio::select! {
         _ = stopped.changed() => true,
         _ = tokio::time::sleep(d) => false,
+    }
+}
+
+/// The filters of a subscription the broker refused (a missing answer counts as refused).
+fn refused_filters(filters: Vec<rumqttc::SubscribeFilter>, codes: &[rumqttc::SubscribeReasonCode]) -> Vec<rumqttc::SubscribeFilter> {
+    filters
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| !matches!(codes.get(*i), Some(rumqttc::SubscribeReasonCode::Success(_))))
+        .map(|(_, f)| f)
+        .collect()
+}
+
+/// Subscribing again to refused filters, after a pause that doubles from the backoff's start
+/// to its ceiling. A task sends the subscription through the request channel, so the connection
+/// task goes on polling (keep-alives, deliveries) meanwhile; a lost connection cancels it (the
+/// reconnect subscribes to everything).
+struct Resubscribe {
+    task: Option<tokio::task::JoinHandle<()>>,
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Resubscribe {
+    fn new(initial: Duration, max: Duration) -> Resubscribe {
+        Resubscribe { task: None, initial, max, next: initial }
+    }
+
+    /// Subscribes to `filters` again after the next pause; returns the pause.
+    fn schedule(&mut self, requests: &AsyncClient, filters: Vec<rumqttc::SubscribeFilter>) -> Duration {
+        let pause = jitter(self.next);
+        self.next = (self.next * 2).min(self.max);
+        let requests = requests.clone();
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(pause).await;
+            let _ = requests.subscribe_many(filters).await;
+        });
+        if let Some(old) = self.task.replace(task) {
+            old.abort();
+        }
+        pause
+    }
+
+    /// Drops a pending resubscription; the next pause starts again from the backoff's start.
+    fn cancel(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+        self.next = self.initial;
     }
 }
 
@@ -473,9 +526,11 @@ impl Driver {
     async fn run(mut self, mut eventloop: EventLoop, mut stopped: watch::Receiver<bool>) {
         let mut backoff = self.options.backoff_initial;
         let mut connected = false;
-        // Connected is announced once the broker has acknowledged the subscriptions, so a
-        // message published after it reaches this client.
-        let mut awaiting_suback = false;
+        // Connected is announced once the broker has acknowledged every subscription, so a
+        // message published after it reaches this client. These are the filters whose
+        // acknowledgement is awaited, and the task that subscribes to refused ones again.
+        let mut awaiting: Vec<rumqttc::SubscribeFilter> = Vec::new();
+        let mut resubscribe = Resubscribe::new(self.options.backoff_initial, self.options.backoff_max);
         loop {
             let polled = tokio::select! {
                 _ = stopped.changed() => break,
@@ -485,36 +540,36 @@ impl Driver {
                 Ok(Event::Incoming(Packet::ConnAck(_))) => {
                     connected = true;
                     backoff = self.options.backoff_initial;
+                    resubscribe.cancel();
                     // Counted at once: the stats say whether the broker took the connection.
                     self.shared.stats.lock().unwrap().connects += 1;
-                    awaiting_suback = self.on_connect(&mut eventloop);
-                    if !awaiting_suback {
+                    awaiting = self.on_connect(&mut eventloop);
+                    if awaiting.is_empty() {
                         self.emit_connected().await;
                     }
                 }
-                Ok(Event::Incoming(Packet::SubAck(ack))) if awaiting_suback => {
-                    awaiting_suback = false;
-                    if ack.return_codes.contains(&rumqttc::SubscribeReasonCode::Failure) {
-                        // Connected without hearing everything is worse than not connected (a
-                        // device would miss rounds): drop the connection and try again. A NATS
-                        // node still electing JetStream leaders refuses subscriptions for a while.
-                        // It answers but is not ready: a quick retry only adds to its backlog (each
-                        // connection costs it a session), so wait the backoff's ceiling.
-                        let wait = self.options.backoff_max;
-                        tracing::warn!(?wait, "the broker refused a subscription; connecting again");
-                        eventloop.clean();
-                        connected = false;
-                        if pause(&mut stopped, jitter(wait)).await {
-                            break;
-                        }
+                Ok(Event::Incoming(Packet::SubAck(ack))) if !awaiting.is_empty() => {
+                    let refused = refused_filters(std::mem::take(&mut awaiting), &ack.return_codes);
+                    if refused.is_empty() {
+                        self.emit_connected().await;
                         continue;
                     }
-                    self.emit_connected().await;
+                    // Connected without hearing everything is worse than not connected (a device
+                    // would miss rounds), so Connected waits. A NATS node refuses a subscription
+                    // whose JetStream consumer it could not create in time (placed on a peer that
+                    // died, leaders still being elected). Only the refused filters are asked
+                    // again, on this connection: reconnecting would cost the node a session and
+                    // the deletion of the last one's consumers, which time out the same way.
+                    let topics: Vec<&str> = refused.iter().map(|f| f.path.as_str()).collect();
+                    let wait = resubscribe.schedule(&self.requests, refused.clone());
+                    tracing::warn!(?topics, ?wait, "the broker refused subscriptions; subscribing to them again");
+                    awaiting = refused;
                 }
                 Ok(Event::Incoming(Packet::Publish(p))) => self.on_publish(&p.topic, &p.payload).await,
                 Ok(_) => {}
                 Err(e) => {
-                    awaiting_suback = false;
+                    awaiting.clear();
+                    resubscribe.cancel();
                     if connected {
                         connected = false;
                         self.emit(ControlEvent::Disconnected { error: e.to_string() }).await;
@@ -531,6 +586,7 @@ impl Driver {
                 break;
             }
         }
+        resubscribe.cancel();
     }
 
     /// After a lost or refused connection, points the event loop at the next node of the
@@ -552,13 +608,12 @@ impl Driver {
 
     /// Subscriptions and retained republishes for a fresh connection. They go to the front of
     /// the event loop's queue (never through the request channel, which this task drains and
-    /// so must not wait on). Returns whether a subscription waits for its acknowledgement.
-    fn on_connect(&mut self, eventloop: &mut EventLoop) -> bool {
+    /// so must not wait on). Returns the filters whose acknowledgement is awaited.
+    fn on_connect(&mut self, eventloop: &mut EventLoop) -> Vec<rumqttc::SubscribeFilter> {
         let subs = self.subscriptions();
-        let subscribing = !subs.is_empty();
         let mut requests = Vec::new();
-        if subscribing {
-            requests.push(Request::Subscribe(rumqttc::Subscribe::new_many(subs)));
+        if !subs.is_empty() {
+            requests.push(Request::Subscribe(rumqttc::Subscribe::new_many(subs.clone())));
         }
         {
             let s = self.shared.sticky.lock().unwrap();
@@ -578,7 +633,7 @@ impl Driver {
         for r in requests.into_iter().rev() {
             eventloop.pending.push_front(r);
         }
-        subscribing
+        subs
     }
 
     async fn emit_connected(&self) {
@@ -690,5 +745,24 @@ impl Inbound {
             Ok(None) => Received::Duplicate,
             Err(r) => rejected(r),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rumqttc::{SubscribeFilter, SubscribeReasonCode};
+
+    use super::*;
+
+    #[test]
+    fn only_the_refused_filters_are_asked_again_and_a_missing_answer_counts_as_refused() {
+        let filters: Vec<SubscribeFilter> =
+            ["a", "b", "c", "d"].iter().map(|p| SubscribeFilter::new(p.to_string(), QoS::AtLeastOnce)).collect();
+        let codes =
+            [SubscribeReasonCode::Success(QoS::AtLeastOnce), SubscribeReasonCode::Failure, SubscribeReasonCode::Success(QoS::AtMostOnce)];
+        let refused: Vec<String> = refused_filters(filters.clone(), &codes).into_iter().map(|f| f.path).collect();
+        assert_eq!(refused, ["b", "d"]);
+        let all_granted = [SubscribeReasonCode::Success(QoS::AtLeastOnce); 4];
+        assert!(refused_filters(filters, &all_granted).is_empty());
     }
 }
