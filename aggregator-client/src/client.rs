@@ -28,7 +28,7 @@ use std::net::SocketAddr;
 
 use ed25519_dalek::VerifyingKey;
 use fedfleet_net::{FramedStream, NetError, RpcConnection};
-use fedfleet_protocol::framing::FrameKind;
+use fedfleet_protocol::framing::{Frame, FrameKind};
 use fedfleet_protocol::messages;
 use fedfleet_protocol::{Digest, Message, Receipt, Rejection, RoundAnnouncement, RoundId, Signed, SignedUpdate};
 
@@ -193,24 +193,12 @@ impl AggregatorClient {
     /// Same as [`upload`](Self::upload) with the header already encoded (what an agent's outbox
     /// stores). The bytes are sent as given.
     pub async fn upload_encoded(&self, signed_header: &[u8], payload: &[u8]) -> Result<UploadOutcome, ClientError> {
-        let mut s = self.rpc.open_stream().await?;
-        // The server may answer and stop reading early (a refusal before the payload): a write
-        // error is then expected, and the answer is still read.
-        let sent: Result<(), NetError> = async {
-            s.send(FrameKind::Signed, signed_header).await?;
-            for chunk in payload.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
-                s.send(FrameKind::Chunk, chunk).await?;
-            }
-            s.send(FrameKind::End, &[]).await?;
-            Ok(())
-        }
-        .await;
-        s.finish();
-        let answer = match s.recv().await {
-            Ok(Some(f)) => f,
-            Ok(None) => return Err(sent.err().map(ClientError::from).unwrap_or_else(|| proto("no answer"))),
-            Err(e) => return Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(e))),
-        };
+        let answer = self
+            .exchange(async |s| {
+                s.send(FrameKind::Signed, signed_header).await?;
+                send_attachment(s, payload).await
+            })
+            .await?;
         match answer.kind {
             FrameKind::Signed => Ok(UploadOutcome::Accepted(Signed::<Receipt>::decode(&answer.body).map_err(proto)?)),
             FrameKind::Message => match Message::decode(&answer.body).map_err(proto)? {
@@ -238,17 +226,14 @@ impl AggregatorClient {
     /// Secure aggregation: sends one stage message (and at the masked stage its vector).
     pub async fn secagg_send(&self, message: &[u8], vector: &[u8]) -> Result<(), ClientError> {
         let req = Request::SecAggSend { message: message.to_vec(), vector_len: vector.len() as u64 };
+        let request = messages::encode(&req, MAX_WIRE_MESSAGE).map_err(proto)?;
         let send = || async {
-            let mut s = self.rpc.open_stream().await?;
-            s.send(FrameKind::Message, &messages::encode(&req, MAX_WIRE_MESSAGE).map_err(proto)?).await?;
-            if !vector.is_empty() {
-                for chunk in vector.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
-                    s.send(FrameKind::Chunk, chunk).await?;
-                }
-                s.send(FrameKind::End, &[]).await?;
-            }
-            s.finish();
-            let f = s.expect().await?;
+            let f = self
+                .exchange(async |s| {
+                    s.send(FrameKind::Message, &request).await?;
+                    if vector.is_empty() { Ok(()) } else { send_attachment(s, vector).await }
+                })
+                .await?;
             secagg_taken(messages::decode::<Response>(&f.body, MAX_WIRE_MESSAGE).map_err(proto)?)
         };
         self.rpc.retry(self.max_retries, ClientError::is_transport, send).await
@@ -259,10 +244,32 @@ impl AggregatorClient {
         secagg_view(self.call(&Request::SecAggPoll { round }).await?.0)
     }
 
+    /// Writes a request on a fresh stream and reads its answer. The server may answer and stop
+    /// reading early (a refusal before the payload or vector is read): a write error is then
+    /// expected, and the answer, with its reason, is still read.
+    async fn exchange(&self, write: impl AsyncFnOnce(&mut FramedStream) -> Result<(), NetError>) -> Result<Frame, ClientError> {
+        let mut s = self.rpc.open_stream().await?;
+        let sent = write(&mut s).await;
+        s.finish();
+        match s.recv().await {
+            Ok(Some(f)) => Ok(f),
+            Ok(None) => Err(sent.err().map(ClientError::from).unwrap_or_else(|| proto("no answer"))),
+            Err(e) => Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(e))),
+        }
+    }
+
     /// Closes the connection.
     pub async fn close(&self) {
         self.rpc.close().await;
     }
+}
+
+/// A payload or masked vector as `Chunk` frames and an `End`.
+async fn send_attachment(s: &mut FramedStream, bytes: &[u8]) -> Result<(), NetError> {
+    for chunk in bytes.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
+        s.send(FrameKind::Chunk, chunk).await?;
+    }
+    s.send(FrameKind::End, &[]).await
 }
 
 // What the secure-aggregation responses mean, whichever way they came (QUIC here, MQTT on the
