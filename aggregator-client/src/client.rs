@@ -253,7 +253,8 @@ impl AggregatorClient {
         s.finish();
         match s.recv().await {
             Ok(Some(f)) => Ok(f),
-            Ok(None) => Err(sent.err().map(ClientError::from).unwrap_or_else(|| proto("no answer"))),
+            // Ended unanswered (a handler stopped mid-request): a lost exchange, retried as one.
+            Ok(None) => Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(NetError::Closed))),
             Err(e) => Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(e))),
         }
     }
