@@ -269,8 +269,8 @@ fn default_relay_poll_ms() -> u64 {
 }
 
 /// `[admission]`: what the service takes at once. Connections are cheap (a QUIC connection holds
-/// no file descriptor; about 10 KB once connected, 20 KB once it has uploaded, and an agent lets an
-/// idle one go after 30 s); the bytes of updates being received
+/// no file descriptor; about 10 KB once connected, an estimated 20 KB once it has uploaded, and an
+/// agent lets an idle one go after 30 s); the bytes of updates being received
 /// are what is bounded. Operators and services have their own connections, never counted here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
