@@ -74,8 +74,8 @@ pub(super) async fn receive_payload(
                 check.update(&body).map_err(refused)?;
                 if payload.is_empty() {
                     payload = body;
-                } else {
                     payload.reserve_exact((header.payload_len() as usize).saturating_sub(payload.len()));
+                } else {
                     payload.extend_from_slice(&body);
                 }
             }
