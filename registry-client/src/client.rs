@@ -555,28 +555,44 @@ impl RegistryClient {
     }
 
     /// Publishes an artifact read from `r` (an `AdminRequest::Publish` carrying the metadata).
-    pub async fn publish(&self, req: AdminRequest, mut r: impl std::io::Read) -> Result<AdminAnswer, ClientError> {
+    pub async fn publish(&self, req: AdminRequest, r: impl std::io::Read) -> Result<AdminAnswer, ClientError> {
         if !matches!(req, AdminRequest::Publish(_)) {
             return Err(ClientError::Protocol("publish needs AdminRequest::Publish".into()));
         }
         let mut s = self.start(&Request::Admin(req), true).await?;
-        let mut buf = vec![0u8; wire::FRAME_DATA];
-        loop {
-            let n = r.read(&mut buf).map_err(|cause| ClientError::Io { path: PathBuf::from("<artifact>"), cause })?;
-            if n == 0 {
-                break;
-            }
-            s.send(FrameKind::Chunk, &buf[..n]).await?;
-        }
-        s.send(FrameKind::End, &[]).await?;
+        let sent = send_artifact(&mut s, r).await;
+        // Without its `End`, the registry takes the artifact as broken off and publishes nothing.
         s.finish();
-        self.admin_reply(&mut s).await
+        match sent {
+            Err(e @ ClientError::Io { .. }) => Err(e),
+            // The registry may refuse and stop reading before the artifact is in (a service that
+            // is not an operator, an artifact over the limit): the write then fails, and the
+            // answer, with its reason, is still read.
+            Err(write) => match self.admin_reply(&mut s).await {
+                Err(ClientError::Net(_) | ClientError::Protocol(_)) => Err(write),
+                answer => answer,
+            },
+            Ok(()) => self.admin_reply(&mut s).await,
+        }
     }
 
     /// Closes the connection politely.
     pub async fn close(&self) {
         self.rpc.close().await;
     }
+}
+
+/// An artifact read from `r` as `Chunk` frames and an `End`.
+async fn send_artifact(s: &mut FramedStream, mut r: impl std::io::Read) -> Result<(), ClientError> {
+    let mut buf = vec![0u8; wire::FRAME_DATA];
+    loop {
+        let n = r.read(&mut buf).map_err(|cause| ClientError::Io { path: PathBuf::from("<artifact>"), cause })?;
+        if n == 0 {
+            break;
+        }
+        s.send(FrameKind::Chunk, &buf[..n]).await?;
+    }
+    Ok(s.send(FrameKind::End, &[]).await?)
 }
 
 /// Writes the artifact of `m` from `cache` to `dest` (temp file + fsync + rename), re-hashing

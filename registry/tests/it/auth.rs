@@ -2,6 +2,7 @@ use crate::support::unix_ms;
 use fedfleet_certs::{ALPN_V1, tls};
 use fedfleet_protocol::{DeviceId, DeviceState, DeviceStatus, FleetId, RejectReason};
 use fedfleet_registry::client::ClientError;
+use fedfleet_registry::store::NewVersion;
 use fedfleet_registry::wire::AdminRequest;
 
 use crate::support::{Harness, bytes, deadline};
@@ -70,6 +71,36 @@ async fn identities_are_enforced() {
         let m = h.reg.metrics();
         assert!(m.get("fedfleet_registry_rejections_total", "denied") >= 4);
         assert_eq!(m.get("fedfleet_registry_rejections_total", "identity_mismatch"), 1);
+        h.stop().await;
+    })
+    .await;
+}
+
+/// A publish the registry refuses before reading its artifact keeps the registry's reason, though
+/// the client's writes then fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_refused_before_its_artifact_is_read_names_the_reason() {
+    deadline(60, async {
+        let h = Harness::start().await;
+        let intruder = h.client(h.service_tls("intruder"));
+        // Far more than a stream's receive window (1.25 MB), so the writes outlast the refusal.
+        let artifact = bytes(7, 8 << 20);
+        let new = NewVersion {
+            name: "m".into(),
+            spec: serde_json::json!({"arch": "mlp"}).into(),
+            parent: None,
+            metrics: Default::default(),
+            created_at_unix_ms: 1,
+            publisher: String::new(),
+            adapter: None,
+        };
+        match intruder.publish(AdminRequest::Publish(new), &artifact[..]).await.unwrap_err() {
+            ClientError::Denied(d) => assert!(d.contains("intruder is not an operator"), "{d}"),
+            e => panic!("expected the registry's denial, got {e}"),
+        }
+        let op = h.client(h.service_tls("operator"));
+        let list = serde_json::to_value(op.admin(AdminRequest::List).await.unwrap()).unwrap();
+        assert_eq!(list["models"], serde_json::json!([]), "nothing published: {list}");
         h.stop().await;
     })
     .await;
