@@ -196,7 +196,7 @@ impl AggregatorClient {
         let answer = self
             .exchange(async |s| {
                 s.send(FrameKind::Signed, signed_header).await?;
-                send_attachment(s, payload).await
+                s.send_payload(payload).await
             })
             .await?;
         match answer.kind {
@@ -231,7 +231,7 @@ impl AggregatorClient {
             let f = self
                 .exchange(async |s| {
                     s.send(FrameKind::Message, &request).await?;
-                    if vector.is_empty() { Ok(()) } else { send_attachment(s, vector).await }
+                    if vector.is_empty() { Ok(()) } else { s.send_payload(vector).await }
                 })
                 .await?;
             secagg_taken(messages::decode::<Response>(&f.body, MAX_WIRE_MESSAGE).map_err(proto)?)
@@ -263,14 +263,6 @@ impl AggregatorClient {
     pub async fn close(&self) {
         self.rpc.close().await;
     }
-}
-
-/// A payload or masked vector as `Chunk` frames and an `End`.
-async fn send_attachment(s: &mut FramedStream, bytes: &[u8]) -> Result<(), NetError> {
-    for chunk in bytes.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
-        s.send(FrameKind::Chunk, chunk).await?;
-    }
-    s.send(FrameKind::End, &[]).await
 }
 
 // What the secure-aggregation responses mean, whichever way they came (QUIC here, MQTT on the

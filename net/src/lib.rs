@@ -375,6 +375,14 @@ impl FramedStream {
         Ok(())
     }
 
+    /// Sends a payload (an update, a model, a masked vector) as `Chunk` frames and an `End`.
+    pub async fn send_payload(&mut self, bytes: &[u8]) -> Result<(), NetError> {
+        for chunk in bytes.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
+            self.send(FrameKind::Chunk, chunk).await?;
+        }
+        self.send(FrameKind::End, &[]).await
+    }
+
     /// Says we will send nothing more.
     pub fn finish(&mut self) {
         // Already finished or reset: nothing left to say.

@@ -296,13 +296,10 @@ impl Aggregator {
                 if stream.send(FrameKind::Message, &body).await.is_err() {
                     return None;
                 }
-                for chunk in bytes.chunks(fedfleet_protocol::limits::MAX_CHUNK_BYTES) {
-                    if stream.send(FrameKind::Chunk, chunk).await.is_err() {
-                        return None;
-                    }
+                // Counted as served once the whole model, its `End` too, is sent.
+                if stream.send_payload(&bytes).await.is_ok() {
+                    self.shared.metrics.base_models_served.inc();
                 }
-                let _ = stream.send(FrameKind::End, &[]).await;
-                self.shared.metrics.base_models_served.inc();
                 None
             }
             Request::CampaignStart(_) | Request::CampaignStatus | Request::CampaignStop if !is_operator => {
