@@ -648,11 +648,11 @@ impl<A: Aggregator, R: Registry> Agent<A, R> {
             let _ = std::fs::remove_file(&path);
             have = 0;
         }
-        // Space freed since a full disk: the store gets its reserve back first.
-        store.restore_reserve();
         let dir = path.parent().unwrap_or(store.dir());
         // An in-memory store makes its directory only when a download needs it.
         std::fs::create_dir_all(dir).map_err(|e| DownloadError::storage(dir, e))?;
+        // Space freed since a full disk: the store gets its reserve back first.
+        store.restore_reserve();
         let available = fedfleet_durable::available_space(dir).map_err(|e| DownloadError::storage(dir, e))?;
         let needed = (length - have).saturating_add(DOWNLOAD_HEADROOM_BYTES);
         if available < needed {
