@@ -32,9 +32,11 @@ fn readme_quick_tour_runs_as_written() {
         bin(name); // fails with how to build it
     }
     let work = tempfile::Builder::new().prefix("tour-").tempdir().unwrap();
+    // The EXIT trap waits for the daemons it stops: the checks below open the agent's store,
+    // which a daemon still shutting down holds locked.
     let script = format!(
         "set -euo pipefail\nset -x\nexport PATH=\"{}:$PATH\"\nexport NO_COLOR=1\n\
-         trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n{}\n",
+         trap 'kill $(jobs -p) 2>/dev/null || true; wait' EXIT\n{}\n",
         bin_dir.display(),
         commands.join("\n")
     );
