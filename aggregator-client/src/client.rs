@@ -244,19 +244,12 @@ impl AggregatorClient {
         secagg_view(self.call(&Request::SecAggPoll { round }).await?.0)
     }
 
-    /// Writes a request on a fresh stream and reads its answer. The server may answer and stop
-    /// reading early (a refusal before the payload or vector is read): a write error is then
-    /// expected, and the answer, with its reason, is still read.
+    /// Writes a request on a fresh stream and reads its answer, also after a write error
+    /// ([`FramedStream::finish_and_answer`]).
     async fn exchange(&self, write: impl AsyncFnOnce(&mut FramedStream) -> Result<(), NetError>) -> Result<Frame, ClientError> {
         let mut s = self.rpc.open_stream().await?;
         let sent = write(&mut s).await;
-        s.finish();
-        match s.recv().await {
-            Ok(Some(f)) => Ok(f),
-            // Ended unanswered (a handler stopped mid-request): a lost exchange, retried as one.
-            Ok(None) => Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(NetError::Closed))),
-            Err(e) => Err(sent.err().map(ClientError::from).unwrap_or(ClientError::Net(e))),
-        }
+        Ok(s.finish_and_answer(sent).await?)
     }
 
     /// Closes the connection.

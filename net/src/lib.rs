@@ -383,6 +383,20 @@ impl FramedStream {
         self.send(FrameKind::End, &[]).await
     }
 
+    /// Says we will send nothing more and reads the answer to what we wrote (`sent`: how the
+    /// writing went). A server may answer and stop reading early (a refusal before the payload
+    /// is read): a write error is then expected, and the answer, with its reason, is still read;
+    /// the write error is returned only when no answer comes.
+    pub async fn finish_and_answer(&mut self, sent: Result<(), NetError>) -> Result<Frame, NetError> {
+        self.finish();
+        match self.recv().await {
+            Ok(Some(f)) => Ok(f),
+            // Ended unanswered (a handler stopped mid-request): a lost exchange.
+            Ok(None) => Err(sent.err().unwrap_or(NetError::Closed)),
+            Err(e) => Err(sent.err().unwrap_or(e)),
+        }
+    }
+
     /// Says we will send nothing more.
     pub fn finish(&mut self) {
         // Already finished or reset: nothing left to say.

@@ -211,6 +211,22 @@ impl std::fmt::Debug for RegistryClient {
     }
 }
 
+/// The response a frame carries.
+fn response_of(f: fedfleet_net::Frame) -> Result<Response, ClientError> {
+    if f.kind != FrameKind::Message {
+        return Err(ClientError::Protocol(format!("expected a response, got {:?}", f.kind)));
+    }
+    wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))
+}
+
+/// An operator command's answer, or why there is none.
+fn admin_answer(r: Response) -> Result<AdminAnswer, ClientError> {
+    match r {
+        Response::Admin(json) => serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string())),
+        r => Err(response_error(r)),
+    }
+}
+
 fn response_error(r: Response) -> ClientError {
     match r {
         Response::Rejected(r) => ClientError::Rejected(r),
@@ -277,11 +293,7 @@ impl RegistryClient {
     }
 
     async fn read_response(&self, s: &mut FramedStream) -> Result<Response, ClientError> {
-        let f = s.expect().await?;
-        if f.kind != FrameKind::Message {
-            return Err(ClientError::Protocol(format!("expected a response, got {:?}", f.kind)));
-        }
-        wire::decode(&f.body).map_err(|e| ClientError::Protocol(e.to_string()))
+        response_of(s.expect().await?)
     }
 
     /// One request/response, retried with reconnects on transport errors (idempotent requests).
@@ -548,10 +560,7 @@ impl RegistryClient {
     }
 
     async fn admin_reply(&self, s: &mut FramedStream) -> Result<AdminAnswer, ClientError> {
-        match self.read_response(s).await? {
-            Response::Admin(json) => serde_json::from_str(&json).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => Err(response_error(r)),
-        }
+        admin_answer(self.read_response(s).await?)
     }
 
     /// Publishes an artifact read from `r` (an `AdminRequest::Publish` carrying the metadata).
@@ -560,20 +569,17 @@ impl RegistryClient {
             return Err(ClientError::Protocol("publish needs AdminRequest::Publish".into()));
         }
         let mut s = self.start(&Request::Admin(req), true).await?;
-        let sent = send_artifact(&mut s, r).await;
-        // Without its `End`, the registry takes the artifact as broken off and publishes nothing.
-        s.finish();
-        match sent {
-            Err(e @ ClientError::Io { .. }) => Err(e),
-            // The registry may refuse and stop reading before the artifact is in (a service that
-            // is not an operator, an artifact over the limit): the write then fails, and the
-            // answer, with its reason, is still read.
-            Err(write) => match self.admin_reply(&mut s).await {
-                Err(ClientError::Net(_) | ClientError::Protocol(_)) => Err(write),
-                answer => answer,
-            },
-            Ok(()) => self.admin_reply(&mut s).await,
-        }
+        let sent = match send_artifact(&mut s, r).await {
+            Ok(sent) => sent,
+            Err(read) => {
+                // Without its `End`, the registry takes the artifact as broken off and publishes nothing.
+                s.finish();
+                return Err(read);
+            }
+        };
+        // The registry may refuse and stop reading before the artifact is in (a service that is
+        // not an operator, an artifact over the limit): its answer says why.
+        admin_answer(response_of(s.finish_and_answer(sent).await?)?)
     }
 
     /// Closes the connection politely.
@@ -582,17 +588,19 @@ impl RegistryClient {
     }
 }
 
-/// An artifact read from `r` as `Chunk` frames and an `End`.
-async fn send_artifact(s: &mut FramedStream, mut r: impl std::io::Read) -> Result<(), ClientError> {
+/// An artifact read from `r` as `Chunk` frames and an `End`: the error is reading `r`'s, the
+/// result inside how the writing went (a write error may be the registry refusing it).
+async fn send_artifact(s: &mut FramedStream, mut r: impl std::io::Read) -> Result<Result<(), NetError>, ClientError> {
     let mut buf = vec![0u8; wire::FRAME_DATA];
     loop {
         let n = r.read(&mut buf).map_err(|cause| ClientError::Io { path: PathBuf::from("<artifact>"), cause })?;
         if n == 0 {
-            break;
+            return Ok(s.send(FrameKind::End, &[]).await);
         }
-        s.send(FrameKind::Chunk, &buf[..n]).await?;
+        if let Err(e) = s.send(FrameKind::Chunk, &buf[..n]).await {
+            return Ok(Err(e));
+        }
     }
-    Ok(s.send(FrameKind::End, &[]).await?)
 }
 
 /// Writes the artifact of `m` from `cache` to `dest` (temp file + fsync + rename), re-hashing
