@@ -211,6 +211,10 @@ struct Args {
     /// the service's default when not given.
     #[arg(long)]
     max_bytes_in_flight: Option<u64>,
+    /// The aggregator's `[admission] max_connections` (device connections held at once);
+    /// the service's default when not given.
+    #[arg(long)]
+    max_connections: Option<usize>,
     /// Internal: run one fleet size and print its result as JSON.
     #[arg(long, hide = true)]
     worker: Option<usize>,
@@ -1757,6 +1761,9 @@ fn admission_toml(args: &Args) -> String {
     }
     if let Some(b) = args.max_bytes_in_flight {
         keys += &format!("max_bytes_in_flight = {b}\n");
+    }
+    if let Some(c) = args.max_connections {
+        keys += &format!("max_connections = {c}\n");
     }
     if keys.is_empty() { keys } else { format!("\n[admission]\n{keys}") }
 }
