@@ -185,17 +185,18 @@ fn common_transport() -> quinn::TransportConfig {
     transport
 }
 
-/// The UDP payload every QUIC path carries (RFC 9000's minimum), and the one a connection probes
-/// for (quinn's default upper bound: a 1500-byte Ethernet path less IPv6 and UDP headers).
+/// The UDP payload every QUIC path carries (RFC 9000's minimum).
 const INITIAL_MTU: u16 = 1200;
+/// The UDP payload a connection probes for (quinn's default upper bound: a 1500-byte Ethernet
+/// path less IPv6 and UDP headers).
 const PROBED_MTU: u16 = 1452;
 
 /// Path MTU discovery that probes once, for [`PROBED_MTU`]: a device connects for one upload,
 /// and quinn's default binary search sent four probes of 1.3–1.45 KB on every connection, mostly
 /// padding that the receiver parses byte by byte; a 20 kB update took 30–31 datagrams on
 /// loopback, 26–27 with one probe (measured, `benches/README.md`). A big transfer still gets
-/// the larger packets; a path that drops the probe stays at [`INITIAL_MTU`], as it would have
-/// after the default search's failures.
+/// the larger packets; a path that drops the probe stays at [`INITIAL_MTU`] (the default search
+/// would have found a size between).
 fn one_mtu_probe() -> quinn::MtuDiscoveryConfig {
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(PROBED_MTU);
