@@ -225,6 +225,10 @@ fn enc<T: Serialize>(v: &T) -> Vec<u8> {
     postcard::to_stdvec(v).expect("state serializes")
 }
 
+/// The database's page cache. sled's default (1 GiB) would fill with every accepted update's
+/// record over a long campaign; what the service reads back is the current round's.
+const SLED_CACHE_BYTES: u64 = 64 << 20;
+
 impl Store {
     /// Opens (or creates) the state in `dir`, refusing a damaged database.
     pub fn open(dir: &Path) -> Result<Store> {
@@ -234,7 +238,7 @@ impl Store {
         let marker = read_marker(dir)?;
         let db_path = dir.join("db");
         let existed = db_path.exists();
-        let db = fedfleet_durable::open_sled(&db_path).map_err(|e| match e {
+        let db = fedfleet_durable::open_sled(&db_path, SLED_CACHE_BYTES).map_err(|e| match e {
             ref e if fedfleet_durable::is_sled_lock_error(e) => StoreError::Locked { path: dir.to_owned() },
             sled::Error::Corruption { .. } => corrupt(dir, format!("sled reports corruption: {e}")),
             other => StoreError::Sled(other),

@@ -19,6 +19,10 @@ use fedfleet_durable::SpaceReserve;
 
 use fedfleet_protocol::Digest;
 
+/// The database's page cache on a device. sled's default (1 GiB) keeps what is written to it,
+/// and the outbox holds signed updates the size of the model.
+const SLED_CACHE_BYTES: u64 = 16 << 20;
+
 /// Why the store refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -101,10 +105,10 @@ impl AgentStore {
         fs::create_dir_all(dir.join("partial")).map_err(|e| StoreError::io(&dir, e))?;
         let db_path = dir.join("db");
         let reserve = Arc::new(SpaceReserve::new(dir.join("reserve"), STORE_RESERVE_BYTES));
-        let db = match fedfleet_durable::open_sled(&db_path) {
+        let db = match fedfleet_durable::open_sled(&db_path, SLED_CACHE_BYTES) {
             Err(e) if fedfleet_durable::is_sled_out_of_space(&e) && reserve.release() => {
                 tracing::warn!(dir = %dir.display(), "disk full: released the store's space reserve to open it");
-                fedfleet_durable::open_sled(&db_path)
+                fedfleet_durable::open_sled(&db_path, SLED_CACHE_BYTES)
             }
             other => other,
         }

@@ -212,7 +212,9 @@ fn map_open_err(path: &Path, e: sled::Error) -> StoreError {
 }
 
 fn open_sled(path: &Path) -> Result<sled::Db> {
-    fedfleet_durable::open_sled(path).map_err(|e| {
+    // sled's own bound: artifact chunks are read through this cache, and a smaller one is not
+    // measured against a rollout of a model bigger than it.
+    fedfleet_durable::open_sled(path, fedfleet_durable::SLED_DEFAULT_CACHE_BYTES).map_err(|e| {
         if fedfleet_durable::is_sled_lock_error(&e) { StoreError::Locked { path: path.to_owned() } } else { map_open_err(path, e) }
     })
 }
