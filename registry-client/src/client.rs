@@ -556,11 +556,7 @@ impl RegistryClient {
     /// Sends an operator command (needs an operator service certificate). Not retried.
     pub async fn admin(&self, req: AdminRequest) -> Result<AdminAnswer, ClientError> {
         let mut s = self.start(&Request::Admin(req), false).await?;
-        self.admin_reply(&mut s).await
-    }
-
-    async fn admin_reply(&self, s: &mut FramedStream) -> Result<AdminAnswer, ClientError> {
-        admin_answer(self.read_response(s).await?)
+        admin_answer(self.read_response(&mut s).await?)
     }
 
     /// Publishes an artifact read from `r` (an `AdminRequest::Publish` carrying the metadata).
