@@ -49,11 +49,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use fedfleet_agent::clients::Aggregator as _;
+use fedfleet_agent::mqtt::{MqttAggregator, MqttUploadOptions, UploadPath};
 use fedfleet_aggregator::client::AggregatorClient;
 use fedfleet_aggregator::wire::Request as AggRequest;
 use fedfleet_certs::{Pki, ServerIdentity};
 use fedfleet_learning::{ModelSpec, model::init_bundle};
 use fedfleet_protocol::{DeviceId, FleetId, RoundId};
+use fedfleet_testkit::mosquitto::{Mosquitto, MosquittoConfig};
 use fedfleet_testkit::sampled::{DeviceBehaviour, SampledFleet, SampledStats};
 use fedfleet_testkit::sim::{FleetOptions, RemoteFleet};
 
@@ -160,6 +162,14 @@ struct Args {
     /// --control-poll-ms). Without it, a heard round makes every agent ask the aggregator.
     #[arg(long, conflicts_with_all = ["sampled", "secure_aggregation", "relays"])]
     pushed_rounds: bool,
+    /// The agents upload over MQTT through Debian's mosquitto (the fleet CA, client
+    /// certificates, the fleet's access rules), the aggregator in `[mqtt] mode = "external"`:
+    /// each device holds its connection on the broker, not on the aggregator, hears rounds from
+    /// the broker's retained announcement and never polls the aggregator. The broker's CPU and
+    /// peak RSS are printed beside the aggregator's. Not with --sampled, --relays,
+    /// --pushed-rounds or --secure-aggregation.
+    #[arg(long, conflicts_with_all = ["sampled", "secure_aggregation", "relays", "pushed_rounds"])]
+    mqtt_uploads: bool,
     /// Every round aggregated with SecAgg+ (`[secure_aggregation]`, the default degree and
     /// threshold): the same fleet and task, each device's update sent only masked, through the
     /// stages. Not with --sampled.
@@ -599,6 +609,8 @@ struct Services {
     relays: Vec<Relay>,
     /// `--pushed-rounds`: the announcement the listener heard, handed to every agent.
     pushed: Option<Arc<PushedRound>>,
+    /// `--mqtt-uploads`: the fleet's broker.
+    broker: Option<Mosquitto>,
 }
 
 /// A `fedfleet-aggregator relay` process under the root, and the devices of its region.
@@ -628,6 +640,11 @@ impl Services {
     /// The CPU seconds of every uplink so far, in [`Self::uplinks`]' order.
     fn uplink_cpu_secs(&self) -> Vec<f64> {
         self.uplinks().iter().map(|u| proc_cpu_secs(u.process.pid().to_string()).unwrap_or(f64::NAN)).collect()
+    }
+
+    /// `--mqtt-uploads`: the broker's CPU seconds so far (0 without one).
+    fn broker_cpu_secs(&self) -> f64 {
+        self.broker.as_ref().and_then(|b| b.pid()).and_then(|p| proc_cpu_secs(p.to_string())).unwrap_or(0.0)
     }
 
     /// The uplinks' ingest stage seconds, summed over them.
@@ -780,6 +797,13 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     if !relay_names.is_empty() {
         toml = format!("relays = {relay_names:?}\n{toml}");
     }
+    let broker = match args.mqtt_uploads {
+        true => Some(start_mosquitto(&pki, &dir, &fleet_id, devices.len()).await?),
+        false => None,
+    };
+    if let Some(b) = &broker {
+        toml.push_str(&format!("\n[mqtt]\nmode = \"external\"\nhost = \"{}\"\nport = {}\n", b.addr().ip(), b.port()));
+    }
     // The operator CLI's requests go to the console, a TCP listener of its own.
     let console_addr = free_loopback_port()?;
     std::fs::write(&config, format!("operator_listen = \"{operator_addr}\"\n{toml}\n[console]\nlisten = \"{console_addr}\"\n"))?;
@@ -816,7 +840,25 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         setup_s: setup.elapsed().as_secs_f64(),
         identities,
         relays,
+        broker,
     })
+}
+
+/// `--mqtt-uploads`: mosquitto as the fleet's broker, with the PKI's `broker` certificate and the
+/// fleet's access rules (the aggregator and the registry as its services), queueing a burst of
+/// `devices` uploads for the aggregator (each at most two frames at this size; mosquitto's
+/// default of 1,000 drops the rest, which come back only after the devices' receipt timeout).
+async fn start_mosquitto(pki: &Pki, dir: &Path, fleet: &FleetId, devices: usize) -> anyhow::Result<Mosquitto> {
+    let binary =
+        fedfleet_testkit::mosquitto::find_binary().context("--mqtt-uploads needs mosquitto (Debian: apt-get install mosquitto)")?;
+    pki.issue_server("broker", &[], 30, false)?;
+    let (cert, key) = fedfleet_certs::layout::server_paths(pki.dir(), "broker");
+    let config = MosquittoConfig {
+        acl: Some(fedfleet_control::topics::mosquitto_acl(fleet, &["registry", "aggregator"])),
+        max_queued_messages: (4 * devices).max(1000) as u32,
+        ..MosquittoConfig::new(binary, ([127, 0, 0, 1], 0).into(), pki.ca_cert_path(), cert, key, dir.join("mosquitto"))
+    };
+    Ok(Mosquitto::start(config).await?)
 }
 
 /// What the aggregator side saw of one campaign.
@@ -913,6 +955,7 @@ async fn run_campaign(
     let log = sv.agg_dir.join("aggregator.log");
     let agg_cpu0 = sv.uplink_cpu_secs();
     let root_cpu0 = proc_cpu_secs(sv.agg.pid().to_string()).unwrap_or(0.0);
+    let broker_cpu0 = sv.broker_cpu_secs();
     let own_cpu0 = proc_cpu_secs("self".into()).unwrap_or(0.0);
     let registry_cpu0 = threads_cpu_secs(REGISTRY_THREADS);
     let (closed0, published0) = (poller.latest().closed, poller.latest().published);
@@ -963,6 +1006,14 @@ async fn run_campaign(
             "  via {} relay(s): the root's CPU over the campaign {root_cpu_s:.2} s; the relays' {agg_cpu_s:.2} s in all, in the table: {}",
             sv.relays.len(),
             each.join(", ")
+        );
+    }
+    if let Some(b) = &sv.broker {
+        let pid = b.pid().map(|p| p.to_string()).unwrap_or_default();
+        let peak_mib = proc_status_kib(&pid, "VmHWM").unwrap_or(0) as f64 / 1024.0;
+        eprintln!(
+            "  via mosquitto: the broker's CPU over the campaign {:.2} s, its peak RSS {peak_mib:.1} MiB",
+            sv.broker_cpu_secs() - broker_cpu0
         );
     }
     let wall_s = started.elapsed().as_secs_f64();
@@ -1128,6 +1179,8 @@ struct BenchAggregator {
     pushed: Option<Arc<PushedRound>>,
     /// The key the agent pins (the pushed announcement is verified against it).
     receipt_key: ed25519_dalek::VerifyingKey,
+    /// `--mqtt-uploads`: rounds heard and uploads sent over the broker.
+    mqtt: Option<MqttAggregator<fedfleet_agent::remote::RemoteAggregator>>,
 }
 
 impl fedfleet_agent::clients::Aggregator for BenchAggregator {
@@ -1136,6 +1189,11 @@ impl fedfleet_agent::clients::Aggregator for BenchAggregator {
         &self,
         fleet: &FleetId,
     ) -> Result<Option<fedfleet_protocol::RoundAnnouncement>, fedfleet_agent::clients::TransportError> {
+        if let Some(m) = &self.mqtt {
+            // Only what the broker pushed (verified against the pinned key by the control
+            // client): a device on MQTT does not poll the aggregator.
+            return Ok(m.announced().filter(|a| &a.fleet == fleet));
+        }
         let pushed = self.pushed.as_ref().and_then(|p| p.0.lock().unwrap_or_else(|p| p.into_inner()).clone());
         match pushed {
             Some(signed) => fedfleet_agent::remote::verified_round(&signed, &self.receipt_key, fleet),
@@ -1158,7 +1216,10 @@ impl fedfleet_agent::clients::Aggregator for BenchAggregator {
         {
             burst.hold(update.body().round.0).await;
         }
-        self.inner.upload(signed_header, payload).await
+        match &self.mqtt {
+            Some(m) => m.upload(signed_header, payload).await,
+            None => self.inner.upload(signed_header, payload).await,
+        }
     }
     async fn secagg_roster(&self, round: RoundId) -> Result<fedfleet_secagg::Roster, fedfleet_agent::clients::TransportError> {
         self.inner.secagg_roster(round).await
@@ -1183,11 +1244,12 @@ const FILES_PER_AGENT: u64 = 3;
 const LIGHT_AGENTS_PER_SOCKET: usize = 64;
 
 /// Refuses, before any agent is opened, a fleet this process cannot hold the files of.
-fn check_open_file_limit(n: usize, light: bool) -> anyhow::Result<()> {
+fn check_open_file_limit(n: usize, light: bool, mqtt: bool) -> anyhow::Result<()> {
     let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
     let soft = limits.lines().find(|l| l.starts_with("Max open files")).and_then(|l| l.split_whitespace().nth(3)?.parse::<u64>().ok());
     let agents = if light { n.div_ceil(LIGHT_AGENTS_PER_SOCKET) as u64 } else { n as u64 * FILES_PER_AGENT };
-    let need = agents + 1024;
+    // Over MQTT each agent also holds a TCP connection to the broker.
+    let need = agents + if mqtt { n as u64 } else { 0 } + 1024;
     match soft {
         Some(limit) if limit < need => bail!(
             "{n} simulated agents need about {need} open files (a sled store each, plus sockets); this process may open {limit} \
@@ -1205,7 +1267,7 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     if args.sampled {
         return sampled_worker(args, n, target, &devices, events).await;
     }
-    check_open_file_limit(n, args.light)?;
+    check_open_file_limit(n, args.light, args.mqtt_uploads)?;
     let mut sv = start_services(args, &devices, target).await?;
 
     // The agents; they connect (one step) before the campaign starts.
@@ -1216,7 +1278,13 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         false => sv.relays.iter().map(|r| (r.region.clone(), r.process.addr, r.receipt_key)).collect(),
     };
     let mut fleet: Option<Fleet> = None;
+    let mut controls = Vec::new();
     let burst = args.upload_burst.then(|| Arc::new(UploadBurst::new(target as usize)));
+    let broker = sv.broker.as_ref().map(|b| fedfleet::fleet::MqttLink {
+        broker: b.addr(),
+        aggregator_key: sv.receipt_key,
+        heartbeat: Duration::from_secs(60),
+    });
     for (region, addr, receipt_key) in regions {
         let mut options = fleet_options(&sv, region, (addr, receipt_key))?;
         options.light = args.light.then_some(LIGHT_AGENTS_PER_SOCKET);
@@ -1225,7 +1293,18 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         // connection closes, which a daemon polling every 10 s never lets happen: keep them open.
         options.keep_alive = Some(Duration::from_secs(10));
         let region = RemoteFleet::start_with(options, |l| {
-            let agg = BenchAggregator { inner: l.aggregator.clone(), burst: burst.clone(), pushed: sv.pushed.clone(), receipt_key };
+            let mqtt = match &broker {
+                None => None,
+                Some(link) => {
+                    let (control, events) = fedfleet::fleet::device_control(link, &FleetId::new(FLEET)?, l)?;
+                    controls.push(control.clone());
+                    // On 2 shared cores a receipt can take a while; a timeout resends the same bytes.
+                    let opts =
+                        MqttUploadOptions { path: UploadPath::Mqtt, receipt_timeout: Duration::from_secs(120), ..Default::default() };
+                    Some(MqttAggregator::new(l.aggregator.clone(), control, events, opts))
+                }
+            };
+            let agg = BenchAggregator { inner: l.aggregator.clone(), burst: burst.clone(), pushed: sv.pushed.clone(), receipt_key, mqtt };
             Ok((Arc::new(agg), l.registry.clone()))
         })?;
         match &mut fleet {
@@ -1240,6 +1319,9 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     let online_s = online.elapsed().as_secs_f64();
     let online_udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
     eprintln!("  {n} agents enrolled and connected (setup {:.1} s, first poll of every agent {online_s:.2} s)", sv.setup_s);
+    if let Some(b) = &sv.broker {
+        await_mqtt_connections(&controls, b).await?;
+    }
 
     let rec = run_campaign(args, &mut sv, target, Devices::All(&mut fleet), || {}).await?;
     let worker_peak_rss_kib = proc_status_kib("self", "VmHWM").unwrap_or(0);
@@ -1258,6 +1340,30 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
         eprintln!("  kept {}", sv.dir.display());
     }
     Ok(result)
+}
+
+/// `--mqtt-uploads`: waits until every device's control client has connected to the broker (so
+/// that the first round does not pay the fleet's TLS handshakes), and prints the broker's RSS then.
+async fn await_mqtt_connections(controls: &[fedfleet_control::ControlClient], broker: &Mosquitto) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let connected = controls.iter().filter(|c| c.stats().connects > 0).count();
+        if connected == controls.len() {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("{connected} of {} devices connected to the broker in 600 s (see {})", controls.len(), broker.log_path().display());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let pid = broker.pid().map(|p| p.to_string()).unwrap_or_default();
+    eprintln!(
+        "  {} devices connected to mosquitto in {:.1} s; the broker's RSS then {:.1} MiB",
+        controls.len(),
+        started.elapsed().as_secs_f64(),
+        proc_status_kib(&pid, "VmRSS").unwrap_or(0) as f64 / 1024.0
+    );
+    Ok(())
 }
 
 /// The simulated devices' view of the services started for this run.

@@ -304,7 +304,7 @@ impl Fleet {
 }
 
 /// A device's control-plane client on the aggregator's broker (connects in the background).
-fn device_control(m: &MqttLink, fleet: &FleetId, l: &AgentLinks) -> anyhow::Result<(ControlClient, fedfleet_control::ControlEvents)> {
+pub fn device_control(m: &MqttLink, fleet: &FleetId, l: &AgentLinks) -> anyhow::Result<(ControlClient, fedfleet_control::ControlEvents)> {
     let tls = fedfleet_control::device_tls(&l.identity).map_err(|e| anyhow::anyhow!("MQTT TLS for {}: {e}", l.device))?;
     let mut options = ClientOptions::new(m.broker.ip().to_string(), m.broker.port(), l.device.as_str(), fleet.clone());
     options.backoff_max = Duration::from_secs(2);

@@ -66,11 +66,26 @@ pub struct MosquittoConfig {
     /// The fleet's CRL (`ca.crl`, `crlfile`): revoked devices are refused at the handshake. It is
     /// read at start and on SIGHUP ([`Mosquitto::pid`]).
     pub crl: Option<PathBuf>,
+    /// QoS 1 messages the broker queues for one client beyond those in flight
+    /// (`max_queued_messages`); past it, mosquitto drops them without a word. The aggregator's
+    /// subscription takes every device's upload frames: a round's burst must fit.
+    pub max_queued_messages: u32,
 }
 
 impl MosquittoConfig {
     pub fn new(binary: PathBuf, listen: SocketAddr, ca_cert: PathBuf, cert: PathBuf, key: PathBuf, work_dir: PathBuf) -> MosquittoConfig {
-        MosquittoConfig { binary, listen, ca_cert, cert, key, work_dir, max_packet_size: 4 * 1024 * 1024, acl: None, crl: None }
+        MosquittoConfig {
+            binary,
+            listen,
+            ca_cert,
+            cert,
+            key,
+            work_dir,
+            max_packet_size: 4 * 1024 * 1024,
+            acl: None,
+            crl: None,
+            max_queued_messages: 1000,
+        }
     }
 }
 
@@ -177,13 +192,14 @@ fn config_text(cfg: &MosquittoConfig, addr: SocketAddr, key: &Path) -> String {
     let mut conf = format!(
         "per_listener_settings false\npersistence false\nlog_dest stderr\nlog_type error\nlog_type warning\n\
          listener {port} {ip}\ncafile {ca}\ncertfile {cert}\nkeyfile {key}\nrequire_certificate true\n\
-         use_identity_as_username true\nallow_anonymous false\nmax_packet_size {max}\n",
+         use_identity_as_username true\nallow_anonymous false\nmax_packet_size {max}\nmax_queued_messages {queued}\n",
         port = addr.port(),
         ip = addr.ip(),
         ca = cfg.ca_cert.display(),
         cert = cfg.cert.display(),
         key = key.display(),
         max = cfg.max_packet_size,
+        queued = cfg.max_queued_messages,
     );
     if cfg.acl.is_some() {
         conf.push_str(&format!("acl_file {}\n", cfg.work_dir.join("acl").display()));
