@@ -277,8 +277,9 @@ fn default_relay_poll_ms() -> u64 {
 pub struct AdmissionLimits {
     /// Device connections held at once; past it a device is closed as `overloaded`.
     pub max_connections: usize,
-    /// Update payload bytes received and not yet committed, all uploads together; past it an
-    /// upload is refused as `overloaded` (with a retry-after) before its payload is read.
+    /// Update payload bytes received and not yet committed, all uploads together; past it a
+    /// QUIC upload is refused as `overloaded` (with a retry-after) before its payload is read,
+    /// and an MQTT upload (its payload already here) waits while the broker queues the rest.
     pub max_bytes_in_flight: u64,
     /// The retry-after an overloaded device is told, in ms (devices add jitter).
     pub retry_after_ms: u64,

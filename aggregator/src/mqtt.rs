@@ -8,6 +8,10 @@
 //!   [`Aggregator::ingest`] — the same checks, fold and commit as a QUIC upload — and an accepted
 //!   update (or a resend of one) gets its signed receipt on `devices/<id>/receipts`; every
 //!   verified status updates presence (devices online / last seen in the metrics).
+//! * An update waits for its share of `[admission] max_bytes_in_flight` before its ingest starts
+//!   ([`Aggregator::wait_for_bytes`]): its payload is in memory already, so it is not refused as
+//!   `overloaded` as a QUIC upload is; while the budget is spent no further event is read, and
+//!   the broker queues the fleet's uploads.
 //! * Refusals (by the control client or by ingest) are counted by reason in
 //!   `fedfleet_aggregator_mqtt_rejected_total`. An upload refused by ingest (its signed header
 //!   and payload digest verified, so the refusal is about what the device signed) is answered with
@@ -178,7 +182,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
                     }
                     ev = events.recv() => match ev {
                         None => break,
-                        Some(ev) => handle(&agg, &client, &receipt_key, ev),
+                        Some(ev) => handle(&agg, &client, &receipt_key, ev).await,
                     },
                     _ = async { again.as_mut().expect("guarded").tick().await }, if again.is_some() => {
                         current = ann.borrow().clone();
@@ -190,7 +194,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     Ok(Some(Mqtt { broker, broker_config, client, task }))
 }
 
-fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey>, ev: ControlEvent) {
+async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey>, ev: ControlEvent) {
     let metrics = agg.metrics();
     match ev {
         ControlEvent::Connected { count } => {
@@ -207,6 +211,10 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
             tracing::info!(topic = %r.topic, device = ?r.device, reason = %r.reason, detail = %r.detail, "MQTT message refused");
         }
         ControlEvent::Update(v) => {
+            // The update's share of the in-flight budget first, waiting here: while it is spent,
+            // this loop reads no further event, the control client stops reading, and the broker
+            // queues the fleet's uploads (its `max_queued_messages` must hold a round's burst).
+            let in_flight = agg.wait_for_bytes(v.signed.body().payload_len).await;
             // Off the event loop: ingest folds on a blocking thread and commits to disk.
             let agg = agg.clone();
             let client = client.clone();
@@ -214,7 +222,7 @@ fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey
             tokio::spawn(async move {
                 let peer = PeerIdentity::Device(v.device.clone());
                 let header = v.signed.body().clone();
-                match agg.ingest(&peer, v.signed, Payload::Bytes(v.payload)).await {
+                match agg.ingest(&peer, v.signed, Payload::Bytes(v.payload, &in_flight)).await {
                     Ok(receipt) => {
                         if let Err(e) = client.publish_receipt(&receipt).await {
                             tracing::warn!(device = %v.device, error = %e, "receipt not published; the device will resend");

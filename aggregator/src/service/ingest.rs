@@ -58,7 +58,7 @@ pub(super) async fn receive_payload(
     let mut check = PayloadCheck::new(header);
     let refused = |e: fedfleet_protocol::EnvelopeError| reject(e.reason(), e.to_string());
     let stream = match payload {
-        Payload::Bytes(bytes) => {
+        Payload::Bytes(bytes, _) => {
             check.update(&bytes).map_err(refused)?;
             check.finish().map_err(refused)?;
             return Ok(bytes);
@@ -193,7 +193,7 @@ impl Aggregator {
             ));
         }
         // 6. Admission by bytes in flight, before the payload is read.
-        let _in_flight = self.reserve_bytes(h.payload_len)?;
+        let _in_flight = self.admit(&payload, h.payload_len)?;
         sh.metrics.ingest_step("admit", &mut since);
         // 7. The payload through the digest/length check (streamed over QUIC).
         let payload = receive_payload(&h, payload).await?;
@@ -244,6 +244,24 @@ impl Aggregator {
             let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
             reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms))
         })
+    }
+
+    /// Waits for `len` bytes of the `[admission] max_bytes_in_flight` budget, for an upload that
+    /// arrived whole (over MQTT). Refusing it as `overloaded` would only make its device send it
+    /// again through the broker; waiting holds the broker's deliveries back, and the broker
+    /// queues them.
+    pub async fn wait_for_bytes(&self, len: u64) -> super::BytesInFlight {
+        let permit = self.shared.in_flight.clone().acquire_many_owned(self.in_flight_kib(len)).await;
+        super::BytesInFlight { _permit: permit.expect("the in-flight semaphore is never closed") }
+    }
+
+    /// Step 6, admission by bytes in flight: a QUIC payload takes its share (or is refused as
+    /// `overloaded`) before it is read; one that arrived whole holds its share already.
+    pub(super) fn admit(&self, payload: &Payload<'_>, len: u64) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Rejection> {
+        match payload {
+            Payload::Quic(_) => self.reserve_bytes(len).map(Some),
+            Payload::Bytes(..) => Ok(None),
+        }
     }
 
     /// The KiB of the in-flight budget an upload of `len` bytes takes.

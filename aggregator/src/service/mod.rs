@@ -176,8 +176,15 @@ struct Shared {
 pub enum Payload<'a> {
     /// QUIC: `Chunk` frames up to `End`, read only after the header passed every cheap check.
     Quic(&'a mut FramedStream),
-    /// MQTT: the reassembled payload bytes.
-    Bytes(Vec<u8>),
+    /// MQTT: the reassembled payload bytes, with the budget share its caller holds for them
+    /// ([`Aggregator::wait_for_bytes`]).
+    Bytes(Vec<u8>, &'a BytesInFlight),
+}
+
+/// A share of the `[admission] max_bytes_in_flight` budget, held while an upload that arrived
+/// whole (over MQTT) is checked, folded and made durable.
+pub struct BytesInFlight {
+    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// The aggregator service. Cheap to clone.

@@ -346,7 +346,7 @@ impl Aggregator {
                 format!("a partial sum of this model is {expected} bytes, the header signs {}", h.payload_len),
             ));
         }
-        let _in_flight = self.reserve_bytes(h.payload_len)?;
+        let _in_flight = self.admit(&payload, h.payload_len)?;
         let payload = receive_payload(&h, payload).await?;
         let me = self.clone();
         tokio::task::spawn_blocking(move || me.merge_and_commit(h, meta, payload, base))

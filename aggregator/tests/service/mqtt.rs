@@ -184,3 +184,55 @@ async fn an_update_over_mqtt_yields_the_same_global_model_as_over_quic() {
     // And the round moved the model.
     assert_ne!(Digest::of(&quic), Digest::of(&std::fs::read(fleet.dir.path().join("initial.safetensors")).unwrap()));
 }
+
+/// Uploads over MQTT past `[admission] max_bytes_in_flight` wait for the budget instead of being
+/// refused as `overloaded` (their bytes are in memory already; a refusal would only bring them
+/// back through the broker): with a budget of one payload, every one of eight devices uploading
+/// at once gets its receipt and none a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mqtt_uploads_past_the_byte_budget_wait_for_it_instead_of_being_refused() {
+    const N: usize = 8;
+    let fleet = Fleet::named(N, "fleetmb");
+    let mut cfg = fleet.config("budget", N as u32, 1);
+    cfg.admission.max_bytes_in_flight = delta(0).encode().len() as u64;
+    let svc = start(cfg).await;
+    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
+    let port = mqtt.broker_addr().unwrap().port();
+    let key = svc.agg.receipt_key();
+    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    let mut clients: Vec<_> = (0..N).map(|i| device(&fleet, i, port, key)).collect();
+    // Every device is connected and has heard the round before any uploads: they go at once.
+    let mut heard = Vec::new();
+    for (_, e) in &mut clients {
+        let ann = next(e, "announcement", |ev| match ev {
+            ControlEvent::Announcement(a) => Some(a),
+            _ => None,
+        })
+        .await;
+        heard.push(ann.verify(&key).unwrap().clone());
+    }
+    let (round, base) = (heard[0].round, heard[0].base_model.digest);
+    for (i, (c, _)) in clients.iter().enumerate() {
+        let (h, p) = update(&fleet, i, round, base);
+        c.upload_update(&h, &p).await.unwrap();
+    }
+    for (i, (_, e)) in clients.iter_mut().enumerate() {
+        let answer = next(e, "a receipt or a refusal", |ev| match ev {
+            ControlEvent::Receipt(r) => Some(Ok(r)),
+            ControlEvent::UploadRefused(r) => Some(Err(r)),
+            _ => None,
+        })
+        .await;
+        let receipt = answer.unwrap_or_else(|r| panic!("device {i}'s upload was refused: {:?}", r.body()));
+        assert_eq!(receipt.verify(&key).unwrap().device, dev(i));
+    }
+    let text = svc.agg.metrics().render();
+    assert!(text.contains(&format!("fedfleet_aggregator_updates_accepted_total {N}\n")), "{text}");
+    assert!(text.contains("fedfleet_aggregator_updates_rejected_total{reason=\"overloaded\"} 0"), "{text}");
+    for (c, _) in &clients {
+        c.shutdown().await;
+    }
+    mqtt.shutdown().await;
+    svc.stop().await;
+}
