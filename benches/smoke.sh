@@ -9,7 +9,7 @@
 # Runs: bench_aggregate (exact fold, ingest path, tensor fold on the CPU and, where a wgpu
 # adapter exists, the GPU: the code path of benches/gpu.sh), bench_download, bench_agent,
 # bench_learning --quick, fl_digits (the fedfleet side of benches/flower/run.sh), bench_async
-# (FedBuff against rounds, simulated time), bench_secagg (SecAgg+ cores, one round), bench_dp (DP-FedAvg accuracy against ε), bench_rounds (real aggregator and agent processes; and its sampled fleet). The Flower sides of benches/flower/*.sh need
+# (FedBuff against rounds, simulated time), bench_secagg (SecAgg+ cores, one round), bench_dp (DP-FedAvg accuracy against ε), bench_rounds (real aggregator and agent processes; over mosquitto; and its sampled fleet). The Flower sides of benches/flower/*.sh need
 # flwr[simulation] and ray from PyPI and are not run here; their fedfleet sides are
 # (fl_digits, bench_rounds' deployment path, bench_rounds --secure-aggregation and bench_secagg
 # for secagg.sh).
@@ -45,6 +45,7 @@ step "$examples/bench_dp" --devices 20 --rounds 3 --epsilons 8
 step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --rollout --pushed-rounds
 step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --rollout --mirror
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --secure-aggregation
+step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --mqtt-uploads --upload-burst
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --relays 2 --aggregator-workers 1 --round-bases-from-aggregator --upload-burst
 step "$examples/bench_rounds" --agents 200 --rounds 2 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --sampled \
     --sampling-rate 0.2 --train-median-ms 50 --availability 1 --diurnal 0 --dropout 0 --timeout-secs 300
