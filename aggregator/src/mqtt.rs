@@ -47,7 +47,10 @@ pub struct Mqtt {
     /// How the embedded broker was started, with the port it got, for [`Mqtt::restart_broker`].
     broker_config: Option<BrokerConfig>,
     client: ControlClient,
-    task: JoinHandle<()>,
+    /// Publishes the round announcements.
+    announcer: JoinHandle<()>,
+    /// Handles what the control client hands up.
+    events: JoinHandle<()>,
 }
 
 impl Mqtt {
@@ -105,8 +108,10 @@ impl Mqtt {
 
     pub async fn shutdown(self) {
         self.client.shutdown().await;
-        self.task.abort();
-        let _ = self.task.await;
+        for task in [self.announcer, self.events] {
+            task.abort();
+            let _ = task.await;
+        }
         if let Some(b) = self.broker {
             b.shutdown().await;
         }
@@ -154,8 +159,9 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     metrics.presence_ttl_ms.store(cfg.presence_ttl_secs.saturating_mul(1000), Relaxed);
     tracing::info!(%host, port, mode = ?cfg.mode, "MQTT control plane started");
 
-    let task = {
-        let agg = agg.clone();
+    // Two tasks: the events task may wait for the byte budget, and while it does the control
+    // client stops; an announcement waiting to be published must not wait behind it.
+    let announcer = {
         let client = client.clone();
         let mut ann = agg.announcements();
         let every = std::time::Duration::from_secs(cfg.announce_every_secs);
@@ -180,10 +186,6 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
                         if changed.is_err() { break; }
                         current = ann.borrow_and_update().clone();
                     }
-                    ev = events.recv() => match ev {
-                        None => break,
-                        Some(ev) => handle(&agg, &client, &receipt_key, ev).await,
-                    },
                     _ = async { again.as_mut().expect("guarded").tick().await }, if again.is_some() => {
                         current = ann.borrow().clone();
                     }
@@ -191,7 +193,16 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             }
         })
     };
-    Ok(Some(Mqtt { broker, broker_config, client, task }))
+    let handler = {
+        let agg = agg.clone();
+        let client = client.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = events.recv().await {
+                handle(&agg, &client, &receipt_key, ev).await;
+            }
+        })
+    };
+    Ok(Some(Mqtt { broker, broker_config, client, announcer, events: handler }))
 }
 
 async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey>, ev: ControlEvent) {
@@ -222,7 +233,11 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
             tokio::spawn(async move {
                 let peer = PeerIdentity::Device(v.device.clone());
                 let header = v.signed.body().clone();
-                match agg.ingest(&peer, v.signed, Payload::Bytes(v.payload, &in_flight)).await {
+                let outcome = agg.ingest(&peer, v.signed, Payload::Bytes(v.payload, &in_flight)).await;
+                // The share goes back before the answer is published: publishing waits for the
+                // control client, which waits while the events task waits for the budget.
+                drop(in_flight);
+                match outcome {
                     Ok(receipt) => {
                         if let Err(e) = client.publish_receipt(&receipt).await {
                             tracing::warn!(device = %v.device, error = %e, "receipt not published; the device will resend");
