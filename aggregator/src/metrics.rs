@@ -11,7 +11,7 @@
 //! | `fedfleet_aggregator_update_bytes_total` | counter | payload bytes of accepted updates |
 //! | `fedfleet_aggregator_fold_bytes_total` | counter | f32 bytes folded |
 //! | `fedfleet_aggregator_fold_seconds_total` | counter | time in folds (throughput = bytes / seconds) |
-//! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, decode, store_payload, fold, record, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
+//! | `fedfleet_aggregator_ingest_seconds_total` | counter | `step` = authenticate, admit, receive, queue, signature, decode, store_payload, fold, record, sync: wall time of each ingest stage, summed over updates (÷ `updates_accepted_total`: where an update's milliseconds go) |
 //! | `fedfleet_aggregator_round_polls_total` | counter | devices' (and relays') requests for the current round announcement (a device polls every `poll_interval_ms`, 10 s by default) |
 //! | `fedfleet_aggregator_base_models_served_total` | counter | round base models sent to devices and relays (agents fetch them from the registry first: these are the ones it could not serve) |
 //! | `fedfleet_aggregator_commit_flushes_total` | counter | group commits of accepted updates (÷ into `updates_accepted_total`: updates made durable per flush) |
@@ -49,7 +49,7 @@ pub use fedfleet_http::process_memory as memory;
 /// The stages of ingesting one update, timed in `ingest_seconds_total{step}`: identity,
 /// enrolment and revocation; resend lookup, round checks and admission; the payload streamed in
 /// and digested (waits on the network); the wait in the fold thread's queue; the update's share
-/// of its batch's ed25519 check; decode and checks; the payload written and fsynced; the exact
+/// of its batch's ed25519 check (none for an MQTT upload its control client verified); decode and checks; the payload written and fsynced; the exact
 /// fold and the receipt signature; the accepted record written; the group commit the receipt
 /// waits for.
 pub const INGEST_STEPS: [&str; 10] =

@@ -8,10 +8,11 @@
 //!   [`Aggregator::ingest`] — the same checks, fold and commit as a QUIC upload — and an accepted
 //!   update (or a resend of one) gets its signed receipt on `devices/<id>/receipts`; every
 //!   verified status updates presence (devices online / last seen in the metrics).
-//! * An update waits for its share of `[admission] max_bytes_in_flight` before its ingest starts
-//!   ([`Aggregator::wait_for_bytes`]): its payload is in memory already, so it is not refused as
-//!   `overloaded` as a QUIC upload is; while the budget is spent no further event is read, and
-//!   the broker queues the fleet's uploads.
+//! * An update (or a secure-aggregation request's masked vector) waits for its share of
+//!   `[admission] max_bytes_in_flight` before its ingest starts ([`Aggregator::wait_for_bytes`]):
+//!   its payload is in memory already, so it is not refused as `overloaded` as a QUIC upload is;
+//!   while the budget is spent no further event is read, and the broker queues the fleet's
+//!   uploads.
 //! * Refusals (by the control client or by ingest) are counted by reason in
 //!   `fedfleet_aggregator_mqtt_rejected_total`. An upload refused by ingest (its signed header
 //!   and payload digest verified, so the refusal is about what the device signed) is answered with
@@ -225,32 +226,34 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
             // The update's share of the in-flight budget first, waiting here: while it is spent,
             // this loop reads no further event, the control client stops reading, and the broker
             // queues the fleet's uploads (its `max_queued_messages` must hold a round's burst).
-            let in_flight = agg.wait_for_bytes(v.signed.body().payload_len).await;
+            let in_flight = agg.wait_for_bytes(v.signed().body().payload_len).await;
             // Off the event loop: ingest folds on a blocking thread and commits to disk.
             let agg = agg.clone();
             let client = client.clone();
             let key = receipt_key.clone();
             tokio::spawn(async move {
-                let peer = PeerIdentity::Device(v.device.clone());
-                let header = v.signed.body().clone();
-                let outcome = agg.ingest(&peer, v.signed, Payload::Bytes(v.payload, &in_flight)).await;
+                let device = v.device().clone();
+                let peer = PeerIdentity::Device(device.clone());
+                let header = v.signed().body().clone();
+                // Boxed, so that the task waiting below to publish the answer keeps none of it.
+                let outcome = Box::pin(agg.ingest(&peer, v.signed().clone(), Payload::Mqtt(v, &in_flight))).await;
                 // The share goes back before the answer is published: publishing waits for the
                 // control client, which waits while the events task waits for the budget.
                 drop(in_flight);
                 match outcome {
                     Ok(receipt) => {
                         if let Err(e) = client.publish_receipt(&receipt).await {
-                            tracing::warn!(device = %v.device, error = %e, "receipt not published; the device will resend");
+                            tracing::warn!(device = %device, error = %e, "receipt not published; the device will resend");
                         }
                     }
                     Err(r) => {
                         let m = agg.metrics();
                         m.rejected(r.reason);
                         m.mqtt_rejected(r.reason);
-                        tracing::info!(device = %v.device, reason = %r.reason, detail = %r.detail, "MQTT update refused");
+                        tracing::info!(device = %device, reason = %r.reason, detail = %r.detail, "MQTT update refused");
                         let refusal = SignedRejection::sign(UploadRejection::of(&header, r.reason, r.detail, agg.now_ms()), &key);
                         if let Err(e) = client.publish_rejection(&refusal).await {
-                            tracing::warn!(device = %v.device, error = %e, "rejection not published; the device will resend");
+                            tracing::warn!(device = %device, error = %e, "rejection not published; the device will resend");
                         }
                     }
                 }
@@ -260,8 +263,14 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
             let agg = agg.clone();
             let client = client.clone();
             let key = receipt_key.clone();
+            // A masked vector waits for its budget share like an update.
+            let in_flight = match r.attachment.len() {
+                0 => None,
+                len => Some(agg.wait_for_bytes(len as u64).await),
+            };
             tokio::spawn(async move {
-                let response = agg.secagg_over_mqtt(&r.device, &r.message, &r.attachment).await;
+                let response = agg.secagg_over_mqtt(&r.device, &r.message, &r.attachment, in_flight.as_ref()).await;
+                drop(in_flight);
                 let outcome = match &response {
                     Response::Error(e) => e.reason.as_str(),
                     _ => "answered",

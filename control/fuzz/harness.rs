@@ -208,14 +208,15 @@ pub fn upload_frames(data: &[u8]) {
         }
         match asm.push(&topic, &device, &keys, frame, now) {
             Ok(Assembled::Complete(v)) => {
-                let h = v.signed.body();
-                assert_eq!(v.device, device);
+                let h = v.signed().body();
+                assert_eq!(v.device(), &device);
                 assert_eq!(h.device, device);
                 assert_eq!(h.fleet, fleet());
-                assert_eq!(v.payload.len() as u64, h.payload_len);
+                assert_eq!(v.payload().len() as u64, h.payload_len);
+                assert_eq!(v.key(), &keys[&device]);
                 assert!(h.payload_len <= limits.max_update_bytes);
-                assert_eq!(Digest::of(&v.payload), h.payload_digest);
-                assert!(v.signed.verify(&keys[&device]).is_ok());
+                assert_eq!(Digest::of(v.payload()), h.payload_digest);
+                assert!(v.signed().verify(&keys[&device]).is_ok());
             }
             Ok(Assembled::Pending | Assembled::Ignored) => {}
             Err(r) => {
@@ -330,9 +331,10 @@ pub fn inbound_publish(mut data: &[u8]) {
             }
             ControlEvent::Update(v) => {
                 assert!(to_service);
-                assert_eq!(Some(&v.device), topic_device.as_ref());
-                assert_eq!(Digest::of(&v.payload), v.signed.body().payload_digest);
-                assert!(v.signed.verify(&keys[&v.device]).is_ok());
+                assert_eq!(Some(v.device()), topic_device.as_ref());
+                assert_eq!(Digest::of(v.payload()), v.signed().body().payload_digest);
+                assert!(v.signed().verify(&keys[v.device()]).is_ok());
+                assert_eq!(v.key(), &keys[v.device()]);
             }
             ControlEvent::Answer(s) => {
                 assert!(!to_service);

@@ -147,6 +147,11 @@ impl From<fedfleet_certs::CertError> for ControlError {
     }
 }
 
+/// Events a client holds for its owner. Each may be an assembled update (to a service), so the
+/// queue is short: an owner that falls behind holds the broker's deliveries back (the broker
+/// queues them), not the client's memory.
+const EVENT_QUEUE: usize = 64;
+
 /// The receiving end of a client's events. Read it promptly: the connection task waits while
 /// it is full (so nothing verified is dropped), and a stalled connection misses its pings.
 pub struct ControlEvents {
@@ -205,7 +210,7 @@ impl ControlClient {
     pub fn start(options: ClientOptions, tls: Arc<rustls::ClientConfig>, role: Role) -> (ControlClient, ControlEvents) {
         let mqtt = mqtt_options(&options, (options.host.clone(), options.port), &tls);
         let (client, eventloop) = AsyncClient::new(mqtt, 256);
-        let (events_tx, rx) = mpsc::channel(1024);
+        let (events_tx, rx) = mpsc::channel(EVENT_QUEUE);
         let (stop, stopped) = watch::channel(false);
         let shared = Arc::new(Shared { stats: Mutex::new(ControlStats::default()), sticky: Mutex::new(Sticky::default()) });
         let (device, aggregator_key) = match &role {

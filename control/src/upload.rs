@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use ed25519_dalek::VerifyingKey;
 use fedfleet_protocol::limits::{MAX_CHUNK_BYTES, MAX_SIGNED_ENVELOPE_BYTES};
 use fedfleet_protocol::{DeviceId, FleetId, PayloadCheck, RejectReason, SignedUpdate};
 
@@ -59,14 +60,35 @@ pub fn encode_frames(signed: &SignedUpdate, payload: &[u8], chunk_bytes: usize) 
 }
 
 /// A complete, verified update: the signature checked against the enrolled key of the device
-/// named in both the topic and the header, the payload against the signed length and digest.
-/// Hand `signed` and `payload` to the same ingest as a QUIC upload (which checks round, replay,
-/// shapes and values).
+/// named in both the topic and the header ([`VerifiedUpload::key`]), the payload against the
+/// signed length and digest. Only the assembler makes one. Hand it to the same ingest as a QUIC
+/// upload (which checks round, replay, shapes and values, and need not verify again what this
+/// proves while the key is still the device's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerifiedUpload {
-    pub device: DeviceId,
-    pub signed: SignedUpdate,
-    pub payload: Vec<u8>,
+    device: DeviceId,
+    signed: SignedUpdate,
+    payload: Vec<u8>,
+    key: VerifyingKey,
+}
+
+impl VerifiedUpload {
+    pub fn device(&self) -> &DeviceId {
+        &self.device
+    }
+    pub fn signed(&self) -> &SignedUpdate {
+        &self.signed
+    }
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+    /// The enrolled key the header's signature verified against.
+    pub fn key(&self) -> &VerifyingKey {
+        &self.key
+    }
+    pub fn into_payload(self) -> Vec<u8> {
+        self.payload
+    }
 }
 
 /// What one frame did.
@@ -104,6 +126,7 @@ impl Default for AssemblerLimits {
 struct Upload {
     id: [u8; 16],
     signed: SignedUpdate,
+    key: VerifyingKey,
     chunk_bytes: usize,
     count: u32,
     next: u32,
@@ -118,7 +141,9 @@ struct Upload {
 pub struct UpdateAssembler {
     fleet: FleetId,
     limits: AssemblerLimits,
-    uploads: HashMap<DeviceId, Upload>,
+    /// Boxed: an upload in progress holds a digest state of about 2 KB, and a map keeps the
+    /// slots of the most uploads it ever held at once (a round's burst from a whole fleet).
+    uploads: HashMap<DeviceId, Box<Upload>>,
     /// The last finished or refused upload id per device, so its stray frames are ignored.
     finished: HashMap<DeviceId, [u8; 16]>,
     reserved: u64,
@@ -152,7 +177,7 @@ impl UpdateAssembler {
         self.reserved
     }
 
-    fn drop_upload(&mut self, device: &DeviceId) -> Option<Upload> {
+    fn drop_upload(&mut self, device: &DeviceId) -> Option<Box<Upload>> {
         let up = self.uploads.remove(device)?;
         self.reserved -= up.signed.body().payload_len;
         self.finished.insert(device.clone(), up.id);
@@ -221,7 +246,7 @@ impl UpdateAssembler {
         if envelope.len() > MAX_SIGNED_ENVELOPE_BYTES {
             return Err(reject(RejectReason::TooLarge, "header envelope too large".into()));
         }
-        let signed = verify::update_header(topic, envelope, &self.fleet, device, keys)?;
+        let (signed, key) = verify::update_header(topic, envelope, &self.fleet, device, keys)?;
         let h = signed.body();
         if h.nonce != id {
             return Err(reject(RejectReason::Malformed, "upload id is not the signed nonce".into()));
@@ -251,21 +276,22 @@ impl UpdateAssembler {
         if count == 0 {
             check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
             self.finished.insert(device.clone(), id);
-            return Ok(Assembled::Complete(VerifiedUpload { device: device.clone(), signed, payload: Vec::new() }));
+            return Ok(Assembled::Complete(VerifiedUpload { device: device.clone(), signed, payload: Vec::new(), key }));
         }
         self.reserved += len;
         self.uploads.insert(
             device.clone(),
-            Upload {
+            Box::new(Upload {
                 id,
                 signed,
+                key,
                 chunk_bytes: chunk,
                 count,
                 next: 0,
                 check,
                 buf: Vec::with_capacity((len as usize).min(4 * chunk)),
                 last_frame: now,
-            },
+            }),
         );
         Ok(Assembled::Pending)
     }
@@ -320,7 +346,7 @@ impl UpdateAssembler {
         }
         let up = self.drop_upload(device).expect("upload present");
         up.check.finish().map_err(|e| reject(e.reason(), e.to_string()))?;
-        Ok(Assembled::Complete(VerifiedUpload { device: device.clone(), signed: up.signed, payload: up.buf }))
+        Ok(Assembled::Complete(VerifiedUpload { device: device.clone(), signed: up.signed, payload: up.buf, key: up.key }))
     }
 }
 
@@ -380,7 +406,7 @@ mod tests {
             }
         }
         let v = done.unwrap();
-        assert_eq!(v.payload, payload);
+        assert_eq!(v.payload(), payload);
         assert_eq!(asm.reserved_bytes(), 0);
         assert_eq!(asm.push(t, &dev, &keys, &frames[5], now).unwrap(), Assembled::Ignored);
         // The same upload sent again (its receipt was lost) is assembled again.
@@ -390,7 +416,7 @@ mod tests {
                 again = Some(v);
             }
         }
-        assert_eq!(again.unwrap().payload, payload);
+        assert_eq!(again.unwrap().payload(), payload);
 
         // Over the per-update and the global limits.
         let small = AssemblerLimits { max_update_bytes: 5_000, ..Default::default() };

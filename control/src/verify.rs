@@ -181,18 +181,19 @@ pub fn status(
     Ok(signed)
 }
 
-/// An update header on `devices/<device>/updates`: signed by that device's enrolled key, naming
-/// that device and our fleet. The payload is checked against it by [`crate::UpdateAssembler`].
+/// An update header on `devices/<device>/updates`: signed by that device's enrolled key (returned
+/// with it), naming that device and our fleet. The payload is checked against it by
+/// [`crate::UpdateAssembler`].
 pub fn update_header(
     topic: &str,
     bytes: &[u8],
     fleet: &FleetId,
     device: &DeviceId,
     keys: &dyn DeviceKeys,
-) -> Result<SignedUpdate, Rejected> {
+) -> Result<(SignedUpdate, VerifyingKey), Rejected> {
     let key = device_key(topic, device, keys)?;
     let signed = decode_verify::<fedfleet_protocol::UpdateHeader>(topic, Some(device), bytes, &key)?;
     same_device(topic, device, &signed.body().device)?;
     check_fleet(topic, Some(device), fleet, &signed.body().fleet)?;
-    Ok(signed)
+    Ok((signed, key))
 }

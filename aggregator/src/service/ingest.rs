@@ -50,7 +50,7 @@ pub(super) fn stored_delta(store: &Store, rec: &AcceptedRecord, base: &Base, dty
 }
 
 /// The whole payload an upload's header binds: `Chunk` frames up to `End` over QUIC (the first
-/// byte past the signed length refused), or the MQTT bytes; its digest checked.
+/// byte past the signed length refused), or the MQTT upload's; its digest checked.
 pub(super) async fn receive_payload(
     header: &impl fedfleet_protocol::envelope::PayloadBinding,
     payload: Payload<'_>,
@@ -58,7 +58,8 @@ pub(super) async fn receive_payload(
     let mut check = PayloadCheck::new(header);
     let refused = |e: fedfleet_protocol::EnvelopeError| reject(e.reason(), e.to_string());
     let stream = match payload {
-        Payload::Bytes(bytes, _) => {
+        Payload::Mqtt(upload, _) => {
+            let bytes = upload.into_payload();
             check.update(&bytes).map_err(refused)?;
             check.finish().map_err(refused)?;
             return Ok(bytes);
@@ -96,6 +97,9 @@ pub(super) struct Checked {
     /// The signed header and its device's key, for the batch check on the fold thread.
     signed: SignedUpdate,
     key: ed25519_dalek::VerifyingKey,
+    /// The signature verified against `key` already (by the MQTT control client): no batch
+    /// check.
+    signature_verified: bool,
     meta: UpdateMeta,
     payload: Vec<u8>,
     /// The payload already decoded (a large one is decoded before it joins the commit queue).
@@ -160,6 +164,7 @@ impl Aggregator {
         // 3. The signature is checked on the fold thread, in a batch with the other uploads
         // queued there (see [`CommitQueue`]), before anything is folded or stored: the
         // connection already proved the device, and the payload it may send is bounded below.
+        // (Not again for an MQTT upload the control client verified: step 7.)
         sh.metrics.ingest_step("authenticate", &mut since);
         // 4. A resend of an accepted update gets its receipt again (once the record is durable:
         // the first attempt may still be waiting for its flush), its signature checked here.
@@ -195,10 +200,16 @@ impl Aggregator {
         // 6. Admission by bytes in flight, before the payload is read.
         let _in_flight = self.admit(&payload, h.payload_len)?;
         sh.metrics.ingest_step("admit", &mut since);
-        // 7. The payload through the digest/length check (streamed over QUIC).
-        let payload = receive_payload(&h, payload).await?;
+        // 7. The payload through the digest/length check (streamed over QUIC). An MQTT upload the
+        // control client verified, with this same header against the device's key as it is
+        // now, is not verified again: its signature and digest stand.
+        let signature_verified = matches!(&payload, Payload::Mqtt(v, _) if *v.signed() == update && *v.key() == key);
+        let payload = match payload {
+            Payload::Mqtt(v, _) if signature_verified => v.into_payload(),
+            payload => receive_payload(&h, payload).await?,
+        };
         sh.metrics.ingest_step("receive", &mut since);
-        self.commit(Checked { h, signed: update, key, meta, payload, delta: None, base, dtype, since }).await
+        self.commit(Checked { h, signed: update, key, signature_verified, meta, payload, delta: None, base, dtype, since }).await
     }
 
     /// The receipt of an accepted upload sent again (same sender, nonce, payload and round), once
@@ -260,7 +271,7 @@ impl Aggregator {
     pub(super) fn admit(&self, payload: &Payload<'_>, len: u64) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Rejection> {
         match payload {
             Payload::Quic(_) => self.reserve_bytes(len).map(Some),
-            Payload::Bytes(..) => Ok(None),
+            Payload::Mqtt(..) => Ok(None),
         }
     }
 
@@ -424,8 +435,10 @@ impl CommitQueue {
                 {
                     group.push(job);
                 }
-                for (CommitJob { me, checked, answer }, signature) in check_signatures(group) {
+                for (CommitJob { me, mut checked, answer }, signature) in check_signatures(group) {
                     let kib = me.in_flight_kib(checked.h.payload_len);
+                    // Waiting behind the group's earlier uploads is queueing, not decoding.
+                    me.shared.metrics.ingest_step("queue", &mut checked.since);
                     let outcome = signature.and_then(|()| {
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.fold_and_record(checked)))
                             .unwrap_or_else(|_| Err(reject(RejectReason::Internal, "folding the update panicked")))
@@ -445,21 +458,28 @@ impl CommitQueue {
     }
 }
 
-/// The signatures of a group of queued uploads, checked in one batch; each upload's share of
-/// the batch's time is its `signature` stage.
+/// The signatures of a group of queued uploads not verified yet, checked in one batch; each
+/// such upload's share of the batch's time is its `signature` stage.
 fn check_signatures(mut group: Vec<CommitJob>) -> impl Iterator<Item = (CommitJob, Result<(), Rejection>)> {
     for job in &mut group {
         job.me.shared.metrics.ingest_step("queue", &mut job.checked.since);
     }
     let started = Instant::now();
-    let items: Vec<_> = group.iter().map(|j| (&j.checked.signed, &j.checked.key)).collect();
-    let verdicts = fedfleet_protocol::verify_batch(&items);
-    let share = started.elapsed() / group.len().max(1) as u32;
-    for job in &mut group {
-        job.me.shared.metrics.ingest_add("signature", share);
-        job.checked.since = Instant::now();
-    }
-    group.into_iter().zip(verdicts.into_iter().map(|v| v.map_err(|e| reject(e.reason(), e.to_string()))))
+    let items: Vec<_> = group.iter().filter(|j| !j.checked.signature_verified).map(|j| (&j.checked.signed, &j.checked.key)).collect();
+    let mut verdicts = fedfleet_protocol::verify_batch(&items).into_iter();
+    let share = started.elapsed() / items.len().max(1) as u32;
+    let outcomes: Vec<_> = group
+        .iter_mut()
+        .map(|job| {
+            job.checked.since = Instant::now();
+            if job.checked.signature_verified {
+                return Ok(());
+            }
+            job.me.shared.metrics.ingest_add("signature", share);
+            verdicts.next().expect("a verdict for each unverified upload").map_err(|e| reject(e.reason(), e.to_string()))
+        })
+        .collect();
+    group.into_iter().zip(outcomes)
 }
 
 /// One flush for a group of recorded updates, then their receipts.

@@ -176,9 +176,9 @@ struct Shared {
 pub enum Payload<'a> {
     /// QUIC: `Chunk` frames up to `End`, read only after the header passed every cheap check.
     Quic(&'a mut FramedStream),
-    /// MQTT: the reassembled payload bytes, with the budget share its caller holds for them
-    /// ([`Aggregator::wait_for_bytes`]).
-    Bytes(Vec<u8>, &'a BytesInFlight),
+    /// MQTT: the upload the control client reassembled and verified, with the budget share its
+    /// caller holds for it ([`Aggregator::wait_for_bytes`]).
+    Mqtt(fedfleet_control::VerifiedUpload, &'a BytesInFlight),
 }
 
 /// A share of the `[admission] max_bytes_in_flight` budget, held while an upload that arrived

@@ -17,10 +17,10 @@ use crate::wire::SecAggView;
 const SUM_CONTRIBUTOR: &str = "secagg.sum";
 
 /// Where a stage message's masked vector comes from: streamed after it (QUIC), or attached to
-/// it (an MQTT request).
+/// it (an MQTT request), with the budget share its caller waited for when it carries a vector.
 pub(super) enum Attached<'a> {
     Streamed(&'a mut FramedStream),
-    Bytes(&'a [u8]),
+    Bytes(&'a [u8], Option<&'a BytesInFlight>),
 }
 
 /// The open round's secure aggregation.
@@ -142,14 +142,22 @@ impl Aggregator {
 
     /// A device's secure-aggregation request over MQTT (`crate::mqtt`): the requests and
     /// answers of QUIC, the masked vector attached to its message instead of streamed after it.
-    /// Nothing else is served this way.
-    pub async fn secagg_over_mqtt(&self, device: &DeviceId, message: &[u8], attachment: &[u8]) -> Response {
+    /// Nothing else is served this way. `in_flight`: the attachment's budget share, which the
+    /// caller waited for ([`Aggregator::wait_for_bytes`]); without it a masked vector is refused
+    /// as `overloaded` when the budget is spent, as over QUIC.
+    pub async fn secagg_over_mqtt(
+        &self,
+        device: &DeviceId,
+        message: &[u8],
+        attachment: &[u8],
+        in_flight: Option<&BytesInFlight>,
+    ) -> Response {
         let peer = PeerIdentity::Device(device.clone());
         match messages::decode::<Request>(message, MAX_WIRE_MESSAGE) {
             Ok(Request::SecAggRoster { round }) => self.secagg_roster(&peer, round),
             Ok(Request::SecAggPoll { round }) => self.secagg_poll(&peer, round),
             Ok(Request::SecAggSend { message, vector_len }) => {
-                self.secagg_message(&peer, &message, vector_len, Attached::Bytes(attachment)).await
+                self.secagg_message(&peer, &message, vector_len, Attached::Bytes(attachment, in_flight)).await
             }
             Ok(other) => Response::Error(reject(
                 RejectReason::NotPermitted,
@@ -201,7 +209,7 @@ impl Aggregator {
             let s = self.session(&core, signed.body().round, device)?;
             (s.server.roster().dim as u64 + 1) * 8
         };
-        if let Attached::Bytes(bytes) = &attached
+        if let Attached::Bytes(bytes, _) = &attached
             && bytes.len() as u64 != vector_len
         {
             return Err(reject(
@@ -209,19 +217,24 @@ impl Aggregator {
                 format!("the request announces a masked vector of {vector_len} bytes and attaches {}", bytes.len()),
             ));
         }
-        let vector = if vector_len == 0 {
-            None
+        // The vector's share of the in-flight budget is held until the protocol has taken it.
+        let (vector, _in_flight) = if vector_len == 0 {
+            (None, None)
         } else if vector_len != expected {
             return Err(reject(
                 RejectReason::LengthMismatch,
                 format!("a masked vector of this round is {expected} bytes, not {vector_len}"),
             ));
         } else {
-            let _in_flight = self.reserve_bytes(vector_len)?;
-            Some(match attached {
+            let reserved = match &attached {
+                Attached::Bytes(_, Some(_)) => None,
+                _ => Some(self.reserve_bytes(vector_len)?),
+            };
+            let vector = match attached {
                 Attached::Streamed(stream) => receive_vector(stream, vector_len as usize).await?,
-                Attached::Bytes(bytes) => words(bytes),
-            })
+                Attached::Bytes(bytes, _) => words(bytes),
+            };
+            (Some(vector), reserved)
         };
         let me = self.clone();
         let device = device.clone();

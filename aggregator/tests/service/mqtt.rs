@@ -188,7 +188,8 @@ async fn an_update_over_mqtt_yields_the_same_global_model_as_over_quic() {
 /// Uploads over MQTT past `[admission] max_bytes_in_flight` wait for the budget instead of being
 /// refused as `overloaded` (their bytes are in memory already; a refusal would only bring them
 /// back through the broker): with a budget of one payload, every one of eight devices uploading
-/// at once gets its receipt and none a refusal.
+/// at once gets its receipt and none a refusal. And ingest does not verify their signatures
+/// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mqtt_uploads_past_the_byte_budget_wait_for_it_instead_of_being_refused() {
     const N: usize = 8;
@@ -230,9 +231,84 @@ async fn mqtt_uploads_past_the_byte_budget_wait_for_it_instead_of_being_refused(
     let text = svc.agg.metrics().render();
     assert!(text.contains(&format!("fedfleet_aggregator_updates_accepted_total {N}\n")), "{text}");
     assert!(text.contains("fedfleet_aggregator_updates_rejected_total{reason=\"overloaded\"} 0"), "{text}");
+    // Each signature was verified once, by the control client: ingest checked none again.
+    assert!(text.contains("fedfleet_aggregator_ingest_seconds_total{step=\"signature\"} 0.0\n"), "{text}");
     for (c, _) in &clients {
         c.shutdown().await;
     }
+    mqtt.shutdown().await;
+    svc.stop().await;
+}
+
+/// A secure-aggregation request over MQTT whose masked vector comes past
+/// `[admission] max_bytes_in_flight` waits for the budget like an update, instead of being
+/// refused as `overloaded`: while the test holds the whole budget the request gets no answer;
+/// once it lets go, the vector is handed to the protocol (which refuses this one by name, as
+/// sent before its stage; the session field is not checked before the budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_masked_vector_over_mqtt_past_the_byte_budget_waits_for_it() {
+    use fedfleet_aggregator::config::SecureAggregationConfig;
+    use fedfleet_aggregator::wire::{MAX_WIRE_MESSAGE, Request, Response};
+    use fedfleet_protocol::{RejectReason, messages};
+
+    const N: usize = 4;
+    const BUDGET: u64 = 1 << 20;
+    let fleet = Fleet::named(N, "fleetmv");
+    let mut cfg = fleet.config("maskedbudget", N as u32, 1);
+    cfg.secure_aggregation = Some(SecureAggregationConfig { degree: 2, ..Default::default() });
+    cfg.admission.max_bytes_in_flight = BUDGET;
+    let svc = start(cfg).await;
+    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
+    let port = mqtt.broker_addr().unwrap().port();
+    let key = svc.agg.receipt_key();
+    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    let (c, mut e) = device(&fleet, 0, port, key);
+    let round = next(&mut e, "announcement", |ev| match ev {
+        ControlEvent::Announcement(a) => Some(a),
+        _ => None,
+    })
+    .await
+    .verify(&key)
+    .unwrap()
+    .round;
+    // The service's answer to request `id`, if it comes within `wait`.
+    let answer = async |e: &mut ControlEvents, id: u64, wait: Duration| {
+        timeout(wait, async {
+            loop {
+                if let Some(ControlEvent::Answer(a)) = e.recv().await
+                    && a.verify(&key).unwrap().id == id
+                {
+                    return messages::decode::<Response>(&a.verify(&key).unwrap().bytes, MAX_WIRE_MESSAGE).unwrap();
+                }
+            }
+        })
+        .await
+    };
+    let ask = async |id: u64, request: &Request, attachment: &[u8]| {
+        c.send_request(id, &messages::encode(request, MAX_WIRE_MESSAGE).unwrap(), attachment).await.unwrap();
+    };
+    ask(1, &Request::SecAggRoster { round }, &[]).await;
+    let roster = match answer(&mut e, 1, WAIT).await.expect("the roster over MQTT") {
+        Response::SecAggRoster { roster, .. } => fedfleet_secagg::Roster::from_bytes(&roster).unwrap(),
+        other => panic!("roster request answered {other:?}"),
+    };
+    let vector = vec![0u8; (roster.dim as usize + 1) * 8];
+    let body = fedfleet_secagg::Body::Masked { digest: Digest::of(&vector), coordinates: roster.dim as u64 + 1, pairs: Vec::new() };
+    let message = Signed::sign(fedfleet_secagg::Message { round, session: [0; 32], device: dev(0), body }, &fleet.device_key(0));
+    let send = Request::SecAggSend { message: message.encode(), vector_len: vector.len() as u64 };
+
+    let held = svc.agg.wait_for_bytes(BUDGET).await;
+    ask(2, &send, &vector).await;
+    let early = answer(&mut e, 2, Duration::from_secs(2)).await;
+    assert!(early.is_err(), "answered while the budget was spent: {early:?}");
+    drop(held);
+    match answer(&mut e, 2, WAIT).await.expect("no answer once the budget was free") {
+        Response::Error(r) => assert_eq!(r.reason, RejectReason::SecAggRefused, "{}", r.detail),
+        other => panic!("a masked vector before its stage was answered {other:?}"),
+    }
+    assert_eq!(svc.agg.metrics().mqtt_requests_count("overloaded"), 0);
+    c.shutdown().await;
     mqtt.shutdown().await;
     svc.stop().await;
 }

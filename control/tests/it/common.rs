@@ -360,8 +360,8 @@ async fn await_receipts(
                 _ => {}
             },
             ev = events.recv() => match ev.unwrap() {
-                ControlEvent::Update(v) if v.signed.body().round.0 == round => {
-                    send_receipt(f, agg, v.signed.body()).await;
+                ControlEvent::Update(v) if v.signed().body().round.0 == round => {
+                    send_receipt(f, agg, v.signed().body()).await;
                 }
                 ControlEvent::Status(s) => presence.record(s.body(), now_ms()),
                 ControlEvent::Rejected(r) if lost_header(&r) => {}
@@ -387,13 +387,13 @@ async fn collect_round(f: &Fleet, agg: &ControlClient, events: &mut ControlEvent
             .unwrap();
         match ev {
             ControlEvent::Update(v) => {
-                let h = v.signed.body().clone();
+                let h = v.signed().body().clone();
                 if h.round.0 != round {
                     continue; // a late re-send of an earlier round
                 }
-                assert_eq!(v.payload, payload(&v.device, round), "bytes differ from those sent");
-                assert_eq!(h.device, v.device);
-                got.insert(v.device.clone());
+                assert_eq!(v.payload(), payload(v.device(), round), "bytes differ from those sent");
+                assert_eq!(&h.device, v.device());
+                got.insert(v.device().clone());
                 send_receipt(f, agg, &h).await;
             }
             ControlEvent::Status(s) => presence.record(s.body(), now_ms()),

@@ -137,8 +137,8 @@ async fn forged_announcements_and_updates_are_rejected_with_reasons() {
         _ => None,
     })
     .await;
-    assert_eq!(v.signed, genuine);
-    assert_eq!(v.payload, common::payload(a, 6));
+    assert_eq!(v.signed(), &genuine);
+    assert_eq!(v.payload(), common::payload(a, 6));
 
     let s = agg.stats();
     assert_eq!(s.rejected(RejectReason::BadSignature), 2, "{s:?}");
