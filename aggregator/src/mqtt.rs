@@ -12,7 +12,8 @@
 //!   `[admission] max_bytes_in_flight` before its ingest starts ([`Aggregator::wait_for_bytes`]):
 //!   its payload is in memory already, so it is not refused as `overloaded` as a QUIC upload is;
 //!   while the budget is spent no further event is read, and the broker queues the fleet's
-//!   uploads.
+//!   uploads. It waits half the connection's keep-alive at most (meanwhile the control client
+//!   sends no ping); past that it is refused as `overloaded`, with the retry-after.
 //! * Refusals (by the control client or by ingest) are counted by reason in
 //!   `fedfleet_aggregator_mqtt_rejected_total`. An upload refused by ingest (its signed header
 //!   and payload digest verified, so the refusal is about what the device signed) is answered with
@@ -28,6 +29,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use fedfleet_certs::PeerIdentity;
@@ -155,6 +157,9 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
     let tls = service_tls(agg.ca(), agg.identity()).map_err(mqtt_err)?;
     let role = Role::Service { keys: allow, status: true, updates: true, limits: AssemblerLimits::default() };
     let options = cfg.client.options(ClientKind::Service(MQTT_CLIENT_ID), host.clone(), port, fleet).map_err(mqtt_err)?;
+    // Half the keep-alive: the broker drops a client silent for 1.5 of it, and with a clean
+    // session the uploads it queued for the service.
+    let budget_wait = options.keep_alive / 2;
     let (client, mut events) = ControlClient::start(options, tls, role);
     let metrics = agg.metrics();
     metrics.presence_ttl_ms.store(cfg.presence_ttl_secs.saturating_mul(1000), Relaxed);
@@ -199,14 +204,16 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
         let client = client.clone();
         tokio::spawn(async move {
             while let Some(ev) = events.recv().await {
-                handle(&agg, &client, &receipt_key, ev).await;
+                handle(&agg, &client, &receipt_key, budget_wait, ev).await;
             }
         })
     };
     Ok(Some(Mqtt { broker, broker_config, client, announcer, events: handler }))
 }
 
-async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey>, ev: ControlEvent) {
+/// `budget_wait`: how long an upload waits for its share of the byte budget (while it waits, the
+/// control client reads nothing and sends no keep-alive) before it is refused as `overloaded`.
+async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<SigningKey>, budget_wait: Duration, ev: ControlEvent) {
     let metrics = agg.metrics();
     match ev {
         ControlEvent::Connected { count } => {
@@ -226,7 +233,7 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
             // The update's share of the in-flight budget first, waiting here: while it is spent,
             // this loop reads no further event, the control client stops reading, and the broker
             // queues the fleet's uploads (its `max_queued_messages` must hold a round's burst).
-            let in_flight = agg.wait_for_bytes(v.signed().body().payload_len).await;
+            let in_flight = agg.wait_for_bytes(v.signed().body().payload_len, budget_wait).await;
             // Off the event loop: ingest folds on a blocking thread and commits to disk.
             let agg = agg.clone();
             let client = client.clone();
@@ -235,11 +242,17 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
                 let device = v.device().clone();
                 let peer = PeerIdentity::Device(device.clone());
                 let header = v.signed().body().clone();
-                // Boxed, so that the task waiting below to publish the answer keeps none of it.
-                let outcome = Box::pin(agg.ingest(&peer, v.signed().clone(), Payload::Mqtt(v, &in_flight))).await;
-                // The share goes back before the answer is published: publishing waits for the
-                // control client, which waits while the events task waits for the budget.
-                drop(in_flight);
+                let outcome = match in_flight {
+                    Ok(in_flight) => {
+                        // Boxed, so that the task waiting below to publish the answer keeps none of it.
+                        let outcome = Box::pin(agg.ingest(&peer, v.signed().clone(), Payload::Mqtt(v, &in_flight))).await;
+                        // The share goes back before the answer is published: publishing waits for
+                        // the control client, which waits while the events task waits for the budget.
+                        drop(in_flight);
+                        outcome
+                    }
+                    Err(overloaded) => Err(overloaded),
+                };
                 match outcome {
                     Ok(receipt) => {
                         if let Err(e) = client.publish_receipt(&receipt).await {
@@ -265,12 +278,14 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
             let key = receipt_key.clone();
             // A masked vector waits for its budget share like an update.
             let in_flight = match r.attachment.len() {
-                0 => None,
-                len => Some(agg.wait_for_bytes(len as u64).await),
+                0 => Ok(None),
+                len => agg.wait_for_bytes(len as u64, budget_wait).await.map(Some),
             };
             tokio::spawn(async move {
-                let response = agg.secagg_over_mqtt(&r.device, &r.message, &r.attachment, in_flight.as_ref()).await;
-                drop(in_flight);
+                let response = match in_flight {
+                    Ok(in_flight) => agg.secagg_over_mqtt(&r.device, &r.message, &r.attachment, in_flight.as_ref()).await,
+                    Err(overloaded) => Response::Error(overloaded),
+                };
                 let outcome = match &response {
                     Response::Error(e) => e.reason.as_str(),
                     _ => "answered",

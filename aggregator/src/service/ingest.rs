@@ -250,20 +250,27 @@ impl Aggregator {
     /// `overloaded` (with the retry-after) when it is spent. (An upload larger than the whole
     /// budget takes all of it, and waits for it alone.)
     pub(super) fn reserve_bytes(&self, len: u64) -> Result<tokio::sync::OwnedSemaphorePermit, Rejection> {
+        self.shared.in_flight.clone().try_acquire_many_owned(self.in_flight_kib(len)).map_err(|_| self.budget_spent())
+    }
+
+    /// The refusal of an upload past the byte budget: `overloaded`, with the retry-after.
+    fn budget_spent(&self) -> Rejection {
         let limits = self.shared.cfg.admission;
-        self.shared.in_flight.clone().try_acquire_many_owned(self.in_flight_kib(len)).map_err(|_| {
-            let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
-            reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms))
-        })
+        let what = format!("{} bytes of updates in flight", limits.max_bytes_in_flight);
+        reject(RejectReason::Overloaded, fedfleet_protocol::reject::overloaded_detail(what, limits.retry_after_ms))
     }
 
     /// Waits for `len` bytes of the `[admission] max_bytes_in_flight` budget, for an upload that
-    /// arrived whole (over MQTT). Refusing it as `overloaded` would only make its device send it
-    /// again through the broker; waiting holds the broker's deliveries back, and the broker
-    /// queues them.
-    pub async fn wait_for_bytes(&self, len: u64) -> super::BytesInFlight {
-        let permit = self.shared.in_flight.clone().acquire_many_owned(self.in_flight_kib(len)).await;
-        super::BytesInFlight { _permit: permit.expect("the in-flight semaphore is never closed") }
+    /// arrived whole (over MQTT). Refusing it as `overloaded` at once would only make its device
+    /// send it again through the broker; waiting holds the broker's deliveries back, and the
+    /// broker queues them. Past `at_most` it is refused as a QUIC upload is: its caller stops
+    /// reading its connection while it waits, and must not wait past the connection's keep-alive.
+    pub async fn wait_for_bytes(&self, len: u64, at_most: Duration) -> Result<super::BytesInFlight, Rejection> {
+        let acquire = self.shared.in_flight.clone().acquire_many_owned(self.in_flight_kib(len));
+        match tokio::time::timeout(at_most, acquire).await {
+            Ok(permit) => Ok(super::BytesInFlight { _permit: permit.expect("the in-flight semaphore is never closed") }),
+            Err(_) => Err(self.budget_spent()),
+        }
     }
 
     /// Step 6, admission by bytes in flight: a QUIC payload takes its share (or is refused as

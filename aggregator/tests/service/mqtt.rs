@@ -298,7 +298,7 @@ async fn a_masked_vector_over_mqtt_past_the_byte_budget_waits_for_it() {
     let message = Signed::sign(fedfleet_secagg::Message { round, session: [0; 32], device: dev(0), body }, &fleet.device_key(0));
     let send = Request::SecAggSend { message: message.encode(), vector_len: vector.len() as u64 };
 
-    let held = svc.agg.wait_for_bytes(BUDGET).await;
+    let held = svc.agg.wait_for_bytes(BUDGET, WAIT).await.unwrap();
     ask(2, &send, &vector).await;
     let early = answer(&mut e, 2, Duration::from_secs(2)).await;
     assert!(early.is_err(), "answered while the budget was spent: {early:?}");
@@ -308,6 +308,67 @@ async fn a_masked_vector_over_mqtt_past_the_byte_budget_waits_for_it() {
         other => panic!("a masked vector before its stage was answered {other:?}"),
     }
     assert_eq!(svc.agg.metrics().mqtt_requests_count("overloaded"), 0);
+    c.shutdown().await;
+    mqtt.shutdown().await;
+    svc.stop().await;
+}
+
+/// An MQTT upload waits for the byte budget at most half the control client's keep-alive (15 s):
+/// meanwhile the service's client reads nothing and sends no ping, and a broker drops a client
+/// silent for 1.5 keep-alives, with the uploads it queued for it. Past that the upload is refused
+/// as `overloaded` with a retry-after, as over QUIC; the service stays connected, and the same
+/// upload sent again once the budget is free is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_mqtt_upload_waits_for_the_budget_at_most_half_the_keep_alive() {
+    const BUDGET: u64 = 1 << 20;
+    let fleet = Fleet::named(1, "fleetmw");
+    let mut cfg = fleet.config("budgetwait", 1, 1);
+    cfg.admission.max_bytes_in_flight = BUDGET;
+    let svc = start(cfg).await;
+    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
+    let port = mqtt.broker_addr().unwrap().port();
+    let key = svc.agg.receipt_key();
+    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    let (c, mut e) = device(&fleet, 0, port, key);
+    let ann = next(&mut e, "announcement", |ev| match ev {
+        ControlEvent::Announcement(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    let ann = ann.verify(&key).unwrap().clone();
+    let (h, p) = update(&fleet, 0, ann.round, ann.base_model.digest);
+
+    let held = svc.agg.wait_for_bytes(BUDGET, WAIT).await.unwrap();
+    let t0 = std::time::Instant::now();
+    c.upload_update(&h, &p).await.unwrap();
+    let refused = timeout(Duration::from_secs(30), async {
+        loop {
+            match e.recv().await.expect("client stopped") {
+                ControlEvent::UploadRefused(r) => return r,
+                ControlEvent::Receipt(r) => panic!("accepted while the budget was held: {:?}", r.body()),
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("no answer while the budget was held");
+    let waited = t0.elapsed();
+    let refusal = refused.verify(&key).unwrap();
+    assert_eq!(refusal.reason, fedfleet_protocol::RejectReason::Overloaded, "{}", refusal.detail);
+    assert!(fedfleet_protocol::reject::retry_after_ms(&refusal.detail).is_some(), "{}", refusal.detail);
+    assert!(waited >= Duration::from_secs(5), "refused after {waited:?}, not after waiting half the keep-alive");
+    drop(held);
+    c.upload_update(&h, &p).await.unwrap();
+    let receipt = next(&mut e, "a receipt once the budget was free", |ev| match ev {
+        ControlEvent::Receipt(r) => Some(r),
+        _ => None,
+    })
+    .await;
+    assert_eq!(receipt.verify(&key).unwrap().nonce, h.body().nonce);
+    let text = svc.agg.metrics().render();
+    assert!(text.contains("fedfleet_aggregator_mqtt_connected 1"), "{text}");
+    assert!(text.contains("fedfleet_aggregator_updates_rejected_total{reason=\"overloaded\"} 1"), "{text}");
     c.shutdown().await;
     mqtt.shutdown().await;
     svc.stop().await;

@@ -98,7 +98,7 @@ async fn learns_round_over_mqtt_and_falls_back_to_mqtt_upload() {
             while let Some(ev) = svc_events.recv().await {
                 match ev {
                     ControlEvent::Update(u) => {
-                        let h = u.signed.body().clone();
+                        let h = u.signed().body().clone();
                         let r = Receipt {
                             fleet: h.fleet,
                             device: h.device.clone(),
