@@ -48,10 +48,11 @@ pub use fedfleet_http::process_memory as memory;
 
 /// The stages of ingesting one update, timed in `ingest_seconds_total{step}`: identity,
 /// enrolment and revocation; resend lookup, round checks and admission; the payload streamed in
-/// and digested (waits on the network); the wait in the fold thread's queue; the update's share
-/// of its batch's ed25519 check (none for an MQTT upload its control client verified); decode and checks; the payload written and fsynced; the exact
-/// fold and the receipt signature; the accepted record written; the group commit the receipt
-/// waits for.
+/// and digested (waits on the network); the wait in the fold thread's queue (behind the earlier
+/// uploads of its group too); the update's share of its batch's ed25519 check (none for an MQTT
+/// upload its control client verified); decode and checks; the payload written and fsynced; the
+/// exact fold and the receipt signature; the accepted record written; the group commit the
+/// receipt waits for.
 pub const INGEST_STEPS: [&str; 10] =
     ["authenticate", "admit", "receive", "queue", "signature", "decode", "store_payload", "fold", "record", "sync"];
 
