@@ -245,7 +245,7 @@ async fn handle(agg: &Aggregator, client: &ControlClient, receipt_key: &Arc<Sign
                 let outcome = match in_flight {
                     Ok(in_flight) => {
                         // Boxed, so that the task waiting below to publish the answer keeps none of it.
-                        let outcome = Box::pin(agg.ingest(&peer, v.signed().clone(), Payload::Mqtt(v, &in_flight))).await;
+                        let outcome = Box::pin(agg.ingest(&peer, v.signed().clone(), Payload::Mqtt(Box::new(v), &in_flight))).await;
                         // The share goes back before the answer is published: publishing waits for
                         // the control client, which waits while the events task waits for the budget.
                         drop(in_flight);

@@ -177,8 +177,9 @@ pub enum Payload<'a> {
     /// QUIC: `Chunk` frames up to `End`, read only after the header passed every cheap check.
     Quic(&'a mut FramedStream),
     /// MQTT: the upload the control client reassembled and verified, with the budget share its
-    /// caller holds for it ([`Aggregator::wait_for_bytes`]).
-    Mqtt(fedfleet_control::VerifiedUpload, &'a BytesInFlight),
+    /// caller holds for it ([`Aggregator::wait_for_bytes`]). Boxed: its signed header is a few
+    /// hundred bytes, which every ingest future would carry.
+    Mqtt(Box<fedfleet_control::VerifiedUpload>, &'a BytesInFlight),
 }
 
 /// A share of the `[admission] max_bytes_in_flight` budget, held while an upload that arrived
