@@ -185,6 +185,30 @@ async fn an_update_over_mqtt_yields_the_same_global_model_as_over_quic() {
     assert_ne!(Digest::of(&quic), Digest::of(&std::fs::read(fleet.dir.path().join("initial.safetensors")).unwrap()));
 }
 
+/// The service on `cfg` with its embedded broker, its campaign started: the service, its MQTT
+/// plane, the broker's port and the receipt key.
+async fn campaign_with_broker(
+    cfg: fedfleet_aggregator::config::Config,
+) -> (RunningAggregator, fedfleet_aggregator::mqtt::Mqtt, u16, ed25519_dalek::VerifyingKey) {
+    let svc = start(cfg).await;
+    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
+    let port = mqtt.broker_addr().unwrap().port();
+    let key = svc.agg.receipt_key();
+    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    (svc, mqtt, port, key)
+}
+
+/// The round announcement a device hears over MQTT, verified.
+async fn announced(events: &mut ControlEvents, key: ed25519_dalek::VerifyingKey) -> RoundAnnouncement {
+    let ann = next(events, "announcement", |ev| match ev {
+        ControlEvent::Announcement(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    ann.verify(&key).unwrap().clone()
+}
+
 /// Uploads over MQTT past `[admission] max_bytes_in_flight` wait for the budget instead of being
 /// refused as `overloaded` (their bytes are in memory already; a refusal would only bring them
 /// back through the broker): with a budget of one payload, every one of eight devices uploading
@@ -196,22 +220,12 @@ async fn mqtt_uploads_past_the_byte_budget_wait_for_it_instead_of_being_refused(
     let fleet = Fleet::named(N, "fleetmb");
     let mut cfg = fleet.config("budget", N as u32, 1);
     cfg.admission.max_bytes_in_flight = delta(0).encode().len() as u64;
-    let svc = start(cfg).await;
-    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
-    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
-    let port = mqtt.broker_addr().unwrap().port();
-    let key = svc.agg.receipt_key();
-    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    let (svc, mqtt, port, key) = campaign_with_broker(cfg).await;
     let mut clients: Vec<_> = (0..N).map(|i| device(&fleet, i, port, key)).collect();
     // Every device is connected and has heard the round before any uploads: they go at once.
     let mut heard = Vec::new();
     for (_, e) in &mut clients {
-        let ann = next(e, "announcement", |ev| match ev {
-            ControlEvent::Announcement(a) => Some(a),
-            _ => None,
-        })
-        .await;
-        heard.push(ann.verify(&key).unwrap().clone());
+        heard.push(announced(e, key).await);
     }
     let (round, base) = (heard[0].round, heard[0].base_model.digest);
     for (i, (c, _)) in clients.iter().enumerate() {
@@ -257,21 +271,9 @@ async fn a_masked_vector_over_mqtt_past_the_byte_budget_waits_for_it() {
     let mut cfg = fleet.config("maskedbudget", N as u32, 1);
     cfg.secure_aggregation = Some(SecureAggregationConfig { degree: 2, ..Default::default() });
     cfg.admission.max_bytes_in_flight = BUDGET;
-    let svc = start(cfg).await;
-    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
-    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
-    let port = mqtt.broker_addr().unwrap().port();
-    let key = svc.agg.receipt_key();
-    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    let (svc, mqtt, port, key) = campaign_with_broker(cfg).await;
     let (c, mut e) = device(&fleet, 0, port, key);
-    let round = next(&mut e, "announcement", |ev| match ev {
-        ControlEvent::Announcement(a) => Some(a),
-        _ => None,
-    })
-    .await
-    .verify(&key)
-    .unwrap()
-    .round;
+    let round = announced(&mut e, key).await.round;
     // The service's answer to request `id`, if it comes within `wait`.
     let answer = async |e: &mut ControlEvents, id: u64, wait: Duration| {
         timeout(wait, async {
@@ -324,19 +326,9 @@ async fn an_mqtt_upload_waits_for_the_budget_at_most_half_the_keep_alive() {
     let fleet = Fleet::named(1, "fleetmw");
     let mut cfg = fleet.config("budgetwait", 1, 1);
     cfg.admission.max_bytes_in_flight = BUDGET;
-    let svc = start(cfg).await;
-    let mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
-    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
-    let port = mqtt.broker_addr().unwrap().port();
-    let key = svc.agg.receipt_key();
-    svc.agg.start_campaign(CampaignOverrides { seed: Some(1), ..Default::default() }).await.unwrap();
+    let (svc, mqtt, port, key) = campaign_with_broker(cfg).await;
     let (c, mut e) = device(&fleet, 0, port, key);
-    let ann = next(&mut e, "announcement", |ev| match ev {
-        ControlEvent::Announcement(a) => Some(a),
-        _ => None,
-    })
-    .await;
-    let ann = ann.verify(&key).unwrap().clone();
+    let ann = announced(&mut e, key).await;
     let (h, p) = update(&fleet, 0, ann.round, ann.base_model.digest);
 
     let held = svc.agg.wait_for_bytes(BUDGET, WAIT).await.unwrap();
