@@ -46,6 +46,7 @@ step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfl
 step "$examples/bench_rounds" --agents 3 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --rollout --mirror
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --secure-aggregation
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --mqtt-uploads --upload-burst
+step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --mqtt-uploads --embedded-broker
 step "$examples/bench_rounds" --agents 5 --rounds 1 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --light --relays 2 --aggregator-workers 1 --round-bases-from-aggregator --upload-burst
 step "$examples/bench_rounds" --agents 200 --rounds 2 --aggregator-bin "$bin/fedfleet-aggregator" --no-daemon --sampled \
     --sampling-rate 0.2 --train-median-ms 50 --availability 1 --diurnal 0 --dropout 0 --timeout-secs 300

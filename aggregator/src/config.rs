@@ -88,6 +88,7 @@
 //! # fleet = "acme"                   # must equal the PKI's fleet (default: the PKI's)
 //! client_id = "aggregator"           # MQTT client id of this service
 //! presence_ttl_secs = 90             # a device counts as online this long after its last status
+//! max_connections = 16384            # embedded: most connections, devices and services together
 //! reconnect_max_secs = 5             # ceiling of the reconnect backoff after the broker is lost
 //! ```
 //! Relative paths are resolved against the config file's directory. Without `[mqtt]` there is no
@@ -380,8 +381,18 @@ pub struct MqttConfig {
     /// Devices drop repeats unread.
     #[serde(default = "default_announce_every_secs")]
     pub announce_every_secs: u64,
+    /// Embedded broker: most client connections, the fleet's devices and the services (this
+    /// one, the registry) together.
+    #[serde(default = "default_broker_max_connections")]
+    pub max_connections: usize,
     #[serde(flatten, skip_serializing)]
     unknown: UnknownKeys,
+}
+
+/// As many as QUIC admits (`[admission] max_connections`): the broker's former 10,000 (its held
+/// readiness probe among them) left a fleet of 10,000 devices short once the services connected.
+fn default_broker_max_connections() -> usize {
+    fedfleet_control::broker::DEFAULT_MAX_CONNECTIONS
 }
 
 fn default_announce_every_secs() -> u64 {
@@ -404,12 +415,16 @@ impl MqttConfig {
             client: MqttClientConfig::default(),
             presence_ttl_secs: fedfleet_control::presence::DEFAULT_TTL_SECS,
             announce_every_secs: default_announce_every_secs(),
+            max_connections: default_broker_max_connections(),
             unknown: UnknownKeys::default(),
         }
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
         self.unknown.check("mqtt").map_err(ConfigError::Invalid)?;
+        if self.max_connections == 0 {
+            return Err(ConfigError::Invalid("mqtt.max_connections must be at least 1".into()));
+        }
         match self.mode {
             MqttMode::External => {
                 self.client.addresses().map_err(|e| ConfigError::Invalid(format!("mqtt.mode = \"external\": {e}")))?;

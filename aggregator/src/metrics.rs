@@ -29,7 +29,7 @@
 //! | `fedfleet_aggregator_devices_online` | gauge | devices with a verified status within `presence_ttl_secs` |
 //! | `fedfleet_aggregator_devices_known` | gauge | devices ever heard from over MQTT |
 //! | `fedfleet_aggregator_device_last_seen_seconds` | gauge | `device`: Unix time of its last verified status |
-//! | `fedfleet_aggregator_broker_refused_total` | counter | `reason` = oversized, acl, client_id, malformed: MQTT connections the embedded broker closed |
+//! | `fedfleet_aggregator_broker_refused_total` | counter | `reason` = oversized, acl, client_id, malformed, overloaded (past `[mqtt] max_connections`): MQTT connections the embedded broker closed |
 //! | `fedfleet_aggregator_certificate_expiry_seconds` | gauge | seconds until the aggregator's own certificate expires (negative once expired) |
 //! | `fedfleet_aggregator_compute_adapter` | gauge (1) | `kind`, `name`, `backend`, `driver`, `device_type`: the tensor path's device (absent with the exact fold) |
 

@@ -138,6 +138,7 @@ pub async fn start(agg: &Aggregator, cfg: &MqttConfig) -> Result<Option<Mqtt>, S
             let (crt, key) = fedfleet_certs::layout::server_paths(pki, &scfg.server_identity);
             let mut bc = BrokerConfig::new(cfg.listen, fedfleet_certs::layout::ca_cert(pki), crt, key);
             bc.metrics = agg.metrics().broker.clone();
+            bc.max_connections = cfg.max_connections;
             let broker =
                 EmbeddedBroker::start(bc.clone()).await.map_err(|e| mqtt_err(format!("embedded broker on {}: {e}", cfg.listen)))?;
             // A restart listens where this one does (the port picked for port 0 included).

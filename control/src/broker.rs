@@ -64,7 +64,8 @@ pub struct BrokerConfig {
     pub server_key: PathBuf,
     /// Largest MQTT packet payload accepted; a larger one closes the connection and is counted.
     pub max_payload_bytes: usize,
-    /// Most concurrent client connections.
+    /// Most concurrent client connections (devices and services); the gate closes the next one
+    /// at once, counted as `overloaded`.
     pub max_connections: usize,
     /// The service certificates (by name) that may publish on the fleet's topics: by default
     /// the broker's own (the aggregator's, from `server_cert`'s file name) and `registry`. Any
@@ -86,7 +87,7 @@ impl BrokerConfig {
             server_cert,
             server_key,
             max_payload_bytes: 2 * 1024 * 1024,
-            max_connections: 10_000,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             metrics: BrokerMetrics::default(),
         }
     }
@@ -199,7 +200,11 @@ fn rumqttd_config(cfg: &BrokerConfig, backend: SocketAddr, password: &str) -> ru
     let server =
         rumqttd::ServerSettings { name: "fedfleet-v4".into(), listen: backend, tls: None, next_connection_delay_ms: 0, connections };
     let router = rumqttd::RouterConfig {
-        max_connections: cfg.max_connections,
+        // The gate refuses first, cleanly. rumqttd's own cap must stay out of reach: it leaves a
+        // connection over it without a CONNACK, and a reconnect of that client can then panic
+        // its server thread (rumqttd 0.20, `will_handlers`). It counts the gate's held probe,
+        // and connections the gate has closed that its router has not dropped yet.
+        max_connections: 2 * cfg.max_connections + 1,
         max_outgoing_packet_count: 256,
         max_segment_size: 8 * 1024 * 1024,
         max_segment_count: 4,
@@ -215,6 +220,7 @@ struct Gate {
     backend: SocketAddr,
     password: String,
     max_payload_bytes: usize,
+    max_connections: usize,
     publishers: Vec<String>,
     metrics: BrokerMetrics,
 }
@@ -266,6 +272,7 @@ impl EmbeddedBroker {
             backend,
             password,
             max_payload_bytes: config.max_payload_bytes,
+            max_connections: config.max_connections,
             publishers: config.publishers.clone(),
             metrics: config.metrics.clone(),
         });
@@ -296,14 +303,15 @@ impl Drop for EmbeddedBroker {
     }
 }
 
-/// Fleet connections the broker's TLS gate serves at once.
-const MAX_CONNECTIONS: usize = 16_384;
+/// Client connections the broker's TLS gate serves at once, unless configured: as many as the
+/// aggregator admits over QUIC.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
 
 async fn accept_loop(listener: TcpListener, gate: Arc<Gate>, stop: Shutdown) {
     let metrics = gate.metrics.clone();
     let mut conns = fedfleet_net::serve::accept_until(
         &listener,
-        MAX_CONNECTIONS,
+        gate.max_connections,
         stop.wait(),
         || metrics.count(Refusal::Overloaded),
         |(client, peer)| serve_client(gate.clone(), client, peer),

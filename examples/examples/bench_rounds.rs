@@ -170,6 +170,11 @@ struct Args {
     /// --pushed-rounds or --secure-aggregation.
     #[arg(long, conflicts_with_all = ["sampled", "secure_aggregation", "relays", "pushed_rounds"])]
     mqtt_uploads: bool,
+    /// With --mqtt-uploads: the aggregator's embedded broker (`[mqtt] mode = "embedded"`, the
+    /// default mode) instead of mosquitto, so the devices' connections are in the aggregator's
+    /// process and its figures include them.
+    #[arg(long, requires = "mqtt_uploads")]
+    embedded_broker: bool,
     /// Every round aggregated with SecAgg+ (`[secure_aggregation]`, the default degree and
     /// threshold): the same fleet and task, each device's update sent only masked, through the
     /// stages. Not with --sampled.
@@ -609,8 +614,10 @@ struct Services {
     relays: Vec<Relay>,
     /// `--pushed-rounds`: the announcement the listener heard, handed to every agent.
     pushed: Option<Arc<PushedRound>>,
-    /// `--mqtt-uploads`: the fleet's broker.
+    /// `--mqtt-uploads`: the fleet's broker (none with `--embedded-broker`).
     broker: Option<Mosquitto>,
+    /// `--embedded-broker`: the aggregator's broker's address.
+    embedded_broker: Option<std::net::SocketAddr>,
 }
 
 /// A `fedfleet-aggregator relay` process under the root, and the devices of its region.
@@ -640,6 +647,11 @@ impl Services {
     /// The CPU seconds of every uplink so far, in [`Self::uplinks`]' order.
     fn uplink_cpu_secs(&self) -> Vec<f64> {
         self.uplinks().iter().map(|u| proc_cpu_secs(u.process.pid().to_string()).unwrap_or(f64::NAN)).collect()
+    }
+
+    /// Where the devices' MQTT broker listens, with `--mqtt-uploads`.
+    fn broker_addr(&self) -> Option<std::net::SocketAddr> {
+        self.broker.as_ref().map(|b| b.addr()).or(self.embedded_broker)
     }
 
     /// `--mqtt-uploads`: the broker's CPU seconds so far (0 without one).
@@ -797,12 +809,16 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
     if !relay_names.is_empty() {
         toml = format!("relays = {relay_names:?}\n{toml}");
     }
-    let broker = match args.mqtt_uploads {
+    let broker = match args.mqtt_uploads && !args.embedded_broker {
         true => Some(start_mosquitto(&pki, &dir, &fleet_id, devices.len()).await?),
         false => None,
     };
     if let Some(b) = &broker {
         toml.push_str(&format!("\n[mqtt]\nmode = \"external\"\nhost = \"{}\"\nport = {}\n", b.addr().ip(), b.port()));
+    }
+    let embedded_broker = args.embedded_broker.then(free_loopback_port).transpose()?;
+    if let Some(addr) = embedded_broker {
+        toml.push_str(&format!("\n[mqtt]\nmode = \"embedded\"\nlisten = \"{addr}\"\n"));
     }
     // The operator CLI's requests go to the console, a TCP listener of its own.
     let console_addr = free_loopback_port()?;
@@ -841,6 +857,7 @@ async fn start_services(args: &Args, devices: &[DeviceId], target: u32) -> anyho
         identities,
         relays,
         broker,
+        embedded_broker,
     })
 }
 
@@ -1280,8 +1297,8 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     let mut fleet: Option<Fleet> = None;
     let mut controls = Vec::new();
     let burst = args.upload_burst.then(|| Arc::new(UploadBurst::new(target as usize)));
-    let broker = sv.broker.as_ref().map(|b| fedfleet::fleet::MqttLink {
-        broker: b.addr(),
+    let broker = sv.broker_addr().map(|addr| fedfleet::fleet::MqttLink {
+        broker: addr,
         aggregator_key: sv.receipt_key,
         heartbeat: Duration::from_secs(60),
     });
@@ -1319,8 +1336,8 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
     let online_s = online.elapsed().as_secs_f64();
     let online_udp_drops = udp_rcvbuf_errors().unwrap_or(0).saturating_sub(drops0);
     eprintln!("  {n} agents enrolled and connected (setup {:.1} s, first poll of every agent {online_s:.2} s)", sv.setup_s);
-    if let Some(b) = &sv.broker {
-        await_mqtt_connections(&controls, b).await?;
+    if args.mqtt_uploads {
+        await_mqtt_connections(&controls, &sv).await?;
     }
 
     let rec = run_campaign(args, &mut sv, target, Devices::All(&mut fleet), || {}).await?;
@@ -1343,8 +1360,13 @@ async fn worker(args: &Args, n: usize) -> anyhow::Result<Value> {
 }
 
 /// `--mqtt-uploads`: waits until every device's control client has connected to the broker (so
-/// that the first round does not pay the fleet's TLS handshakes), and prints the broker's RSS then.
-async fn await_mqtt_connections(controls: &[fedfleet_control::ControlClient], broker: &Mosquitto) -> anyhow::Result<()> {
+/// that the first round does not pay the fleet's TLS handshakes), and prints the broker's RSS then
+/// (the aggregator's, when the broker is its own).
+async fn await_mqtt_connections(controls: &[fedfleet_control::ControlClient], sv: &Services) -> anyhow::Result<()> {
+    let (name, pid, log) = match &sv.broker {
+        Some(b) => ("mosquitto", b.pid().map(|p| p.to_string()).unwrap_or_default(), b.log_path().to_path_buf()),
+        None => ("the aggregator's embedded broker", sv.agg.pid().to_string(), sv.agg_dir.join("aggregator.log")),
+    };
     let started = Instant::now();
     loop {
         let connected = controls.iter().filter(|c| c.stats().connects > 0).count();
@@ -1352,13 +1374,12 @@ async fn await_mqtt_connections(controls: &[fedfleet_control::ControlClient], br
             break;
         }
         if started.elapsed() > Duration::from_secs(600) {
-            bail!("{connected} of {} devices connected to the broker in 600 s (see {})", controls.len(), broker.log_path().display());
+            bail!("{connected} of {} devices connected to {name} in 600 s (see {})", controls.len(), log.display());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let pid = broker.pid().map(|p| p.to_string()).unwrap_or_default();
     eprintln!(
-        "  {} devices connected to mosquitto in {:.1} s; the broker's RSS then {:.1} MiB",
+        "  {} devices connected to {name} in {:.1} s; its process's RSS then {:.1} MiB",
         controls.len(),
         started.elapsed().as_secs_f64(),
         proc_status_kib(&pid, "VmRSS").unwrap_or(0) as f64 / 1024.0

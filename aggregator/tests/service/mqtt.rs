@@ -365,3 +365,42 @@ async fn an_mqtt_upload_waits_for_the_budget_at_most_half_the_keep_alive() {
     mqtt.shutdown().await;
     svc.stop().await;
 }
+
+/// `[mqtt] max_connections` bounds the embedded broker, the service's own connection included:
+/// with 2, the service and one device connect, a second device is turned away at the gate
+/// (counted as `overloaded`) while they hold theirs, and it connects once a slot is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_embedded_broker_takes_at_most_its_max_connections() {
+    let fleet = Fleet::named(2, "fleetmc");
+    let svc = start(fleet.config("maxconn", 2, 1)).await;
+    let mut mqtt_cfg = MqttConfig::embedded("127.0.0.1:0".parse().unwrap());
+    mqtt_cfg.max_connections = 2;
+    let mqtt = fedfleet_aggregator::mqtt::start(&svc.agg, &mqtt_cfg).await.unwrap().expect("mqtt on");
+    let port = mqtt.broker_addr().unwrap().port();
+    let key = svc.agg.receipt_key();
+    // Whether the client connects within `wait`.
+    let connects_within = async |events: &mut ControlEvents, wait: Duration| {
+        timeout(wait, async { while !matches!(events.recv().await.expect("client stopped"), ControlEvent::Connected { .. }) {} })
+            .await
+            .is_ok()
+    };
+    timeout(WAIT, async {
+        while !svc.agg.metrics().render().contains("fedfleet_aggregator_mqtt_connected 1") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the service did not connect to its own broker");
+    let (first, mut first_events) = device(&fleet, 0, port, key);
+    assert!(connects_within(&mut first_events, WAIT).await, "the first device did not connect");
+    let (second, mut second_events) = device(&fleet, 1, port, key);
+    assert!(!connects_within(&mut second_events, Duration::from_secs(3)).await, "a third connection was taken past max_connections = 2");
+    let text = svc.agg.metrics().render();
+    let refused = text.lines().find_map(|l| l.strip_prefix("fedfleet_aggregator_broker_refused_total{reason=\"overloaded\"} "));
+    assert!(refused.and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= 1), "{text}");
+    first.shutdown().await;
+    assert!(connects_within(&mut second_events, Duration::from_secs(30)).await, "the second device did not connect once a slot was free");
+    second.shutdown().await;
+    mqtt.shutdown().await;
+    svc.stop().await;
+}
