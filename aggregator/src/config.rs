@@ -392,7 +392,7 @@ pub struct MqttConfig {
 /// As many as QUIC admits (`[admission] max_connections`): the broker's former 10,000 (its held
 /// readiness probe among them) left a fleet of 10,000 devices short once the services connected.
 fn default_broker_max_connections() -> usize {
-    fedfleet_control::broker::DEFAULT_MAX_CONNECTIONS
+    AdmissionLimits::default().max_connections
 }
 
 fn default_announce_every_secs() -> u64 {
